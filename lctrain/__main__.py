@@ -1,0 +1,3 @@
+from lctrain.cli import main
+
+main()
