@@ -1,0 +1,150 @@
+"""Local attention backends and the rule that picks one.
+
+A backend computes one attention block (see :mod:`lctrain_kernels.masks`) and its backward,
+following the protocol in ``docs/internals.md``::
+
+    name: str
+    unsupported(q, k, v, spec, relation) -> str | None   # None = can run it, else why not
+    forward(q, k, v, spec, relation, scale) -> (out, lse)
+    backward(do, q, k, v, out, lse, spec, relation, scale) -> (dq, dk, dv)
+
+Backends by name (each module is imported only when first asked for):
+
+    reference   plain torch, float32 math, any mask, any device (the oracle; CPU path)
+    cudnn       torch's cuDNN SDPA op with log-sum-exp; CUDA, fp16/bf16, FULL/CAUSAL
+    flash       torch's built-in FlashAttention-2 op; CUDA, fp16/bf16, FULL/CAUSAL
+    flash_attn  the flash-attn package, if installed; CUDA, fp16/bf16, FULL/CAUSAL
+    triton      lctrain's own Triton kernels; every relation (document masks skip tiles)
+
+The "auto" rule (:func:`select_backend`), first one that is available and supports the block:
+
+* CUDA, FULL or CAUSAL block, fp16/bf16: cudnn > triton > flash > flash_attn > reference.
+  cuDNN is the fastest measured (549 vs 325 TFLOP/s fwd+bwd for torch's flash op on an H200,
+  shared/PERF.md); our Triton kernel (~410 target) beats torch's flash op.
+* CUDA, PARTIAL block (offset diagonal, documents) or float32: triton > reference; only
+  triton skips masked tiles, the dense SDPA ops here cannot take a mask with log-sum-exp.
+* CPU: reference (the Triton interpreter is correct but orders of magnitude slower).
+
+A backend named explicitly is never swapped for another: if it cannot run the block,
+:class:`BackendUnavailable` says why.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from lctrain_kernels.masks import MaskSpec, Relation
+
+#: backend name -> (module under lctrain_kernels.backends, class name)
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "reference": ("reference", "ReferenceBackend"),
+    "cudnn": ("sdpa", "CudnnBackend"),
+    "flash": ("sdpa", "FlashBackend"),
+    "flash_attn": ("flash_attn", "FlashAttnBackend"),
+    "triton": ("triton", "TritonBackend"),
+}
+
+_DENSE_CUDA_ORDER = ("cudnn", "triton", "flash", "flash_attn", "reference")
+_MASKED_CUDA_ORDER = ("triton", "reference")
+
+
+class BackendUnavailable(RuntimeError):
+    """An attention backend is unknown, not installed, or cannot run the requested block."""
+
+
+def backend_names() -> list[str]:
+    """Every backend name lctrain knows, installed or not."""
+    return list(_REGISTRY)
+
+
+def get_backend(name: str):
+    """The backend called ``name``, ready to use.
+
+    Args:
+        name: one of :func:`backend_names`.
+
+    Returns:
+        An object following the Backend protocol.
+
+    Raises:
+        BackendUnavailable: if the name is unknown, or the backend cannot load on this
+            machine (the message says why and how to fix it).
+    """
+    if name not in _REGISTRY:
+        raise BackendUnavailable(f"unknown attention backend {name!r}; choose one of auto, "
+                                 f"{', '.join(_REGISTRY)}.")
+    module_name, class_name = _REGISTRY[name]
+    try:
+        module = importlib.import_module(f"lctrain_kernels.backends.{module_name}")
+        return getattr(module, class_name)()
+    except BackendUnavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any import/constructor failure means "not here"
+        raise BackendUnavailable(f"the {name} attention backend failed to load "
+                                 f"({type(exc).__name__}: {exc}); pick another backend or fix "
+                                 f"that installation.") from exc
+
+
+def available_backends() -> list[str]:
+    """Names of the backends that load on this machine (each may still refuse some blocks)."""
+    names = []
+    for name in _REGISTRY:
+        try:
+            get_backend(name)
+        except BackendUnavailable:
+            continue
+        names.append(name)
+    return names
+
+
+def _auto_order(q: torch.Tensor, relation: Relation) -> tuple[str, ...]:
+    if not q.is_cuda:
+        return ("reference",)
+    dense = relation in (Relation.FULL, Relation.CAUSAL)
+    if dense and q.dtype in (torch.float16, torch.bfloat16):
+        return _DENSE_CUDA_ORDER
+    return _MASKED_CUDA_ORDER
+
+
+def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation):
+    """The backend that will compute this block (the "auto" rule is in the module docstring).
+
+    Args:
+        name: "auto", a backend name, or a Backend object.
+        q: (B, Sq, Hq, D) queries of the block.
+        k: (B, Sk, Hkv, D) keys.
+        v: (B, Sk, Hkv, D) values.
+        spec: the block's mask.
+        relation: ``classify(spec, Sq, Sk)``; never EMPTY here.
+
+    Returns:
+        A Backend object that supports the block.
+
+    Raises:
+        BackendUnavailable: if the named backend cannot load or cannot run this block, or (for
+            "auto") if no backend can.
+    """
+    if not isinstance(name, str):
+        backend, name = name, getattr(name, "name", type(name).__name__)
+    elif name != "auto":
+        backend = get_backend(name)
+    else:
+        reasons = []
+        for candidate in _auto_order(q, relation):
+            try:
+                backend = get_backend(candidate)
+            except BackendUnavailable as exc:
+                reasons.append(str(exc))
+                continue
+            reason = backend.unsupported(q, k, v, spec, relation)
+            if reason is None:
+                return backend
+            reasons.append(reason)
+        raise BackendUnavailable(f"no attention backend can run this {relation.value} block "
+                                 f"({q.dtype}, {q.device.type}): {' '.join(reasons)}")
+    reason = backend.unsupported(q, k, v, spec, relation)
+    if reason is not None:
+        raise BackendUnavailable(f"the {name} backend cannot run this {relation.value} "
+                                 f"attention block: {reason}")
+    return backend

@@ -1,0 +1,31 @@
+"""The reference backend: :mod:`lctrain_kernels.reference` behind the Backend protocol.
+
+Runs every relation (FULL, CAUSAL, PARTIAL), every float dtype and every device, with float32
+math (float64 for float64 inputs). It is the correctness oracle of all other backends and the
+path "auto" takes on a CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from lctrain_kernels.masks import MaskSpec, Relation
+from lctrain_kernels.reference import reference_backward, reference_forward
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class ReferenceBackend:
+    """Plain torch attention with log-sum-exp; any mask, any device."""
+
+    name = "reference"
+
+    def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
+        if q.dtype not in _DTYPES:
+            return f"the reference backend takes float16/bfloat16/float32/float64, not {q.dtype}."
+        return None
+
+    def forward(self, q, k, v, spec: MaskSpec, relation: Relation, scale: float):
+        return reference_forward(q, k, v, spec, scale)
+
+    def backward(self, do, q, k, v, out, lse, spec: MaskSpec, relation: Relation, scale: float):
+        return reference_backward(do, q, k, v, out, lse, spec, scale)

@@ -1,0 +1,165 @@
+"""Plain-torch attention with log-sum-exp for any mask: the oracle, and the CPU path.
+
+For one block (queries ``q``, keys ``k``, values ``v``; see :mod:`lctrain_kernels.masks`)::
+
+    S   = scale * q k^T              scores, -inf where the mask hides a pair
+    lse = logsumexp_j S              per query row (natural log); -inf if the row sees nothing
+    P   = exp(S - lse)               probabilities (0 on hidden pairs and on empty rows)
+    out = P v
+
+The backward takes the FINAL output ``O`` and log-sum-exp of the query rows — after any merge
+with other blocks — and recomputes the probabilities, as FlashAttention does::
+
+    P     = exp(S - lse)             this block's share of the final softmax
+    dV    = P^T dO
+    dP    = dO V^T
+    delta = rowsum(dO * O)           the same for every block of a row
+    dS    = P * (dP - delta)
+    dQ    = scale * dS K,  dK = scale * dS^T Q
+
+Because ``lse`` and ``O`` are the merged ones, the gradients of the blocks of a row simply add
+up to the gradient of the whole attention (the distributed backward relies on this).
+
+Grouped-query attention without copying K/V: the ``G = Hq / Hkv`` query heads that share one
+K/V head are laid side by side as extra rows, ``(B, Hkv, G * rows, D)``, so one batched matmul
+against ``(B, Hkv, D, Sk)`` serves the whole group, and ``dS^T Q`` sums the group's dK for free.
+
+The math runs in float32 (float64 stays float64); query rows are processed in chunks so that
+the score matrix held at once stays bounded (``max_scores`` elements), and a chunk that the
+mask hides entirely is skipped, one that it shows entirely needs no mask.
+"""
+from __future__ import annotations
+
+import torch
+
+from lctrain_kernels.masks import MaskSpec, Relation, classify, dense_mask
+
+#: default bound on the score elements (B * Hq * rows * Sk) held at once: 64 MiB in float32.
+MAX_SCORES = 1 << 24
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunks(spec: MaskSpec, q: torch.Tensor, sk: int, max_scores: int):
+    """Yield (row0, row1, relation, mask or None) for each chunk of query rows."""
+    b, sq, hq, _ = q.shape
+    rows = max(1, max_scores // max(1, b * hq * sk))
+    for r0 in range(0, sq, rows):
+        r1 = min(sq, r0 + rows)
+        sub = MaskSpec(spec.causal, spec.q_start + r0, spec.k_start, spec.doc_bounds)
+        rel = classify(sub, r1 - r0, sk)
+        mask = None if rel in (Relation.EMPTY, Relation.FULL) else dense_mask(sub, r1 - r0, sk,
+                                                                              q.device)
+        yield r0, r1, rel, mask
+
+
+def _group_rows(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, R, Hq, D) -> (B, Hkv, G * R, D): a K/V head's query heads as extra rows."""
+    b, r, hq, d = x.shape
+    g = hq // hkv
+    return x.to(dtype).view(b, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * r, d)
+
+
+def _ungroup_rows(x: torch.Tensor, r: int) -> torch.Tensor:
+    """(B, Hkv, G * R, D) -> (B, R, Hq, D)."""
+    b, hkv, gr, d = x.shape
+    g = gr // r
+    return x.view(b, hkv, g, r, d).permute(0, 3, 1, 2, 4).reshape(b, r, hkv * g, d)
+
+
+def _scores(qg, kt, scale, mask, g):
+    """Masked scores (B, Hkv, G*R, Sk) of grouped queries against transposed keys."""
+    s = torch.matmul(qg, kt).mul_(scale)  # (B, Hkv, G*R, Sk)
+    if mask is not None:
+        b, hkv, gr, sk = s.shape
+        s.view(b, hkv, g, gr // g, sk).masked_fill_(~mask, float("-inf"))
+    return s
+
+
+def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(S - lse) in place, with rows whose lse is -inf giving 0 (not NaN)."""
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return s.sub_(lse_safe.unsqueeze(-1)).exp_()
+
+
+def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec,
+                      scale: float, *, max_scores: int = MAX_SCORES
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block with its log-sum-exp, in float32 (float64 for float64 inputs).
+
+    Args:
+        q: (B, Sq, Hq, D) queries.
+        k: (B, Sk, Hkv, D) keys, ``Hq % Hkv == 0``.
+        v: (B, Sk, Hkv, D) values.
+        spec: the block's mask in global positions.
+        scale: softmax scale applied to ``q k^T``.
+        max_scores: bound on the score elements held at once (rows are chunked to fit).
+
+    Returns:
+        ``(out, lse)``: (B, Sq, Hq, D) in ``q.dtype`` (0 for rows that see no key) and
+        (B, Hq, Sq) float32 (float64 for float64 inputs), natural log, -inf for such rows.
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g, ct = hq // hkv, _compute_dtype(q.dtype)
+    kt = k.to(ct).permute(0, 2, 3, 1)  # (B, Hkv, D, Sk)
+    vh = v.to(ct).transpose(1, 2)  # (B, Hkv, Sk, D)
+    out = torch.zeros(b, sq, hq, d, dtype=q.dtype, device=q.device)  # (B, Sq, Hq, D)
+    lse = torch.full((b, hq, sq), float("-inf"), dtype=ct, device=q.device)  # (B, Hq, Sq)
+    for r0, r1, rel, mask in _chunks(spec, q, sk, max_scores):
+        if rel is Relation.EMPTY:
+            continue
+        s = _scores(_group_rows(q[:, r0:r1], hkv, ct), kt, scale, mask, g)  # (B,Hkv,G*R,Sk)
+        lse_c = torch.logsumexp(s, dim=-1)  # (B, Hkv, G*R); -inf for rows that see nothing
+        o = torch.matmul(_probs(s, lse_c), vh)  # (B, Hkv, G*R, D)
+        out[:, r0:r1] = _ungroup_rows(o, r1 - r0).to(q.dtype)
+        lse[:, :, r0:r1] = lse_c.view(b, hkv, g, r1 - r0).reshape(b, hq, r1 - r0)
+    return out, lse
+
+
+def reference_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, spec: MaskSpec, scale: float, *,
+                       max_scores: int = MAX_SCORES
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block from the FINAL (merged) output and log-sum-exp of its rows.
+
+    Args:
+        do: (B, Sq, Hq, D) gradient of the final output.
+        q: (B, Sq, Hq, D) queries.
+        k: (B, Sk, Hkv, D) keys.
+        v: (B, Sk, Hkv, D) values.
+        out: (B, Sq, Hq, D) final output of these query rows (after merging all blocks).
+        lse: (B, Hq, Sq) final log-sum-exp of these rows.
+        spec: the block's mask in global positions.
+        scale: the softmax scale of the forward.
+        max_scores: bound on the score elements held at once.
+
+    Returns:
+        ``(dq, dk, dv)``: (B, Sq, Hq, D) and (B, Sk, Hkv, D) twice (summed over each GQA
+        group), in the inputs' dtype.
+    """
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g, ct = hq // hkv, _compute_dtype(q.dtype)
+    kh = k.to(ct).transpose(1, 2)  # (B, Hkv, Sk, D)
+    vt = v.to(ct).permute(0, 2, 3, 1)  # (B, Hkv, D, Sk)
+    dq = torch.zeros(b, sq, hq, d, dtype=q.dtype, device=q.device)  # (B, Sq, Hq, D)
+    dk = torch.zeros(b, hkv, sk, d, dtype=ct, device=q.device)  # (B, Hkv, Sk, D)
+    dv = torch.zeros(b, hkv, sk, d, dtype=ct, device=q.device)
+    for r0, r1, rel, mask in _chunks(spec, q, sk, max_scores):
+        if rel is Relation.EMPTY:
+            continue
+        r = r1 - r0
+        qg = _group_rows(q[:, r0:r1], hkv, ct)  # (B, Hkv, G*R, D)
+        dog = _group_rows(do[:, r0:r1], hkv, ct)  # (B, Hkv, G*R, D)
+        og = _group_rows(out[:, r0:r1], hkv, ct)
+        lse_c = lse[:, :, r0:r1].to(ct).reshape(b, hkv, g * r)  # (B, Hkv, G*R)
+        p = _probs(_scores(qg, kh.transpose(-1, -2), scale, mask, g), lse_c)  # (B,Hkv,G*R,Sk)
+        dv += torch.matmul(p.transpose(-1, -2), dog)  # (B, Hkv, Sk, D)
+        delta = (dog * og).sum(-1, keepdim=True)  # (B, Hkv, G*R, 1)
+        ds = torch.matmul(dog, vt).sub_(delta).mul_(p)  # (B, Hkv, G*R, Sk)
+        dq[:, r0:r1] = _ungroup_rows(torch.matmul(ds, kh).mul_(scale), r).to(q.dtype)
+        dk += torch.matmul(ds.transpose(-1, -2), qg).mul_(scale)  # (B, Hkv, Sk, D)
+    return dq, dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
