@@ -1,0 +1,27 @@
+"""Typed, frozen recipe configuration; YAML is only how it is stored.
+
+    cfg = load_recipe("recipes/llama-7b-64k.yaml", ["train.lr=1e-5"], seq_len="128k")
+    cfg.data.seq_len          # 131072
+    save_resolved(cfg, "runs/x/config.yaml")
+"""
+from lctrain.config.loader import build_recipe, load_recipe, parse_override, save_resolved
+from lctrain.config.paths import DEFAULT_RECIPE, local_data, shipped_recipes
+from lctrain.config.schema import (
+    BYTE_TOKENIZER_VOCAB,
+    SCHEDULE_LAYOUTS,
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RecipeConfig,
+    TrainConfig,
+)
+from lctrain.config.sizes import format_bytes, format_tokens, parse_memory, parse_size, parse_size_list
+from lctrain.errors import ConfigError
+
+__all__ = [
+    "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE", "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError",
+    "DataConfig", "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "build_recipe",
+    "format_bytes", "format_tokens", "load_recipe", "local_data", "parse_memory", "parse_override",
+    "parse_size", "parse_size_list", "save_resolved", "shipped_recipes",
+]

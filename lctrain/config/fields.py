@@ -1,0 +1,131 @@
+"""Type checks for the config dataclasses, driven by their annotations.
+
+Every config dataclass calls :func:`check_fields` first thing in ``__post_init__``. It compares
+each value with the field's annotation (``int``, ``float``, ``bool``, ``str``, ``dict``,
+``tuple[float, float]``, ``Literal[...]`` and ``X | None``), applies the few lossless conversions
+YAML needs (an int where a float is expected, a list for a tuple, ``"3e-3"`` which YAML reads as
+a string, a size such as ``"256k"`` for fields marked ``metadata={"size": True}``) and otherwise
+raises a one-sentence :class:`ConfigError` naming the key, the value and what is expected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from typing import Any, Literal
+
+from lctrain.config.sizes import parse_size
+from lctrain.errors import ConfigError
+
+SIZE = {"size": True}
+"""Field metadata: the int field also accepts a size string such as ``"256k"``."""
+
+
+def suggest(word: str, choices: typing.Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest choice, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_fields(obj: Any, section: str) -> None:
+    """Check and normalise every field of the frozen dataclass ``obj`` in place.
+
+    Raises:
+        ConfigError: a value does not match its field's annotation (``key`` = ``section.field``).
+    """
+    hints = _hints(type(obj))
+    for field in dataclasses.fields(obj):
+        key = f"{section}.{field.name}"
+        value = getattr(obj, field.name)
+        new = coerce(key, hints[field.name], value, size=bool(field.metadata.get("size")))
+        if new is not value:
+            object.__setattr__(obj, field.name, new)
+
+
+def coerce(key: str, annotation: Any, value: Any, *, size: bool = False) -> Any:
+    """Return ``value`` converted to ``annotation`` or raise ConfigError naming ``key``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return coerce(key, inner, value, size=size)
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        choices = ", ".join(repr(a) for a in args)
+        raise ConfigError(f"{key} is {value!r} but must be one of {choices}"
+                          f"{suggest(value, [str(a) for a in args])}", key=key)
+    if origin is tuple:
+        return _coerce_tuple(key, args, value)
+    handler = _SCALARS.get(annotation)
+    if handler is None:
+        raise TypeError(f"config field {key} has an unsupported annotation {annotation!r}")
+    return handler(key, value, size)
+
+
+def _fail(key: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{key} must be {expected}, got {value!r} ({type(value).__name__})",
+                       key=key)
+
+
+def _to_int(key: str, value: Any, size: bool) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if size and isinstance(value, str):
+        return parse_size(value, what=key)
+    raise _fail(key, "a whole number" + (" or a size such as 64k" if size else ""), value)
+
+
+def _to_float(key: str, value: Any, size: bool) -> float:
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise _fail(key, "a number", value)
+
+
+def _to_bool(key: str, value: Any, size: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _fail(key, "true or false", value)
+
+
+def _to_str(key: str, value: Any, size: bool) -> str:
+    if isinstance(value, str):
+        return value
+    raise _fail(key, "a string", value)
+
+
+def _to_dict(key: str, value: Any, size: bool) -> dict:
+    if isinstance(value, dict):
+        return value
+    raise _fail(key, "a mapping", value)
+
+
+_SCALARS = {int: _to_int, float: _to_float, bool: _to_bool, str: _to_str, dict: _to_dict}
+
+
+def _coerce_tuple(key: str, args: tuple, value: Any) -> tuple:
+    if not isinstance(value, (list, tuple)) or len(value) != len(args):
+        raise _fail(key, f"a list of {len(args)} values", value)
+    items = tuple(coerce(f"{key}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+    return value if items == value and isinstance(value, tuple) else items
+
+
+def require(condition: bool, key: str, message: str) -> None:
+    """Raise ``ConfigError(f"{key} {message}", key=key)`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(f"{key} {message}", key=key)

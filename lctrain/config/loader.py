@@ -1,0 +1,185 @@
+"""Recipe YAML -> :class:`RecipeConfig`, with ``--set`` overrides; and back to YAML.
+
+YAML is only how a recipe is stored: it is read into plain data, overrides are applied to that
+data (each ``--set a.b=c`` value is parsed as a YAML scalar, so ``3e-4``, ``true``, ``null`` and
+``[0.9, 0.99]`` mean what they say), then the typed dataclasses are built and checked. Unknown
+keys are errors naming the key, the file (or the ``--set``) and the closest known key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from lctrain.config.fields import suggest
+from lctrain.config.paths import check_model_path, local_data, read_recipe_text
+from lctrain.config.schema import _SECTIONS, RecipeConfig
+from lctrain.config.sizes import parse_size
+from lctrain.errors import ConfigError
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 scalars: ``1e-4`` is a float (1.1 reads a string) and
+    only true/false are booleans (1.1 also turns on/off/yes/no into booleans)."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+_FREE_FORM = {("model", "config")}
+"""Fields whose value is a free mapping: any key below them is accepted (a transformers config)."""
+
+
+def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] = (), *,
+                seq_len: int | str | None = None, output_dir: str | None = None,
+                max_steps: int | None = None) -> RecipeConfig:
+    """Read a recipe, apply overrides and return the checked, frozen config.
+
+    Args:
+        path: a recipe YAML file, the name of a shipped recipe, or None for the embedded
+            default (``lctrain.recipes/tiny.yaml``).
+        overrides: ``"a.b=c"`` strings, applied in order (``model.config.rope_theta=1e6`` reaches
+            into the model's transformers config).
+        seq_len: replaces ``data.seq_len`` (an int or a size such as ``"256k"``).
+        output_dir: replaces ``train.output_dir``.
+        max_steps: replaces ``train.max_steps``.
+
+    Returns:
+        The RecipeConfig.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key, wrong type, value out of range, or a
+            model path / data source that does not exist; the message names the source.
+    """
+    text, source = read_recipe_text(path)
+    raw = _parse_yaml(text, source)
+    origins: dict[str, str] = {}
+    for item in overrides:
+        key, value = parse_override(item)
+        set_key(raw, key, value, where=f"--set {item}")
+        origins[key] = f"from --set {item}"
+    flags = {"data.seq_len": None if seq_len is None else parse_size(seq_len, what="--seq-len"),
+             "train.output_dir": output_dir, "train.max_steps": max_steps}
+    for key, value in flags.items():
+        if value is not None:
+            set_key(raw, key, value, where=f"--{key.split('.')[1].replace('_', '-')}")
+            origins[key] = f"from --{key.split('.')[1].replace('_', '-')} {value}"
+    try:
+        cfg = build_recipe(raw, source)
+        check_model_path(cfg.model.path)
+        local_data(cfg.data.source)
+    except ConfigError as error:
+        raise ConfigError(f"{error} ({_origin(error.key, origins, source)})", key=error.key) from None
+    return cfg
+
+
+def build_recipe(raw: dict[str, Any], source: str = "the recipe") -> RecipeConfig:
+    """Build a RecipeConfig from plain data; unknown sections or keys name ``source``."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source} must be a mapping of sections (model, data, parallel, "
+                          f"train, checkpoint), not a {type(raw).__name__}")
+    for name in raw:
+        if name not in _SECTIONS:
+            raise ConfigError(f"unknown section {name!r} in {source}{suggest(name, _SECTIONS)} "
+                              f"(sections: {', '.join(_SECTIONS)})")
+    if raw.get("model") is None:
+        raise ConfigError(f"{source} has no model section; set model.path (a pretrained model) "
+                          f"or model.config (a random init)")
+    sections = {}
+    for name, cls in _SECTIONS.items():
+        values = raw.get(name) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"section {name} in {source} must be a mapping of settings, got "
+                              f"{values!r}", key=name)
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in known:
+                close = suggest(f"{name}.{key}", [f"{name}.{k}" for k in known])
+                raise ConfigError(f"unknown key {name}.{key} in {source}{close} "
+                                  f"(known: {', '.join(known)})")
+        sections[name] = cls(**values)
+    return RecipeConfig(**sections)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """Split ``"a.b=c"`` into ``("a.b", value)`` with the value parsed as a YAML scalar."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r} must look like key=value, e.g. train.lr=1e-4")
+    try:
+        value = yaml.load(text, Loader=_Yaml12Loader) if text.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"the value in --set {item!r} is not valid YAML; quote it or "
+                          f"write it like train.betas=[0.9,0.95]") from None
+    return key, value
+
+
+def set_key(raw: dict[str, Any], key: str, value: Any, *, where: str) -> None:
+    """Set the dotted ``key`` in the plain recipe data, refusing keys the schema lacks."""
+    parts = key.split(".")
+    section, rest = parts[0], parts[1:]
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown key {key} in {where}{suggest(section, _SECTIONS)} "
+                          f"(sections: {', '.join(_SECTIONS)})")
+    if not rest:
+        raise ConfigError(f"{where} names the whole section {section}; name one setting such "
+                          f"as {section}.{dataclasses.fields(_SECTIONS[section])[0].name}")
+    known = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+    if rest[0] not in known:
+        close = suggest(key, [f"{section}.{name}" for name in known])
+        raise ConfigError(f"unknown key {key} in {where}{close} (known: {', '.join(known)})")
+    if len(rest) > 1 and (section, rest[0]) not in _FREE_FORM:
+        raise ConfigError(f"{section}.{rest[0]} is a single setting; write "
+                          f"--set {section}.{rest[0]}=VALUE")
+    node = raw.setdefault(section, {})
+    if not isinstance(node, dict):
+        node = raw[section] = {}
+    for part in rest[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[rest[-1]] = value
+
+
+def save_resolved(cfg: RecipeConfig, path: str | os.PathLike) -> Path:
+    """Write the fully resolved recipe as YAML (atomically) and return the file's path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "# resolved lctrain recipe (all defaults and overrides applied)\n"
+    text += yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def _parse_yaml(text: str, source: str) -> dict[str, Any]:
+    try:
+        raw = yaml.load(text, Loader=_Yaml12Loader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source} is not valid YAML{where}: "
+                          f"{getattr(error, 'problem', None) or error}") from None
+    return {} if raw is None else raw
+
+
+def _origin(key: str | None, origins: dict[str, str], source: str) -> str:
+    if key is not None:
+        for set_key_, origin in origins.items():
+            if key == set_key_ or key.startswith(set_key_ + ".") or key.startswith(set_key_ + "["):
+                return origin
+    return f"in {source}"

@@ -1,0 +1,261 @@
+"""The typed recipe: frozen, keyword-only dataclasses, one per YAML section.
+
+A recipe YAML has the sections ``model``, ``data``, ``parallel``, ``train`` and ``checkpoint``;
+each maps onto one dataclass below, field for field. Every field has a docstring, every value is
+checked in ``__post_init__`` (types by :mod:`lctrain.config.fields`, ranges and cross-field rules
+here), so a :class:`RecipeConfig` that exists is a valid one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lctrain.config.fields import SIZE, check_fields, require
+from lctrain.errors import ConfigError
+
+SCHEDULE_LAYOUTS = {"distflash": "contiguous", "ring": "contiguous", "zigzag": "zigzag"}
+"""How each attention schedule lays the sequence out over the cp ranks (mirrors
+``lctrain_kernels.distributed.make_schedule(p, kind).layout``; a test keeps the two in step)."""
+
+LAYOUT_CHUNKS_PER_RANK = {"contiguous": 1, "zigzag": 2}
+"""Chunks per cp rank: zigzag gives every rank one chunk from the head and one from the tail."""
+
+BYTE_TOKENIZER_VOCAB = 259
+"""Vocabulary of the ``"bytes"`` tokenizer: 256 byte values + bos, eos, pad (see lctrain.data)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to fine-tune: a pretrained one (``path``) or a random init (``config``)."""
+
+    path: str | None = None
+    """Local model folder (with config.json and weights) or a hub name such as
+    ``meta-llama/Llama-2-7b-hf`` (hub only when online). Exactly one of path / config."""
+    config: dict | None = None
+    """A transformers config as a mapping (must include ``model_type``) for a randomly
+    initialised model. Exactly one of path / config."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Data type the model's parameters are created or loaded in."""
+    trust_remote_code: bool = False
+    """Allow model / tokenizer code from the model folder or the hub to run."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "model")
+        if (self.path is None) == (self.config is None):
+            raise ConfigError("the recipe must set exactly one of model.path (a pretrained model) "
+                              "and model.config (a random init); set the other to null",
+                              key="model.path")
+        require(self.path != "", "model.path", "is empty; give a local folder or a hub name")
+        if self.config is not None:
+            require(isinstance(self.config.get("model_type"), str), "model.config",
+                    "must include model_type (e.g. model_type: llama)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the training text comes from and how it becomes rows of tokens."""
+
+    source: str = "builtin"
+    """``builtin`` (Python's own documentation topics, offline everywhere), a local file or glob
+    (.txt = one document per file, .jsonl / .json / .parquet = one per record) or a hub dataset
+    name (when online)."""
+    split: str = "train"
+    """Split to read from a hub dataset."""
+    text_field: str = "text"
+    """Column holding each document's text (.jsonl / .json / .parquet / hub sources)."""
+    tokenizer: str | None = None
+    """``bytes`` (byte-level, no download), a tokenizer folder or hub name, or null for the
+    tokenizer in model.path."""
+    seq_len: int = field(default=4096, metadata=SIZE)
+    """Tokens per packed row (the context length trained on); accepts sizes such as 256k."""
+    document_mask: bool = True
+    """Keep packed documents apart: attention never crosses a document boundary, position ids
+    restart per document and no label points into the next document."""
+    max_documents: int | None = None
+    """Use only the first N documents of the source (null = all)."""
+    cache_dir: str | None = None
+    """Folder for the datasets cache (raw, tokenized and packed); null keeps it all in memory."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data")
+        require(self.source.strip() != "", "data.source", "is empty; use builtin, a file or a hub name")
+        require(self.text_field != "", "data.text_field", "is empty; name the text column")
+        require(self.tokenizer != "", "data.tokenizer", "is empty; use bytes, a path or null")
+        require(self.seq_len >= 2, "data.seq_len", f"is {self.seq_len} but must be at least 2")
+        if self.max_documents is not None:
+            require(self.max_documents >= 1, "data.max_documents",
+                    f"is {self.max_documents} but must be at least 1 (or null for all)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the work is spread: cp ranks split each sequence, dp groups split the batch."""
+
+    cp: int = 1
+    """Context-parallel degree: ranks that share one sequence (each holds seq_len / cp tokens)."""
+    dp: int = 0
+    """Data-parallel degree; 0 = world size / cp."""
+    schedule: Literal["distflash", "ring", "zigzag"] = "distflash"
+    """Distributed attention schedule: distflash (balanced), ring (unbalanced baseline) or
+    zigzag (ring over the head-tail layout)."""
+    attention_backend: Literal["auto", "triton", "cudnn", "flash", "flash_attn", "reference"] = "auto"
+    """Local attention backend of lctrain_kernels; auto picks the fastest that can run."""
+    fsdp: Literal["auto", "on", "off"] = "auto"
+    """Shard parameters, gradients and optimizer state (FSDP2) over all ranks; auto = on when
+    there is more than one rank."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "parallel")
+        require(self.cp >= 1, "parallel.cp", f"is {self.cp} but must be at least 1")
+        require(self.dp >= 0, "parallel.dp", f"is {self.dp} but must be 0 (auto) or more")
+
+    @property
+    def layout(self) -> str:
+        """The sequence layout the chosen schedule expects (``contiguous`` or ``zigzag``)."""
+        return SCHEDULE_LAYOUTS[self.schedule]
+
+    @property
+    def seq_chunks(self) -> int:
+        """Number of equal chunks the sequence is cut into: seq_len must be a multiple of it."""
+        return self.cp * LAYOUT_CHUNKS_PER_RANK[self.layout]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The optimisation loop."""
+
+    seed: int = 0
+    """Seed for model init, data order and everything random."""
+    max_steps: int = 1000
+    """Optimizer steps to run."""
+    batch_size: int = 1
+    """Packed sequences per dp rank per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps accumulated per optimizer step."""
+    lr: float = 2e-5
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps; then cosine decay to lr × min_lr_ratio at max_steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """Compute dtype: bf16 autocast / FSDP2 bf16 params, no, or auto (bf16 on GPUs that have it)."""
+    checkpointing: Literal["none", "full", "remat", "remat-offload"] = "none"
+    """Activation checkpointing per decoder layer: none, full (recompute everything), remat
+    (recompute all but the distributed attention, whose output and LSE are kept) or
+    remat-offload (remat with saved activations in host memory)."""
+    loss_chunk_tokens: int = field(default=4096, metadata=SIZE)
+    """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once)."""
+    log_every: int = 1
+    """Log metrics every N optimizer steps."""
+    output_dir: str = "runs/lctrain"
+    """Folder for config.yaml, metrics.jsonl and checkpoints/."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "train")
+        for name in ("max_steps", "batch_size", "grad_accum", "loss_chunk_tokens", "log_every"):
+            value = getattr(self, name)
+            require(value >= 1, f"train.{name}", f"is {value} but must be at least 1")
+        require(self.warmup_steps >= 0, "train.warmup_steps", f"is {self.warmup_steps} but must be ≥ 0")
+        require(self.lr > 0, "train.lr", f"is {self.lr} but must be positive")
+        require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
+                f"is {self.min_lr_ratio} but must be between 0 and 1")
+        require(self.weight_decay >= 0, "train.weight_decay", f"is {self.weight_decay} but must be ≥ 0")
+        require(all(0 <= b < 1 for b in self.betas), "train.betas",
+                f"are {list(self.betas)} but each must be in [0, 1)")
+        require(self.max_grad_norm >= 0, "train.max_grad_norm",
+                f"is {self.max_grad_norm} but must be ≥ 0 (0 = no clipping)")
+        require(self.output_dir != "", "train.output_dir", "is empty; name a folder")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When training state is saved (atomically) under output_dir/checkpoints/."""
+
+    every: int = 0
+    """Save every N optimizer steps; 0 = only at the end."""
+    keep: int = 2
+    """Keep the last K checkpoints, deleting older ones."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "checkpoint")
+        require(self.every >= 0, "checkpoint.every", f"is {self.every} but must be ≥ 0 (0 = at the end)")
+        require(self.keep >= 1, "checkpoint.keep", f"is {self.keep} but must be at least 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeConfig:
+    """A whole recipe: what to train, on what, how parallel, how long, how saved."""
+
+    model: ModelConfig
+    """The model section."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data section."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel section."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The train section."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """The checkpoint section."""
+
+    def __post_init__(self) -> None:
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a {cls.__name__} (a mapping in YAML)", key=name)
+        _check_seq_len(self)
+        _check_tokenizer(self)
+        if self.data.document_mask and self.train.batch_size != 1:
+            raise ConfigError(
+                f"train.batch_size is {self.train.batch_size} but data.document_mask needs 1 "
+                f"(attention takes one set of document boundaries per step); use "
+                f"train.grad_accum={self.train.batch_size * self.train.grad_accum} instead or set "
+                f"data.document_mask=false", key="train.batch_size")
+
+    def to_dict(self) -> dict:
+        """The recipe as plain YAML-ready data (tuples become lists)."""
+        return _plain(dataclasses.asdict(self))
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
+             "train": TrainConfig, "checkpoint": CheckpointConfig}
+"""The recipe's sections, in YAML order, and the dataclass each one becomes."""
+
+
+def _check_seq_len(cfg: RecipeConfig) -> None:
+    seq_len, chunks = cfg.data.seq_len, cfg.parallel.seq_chunks
+    if seq_len % chunks:
+        low, high = seq_len // chunks * chunks, (seq_len // chunks + 1) * chunks
+        how = "parallel.cp" if chunks == cfg.parallel.cp else "2 × parallel.cp"
+        nearest = f"{low} or {high}" if low else str(high)
+        raise ConfigError(
+            f"data.seq_len {seq_len} is not divisible by {chunks} ({how} for the "
+            f"{cfg.parallel.schedule} schedule's {cfg.parallel.layout} layout); use a multiple of "
+            f"{chunks} such as {nearest}", key="data.seq_len")
+
+
+def _check_tokenizer(cfg: RecipeConfig) -> None:
+    if cfg.model.config is None:
+        return
+    if cfg.data.tokenizer is None:
+        raise ConfigError("data.tokenizer is null (use the model's tokenizer) but model.config is a "
+                          "random init with no tokenizer; set data.tokenizer to bytes or a "
+                          "tokenizer folder", key="data.tokenizer")
+    vocab = cfg.model.config.get("vocab_size")
+    if cfg.data.tokenizer == "bytes" and isinstance(vocab, int) and vocab < BYTE_TOKENIZER_VOCAB:
+        raise ConfigError(f"model.config.vocab_size is {vocab} but the bytes tokenizer needs at "
+                          f"least {BYTE_TOKENIZER_VOCAB}; raise it", key="model.config.vocab_size")
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

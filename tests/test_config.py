@@ -1,0 +1,205 @@
+"""Recipes load, validate and round-trip; every mistake is one ConfigError naming key and source."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lctrain.config import (
+    SCHEDULE_LAYOUTS,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RecipeConfig,
+    TrainConfig,
+    load_recipe,
+    parse_memory,
+    parse_size,
+    parse_size_list,
+    save_resolved,
+    shipped_recipes,
+)
+from lctrain.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def test_recipes_folder_matches_the_installed_package_data():
+    assert {p.name for p in RECIPES} == set(shipped_recipes())
+    assert "tiny.yaml" in shipped_recipes()
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads_and_validates(path):
+    cfg = load_recipe(path)
+    assert isinstance(cfg, RecipeConfig)
+    assert cfg.data.seq_len % cfg.parallel.seq_chunks == 0
+    again = RecipeConfig(**{f.name: type(getattr(cfg, f.name))(**getattr(cfg, f.name).__dict__)
+                            for f in dataclasses.fields(cfg)})
+    assert again == cfg
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_names_only_real_transformers_config_keys(path):
+    transformers = pytest.importorskip("transformers")
+    cfg = load_recipe(path)
+    model_cfg = transformers.AutoConfig.for_model(**cfg.model.config)
+    for key, value in cfg.model.config.items():
+        if key != "model_type":
+            assert getattr(model_cfg, key) == value, key
+    assert model_cfg.max_position_embeddings >= cfg.data.seq_len
+
+
+def test_default_is_the_embedded_tiny_recipe():
+    cfg = load_recipe(None)
+    assert cfg == load_recipe(REPO / "recipes" / "tiny.yaml")
+    assert cfg.data.source == "builtin" and cfg.data.tokenizer == "bytes"
+    assert cfg.parallel.cp == 2 and cfg.data.seq_len == 512 and cfg.model.dtype == "float32"
+    assert cfg.model.config["num_key_value_heads"] < cfg.model.config["num_attention_heads"]
+
+
+def test_shipped_recipe_by_name():
+    assert load_recipe("llama-7b-64k").data.seq_len == 64 * 1024
+    assert load_recipe("llama-7b-256k.yaml").data.seq_len == 256 * 1024
+
+
+def test_overrides_and_flags():
+    cfg = load_recipe(None, ["train.lr=1e-4", "model.config.rope_parameters.rope_theta=5e5",
+                             "parallel.fsdp=off", "train.betas=[0.8, 0.99]", "data.max_documents=3"],
+                      seq_len="1k", output_dir="/tmp/x", max_steps=7)
+    assert cfg.train.lr == 1e-4
+    assert cfg.model.config["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e5}
+    assert cfg.parallel.fsdp == "off" and cfg.train.betas == (0.8, 0.99)
+    assert cfg.data.seq_len == 1024 and cfg.train.output_dir == "/tmp/x" and cfg.train.max_steps == 7
+    assert cfg.data.max_documents == 3
+
+
+def test_switch_to_a_local_model_folder(tmp_path):
+    cfg = load_recipe(None, [f"model.path={tmp_path}", "model.config=null"])
+    assert cfg.model.path == str(tmp_path) and cfg.model.config is None
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.lrr=1"], ["train.lrr", "--set", "'train.lr'"]),
+    (["trian.lr=1"], ["trian.lr", "'train'"]),
+    (["train.lr=abc"], ["train.lr", "'abc'", "number", "--set train.lr=abc"]),
+    (["train.max_steps=1.5"], ["train.max_steps", "whole number"]),
+    (["parallel.cp=true"], ["parallel.cp", "True"]),
+    (["train.betas=[0.9]"], ["train.betas", "2 values"]),
+    (["parallel.schedule=zigzg"], ["parallel.schedule", "'zigzag'"]),
+    (["train.lr=-1"], ["train.lr", "positive"]),
+    (["train.lr"], ["key=value"]),
+    (["train=1"], ["whole section"]),
+    (["train.lr.x=1"], ["single setting"]),
+    (["data.seq_len=12x"], ["'12x'", "data.seq_len"]),
+    (["model.path=/no/such/folder", "model.config=null"], ["/no/such/folder", "does not exist"]),
+    (["model.path=/tmp"], ["exactly one"]),
+    (["model.config={}"], ["model_type"]),
+    (["data.tokenizer=null"], ["data.tokenizer", "bytes"]),
+    (["model.config.vocab_size=100"], ["vocab_size", "259"]),
+    (["train.batch_size=2"], ["document_mask", "grad_accum=2"]),
+    (["data.source=/no/such/*.jsonl"], ["matches no file"]),
+])
+def test_user_mistakes_are_one_sentence_config_errors(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load_recipe(None, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_seq_len_must_fit_the_layout_chunking():
+    with pytest.raises(ConfigError, match=r"1001 is not divisible by 8 \(2 × parallel.cp.*zigzag.*"
+                                          r"1000 or 1008.*--seq-len"):
+        load_recipe(None, ["parallel.cp=4", "parallel.schedule=zigzag"], seq_len=1001)
+    with pytest.raises(ConfigError, match=r"513 is not divisible by 2 \(parallel.cp"):
+        load_recipe(None, seq_len=513)
+    assert load_recipe(None, ["parallel.cp=3", "parallel.schedule=ring"], seq_len=513).data.seq_len == 513
+
+
+def test_unknown_keys_in_a_file_name_the_file(tmp_path):
+    text = (REPO / "recipes" / "tiny.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("  lr: 3.0e-3", "  learning_rate: 3.0e-3"))
+    with pytest.raises(ConfigError, match=r"unknown key train.learning_rate in .*bad.yaml"):
+        load_recipe(bad)
+    bad.write_text(text + "optimizer:\n  name: adamw\n")
+    with pytest.raises(ConfigError, match=r"unknown section 'optimizer' in .*bad.yaml"):
+        load_recipe(bad)
+    bad.write_text(text.replace("  warmup_steps: 4", "  warmup_steps: four"))
+    with pytest.raises(ConfigError, match=r"train.warmup_steps must be a whole number.*'four'.*bad.yaml"):
+        load_recipe(bad)
+    bad.write_text("model: [\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML"):
+        load_recipe(bad)
+    bad.write_text("data:\n  seq_len: 64\n")
+    with pytest.raises(ConfigError, match=r"no model section"):
+        load_recipe(bad)
+
+
+def test_missing_recipe_file_lists_the_shipped_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist.*tiny"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_config_error_is_a_user_error_and_a_value_error():
+    assert issubclass(ConfigError, UserError) and issubclass(ConfigError, ValueError)
+
+
+def test_dataclasses_are_frozen_keyword_only_and_checked():
+    cfg = TrainConfig(lr=1)
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 2.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ParallelConfig(2)  # type: ignore[misc]
+    with pytest.raises(ConfigError, match="parallel.cp"):
+        ParallelConfig(cp=0)
+    assert DataConfig(seq_len="64k").seq_len == 65536
+    with pytest.raises(ConfigError, match="model.dtype"):
+        ModelConfig(config={"model_type": "llama"}, dtype="fp16")
+    for cls in (ModelConfig, DataConfig, ParallelConfig, TrainConfig, RecipeConfig):
+        source = Path(__import__(cls.__module__, fromlist=["x"]).__file__).read_text()
+        for field in dataclasses.fields(cls):
+            assert f"    {field.name}:" in source and '"""' in source.split(f"    {field.name}:")[1][:400]
+
+
+def test_save_resolved_round_trips(tmp_path):
+    cfg = load_recipe(None, ["train.lr=5e-4", "parallel.fsdp=off", "train.mixed_precision=no"])
+    path = save_resolved(cfg, tmp_path / "run" / "config.yaml")
+    assert load_recipe(path) == cfg
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == 5e-4
+
+
+@pytest.mark.parametrize("text, value", [
+    ("512", 512), (512, 512), ("64k", 65536), ("256K", 262144), ("1m", 1024**2), ("2M", 2 * 1024**2),
+])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["12x", "1.5k", "", "k", "-4", "0", True])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+def test_parse_size_list_and_memory():
+    assert parse_size_list("16k,32k, 64k") == [16384, 32768, 65536]
+    assert parse_memory("80GiB") == parse_memory("80G") == 80 * 1024**3
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("141gb") == 141 * 10**9
+    with pytest.raises(ConfigError, match="80XB"):
+        parse_memory("80XB")
+
+
+def test_schedule_layouts_match_the_kernels():
+    distributed = pytest.importorskip("lctrain_kernels.distributed")
+    for kind, layout in SCHEDULE_LAYOUTS.items():
+        for world in (1, 2, 3):
+            assert distributed.make_schedule(world, kind).layout == layout
