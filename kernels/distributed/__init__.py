@@ -1,0 +1,29 @@
+"""Distributed attention in the style of DistFlashAttn (arXiv 2310.03294).
+
+The sequence is split across the ranks of a process group (``layout``), a pure-Python
+``schedule`` says which rank computes which attention block at which step and what travels
+where, ``comm`` moves the tensors point to point, and ``attention`` executes a schedule with
+any local backend, forward and backward, as the custom op ``lctrain::dist_attention``.
+
+    q_loc = shard(q, group=pg, layout=make_schedule(P).layout, dim=1)       # (B, S/P, Hq, D)
+    out_loc = dist_attention(q_loc, k_loc, v_loc, group=pg, causal=True)    # (B, S/P, Hq, D)
+    out = unshard(out_loc, group=pg, layout="contiguous", dim=1)            # (B, S, Hq, D)
+"""
+from lctrain_kernels.distributed.attention import dist_attention, dist_attention_with_lse
+from lctrain_kernels.distributed.layout import (
+    LAYOUTS,
+    chunks_per_rank,
+    global_order,
+    layout_positions,
+    local_spans,
+    shard,
+    shard_indices,
+    unshard,
+)
+from lctrain_kernels.distributed.schedule import SCHEDULES, Schedule, make_schedule
+
+__all__ = [
+    "LAYOUTS", "SCHEDULES", "Schedule", "chunks_per_rank", "dist_attention",
+    "dist_attention_with_lse", "global_order", "layout_positions", "local_spans", "make_schedule",
+    "shard", "shard_indices", "unshard",
+]

@@ -1,0 +1,340 @@
+"""Execute a schedule's plan on one rank: post messages, compute blocks, fold results in.
+
+The loop over a plan's steps (``overlap=True``)::
+
+    pending = post(inputs of step 0)
+    for k in steps:
+        wait(pending)                      # inputs of step k, results of step k-2 have arrived
+        absorb results of step k-2         # merge partial (out, lse) / add dq, dk, dv
+        pending = post(inputs of step k+1 + results of step k-1)   # BEFORE computing step k
+        compute step k                     # the transfers above run meanwhile
+    wait, absorb; post(results of the last step); wait, absorb
+
+With ``overlap=False`` (the ablation) each step posts its own inputs and waits at once.
+Waiting before posting lets a rank forward k/v it has just received (the rings).
+
+Every block of the plan is cut at the layout's chunk boundaries into local calls of
+:func:`lctrain_kernels.blocks.block_forward` / ``block_backward`` with the global start
+positions in a :class:`~lctrain_kernels.masks.MaskSpec`; EMPTY pieces are skipped, and pieces
+that are entirely visible and adjacent in memory are fused into one FULL call (the zigzag
+ring's "all queries against the first half of the keys"). Partial outputs are merged in
+float32; gradients are accumulated in float32 when more than one piece contributes.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from lctrain_kernels.blocks import block_backward, block_forward
+from lctrain_kernels.distributed.comm import Exchanger, Pending, pack, packed_size, unpack
+from lctrain_kernels.distributed.layout import local_spans
+from lctrain_kernels.distributed.schedule import Block, Message, Plan, make_schedule
+from lctrain_kernels.masks import MaskSpec, Relation, classify
+from lctrain_kernels.merge import merge_into
+
+_INPUTS = ("kv", "q")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One local kernel call: rows ``[qa, qb)`` of the block's queries against ``[ka, kb)`` of
+    its keys (relative to the block's own rows), under ``spec``."""
+
+    qa: int
+    qb: int
+    ka: int
+    kb: int
+    spec: MaskSpec
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What every rank knows about one call: sizes, layout, mask."""
+
+    seq_len: int
+    world_size: int
+    layout: str
+    causal: bool
+    bounds: tuple[int, ...] | None
+
+    @property
+    def n_local(self) -> int:
+        return self.seq_len // self.world_size
+
+
+@functools.lru_cache(maxsize=4096)
+def block_calls(block: Block, geo: Geometry) -> tuple[Call, ...]:
+    """The local calls that compute ``block`` (empty tuple when nothing in it is visible)."""
+    (a, b), (c, d) = block.q_rows.resolve(geo.n_local), block.kv_rows.resolve(geo.n_local)
+    span = functools.partial(local_spans, geo.seq_len, geo.world_size, layout=geo.layout)
+    qs = [(lo - a, g, ln) for lo, g, ln in span(rank=block.q_owner, start=a, stop=b)]
+    ks = [(lo - c, g, ln) for lo, g, ln in span(rank=block.kv_owner, start=c, stop=d)]
+    specs = [[MaskSpec(geo.causal, gq, gk, geo.bounds) for _, gk, _ in ks] for _, gq, _ in qs]
+    rel = [[classify(specs[i][j], qs[i][2], ks[j][2]) for j in range(len(ks))] for i in range(len(qs))]
+    full = MaskSpec(False)
+    if all(r is Relation.FULL for row in rel for r in row):
+        return (Call(0, b - a, 0, d - c, full if len(qs) * len(ks) > 1 else specs[0][0]),)
+    calls, done = [], set()
+    for j, (k0, _, kl) in enumerate(ks):  # every query piece sees all of key piece j
+        if len(qs) > 1 and all(rel[i][j] is Relation.FULL for i in range(len(qs))):
+            calls.append(Call(0, b - a, k0, k0 + kl, full))
+            done |= {(i, j) for i in range(len(qs))}
+    for i, (q0, _, ql) in enumerate(qs):  # query piece i sees all of every key piece
+        if len(ks) > 1 and all(rel[i][j] is Relation.FULL and (i, j) not in done for j in range(len(ks))):
+            calls.append(Call(q0, q0 + ql, 0, d - c, full))
+            done |= {(i, j) for j in range(len(ks))}
+    for i, (q0, _, ql) in enumerate(qs):
+        for j, (k0, _, kl) in enumerate(ks):
+            if (i, j) not in done and rel[i][j] is not Relation.EMPTY:
+                calls.append(Call(q0, q0 + ql, k0, k0 + kl, specs[i][j]))
+    return tuple(calls)
+
+
+@functools.lru_cache(maxsize=64)
+def pruned_plan(kind: str, direction: str, geo: Geometry) -> Plan:
+    """The schedule's plan without the blocks that the mask leaves EMPTY (same on every rank)."""
+    plan = make_schedule(geo.world_size, kind).plan(direction, geo.causal)
+    return plan.pruned(lambda blk: not block_calls(blk, geo))
+
+
+class OutAcc:
+    """Output rows and their lse, merged in float32 once a second partial arrives."""
+
+    def __init__(self, n: int):
+        self.n, self.out, self.lse, self.fp32 = n, None, None, False
+
+    def add(self, a: int, b: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if self.out is None and (a, b) == (0, self.n):
+            self.out, self.lse = out, lse  # (B, n, H, D), (B, H, n)
+            return
+        if not self.fp32:
+            bsz, _, h, dim = out.shape
+            acc_out = out.new_zeros((bsz, self.n, h, dim), dtype=torch.float32)  # (B, n, H, D)
+            acc_lse = lse.new_full((bsz, h, self.n), float("-inf"))  # (B, H, n)
+            if self.out is not None:
+                acc_out.copy_(self.out)
+                acc_lse.copy_(self.lse)
+            self.out, self.lse, self.fp32 = acc_out, acc_lse, True
+        merge_into(self.out[:, a:b], self.lse[:, :, a:b], out, lse)
+
+    def result(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in like.dtype, lse float32); rows nothing reached stay out = 0, lse = -inf."""
+        if self.out is None:
+            bsz, _, h, _ = like.shape
+            return torch.zeros_like(like), like.new_full((bsz, h, self.n), float("-inf"), dtype=torch.float32)
+        return self.out.to(like.dtype), self.lse
+
+
+class GradAcc:
+    """Gradient rows, summed in float32 once a second contribution arrives."""
+
+    def __init__(self, n: int):
+        self.n, self.grad, self.fp32 = n, None, False
+
+    def add(self, a: int, b: int, grad: torch.Tensor) -> None:
+        if self.grad is None and (a, b) == (0, self.n):
+            self.grad = grad
+            return
+        if not self.fp32:
+            bsz, _, h, dim = grad.shape
+            acc = grad.new_zeros((bsz, self.n, h, dim), dtype=torch.float32)  # (B, n, H, D)
+            if self.grad is not None:
+                acc += self.grad
+            self.grad, self.fp32 = acc, True
+        self.grad[:, a:b] += grad
+
+    def result(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(like) if self.grad is None else self.grad.to(like.dtype)
+
+
+class Engine:
+    """Runs the steps of a plan on one rank; subclasses say what messages carry and compute.
+
+    Args:
+        plan: the (pruned) plan of this direction.
+        geo: sizes, layout and mask of the call.
+        exchanger: the point-to-point exchanger of the group.
+        overlap: post the next step's transfers before computing the current one.
+        device: where received buffers live.
+    """
+
+    def __init__(self, plan: Plan, geo: Geometry, exchanger: Exchanger, overlap: bool,
+                 device: torch.device):
+        self.plan, self.geo, self.exch, self.overlap, self.device = plan, geo, exchanger, overlap, device
+        self.rank, self.n = exchanger.rank, geo.n_local
+        self.kv_have: dict[int, tuple] = {}  # kv owner -> (packed buffer, k, v)
+        self.q_in: dict[tuple, list[torch.Tensor]] = {}  # (owner, rows) -> received q tensors
+        self.results: dict[Message, list[torch.Tensor]] = {}  # outputs waiting to be sent
+        self.last_use = self._last_use()
+
+    def _last_use(self) -> dict[int, int]:
+        last = {}
+        for k, view in enumerate(self.plan.for_rank(self.rank)):
+            for owner in [b.kv_owner for b in view.compute] + [m.owner for m in view.sends if m.kind == "kv"]:
+                last[owner] = k
+        return last
+
+    def run(self) -> None:
+        """Execute every step (see the module docstring for the order of events)."""
+        steps = self.plan.steps
+        last = len(steps)
+
+        def batch(k_in: int, k_out: int) -> list[Message]:
+            ins = list(steps[k_in].inputs) if 0 <= k_in < last else []
+            return ins + (list(steps[k_out].outputs) if 0 <= k_out < last else [])
+
+        pending = self._post(batch(0, -1)) if self.overlap else (Pending(), [])
+        for k in range(last):
+            self._receive(pending)
+            if self.overlap:
+                pending = self._post(batch(k + 1, k - 1))
+            else:
+                self._receive(self._post(batch(k, k - 1)))
+            self.compute([b for b in steps[k].blocks if b.rank == self.rank])
+            self.q_in.clear()
+            for owner in [o for o, at in self.last_use.items() if at <= k and o != self.rank]:
+                self.kv_have.pop(owner, None)
+        self._receive(pending)
+        self._receive(self._post(batch(last, last - 1)))
+
+    def _post(self, batch: list[Message]) -> tuple[Pending, list[Message]]:
+        sends = [(self.send_buffer(m), m.dst, tag) for tag, m in enumerate(batch) if m.src == self.rank]
+        recvs = [(packed_size(self.specs(m)), m.src, tag) for tag, m in enumerate(batch) if m.dst == self.rank]
+        return self.exch.post(sends, recvs, self.device), [m for m in batch if m.dst == self.rank]
+
+    def _receive(self, posted: tuple[Pending, list[Message]]) -> None:
+        pending, messages = posted
+        for m, buf in zip(messages, pending.wait()):
+            tensors = unpack(buf, self.specs(m))
+            if m.kind == "kv":
+                self.kv_have[m.owner] = (buf, *tensors)
+            elif m.kind == "q":
+                self.q_in[(m.owner, m.rows)] = tensors
+            else:
+                self.absorb(m, tensors)
+
+    def send_buffer(self, m: Message) -> torch.Tensor:
+        """The packed buffer of an outgoing message (own k/v are packed once, on first send)."""
+        if m.kind == "kv":
+            buf, k, v = self.kv_have[m.owner]
+            if buf is None:
+                buf = pack([k, v])
+                self.kv_have[m.owner] = (buf, k, v)
+            return buf
+        if m.kind == "q":
+            return pack(self.local_rows(m.rows))
+        return pack(self.results.pop(m))
+
+    def kv(self, owner: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``owner`` (own or received), restricted to ``rows``."""
+        c, d = rows.resolve(self.n)
+        _, k, v = self.kv_have[owner]
+        return k[:, c:d], v[:, c:d]  # (B, d - c, Hkv, D) each
+
+    def q_rows(self, block: Block) -> list[torch.Tensor]:
+        """The query-side tensors of a block: own rows, or the ones received for it."""
+        if block.q_owner == self.rank:
+            return self.local_rows(block.q_rows)
+        return self.q_in[(block.q_owner, block.q_rows)]
+
+    # Hooks of a direction: specs(m), local_rows(rows), absorb(m, tensors), compute(blocks).
+
+
+class ForwardEngine(Engine):
+    """Forward: k/v and q rows travel in, partial (out, lse) travel home and are merged."""
+
+    def __init__(self, plan, geo, exchanger, overlap, q, k, v, scale: float, backend: str):
+        super().__init__(plan, geo, exchanger, overlap, q.device)
+        self.q, self.scale, self.backend = q, scale, backend  # q (B, n, Hq, D)
+        self.kv_have[self.rank] = (None, k, v)  # (B, n, Hkv, D) each
+        self.acc = OutAcc(self.n)
+
+    def specs(self, m: Message) -> list:
+        (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][1].shape
+        rows = m.rows.resolve(self.n)
+        rows = self.n if m.kind == "kv" else rows[1] - rows[0]
+        if m.kind == "kv":
+            return [((b, rows, hkv, d), self.q.dtype)] * 2
+        if m.kind == "q":
+            return [((b, rows, hq, d), self.q.dtype)]
+        return [((b, rows, hq, d), self.q.dtype), ((b, hq, rows), torch.float32)]  # out, lse
+
+    def local_rows(self, rows) -> list[torch.Tensor]:
+        a, b = rows.resolve(self.n)
+        return [self.q[:, a:b]]  # (B, b - a, Hq, D)
+
+    def absorb(self, m: Message, tensors: list[torch.Tensor]) -> None:
+        a, b = m.rows.resolve(self.n)
+        self.acc.add(a, b, *tensors)
+
+    def compute(self, blocks: list[Block]) -> None:
+        for blk in blocks:
+            (qt,), (kt, vt) = self.q_rows(blk), self.kv(blk.kv_owner, blk.kv_rows)
+            a, b = blk.q_rows.resolve(self.n)
+            own = blk.q_owner == self.rank
+            acc, base = (self.acc, a) if own else (OutAcc(b - a), 0)
+            for c in block_calls(blk, self.geo):
+                out, lse = block_forward(qt[:, c.qa:c.qb], kt[:, c.ka:c.kb], vt[:, c.ka:c.kb], c.spec,
+                                         scale=self.scale, backend=self.backend)
+                acc.add(base + c.qa, base + c.qb, out, lse)
+            if not own:
+                msg = Message("out", self.rank, blk.q_owner, blk.q_owner, blk.q_rows)
+                self.results[msg] = list(acc.result(qt))
+
+
+class BackwardEngine(Engine):
+    """Backward: k/v and (q, dO, out, lse) rows travel in, dq and (dk, dv) travel home."""
+
+    def __init__(self, plan, geo, exchanger, overlap, do, q, k, v, out, lse, scale: float,
+                 backend: str):
+        super().__init__(plan, geo, exchanger, overlap, q.device)
+        self.do, self.q, self.out, self.lse = do, q, out, lse  # (B, n, Hq, D) x3, (B, Hq, n)
+        self.scale, self.backend = scale, backend
+        self.kv_have[self.rank] = (None, k, v)  # (B, n, Hkv, D) each
+        self.dq, self.dk, self.dv = GradAcc(self.n), GradAcc(self.n), GradAcc(self.n)
+
+    def specs(self, m: Message) -> list:
+        (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][1].shape
+        lo, hi = m.rows.resolve(self.n)
+        rows, dt = hi - lo, self.q.dtype
+        if m.kind in ("kv", "dkv"):
+            return [((b, self.n if m.kind == "kv" else rows, hkv, d), dt)] * 2
+        if m.kind == "q":  # q, dO, out, lse
+            return [((b, rows, hq, d), dt), ((b, rows, hq, d), self.do.dtype),
+                    ((b, rows, hq, d), self.out.dtype), ((b, hq, rows), torch.float32)]
+        return [((b, rows, hq, d), dt)]  # dq
+
+    def local_rows(self, rows) -> list[torch.Tensor]:
+        a, b = rows.resolve(self.n)
+        return [self.q[:, a:b], self.do[:, a:b], self.out[:, a:b],
+                self.lse[:, :, a:b].contiguous()]  # (B, b-a, Hq, D) x3, (B, Hq, b-a)
+
+    def absorb(self, m: Message, tensors: list[torch.Tensor]) -> None:
+        a, b = m.rows.resolve(self.n)
+        if m.kind == "dq":
+            self.dq.add(a, b, tensors[0])
+        else:
+            self.dk.add(a, b, tensors[0])
+            self.dv.add(a, b, tensors[1])
+
+    def compute(self, blocks: list[Block]) -> None:
+        for blk in blocks:
+            (qt, dot, ot, lt), (kt, vt) = self.q_rows(blk), self.kv(blk.kv_owner, blk.kv_rows)
+            (a, b), (c0, c1) = blk.q_rows.resolve(self.n), blk.kv_rows.resolve(self.n)
+            own_q, own_kv = blk.q_owner == self.rank, blk.kv_owner == self.rank
+            dq, qbase = (self.dq, a) if own_q else (GradAcc(b - a), 0)
+            dk, dv, kbase = (self.dk, self.dv, c0) if own_kv else (GradAcc(c1 - c0), GradAcc(c1 - c0), 0)
+            for c in block_calls(blk, self.geo):
+                lse = lt[:, :, c.qa:c.qb] if (c.qa, c.qb) == (0, b - a) else lt[:, :, c.qa:c.qb].contiguous()
+                g = block_backward(dot[:, c.qa:c.qb], qt[:, c.qa:c.qb], kt[:, c.ka:c.kb], vt[:, c.ka:c.kb],
+                                   ot[:, c.qa:c.qb], lse, c.spec, scale=self.scale, backend=self.backend)
+                dq.add(qbase + c.qa, qbase + c.qb, g[0])
+                dk.add(kbase + c.ka, kbase + c.kb, g[1])
+                dv.add(kbase + c.ka, kbase + c.kb, g[2])
+            if not own_q:
+                self.results[Message("dq", self.rank, blk.q_owner, blk.q_owner, blk.q_rows)] = [dq.result(qt)]
+            if not own_kv:
+                msg = Message("dkv", self.rank, blk.kv_owner, blk.kv_owner, blk.kv_rows)
+                self.results[msg] = [dk.result(kt), dv.result(vt)]

@@ -1,0 +1,183 @@
+"""How a global sequence maps onto the ranks of a sequence-parallel group.
+
+This module is the ONE source of truth for the split: the attention executor, the data pipeline
+(``lctrain.data`` shards input ids, labels and position ids with :func:`shard`) and the tests all
+go through it, so a token's global position is never guessed twice.
+
+Two layouts:
+
+* ``"contiguous"`` — the sequence of N tokens is cut into P equal chunks; rank r holds chunk r,
+  tokens ``[r·N/P, (r+1)·N/P)``. DistFlashAttn and the plain ring use it.
+* ``"zigzag"`` — the sequence is cut into 2P equal chunks; rank r holds chunk r followed by chunk
+  2P−1−r (a "head" and the mirrored "tail"), so that under a causal mask every rank holds the
+  same amount of work. The zigzag ring (and torch's context_parallel) use it.
+
+A rank's local tensor is its chunks concatenated in that order ("local order"). ``unshard`` is an
+all-gather followed by the reordering that puts every token back at its global position.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def chunks_per_rank(layout: str) -> int:
+    """Number of equal chunks each rank holds: 1 for "contiguous", 2 for "zigzag".
+
+    Raises:
+        ValueError: unknown layout name.
+    """
+    if layout == "contiguous":
+        return 1
+    if layout == "zigzag":
+        return 2
+    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
+def check_seq_len(seq_len: int, world_size: int, layout: str) -> int:
+    """Return the chunk length, or raise if ``seq_len`` does not split evenly.
+
+    Raises:
+        ValueError: seq_len not divisible by world_size × chunks_per_rank(layout).
+    """
+    parts = world_size * chunks_per_rank(layout)
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")
+    if seq_len <= 0 or seq_len % parts:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {parts} (world size {world_size} × "
+            f"{chunks_per_rank(layout)} chunk(s) per rank of the {layout} layout); pad or cut the "
+            f"sequence to a multiple of {parts}")
+    return seq_len // parts
+
+
+def layout_positions(seq_len: int, world_size: int, rank: int, layout: str) -> list[tuple[int, int]]:
+    """Global ``(start, stop)`` spans held by ``rank``, in local order.
+
+    Args:
+        seq_len: global sequence length N.
+        world_size: number of ranks P.
+        rank: the rank asked about, 0 ≤ rank < P.
+        layout: "contiguous" or "zigzag".
+
+    Returns:
+        One span for "contiguous", two (head, tail) for "zigzag".
+
+    Raises:
+        ValueError: bad layout, rank out of range, or N not divisible by the chunking.
+    """
+    chunk = check_seq_len(seq_len, world_size, layout)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the group of {world_size} ranks")
+    if layout == "contiguous":
+        return [(rank * chunk, (rank + 1) * chunk)]
+    tail = 2 * world_size - 1 - rank
+    return [(rank * chunk, (rank + 1) * chunk), (tail * chunk, (tail + 1) * chunk)]
+
+
+def local_spans(seq_len: int, world_size: int, rank: int, layout: str,
+                start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Split local rows ``[start, stop)`` of ``rank`` into globally contiguous pieces.
+
+    Returns:
+        ``[(local_start, global_start, length), ...]`` in local order, empty pieces left out.
+    """
+    pieces, offset = [], 0
+    for g0, g1 in layout_positions(seq_len, world_size, rank, layout):
+        lo, hi = max(start, offset), min(stop, offset + g1 - g0)
+        if lo < hi:
+            pieces.append((lo, g0 + lo - offset, hi - lo))
+        offset += g1 - g0
+    return pieces
+
+
+def shard_indices(seq_len: int, world_size: int, rank: int, layout: str) -> torch.Tensor:
+    """Global positions of ``rank``'s tokens in local order, int64 of shape (N/P,)."""
+    spans = layout_positions(seq_len, world_size, rank, layout)
+    return torch.cat([torch.arange(a, b, dtype=torch.long) for a, b in spans])  # (N/P,)
+
+
+def global_order(seq_len: int, world_size: int, layout: str) -> torch.Tensor:
+    """Global position of every row of the rank-major all-gather, int64 of shape (N,)."""
+    return torch.cat([shard_indices(seq_len, world_size, r, layout) for r in range(world_size)])
+
+
+def _rank_and_size(group, rank, world_size) -> tuple[int, int]:
+    if (rank is None) != (world_size is None):
+        raise ValueError("pass both rank and world_size, or neither")
+    if rank is not None:
+        return rank, world_size
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1, *,
+          rank: int | None = None, world_size: int | None = None) -> torch.Tensor:
+    """This rank's tokens of a full-sequence tensor, in local order (differentiable).
+
+    Args:
+        x: the full tensor, identical on every rank, sequence along ``dim``.
+        group: the sequence-parallel process group; None means a single rank.
+        layout: "contiguous" or "zigzag" (``make_schedule(P, kind).layout``).
+        dim: the sequence dimension.
+        rank, world_size: override the group's (e.g. to shard data for another rank).
+
+    Returns:
+        A contiguous tensor with ``x.shape[dim] // P`` rows along ``dim``.
+
+    Raises:
+        ValueError: bad layout, or the length along ``dim`` not divisible by the chunking.
+    """
+    rank, world_size = _rank_and_size(group, rank, world_size)
+    dim = dim % x.dim()
+    spans = layout_positions(x.shape[dim], world_size, rank, layout)
+    parts = [x.narrow(dim, a, b - a) for a, b in spans]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
+
+
+class _Unshard(torch.autograd.Function):
+    """All-gather + reorder; its backward sums every rank's gradient and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x_local, group, layout, dim):
+        world = dist.get_world_size(group)
+        parts = [torch.empty_like(x_local) for _ in range(world)]
+        dist.all_gather(parts, x_local.contiguous(), group=group)
+        gathered = torch.cat(parts, dim)  # (..., N, ...) rank-major
+        order = global_order(gathered.shape[dim], world, layout).to(x_local.device)
+        ctx.group, ctx.layout, ctx.dim = group, layout, dim
+        return gathered.index_select(dim, torch.argsort(order))  # (..., N, ...) global order
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return shard(grad, ctx.group, ctx.layout, ctx.dim), None, None, None
+
+
+def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
+    """Rebuild the full-sequence tensor on every rank: all-gather, then reorder.
+
+    Differentiable: the full result's gradient is summed over the ranks and each rank keeps its
+    own rows, which is the exact gradient of a loss summed over the ranks.
+
+    Args:
+        x_local: this rank's rows (as returned by :func:`shard`), sequence along ``dim``.
+        group: the process group; None (or a single rank) returns ``x_local`` unchanged.
+        layout: the layout ``x_local`` was sharded with.
+        dim: the sequence dimension.
+
+    Returns:
+        The tensor with P × ``x_local.shape[dim]`` rows along ``dim``, in global order.
+
+    Raises:
+        ValueError: bad layout, or a local length the layout cannot have produced.
+    """
+    chunks_per_rank(layout)
+    if group is None or dist.get_world_size(group) == 1:
+        return x_local
+    dim = dim % x_local.dim()
+    return _Unshard.apply(x_local, group, layout, dim)

@@ -1,0 +1,347 @@
+"""Who computes which attention block when, and what travels where — DistFlashAttn's schedule.
+
+Setting. P ranks; with the "contiguous" layout rank r holds chunk r of q, k, v (N/P tokens).
+Causal attention of chunk r needs the keys/values of chunks 0..r, so the work is the lower
+triangle of P × P blocks: the diagonal blocks (q_r, kv_r) are causally masked (half a block of
+work each), the blocks (q_r, kv_c), c < r, are full. In units of one full block the total is
+P²/2, so a perfect split gives every rank P/2.
+
+A plain ring ("ring") passes k, v to the neighbour each step; at step t rank r computes
+(q_r, kv_{r−t}) when r ≥ t and idles otherwise: rank P−1 does P−½ blocks, rank 0 only ½.
+
+DistFlashAttn ("distflash") balances that by letting the idle ranks help. With distance
+d = r − c of a block (q_r, kv_c), there are P−d blocks at distance d. At step t = 1..⌊(P−1)/2⌋
+every rank r sends to peer (r+t) mod P:
+
+* its k, v if r + t < P — the receiver r+t computes its own full block (q_{r+t}, kv_r),
+  distance t;
+* its q if r + t ≥ P — the receiver r+t−P is the owner of the keys (q_r needs kv_{r+t−P}, distance
+  P−t) and computes that block on r's behalf; the partial result (out, lse) goes back to r,
+  who merges it (``lctrain_kernels.merge``: lse = logaddexp, out weighted by exp(lse_i − lse)).
+
+So each step's messages are one shift-by-t permutation (every send has its receive in the same
+step: mismatched batched point-to-point is a known hang), every rank computes exactly one full
+block per step, and distances t and P−t are covered together. For odd P that is everything. For
+even P the distance P/2 is left: P/2 blocks (q_r, kv_{r−P/2}) for r ≥ P/2. Each is split by QUERY
+rows at token granularity: the owner r computes the first half of its rows against kv_{r−P/2}
+(received), the keys' owner r−P/2 the second half (receives those q rows, returns out/lse). Every
+rank then does exactly P/2 blocks — balance 1.0 for every P, better than the published
+schedule's (P+1)/P, in which P/2 ranks idle at the last step.
+
+Overlap. The executor posts step t+1's messages (and step t−1's results going home) before it
+computes step t, so transfers hide behind compute. Two spots have nothing to hide behind: the
+first step's inputs and the last step's results. So for P > 1 distflash splits every diagonal
+block by query rows: the top-left quarter (q rows [0, ½), keys [0, ½), causal, ⅛ block) runs
+first, while the first messages travel; the rest (q rows [½, 1) against keys [0, ½) — full — and
+[½, 1) — causal) runs last, while the last partial results travel home.
+
+Backward runs the same steps. Each block's backward needs q, dO, the FINAL merged out and lse of
+its query rows and the block's k, v: a "q" message then carries (q, dO, out, lse). A block
+computed by its query owner keeps dq and sends dk, dv to the keys' owner ("dkv"); a helped block
+keeps dk, dv and sends dq home ("dq").
+
+"zigzag" is the ring over the head-tail layout (rank r holds chunks r and 2P−1−r of 2P): every
+step is ½ block for every rank, at the price of ring forwarding (P steps of communication).
+
+With documents (global cu_seqlens, identical on every rank) the executor prunes blocks whose
+mask is EMPTY (``Plan.pruned``): they are neither computed nor sent, and because every rank
+prunes the same plan, sends and receives still match. Non-causal attention uses every block:
+distflash then sends k, v straight from rank r−t to rank r at step t (no forwarding).
+
+Everything here is pure Python (no torch.distributed); plans are exact and checked by
+``Plan.validate``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Callable
+
+from lctrain_kernels.distributed.layout import chunks_per_rank, local_spans
+
+SCHEDULES = ("distflash", "ring", "zigzag")
+DIRECTIONS = ("forward", "backward")
+# What each message kind carries, per direction.
+PAYLOAD = {
+    "forward": {"kv": ("k", "v"), "q": ("q",), "out": ("out", "lse")},
+    "backward": {"kv": ("k", "v"), "q": ("q", "do", "out", "lse"), "dq": ("dq",), "dkv": ("dk", "dv")},
+}
+
+
+@dataclass(frozen=True, order=True)
+class Rows:
+    """A run of local rows given as fractions of the local length: ``[start, stop)``."""
+
+    start: Fraction
+    stop: Fraction
+
+    def resolve(self, n: int) -> tuple[int, int]:
+        """Token indices ``(a, b)`` for a local length ``n`` (floor; identical on every rank)."""
+        return (self.start.numerator * n // self.start.denominator,
+                self.stop.numerator * n // self.stop.denominator)
+
+
+ALL = Rows(Fraction(0), Fraction(1))
+HEAD = Rows(Fraction(0), Fraction(1, 2))
+TAIL = Rows(Fraction(1, 2), Fraction(1))
+
+
+@dataclass(frozen=True)
+class Block:
+    """One unit of compute: q rows of ``q_owner`` against k/v rows of ``kv_owner``, on ``rank``."""
+
+    rank: int
+    q_owner: int
+    q_rows: Rows
+    kv_owner: int
+    kv_rows: Rows
+
+    @property
+    def role(self) -> str:
+        """"own" when the rank computes its own queries, "help" when it works for another."""
+        return "own" if self.rank == self.q_owner else "help"
+
+
+@dataclass(frozen=True)
+class Message:
+    """A point-to-point transfer of ``kind`` (see PAYLOAD) of ``owner``'s ``rows``."""
+
+    kind: str
+    src: int
+    dst: int
+    owner: int
+    rows: Rows
+
+
+@dataclass(frozen=True)
+class Step:
+    """``inputs`` arrive before ``blocks`` compute; ``outputs`` carry their results home."""
+
+    blocks: tuple[Block, ...]
+    inputs: tuple[Message, ...]
+    outputs: tuple[Message, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's view of a step: what it computes, sends and receives (idle if all empty)."""
+
+    compute: tuple[Block, ...]
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+    @property
+    def idle(self) -> bool:
+        return not self.compute
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule made concrete for one direction and mask type."""
+
+    direction: str
+    world_size: int
+    layout: str
+    causal: bool
+    steps: tuple[Step, ...]
+
+    def for_rank(self, rank: int) -> list[RankStep]:
+        """Per step, the blocks ``rank`` computes and the messages it sends and receives."""
+        views = []
+        for step in self.steps:
+            msgs = step.inputs + step.outputs
+            views.append(RankStep(tuple(b for b in step.blocks if b.rank == rank),
+                                  tuple(m for m in msgs if m.src == rank),
+                                  tuple(m for m in msgs if m.dst == rank)))
+        return views
+
+    def pruned(self, is_empty: Callable[[Block], bool]) -> "Plan":
+        """The plan without the blocks ``is_empty`` rejects and the messages only they needed."""
+        steps = [[b for b in s.blocks if not is_empty(b)] for s in self.steps]
+        inputs: list[list[Message]] = [[] for _ in steps]
+        holds_later: set[tuple[int, int]] = set()  # (rank, kv owner) needed at a later step
+        for i in reversed(range(len(steps))):
+            uses_kv = {(b.rank, b.kv_owner) for b in steps[i]}
+            uses_q = {(b.rank, b.q_owner, b.q_rows) for b in steps[i]}
+            for m in reversed(self.steps[i].inputs):
+                keep = ((m.dst, m.owner) in uses_kv | holds_later if m.kind == "kv"
+                        else (m.dst, m.owner, m.rows) in uses_q)
+                if keep:
+                    inputs[i].insert(0, m)
+            holds_later |= uses_kv | {(m.src, m.owner) for m in inputs[i] if m.kind == "kv"}
+        base = [Step(tuple(b), tuple(m)) for b, m in zip(steps, inputs)]
+        return replace(self, steps=tuple(_with_outputs(base, self.direction)))
+
+    def validate(self) -> None:
+        """Check that every block finds its inputs and every forwarded k/v was received first.
+
+        Raises:
+            ValueError: naming the step and the block or message at fault.
+        """
+        holds = {(r, r) for r in range(self.world_size)}  # (rank, kv owner)
+        for i, step in enumerate(self.steps):
+            for m in step.inputs:
+                if m.kind == "kv" and (m.src, m.owner) not in holds:
+                    raise ValueError(f"step {i}: rank {m.src} forwards k/v of {m.owner} it does not hold")
+                if m.kind == "q" and m.src != m.owner:
+                    raise ValueError(f"step {i}: q rows of {m.owner} sent by rank {m.src}")
+            holds |= {(m.dst, m.owner) for m in step.inputs if m.kind == "kv"}
+            got_q = {(m.dst, m.owner, m.rows) for m in step.inputs if m.kind == "q"}
+            for b in step.blocks:
+                if (b.rank, b.kv_owner) not in holds:
+                    raise ValueError(f"step {i}: {b} lacks the k/v of rank {b.kv_owner}")
+                if b.rank != b.q_owner and (b.rank, b.q_owner, b.q_rows) not in got_q:
+                    raise ValueError(f"step {i}: {b} lacks the q rows of rank {b.q_owner}")
+
+
+def _with_outputs(steps: list[Step], direction: str) -> list[Step]:
+    """Add the messages that carry each block's results to the ranks that own them."""
+    out = []
+    for s in steps:
+        msgs = []
+        for b in s.blocks:
+            if b.rank != b.q_owner:
+                msgs.append(Message("out" if direction == "forward" else "dq", b.rank, b.q_owner,
+                                    b.q_owner, b.q_rows))
+            if direction == "backward" and b.rank != b.kv_owner:
+                msgs.append(Message("dkv", b.rank, b.kv_owner, b.kv_owner, b.kv_rows))
+        out.append(Step(s.blocks, s.inputs, tuple(msgs)))
+    return out
+
+
+def _own(r: int, kv: int, q_rows: Rows = ALL, kv_rows: Rows = ALL) -> Block:
+    return Block(r, r, q_rows, kv, kv_rows)
+
+
+def _distflash_causal(p: int) -> list[Step]:
+    if p == 1:
+        return [Step((_own(0, 0),), ())]
+    steps = [Step(tuple(_own(r, r, HEAD, HEAD) for r in range(p)), ())]
+    for t in range(1, (p - 1) // 2 + 1):
+        blocks, msgs = [], []
+        for r in range(p):  # r sends to d = r + t (mod p)
+            d = (r + t) % p
+            if r + t < p:
+                msgs.append(Message("kv", r, d, r, ALL))
+                blocks.append(_own(d, r))
+            else:
+                msgs.append(Message("q", r, d, r, ALL))
+                blocks.append(Block(d, r, ALL, d, ALL))
+        steps.append(Step(tuple(blocks), tuple(msgs)))
+    if p % 2 == 0:  # distance p/2: split each block by query rows between owner and kv owner
+        m, blocks, msgs = p // 2, [], []
+        for r in range(m, p):
+            s = r - m
+            msgs += [Message("kv", s, r, s, ALL), Message("q", r, s, r, TAIL)]
+            blocks += [_own(r, s, HEAD), Block(s, r, TAIL, s, ALL)]
+        steps.append(Step(tuple(blocks), tuple(msgs)))
+    last = [b for r in range(p) for b in (_own(r, r, TAIL, HEAD), _own(r, r, TAIL, TAIL))]
+    steps.append(Step(tuple(last), ()))
+    return steps
+
+
+def _direct(p: int) -> list[Step]:
+    """Non-causal distflash: at step t rank r gets k, v straight from rank r − t."""
+    return [Step(tuple(_own(r, (r - t) % p) for r in range(p)),
+                 tuple(Message("kv", (r - t) % p, r, (r - t) % p, ALL) for r in range(p) if t))
+            for t in range(p)]
+
+
+def _ring(p: int, causal: bool) -> list[Step]:
+    """At step t rank r computes (q_r, kv_{r−t}); k, v travel one neighbour per step."""
+    steps = []
+    for t in range(p):
+        ranks = [r for r in range(p) if r >= t or not causal]
+        msgs = tuple(Message("kv", (r - 1) % p, r, (r - t) % p, ALL) for r in ranks if t)
+        steps.append(Step(tuple(_own(r, (r - t) % p) for r in ranks), msgs))
+    return steps
+
+
+class Schedule:
+    """A named schedule for ``world_size`` ranks; see the module docstring."""
+
+    def __init__(self, world_size: int, kind: str):
+        if kind not in SCHEDULES:
+            raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+        self.world_size, self.kind = world_size, kind
+        self.layout = "zigzag" if kind == "zigzag" else "contiguous"
+
+    def __repr__(self) -> str:
+        return f"Schedule(world_size={self.world_size}, kind={self.kind!r}, layout={self.layout!r})"
+
+    def plan(self, direction: str = "forward", causal: bool = True) -> Plan:
+        """The per-step plan; ``direction`` is "forward" or "backward".
+
+        Raises:
+            ValueError: unknown direction.
+        """
+        if direction not in DIRECTIONS:
+            raise ValueError(f"unknown direction {direction!r}; choose forward or backward")
+        return _plan(self.world_size, self.kind, direction, causal)
+
+    def work_per_rank(self, causal: bool = True) -> list[float]:
+        """Attention work of each rank in units of one full (chunk × chunk) block (diagonal = ½)."""
+        work = [Fraction(0)] * self.world_size
+        for step in self.plan("forward", causal).steps:
+            for b in step.blocks:
+                work[b.rank] += block_area(b, self.world_size, self.layout, causal)
+        return [float(w) for w in work]
+
+    def balance(self, causal: bool = True) -> float:
+        """max / mean of :meth:`work_per_rank` (1.0 is perfect)."""
+        work = self.work_per_rank(causal)
+        return max(work) * len(work) / sum(work)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(p: int, kind: str, direction: str, causal: bool) -> Plan:
+    if kind == "distflash":
+        steps = _distflash_causal(p) if causal else _direct(p)
+    else:
+        steps = _ring(p, causal and kind == "ring")
+    layout = "zigzag" if kind == "zigzag" else "contiguous"
+    plan = Plan(direction, p, layout, causal, tuple(_with_outputs(steps, direction)))
+    plan.validate()
+    return plan
+
+
+def block_area(b: Block, world_size: int, layout: str, causal: bool = True) -> Fraction:
+    """Visible area of a block in units of one full chunk × chunk block (continuous measure)."""
+    local = 4 * chunks_per_rank(layout)  # a virtual local length every Rows here resolves exactly
+    n = local * world_size
+    area = Fraction(0)
+    for _, q0, ql in local_spans(n, world_size, b.q_owner, layout, *b.q_rows.resolve(local)):
+        for _, k0, kl in local_spans(n, world_size, b.kv_owner, layout, *b.kv_rows.resolve(local)):
+            area += _causal_area(q0, ql, k0, kl) if causal else Fraction(ql * kl)
+    return area / (local * local)
+
+
+def _causal_area(q0: int, ql: int, k0: int, kl: int) -> Fraction:
+    """∫ over x in [q0, q0+ql) of |{y in [k0, k0+kl) : y ≤ x}| dx, as a continuous area."""
+    def prim(x: Fraction) -> Fraction:  # ∫_{-inf}^{x} clamp(u - k0, 0, kl) du
+        if x <= k0:
+            return Fraction(0)
+        if x <= k0 + kl:
+            return Fraction((x - k0) ** 2, 2)
+        return Fraction(kl * kl, 2) + kl * (x - k0 - kl)
+    return prim(Fraction(q0 + ql)) - prim(Fraction(q0))
+
+
+def make_schedule(world_size: int, kind: str = "distflash") -> Schedule:
+    """Build a schedule: "distflash" (balanced, default), "ring" or "zigzag".
+
+    Args:
+        world_size: number of ranks P ≥ 1 (odd or even).
+        kind: the schedule name.
+
+    Returns:
+        A :class:`Schedule`; ``.layout`` names the layout ``shard`` must use,
+        ``.work_per_rank()`` the causal work figures, ``.plan(direction, causal)`` the steps.
+
+    Raises:
+        ValueError: unknown kind or a world size below 1.
+    """
+    return Schedule(world_size, kind)
