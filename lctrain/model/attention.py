@@ -1,0 +1,112 @@
+"""The "lctrain" attention for transformers models, registered through `AttentionInterface`.
+
+A transformers model calls its attention function with query (B, Hq, S, D) and key/value
+(B, Hkv, S, D) after RoPE, with K/V heads NOT repeated. This module swaps that function for
+lctrain's kernels without touching any private transformers code:
+
+- the model is built (or switched) with ``attn_implementation="lctrain"``;
+- each forward call passes ``cp_context=CPContext(...)`` as a keyword argument of the model
+  call; transformers forwards unknown keyword arguments down to every attention call;
+- with a context whose group spans several ranks, every rank holds only its shard of the
+  sequence (in the schedule's layout) and `lctrain_kernels.dist_attention` computes exact causal
+  attention over the whole sequence; without a context, plain local causal attention runs.
+
+The model never learns that it is parallel: the context travels with the call, not in globals.
+Position ids must be the GLOBAL ones of each token (the loop passes them); transformers would
+otherwise number every shard from 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ATTENTION_NAME = "lctrain"
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """How one forward call's attention is distributed.
+
+    Attributes:
+        group: the context-parallel process group (None or size 1: local attention).
+        cu_seqlens: document boundaries as GLOBAL positions (0, ..., seq_len), identical on every
+            rank of the group, or None for one causal sequence per row.
+        schedule: distributed schedule kind ("distflash", "ring", "zigzag"); the shards must be in
+            that schedule's layout.
+        backend: local attention backend name ("auto", "reference", "triton", ...).
+    """
+
+    group: Any = None
+    cu_seqlens: Any = None
+    schedule: str = "distflash"
+    backend: str = "auto"
+
+
+def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function backed by lctrain_kernels.
+
+    Args:
+        module: the calling attention module (only checked for unsupported features).
+        query: (B, Hq, S_local, D), RoPE applied.
+        key, value: (B, Hkv, S_local, D), RoPE applied to key, heads not repeated.
+        attention_mask: must be None: causality and documents come from the kernel and
+            ``cp_context.cu_seqlens``.
+        scaling: softmax scale (default 1/sqrt(D)).
+        dropout: must be 0.
+        **kwargs: ``cp_context`` (a `CPContext`) when the call is distributed or has documents.
+
+    Returns:
+        (out (B, S_local, Hq, D), None).
+
+    Raises:
+        ValueError: attention dropout, a sliding window or an explicit attention mask was given.
+    """
+    _check_supported(module, attention_mask, dropout)
+    import lctrain_kernels
+
+    q = query.transpose(1, 2)  # (B, S, Hq, D)
+    k = key.transpose(1, 2)  # (B, S, Hkv, D)
+    v = value.transpose(1, 2)  # (B, S, Hkv, D)
+    ctx = kwargs.get("cp_context")
+    if ctx is None:
+        out = lctrain_kernels.attention(q, k, v, causal=True, softmax_scale=scaling)
+    elif ctx.group is None:
+        out = lctrain_kernels.attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens,
+                                        softmax_scale=scaling, backend=ctx.backend)
+    else:
+        out = lctrain_kernels.dist_attention(q, k, v, group=ctx.group, causal=True,
+                                             cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
+                                             schedule=ctx.schedule, backend=ctx.backend)
+    return out, None  # (B, S, Hq, D)
+
+
+def _check_supported(module: torch.nn.Module, attention_mask, dropout: float) -> None:
+    if dropout:
+        raise ValueError(f"lctrain attention has no dropout but the model asks for {dropout}; "
+                         "set the model's attention_dropout to 0.")
+    window = getattr(module, "sliding_window", None)
+    if window:
+        raise ValueError(f"lctrain attention is full causal but this model uses a sliding window "
+                         f"of {window} tokens; disable it in the model config (sliding_window: null).")
+    if attention_mask is not None:
+        raise ValueError("lctrain attention builds its own causal/document mask; pass document "
+                         "boundaries as cp_context.cu_seqlens, not an attention_mask.")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(f"lctrain attention is causal only, but {type(module).__name__} is not.")
+
+
+def register_attention() -> str:
+    """Register the "lctrain" attention in transformers' AttentionInterface (idempotent).
+
+    Returns:
+        The name to pass as ``attn_implementation``.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, lctrain_attention)
+    return ATTENTION_NAME
