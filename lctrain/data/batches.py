@@ -1,0 +1,128 @@
+"""Batches of packed rows: a deterministic, resumable order, and the split along the sequence.
+
+Order: the packed rows form an endless stream of epochs, each a fresh permutation drawn from
+``(seed, epoch)``. Micro-step k takes the ``batch_size × dp_size`` stream entries starting at
+``k × batch_size × dp_size``; dp rank d takes its ``batch_size`` consecutive entries of them. So
+every rank sees disjoint rows, every row is seen once per epoch, and resuming at ``start_step``
+is exact and costs nothing (no batches are drawn to be thrown away).
+
+Sharding: labels were shifted when the rows were packed, so cutting a batch along the sequence
+(:func:`shard_batch`, through ``lctrain_kernels.distributed.shard``: the same layout the attention
+uses) keeps every label; position ids stay global; ``cu_seqlens`` stays global and identical on
+every cp rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import datasets
+import numpy as np
+import torch
+
+from lctrain.errors import DataError
+
+_COLUMNS = ("input_ids", "labels", "position_ids")
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One micro-batch of packed rows (global, or one cp rank's shard of it)."""
+
+    input_ids: torch.Tensor
+    """(B, S) int64 token ids."""
+    labels: torch.Tensor
+    """(B, S) int64 next-token targets, already shifted; -100 = no loss."""
+    position_ids: torch.Tensor
+    """(B, S) int64 GLOBAL positions (restarting per document with document_mask)."""
+    cu_seqlens: tuple[int, ...] | None
+    """Document boundaries of the whole (unsharded) sequence as host ints ``(0, ..., S)``,
+    identical on every cp rank; None when the rows are one segment each (plain causal)."""
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with its tensors on ``device``."""
+        return PackedBatch(*(getattr(self, n).to(device, non_blocking=True) for n in _COLUMNS),
+                           cu_seqlens=self.cu_seqlens)
+
+    def label_tokens(self) -> torch.Tensor:
+        """Number of positions that carry a label (a 0-dim int64 tensor, not synced to host)."""
+        return (self.labels != -100).sum()
+
+
+def iter_batches(ds: datasets.Dataset, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 start_step: int = 0) -> Iterator[PackedBatch]:
+    """Yield this dp rank's micro-batches forever, from micro-step ``start_step`` on.
+
+    Args:
+        ds: packed rows (``build_packed_dataset``).
+        batch_size: rows per dp rank per micro-step.
+        dp_rank, dp_size: this rank's data-parallel index and the number of dp groups.
+        seed: seeds the per-epoch shuffles.
+        start_step: the first micro-step to yield (optimizer steps × grad_accum when resuming).
+
+    Yields:
+        PackedBatch with (batch_size, S) tensors, unsharded along the sequence.
+
+    Raises:
+        DataError: the dataset has no rows.
+        ValueError: bad ranks / sizes, or rows of one batch with different document boundaries.
+    """
+    n_rows = len(ds)
+    if n_rows == 0:
+        raise DataError("the packed data has no rows; check data.source")
+    if batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or start_step < 0:
+        raise ValueError(f"bad batch geometry: batch_size={batch_size}, dp_rank={dp_rank}, "
+                         f"dp_size={dp_size}, start_step={start_step}")
+    order = _EpochOrder(n_rows, seed)
+    tokens = ds.with_format("numpy", columns=list(_COLUMNS))
+    segments = ds.select_columns(["doc_lens"])
+    step = start_step
+    while True:
+        first = (step * dp_size + dp_rank) * batch_size
+        rows = [order[j] for j in range(first, first + batch_size)]
+        yield _collate(tokens[rows], segments[rows]["doc_lens"])
+        step += 1
+
+
+class _EpochOrder:
+    """Stream index -> row number: epoch e is the permutation drawn from ``(seed, e)``."""
+
+    def __init__(self, n_rows: int, seed: int) -> None:
+        self.n_rows, self.seed = n_rows, seed
+        self._cache: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, index: int) -> int:
+        epoch, offset = divmod(index, self.n_rows)
+        if epoch not in self._cache:
+            if len(self._cache) > 1:
+                self._cache.pop(min(self._cache))
+            self._cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+        return int(self._cache[epoch][offset])
+
+
+def _collate(columns: dict[str, np.ndarray], doc_lens: list) -> PackedBatch:
+    tensors = [torch.from_numpy(np.asarray(columns[n], dtype=np.int64)) for n in _COLUMNS]
+    bounds = {tuple(int(x) for x in np.cumsum([0, *lens])) for lens in doc_lens}
+    if len(bounds) > 1:
+        raise ValueError("the rows of one batch have different document boundaries; use "
+                         "batch_size 1 with document_mask")
+    (cu_seqlens,) = bounds
+    return PackedBatch(*tensors, cu_seqlens=None if len(cu_seqlens) == 2 else cu_seqlens)
+
+
+def shard_batch(batch: PackedBatch, *, cp_rank: int, cp_size: int, layout: str) -> PackedBatch:
+    """This cp rank's part of ``batch`` along the sequence, in the attention's layout.
+
+    Args:
+        batch: a global batch from :func:`iter_batches`.
+        cp_rank, cp_size: this rank's index in the context-parallel group and its size.
+        layout: ``make_schedule(cp_size, kind).layout`` ("contiguous" or "zigzag").
+
+    Returns:
+        PackedBatch with (B, S / cp_size) tensors; cu_seqlens unchanged (global).
+    """
+    from lctrain_kernels.distributed import shard
+
+    parts = [shard(getattr(batch, n), layout=layout, dim=1, rank=cp_rank, world_size=cp_size)
+             for n in _COLUMNS]
+    return PackedBatch(*parts, cu_seqlens=batch.cu_seqlens)

@@ -1,0 +1,204 @@
+"""Packing loses and duplicates nothing; labels, positions, padding and batches are exact."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+from lctrain.config import BYTE_TOKENIZER_VOCAB, load_recipe
+from lctrain.data import (
+    IGNORE,
+    ByteTokenizer,
+    build_packed_dataset,
+    builtin_documents,
+    iter_batches,
+    load_tokenizer,
+    pack,
+    shard_batch,
+)
+from lctrain.errors import DataError, UserError
+
+PAD = 999
+
+
+def _corpus(seq_len: int) -> list[list[int]]:
+    """Documents of awkward lengths: tiny, exactly a row, longer than two rows, ..."""
+    rng = np.random.default_rng(0)
+    lengths = [1, 2, seq_len, seq_len - 1, 2 * seq_len + 3, 5, seq_len + 1, 3, 7 * seq_len // 3]
+    lengths += list(rng.integers(1, 2 * seq_len, size=20))
+    return [list(rng.integers(0, 500, size=int(n))) for n in lengths]
+
+
+def _packed(docs, seq_len, document_mask):
+    ds = pack(datasets.Dataset.from_dict({"input_ids": docs}), seq_len=seq_len,
+              document_mask=document_mask, pad_id=PAD)
+    return {name: ds[name] for name in ds.column_names}
+
+
+@pytest.mark.parametrize("document_mask", [True, False])
+@pytest.mark.parametrize("seq_len", [16, 37])
+def test_packing_keeps_every_token_once_with_exact_labels_and_positions(seq_len, document_mask):
+    docs = _corpus(seq_len)
+    stream = [t for doc in docs for t in doc]
+    doc_of = [i for i, doc in enumerate(docs) for _ in doc]
+    starts = np.cumsum([0] + [len(d) for d in docs])
+    rows = _packed(docs, seq_len, document_mask)
+    n_rows = len(rows["input_ids"])
+    assert n_rows == -(-len(stream) // seq_len)
+    flat = [t for row in rows["input_ids"] for t in row]
+    n_pad = n_rows * seq_len - len(stream)
+    assert flat[:len(stream)] == stream and flat[len(stream):] == [PAD] * n_pad
+    for r in range(n_rows):
+        ids, labels, pos, lens = (rows[k][r] for k in ("input_ids", "labels", "position_ids", "doc_lens"))
+        assert len(ids) == len(labels) == len(pos) == seq_len and sum(lens) == seq_len
+        for i in range(seq_len):
+            g = r * seq_len + i
+            if g >= len(stream):  # padding: no label, its own segment
+                assert labels[i] == IGNORE
+                continue
+            if document_mask:
+                same_doc = g + 1 < len(stream) and doc_of[g + 1] == doc_of[g]
+                assert labels[i] == (stream[g + 1] if same_doc else IGNORE)
+                assert pos[i] == g - max(starts[doc_of[g]], r * seq_len)
+            else:
+                assert labels[i] == (ids[i + 1] if i + 1 < seq_len and g + 1 < len(stream) else IGNORE)
+                assert pos[i] == i
+        if document_mask:
+            edges = np.cumsum([0, *lens])
+            real_edges = [e for e in edges if r * seq_len + e <= len(stream)]
+            expected = sorted({0, min(seq_len, len(stream) - r * seq_len)} |
+                              {int(s - r * seq_len) for s in starts if r * seq_len < s < (r + 1) * seq_len})
+            assert real_edges == expected and list(edges)[-1] == seq_len
+        else:
+            assert lens == [seq_len]
+
+
+def test_no_label_is_lost_across_rows_with_document_mask():
+    docs = _corpus(16)
+    rows = _packed(docs, 16, True)
+    n_labels = sum(l != IGNORE for row in rows["labels"] for l in row)
+    assert n_labels == sum(len(d) - 1 for d in docs)
+
+
+def test_zero_tokens_is_an_error():
+    with pytest.raises(DataError, match="no token"):
+        pack(datasets.Dataset.from_dict({"input_ids": [[], []]}), seq_len=8, document_mask=True, pad_id=0)
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "long context — 長い文脈 ✓"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+    assert max(ids) < tok.vocab_size == len(tok) == BYTE_TOKENIZER_VOCAB
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == f"<bos>{text}<eos>"
+
+
+def test_builtin_corpus_packs_whole(tmp_path):
+    cfg = load_recipe(None, [f"data.cache_dir={tmp_path}"], seq_len=256)
+    tok = load_tokenizer(cfg)
+    rows = build_packed_dataset(cfg, tok)
+    total = sum(len(text.encode()) + 2 for text in builtin_documents())
+    assert len(rows) == -(-total // 256)
+    assert any(tmp_path.glob("lctrain-packed-*.arrow"))
+    again = build_packed_dataset(cfg, tok)
+    assert again["input_ids"] == rows["input_ids"]
+    first = tok.decode(rows[0]["input_ids"])
+    assert first.startswith(builtin_documents()[0][:50])
+
+
+def _cfg(source, *extra):
+    return load_recipe(None, [f"data.source={source}", *extra], seq_len=64)
+
+
+def test_local_jsonl_txt_and_parquet(tmp_path):
+    texts = ["first document", "second one, a bit longer " * 5, "third"]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    for i, t in enumerate(texts):
+        (tmp_path / f"doc{i}.txt").write_text(t)
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "a.parquet"))
+    expected = sum(len(t.encode()) + 2 for t in texts)
+    tok = ByteTokenizer()
+    for cfg in (_cfg(tmp_path / "a.jsonl", "data.text_field=body"), _cfg(tmp_path / "doc*.txt"),
+                _cfg(tmp_path / "a.parquet"), _cfg(tmp_path / "a.jsonl", "data.text_field=body",
+                                                  "data.max_documents=2")):
+        rows = build_packed_dataset(cfg, tok)
+        n_real = sum(t != tok.pad_token_id for row in rows["input_ids"] for t in row)
+        limit = cfg.data.max_documents
+        assert n_real == (expected if limit is None else sum(len(t.encode()) + 2 for t in texts[:limit]))
+    with pytest.raises(DataError, match="'text' is not a column"):
+        build_packed_dataset(_cfg(tmp_path / "a.jsonl"), tok)
+
+
+def test_hub_dataset_offline_and_bad_tokenizer_are_user_errors():
+    tok = ByteTokenizer()
+    with pytest.raises(UserError, match="no-such-owner/no-such-dataset"):
+        build_packed_dataset(_cfg("no-such-owner/no-such-dataset"), tok)
+    with pytest.raises(UserError, match="/no/such/tokenizer"):
+        load_tokenizer(load_recipe(None, ["data.tokenizer=/no/such/tokenizer"]))
+
+
+def _rows(n, seq_len=8):
+    rng = np.random.default_rng(1)
+    docs = [[r, *rng.integers(0, 50, size=seq_len - 1)] for r in range(n)]  # row r starts with r
+    return pack(datasets.Dataset.from_dict({"input_ids": docs}),
+                seq_len=seq_len, document_mask=True, pad_id=PAD)
+
+
+def _ids(batches):
+    return [tuple(b.input_ids[:, 0].tolist()) for b in batches]
+
+
+def test_iter_batches_is_deterministic_resumable_and_disjoint():
+    ds = _rows(10)
+    kw = dict(batch_size=2, dp_size=2, seed=3)
+    run = _ids(itertools.islice(iter_batches(ds, dp_rank=1, start_step=0, **kw), 12))
+    assert run == _ids(itertools.islice(iter_batches(ds, dp_rank=1, start_step=0, **kw), 12))
+    assert run[5:] == _ids(itertools.islice(iter_batches(ds, dp_rank=1, start_step=5, **kw), 7))
+    other = _ids(itertools.islice(iter_batches(ds, dp_rank=0, start_step=0, **kw), 12))
+    first_token = {tuple(r)[0] for r in ds["input_ids"]}
+    stream = [t for s in range(5) for t in other[s] + run[s]]  # 5 steps × 4 rows = 2 epochs
+    assert set(stream[:10]) == set(stream[10:]) == first_token
+    assert stream[:10] != stream[10:]  # each epoch reshuffled
+    reseeded = _ids(itertools.islice(iter_batches(ds, dp_rank=1, start_step=0, batch_size=2,
+                                                  dp_size=2, seed=4), 12))
+    assert reseeded != run
+
+
+def test_iter_batches_tensors_and_cu_seqlens():
+    ds = pack(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12]}),
+              seq_len=8, document_mask=True, pad_id=PAD)
+    batches = list(itertools.islice(iter_batches(ds, batch_size=1, dp_rank=0, dp_size=1, seed=0), 3))
+    for b in batches:
+        assert b.input_ids.shape == (1, 8) and b.input_ids.dtype == torch.int64
+        assert b.cu_seqlens is None or (b.cu_seqlens[0] == 0 and b.cu_seqlens[-1] == 8)
+    assert {b.cu_seqlens for b in batches} == {(0, 3, 8), (0, 4, 8), None}
+    assert int(sum(b.label_tokens() for b in batches)) == 2 + 4 + 11
+    with pytest.raises(DataError):
+        next(iter_batches(ds.select([]), batch_size=1, dp_rank=0, dp_size=1, seed=0))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shard_batch_round_trip(layout):
+    distributed = pytest.importorskip("lctrain_kernels.distributed")
+    ds = pack(datasets.Dataset.from_dict({"input_ids": [list(range(1, 30)), list(range(40, 60))]}),
+              seq_len=48, document_mask=True, pad_id=PAD)
+    (batch,) = itertools.islice(iter_batches(ds, batch_size=1, dp_rank=0, dp_size=1, seed=0), 1)
+    for cp in (1, 2, 3, 4):
+        whole = {n: torch.full_like(getattr(batch, n), -7) for n in ("input_ids", "labels", "position_ids")}
+        for rank in range(cp):
+            part = shard_batch(batch, cp_rank=rank, cp_size=cp, layout=layout)
+            assert part.cu_seqlens == batch.cu_seqlens == (0, 29, 48)
+            offset = 0
+            for start, stop in distributed.layout_positions(48, cp, rank, layout):
+                for n in whole:
+                    whole[n][:, start:stop] = getattr(part, n)[:, offset:offset + stop - start]
+                offset += stop - start
+            assert offset == part.input_ids.shape[1] == 48 // cp
+        for n in whole:
+            assert torch.equal(whole[n], getattr(batch, n)), n
