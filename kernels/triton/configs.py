@@ -1,0 +1,95 @@
+"""Tile configurations: a small autotune set per kernel, pruning, and the interpreter's fixed tiles.
+
+Each kernel is tuned over a handful of (BLOCK_M, BLOCK_N, num_stages, num_warps) points around
+the shapes known to run well on Hopper (Triton's fused-attention tutorial and torch's
+flex_attention defaults for H100: forward 128 x 64 tiles, 3 stages, 8 warps; backward dK/dV
+64 x 128 and dQ 128 x 64, 3 stages, 8 warps). ``prune`` drops, before any compilation, the
+configurations whose pipelined tiles cannot fit in the device's shared memory or whose float32
+accumulators would spill registers for this head dim and dtype; a config that still fails to
+compile is skipped by the autotuner (OutOfResources).
+
+The autotune key is (HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET) plus the tensors' dtypes, where
+SEQ_BUCKET is ``next_power_of_2(max(Sq, Sk))`` capped at 16K: every long sequence shares one
+tuning, done at its first call.
+
+Under the interpreter there is no timing to tune on, so one small but real-sized tile is used
+(several tiles per test sequence, so the stage split is exercised).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+#: (BLOCK_M, BLOCK_N, num_stages, num_warps) — BLOCK_M runs over queries, BLOCK_N over keys.
+FWD_POINTS = [(128, 64, 3, 8), (128, 64, 4, 8), (128, 128, 2, 8), (128, 64, 3, 4), (64, 64, 3, 4)]
+DKDV_POINTS = [(64, 128, 3, 8), (64, 128, 2, 8), (32, 128, 3, 8), (64, 64, 3, 4), (32, 64, 3, 4)]
+DQ_POINTS = [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4), (128, 32, 3, 4)]
+
+#: Fixed tiles under TRITON_INTERPRET (no autotuning there).
+INTERPRET_CONFIGS = {
+    "fwd": {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
+    "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_stages": 1, "num_warps": 4},
+    "dq": {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
+}
+
+SEQ_BUCKET_CAP = 16384
+_REGS_PER_THREAD = 192  # float32 accumulator budget per thread before we expect spills
+
+
+def seq_bucket(sq: int, sk: int) -> int:
+    """The autotune bucket of a (sq, sk) block."""
+    return min(triton.next_power_of_2(max(sq, sk)), SEQ_BUCKET_CAP)
+
+
+def make_configs(points) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_stages=s, num_warps=w)
+            for bm, bn, s, w in points]
+
+
+def _max_shared_memory() -> int:
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(
+            torch.cuda.current_device())
+        return int(props["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - unknown driver: assume an Ampere-class limit
+        return 166 * 1024
+
+
+def _footprint(kind: str, bm: int, bn: int, stages: int, d: int, elt: int) -> tuple[int, int]:
+    """(shared-memory bytes, float32 accumulator elements) of one program."""
+    if kind == "fwd":  # q resident; k, v tiles pipelined; acc (bm, d) and scores (bm, bn)
+        return (bm * d + stages * 2 * bn * d) * elt, bm * d + bm * bn
+    if kind == "dq":  # q, do resident; k, v pipelined; dq (bm, d) and two (bm, bn) tiles
+        return (2 * bm * d + stages * 2 * bn * d) * elt, bm * d + 2 * bm * bn
+    # dkdv: k, v resident; q, do pipelined; dk, dv (bn, d) and two (bn, bm) tiles
+    return (2 * bn * d + stages * 2 * bm * d) * elt, 2 * bn * d + 2 * bm * bn
+
+
+def prune(kind: str):
+    """An ``early_config_prune`` hook for kernel ``kind`` ("fwd", "dq" or "dkdv")."""
+
+    def _prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        d = int(args["HEAD_DIM_PAD"])
+        elt = args["Q"].element_size()
+        smem = _max_shared_memory()
+        kept = []
+        for cfg in configs:
+            bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+            shared, acc = _footprint(kind, bm, bn, cfg.num_stages, d, elt)
+            if shared <= smem and acc <= _REGS_PER_THREAD * 32 * cfg.num_warps:
+                kept.append(cfg)
+        if kept:
+            return kept
+        return [min(configs, key=lambda c: _footprint(kind, c.kwargs["BLOCK_M"],
+                                                      c.kwargs["BLOCK_N"], c.num_stages, d,
+                                                      elt)[0])]
+
+    return _prune
+
+
+def autotuned(kernel, kind: str, points):
+    """Wrap a ``@triton.jit`` kernel in ``triton.autotune`` with this module's policy."""
+    return triton.autotune(configs=make_configs(points),
+                           key=["HEAD_DIM_PAD", "MASK_MODE", "SEQ_BUCKET"],
+                           prune_configs_by={"early_config_prune": prune(kind)})(kernel)

@@ -1,0 +1,250 @@
+"""Launchers of the Triton attention kernels: checks, mask plan, buffers, grid, autotuning.
+
+Layout: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) with ``Hq % Hkv == 0`` (BSHD, as flash-attn);
+any strides as long as the head dim is contiguous (other inputs are copied). lse is
+(B, Hq, Sq) float32, natural log. The mask is given in GLOBAL positions, as in
+``lctrain_kernels.masks.MaskSpec``: ``causal`` (key position <= query position), ``q_start`` /
+``k_start`` (global position of the first query / key row) and ``doc_bounds`` (global
+``cu_seqlens`` as host ints; attention never crosses a document boundary).
+
+:func:`mask_plan` turns that into one of three kernel modes (see ``common.py``), dropping
+what cannot matter for the block (a single document, a causal block that is entirely in the
+past). On a GPU each kernel is autotuned (``configs.py``); under ``TRITON_INTERPRET=1`` or
+with an explicit ``config`` one fixed tile configuration is launched instead.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+import triton
+
+from lctrain_kernels.triton.backward import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel,
+                                             attn_bwd_dq_kernel)
+from lctrain_kernels.triton.common import (MASK_CAUSAL, MASK_NONE, MASK_RANGES, interpreting,
+                                           interval_arrays)
+from lctrain_kernels.triton.configs import (DKDV_POINTS, DQ_POINTS, FWD_POINTS,
+                                            INTERPRET_CONFIGS, autotuned, seq_bucket)
+from lctrain_kernels.triton.forward import attn_fwd_kernel
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MAX_GRID_Y = 65535
+
+fwd_tuned = autotuned(attn_fwd_kernel, "fwd", FWD_POINTS)
+dkdv_tuned = autotuned(attn_bwd_dkdv_kernel, "dkdv", DKDV_POINTS)
+dq_tuned = autotuned(attn_bwd_dq_kernel, "dq", DQ_POINTS)
+
+
+def check_inputs(q, k, v) -> tuple[int, int, int, int, int, int]:
+    """Validate the (q, k, v) of one block; returns (B, Sq, Hq, D, Sk, Hkv).
+
+    Raises:
+        ValueError: on a shape, dtype or device the kernels cannot take (one sentence why).
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"triton attention takes 4-D (batch, seq, heads, head_dim) tensors, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
+    B, Sq, Hq, D = q.shape
+    Bk, Sk, Hkv, Dk = k.shape
+    if k.shape != v.shape or Bk != B or Dk != D:
+        raise ValueError(f"k and v must both be (batch={B}, seq, kv_heads, head_dim={D}), got "
+                         f"k {tuple(k.shape)} and v {tuple(v.shape)}.")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}).")
+    if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"triton attention supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, "
+                         f"got {D}.")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype of float16/bfloat16/float32, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}.")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}.")
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(f"triton attention needs CUDA tensors (got {q.device}); on a CPU set "
+                         f"TRITON_INTERPRET=1 before importing triton to use the interpreter.")
+    if min(B, Sq, Sk) == 0:
+        raise ValueError(f"empty attention block: batch {B}, {Sq} queries, {Sk} keys.")
+    if B * max(Hq, Hkv) > MAX_GRID_Y:
+        raise ValueError(f"batch x heads = {B * max(Hq, Hkv)} exceeds the grid limit "
+                         f"{MAX_GRID_Y}; split the batch.")
+    return B, Sq, Hq, D, Sk, Hkv
+
+
+def mask_plan(sq, sk, causal, q_start, k_start, doc_bounds) -> tuple[int, int, tuple | None]:
+    """(mask mode, causal offset q_start - k_start, doc bounds still needed or None).
+
+    Raises:
+        ValueError: if the block reaches beyond the last document bound.
+    """
+    bounds = tuple(int(x) for x in doc_bounds) if doc_bounds is not None else None
+    if bounds is not None:
+        end = max(q_start + sq, k_start + sk)
+        if end > bounds[-1] or q_start < 0 or k_start < 0:
+            raise ValueError(f"block spans positions up to {end - 1} but cu_seqlens covers "
+                             f"[0, {bounds[-1]}); the documents must cover the whole sequence.")
+        ends = (q_start, q_start + sq - 1, k_start, k_start + sk - 1)
+        if len({bisect.bisect_right(bounds, p) for p in ends}) > 1:
+            return MASK_RANGES, q_start - k_start, bounds
+    if causal and k_start + sk - 1 > q_start:
+        return MASK_CAUSAL, q_start - k_start, None
+    return MASK_NONE, q_start - k_start, None
+
+
+def _head_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _buffer(buf, shape, dtype, like: torch.Tensor, name: str) -> torch.Tensor:
+    """A fresh output buffer, or the caller's one after checking it."""
+    if buf is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    if tuple(buf.shape) != tuple(shape) or buf.device != like.device or buf.stride(-1) != 1:
+        raise ValueError(f"{name}= must be a {tuple(shape)} tensor on {like.device} with a "
+                         f"contiguous last dim, got {tuple(buf.shape)} on {buf.device}.")
+    if not buf.is_floating_point():
+        raise ValueError(f"{name}= must be a floating-point tensor, got {buf.dtype}.")
+    return buf
+
+
+def _flags(dtype) -> dict:
+    """Constexprs that depend on dtype and on the interpreter."""
+    interp = interpreting()
+    if dtype == torch.float32:
+        prec = "ieee" if interp else "tf32x3"  # near-fp32 products on tensor cores
+    else:
+        prec = "tf32"  # unused for 16-bit operands
+    return {"UPCAST": interp and dtype == torch.bfloat16, "DOT_PREC": prec}
+
+
+def _launch(tuned, raw, kind: str, grid, args: dict, config: dict | None) -> None:
+    if config is None and interpreting():
+        config = INTERPRET_CONFIGS[kind]
+    if config is None:
+        tuned[grid](**args)
+    else:
+        raw[grid](**{**args, **config})
+
+
+def _mask_arrays(plan, sq, sk, q_start, k_start, causal, device, placeholder, for_keys):
+    mode, _, bounds = plan
+    if mode != MASK_RANGES:
+        return placeholder, placeholder  # never read by the kernel
+    return interval_arrays(sq, sk, q_start, k_start, causal, bounds, device, for_keys=for_keys)
+
+
+def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def flash_forward(q, k, v, *, scale: float | None = None, causal: bool = False,
+                  q_start: int = 0, k_start: int = 0, doc_bounds=None, out=None, lse=None,
+                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block: ``softmax(q k^T * scale + mask) v`` and its log-sum-exp.
+
+    Args:
+        q: (B, Sq, Hq, D) queries. k, v: (B, Sk, Hkv, D) keys and values.
+        scale: softmax scale; default ``D ** -0.5``.
+        causal, q_start, k_start, doc_bounds: the mask in global positions (module docstring).
+        out: optional (B, Sq, Hq, D) output buffer (any float dtype). lse: optional (B, Hq, Sq)
+            float32 buffer.
+        config: fixed tiles ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (optionally
+            ``"WARP_SPECIALIZE"``) instead of autotuning.
+
+    Returns:
+        ``(out, lse)``: out (B, Sq, Hq, D) in q's dtype (or ``out``'s), lse (B, Hq, Sq) float32.
+        Rows that see no key get out = 0 and lse = -inf.
+
+    Raises:
+        ValueError: on inputs the kernel cannot take (see :func:`check_inputs`).
+    """
+    B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
+    scale = D ** -0.5 if scale is None else float(scale)
+    plan = mask_plan(Sq, Sk, causal, q_start, k_start, doc_bounds)
+    q, k, v = (_head_dim_contiguous(x) for x in (q, k, v))
+    out = _buffer(out, q.shape, q.dtype, q, "out")  # (B, Sq, Hq, D)
+    lse = _buffer(lse, (B, Hq, Sq), torch.float32, q, "lse")  # (B, Hq, Sq)
+    if lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError("lse= must be a contiguous float32 tensor.")
+    kv_lo, kv_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, False)
+    args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KV_LO=kv_lo, KV_HI=kv_hi,
+                sm_scale=scale, causal_off=plan[1],
+                **dict(zip(("stride_qb", "stride_qs", "stride_qh"), _strides3(q))),
+                **dict(zip(("stride_kb", "stride_ks", "stride_kh"), _strides3(k))),
+                **dict(zip(("stride_vb", "stride_vs", "stride_vh"), _strides3(v))),
+                **dict(zip(("stride_ob", "stride_os", "stride_oh"), _strides3(out))),
+                Hq=Hq, GROUP=Hq // Hkv, Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk),
+                HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
+                MASK_MODE=plan[0], WARP_SPECIALIZE=False, **_flags(q.dtype))
+    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+    _launch(fwd_tuned, attn_fwd_kernel, "fwd", grid, args, config)
+    return out, lse
+
+
+def _delta(o, do, lse_shape, dlse) -> torch.Tensor:
+    """delta = rowsum(dO * O) - dlse, (B, Hq, Sq) float32."""
+    B, Sq, Hq, D = o.shape
+    delta = torch.empty(lse_shape, dtype=torch.float32, device=o.device)
+    block = 32 if interpreting() else 64
+    attn_bwd_delta_kernel[(triton.cdiv(Sq, block), B * Hq)](
+        o, do, delta, *_strides3(o), *_strides3(do), Hq, Sq,
+        HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)), BLOCK_M=block)
+    if dlse is not None:
+        delta -= dlse.to(torch.float32)
+    return delta
+
+
+def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal: bool = False,
+                   q_start: int = 0, k_start: int = 0, doc_bounds=None, dlse=None,
+                   dq=None, dk=None, dv=None, dq_config: dict | None = None,
+                   dkdv_config: dict | None = None):
+    """Gradients of one block from the FINAL (merged) ``out`` and ``lse`` of its query rows.
+
+    Args:
+        do: (B, Sq, Hq, D) gradient of ``out``. q, k, v, scale and the mask as in
+            :func:`flash_forward`. out: (B, Sq, Hq, D); lse: (B, Hq, Sq) float32.
+        dlse: optional (B, Hq, Sq) gradient of ``lse``.
+        dq, dk, dv: optional output buffers (any float dtype, e.g. float32 accumulators).
+        dq_config, dkdv_config: fixed tiles for the two kernels instead of autotuning.
+
+    Returns:
+        ``(dq, dk, dv)``: dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) summed over each GQA group,
+        in the inputs' dtype unless buffers were given.
+
+    Raises:
+        ValueError: on inputs the kernels cannot take.
+    """
+    B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
+    if do.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != (B, Hq, Sq):
+        raise ValueError(f"do and out must be {tuple(q.shape)} and lse {(B, Hq, Sq)}, got "
+                         f"{tuple(do.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}.")
+    scale = D ** -0.5 if scale is None else float(scale)
+    plan = mask_plan(Sq, Sk, causal, q_start, k_start, doc_bounds)
+    q, k, v, do, out = (_head_dim_contiguous(x) for x in (q, k, v, do, out))
+    lse = lse.to(torch.float32).contiguous()
+    delta = _delta(out, do, lse.shape, dlse)  # (B, Hq, Sq)
+    dq = _buffer(dq, q.shape, q.dtype, q, "dq")
+    dk = _buffer(dk, k.shape, k.dtype, q, "dk")
+    dv = _buffer(dv, v.shape, v.dtype, q, "dv")
+    common = dict(Q=q, K=k, V=v, DO=do, Lse=lse, Delta=delta, sm_scale=scale,
+                  causal_off=plan[1],
+                  **dict(zip(("stride_qb", "stride_qs", "stride_qh"), _strides3(q))),
+                  **dict(zip(("stride_kb", "stride_ks", "stride_kh"), _strides3(k))),
+                  **dict(zip(("stride_vb", "stride_vs", "stride_vh"), _strides3(v))),
+                  **dict(zip(("stride_db", "stride_ds", "stride_dh"), _strides3(do))),
+                  Hq=Hq, GROUP=Hq // Hkv, Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk),
+                  HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
+                  MASK_MODE=plan[0], **_flags(q.dtype))
+    q_lo, q_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, True)
+    dkdv_args = dict(common, DK=dk, DV=dv, Q_LO=q_lo, Q_HI=q_hi, Hkv=Hkv,
+                     **dict(zip(("stride_dkb", "stride_dks", "stride_dkh"), _strides3(dk))),
+                     **dict(zip(("stride_dvb", "stride_dvs", "stride_dvh"), _strides3(dv))))
+    grid = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
+    _launch(dkdv_tuned, attn_bwd_dkdv_kernel, "dkdv", grid, dkdv_args, dkdv_config)
+    kv_lo, kv_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, False)
+    dq_args = dict(common, DQ=dq, KV_LO=kv_lo, KV_HI=kv_hi,
+                   **dict(zip(("stride_dqb", "stride_dqs", "stride_dqh"), _strides3(dq))))
+    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
+    _launch(dq_tuned, attn_bwd_dq_kernel, "dq", grid, dq_args, dq_config)
+    return dq, dk, dv

@@ -1,0 +1,154 @@
+"""Our Triton flash attention (interpreter on CPU) against float64 reference math.
+
+The reference is written out here: softmax(Q K^T * scale + mask) V with K/V repeated over the
+GQA group, lse = logsumexp, gradients by float64 autograd. Masks are built from global
+positions (causal: key <= query; documents: same document). Shapes are tiny (S <= 200) so the
+interpreter stays fast; the tiles are the real ones (several per sequence).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lctrain_kernels.triton.launch import flash_backward, flash_forward
+
+
+def make_mask(sq, sk, causal, q_start=0, k_start=0, doc_bounds=None):
+    qpos = torch.arange(q_start, q_start + sq)[:, None]  # (sq, 1)
+    kpos = torch.arange(k_start, k_start + sk)[None, :]  # (1, sk)
+    mask = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        mask &= kpos <= qpos
+    if doc_bounds is not None:
+        b = torch.tensor(doc_bounds)
+        mask &= torch.bucketize(qpos, b, right=True) == torch.bucketize(kpos, b, right=True)
+    return mask
+
+
+def reference(q, k, v, mask, scale):
+    """float64 (out (B,Sq,Hq,D), lse (B,Hq,Sq)); differentiable in q, k, v."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, 2)
+    v = v.repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # (B, H, Sq, Sk)
+    seen = mask.any(-1)  # (Sq,) rows that see at least one key
+    s = torch.where(mask & seen[:, None], s, torch.where(seen[:, None], -math.inf, 0.0))
+    lse = torch.logsumexp(s, -1)  # (B, H, Sq)
+    p = torch.exp(s - lse[..., None]) * seen[:, None]
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out, torch.where(seen, lse, -math.inf)
+
+
+def inputs(B, sq, sk, hq, hkv, d, dtype):
+    q = torch.randn(B, sq, hq, d, dtype=dtype)
+    k = torch.randn(B, sk, hkv, d, dtype=dtype)
+    v = torch.randn(B, sk, hkv, d, dtype=dtype)
+    return q, k, v
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+def check_block(B, sq, sk, hq, hkv, d, dtype, causal, q_start=0, k_start=0, doc_bounds=None,
+                tol=None, backward=True, **cfg):
+    tol = tol if tol is not None else {torch.float32: 2e-5, torch.float16: 4e-3,
+                                       torch.bfloat16: 3e-2}[dtype]
+    q, k, v = inputs(B, sq, sk, hq, hkv, d, dtype)
+    mask = make_mask(sq, sk, causal, q_start, k_start, doc_bounds)
+    scale = 0.7 / math.sqrt(d)
+    qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
+    ref_out, ref_lse = reference(qd, kd, vd, mask, scale)
+    mask_kw = dict(scale=scale, causal=causal, q_start=q_start, k_start=k_start,
+                   doc_bounds=doc_bounds)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    lse = torch.full((B, hq, sq), float("nan"))
+    out, lse = flash_forward(q, k, v, out=out, lse=lse, config=cfg.get("fwd"), **mask_kw)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel_err(out, ref_out.detach()) < tol
+    seen = mask.any(-1)
+    assert torch.equal(lse[..., ~seen], torch.full_like(lse[..., ~seen], -math.inf))
+    assert torch.equal(out[:, ~seen], torch.zeros_like(out[:, ~seen]))
+    if seen.any():
+        assert (lse[..., seen].double() - ref_lse.detach()[..., seen]).abs().max() < tol * 10
+    if not backward:
+        return
+    do = torch.randn_like(q)
+    ref_out.backward(do.double())
+    grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    dq, dk, dv = flash_backward(do, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                dq_config=cfg.get("dq"), dkdv_config=cfg.get("dkdv"), **mask_kw)
+    for name, got, ref in (("dq", dq, qd.grad), ("dk", dk, kd.grad), ("dv", dv, vd.grad)):
+        assert not got.isnan().any(), name
+        assert rel_err(got, ref) < tol * 4, (name, rel_err(got, ref))
+
+
+def test_causal_gqa_odd_length_fp32():
+    check_block(1, 100, 100, 4, 2, 64, torch.float32, causal=True)
+
+
+def test_full_ragged_padded_head_dim_fp32():
+    check_block(2, 37, 100, 2, 1, 80, torch.float32, causal=False)
+
+
+def test_offset_causal_block_fp32():
+    # queries 150..213 against keys 100..229: a shifted diagonal with a fully visible prefix
+    check_block(1, 64, 130, 2, 2, 32, torch.float32, causal=True, q_start=150, k_start=100)
+
+
+def test_rows_that_see_nothing_fp32():
+    # keys start after the first 20 queries: those rows give out 0 and lse -inf, and no NaN
+    check_block(1, 50, 40, 2, 1, 64, torch.float32, causal=True, q_start=0, k_start=20)
+
+
+def test_documents_causal_fp32():
+    # a document of length 1 and boundaries that cross the 64 / 32 tiles
+    check_block(1, 200, 200, 2, 1, 64, torch.float32, causal=True,
+                doc_bounds=(0, 30, 31, 97, 160, 200))
+
+
+def test_documents_offset_noncausal_fp32():
+    check_block(1, 120, 200, 4, 2, 32, torch.float32, causal=False, q_start=40, k_start=0,
+                doc_bounds=(0, 30, 31, 97, 160, 200))
+
+
+def test_causal_gqa_fp16():
+    check_block(1, 128, 128, 4, 2, 64, torch.float16, causal=True)
+
+
+def test_documents_fp16_d96():
+    check_block(1, 90, 90, 2, 2, 96, torch.float16, causal=True, doc_bounds=(0, 1, 45, 90))
+
+
+def test_bf16_forward_under_interpreter_upcast():
+    check_block(1, 70, 70, 2, 1, 64, torch.bfloat16, causal=True)
+
+
+def test_explicit_tiles_with_wide_key_tiles():
+    tiles = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
+             "dq": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
+             "dkdv": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}}
+    check_block(1, 77, 77, 2, 1, 32, torch.float32, causal=True,
+                doc_bounds=(0, 20, 77), **tiles)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(hkv=4), "multiple of key/value heads"),
+    (dict(d=512), "head dims"),
+    (dict(kdtype=torch.float16), "share one dtype"),
+])
+def test_clear_errors(bad, match):
+    hq, hkv, d = 6, bad.get("hkv", 2), bad.get("d", 32)
+    q = torch.randn(1, 8, hq, d)
+    k = torch.randn(1, 8, hkv, d, dtype=bad.get("kdtype", torch.float32))
+    with pytest.raises(ValueError, match=match):
+        flash_forward(q, k, k.clone(), causal=True)
+
+
+def test_documents_must_cover_the_block():
+    q = torch.randn(1, 16, 2, 32)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        flash_forward(q, q, q, causal=True, doc_bounds=(0, 8, 12))
