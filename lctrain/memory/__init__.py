@@ -1,0 +1,19 @@
+"""Analytic per-GPU memory model behind ``lctrain estimate-memory``.
+
+    from lctrain.memory import estimate_recipe, estimate, load_architecture
+    est = estimate_recipe(cfg, model=None, seq_len=256 * 1024, gpus=8, gpu_memory=80 << 30,
+                          cp=None, policy=None)
+    est.to_json()   # parameters_count, per_gpu_bytes{...,total}, fits, max_seq_len
+    est.table()     # a rich Table
+
+Low level: ``estimate(load_architecture("llama-7b"), seq_len, gpus, cp, "remat", "bfloat16")``.
+"""
+from lctrain.memory.activations import POLICIES
+from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
+from lctrain.memory.estimate import estimate, max_seq_len
+from lctrain.memory.presets import PRESETS
+from lctrain.memory.recipe import estimate_recipe
+from lctrain.memory.report import MemoryEstimate
+
+__all__ = ["POLICIES", "PRESETS", "Architecture", "MemoryEstimate", "estimate", "estimate_recipe",
+           "from_config_dict", "load_architecture", "max_seq_len"]

@@ -1,0 +1,41 @@
+"""Built-in architectures (shapes only, no weights) for ``estimate-memory --model NAME``.
+
+Each preset is the architecture part of the model's published ``config.json``, so it reads
+exactly as a downloaded config would (see `lctrain.memory.arch.from_config_dict`).
+
+    llama-7b     Llama-2-7B           6.74 B parameters
+    llama3-8b    Llama-3-8B (GQA 8)   8.03 B
+    mistral-7b   Mistral-7B-v0.1      7.24 B
+    qwen2.5-7b   Qwen2.5-7B (GQA 4)   7.62 B
+"""
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "llama-7b": {
+        "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    },
+    "llama3-8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    },
+    "mistral-7b": {
+        "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096,
+        "tie_word_embeddings": False,
+    },
+    "qwen2.5-7b": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "hidden_act": "silu", "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "use_sliding_window": False,
+        "tie_word_embeddings": False,
+    },
+}
+"""Preset name -> transformers config fields (architecture only)."""

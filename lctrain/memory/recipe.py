@@ -1,0 +1,71 @@
+"""`estimate_recipe`: the memory model applied to a recipe (what ``lctrain estimate-memory`` calls)."""
+from __future__ import annotations
+
+from lctrain.config.schema import LAYOUT_CHUNKS_PER_RANK, ParallelConfig, RecipeConfig, TrainConfig
+from lctrain.errors import UserError
+from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
+from lctrain.memory.estimate import estimate
+from lctrain.memory.report import MemoryEstimate
+
+
+def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_len: int,
+                    gpus: int, gpu_memory: int, cp: int | None = None,
+                    policy: str | None = None) -> MemoryEstimate:
+    """Estimate the per-GPU memory of training a recipe (or a bare model with default settings).
+
+    Args:
+        cfg: the recipe; None uses the recipe defaults (cp 1, distflash, FSDP2, fp32 master
+            weights with bf16 compute) around ``model``.
+        model: a preset name (llama-7b, llama3-8b, mistral-7b, qwen2.5-7b), a config.json or a
+            model folder; overrides the recipe's model.
+        seq_len: tokens per sequence.
+        gpus: GPUs in the job.
+        gpu_memory: bytes per GPU.
+        cp: context-parallel degree (default: the recipe's).
+        policy: checkpointing policy (default: the recipe's train.checkpointing).
+
+    Returns:
+        A `MemoryEstimate` with ``fits`` and ``max_seq_len`` filled in.
+
+    Raises:
+        UserError: no model to estimate, an unreadable model config, cp not dividing gpus, or a
+            seq_len the layout cannot split.
+    """
+    arch = _architecture(cfg, model)
+    parallel = cfg.parallel if cfg is not None else ParallelConfig()
+    train = cfg.train if cfg is not None else TrainConfig()
+    cp = parallel.cp if cp is None else cp
+    master = cfg.model.dtype if cfg is not None else "float32"
+    compute = "bfloat16" if train.mixed_precision in ("auto", "bf16") else master
+    return estimate(arch, seq_len, gpus, cp, policy or train.checkpointing, compute,
+                    master_dtype=master, batch_size=train.batch_size,
+                    grad_accum=train.grad_accum, fsdp=parallel.fsdp != "off",
+                    loss_chunk_tokens=train.loss_chunk_tokens, gpu_memory=gpu_memory,
+                    seq_chunks=cp * LAYOUT_CHUNKS_PER_RANK[parallel.layout])
+
+
+def _architecture(cfg: RecipeConfig | None, model: str | None) -> Architecture:
+    if model is not None:
+        return load_architecture(model)
+    if cfg is None:
+        raise UserError("no model to estimate: pass a recipe or --model with a preset "
+                        "(llama-7b, llama3-8b, mistral-7b, qwen2.5-7b) or a config.json")
+    if cfg.model.config is not None:
+        return from_config_dict(cfg.model.config, name=cfg.model.config.get("model_type"))
+    return _architecture_of_path(cfg.model.path)
+
+
+def _architecture_of_path(path: str) -> Architecture:
+    """A local folder / config.json, else a hub name through transformers (online or cached)."""
+    try:
+        return load_architecture(path)
+    except UserError:
+        pass
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path).to_dict()
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the architecture of model {path!r} ({exc.__class__.__name__}); "
+                        "pass --model with a preset or a config.json path") from None
+    return from_config_dict(config, name=path)

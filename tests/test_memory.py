@@ -1,0 +1,152 @@
+"""The analytic memory model: parameter counts, monotonicity, policies, cp, JSON, recipes."""
+import json
+import typing
+
+import pytest
+
+from lctrain.config import TrainConfig, load_recipe
+from lctrain.errors import UserError
+from lctrain.memory import (
+    POLICIES,
+    PRESETS,
+    estimate,
+    estimate_recipe,
+    from_config_dict,
+    load_architecture,
+)
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("name, billions", [("llama-7b", 6.74), ("llama3-8b", 8.03),
+                                            ("mistral-7b", 7.24), ("qwen2.5-7b", 7.62)])
+def test_preset_parameter_counts(name, billions):
+    assert abs(load_architecture(name).parameters() / 1e9 - billions) <= 0.01
+
+
+def test_llama_7b_exact_count():
+    assert load_architecture("llama-7b").parameters() == 6_738_415_616
+
+
+@pytest.mark.parametrize("fields", [
+    {"model_type": "llama", "num_key_value_heads": 2, "tie_word_embeddings": True},
+    {"model_type": "llama", "num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True},
+    {"model_type": "llama", "head_dim": 24},
+    {"model_type": "qwen2", "num_key_value_heads": 2},
+])
+def test_formula_matches_transformers_models(fields):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = {"vocab_size": 301, "hidden_size": 64, "intermediate_size": 112,
+            "num_hidden_layers": 3, "num_attention_heads": 4}
+    config = {**base, **fields}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**{k: v for k, v in config.items()}))
+    assert from_config_dict(config).parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_monotonic_in_seq_len():
+    arch = load_architecture("llama-7b")
+    for policy in POLICIES:
+        runs = [estimate(arch, s, 8, 2, policy) for s in (4096, 16384, 65536, 262144, 524288)]
+        totals = [r.per_gpu_bytes["total"] for r in runs]
+        saved = [r.details["saved_activations"] for r in runs]
+        assert totals == sorted(totals) and totals[-1] > totals[0], policy
+        assert saved == sorted(saved) and len(set(saved)) == len(saved), policy
+
+
+def test_policies_order_activations():
+    arch = load_architecture("llama3-8b")
+    saved = {p: estimate(arch, 131072, 8, 4, p).details["saved_activations"] for p in POLICIES}
+    assert saved["remat-offload"] < saved["full"] < saved["remat"] < saved["none"]
+    # remat keeps exactly the attention output (bf16) and fp32 lse per layer beyond full
+    extra = 32 * (131072 // 4) * (2 * 4096 + 4 * 32)
+    assert saved["remat"] - saved["full"] == extra
+
+
+def test_cp_halves_activations():
+    arch = load_architecture("mistral-7b")
+    for policy in POLICIES:
+        one = estimate(arch, 65536, 4, 1, policy).details["saved_activations"]
+        two = estimate(arch, 65536, 4, 2, policy).details["saved_activations"]
+        assert 2 * two == one, policy
+
+
+def test_fsdp_shards_parameters_and_optimizer():
+    arch = load_architecture("llama-7b")
+    one = estimate(arch, 4096, 1, 1, "full", master_dtype="float32")
+    eight = estimate(arch, 4096, 8, 1, "full", master_dtype="float32")
+    assert one.per_gpu_bytes["parameters"] == 4 * arch.parameters()
+    assert eight.per_gpu_bytes["parameters"] == -(-4 * arch.parameters() // 8)
+    assert eight.per_gpu_bytes["optimizer"] == 2 * eight.per_gpu_bytes["parameters"]
+
+
+def test_json_fields_and_total():
+    est = estimate(load_architecture("qwen2.5-7b"), 32768, 8, 2, "remat", gpu_memory=80 * GIB)
+    data = json.loads(json.dumps(est.to_json()))
+    assert data["parameters_count"] == load_architecture("qwen2.5-7b").parameters()
+    parts = data["per_gpu_bytes"]
+    assert set(parts) == {"parameters", "gradients", "optimizer", "activations", "other", "total"}
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    assert isinstance(data["fits"], bool) and data["max_seq_len"] % 2 == 0
+
+
+def test_max_seq_len_is_the_boundary():
+    arch = load_architecture("llama-7b")
+    est = estimate(arch, 8192, 8, 4, "remat", gpu_memory=80 * GIB, seq_chunks=8)
+    longest = est.max_seq_len
+    assert longest > 8192 and longest % 8 == 0 and est.fits
+    assert estimate(arch, longest, 8, 4, "remat").per_gpu_bytes["total"] <= 80 * GIB
+    assert estimate(arch, longest + 8, 8, 4, "remat").per_gpu_bytes["total"] > 80 * GIB
+    tiny_gpu = estimate(arch, 8192, 8, 4, "remat", gpu_memory=GIB)
+    assert tiny_gpu.fits is False and tiny_gpu.max_seq_len == 0
+
+
+def test_optimizer_phase_wins_at_short_context():
+    est = estimate(load_architecture("llama-7b"), 256, 1, 1, "full", master_dtype="float32")
+    assert est.details["phase"] == "optimizer"
+    assert est.per_gpu_bytes["gradients"] == est.per_gpu_bytes["parameters"]
+
+
+def test_recipe_estimate_uses_the_recipe(tmp_path):
+    cfg = load_recipe("recipes/llama-7b-256k.yaml")
+    est = estimate_recipe(cfg, seq_len=262144, gpus=2, gpu_memory=141 * GIB)
+    assert est.policy == cfg.train.checkpointing and est.cp == cfg.parallel.cp
+    assert est.parameters_count == load_architecture("llama-7b").parameters()
+    assert est.master_dtype == "bfloat16" and est.dtype == "bfloat16"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(PRESETS["llama3-8b"]))
+    by_path = estimate_recipe(cfg, model=str(tmp_path), seq_len=262144, gpus=8,
+                              gpu_memory=80 * GIB, cp=8, policy="remat-offload")
+    assert by_path.parameters_count == load_architecture("llama3-8b").parameters()
+    bare = estimate_recipe(None, model="mistral-7b", seq_len=8192, gpus=8, gpu_memory=80 * GIB)
+    assert bare.cp == 1 and bare.master_dtype == "float32"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"model": "llama-9000"}, "neither a preset"),
+    ({"model": "llama-7b", "cp": 3}, "cp that divides"),
+    ({"model": "llama-7b", "seq_len": 1001, "cp": 2}, "multiple of 2"),
+    ({"model": "llama-7b", "policy": "sometimes"}, "unknown"),
+])
+def test_user_errors_are_one_sentence(kwargs, words):
+    args = {"seq_len": 4096, "gpus": 4, "gpu_memory": 80 * GIB, **kwargs}
+    with pytest.raises(UserError, match=words):
+        estimate_recipe(None, **args)
+
+
+def test_policies_match_the_config():
+    annotation = typing.get_type_hints(TrainConfig)["checkpointing"]
+    assert set(typing.get_args(annotation)) == set(POLICIES)
+
+
+def test_table_renders():
+    from rich.console import Console
+
+    console = Console(record=True, width=100)
+    console.print(estimate(load_architecture("llama-7b"), 65536, 8, 2, "remat",
+                           gpu_memory=80 * GIB).table())
+    text = console.export_text()
+    assert "activations" in text and "fits" in text
