@@ -7,7 +7,8 @@ over its keys. Two pieces combine exactly into the attention over their union:
     lse = log(exp(lse_a) + exp(lse_b)) = max(lse_a, lse_b) + log1p(exp(-|lse_a - lse_b|))
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-Both weights are at most 1, so nothing overflows; the arithmetic is float32. A row that sees
+Both weights are at most 1, so nothing overflows; the arithmetic is float32 (float64 when the
+inputs are float64, so the float64 oracle tests keep their precision). A row that sees
 no key in a piece carries ``lse = -inf`` and ``out = 0``: its weight is exactly 0. A row that
 sees no key in either piece stays ``lse = -inf``, ``out = 0`` (never NaN). This is how
 DistFlashAttn folds the blocks computed on other workers into the owner's result.
@@ -20,8 +21,9 @@ _NEG_INF = float("-inf")
 
 
 def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
-    """Merged lse and the two weights exp(lse_x - lse), all float32 (B, H, S), -inf safe."""
-    lse_a, lse_b = lse_a.float(), lse_b.float()
+    """Merged lse and the weights exp(lse_x - lse), (B, H, S) float32 or float64, -inf safe."""
+    ct = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
+    lse_a, lse_b = lse_a.to(ct), lse_b.to(ct)
     hi = torch.maximum(lse_a, lse_b)  # (B, H, S)
     lo = torch.minimum(lse_a, lse_b)
     hi_safe = torch.where(hi == _NEG_INF, torch.zeros_like(hi), hi)
@@ -62,11 +64,13 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
         ValueError: if the shapes disagree or the accumulator is not float32.
     """
     _check(acc_out, acc_lse, out, lse)
-    if acc_out.dtype != torch.float32 or acc_lse.dtype != torch.float32:
-        raise ValueError(f"the merge accumulator must be float32, got out {acc_out.dtype} and "
-                         f"lse {acc_lse.dtype}.")
+    wide = (torch.float32, torch.float64)
+    if acc_out.dtype not in wide or acc_lse.dtype not in wide:
+        raise ValueError(f"the merge accumulator must be float32 (or float64), got out "
+                         f"{acc_out.dtype} and lse {acc_lse.dtype}.")
     new_lse, w_acc, w_new = _weights(acc_lse, lse)
-    acc_out.mul_(_as_bshd_weight(w_acc)).add_(out.float() * _as_bshd_weight(w_new))
+    acc_out.mul_(_as_bshd_weight(w_acc).to(acc_out.dtype))
+    acc_out.add_(out.to(acc_out.dtype) * _as_bshd_weight(w_new).to(acc_out.dtype))
     acc_lse.copy_(new_lse)
 
 
@@ -81,13 +85,14 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
         lse_b: (B, H, S) its log-sum-exp.
 
     Returns:
-        ``(out, lse)``: (B, S, H, D) float32 and (B, H, S) float32, the attention over the
-        union of both key sets.
+        ``(out, lse)``: (B, S, H, D) and (B, H, S), float32 (float64 if any input is), the
+        attention over the union of both key sets.
 
     Raises:
         ValueError: if the shapes disagree.
     """
     _check(out_a, lse_a, out_b, lse_b)
     lse, w_a, w_b = _weights(lse_a, lse_b)
-    out = out_a.float() * _as_bshd_weight(w_a) + out_b.float() * _as_bshd_weight(w_b)
+    ct = torch.promote_types(torch.promote_types(out_a.dtype, out_b.dtype), lse.dtype)
+    out = out_a.to(ct) * _as_bshd_weight(w_a).to(ct) + out_b.to(ct) * _as_bshd_weight(w_b).to(ct)
     return out, lse

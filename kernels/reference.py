@@ -30,29 +30,52 @@ mask hides entirely is skipped, one that it shows entirely needs no mask.
 """
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from lctrain_kernels.masks import MaskSpec, Relation, classify, dense_mask
 
 #: default bound on the score elements (B * Hq * rows * Sk) held at once: 64 MiB in float32.
 MAX_SCORES = 1 << 24
+#: at most this many query rows per chunk, so causal/document chunks skip hidden keys.
+MAX_ROWS = 256
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _visible_keys(spec: MaskSpec, q0: int, q1: int, sk: int) -> tuple[int, int]:
+    """Local [lo, hi) span of keys that query rows at global positions q0..q1 may see."""
+    lo, hi = spec.k_start, spec.k_start + sk
+    if spec.causal:
+        hi = min(hi, q1 + 1)
+    if spec.doc_bounds is not None:
+        bounds = spec.doc_bounds
+        lo = max(lo, bounds[bisect.bisect_right(bounds, q0) - 1])
+        hi = min(hi, bounds[min(bisect.bisect_right(bounds, q1), len(bounds) - 1)])
+    return lo - spec.k_start, max(lo, hi) - spec.k_start
+
+
 def _chunks(spec: MaskSpec, q: torch.Tensor, sk: int, max_scores: int):
-    """Yield (row0, row1, relation, mask or None) for each chunk of query rows."""
+    """Yield (rows, keys, relation, mask or None) for each chunk of query rows.
+
+    ``rows`` and ``keys`` are local slices; keys outside the span the chunk can see (above the
+    causal diagonal, outside its documents) are cut off before any matmul.
+    """
     b, sq, hq, _ = q.shape
-    rows = max(1, max_scores // max(1, b * hq * sk))
-    for r0 in range(0, sq, rows):
-        r1 = min(sq, r0 + rows)
-        sub = MaskSpec(spec.causal, spec.q_start + r0, spec.k_start, spec.doc_bounds)
-        rel = classify(sub, r1 - r0, sk)
-        mask = None if rel in (Relation.EMPTY, Relation.FULL) else dense_mask(sub, r1 - r0, sk,
-                                                                              q.device)
-        yield r0, r1, rel, mask
+    step = max(1, min(MAX_ROWS, max_scores // max(1, b * hq * sk)))
+    for r0 in range(0, sq, step):
+        r1 = min(sq, r0 + step)
+        q0 = spec.q_start + r0
+        k0, k1 = _visible_keys(spec, q0, q0 + (r1 - r0) - 1, sk)
+        sub = MaskSpec(spec.causal, q0, spec.k_start + k0, spec.doc_bounds)
+        rel = classify(sub, r1 - r0, k1 - k0)
+        mask = None
+        if rel not in (Relation.EMPTY, Relation.FULL):
+            mask = dense_mask(sub, r1 - r0, k1 - k0, q.device)
+        yield slice(r0, r1), slice(k0, k1), rel, mask
 
 
 def _group_rows(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -108,14 +131,16 @@ def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: M
     vh = v.to(ct).transpose(1, 2)  # (B, Hkv, Sk, D)
     out = torch.zeros(b, sq, hq, d, dtype=q.dtype, device=q.device)  # (B, Sq, Hq, D)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=ct, device=q.device)  # (B, Hq, Sq)
-    for r0, r1, rel, mask in _chunks(spec, q, sk, max_scores):
+    for rows, keys, rel, mask in _chunks(spec, q, sk, max_scores):
         if rel is Relation.EMPTY:
             continue
-        s = _scores(_group_rows(q[:, r0:r1], hkv, ct), kt, scale, mask, g)  # (B,Hkv,G*R,Sk)
+        r = rows.stop - rows.start
+        qg = _group_rows(q[:, rows], hkv, ct)  # (B, Hkv, G*R, D)
+        s = _scores(qg, kt[..., keys], scale, mask, g)  # (B, Hkv, G*R, K)
         lse_c = torch.logsumexp(s, dim=-1)  # (B, Hkv, G*R); -inf for rows that see nothing
-        o = torch.matmul(_probs(s, lse_c), vh)  # (B, Hkv, G*R, D)
-        out[:, r0:r1] = _ungroup_rows(o, r1 - r0).to(q.dtype)
-        lse[:, :, r0:r1] = lse_c.view(b, hkv, g, r1 - r0).reshape(b, hq, r1 - r0)
+        o = torch.matmul(_probs(s, lse_c), vh[:, :, keys])  # (B, Hkv, G*R, D)
+        out[:, rows] = _ungroup_rows(o, r).to(q.dtype)
+        lse[:, :, rows] = lse_c.view(b, hkv, g, r).reshape(b, hq, r)
     return out, lse
 
 
@@ -148,18 +173,18 @@ def reference_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dq = torch.zeros(b, sq, hq, d, dtype=q.dtype, device=q.device)  # (B, Sq, Hq, D)
     dk = torch.zeros(b, hkv, sk, d, dtype=ct, device=q.device)  # (B, Hkv, Sk, D)
     dv = torch.zeros(b, hkv, sk, d, dtype=ct, device=q.device)
-    for r0, r1, rel, mask in _chunks(spec, q, sk, max_scores):
+    for rows, keys, rel, mask in _chunks(spec, q, sk, max_scores):
         if rel is Relation.EMPTY:
             continue
-        r = r1 - r0
-        qg = _group_rows(q[:, r0:r1], hkv, ct)  # (B, Hkv, G*R, D)
-        dog = _group_rows(do[:, r0:r1], hkv, ct)  # (B, Hkv, G*R, D)
-        og = _group_rows(out[:, r0:r1], hkv, ct)
-        lse_c = lse[:, :, r0:r1].to(ct).reshape(b, hkv, g * r)  # (B, Hkv, G*R)
-        p = _probs(_scores(qg, kh.transpose(-1, -2), scale, mask, g), lse_c)  # (B,Hkv,G*R,Sk)
-        dv += torch.matmul(p.transpose(-1, -2), dog)  # (B, Hkv, Sk, D)
-        delta = (dog * og).sum(-1, keepdim=True)  # (B, Hkv, G*R, 1)
-        ds = torch.matmul(dog, vt).sub_(delta).mul_(p)  # (B, Hkv, G*R, Sk)
-        dq[:, r0:r1] = _ungroup_rows(torch.matmul(ds, kh).mul_(scale), r).to(q.dtype)
-        dk += torch.matmul(ds.transpose(-1, -2), qg).mul_(scale)  # (B, Hkv, Sk, D)
+        r = rows.stop - rows.start
+        qg = _group_rows(q[:, rows], hkv, ct)  # (B, Hkv, G*R, D)
+        dog = _group_rows(do[:, rows], hkv, ct)  # (B, Hkv, G*R, D)
+        delta = (dog * _group_rows(out[:, rows], hkv, ct)).sum(-1, keepdim=True)  # (B,Hkv,G*R,1)
+        lse_c = lse[:, :, rows].to(ct).reshape(b, hkv, g * r)  # (B, Hkv, G*R)
+        k_c = kh[:, :, keys]  # (B, Hkv, K, D)
+        p = _probs(_scores(qg, k_c.transpose(-1, -2), scale, mask, g), lse_c)  # (B,Hkv,G*R,K)
+        dv[:, :, keys] += torch.matmul(p.transpose(-1, -2), dog)  # (B, Hkv, K, D)
+        ds = torch.matmul(dog, vt[..., keys]).sub_(delta).mul_(p)  # (B, Hkv, G*R, K)
+        dq[:, rows] = _ungroup_rows(torch.matmul(ds, k_c).mul_(scale), r).to(q.dtype)
+        dk[:, :, keys] += torch.matmul(ds.transpose(-1, -2), qg).mul_(scale)  # (B, Hkv, K, D)
     return dq, dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)

@@ -15,6 +15,7 @@ Backends by name (each module is imported only when first asked for):
     flash       torch's built-in FlashAttention-2 op; CUDA, fp16/bf16, FULL/CAUSAL
     flash_attn  the flash-attn package, if installed; CUDA, fp16/bf16, FULL/CAUSAL
     triton      lctrain's own Triton kernels; every relation (document masks skip tiles)
+    cpu_flash   torch's CPU flash-attention op; CPU, FULL/CAUSAL (about 2x the reference)
 
 The "auto" rule (:func:`select_backend`), first one that is available and supports the block:
 
@@ -23,7 +24,9 @@ The "auto" rule (:func:`select_backend`), first one that is available and suppor
   shared/PERF.md); our Triton kernel (~410 target) beats torch's flash op.
 * CUDA, PARTIAL block (offset diagonal, documents) or float32: triton > reference; only
   triton skips masked tiles, the dense SDPA ops here cannot take a mask with log-sum-exp.
-* CPU: reference (the Triton interpreter is correct but orders of magnitude slower).
+* CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
+  takes a mask only as an additive tensor of the inputs' dtype, and the Triton interpreter is
+  correct but orders of magnitude slower).
 
 A backend named explicitly is never swapped for another: if it cannot run the block,
 :class:`BackendUnavailable` says why.
@@ -43,10 +46,12 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "flash": ("sdpa", "FlashBackend"),
     "flash_attn": ("flash_attn", "FlashAttnBackend"),
     "triton": ("triton", "TritonBackend"),
+    "cpu_flash": ("sdpa", "CpuFlashBackend"),
 }
 
 _DENSE_CUDA_ORDER = ("cudnn", "triton", "flash", "flash_attn", "reference")
 _MASKED_CUDA_ORDER = ("triton", "reference")
+_DENSE_CPU_ORDER = ("cpu_flash", "reference")
 
 
 class BackendUnavailable(RuntimeError):
@@ -99,9 +104,9 @@ def available_backends() -> list[str]:
 
 
 def _auto_order(q: torch.Tensor, relation: Relation) -> tuple[str, ...]:
-    if not q.is_cuda:
-        return ("reference",)
     dense = relation in (Relation.FULL, Relation.CAUSAL)
+    if not q.is_cuda:
+        return _DENSE_CPU_ORDER if dense and q.device.type == "cpu" else ("reference",)
     if dense and q.dtype in (torch.float16, torch.bfloat16):
         return _DENSE_CUDA_ORDER
     return _MASKED_CUDA_ORDER
