@@ -54,9 +54,10 @@ class _AttentionFn(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         spec, scale, backend = ctx.spec, ctx.scale, ctx.backend
-        dq = torch.zeros_like(q, dtype=torch.float32)  # (B, S, Hq, D)
-        dk = torch.zeros_like(k, dtype=torch.float32)  # (B, S, Hkv, D)
-        dv = torch.zeros_like(v, dtype=torch.float32)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros_like(q, dtype=acc)  # (B, S, Hq, D)
+        dk = torch.zeros_like(k, dtype=acc)  # (B, S, Hkv, D)
+        dv = torch.zeros_like(v, dtype=acc)
         if dout is not None:
             grads = block_backward(dout.contiguous(), q, k, v, out, lse, spec, scale=scale,
                                    backend=backend)
