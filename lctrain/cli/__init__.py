@@ -1,0 +1,30 @@
+"""The ``lctrain`` command line (Typer). Each command parses, makes one library call, renders.
+
+    lctrain finetune [RECIPE] [--seq-len 256k] [--set a.b=c ...]
+    lctrain estimate-memory [RECIPE] --seq-len 512k --gpus 8 --gpu-memory 80GiB
+    lctrain bench kernel|attention|step ...
+"""
+from __future__ import annotations
+
+import typer
+
+from lctrain.cli import bench
+from lctrain.cli.estimate import estimate_memory
+from lctrain.cli.finetune import finetune
+
+app = typer.Typer(
+    name="lctrain", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    help="Fine-tune language models on very long contexts with DistFlashAttn (balanced, "
+         "overlapped sequence-parallel attention).")
+app.command("finetune")(finetune)
+app.command("estimate-memory")(estimate_memory)
+app.add_typer(bench.app, name="bench")
+
+
+def main() -> None:
+    """Entry point of the ``lctrain`` script and of ``python -m lctrain``."""
+    app(prog_name="lctrain")
+
+
+__all__ = ["app", "main"]

@@ -1,0 +1,40 @@
+"""``lctrain finetune``: load the recipe, hand it to the training runner."""
+from __future__ import annotations
+
+import typer
+
+from lctrain.cli.common import library, user_errors
+from lctrain.cli.options import (
+    MaxStepsOpt,
+    NprocOpt,
+    OutputDirOpt,
+    RecipeArg,
+    ResumeOpt,
+    SeqLenOpt,
+    SetOpt,
+)
+from lctrain.config import load_recipe
+
+
+def finetune(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetOpt = None,
+             output_dir: OutputDirOpt = None, max_steps: MaxStepsOpt = None,
+             resume: ResumeOpt = False, nproc: NprocOpt = None) -> None:
+    """Fine-tune a model on long sequences (default: the embedded tiny recipe, CPU-friendly).
+
+    Launches one process per GPU (or parallel.cp CPU processes) unless already started by
+    torchrun / accelerate launch, and writes config.yaml, metrics.jsonl and checkpoints/ to the
+    output folder.
+
+    Examples:
+
+        lctrain finetune
+
+        lctrain finetune recipes/llama-7b-256k.yaml --seq-len 256k --set train.lr=1e-5
+    """
+    with user_errors():
+        cfg = load_recipe(recipe, overrides or [], seq_len=seq_len, output_dir=output_dir,
+                          max_steps=max_steps)
+        run = library("lctrain.train.runner", "finetune", "finetune")
+        code = run(cfg, resume=resume, nproc=nproc)
+    if code:
+        raise typer.Exit(int(code))
