@@ -65,6 +65,7 @@ def test_default_is_the_embedded_tiny_recipe():
 def test_shipped_recipe_by_name():
     assert load_recipe("llama-7b-64k").data.seq_len == 64 * 1024
     assert load_recipe("llama-7b-256k.yaml").data.seq_len == 256 * 1024
+    assert load_recipe("recipes/llama-7b-512k.yaml").data.seq_len == 512 * 1024
 
 
 def test_overrides_and_flags():

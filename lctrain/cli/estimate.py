@@ -86,13 +86,19 @@ def memory_table(estimate: dict[str, Any], gpu_memory: int) -> Table:
         table.add_row("fits", "[green]yes[/green]" if estimate["fits"] else "[red]no[/red]")
     if estimate.get("max_seq_len") is not None:
         longest = int(estimate["max_seq_len"])
-        table.add_row("longest sequence that fits", format_tokens(longest) if longest else "none")
+        table.add_row("longest sequence that fits", _tokens(longest) if longest else "none")
     if "parameters_count" in estimate:
         table.add_row("parameter count", f"{estimate['parameters_count'] / 1e9:.2f} B")
     if estimate.get("seq_len"):
-        table.add_row("sequence length", format_tokens(int(estimate["seq_len"])))
+        table.add_row("sequence length", _tokens(int(estimate["seq_len"])))
     shown = ("per_gpu_bytes", "fits", "max_seq_len", "parameters_count", "seq_len", "gpu_memory")
     for key, value in estimate.items():
         if key not in shown and isinstance(value, (int, float, str, bool)):
             table.add_row(key.replace("_", " "), str(value))
     return table
+
+
+def _tokens(count: int) -> str:
+    """``262144`` -> ``"256k"``; counts that are not whole k as ``"1,780,832"``."""
+    text = format_tokens(count)
+    return text if not text.isdigit() else f"{count:,}"

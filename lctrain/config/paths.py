@@ -34,7 +34,8 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
     """Return ``(yaml_text, source_name)`` for a recipe file, a shipped recipe name or None.
 
     ``None`` gives the embedded default (tiny.yaml). A path that does not exist but names a
-    shipped recipe (``llama-7b-64k`` or ``llama-7b-64k.yaml``) gives that shipped recipe.
+    shipped recipe (``llama-7b-64k``, ``llama-7b-64k.yaml`` or ``recipes/llama-7b-64k.yaml`` from
+    another folder) gives that shipped recipe.
 
     Raises:
         ConfigError: the file does not exist and no shipped recipe has that name.
@@ -46,7 +47,7 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
     if file.is_file():
         return file.read_text(encoding="utf-8"), str(path)
     name = file.name if file.name.endswith(".yaml") else f"{file.name}.yaml"
-    if name in shipped and file.parent == Path("."):
+    if name in shipped and file.parent in (Path("."), Path("recipes")):
         return shipped[name], f"the shipped recipe {name}"
     if file.is_dir():
         raise ConfigError(f"recipe {str(path)!r} is a folder; give a YAML file such as "
