@@ -1,0 +1,223 @@
+"""Host offload of what rematerialization keeps between a layer's forward and its backward.
+
+Under the ``remat`` policy each decoder layer keeps two kinds of tensors on the GPU until its
+backward: the layer's INPUT (saved by non-reentrant checkpointing through autograd's saved-tensor
+mechanism) and the attention op's (out, lse) (kept by selective checkpointing's cache). The
+``remat-offload`` policy moves both to host memory as soon as the layer's forward is done with
+them, and brings them back ahead of use:
+
+- forward: the layer input is copied out when checkpointing saves it (a `saved_tensors_hooks`
+  pack hook around the checkpointed call); the attention outputs are recorded as the op returns
+  them and copied out when the layer's forward ends, after which their GPU storage is released
+  (``untyped_storage().resize_(0)``: the cache keeps its tensor objects, now empty);
+- backward: when a layer's recompute starts (its input is unpacked), its own copies are awaited
+  and the copies of the layer BEFORE it (the next one the backward reaches) are started, so
+  every transfer but the first overlaps a layer's backward.
+
+On a GPU all copies run on one side stream, ordered with events, into pinned host buffers;
+``record_stream`` keeps the caching allocator from reusing a block before its copy is done. The
+host is never synchronised. Without a GPU the same logic runs with plain synchronous copies (so
+CPU tests exercise it), which saves nothing but changes nothing either.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _Copy:
+    """One tensor's bytes parked in host memory, and the way back."""
+
+    def __init__(self, tensor: torch.Tensor, stream, *, release: bool) -> None:
+        self.device = tensor.device
+        self.storage = tensor.untyped_storage() if release else None
+        self.shape, self.stride, self.dtype = tensor.shape, tensor.stride(), tensor.dtype
+        source = _bytes_view(tensor.untyped_storage(), self.device) if release else tensor
+        pinned = stream is not None
+        self.host = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype,
+                                        device="cpu", pin_memory=pinned)
+        with _on(stream):
+            self.host.copy_(source, non_blocking=pinned)
+        if pinned:
+            source.record_stream(stream)
+        if release:
+            self.storage.resize_(0)  # the GPU block is freed once the copy has finished
+        self.back: torch.Tensor | None = None
+
+    def fetch(self, stream) -> None:
+        """Start the copy back (into the original storage when it was released)."""
+        if self.storage is not None:
+            self.storage.resize_(self.host.numel())
+            target = _bytes_view(self.storage, self.device)
+        else:
+            target = torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                         device=self.device)
+        with _on(stream):
+            target.copy_(self.host, non_blocking=stream is not None)
+        if stream is not None:
+            target.record_stream(stream)
+        self.back = target
+
+    def take(self) -> torch.Tensor:
+        """The tensor brought back (for a layer input); the stash forgets it."""
+        tensor, self.back = self.back, None
+        return tensor
+
+
+class LayerStash:
+    """What one call of one checkpointed layer parked in host memory."""
+
+    def __init__(self, offloader: Offloader, previous: LayerStash | None) -> None:
+        self.offloader = offloader
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.inputs: list[_Copy] = []
+        self.outputs: list[torch.Tensor] = []  # recorded op outputs, moved out at forward end
+        self.parked: list[_Copy] = []
+        self.ready = None  # event (GPU) or True (CPU) once fetched
+        self.fetched = False
+
+    def pack(self, tensor: torch.Tensor):
+        """saved_tensors_hooks pack: park the layer input (small tensors stay)."""
+        if not self.offloader.wants(tensor):
+            return tensor
+        copy = _Copy(tensor, self.offloader.stream_for(tensor), release=False)
+        self.inputs.append(copy)
+        return copy
+
+    def unpack(self, packed) -> torch.Tensor:
+        """saved_tensors_hooks unpack: the recompute of this layer starts now."""
+        if isinstance(packed, torch.Tensor):
+            return packed
+        self.wait()
+        self._prefetch_previous()
+        if packed.back is None:  # a second backward through a retained graph
+            packed.fetch(None)
+        return packed.take()
+
+    def record(self, outputs) -> None:
+        for tensor in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+            if isinstance(tensor, torch.Tensor) and self.offloader.wants(tensor, whole=True):
+                self.outputs.append(tensor)
+
+    def park_outputs(self) -> None:
+        """End of the layer's forward: move the recorded attention outputs out."""
+        seen = set()
+        for tensor in self.outputs:
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                self.parked.append(_Copy(tensor, self.offloader.stream_for(tensor), release=True))
+        self.outputs = []
+        self.fetched = False
+
+    def fetch(self) -> None:
+        """Start bringing everything back (idempotent until the next forward)."""
+        if self.fetched:
+            return
+        copies = self.inputs + self.parked
+        stream = self.offloader.stream_for_device(copies[0].device) if copies else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(copies[0].device))
+        for copy in copies:
+            copy.fetch(stream)
+        self.ready = stream.record_event() if stream is not None else True
+        self.fetched = True
+
+    def wait(self) -> None:
+        """Make the current stream wait for this stash's copies back (starting them if needed)."""
+        self.fetch()
+        if self.ready is not True and self.ready is not None:
+            torch.cuda.current_stream(self.ready.device).wait_event(self.ready)
+        self.parked = []  # refilled storages belong to the cache again
+
+    def _prefetch_previous(self) -> None:
+        previous = self.previous() if self.previous is not None else None
+        if previous is not None and previous is not self:
+            previous.fetch()
+
+
+class _RecordOutputs(TorchDispatchMode):
+    """Sits above selective checkpointing's caching mode and records the outputs of the ops it
+    must save (those are what the cache keeps)."""
+
+    def __init__(self, stash: LayerStash, saved) -> None:
+        super().__init__()
+        self.stash, self.saved = stash, saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.saved(func):
+            self.stash.record(out)
+        return out
+
+
+class Offloader:
+    """Creates one `LayerStash` per checkpointed layer call and owns the copy stream.
+
+    Args:
+        min_bytes: tensors smaller than this stay where they are.
+    """
+
+    def __init__(self, min_bytes: int = 1 << 20) -> None:
+        self.min_bytes = min_bytes
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._last: weakref.ref | None = None
+
+    def wants(self, tensor: torch.Tensor, *, whole: bool = False) -> bool:
+        """Whether to park ``tensor``; ``whole``: only if it is its storage's only view."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < max(self.min_bytes, 1):
+            return False
+        return not whole or (tensor.storage_offset() == 0
+                             and tensor.untyped_storage().nbytes() == nbytes)
+
+    def stream_for(self, tensor: torch.Tensor):
+        return self.stream_for_device(tensor.device)
+
+    def stream_for_device(self, device: torch.device):
+        """The side stream for copies to/from ``device`` (None off a GPU)."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        stream = self._streams[device]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    def new_stash(self) -> LayerStash:
+        previous = self._last() if self._last is not None else None
+        stash = LayerStash(self, previous)
+        self._last = weakref.ref(stash)
+        return stash
+
+    def contexts(self, stash: LayerStash, make_contexts, saved):
+        """(forward, recompute) contexts: selective checkpointing's, plus recording and
+        parking in the forward and waiting for the copies in the recompute."""
+        forward_mode, recompute_mode = make_contexts()
+        return _forward_context(stash, forward_mode, saved), _recompute_context(stash, recompute_mode)
+
+
+@contextlib.contextmanager
+def _forward_context(stash: LayerStash, forward_mode, saved):
+    with forward_mode, _RecordOutputs(stash, saved):
+        yield
+    stash.park_outputs()
+
+
+@contextlib.contextmanager
+def _recompute_context(stash: LayerStash, recompute_mode):
+    stash.wait()
+    with recompute_mode:
+        yield
+
+
+def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage`` (its own version counter)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

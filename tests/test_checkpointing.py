@@ -1,0 +1,208 @@
+"""Checkpointing policies on a tiny Llama: identical gradients, attention forward run counts,
+what the attention backward receives, and the host offload of remat-offload."""
+import copy
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lctrain_kernels
+from lctrain.errors import UserError
+from lctrain.parallel.checkpointing import (
+    POLICIES,
+    AttentionCounter,
+    apply_checkpointing,
+    find_decoder_layers,
+)
+
+LAYERS = 3
+DIST = "lctrain_test_dist"
+
+
+def _dist_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    **kwargs):
+    """transformers attention through the lctrain::dist_attention op (one rank, group=None)."""
+    out = lctrain_kernels.dist_attention(query.transpose(1, 2), key.transpose(1, 2),
+                                         value.transpose(1, 2), group=None, causal=True,
+                                         softmax_scale=scaling)
+    return out, None  # (B, S, Hq, D)
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    from lctrain.model import register_attention
+
+    AttentionInterface.register(DIST, _dist_attention)
+    register_attention()
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float().train()
+
+
+def _model(base, policy, attn=DIST, **kwargs):
+    model = copy.deepcopy(base)
+    model.set_attn_implementation(attn)
+    apply_checkpointing(model, policy, **kwargs)
+    return model
+
+
+def _batch(seed=1, seq=24):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 97, (2, seq), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _step(model, ids, labels):
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+                           for n, p in model.named_parameters()}
+
+
+def test_finds_the_decoder_layers(base_model):
+    model = copy.deepcopy(base_model)
+    layers = find_decoder_layers(model)
+    assert [c[i] for c, i in layers] == list(model.model.layers)
+    assert apply_checkpointing(model, "remat") == LAYERS
+    assert len(find_decoder_layers(model)) == LAYERS  # wrapped layers are still found
+    assert apply_checkpointing(model, "none") == 0
+    assert list(model.model.layers) == [c[i] for c, i in layers]  # unwrapped again
+
+
+def test_generic_fallback_without_no_split_modules():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(4, 1)])
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(3)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.heads[0](x)
+
+    net = Net()
+    assert apply_checkpointing(net, "full") == 3
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in net.blocks)
+    with pytest.raises(UserError, match="unknown"):
+        apply_checkpointing(net, "sometimes")
+    with pytest.raises(UserError, match="decoder layers"):
+        apply_checkpointing(torch.nn.Linear(2, 2), "full")
+
+
+@pytest.mark.parametrize("attn", [DIST, "lctrain"])
+def test_same_gradients_and_attention_runs(base_model, attn):
+    ids, labels = _batch()
+    results, runs = {}, {}
+    for policy in POLICIES:
+        model = _model(base_model, policy, attn=attn, offload_min_bytes=0)
+        with AttentionCounter() as counter:
+            results[policy] = _step(model, ids, labels)
+        runs[policy] = counter.total
+    ref_loss, ref_grads = results["none"]
+    for policy in POLICIES[1:]:
+        loss, grads = results[policy]
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-6, atol=1e-7,
+                                       msg=f"{policy}: {name}")
+    assert runs == {"none": LAYERS, "full": 2 * LAYERS, "remat": LAYERS,
+                    "remat-offload": LAYERS}
+
+
+class _AttentionTrace(TorchDispatchMode):
+    """Keeps the tensors entering and leaving the dist attention forward and backward ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward, self.backward = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.lctrain.dist_attention.default:
+            self.forward.append((args[:3], out))
+        elif func is torch.ops.lctrain.dist_attention_backward.default:
+            self.backward.append(args[:6])
+        return out
+
+
+@pytest.mark.parametrize("policy", ["remat", "remat-offload"])
+def test_backward_gets_recomputed_qkv_and_saved_out_lse(base_model, policy):
+    model = _model(base_model, policy, offload_min_bytes=0)
+    ids, labels = _batch(seed=2)
+    with _AttentionTrace() as trace:
+        loss = model(input_ids=ids, labels=labels).loss
+        if policy == "remat-offload":  # the kept (out, lse) wait on the host meanwhile
+            assert all(t.untyped_storage().nbytes() == 0 for _, outs in trace.forward for t in outs)
+        loss.backward()
+    assert len(trace.forward) == len(trace.backward) == LAYERS
+    for (qkv, (out, lse)), (do, q, k, v, b_out, b_lse) in zip(trace.forward,
+                                                              reversed(trace.backward)):
+        assert b_out.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        assert b_lse.untyped_storage().data_ptr() == lse.untyped_storage().data_ptr()
+        for fwd, bwd in zip(qkv, (q, k, v)):  # recomputed: equal values, fresh tensors
+            assert bwd.untyped_storage().data_ptr() != fwd.untyped_storage().data_ptr()
+            torch.testing.assert_close(bwd, fwd, rtol=0, atol=0)
+
+
+def test_offload_releases_layer_inputs(base_model):
+    alive = {}
+    for policy in ("remat", "remat-offload"):
+        model = _model(base_model, policy, offload_min_bytes=0)
+        inputs = []
+        hook = model.model.layers[1].register_forward_pre_hook(
+            lambda mod, args: inputs.append(weakref.ref(args[0])))
+        ids, labels = _batch(seed=3)
+        loss = model(input_ids=ids, labels=labels).loss
+        alive[policy] = inputs[0]() is not None
+        loss.backward()
+        hook.remove()
+    assert alive == {"remat": True, "remat-offload": False}
+
+
+def test_offload_keeps_small_tensors_in_place(base_model):
+    model = _model(base_model, "remat-offload")  # default threshold: 1 MiB, far above these
+    ids, labels = _batch(seed=4)
+    with _AttentionTrace() as trace:
+        loss = model(input_ids=ids, labels=labels).loss
+        assert all(t.untyped_storage().nbytes() > 0 for _, outs in trace.forward for t in outs)
+        loss.backward()
+
+
+@pytest.mark.gpu
+def test_remat_offload_moves_memory_to_host_on_gpu(base_model):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=8192)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config).cuda().train()
+    ids = torch.randint(0, 512, (1, 4096), device="cuda")
+    kept, grads = {}, {}
+    for policy in ("remat", "remat-offload"):
+        model = _model(base, policy)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.synchronize()
+        kept[policy] = torch.cuda.memory_allocated() - before
+        loss.backward()
+        grads[policy] = {n: p.grad for n, p in model.named_parameters()}
+    assert kept["remat-offload"] < 0.6 * kept["remat"]
+    for name, grad in grads["remat"].items():
+        torch.testing.assert_close(grads["remat-offload"][name], grad)
