@@ -1,0 +1,11 @@
+"""Parallelism applied from outside the model: the dp × cp mesh, FSDP2 / replication, and
+activation-checkpointing policies (`lctrain.parallel.checkpointing`).
+
+    pmesh = build_mesh(cp=2, device_type="cuda")          # dp = world size // cp
+    dist = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh, strategy="fsdp")
+"""
+from lctrain.parallel.fsdp import Distributed, allreduce_gradients, distribute
+from lctrain.parallel.mesh import ParallelMesh, build_mesh, check_parallel_sizes
+
+__all__ = ["Distributed", "ParallelMesh", "allreduce_gradients", "build_mesh",
+           "check_parallel_sizes", "distribute"]

@@ -1,0 +1,119 @@
+"""The dp × cp device mesh: who shares a sequence, who shares a batch.
+
+Ranks are laid out row-major over (dp, cp): global rank = dp_rank · cp + cp_rank, so the cp
+ranks that exchange keys and values at every attention layer are neighbours (on one node they
+share NVLink). Three groups come out of it:
+
+- ``cp_group``: the ranks holding the shards of ONE sequence (the attention's group);
+- ``dp_group``: the ranks holding the same shard position of DIFFERENT sequences (the data
+  loader's replica index);
+- ``world``: all dp × cp ranks, over which FSDP2 shards parameters (or replicated gradients are
+  summed) and the label tokens are counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lctrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The process layout of one run (every field is this rank's view).
+
+    Attributes:
+        dp, cp: sizes of the data- and context-parallel dimensions (dp · cp = world size).
+        dp_rank, cp_rank: this rank's coordinates.
+        mesh: the 2-D DeviceMesh with dim names ("dp", "cp"), or None in a 1-process run
+            without a process group.
+        world_mesh: 1-D DeviceMesh over all ranks (FSDP2's mesh), or None likewise.
+        device_type: "cuda" or "cpu".
+    """
+
+    dp: int
+    cp: int
+    dp_rank: int
+    cp_rank: int
+    mesh: DeviceMesh | None
+    world_mesh: DeviceMesh | None
+    device_type: str
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank
+
+    @property
+    def cp_group(self):
+        """Process group of this rank's sequence shards; None when cp == 1 (local attention)."""
+        return self.mesh.get_group("cp") if self.mesh is not None and self.cp > 1 else None
+
+    @property
+    def dp_group(self):
+        return self.mesh.get_group("dp") if self.mesh is not None and self.dp > 1 else None
+
+    @property
+    def world_group(self):
+        """Group of all ranks, or None in a 1-process run without a process group."""
+        return self.world_mesh.get_group() if self.world_mesh is not None else None
+
+
+def check_parallel_sizes(world_size: int, cp: int, dp: int | None = None) -> tuple[int, int]:
+    """Resolve and validate (dp, cp) for ``world_size`` processes.
+
+    Args:
+        world_size: number of processes in the run.
+        cp: context-parallel size (ranks per sequence).
+        dp: data-parallel size, or None for world_size // cp.
+
+    Returns:
+        (dp, cp).
+
+    Raises:
+        UserError: cp or dp below 1, or dp · cp different from the world size.
+    """
+    if cp < 1:
+        raise UserError(f"parallel.cp must be at least 1, got {cp}.")
+    if world_size % cp:
+        raise UserError(f"The world size {world_size} is not divisible by parallel.cp = {cp}; "
+                        f"run on a multiple of {cp} processes or choose a cp that divides "
+                        f"{world_size}.")
+    resolved_dp = world_size // cp if dp is None else dp
+    if resolved_dp < 1 or resolved_dp * cp != world_size:
+        raise UserError(f"parallel.dp = {dp} × parallel.cp = {cp} must equal the world size "
+                        f"{world_size}; leave dp unset to use {world_size // cp}.")
+    return resolved_dp, cp
+
+
+def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu") -> ParallelMesh:
+    """Build the dp × cp mesh over the default process group.
+
+    Args:
+        cp: context-parallel size.
+        dp: data-parallel size (None: world size // cp).
+        device_type: "cuda" (NCCL) or "cpu" (gloo).
+
+    Returns:
+        A `ParallelMesh`. Without an initialised process group (a plain 1-process run) the
+        meshes are None and every group is None.
+
+    Raises:
+        UserError: sizes that do not fit the world (see `check_parallel_sizes`).
+    """
+    if not dist.is_initialized():
+        dp, cp = check_parallel_sizes(1, cp, dp)
+        return ParallelMesh(dp=dp, cp=cp, dp_rank=0, cp_rank=0, mesh=None, world_mesh=None,
+                            device_type=device_type)
+    world = dist.get_world_size()
+    dp, cp = check_parallel_sizes(world, cp, dp)
+    mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    world_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("world",))
+    return ParallelMesh(dp=dp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
+                        cp_rank=mesh.get_local_rank("cp"), mesh=mesh, world_mesh=world_mesh,
+                        device_type=device_type)

@@ -1,0 +1,8 @@
+"""Training: the runner (the one composition root), the loop, loss, checkpoints and metrics.
+
+    from lctrain.train import finetune
+    exit_code = finetune(load_recipe("recipes/tiny.yaml"), resume=False, nproc=None)
+"""
+from lctrain.train.runner import finetune, run_worker
+
+__all__ = ["finetune", "run_worker"]

@@ -1,0 +1,158 @@
+"""Atomic training checkpoints with torch.distributed.checkpoint (DCP), and exact resume.
+
+Layout under ``output_dir/checkpoints/``:
+
+    step-00000100/            a complete checkpoint (only complete ones carry this name)
+        .metadata, *.distcp   model + optimizer state, written by every rank through DCP
+                              (FSDP2 shards and replicated tensors alike; DCP de-duplicates)
+        trainer.pt            scheduler state, step, data position, dp/cp layout (rank 0)
+        rng-rank{r}.pt        torch / CUDA / Python RNG states of rank r
+        meta.json             the step and data position, for people
+    .tmp-step-00000200/       a save in progress; renamed to step-00000200 only once every
+                              rank has finished writing, so a crash never leaves a checkpoint
+                              that looks complete
+
+After each save the oldest complete checkpoints beyond ``keep`` are deleted. Every function here
+is collective: all ranks call it (it synchronises with barriers of the default group).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from lctrain.errors import UserError
+
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), root / entry.name) for entry in root.iterdir()
+             if entry.is_dir() and (m := _NAME.match(entry.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, *, module, optimizer, scheduler,
+                    data_position: int, layout: dict, keep: int) -> Path:
+    """Write a checkpoint of ``step`` atomically, then keep only the newest ``keep``.
+
+    Args:
+        root: the checkpoints folder (created if missing).
+        step: optimizer steps completed.
+        module: the trained module (FSDP2-sharded or replicated).
+        optimizer, scheduler: their states are saved with the model.
+        data_position: micro-batches this dp rank has consumed (identical on all ranks).
+        layout: {"dp": ..., "cp": ...} of the run, checked when resuming.
+        keep: complete checkpoints to keep (≥ 1).
+
+    Returns:
+        The final checkpoint folder.
+    """
+    root = Path(root)
+    rank = _rank()
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-step-*"):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    _barrier()
+    model_state, optim_state = get_state_dict(module, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+    if rank == 0:
+        trainer = {"step": step, "data_position": data_position, "layout": dict(layout),
+                   "scheduler": scheduler.state_dict()}
+        torch.save(trainer, tmp / "trainer.pt")
+        (tmp / "meta.json").write_text(json.dumps(
+            {"step": step, "data_position": data_position, "layout": dict(layout)}) + "\n")
+    _barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike, *, module, optimizer, scheduler,
+                    layout: dict) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG states from ``path``.
+
+    Returns:
+        {"step": int, "data_position": int}.
+
+    Raises:
+        UserError: the checkpoint was written with a different dp/cp layout.
+    """
+    path = Path(path)
+    trainer = torch.load(path / "trainer.pt", weights_only=False)
+    if trainer["layout"] != dict(layout):
+        raise UserError(f"The checkpoint {path} was written with {trainer['layout']} but this run "
+                        f"has {dict(layout)}; resume with the same number of processes and "
+                        "parallel.cp.")
+    model_state, optim_state = get_state_dict(module, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(module, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    _set_rng_state(torch.load(path / f"rng-rank{_rank()}.pt", weights_only=False))
+    _barrier()
+    return {"step": int(trainer["step"]), "data_position": int(trainer["data_position"])}
+
+
+def find_resume_checkpoint(root: str | os.PathLike) -> Path:
+    """The checkpoint ``--resume`` continues from.
+
+    Raises:
+        UserError: there is none.
+    """
+    path = latest_checkpoint(root)
+    if path is None:
+        raise UserError(f"There is no checkpoint to resume from in {root}; run without --resume "
+                        "to start fresh, or point train.output_dir at the earlier run.")
+    return path
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

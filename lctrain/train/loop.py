@@ -1,0 +1,205 @@
+"""The training loop: one optimizer step over dp × cp ranks, logging and checkpoints.
+
+Per optimizer step, on every rank:
+
+1. take ``grad_accum`` micro-batches of this dp rank (global sequences, labels already shifted)
+   and cut each along the sequence for this cp rank, in the schedule's layout;
+2. count the label tokens of all of them and all-reduce the count over all dp × cp ranks —
+   the ONE normaliser of the loss (one collective per step, no host synchronisation);
+3. for each micro-batch: forward of the decoder with global position ids and this rank's
+   `CPContext`, summed token cross-entropy through the output head in chunks
+   (`chunked_cross_entropy`), backward of ``loss_sum / global_count``;
+4. make gradients the sum over ranks (FSDP2 did it in the backward; replication all-reduces
+   now), clip the global norm, step the optimizer and the learning-rate schedule.
+
+So the gradient is exactly that of the mean token loss over the global batch, whatever dp, cp,
+batch size and accumulation. Only log steps synchronise with the host (one small all-reduce and
+one transfer of loss, count and gradient norm).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lctrain.data import PackedBatch, shard_batch
+from lctrain.model import CPContext
+from lctrain.model.structure import output_head
+from lctrain.train.loss import chunked_cross_entropy
+
+
+class CausalLMLoss(nn.Module):
+    """The module the loop calls: decoder → final hidden states → summed token loss.
+
+    Wrapping the causal LM keeps the output head inside THIS module's forward, so when this
+    module is the FSDP2 root its parameters (embeddings, final norm, head) are unsharded for the
+    loss as for the decoder, and no logits tensor of the whole shard is ever built.
+    """
+
+    def __init__(self, model: nn.Module, chunk_tokens: int) -> None:
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
+                cp_context: CPContext | None = None) -> torch.Tensor:
+        """Summed (not averaged) float32 cross-entropy of this rank's tokens.
+
+        Args:
+            input_ids, labels, position_ids: (B, S_local) this rank's shard; labels shifted
+                before sharding (-100 = ignore); GLOBAL position ids.
+            cp_context: how attention is distributed (None: local causal attention).
+        """
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                          use_cache=False, cp_context=cp_context
+                                          ).last_hidden_state  # (B, S_local, H)
+        weight = output_head(self.model).weight  # (V, H)
+        dtype = _compute_dtype(hidden, weight)
+        return chunked_cross_entropy(hidden.to(dtype), weight.to(dtype), labels, self.chunk_tokens)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+@dataclass
+class Trainer:
+    """Everything one rank needs to run optimizer steps (built by `lctrain.train.runner`)."""
+
+    distributed: Any  # lctrain.parallel.fsdp.Distributed
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    pmesh: Any  # lctrain.parallel.mesh.ParallelMesh
+    device: torch.device
+    layout: str
+    schedule: str
+    backend: str
+    grad_accum: int
+    max_grad_norm: float
+    autocast: Callable[[], Any]
+    step: int = 0
+    data_position: int = 0  # micro-batches consumed by this dp rank
+
+    def train_step(self, micro: list[PackedBatch]) -> dict[str, Any]:
+        """One optimizer step over ``micro`` (this dp rank's global micro-batches).
+
+        Returns:
+            Device tensors (no host sync): this rank's summed loss, the global label-token
+            count and the global gradient norm before clipping; and the step's learning rate.
+        """
+        stats = self.accumulate_gradients(micro)
+        stats.update(self.apply_gradients())
+        self.data_position += len(micro)
+        return stats
+
+    def accumulate_gradients(self, micro: list[PackedBatch]) -> dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch; gradients are NOT yet summed over ranks.
+
+        Each micro-batch's summed token loss is divided by the global label-token count of the
+        whole step: the one place where the loss is normalised.
+        """
+        shards = [shard_batch(b, cp_rank=self.pmesh.cp_rank, cp_size=self.pmesh.cp,
+                              layout=self.layout).to(self.device) for b in micro]
+        count = torch.stack([s.label_tokens() for s in shards]).sum().float()
+        if self.pmesh.world_group is not None:
+            dist.all_reduce(count, group=self.pmesh.world_group)  # global label tokens
+        normaliser = count.clamp(min=1.0)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for s in shards:
+            ctx = CPContext(group=self.pmesh.cp_group, cu_seqlens=s.cu_seqlens,
+                            schedule=self.schedule, backend=self.backend)
+            with self.autocast():
+                loss = self.distributed.module(s.input_ids, s.labels, s.position_ids,
+                                               cp_context=ctx)
+            (loss / normaliser).backward()
+            loss_sum += loss.detach()
+        return {"loss_sum": loss_sum, "count": count}
+
+    def apply_gradients(self) -> dict[str, Any]:
+        """Sum gradients over ranks, clip, step optimizer and schedule, clear gradients."""
+        self.distributed.sync_gradients()
+        grad_norm = self.distributed.clip_grad_norm(self.max_grad_norm or None)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (a host float)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    def reduce_for_log(self, stats: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+        """(mean token loss over all ranks, global label tokens, gradient norm): ONE host sync."""
+        loss_sum = stats["loss_sum"].clone()
+        if self.pmesh.world_group is not None:
+            dist.all_reduce(loss_sum, group=self.pmesh.world_group)
+        loss, count, norm = torch.stack([loss_sum, stats["count"],
+                                         stats["grad_norm"].to(loss_sum)]).tolist()
+        return loss / max(count, 1.0), count, norm
+
+
+@dataclass
+class LoopHooks:
+    """What happens around the steps: logging, checkpointing (see `run_loop`)."""
+
+    max_steps: int
+    log_every: int
+    checkpoint_every: int
+    tokens_per_step: int
+    flops_per_token: float | None
+    peak_flops: float | None
+    log: Callable[[dict], None]
+    progress: Callable[[int, dict | None], None]
+    save: Callable[[], Path]
+    history: list[dict] = field(default_factory=list)
+
+
+def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks) -> list[dict]:
+    """Run optimizer steps from ``trainer.step`` to ``hooks.max_steps``.
+
+    Logs every ``log_every`` steps and at the last one; saves a checkpoint every
+    ``checkpoint_every`` steps (0: only at the end) and always after the last step.
+
+    Returns:
+        The logged records (identical on every rank).
+    """
+    last_time, last_step = time.perf_counter(), trainer.step
+    while trainer.step < hooks.max_steps:
+        stats = trainer.train_step(list(islice(batches, trainer.grad_accum)))
+        step = trainer.step
+        record = None
+        if step % hooks.log_every == 0 or step == hooks.max_steps:
+            loss, _, grad_norm = trainer.reduce_for_log(stats)  # synchronises
+            now = time.perf_counter()
+            record = _record(trainer, hooks, step, loss, grad_norm, stats["lr"],
+                             (now - last_time) / (step - last_step))
+            last_time, last_step = now, step
+            hooks.history.append(record)
+            hooks.log(record)
+        hooks.progress(step, record)
+        if step == hooks.max_steps or (hooks.checkpoint_every and step % hooks.checkpoint_every == 0):
+            hooks.save()
+            last_time = time.perf_counter()  # saving is not training time
+    return hooks.history
+
+
+def _record(trainer: Trainer, hooks: LoopHooks, step: int, loss: float, grad_norm: float,
+            lr: float, step_time: float) -> dict:
+    from lctrain.train.metrics import peak_memory_bytes
+
+    tokens_per_s = hooks.tokens_per_step / step_time if step_time > 0 else float("nan")
+    mfu = None
+    if hooks.flops_per_token and hooks.peak_flops:
+        per_rank = tokens_per_s * hooks.flops_per_token / trainer.pmesh.world_size
+        mfu = per_rank / hooks.peak_flops
+    return {"step": step, "loss": loss, "tokens": hooks.tokens_per_step,
+            "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+            "lr": lr, "grad_norm": grad_norm,
+            "peak_memory_bytes": peak_memory_bytes(trainer.device), "mfu": mfu}

@@ -1,0 +1,132 @@
+"""What a run reports: metrics.jsonl, a progress display on rank 0, throughput and MFU.
+
+Every logged step appends one JSON object to ``output_dir/metrics.jsonl``:
+
+    {"step", "loss", "tokens", "tokens_per_s", "step_time_s", "lr", "grad_norm",
+     "peak_memory_bytes", "mfu"}
+
+``tokens`` counts all tokens of the step over all ranks (dp · batch · grad_accum · seq_len);
+``step_time_s`` is the mean wall time of the steps since the previous log; ``peak_memory_bytes``
+is the CUDA allocator's peak on a GPU, the process's peak resident memory on a CPU; ``mfu`` is
+model FLOPs (6 · matmul parameters per token plus 7 · S · H · D per token and layer for causal
+attention, forward + backward, recomputation not counted) over the GPU's dense bf16 peak, or
+null off a GPU or on an unknown one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity), matched against the device name.
+_PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0),
+                     ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+                     ("A10G", 70.0), ("L4", 121.0))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak in FLOP/s, or None for a CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in _PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def flops_per_token(model_config, n_matmul_params: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of a decoder-only transformer.
+
+    Args:
+        model_config: the transformers config (num_hidden_layers, num_attention_heads, head_dim
+            or hidden_size).
+        n_matmul_params: parameters that take part in matrix products (all but the input
+            embedding).
+        seq_len: tokens per sequence (the whole sequence, not one rank's shard).
+    """
+    layers = model_config.num_hidden_layers
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return 6.0 * n_matmul_params + 7.0 * layers * seq_len * heads * head_dim
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: CUDA allocator peak on a GPU, peak resident set on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class MetricsLog:
+    """Appends one JSON line per logged step (rank 0 only; a no-op elsewhere)."""
+
+    def __init__(self, path: str | os.PathLike, *, enabled: bool, resume_step: int | None) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled:
+            self._start(resume_step)
+
+    def _start(self, resume_step: int | None) -> None:
+        """A fresh run truncates; a resumed one drops lines past the checkpoint it resumed."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step is not None and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step:
+                    kept.append(line)
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in record.items()}
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(clean) + "\n")
+
+
+class Progress:
+    """Rank 0's display: a rich progress bar on a terminal, one plain line per log otherwise."""
+
+    def __init__(self, total_steps: int, start_step: int, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.total = total_steps
+        self._bar = None
+        if enabled and sys.stdout.isatty():
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
+                                       TextColumn, TimeRemainingColumn)
+
+            self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self._task = self._bar.add_task("train", total=total_steps, completed=start_step,
+                                            info="")
+            self._bar.start()
+
+    def update(self, step: int, record: dict | None) -> None:
+        if not self.enabled:
+            return
+        info = _describe(record) if record else None
+        if self._bar is not None:
+            fields = {"info": info} if info else {}
+            self._bar.update(self._task, completed=step, **fields)
+        elif info:
+            print(f"step {step}/{self.total}  {info}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _describe(record: dict) -> str:
+    text = (f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  "
+            f"{record['step_time_s']:.3f} s/step  lr {record['lr']:.2e}")
+    if record.get("mfu") is not None:
+        text += f"  MFU {100 * record['mfu']:.1f}%"
+    return text

@@ -1,0 +1,282 @@
+"""The one composition root of training: `finetune(cfg)` wires every part of lctrain together.
+
+`finetune` decides WHERE the work runs — in this process (one process, or already under
+torchrun / accelerate launch) or in ``nproc`` processes it starts itself through
+torch.distributed.run (`lctrain.train.launch`) — and `run_worker` builds one rank's run:
+
+    accelerate Accelerator (process group: gloo on CPU, NCCL on GPUs; device; autocast)
+    → seed → dp × cp mesh → packed data → model with the "lctrain" attention
+    → checkpointing policy → FSDP2 or replication → AdamW + warm-up/cosine
+    → resume from the newest checkpoint (--resume) → the loop, logs and checkpoints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lctrain.config import RecipeConfig, save_resolved
+from lctrain.errors import UserError
+from lctrain.parallel.mesh import ParallelMesh, build_mesh, check_parallel_sizes
+
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK")
+
+
+def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None) -> int:
+    """Fine-tune as the recipe says; returns the process exit code (0 on success).
+
+    Args:
+        cfg: the resolved recipe.
+        resume: continue from the newest checkpoint in ``train.output_dir/checkpoints``.
+        nproc: processes to run; default all GPUs on a CUDA machine, dp × cp on a CPU one
+            (dp 0 counts as 1). Ignored under torchrun / accelerate launch, which decide.
+
+    Raises:
+        UserError: an invalid process layout, no checkpoint to resume from, a model or data
+            source that cannot be read, ... (from this process or the first failing rank).
+    """
+    if any(name in os.environ for name in _LAUNCHER_ENV):
+        return run_worker(cfg, resume=resume)
+    n = nproc if nproc is not None else default_nproc(cfg)
+    check_parallel_sizes(n, cfg.parallel.cp, cfg.parallel.dp or None)
+    if n == 1:
+        return run_worker(cfg, resume=resume)
+    from lctrain.train.launch import spawn_workers
+
+    _check_output_dir(cfg, resume)  # fail before starting any process
+
+    return spawn_workers(cfg, nproc=n, resume=resume)
+
+
+def default_nproc(cfg: RecipeConfig) -> int:
+    """All local GPUs on a CUDA machine; dp × cp processes on a CPU-only one."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(cfg.parallel.dp, 1) * cfg.parallel.cp
+
+
+def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
+    """Run this rank's part of the training (every rank calls it); returns 0.
+
+    Uses an existing process group (torchrun, accelerate launch, tests) or, alone, makes a
+    one-rank group so that every code path — mesh, counts, DCP checkpoints — is the same.
+    """
+    from accelerate import Accelerator
+
+    resume_from = _check_output_dir(cfg, resume)
+    cuda = torch.cuda.is_available()
+    precision = _precision(cfg, cuda)
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=precision)
+    own_group = _ensure_process_group(accelerator.device)
+    try:
+        pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None,
+                           device_type=accelerator.device.type)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
+        _train(cfg, pmesh, accelerator, precision, resume_from)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return 0
+
+
+def _check_output_dir(cfg: RecipeConfig, resume: bool) -> Path | None:
+    """The checkpoint to resume from (None for a fresh run).
+
+    Raises:
+        UserError: --resume without a checkpoint, or a fresh run into a folder that has some.
+    """
+    from lctrain.train.checkpoint import find_resume_checkpoint, list_checkpoints
+
+    out = Path(cfg.train.output_dir)
+    if resume:
+        return find_resume_checkpoint(out / "checkpoints")
+    if list_checkpoints(out / "checkpoints"):
+        raise UserError(f"{out} already holds checkpoints of an earlier run; pass --resume to "
+                        "continue it, or choose another train.output_dir (or delete that one).")
+    return None
+
+
+def _train(cfg: RecipeConfig, pmesh: ParallelMesh, accelerator, precision: str,
+           resume_from: Path | None) -> None:
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.train.seed)
+    if pmesh.rank == 0:
+        save_resolved(cfg, Path(cfg.train.output_dir) / "config.yaml")
+    dataset = _build_data(cfg, pmesh)
+    parts = _build_model(cfg, pmesh, accelerator.device, precision)
+    trainer = _build_trainer(cfg, pmesh, parts, accelerator, resume_from)
+    _run(cfg, pmesh, parts, trainer, dataset, resume_from is not None)
+
+
+def _precision(cfg: RecipeConfig, cuda: bool) -> str:
+    """Accelerate's mixed_precision: "bf16" or "no" ("auto" = bf16 on GPUs that have it)."""
+    wanted = cfg.train.mixed_precision
+    if wanted == "auto":
+        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    return wanted
+
+
+def _ensure_process_group(device: torch.device) -> bool:
+    """Make a one-rank group when none exists; True if this call made it."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = os.path.join(tempfile.mkdtemp(prefix="lctrain-pg-"), "store")
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    return True
+
+
+def _build_data(cfg: RecipeConfig, pmesh: ParallelMesh):
+    """Tokenize and pack the data; rank 0 first, so a datasets cache is written once."""
+    from lctrain.data import build_packed_dataset, load_tokenizer
+
+    if pmesh.rank != 0:
+        _barrier()
+    tokenizer = load_tokenizer(cfg)
+    dataset = build_packed_dataset(cfg, tokenizer)
+    if pmesh.rank == 0:
+        _barrier()
+    return dataset
+
+
+@dataclasses.dataclass
+class _ModelParts:
+    model: torch.nn.Module
+    distributed: object  # lctrain.parallel.fsdp.Distributed
+    flops_per_token: float
+    n_params: int
+
+
+def _build_model(cfg: RecipeConfig, pmesh: ParallelMesh, device: torch.device,
+                 precision: str) -> _ModelParts:
+    """Model with the lctrain attention, checkpointing policy, then FSDP2 or replication."""
+    from lctrain.model import load_model
+    from lctrain.model.structure import decoder_layers
+    from lctrain.parallel.fsdp import distribute
+    from lctrain.train.loop import CausalLMLoss
+    from lctrain.train.metrics import flops_per_token
+
+    model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
+                       dtype=getattr(torch, cfg.model.dtype), device=device,
+                       trust_remote_code=cfg.model.trust_remote_code)
+    n_params = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    flops = flops_per_token(model.config, n_params - (0 if tied else embed.numel()),
+                            cfg.data.seq_len)
+    _apply_checkpointing(model, cfg.train.checkpointing)
+    strategy = _strategy(cfg, pmesh)
+    module = CausalLMLoss(model, cfg.train.loss_chunk_tokens)
+    distributed = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh,
+                             strategy=strategy,
+                             param_dtype=torch.bfloat16 if precision == "bf16" else None)
+    return _ModelParts(model, distributed, flops, n_params)
+
+
+def _strategy(cfg: RecipeConfig, pmesh: ParallelMesh) -> str:
+    """FSDP2 when asked ("on"), or by default on GPUs with several ranks; else replication."""
+    if cfg.parallel.fsdp == "on":
+        return "fsdp"
+    if cfg.parallel.fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1:
+        return "fsdp"
+    return "replicate"
+
+
+def _apply_checkpointing(model: torch.nn.Module, policy: str) -> None:
+    try:
+        from lctrain.parallel.checkpointing import apply_checkpointing
+    except ImportError:  # the policies module is still being written
+        if policy != "none":
+            raise UserError(f"train.checkpointing={policy} is not yet available in this build; "
+                            "set train.checkpointing=none.") from None
+        return
+    apply_checkpointing(model, policy)
+
+
+def _build_trainer(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, accelerator,
+                   resume_from: Path | None):
+    """Optimizer, schedule and the Trainer; restored from ``resume_from`` when given."""
+    from lctrain_kernels.distributed import make_schedule
+
+    from lctrain.train.checkpoint import load_checkpoint
+    from lctrain.train.loop import Trainer
+    from lctrain.train.optim import build_optimizer
+
+    t = cfg.train
+    optimizer, scheduler = build_optimizer(
+        parts.distributed.module, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas),
+        warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+    trainer = Trainer(distributed=parts.distributed, optimizer=optimizer, scheduler=scheduler,
+                      pmesh=pmesh, device=accelerator.device,
+                      layout=make_schedule(pmesh.cp, cfg.parallel.schedule).layout,
+                      schedule=cfg.parallel.schedule, backend=cfg.parallel.attention_backend,
+                      grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm,
+                      autocast=accelerator.autocast)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, module=parts.distributed.module,
+                                optimizer=optimizer, scheduler=scheduler, layout=_layout(pmesh))
+        trainer.step, trainer.data_position = state["step"], state["data_position"]
+    return trainer
+
+
+def _run(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer, dataset,
+         resumed: bool) -> None:
+    """Announce the run, run the loop with metrics, progress and checkpoints, summarise."""
+    from lctrain.data import iter_batches
+    from lctrain.train.checkpoint import save_checkpoint
+    from lctrain.train.loop import LoopHooks, run_loop
+    from lctrain.train.metrics import MetricsLog, Progress, peak_flops
+
+    t, out, main = cfg.train, Path(cfg.train.output_dir), pmesh.rank == 0
+    if main:
+        print(_banner(cfg, pmesh, parts, trainer, len(dataset)), flush=True)
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=main,
+                         resume_step=trainer.step if resumed else None)
+    progress = Progress(t.max_steps, trainer.step, enabled=main)
+
+    def save() -> Path:
+        return save_checkpoint(out / "checkpoints", trainer.step, module=trainer.distributed.module,
+                               optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                               data_position=trainer.data_position, layout=_layout(pmesh),
+                               keep=cfg.checkpoint.keep)
+
+    hooks = LoopHooks(max_steps=t.max_steps, log_every=t.log_every,
+                      checkpoint_every=cfg.checkpoint.every,
+                      tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
+                      flops_per_token=parts.flops_per_token, peak_flops=peak_flops(trainer.device),
+                      log=metrics.write, progress=progress.update, save=save)
+    batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
+                           dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
+    try:
+        history = run_loop(trainer, batches, hooks)
+    finally:
+        progress.close()
+    if main and history:
+        first, last = history[0], history[-1]
+        print(f"done: step {last['step']}/{t.max_steps}, loss {first['loss']:.4f} -> "
+              f"{last['loss']:.4f}; metrics, config and checkpoints in {out}", flush=True)
+
+
+def _banner(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer,
+            rows: int) -> str:
+    t = cfg.train
+    start = f", resuming at step {trainer.step}" if trainer.step else ""
+    return (f"lctrain finetune: {parts.n_params / 1e6:.2f}M parameters, seq_len "
+            f"{cfg.data.seq_len}, {rows} packed rows; {pmesh.world_size} x "
+            f"{pmesh.device_type} (dp {pmesh.dp} x cp {pmesh.cp}, {cfg.parallel.schedule}, "
+            f"{parts.distributed.strategy}); {t.max_steps} steps x "
+            f"{pmesh.dp * t.batch_size * t.grad_accum} sequence(s){start}")
+
+
+def _layout(pmesh: ParallelMesh) -> dict:
+    return {"dp": pmesh.dp, "cp": pmesh.cp}
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,85 @@
+"""One training step's gradients with context parallelism == one process, in fp32.
+
+Two gloo ranks hold the two halves (distflash layout) of one packed sequence with documents; the
+loop's `accumulate_gradients` divides each rank's summed loss by the GLOBAL label count and the
+parallel strategy sums gradients over ranks. Both strategies — replication with an all-reduce,
+and FSDP2 (which averages by default and must be made to sum) — must give exactly the gradients
+of the mean token loss computed on one process.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from lctrain.data import PackedBatch
+from lctrain.model import CPContext, load_model
+from lctrain.train.loop import CausalLMLoss
+from spawn import run_on_ranks
+
+TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+        "vocab_size": 97, "max_position_embeddings": 512}
+SEQ = 96
+DOCS = (0, 30, 71, 96)
+
+
+def _batch() -> PackedBatch:
+    ids = torch.randint(0, TINY["vocab_size"], (1, SEQ))
+    labels, positions = torch.full_like(ids, -100), torch.zeros_like(ids)
+    for a, b in zip(DOCS[:-1], DOCS[1:]):
+        labels[0, a:b - 1] = ids[0, a + 1:b]  # shifted before any sharding; -100 at doc ends
+        positions[0, a:b] = torch.arange(b - a)
+    labels[0, 5:9] = -100  # a few more ignored tokens
+    return PackedBatch(ids, labels, positions, DOCS)
+
+
+def _grads_on_ranks(rank, world, batch):
+    return {strategy: _one_step_grads(world, batch, strategy) for strategy in ("replicate", "fsdp")}
+
+
+def _one_step_grads(world, batch, strategy):
+    from lctrain.parallel import build_mesh, distribute
+    from lctrain.model.structure import decoder_layers
+    from lctrain.train.loop import Trainer
+    from lctrain.train.optim import build_optimizer
+
+    model = load_model(None, config=TINY, seed=0)
+    module = CausalLMLoss(model, chunk_tokens=40)
+    pmesh = build_mesh(cp=world, device_type="cpu")
+    dist = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh,
+                      strategy=strategy, param_dtype=None)
+    optimizer, scheduler = build_optimizer(module, lr=1e-3, weight_decay=0.0, warmup_steps=0,
+                                           total_steps=1, min_lr_ratio=0.1)
+    trainer = Trainer(distributed=dist, optimizer=optimizer, scheduler=scheduler, pmesh=pmesh,
+                      device=torch.device("cpu"), layout="contiguous", schedule="distflash",
+                      backend="reference", grad_accum=1, max_grad_norm=0.0,
+                      autocast=contextlib.nullcontext)
+    stats = trainer.accumulate_gradients([batch])
+    dist.sync_gradients()
+    norm = dist.clip_grad_norm(None)
+    grads = {}
+    for name, p in module.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = g.detach().numpy().copy()
+    return grads, float(stats["count"]), float(norm)
+
+
+def test_one_step_gradients_cp2_match_single_process():
+    batch = _batch()
+    module = CausalLMLoss(load_model(None, config=TINY, seed=0), chunk_tokens=40)
+    count = int((batch.labels != -100).sum())
+    ctx = CPContext(cu_seqlens=batch.cu_seqlens, backend="reference")
+    loss = module(batch.input_ids, batch.labels, batch.position_ids, cp_context=ctx) / count
+    loss.backward()
+    want = {n: p.grad.numpy() for n, p in module.named_parameters()}
+    want_norm = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten()
+                                                          for p in module.parameters()])))
+    for per_strategy in run_on_ranks(_grads_on_ranks, 2, batch):
+        for strategy, (grads, got_count, norm) in per_strategy.items():
+            assert got_count == count
+            assert abs(norm - want_norm) <= 1e-5 * want_norm
+            for name, g in want.items():
+                np.testing.assert_allclose(grads[name], g, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{strategy}: {name}")
