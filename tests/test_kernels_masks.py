@@ -41,6 +41,8 @@ def random_spec(rng: random.Random, n: int):
         bounds = tuple([0, *cuts, n])
     sq, sk = rng.randint(1, 12), rng.randint(1, 12)
     q0, k0 = rng.randint(0, n - sq), rng.randint(0, n - sk)
+    if rng.random() < 0.25:  # diagonal blocks, the CAUSAL candidates
+        sk, k0 = sq, q0
     return MaskSpec(rng.random() < 0.7, q0, k0, bounds), sq, sk
 
 
