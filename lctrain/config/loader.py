@@ -41,7 +41,7 @@ _FREE_FORM = {("model", "config")}
 """Fields whose value is a free mapping: any key below them is accepted (a transformers config)."""
 
 
-def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] = (), *,
+def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] = (),
                 seq_len: int | str | None = None, output_dir: str | None = None,
                 max_steps: int | None = None) -> RecipeConfig:
     """Read a recipe, apply overrides and return the checked, frozen config.
