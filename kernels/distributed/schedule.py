@@ -284,11 +284,12 @@ class Schedule:
 
     def work_per_rank(self, causal: bool = True) -> list[float]:
         """Attention work of each rank in units of one full (chunk × chunk) block (diagonal = ½)."""
-        work = [Fraction(0)] * self.world_size
+        work = [0] * self.world_size  # exact integers (see _twice_area), then float
         for step in self.plan("forward", causal).steps:
             for b in step.blocks:
-                work[b.rank] += block_area(b, self.world_size, self.layout, causal)
-        return [float(w) for w in work]
+                work[b.rank] += _twice_area(b, self.world_size, self.layout, causal)
+        unit = 2 * (4 * chunks_per_rank(self.layout)) ** 2
+        return [w / unit for w in work]
 
     def balance(self, causal: bool = True) -> float:
         """max / mean of :meth:`work_per_rank` (1.0 is perfect)."""
@@ -310,24 +311,30 @@ def _plan(p: int, kind: str, direction: str, causal: bool) -> Plan:
 
 def block_area(b: Block, world_size: int, layout: str, causal: bool = True) -> Fraction:
     """Visible area of a block in units of one full chunk × chunk block (continuous measure)."""
-    local = 4 * chunks_per_rank(layout)  # a virtual local length every Rows here resolves exactly
+    local = 4 * chunks_per_rank(layout)
+    return Fraction(_twice_area(b, world_size, layout, causal), 2 * local * local)
+
+
+def _twice_area(b: Block, world_size: int, layout: str, causal: bool) -> int:
+    """2 × the visible area of a block, on a virtual local length where all Rows are exact."""
+    local = 4 * chunks_per_rank(layout)
     n = local * world_size
-    area = Fraction(0)
+    twice = 0
     for _, q0, ql in local_spans(n, world_size, b.q_owner, layout, *b.q_rows.resolve(local)):
         for _, k0, kl in local_spans(n, world_size, b.kv_owner, layout, *b.kv_rows.resolve(local)):
-            area += _causal_area(q0, ql, k0, kl) if causal else Fraction(ql * kl)
-    return area / (local * local)
+            twice += _twice_causal_area(q0, ql, k0, kl) if causal else 2 * ql * kl
+    return twice
 
 
-def _causal_area(q0: int, ql: int, k0: int, kl: int) -> Fraction:
-    """∫ over x in [q0, q0+ql) of |{y in [k0, k0+kl) : y ≤ x}| dx, as a continuous area."""
-    def prim(x: Fraction) -> Fraction:  # ∫_{-inf}^{x} clamp(u - k0, 0, kl) du
+def _twice_causal_area(q0: int, ql: int, k0: int, kl: int) -> int:
+    """2 × ∫ over x in [q0, q0+ql) of |{y in [k0, k0+kl) : y ≤ x}| dx (continuous; an integer)."""
+    def prim(x: int) -> int:  # 2 × ∫_{-inf}^{x} clamp(u - k0, 0, kl) du
         if x <= k0:
-            return Fraction(0)
+            return 0
         if x <= k0 + kl:
-            return Fraction((x - k0) ** 2, 2)
-        return Fraction(kl * kl, 2) + kl * (x - k0 - kl)
-    return prim(Fraction(q0 + ql)) - prim(Fraction(q0))
+            return (x - k0) ** 2
+        return kl * kl + 2 * kl * (x - k0 - kl)
+    return prim(q0 + ql) - prim(q0)
 
 
 def make_schedule(world_size: int, kind: str = "distflash") -> Schedule:

@@ -1,0 +1,157 @@
+"""Schedules and layouts without any process group: exact coverage, matching messages, balance."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from lctrain_kernels.distributed import (
+    global_order, layout_positions, local_spans, make_schedule, shard, shard_indices,
+)
+from lctrain_kernels.distributed.executor import Geometry, block_calls, pruned_plan
+from lctrain_kernels.masks import dense_mask
+
+KINDS = ("distflash", "ring", "zigzag")
+
+
+def _visible(i: int, j: int, causal: bool, bounds) -> bool:
+    if causal and j > i:
+        return False
+    if bounds is None:
+        return True
+    doc = lambda p: max(d for d, b in enumerate(bounds[:-1]) if b <= p)  # noqa: E731
+    return doc(i) == doc(j)
+
+
+def _pairs_of_block(blk, n: int, p: int, layout: str) -> list[tuple[int, int]]:
+    qpos = shard_indices(n * p, p, blk.q_owner, layout).tolist()
+    kpos = shard_indices(n * p, p, blk.kv_owner, layout).tolist()
+    (a, b), (c, d) = blk.q_rows.resolve(n), blk.kv_rows.resolve(n)
+    return [(qpos[i], kpos[j]) for i in range(a, b) for j in range(c, d)]
+
+
+def _random_bounds(rng: random.Random, seq_len: int) -> tuple[int, ...]:
+    cuts = sorted(rng.sample(range(1, seq_len), rng.randint(1, min(5, seq_len - 1))))
+    return (0, *cuts, seq_len)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_visible_pair_is_computed_exactly_once(kind):
+    for p in range(1, 9):
+        sched = make_schedule(p, kind)
+        for causal in (True, False):
+            for n in ((4, 6) if sched.layout == "zigzag" else (5, 6)):
+                plan = sched.plan("forward", causal)
+                count = Counter(pr for s in plan.steps for b in s.blocks
+                                for pr in _pairs_of_block(b, n, p, sched.layout))
+                want = {(i, j) for i in range(n * p) for j in range(n * p) if _visible(i, j, causal, None)}
+                seen = {pr for pr, c in count.items() if _visible(*pr, causal, None)}
+                assert seen == want, (kind, p, causal, n)
+                assert all(count[pr] == 1 for pr in want), (kind, p, causal, n)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sends_match_receives_and_inputs_are_available(kind):
+    for p in range(1, 9):
+        for causal in (True, False):
+            for direction in ("forward", "backward"):
+                plan = make_schedule(p, kind).plan(direction, causal)
+                plan.validate()
+                views = [plan.for_rank(r) for r in range(p)]
+                for k in range(len(plan.steps)):
+                    for a in range(p):
+                        for b in range(p):
+                            sent = [m for m in views[a][k].sends if m.dst == b]
+                            assert sent == [m for m in views[b][k].recvs if m.src == a]
+                for b in (blk for s in plan.steps for blk in s.blocks):  # compute where data lives
+                    assert b.rank in (b.q_owner, b.kv_owner)
+
+
+def test_distflash_steps_are_shift_permutations_with_one_block_per_rank():
+    for p in range(2, 9):
+        plan = make_schedule(p).plan("backward")
+        for k, step in enumerate(plan.steps):
+            for msgs in (step.inputs, step.outputs):
+                assert len({m.src for m in msgs}) == len(msgs) == len({m.dst for m in msgs})
+                assert len({(m.dst - m.src) % p for m in step.inputs}) <= 1
+            if 0 < k < len(plan.steps) - 1:  # every rank busy at every middle step
+                assert sorted({b.rank for b in step.blocks}) == list(range(p))
+        kinds = Counter(m.kind for s in plan.steps for m in s.outputs)
+        assert kinds["dq"] + kinds["dkv"] > 0
+
+
+def test_balance_figures():
+    for p in range(1, 65):
+        work = make_schedule(p).work_per_rank()
+        assert max(work) / (sum(work) / p) == pytest.approx(1.0, abs=1e-12), p
+        assert sum(work) == pytest.approx(p * p / 2)
+        if p <= 16:
+            assert make_schedule(p, "zigzag").balance() == pytest.approx(1.0)
+    assert make_schedule(4, "ring").work_per_rank() == [0.5, 1.5, 2.5, 3.5]
+    assert make_schedule(2, "ring").balance() == pytest.approx(1.5)
+    assert make_schedule(4, "distflash").balance(causal=False) == pytest.approx(1.0)
+
+
+def test_block_calls_and_pruning_cover_documents_exactly():
+    rng = random.Random(7)
+    for _ in range(60):
+        p, kind = rng.randint(1, 6), rng.choice(KINDS)
+        layout = make_schedule(p, kind).layout
+        n, causal = rng.choice((4, 6, 8)), rng.random() < 0.7
+        bounds = _random_bounds(rng, n * p) if rng.random() < 0.8 else None
+        geo = Geometry(n * p, p, layout, causal, bounds)
+        plan = pruned_plan(kind, "forward", geo)
+        plan.validate()
+        count = Counter()
+        for blk in (b for s in plan.steps for b in s.blocks):
+            calls = block_calls(blk, geo)
+            assert calls, "pruned plans keep only blocks with something visible"
+            qpos = shard_indices(n * p, p, blk.q_owner, layout)[slice(*blk.q_rows.resolve(n))]
+            kpos = shard_indices(n * p, p, blk.kv_owner, layout)[slice(*blk.kv_rows.resolve(n))]
+            for c in calls:
+                qs, ks = qpos[c.qa:c.qb].tolist(), kpos[c.ka:c.kb].tolist()
+                assert qs == list(range(qs[0], qs[0] + len(qs))) or not c.spec.causal
+                mask = dense_mask(c.spec, len(qs), len(ks))
+                for i, qi in enumerate(qs):
+                    for j, kj in enumerate(ks):
+                        if mask is None or mask[i, j]:
+                            assert _visible(qi, kj, causal, bounds), (kind, p, bounds, c)
+                            count[(qi, kj)] += 1
+        want = [(i, j) for i in range(n * p) for j in range(n * p) if _visible(i, j, causal, bounds)]
+        assert sorted(count) == want and set(count.values()) == {1}, (kind, p, bounds)
+
+
+def test_pruning_drops_whole_blocks_and_their_messages():
+    geo = Geometry(32, 4, "contiguous", True, (0, 3, 8, 20, 32))  # chunks of 8 tokens
+    full = make_schedule(4).plan("forward")
+    plan = pruned_plan("distflash", "forward", geo)
+    blocks = [b for s in plan.steps for b in s.blocks]
+    assert not any(b.q_owner == 3 and b.kv_owner in (0, 1) for b in blocks)  # doc [20, 32)
+    assert not any(b.q_owner == 2 and b.kv_owner == 0 for b in blocks)
+    n_msgs = lambda pl: sum(len(s.inputs) + len(s.outputs) for s in pl.steps)  # noqa: E731
+    assert n_msgs(plan) < n_msgs(full)
+
+
+def test_layout_maps_and_errors():
+    for p in range(1, 7):
+        for layout in ("contiguous", "zigzag"):
+            n = 4 * p
+            order = global_order(n, p, layout)
+            assert sorted(order.tolist()) == list(range(n))
+            spans = [layout_positions(n, p, r, layout) for r in range(p)]
+            assert sum(b - a for sp in spans for a, b in sp) == n
+            x = torch.randn(2, n, 3)
+            parts = [shard(x, layout=layout, dim=1, rank=r, world_size=p) for r in range(p)]
+            assert torch.equal(torch.cat(parts, 1)[:, torch.argsort(order)], x)
+            assert local_spans(n, p, p - 1, layout, 0, 4)[0][1] == spans[-1][0][0]
+    assert layout_positions(8, 2, 1, "zigzag") == [(2, 4), (4, 6)]
+    with pytest.raises(ValueError, match="not divisible by 4"):
+        layout_positions(6, 2, 0, "zigzag")
+    with pytest.raises(ValueError, match="unknown layout"):
+        shard(torch.zeros(4), layout="striped", dim=0, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_schedule(2, "tree")
+    with pytest.raises(ValueError, match="positive integer"):
+        make_schedule(0)
