@@ -56,13 +56,16 @@ def load_model(source: str | None, *, config: dict[str, Any] | None, seed: int,
 
 
 def _from_config(config: dict[str, Any], *, seed: int, dtype, device, attn) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     fields = dict(config)
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise UserError("model.config needs a model_type (for example model_type: llama) to "
                         "build a randomly initialised model.")
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"model.config.model_type '{model_type}' is not a model type this "
+                        "transformers knows; use one such as llama, mistral or qwen2.")
     try:
         hf_config = AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:

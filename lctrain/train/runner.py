@@ -157,6 +157,7 @@ def _build_model(cfg: RecipeConfig, pmesh: ParallelMesh, device: torch.device,
     """Model with the lctrain attention, checkpointing policy, then FSDP2 or replication."""
     from lctrain.model import load_model
     from lctrain.model.structure import decoder_layers
+    from lctrain.parallel.checkpointing import apply_checkpointing
     from lctrain.parallel.fsdp import distribute
     from lctrain.train.loop import CausalLMLoss
     from lctrain.train.metrics import flops_per_token
@@ -169,7 +170,7 @@ def _build_model(cfg: RecipeConfig, pmesh: ParallelMesh, device: torch.device,
     tied = embed is model.get_output_embeddings().weight
     flops = flops_per_token(model.config, n_params - (0 if tied else embed.numel()),
                             cfg.data.seq_len)
-    _apply_checkpointing(model, cfg.train.checkpointing)
+    apply_checkpointing(model, cfg.train.checkpointing)  # before FSDP2 wraps the layers
     strategy = _strategy(cfg, pmesh)
     module = CausalLMLoss(model, cfg.train.loss_chunk_tokens)
     distributed = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh,
@@ -185,17 +186,6 @@ def _strategy(cfg: RecipeConfig, pmesh: ParallelMesh) -> str:
     if cfg.parallel.fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1:
         return "fsdp"
     return "replicate"
-
-
-def _apply_checkpointing(model: torch.nn.Module, policy: str) -> None:
-    try:
-        from lctrain.parallel.checkpointing import apply_checkpointing
-    except ImportError:  # the policies module is still being written
-        if policy != "none":
-            raise UserError(f"train.checkpointing={policy} is not yet available in this build; "
-                            "set train.checkpointing=none.") from None
-        return
-    apply_checkpointing(model, policy)
 
 
 def _build_trainer(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, accelerator,

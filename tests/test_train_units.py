@@ -1,0 +1,74 @@
+"""Small pieces of the training path: schedule, mesh sizes, metrics log, launch errors."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lctrain.config import load_recipe
+from lctrain.errors import UserError
+from lctrain.parallel.mesh import build_mesh, check_parallel_sizes
+from lctrain.train import finetune
+from lctrain.train.launch import first_error
+from lctrain.train.metrics import MetricsLog
+from lctrain.train.optim import warmup_cosine
+
+
+def test_warmup_then_cosine_to_floor():
+    f = warmup_cosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+
+
+def test_parallel_sizes():
+    assert check_parallel_sizes(8, 2) == (4, 2)
+    assert check_parallel_sizes(6, 3, 2) == (2, 3)
+    with pytest.raises(UserError, match="world size 3 is not divisible by parallel.cp = 2"):
+        check_parallel_sizes(3, 2)
+    with pytest.raises(UserError, match="must equal the world size 8"):
+        check_parallel_sizes(8, 2, 3)
+    alone = build_mesh(cp=1)  # no process group: a one-rank view without groups
+    assert (alone.dp, alone.cp, alone.rank, alone.cp_group, alone.world_group) == (1, 1, 0, None, None)
+
+
+def test_metrics_log_truncates_fresh_and_trims_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, enabled=True, resume_step=None)
+    for step in (1, 2, 3):
+        log.write({"step": step, "loss": 1.0 / step, "mfu": float("nan")})
+    assert json.loads(path.read_text().splitlines()[0]) == {"step": 1, "loss": 1.0, "mfu": None}
+    MetricsLog(path, enabled=True, resume_step=2)  # resumed from step 2: step 3 is redone
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    MetricsLog(path, enabled=True, resume_step=None)
+    assert path.read_text() == ""
+
+
+def test_first_error_is_the_earliest(tmp_path):
+    assert first_error(tmp_path) is None
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "time": 5.0, "message": "reset"}))
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "message": "real"}))
+    assert first_error(tmp_path)["message"] == "real"
+
+
+def _tiny(tmp_path, *sets):
+    return load_recipe(None, ["data.seq_len=64", "train.max_steps=1", *sets],
+                       output_dir=str(tmp_path / "run"))
+
+
+def test_launch_errors_before_any_process(tmp_path):
+    with pytest.raises(UserError, match="world size 3 is not divisible by parallel.cp = 2"):
+        finetune(_tiny(tmp_path), nproc=3)
+    with pytest.raises(UserError, match="no checkpoint to resume from"):
+        finetune(_tiny(tmp_path), resume=True)
+    (tmp_path / "run" / "checkpoints" / "step-00000001").mkdir(parents=True)
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        finetune(_tiny(tmp_path))
+
+
+def test_self_launch_reports_the_ranks_error(tmp_path):
+    """A failure inside the torchrun workers comes back as the rank's own one-sentence error."""
+    cfg = _tiny(tmp_path, "model.config.model_type=not-a-model")
+    with pytest.raises(UserError, match="model_type 'not-a-model' is not a model type"):
+        finetune(cfg, nproc=2)
