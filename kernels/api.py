@@ -1,7 +1,7 @@
 """The local attention API: ``attention`` and ``attention_with_lse`` on one device.
 
 Layout is BSHD — q ``(B, S, Hq, D)``, k and v ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0`` — and the
-log-sum-exp is ``(B, Hq, S)`` float32, natural log. The whole sequence is ONE block of
+log-sum-exp is ``(B, Hq, S)`` float32 (float64 for float64 inputs), natural log. The whole sequence is ONE block of
 :mod:`lctrain_kernels.blocks` (queries and keys both start at global position 0), so the local
 path and the distributed one run exactly the same backends.
 
@@ -54,23 +54,24 @@ class _AttentionFn(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         spec, scale, backend = ctx.spec, ctx.scale, ctx.backend
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = torch.zeros_like(q, dtype=acc)  # (B, S, Hq, D)
-        dk = torch.zeros_like(k, dtype=acc)  # (B, S, Hkv, D)
-        dv = torch.zeros_like(v, dtype=acc)
+        grads = None  # (dq (B, S, Hq, D), dk (B, S, Hkv, D), dv (B, S, Hkv, D))
         if dout is not None:
             grads = block_backward(dout.contiguous(), q, k, v, out, lse, spec, scale=scale,
                                    backend=backend)
-            if grads is not None:
-                dq += grads[0]
-                dk += grads[1]
-                dv += grads[2]
         if dlse is not None:
-            grads = _lse_backward(dlse, q, k, v, out, lse, spec, scale, backend)
-            if grads is not None:
-                dq += grads[0]
-                dk += grads[1]
+            extra = _lse_backward(dlse, q, k, v, out, lse, spec, scale, backend)
+            if extra is not None:
+                extra = (extra[0], extra[1], torch.zeros_like(v))  # lse does not depend on v
+                grads = extra if grads is None else _add_wide(grads, extra)
+        if grads is None:  # empty attention or no gradient flowing in
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
+        dq, dk, dv = grads
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _add_wide(a, b):
+    """Element-wise sums of two gradient triples, in float32 at least."""
+    return tuple(x.to(torch.promote_types(x.dtype, torch.float32)) + y for x, y in zip(a, b))
 
 
 def _check_tensors(q, k, v) -> None:
@@ -125,8 +126,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         backend: "auto" (see :mod:`lctrain_kernels.backends`), a backend name, or a Backend.
 
     Returns:
-        ``(out, lse)``: (B, S, Hq, D) in q's dtype and (B, Hq, S) float32, natural log. Both are
-        differentiable with respect to q, k and v.
+        ``(out, lse)``: (B, S, Hq, D) in q's dtype and (B, Hq, S) float32 (float64 for
+        float64 inputs), natural log. Both are differentiable with respect to q, k and v.
 
     Raises:
         ValueError: on inconsistent shapes, dtypes, devices, ``cu_seqlens`` or scale.
