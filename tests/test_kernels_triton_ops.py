@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -86,3 +85,22 @@ def test_backend_refuses_with_one_sentence(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     reason = TritonBackend().unsupported(q, q, q, spec, Relation.CAUSAL)
     assert reason is not None and "CUDA" in reason
+
+
+@pytest.mark.parametrize("kind, d, dtype, expect", [
+    ("fwd", 128, torch.bfloat16, 4),     # the four Hopper points, not the fallback
+    ("fwd", 128, torch.float32, 1),      # only the small fallback fits in shared memory
+    ("dq", 256, torch.bfloat16, 1),
+    ("dkdv", 64, torch.float16, 4),
+])
+def test_autotune_pruning_keeps_what_fits(monkeypatch, kind, d, dtype, expect):
+    from lctrain_kernels.triton import configs
+
+    monkeypatch.setattr(configs, "_max_shared_memory", lambda: 227 * 1024)  # an H100 / H200
+    points = {"fwd": configs.FWD_POINTS, "dq": configs.DQ_POINTS,
+              "dkdv": configs.DKDV_POINTS}[kind]
+    cfgs = configs.make_configs(points)
+    kept = configs.prune(kind)(cfgs, {}, HEAD_DIM_PAD=d, Q=torch.empty(0, dtype=dtype))
+    assert len(kept) == expect and all(c in cfgs for c in kept)
+    if expect == 1 and len(cfgs) > 1:
+        assert kept[0] is cfgs[-1]  # the fallback

@@ -88,7 +88,9 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
     return dk, dv
 
 
-@triton.jit
+# Scalars that vary between blocks stay unspecialized: one binary serves all GQA groups,
+# diagonal offsets and autotune buckets.
+@triton.jit(do_not_specialize=["causal_off", "Hq", "Hkv", "GROUP", "SEQ_BUCKET"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, Lse, Delta, Q_LO, Q_HI,
     sm_scale, causal_off,
@@ -172,7 +174,9 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi
     return dq
 
 
-@triton.jit
+# Scalars that vary between blocks stay unspecialized: one binary serves all GQA groups,
+# diagonal offsets and autotune buckets.
+@triton.jit(do_not_specialize=["causal_off", "Hq", "GROUP", "SEQ_BUCKET"])
 def attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, Lse, Delta, KV_LO, KV_HI,
     sm_scale, causal_off,

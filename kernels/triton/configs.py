@@ -21,9 +21,11 @@ import torch
 import triton
 
 #: (BLOCK_M, BLOCK_N, num_stages, num_warps) — BLOCK_M runs over queries, BLOCK_N over keys.
-FWD_POINTS = [(128, 64, 3, 8), (128, 64, 4, 8), (128, 128, 2, 8), (128, 64, 3, 4), (64, 64, 3, 4)]
-DKDV_POINTS = [(64, 128, 3, 8), (64, 128, 2, 8), (32, 128, 3, 8), (64, 64, 3, 4), (32, 64, 3, 4)]
-DQ_POINTS = [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4), (128, 32, 3, 4)]
+#: The last point of each list is a small fallback, tuned only when no larger point fits
+#: (head dim 256, float32 inputs).
+FWD_POINTS = [(128, 64, 3, 8), (128, 64, 4, 8), (128, 128, 2, 8), (128, 64, 3, 4), (64, 64, 2, 4)]
+DKDV_POINTS = [(64, 128, 3, 8), (64, 128, 2, 8), (32, 128, 3, 8), (64, 64, 3, 4), (32, 64, 2, 4)]
+DQ_POINTS = [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4), (64, 32, 2, 4)]
 
 #: Fixed tiles under TRITON_INTERPRET (no autotuning there).
 INTERPRET_CONFIGS = {
@@ -70,20 +72,18 @@ def prune(kind: str):
 
     def _prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        d = int(args["HEAD_DIM_PAD"])
-        elt = args["Q"].element_size()
+        d, elt = int(args["HEAD_DIM_PAD"]), args["Q"].element_size()
         smem = _max_shared_memory()
-        kept = []
-        for cfg in configs:
-            bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
-            shared, acc = _footprint(kind, bm, bn, cfg.num_stages, d, elt)
-            if shared <= smem and acc <= _REGS_PER_THREAD * 32 * cfg.num_warps:
-                kept.append(cfg)
-        if kept:
-            return kept
-        return [min(configs, key=lambda c: _footprint(kind, c.kwargs["BLOCK_M"],
-                                                      c.kwargs["BLOCK_N"], c.num_stages, d,
-                                                      elt)[0])]
+
+        def cost(cfg):
+            return _footprint(kind, cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"],
+                              cfg.num_stages, d, elt)
+
+        fits = [c for c in configs if cost(c)[0] <= smem
+                and cost(c)[1] <= _REGS_PER_THREAD * 32 * c.num_warps]
+        if len(fits) > 1:
+            return fits[:-1] if fits[-1] is configs[-1] else fits  # fallback not needed
+        return fits or [min(configs, key=lambda c: cost(c)[0])]
 
     return _prune
 

@@ -64,7 +64,9 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, sta
     return acc, l_i, m_i
 
 
-@triton.jit
+# Scalars that vary between blocks stay unspecialized: one binary serves all GQA groups,
+# diagonal offsets and autotune buckets.
+@triton.jit(do_not_specialize=["causal_off", "Hq", "GROUP", "SEQ_BUCKET"])
 def attn_fwd_kernel(
     Q, K, V, Out, Lse, KV_LO, KV_HI,
     sm_scale, causal_off,
