@@ -26,6 +26,7 @@ import pathlib
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import triton
@@ -185,6 +186,17 @@ def run_case(case) -> dict:
     return res
 
 
+def safe_case(case) -> dict:
+    """run_case, turning a crash (e.g. a compile error) into a FAIL row with its reason."""
+    try:
+        return run_case(case)
+    except Exception as exc:  # noqa: BLE001 - report and carry on with the other checks
+        traceback.print_exc()
+        nan = float("nan")
+        return {"case": case[0], "pass": False, "error": f"{type(exc).__name__}: {exc}"[:500],
+                "errors": {n: nan for n in ("out", "dq", "dk", "dv", "lse_maxabs")}}
+
+
 # ----------------------------------------------------------------------------- timing
 def cuda_time(fn, min_iters=5, target_ms=300.0) -> dict:
     """Median / min / max milliseconds by CUDA events, after one warm-up call."""
@@ -310,6 +322,8 @@ def summary(report: dict) -> str:
         e = r["errors"]
         lines.append(f"  {r['case']:<16} {e['out']:9.2e} {e['dq']:9.2e} {e['dk']:9.2e} "
                      f"{e['dv']:9.2e} {e['lse_maxabs']:9.2e}  {'PASS' if r['pass'] else 'FAIL'}")
+        if "error" in r:
+            lines.append(f"    error: {r['error'][:150]}")
         if "sdpa_flash_errors" in r:
             s = r["sdpa_flash_errors"]
             lines.append(f"  {'  sdpa flash':<16} {s['out']:9.2e} {s['dq']:9.2e} {s['dk']:9.2e} "
@@ -371,7 +385,7 @@ def main() -> int:
     torch.manual_seed(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "capability": torch.cuda.get_device_capability()}
-    report["correctness"] = [run_case(c) for c in CASES]
+    report["correctness"] = [safe_case(c) for c in CASES]
     torch.cuda.empty_cache()
     report["timing"], report["skipped"] = [], []
     for seq in SEQS:
