@@ -31,7 +31,7 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
         UserError: no model to estimate, an unreadable model config, cp not dividing gpus, or a
             seq_len the layout cannot split.
     """
-    arch = _architecture(cfg, model)
+    arch = recipe_architecture(cfg, model)
     parallel = cfg.parallel if cfg is not None else ParallelConfig()
     train = cfg.train if cfg is not None else TrainConfig()
     cp = parallel.cp if cp is None else cp
@@ -44,7 +44,13 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
                     seq_chunks=cp * LAYOUT_CHUNKS_PER_RANK[parallel.layout])
 
 
-def _architecture(cfg: RecipeConfig | None, model: str | None) -> Architecture:
+def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:
+    """The architecture to estimate: ``model`` (preset, config.json, folder) if given, else the
+    recipe's model.config or model.path (a hub name is read through transformers).
+
+    Raises:
+        UserError: nothing to read an architecture from, or an unreadable config.
+    """
     if model is not None:
         return load_architecture(model)
     if cfg is None:
