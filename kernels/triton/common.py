@@ -96,11 +96,11 @@ def load_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.conste
     base = ptr + row0.to(tl.int64) * stride_row
     ptrs = base + offs_r[:, None] * stride_row + offs_d[None, :]
     if CHECK_ROWS:
+        in_rows = (row0 + offs_r)[:, None] < n_rows
         if PAD_D:
-            x = tl.load(ptrs, mask=((row0 + offs_r)[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM),
-                        other=0.0)
+            x = tl.load(ptrs, mask=in_rows & (offs_d[None, :] < HEAD_DIM), other=0.0)
         else:
-            x = tl.load(ptrs, mask=(row0 + offs_r)[:, None] < n_rows, other=0.0)
+            x = tl.load(ptrs, mask=in_rows, other=0.0)
     else:
         if PAD_D:
             x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
@@ -125,7 +125,7 @@ def store_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, x, HEAD_DIM: tl.co
 
 @triton.jit
 def query_intervals(offs_m, Sq, Sk, causal_off, KV_LO, KV_HI, MASK_MODE: tl.constexpr):
-    """Keys ``[lo, hi)`` seen by each query row in ``offs_m`` (rows past Sq get garbage-free zeros)."""
+    """Keys ``[lo, hi)`` seen by each query row in ``offs_m`` (rows past Sq: see tile_ranges)."""
     if MASK_MODE == 2:
         lo = tl.load(KV_LO + offs_m, mask=offs_m < Sq, other=0)
         hi = tl.load(KV_HI + offs_m, mask=offs_m < Sq, other=0)

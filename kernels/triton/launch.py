@@ -111,10 +111,12 @@ def _buffer(buf, shape, dtype, like: torch.Tensor, name: str) -> torch.Tensor:
 def _flags(dtype) -> dict:
     """Constexprs that depend on dtype and on the interpreter."""
     interp = interpreting()
-    if dtype == torch.float32:
-        prec = "ieee" if interp else "tf32x3"  # near-fp32 products on tensor cores
+    if interp:
+        prec = "ieee"  # exact products on the CPU (also for bf16 upcast to float32)
+    elif dtype == torch.float32:
+        prec = "tf32x3"  # near-fp32 products on tensor cores
     else:
-        prec = "tf32"  # unused for 16-bit operands
+        prec = "tf32"  # the default; unused for 16-bit operands
     return {"UPCAST": interp and dtype == torch.bfloat16, "DOT_PREC": prec}
 
 
