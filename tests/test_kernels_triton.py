@@ -15,14 +15,14 @@ import torch
 from lctrain_kernels.triton.launch import flash_backward, flash_forward
 
 
-def make_mask(sq, sk, causal, q_start=0, k_start=0, doc_bounds=None):
-    qpos = torch.arange(q_start, q_start + sq)[:, None]  # (sq, 1)
-    kpos = torch.arange(k_start, k_start + sk)[None, :]  # (1, sk)
-    mask = torch.ones(sq, sk, dtype=torch.bool)
+def make_mask(sq, sk, causal, q_start=0, k_start=0, doc_bounds=None, device="cpu"):
+    qpos = torch.arange(q_start, q_start + sq, device=device)[:, None]  # (sq, 1)
+    kpos = torch.arange(k_start, k_start + sk, device=device)[None, :]  # (1, sk)
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
         mask &= kpos <= qpos
     if doc_bounds is not None:
-        b = torch.tensor(doc_bounds)
+        b = torch.tensor(doc_bounds, device=device)
         mask &= torch.bucketize(qpos, b, right=True) == torch.bucketize(kpos, b, right=True)
     return mask
 
@@ -41,10 +41,10 @@ def reference(q, k, v, mask, scale):
     return out, torch.where(seen, lse, -math.inf)
 
 
-def inputs(B, sq, sk, hq, hkv, d, dtype):
-    q = torch.randn(B, sq, hq, d, dtype=dtype)
-    k = torch.randn(B, sk, hkv, d, dtype=dtype)
-    v = torch.randn(B, sk, hkv, d, dtype=dtype)
+def inputs(B, sq, sk, hq, hkv, d, dtype, device="cpu"):
+    q = torch.randn(B, sq, hq, d, dtype=dtype, device=device)
+    k = torch.randn(B, sk, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(B, sk, hkv, d, dtype=dtype, device=device)
     return q, k, v
 
 
@@ -53,18 +53,18 @@ def rel_err(x, ref):
 
 
 def check_block(B, sq, sk, hq, hkv, d, dtype, causal, q_start=0, k_start=0, doc_bounds=None,
-                tol=None, backward=True, **cfg):
+                tol=None, backward=True, device="cpu", **cfg):
     tol = tol if tol is not None else {torch.float32: 2e-5, torch.float16: 4e-3,
                                        torch.bfloat16: 3e-2}[dtype]
-    q, k, v = inputs(B, sq, sk, hq, hkv, d, dtype)
-    mask = make_mask(sq, sk, causal, q_start, k_start, doc_bounds)
+    q, k, v = inputs(B, sq, sk, hq, hkv, d, dtype, device)
+    mask = make_mask(sq, sk, causal, q_start, k_start, doc_bounds, device)
     scale = 0.7 / math.sqrt(d)
     qd, kd, vd = (x.double().requires_grad_() for x in (q, k, v))
     ref_out, ref_lse = reference(qd, kd, vd, mask, scale)
     mask_kw = dict(scale=scale, causal=causal, q_start=q_start, k_start=k_start,
                    doc_bounds=doc_bounds)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    lse = torch.full((B, hq, sq), float("nan"))
+    lse = torch.full((B, hq, sq), float("nan"), device=device)
     out, lse = flash_forward(q, k, v, out=out, lse=lse, config=cfg.get("fwd"), **mask_kw)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert not out.isnan().any() and not lse.isnan().any()
@@ -133,6 +133,20 @@ def test_explicit_tiles_with_wide_key_tiles():
              "dkdv": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}}
     check_block(1, 77, 77, 2, 1, 32, torch.float32, causal=True,
                 doc_bounds=(0, 20, 77), **tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", [
+    dict(B=2, sq=1000, sk=1000, hq=8, hkv=2, d=128, causal=True),
+    dict(B=1, sq=700, sk=1300, hq=4, hkv=4, d=80, causal=True, q_start=900, k_start=300),
+    dict(B=1, sq=1024, sk=1024, hq=4, hkv=1, d=64, causal=True,
+         doc_bounds=(0, 1, 300, 301, 777, 1024)),
+])
+def test_gpu_kernels_against_float64(case, dtype):
+    """The compiled kernels (autotuned) on a GPU; float32 runs tf32x3 products."""
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    check_block(dtype=dtype, device="cuda", tol=tol, **case)
 
 
 @pytest.mark.parametrize("bad, match", [
