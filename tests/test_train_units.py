@@ -72,3 +72,22 @@ def test_self_launch_reports_the_ranks_error(tmp_path):
     cfg = _tiny(tmp_path, "model.config.model_type=not-a-model")
     with pytest.raises(UserError, match="model_type 'not-a-model' is not a model type"):
         finetune(cfg, nproc=2)
+
+
+def test_flop_model_counts_documents_not_the_whole_row():
+    import torch
+    from transformers import LlamaConfig
+
+    from lctrain.data import PackedBatch
+    from lctrain.train.loop import attention_units
+    from lctrain.train.metrics import FlopModel
+
+    ids = torch.zeros(1, 96, dtype=torch.long)
+    docs = PackedBatch(ids, ids, ids, (0, 30, 71, 96))
+    plain = PackedBatch(ids.expand(2, 96), ids.expand(2, 96), ids.expand(2, 96), None)
+    assert attention_units([docs]) == 30**2 + 41**2 + 25**2
+    assert attention_units([docs, plain]) == 30**2 + 41**2 + 25**2 + 2 * 96**2
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=3)
+    model = FlopModel.for_model(cfg, n_matmul_params=1000)
+    assert (model.per_token, model.per_attention_unit) == (6000.0, 7.0 * 3 * 4 * 16)
+    assert model.total(10, 5) == 10 * 6000.0 + 5 * 7.0 * 3 * 4 * 16

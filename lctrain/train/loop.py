@@ -135,14 +135,35 @@ class Trainer:
         self.step += 1
         return {"grad_norm": grad_norm, "lr": lr}
 
-    def reduce_for_log(self, stats: dict[str, torch.Tensor]) -> tuple[float, float, float]:
-        """(mean token loss over all ranks, global label tokens, gradient norm): ONE host sync."""
-        loss_sum = stats["loss_sum"].clone()
+    def reduce_for_log(self, stats: dict[str, Any], attn_units: int) -> tuple[float, float, float]:
+        """Global figures of a step: ONE all-reduce and ONE host transfer.
+
+        Args:
+            stats: what `train_step` returned.
+            attn_units: this rank's causal attention work (Σ document length²) since the last
+                log, counted on its global sequences.
+
+        Returns:
+            (mean token loss over all ranks, gradient norm, attention units of all dp groups).
+        """
+        local = torch.stack([stats["loss_sum"].double(),
+                             torch.tensor(float(attn_units), dtype=torch.float64,
+                                          device=self.device)])
         if self.pmesh.world_group is not None:
-            dist.all_reduce(loss_sum, group=self.pmesh.world_group)
-        loss, count, norm = torch.stack([loss_sum, stats["count"],
-                                         stats["grad_norm"].to(loss_sum)]).tolist()
-        return loss / max(count, 1.0), count, norm
+            dist.all_reduce(local, group=self.pmesh.world_group)
+        already_global = torch.stack([stats["count"], stats["grad_norm"].float()]).double()
+        loss_sum, units, count, norm = torch.cat([local, already_global]).tolist()
+        return loss_sum / max(count, 1.0), norm, units / self.pmesh.cp  # cp ranks share sequences
+
+
+def attention_units(micro: list[PackedBatch]) -> int:
+    """Causal attention work of global micro-batches: rows × Σ over documents of length²."""
+    total = 0
+    for batch in micro:
+        rows, seq = batch.input_ids.shape
+        bounds = batch.cu_seqlens or (0, seq)
+        total += rows * sum((b - a) ** 2 for a, b in zip(bounds[:-1], bounds[1:]))
+    return total
 
 
 @dataclass
@@ -153,12 +174,21 @@ class LoopHooks:
     log_every: int
     checkpoint_every: int
     tokens_per_step: int
-    flops_per_token: float | None
+    flops: Any  # lctrain.train.metrics.FlopModel
     peak_flops: float | None
     log: Callable[[dict], None]
     progress: Callable[[int, dict | None], None]
     save: Callable[[], Path]
     history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class _Window:
+    """The steps since the last log (or save, which is not training time)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    attn_units: int = 0
 
 
 def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks) -> list[dict]:
@@ -170,36 +200,39 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
     Returns:
         The logged records (identical on every rank).
     """
-    last_time, last_step = time.perf_counter(), trainer.step
+    window = _Window()
     while trainer.step < hooks.max_steps:
-        stats = trainer.train_step(list(islice(batches, trainer.grad_accum)))
-        step = trainer.step
-        record = None
+        micro = list(islice(batches, trainer.grad_accum))
+        stats = trainer.train_step(micro)
+        window.steps += 1
+        window.attn_units += attention_units(micro)
+        step, record = trainer.step, None
         if step % hooks.log_every == 0 or step == hooks.max_steps:
-            loss, _, grad_norm = trainer.reduce_for_log(stats)  # synchronises
-            now = time.perf_counter()
-            record = _record(trainer, hooks, step, loss, grad_norm, stats["lr"],
-                             (now - last_time) / (step - last_step))
-            last_time, last_step = now, step
+            loss, grad_norm, units = trainer.reduce_for_log(stats, window.attn_units)  # syncs
+            record = _record(trainer, hooks, window, loss, grad_norm, stats["lr"], units)
             hooks.history.append(record)
             hooks.log(record)
+            window = _Window()
         hooks.progress(step, record)
         if step == hooks.max_steps or (hooks.checkpoint_every and step % hooks.checkpoint_every == 0):
             hooks.save()
-            last_time = time.perf_counter()  # saving is not training time
+            window = _Window()
     return hooks.history
 
 
-def _record(trainer: Trainer, hooks: LoopHooks, step: int, loss: float, grad_norm: float,
-            lr: float, step_time: float) -> dict:
+def _record(trainer: Trainer, hooks: LoopHooks, window: _Window, loss: float, grad_norm: float,
+            lr: float, attn_units: float) -> dict:
     from lctrain.train.metrics import peak_memory_bytes
 
-    tokens_per_s = hooks.tokens_per_step / step_time if step_time > 0 else float("nan")
+    elapsed = time.perf_counter() - window.start
+    steps = max(window.steps, 1)
+    tokens = hooks.tokens_per_step * window.steps
+    tokens_per_s = tokens / elapsed if elapsed > 0 else float("nan")
     mfu = None
-    if hooks.flops_per_token and hooks.peak_flops:
-        per_rank = tokens_per_s * hooks.flops_per_token / trainer.pmesh.world_size
-        mfu = per_rank / hooks.peak_flops
-    return {"step": step, "loss": loss, "tokens": hooks.tokens_per_step,
-            "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-            "lr": lr, "grad_norm": grad_norm,
-            "peak_memory_bytes": peak_memory_bytes(trainer.device), "mfu": mfu}
+    if hooks.peak_flops and elapsed > 0:
+        flops = hooks.flops.total(tokens, attn_units)
+        mfu = flops / elapsed / trainer.pmesh.world_size / hooks.peak_flops
+    return {"step": trainer.step, "loss": loss, "tokens": hooks.tokens_per_step,
+            "tokens_per_s": tokens_per_s, "step_time_s": elapsed / steps, "lr": lr,
+            "grad_norm": grad_norm, "peak_memory_bytes": peak_memory_bytes(trainer.device),
+            "mfu": mfu}

@@ -8,9 +8,10 @@ Every logged step appends one JSON object to ``output_dir/metrics.jsonl``:
 ``tokens`` counts all tokens of the step over all ranks (dp · batch · grad_accum · seq_len);
 ``step_time_s`` is the mean wall time of the steps since the previous log; ``peak_memory_bytes``
 is the CUDA allocator's peak on a GPU, the process's peak resident memory on a CPU; ``mfu`` is
-model FLOPs (6 · matmul parameters per token plus 7 · S · H · D per token and layer for causal
-attention, forward + backward, recomputation not counted) over the GPU's dense bf16 peak, or
-null off a GPU or on an unknown one.
+model FLOPs (`FlopModel`: 6 · matmul parameters per token, plus 7 · n² · H · D per layer for
+the causal attention of each document of n tokens actually trained on — packed documents cost
+far less than one causal sequence of their total length) per second and GPU over the GPU's
+dense bf16 peak, or null off a GPU or on an unknown one.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import math
 import os
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,20 +42,31 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def flops_per_token(model_config, n_matmul_params: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) of a decoder-only transformer.
+@dataclass(frozen=True)
+class FlopModel:
+    """Training FLOPs (forward + backward, recomputation not counted) of a decoder-only LM.
 
-    Args:
-        model_config: the transformers config (num_hidden_layers, num_attention_heads, head_dim
-            or hidden_size).
-        n_matmul_params: parameters that take part in matrix products (all but the input
-            embedding).
-        seq_len: tokens per sequence (the whole sequence, not one rank's shard).
+    Attributes:
+        per_token: 6 × the parameters that take part in matrix products (all but the input
+            embedding): the projections, MLPs and output head.
+        per_attention_unit: causal attention of a document of n tokens costs
+            7 · n² · H · D per layer (forward 2 · n² · H · D, backward 2.5 × that); this is
+            7 · layers · H · D, to be multiplied by Σ n² over the documents actually trained on.
     """
-    layers = model_config.num_hidden_layers
-    heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    return 6.0 * n_matmul_params + 7.0 * layers * seq_len * heads * head_dim
+
+    per_token: float
+    per_attention_unit: float
+
+    @classmethod
+    def for_model(cls, model_config, n_matmul_params: int) -> FlopModel:
+        layers = model_config.num_hidden_layers
+        heads = model_config.num_attention_heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        return cls(per_token=6.0 * n_matmul_params, per_attention_unit=7.0 * layers * heads * head_dim)
+
+    def total(self, tokens: float, attention_units: float) -> float:
+        """FLOPs of ``tokens`` tokens whose documents give ``attention_units`` = Σ n²."""
+        return tokens * self.per_token + attention_units * self.per_attention_unit
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -62,24 +63,29 @@ def default_nproc(cfg: RecipeConfig) -> int:
 def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
     """Run this rank's part of the training (every rank calls it); returns 0.
 
-    Uses an existing process group (torchrun, accelerate launch, tests) or, alone, makes a
-    one-rank group so that every code path — mesh, counts, DCP checkpoints — is the same.
+    The process group is the caller's when one exists (tests); otherwise accelerate makes it
+    from torchrun's environment (gloo on CPU, NCCL on GPUs), or — a lone process — a one-rank
+    group is made, so that every code path (mesh, counts, DCP checkpoints) is the same. A group
+    made here is destroyed at the end.
     """
     from accelerate import Accelerator
 
     resume_from = _check_output_dir(cfg, resume)
     cuda = torch.cuda.is_available()
     precision = _precision(cfg, cuda)
+    own_group = not dist.is_initialized()
     accelerator = Accelerator(cpu=not cuda, mixed_precision=precision)
-    own_group = _ensure_process_group(accelerator.device)
+    store_dir = _ensure_process_group(accelerator.device)
     try:
         pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None,
                            device_type=accelerator.device.type)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
         _train(cfg, pmesh, accelerator, precision, resume_from)
     finally:
-        if own_group:
+        if own_group and dist.is_initialized():
             dist.destroy_process_group()
+        if store_dir is not None:
+            shutil.rmtree(store_dir, ignore_errors=True)
     return 0
 
 
@@ -121,14 +127,19 @@ def _precision(cfg: RecipeConfig, cuda: bool) -> str:
     return wanted
 
 
-def _ensure_process_group(device: torch.device) -> bool:
-    """Make a one-rank group when none exists; True if this call made it."""
+def _ensure_process_group(device: torch.device) -> str | None:
+    """Make a one-rank group when none exists (a lone process, not under a launcher).
+
+    Returns:
+        The temporary folder of its file store (to delete at the end), or None.
+    """
     if dist.is_initialized():
-        return False
+        return None
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = os.path.join(tempfile.mkdtemp(prefix="lctrain-pg-"), "store")
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    return True
+    store_dir = tempfile.mkdtemp(prefix="lctrain-pg-")
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(store_dir, 'store')}",
+                            rank=0, world_size=1)
+    return store_dir
 
 
 def _build_data(cfg: RecipeConfig, pmesh: ParallelMesh):
@@ -148,7 +159,7 @@ def _build_data(cfg: RecipeConfig, pmesh: ParallelMesh):
 class _ModelParts:
     model: torch.nn.Module
     distributed: object  # lctrain.parallel.fsdp.Distributed
-    flops_per_token: float
+    flops: object  # lctrain.train.metrics.FlopModel
     n_params: int
 
 
@@ -160,7 +171,7 @@ def _build_model(cfg: RecipeConfig, pmesh: ParallelMesh, device: torch.device,
     from lctrain.parallel.checkpointing import apply_checkpointing
     from lctrain.parallel.fsdp import distribute
     from lctrain.train.loop import CausalLMLoss
-    from lctrain.train.metrics import flops_per_token
+    from lctrain.train.metrics import FlopModel
 
     model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
                        dtype=getattr(torch, cfg.model.dtype), device=device,
@@ -168,8 +179,7 @@ def _build_model(cfg: RecipeConfig, pmesh: ParallelMesh, device: torch.device,
     n_params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
-    flops = flops_per_token(model.config, n_params - (0 if tied else embed.numel()),
-                            cfg.data.seq_len)
+    flops = FlopModel.for_model(model.config, n_params - (0 if tied else embed.numel()))
     apply_checkpointing(model, cfg.train.checkpointing)  # before FSDP2 wraps the layers
     strategy = _strategy(cfg, pmesh)
     module = CausalLMLoss(model, cfg.train.loss_chunk_tokens)
@@ -238,7 +248,7 @@ def _run(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer, da
     hooks = LoopHooks(max_steps=t.max_steps, log_every=t.log_every,
                       checkpoint_every=cfg.checkpoint.every,
                       tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
-                      flops_per_token=parts.flops_per_token, peak_flops=peak_flops(trainer.device),
+                      flops=parts.flops, peak_flops=peak_flops(trainer.device),
                       log=metrics.write, progress=progress.update, save=save)
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
                            dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
