@@ -76,7 +76,7 @@ class LayerStash:
         self.inputs: list[_Copy] = []
         self.outputs: list[torch.Tensor] = []  # recorded op outputs, moved out at forward end
         self.parked: list[_Copy] = []
-        self.ready = None  # event (GPU) or True (CPU) once fetched
+        self.ready = None  # (event, device) on a GPU, True off one, once fetched
         self.fetched = False
 
     def pack(self, tensor: torch.Tensor):
@@ -119,18 +119,17 @@ class LayerStash:
             return
         copies = self.inputs + self.parked
         stream = self.offloader.stream_for_device(copies[0].device) if copies else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(copies[0].device))
         for copy in copies:
             copy.fetch(stream)
-        self.ready = stream.record_event() if stream is not None else True
+        self.ready = (stream.record_event(), copies[0].device) if stream is not None else True
         self.fetched = True
 
     def wait(self) -> None:
         """Make the current stream wait for this stash's copies back (starting them if needed)."""
         self.fetch()
-        if self.ready is not True and self.ready is not None:
-            torch.cuda.current_stream(self.ready.device).wait_event(self.ready)
+        if self.ready is not True:
+            event, device = self.ready
+            torch.cuda.current_stream(device).wait_event(event)
         self.parked = []  # refilled storages belong to the cache again
 
     def _prefetch_previous(self) -> None:
