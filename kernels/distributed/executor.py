@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from lctrain_kernels.blocks import block_backward, block_forward
+from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc
 from lctrain_kernels.distributed.comm import Exchanger, Pending, pack, packed_size, unpack
 from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import Block, Message, Plan, make_schedule
 from lctrain_kernels.masks import MaskSpec, Relation, classify
-from lctrain_kernels.merge import merge_into
 
 _INPUTS = ("kv", "q")
 
@@ -99,56 +99,6 @@ def pruned_plan(kind: str, direction: str, geo: Geometry) -> Plan:
     return plan.pruned(lambda blk: not block_calls(blk, geo))
 
 
-class OutAcc:
-    """Output rows and their lse, merged in float32 once a second partial arrives."""
-
-    def __init__(self, n: int):
-        self.n, self.out, self.lse, self.fp32 = n, None, None, False
-
-    def add(self, a: int, b: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        if self.out is None and (a, b) == (0, self.n):
-            self.out, self.lse = out, lse  # (B, n, H, D), (B, H, n)
-            return
-        if not self.fp32:
-            bsz, _, h, dim = out.shape
-            acc_out = out.new_zeros((bsz, self.n, h, dim), dtype=torch.float32)  # (B, n, H, D)
-            acc_lse = lse.new_full((bsz, h, self.n), float("-inf"))  # (B, H, n)
-            if self.out is not None:
-                acc_out.copy_(self.out)
-                acc_lse.copy_(self.lse)
-            self.out, self.lse, self.fp32 = acc_out, acc_lse, True
-        merge_into(self.out[:, a:b], self.lse[:, :, a:b], out, lse)
-
-    def result(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out in like.dtype, lse float32); rows nothing reached stay out = 0, lse = -inf."""
-        if self.out is None:
-            bsz, _, h, _ = like.shape
-            return torch.zeros_like(like), like.new_full((bsz, h, self.n), float("-inf"), dtype=torch.float32)
-        return self.out.to(like.dtype), self.lse
-
-
-class GradAcc:
-    """Gradient rows, summed in float32 once a second contribution arrives."""
-
-    def __init__(self, n: int):
-        self.n, self.grad, self.fp32 = n, None, False
-
-    def add(self, a: int, b: int, grad: torch.Tensor) -> None:
-        if self.grad is None and (a, b) == (0, self.n):
-            self.grad = grad
-            return
-        if not self.fp32:
-            bsz, _, h, dim = grad.shape
-            acc = grad.new_zeros((bsz, self.n, h, dim), dtype=torch.float32)  # (B, n, H, D)
-            if self.grad is not None:
-                acc += self.grad
-            self.grad, self.fp32 = acc, True
-        self.grad[:, a:b] += grad
-
-    def result(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(like) if self.grad is None else self.grad.to(like.dtype)
-
-
 class Engine:
     """Runs the steps of a plan on one rank; subclasses say what messages carry and compute.
 
@@ -158,11 +108,14 @@ class Engine:
         exchanger: the point-to-point exchanger of the group.
         overlap: post the next step's transfers before computing the current one.
         device: where received buffers live.
+        compute: False moves the same messages without computing anything (results are
+            uninitialised buffers) — how the attention bench times communication alone.
     """
 
     def __init__(self, plan: Plan, geo: Geometry, exchanger: Exchanger, overlap: bool,
-                 device: torch.device):
+                 device: torch.device, compute: bool = True):
         self.plan, self.geo, self.exch, self.overlap, self.device = plan, geo, exchanger, overlap, device
+        self.compute_enabled = compute
         self.rank, self.n = exchanger.rank, geo.n_local
         self.kv_have: dict[int, tuple] = {}  # kv owner -> (packed buffer, k, v)
         self.q_in: dict[tuple, list[torch.Tensor]] = {}  # (owner, rows) -> received q tensors
@@ -192,7 +145,12 @@ class Engine:
                 pending = self._post(batch(k + 1, k - 1))
             else:
                 self._receive(self._post(batch(k, k - 1)))
-            self.compute([b for b in steps[k].blocks if b.rank == self.rank])
+            if self.compute_enabled:
+                self.compute([b for b in steps[k].blocks if b.rank == self.rank])
+            else:
+                for m in (m for m in steps[k].outputs if m.src == self.rank):
+                    self.results[m] = torch.empty(packed_size(self.specs(m)), dtype=torch.uint8,
+                                                  device=self.device)
             self.q_in.clear()
             for owner in [o for o, at in self.last_use.items() if at <= k and o != self.rank]:
                 self.kv_have.pop(owner, None)
@@ -212,7 +170,7 @@ class Engine:
                 self.kv_have[m.owner] = (buf, *tensors)
             elif m.kind == "q":
                 self.q_in[(m.owner, m.rows)] = tensors
-            else:
+            elif self.compute_enabled:
                 self.absorb(m, tensors)
 
     def send_buffer(self, m: Message) -> torch.Tensor:
@@ -225,7 +183,8 @@ class Engine:
             return buf
         if m.kind == "q":
             return pack(self.local_rows(m.rows))
-        return pack(self.results.pop(m))
+        result = self.results.pop(m)
+        return result if isinstance(result, torch.Tensor) else pack(result)
 
     def kv(self, owner: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``owner`` (own or received), restricted to ``rows``."""
@@ -245,8 +204,9 @@ class Engine:
 class ForwardEngine(Engine):
     """Forward: k/v and q rows travel in, partial (out, lse) travel home and are merged."""
 
-    def __init__(self, plan, geo, exchanger, overlap, q, k, v, scale: float, backend: str):
-        super().__init__(plan, geo, exchanger, overlap, q.device)
+    def __init__(self, plan, geo, exchanger, overlap, q, k, v, scale: float, backend: str,
+                 compute: bool = True):
+        super().__init__(plan, geo, exchanger, overlap, q.device, compute)
         self.q, self.scale, self.backend = q, scale, backend  # q (B, n, Hq, D)
         self.kv_have[self.rank] = (None, k, v)  # (B, n, Hkv, D) each
         self.acc = OutAcc(self.n)
@@ -288,8 +248,8 @@ class BackwardEngine(Engine):
     """Backward: k/v and (q, dO, out, lse) rows travel in, dq and (dk, dv) travel home."""
 
     def __init__(self, plan, geo, exchanger, overlap, do, q, k, v, out, lse, scale: float,
-                 backend: str):
-        super().__init__(plan, geo, exchanger, overlap, q.device)
+                 backend: str, compute: bool = True):
+        super().__init__(plan, geo, exchanger, overlap, q.device, compute)
         self.do, self.q, self.out, self.lse = do, q, out, lse  # (B, n, Hq, D) x3, (B, Hq, n)
         self.scale, self.backend = scale, backend
         self.kv_have[self.rank] = (None, k, v)  # (B, n, Hkv, D) each

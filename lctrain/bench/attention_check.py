@@ -1,0 +1,69 @@
+"""The attention bench's correctness gate: every schedule against the single-device result.
+
+At a small total length, every rank builds the same full-sequence inputs, computes the float32
+reference (output and all three gradients) on the whole sequence, and the single-device
+kernel's error against it in the benchmark's dtype. Each schedule then runs distributed on the
+same inputs; its error is the largest relative error (max |diff| / max |ref|) of out, dq, dk,
+dv over all ranks. A schedule is correct when it errs at most twice as much as the
+single-device kernel (or at most 1e-4, the float32 rounding floor).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lctrain_kernels import attention_with_lse, dist_attention
+from lctrain_kernels.distributed import make_schedule, shard
+
+_FLOOR = 1e-4
+_SCHEDULES = ("distflash", "zigzag", "ring")
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _grads(fn, inputs, do):
+    """(out, dq, dk, dv) of ``fn`` on leaf copies of ``inputs``."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(do)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def check_schedules(group, device: torch.device, dtype: torch.dtype, cfg, variants) -> dict[str, dict]:
+    """Correctness of each lctrain variant; see the module docstring.
+
+    Args:
+        group: the process group of the bench.
+        device: this rank's device.
+        dtype: the benchmark's dtype.
+        cfg: the bench config (check_len, heads, kv_heads, head_dim, backend).
+        variants: ``(row name, schedule or peer, overlap)`` triples; peers are not checked.
+
+    Returns:
+        ``{row name: {"max_rel_err", "single_rel_err", "correct"}}`` (same on every rank).
+    """
+    gen = torch.Generator().manual_seed(1234)
+    s, d = cfg.check_len, cfg.head_dim
+    shapes = [(1, s, cfg.heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.heads, d)]
+    q, k, v, do = (torch.randn(sh, generator=gen).to(device) for sh in shapes)  # float32, (1, S, H, D)
+    ref = _grads(lambda *x: attention_with_lse(*x, backend="reference")[0], (q, k, v), do)
+    low = [t.to(dtype) for t in (q, k, v, do)]
+    single = _grads(lambda *x: attention_with_lse(*x, backend=cfg.backend)[0], low[:3], low[3])
+    single_err = max(_rel(a, b) for a, b in zip(single, ref))
+    results = {}
+    world = dist.get_world_size(group)
+    for name, what, overlap in variants:
+        if what not in _SCHEDULES:
+            continue
+        layout = make_schedule(world, what).layout
+        loc = [shard(t, group, layout) for t in low]
+        got = _grads(lambda *x: dist_attention(*x, group=group, schedule=what, backend=cfg.backend,
+                                               overlap=overlap), loc[:3], loc[3])
+        err = torch.tensor(max(_rel(a, shard(b, group, layout)) for a, b in zip(got, ref)), device=device)
+        dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
+        err = float(err)
+        results[name] = {"max_rel_err": err, "single_rel_err": single_err,
+                         "correct": err <= max(2 * single_err, _FLOOR)}
+    return results
