@@ -61,6 +61,9 @@ def test_policies_order_activations():
     arch = load_architecture("llama3-8b")
     saved = {p: estimate(arch, 131072, 8, 4, p).details["saved_activations"] for p in POLICIES}
     assert saved["remat-offload"] < saved["full"] < saved["remat"] < saved["none"]
+    host = {p: estimate(arch, 131072, 8, 4, p).details["host_offload"] for p in POLICIES}
+    assert host["remat-offload"] == 32 * (131072 // 4) * (2 * 4096 * 2 + 4 * 32)  # input, out, lse
+    assert host["none"] == host["full"] == host["remat"] == 0
     # remat keeps exactly the attention output (bf16) and fp32 lse per layer beyond full
     extra = 32 * (131072 // 4) * (2 * 4096 + 4 * 32)
     assert saved["remat"] - saved["full"] == extra

@@ -65,6 +65,12 @@ def saved_activations(arch: Architecture, tokens: int, c: int, policy: str) -> i
     raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
+def host_offload(arch: Architecture, tokens: int, c: int, policy: str) -> int:
+    """Pinned host bytes per GPU (per training process) that remat-offload parks (0 otherwise):
+    every layer's remat tensors. The host must hold this times the processes per machine."""
+    return arch.num_layers * remat_kept(arch, tokens, c) if policy == "remat-offload" else 0
+
+
 def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int) -> int:
     """Peak bytes of one layer's backward beyond the saved activations.
 

@@ -98,7 +98,8 @@ def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     details = {"phase": phase, "tokens_per_gpu": tokens, "shard_degree": setup.shard,
                "peak_allocated": peak, "headroom": headroom, "saved_activations": saved,
                "loss_workspace": loss, "attention_workspace": attention,
-               "layer_backward": layer_backward, "fsdp_gathered": gathered + root}
+               "layer_backward": layer_backward, "fsdp_gathered": gathered + root,
+               "host_offload": act.host_offload(arch, tokens, c, setup.policy)}
     return per_gpu, details
 
 

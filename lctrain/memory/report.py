@@ -20,7 +20,8 @@ class MemoryEstimate:
             allocator headroom) and their total, at the step's peak.
         details: how the peak was reached: phase ("activations" or "optimizer"),
             tokens_per_gpu, shard_degree, peak_allocated (compare with
-            torch.cuda.max_memory_allocated), headroom, and the transient parts.
+            torch.cuda.max_memory_allocated), headroom, the transient parts, and host_offload
+            (pinned host bytes per process under remat-offload).
         fits: total ≤ gpu_memory (None when no gpu_memory was given).
         max_seq_len: the longest sequence (a multiple of the layout's chunking) that fits;
             0 if none does; None when no gpu_memory was given.
@@ -70,6 +71,8 @@ class MemoryEstimate:
     def _caption(self) -> str:
         phase = self.details.get("phase", "?")
         text = f"peak at the {phase} phase; {self.details.get('tokens_per_gpu', '?')} tokens per GPU"
+        if self.details.get("host_offload"):
+            text += f"; {self.details['host_offload'] / _GIB:.1f} GiB pinned host memory per GPU"
         if self.gpu_memory is None:
             return text
         verdict = "fits" if self.fits else "does NOT fit"
