@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity), matched against the device name.
-_PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0),
-                     ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
-                     ("A10G", 70.0), ("L4", 121.0))
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity), matched in order against the
+# device name (so the PCIe / NVL variants come before the SXM names they contain).
+_PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0),
+                     ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0), ("B200", 2250.0),
+                     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0),
+                     ("L4", 121.0))
 
 
 def peak_flops(device: torch.device) -> float | None:
