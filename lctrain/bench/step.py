@@ -63,6 +63,7 @@ def run(cfg: RecipeConfig, steps: int, nproc: int | None = None, *, warmup: int 
                         f"of 0 or more (got {warmup})")
     n = nproc if nproc is not None else default_nproc(cfg)
     in_process = n == 1 or any(name in os.environ for name in _LAUNCHER_ENV)
+    layers, predicted = _expectations(cfg, n)  # before the run: a bad model fails fast
     scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=_parent(cfg)))
     try:
         bench_cfg = _bench_recipe(cfg, scratch, warmup + steps)
@@ -73,7 +74,7 @@ def run(cfg: RecipeConfig, steps: int, nproc: int | None = None, *, warmup: int 
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    row = _row(cfg, n, records, warmup, counter.calls)
+    row = _row(cfg, n, records, warmup, counter.calls, layers, predicted)
     return BenchResult(title="training step", rows=[row], meta=_meta(cfg, n, warmup, steps),
                        columns=list(row))
 
@@ -133,10 +134,9 @@ class _FirstStepCounter:
             self._handle.remove()
 
 
-def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int,
-         counted: int | None) -> dict:
+def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, counted: int | None,
+         layers: int, predicted: dict) -> dict:
     timed = [r for r in records if r["step"] > warmup] or records
-    layers, predicted = _expectations(cfg, nproc)
     measured = max((r.get("peak_memory_bytes") or 0) for r in records)
     logged_calls = records[0].get("attention_forward_calls") if records else None
     calls = counted if counted is not None else logged_calls
