@@ -150,3 +150,14 @@ def test_single_rank_runs_local_attention_and_validates():
         dist_attention(q[0], k, v)
     out = torch.ops.lctrain.dist_attention(q, k, v, "", True, [], 0.25, "distflash", "reference", True)
     assert out[0].shape == q.shape and out[1].shape == (2, 4, 10)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema, fake (meta) kernels and autograd registration hold, so torch.compile can trace."""
+    q = torch.randn(1, 8, 4, D, requires_grad=True)
+    k, v = torch.randn(1, 8, 2, D, requires_grad=True), torch.randn(1, 8, 2, D, requires_grad=True)
+    opts = ("", True, [0, 3, 8], 0.25, "distflash", "reference", True)
+    torch.library.opcheck(torch.ops.lctrain.dist_attention.default, (q, k, v, *opts))
+    out, lse = torch.ops.lctrain.dist_attention(q, k, v, *opts)
+    plain = [t.detach() for t in (torch.randn_like(out), q, k, v, out, lse)]
+    torch.library.opcheck(torch.ops.lctrain.dist_attention_backward.default, (*plain, *opts))

@@ -155,3 +155,31 @@ def test_layout_maps_and_errors():
         make_schedule(2, "tree")
     with pytest.raises(ValueError, match="positive integer"):
         make_schedule(0)
+
+
+def test_accumulators_copy_merge_and_fill_untouched_rows():
+    from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc
+
+    n, parts = 10, [(0, 4), (2, 7), (0, 4)]  # overlapping runs; rows 7..9 never reached
+    outs = [torch.randn(2, b - a, 3, 5) for a, b in parts]
+    lses = [torch.randn(2, 3, b - a) for a, b in parts]
+    acc, grads = OutAcc(n), GradAcc(n)
+    for (a, b), o, l in zip(parts, outs, lses):
+        acc.add(a, b, o, l)
+        grads.add(a, b, o)
+    out, lse = acc.result(torch.empty(2, n, 3, 5, dtype=torch.float64))
+    w_lse = torch.full((2, 3, n), float("-inf"), dtype=torch.float64)
+    w_num = torch.zeros(2, n, 3, 5, dtype=torch.float64)
+    w_sum = torch.zeros(2, n, 3, 5, dtype=torch.float64)
+    for (a, b), o, l in zip(parts, outs, lses):
+        w_lse[:, :, a:b] = torch.logaddexp(w_lse[:, :, a:b], l.double())
+        w_num[:, a:b] += o.double() * l.double().exp().transpose(1, 2)[..., None]
+        w_sum[:, a:b] += o.double()
+    want = w_num / w_lse.exp().transpose(1, 2)[..., None]
+    assert out.dtype == torch.float64 and torch.allclose(out[:, :7], want[:, :7], atol=1e-5)
+    assert torch.allclose(lse.double(), w_lse, atol=1e-5) and (out[:, 7:] == 0).all()
+    assert torch.allclose(grads.result(w_sum), w_sum, atol=1e-5)
+    single = OutAcc(4)
+    o, l = torch.randn(1, 4, 2, 3), torch.randn(1, 2, 4)
+    single.add(0, 4, o, l)
+    assert single.result(o)[0] is o  # one result covering every row is kept as it is

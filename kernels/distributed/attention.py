@@ -46,7 +46,8 @@ def _dist_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_
     engine = ForwardEngine(pruned_plan(schedule, "forward", geo), geo, exch, overlap, q, k, v,
                            softmax_scale, backend)
     engine.run()
-    return engine.acc.result(q)  # (B, n, Hq, D), (B, Hq, n) float32
+    out, lse = engine.acc.result(q)
+    return out.contiguous(), lse.contiguous()  # (B, n, Hq, D), (B, Hq, n) float32
 
 
 @_dist_attention_op.register_fake
@@ -65,7 +66,7 @@ def _dist_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tens
     engine = BackwardEngine(pruned_plan(schedule, "backward", geo), geo, exch, overlap, do, q, k, v,
                             out, lse, softmax_scale, backend)
     engine.run()
-    return engine.dq.result(q), engine.dk.result(k), engine.dv.result(v)
+    return engine.dq.result(q).contiguous(), engine.dk.result(k).contiguous(), engine.dv.result(v).contiguous()
 
 
 @_dist_attention_backward_op.register_fake
