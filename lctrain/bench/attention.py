@@ -141,14 +141,20 @@ class _Bench:
         fw, bw = _timings(fwd, bwd, self.device, c.repeats, 1)
         return statistics.median(a + b for a, b in zip(fw, bw))
 
-    def _time(self, make, seq_len: int, flops_per_gpu: float) -> dict:
-        """Time (fwd, bwd) from ``make()`` on every rank; the slowest rank's medians."""
+    def _time(self, make, flops_per_gpu: float, peer: bool) -> dict:
+        """Time (fwd, bwd) from ``make()`` on every rank; the slowest rank's medians.
+
+        A peer that fails (unavailable, unsupported shape) gives a status instead of a number;
+        lctrain's own schedules are allowed to fail only for memory, anything else is a bug.
+        """
         status, fw, bw = "ok", [], []
+        caught = Exception if peer else (PeerUnavailable, torch.cuda.OutOfMemoryError)
         try:
             with make() as (fwd, bwd):
                 fw, bw = _timings(fwd, bwd, self.device, self.cfg.repeats, self.cfg.warmup)
-        except (PeerUnavailable, torch.cuda.OutOfMemoryError) as exc:
-            status = str(exc).splitlines()[0][:200]
+        except caught as exc:
+            status = f"{'' if isinstance(exc, PeerUnavailable) else type(exc).__name__ + ': '}{exc}"
+            status = status.splitlines()[0][:200]
         per_rank = [None] * self.world
         dist.all_gather_object(per_rank, (status, fw, bw), group=self.group)
         if self.device.type == "cuda":
@@ -192,35 +198,41 @@ class _Bench:
         return out
 
     def run(self) -> list[dict]:
+        """Correctness gate, then every length: single GPU, every variant, the hidden share."""
         from lctrain.bench.attention_check import check_schedules
+
+        checks = check_schedules(self.group, self.device, self.dtype, self.cfg, self.variants())
+        rows = []
+        for seq_len in self.cfg.seq_lens:
+            rows += self._length(seq_len, checks)
+            self._hidden_share(rows, seq_len)
+        return rows
+
+    def _length(self, seq_len: int, checks: dict) -> list[dict]:
         from lctrain_kernels.distributed import make_schedule
 
-        c, rows = self.cfg, []
-        checks = check_schedules(self.group, self.device, self.dtype, c, self.variants())
-        for seq_len in c.seq_lens:
-            flops = forward_flops(seq_len, c.heads, c.head_dim, True, None)
-            base = {"seq_len": seq_len, "gpus": self.world, "tokens_per_gpu": seq_len // self.world}
-            single = {"status": f"skipped: longer than single_max_len {c.single_max_len}"}
-            if seq_len <= c.single_max_len:
-                ok = self._affordable(flops)
-                single = self._single(seq_len) if ok else {"status": "skipped: time budget"}
-            rows.append({**base, "variant": f"single-gpu {self.single_backend}", "gpus": 1, **single})
-            for name, what, overlap in self.variants():
-                balance = make_schedule(self.world, what).balance() if what in SCHEDULES else None
-                if not self._affordable(flops / self.world * (balance or 1.0)):
-                    rows.append({**base, "variant": name, "status": "skipped: time budget"})
-                    continue
-                if what in PEERS:
-                    spec = Shape(seq_len, c.heads, c.kv_heads, c.head_dim, self.dtype, self.device)
-                    make = lambda: PEERS[what](self.group, spec)  # noqa: E731
-                else:
-                    make = lambda: contextlib.nullcontext(self._ours(seq_len, what, overlap))  # noqa: E731
-                row = {**base, "variant": name, "balance": balance, **self._time(make, seq_len, flops / self.world)}
-                row.update(checks.get(name, {}))
-                if single.get("total_tflops") and row.get("total_tflops"):
-                    row["vs_single"] = row["total_tflops"] / single["total_tflops"]
-                rows.append(row)
-            self._hidden_share(rows, seq_len)
+        c = self.cfg
+        flops = forward_flops(seq_len, c.heads, c.head_dim, True, None)  # whole sequence
+        base = {"seq_len": seq_len, "gpus": self.world, "tokens_per_gpu": seq_len // self.world}
+        single = {"status": f"skipped: longer than single_max_len {c.single_max_len}"}
+        if seq_len <= c.single_max_len:
+            single = self._single(seq_len) if self._affordable(flops) else {"status": "skipped: time budget"}
+        rows = [{**base, "variant": f"single-gpu {self.single_backend}", "gpus": 1, **single}]
+        for name, what, overlap in self.variants():
+            balance = make_schedule(self.world, what).balance() if what in SCHEDULES else None
+            row = {**base, "variant": name, "balance": balance}
+            if not self._affordable(flops / self.world * (balance or 1.0)):
+                rows.append({**row, "status": "skipped: time budget"})
+                continue
+            if what in PEERS:
+                spec = Shape(seq_len, c.heads, c.kv_heads, c.head_dim, self.dtype, self.device)
+                make = lambda: PEERS[what](self.group, spec)  # noqa: E731
+            else:
+                make = lambda: contextlib.nullcontext(self._ours(seq_len, what, overlap))  # noqa: E731
+            row.update(self._time(make, flops / self.world, what in PEERS), **checks.get(name, {}))
+            if single.get("total_tflops") and row.get("total_tflops"):
+                row["vs_single"] = row["total_tflops"] / single["total_tflops"]
+            rows.append(row)
         return rows
 
     def _hidden_share(self, rows: list[dict], seq_len: int) -> None:
@@ -230,7 +242,8 @@ class _Bench:
             return
         comm = self._agree(self._comm_only_ms(seq_len, "distflash"))
         on["comm_only_ms"] = comm
-        on["hidden_share"] = min(1.0, max(0.0, (off["total_ms"] - on["total_ms"]) / comm)) if comm > 0 else None
+        hidden = (off["total_ms"] - on["total_ms"]) / comm if comm > 0 else None
+        on["hidden_share"] = None if hidden is None else min(1.0, max(0.0, hidden))
 
 
 def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:

@@ -64,14 +64,14 @@ def context_parallel_peer(group, spec: Shape):
     k = _randn((1, spec.kv_heads, spec.seq_len, spec.head_dim), spec, 2)  # (1, Hkv, S, D)
     v = _randn((1, spec.kv_heads, spec.seq_len, spec.head_dim), spec, 3)
     do = _randn((1, spec.heads, spec.seq_len // world, spec.head_dim), spec, 4)  # (1, H, S/P, D)
-    gqa = spec.kv_heads != spec.heads
+    extra = {"enable_gqa": True} if spec.kv_heads != spec.heads else {}
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), context_parallel(
             mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
         for t in (q, k, v):
             t.requires_grad_(True)
 
         def fwd():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
 
         def bwd(out):
             out.backward(do)
