@@ -34,8 +34,6 @@ from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import Block, Message, Plan, make_schedule
 from lctrain_kernels.masks import MaskSpec, Relation, classify
 
-_INPUTS = ("kv", "q")
-
 
 @dataclass(frozen=True)
 class Call:
