@@ -56,32 +56,41 @@ def attn_bwd_delta_kernel(O, DO, Delta, stride_ob, stride_os, stride_oh,
 
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_ds,
-                lo, hi, start, end, Sq, qk_scale, offs_m, offs_d,
+                stride_qh, stride_dh, GROUP, lo, hi, start, end, Sq, qk_scale, offs_m, offs_d,
                 HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
                 DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
-    """Add the query tiles ``[start, end)`` of one query head to dk, dv (BLOCK_N, D)."""
+    """Add the query tiles ``[start, end)`` of all GROUP query heads to dk, dv (BLOCK_N, D).
+
+    The heads and tiles are walked as ONE flat loop (head = it // tiles): an outer loop over
+    the heads would keep the pipelined inner loop's state alive across it and spill registers.
+    The pointers are those of the group's first head; heads are ``stride_qh`` (q),
+    ``stride_dh`` (dO) and ``Sq`` (lse, delta) apart.
+    """
     LOG2E: tl.constexpr = 1.4426950408889634
-    for start_m in range(start, end, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
+    n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+    for it in range(0, GROUP * n_tiles):
+        g = it // n_tiles
+        start_m = tl.multiple_of(start + (it - g * n_tiles) * BLOCK_M, BLOCK_M)
         rows = start_m + offs_m
-        q = load_rows(q_ptr, start_m, stride_qs, Sq, offs_m, offs_d, HEAD_DIM, MASKED, PAD_D,
-                      UPCAST)  # (BLOCK_M, D)
+        g64 = g.to(tl.int64)
+        q = load_rows(q_ptr + g64 * stride_qh, start_m, stride_qs, Sq, offs_m, offs_d, HEAD_DIM,
+                      MASKED, PAD_D, UPCAST)  # (BLOCK_M, D)
         if MASKED:
-            lse = tl.load(lse_ptr + rows, mask=rows < Sq, other=0.0)
+            lse = tl.load(lse_ptr + g64 * Sq + rows, mask=rows < Sq, other=0.0)
         else:
-            lse = tl.load(lse_ptr + rows)
+            lse = tl.load(lse_ptr + g64 * Sq + rows)
         qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
         pT = tl.math.exp2(qkT * qk_scale - (lse * LOG2E)[None, :])
         if MASKED:
             visible = (rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None])
             pT = tl.where(visible, pT, 0.0)
-        do = load_rows(do_ptr, start_m, stride_ds, Sq, offs_m, offs_d, HEAD_DIM, MASKED, PAD_D,
-                       UPCAST)  # (BLOCK_M, D)
+        do = load_rows(do_ptr + g64 * stride_dh, start_m, stride_ds, Sq, offs_m, offs_d,
+                       HEAD_DIM, MASKED, PAD_D, UPCAST)  # (BLOCK_M, D)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
         if MASKED:
-            delta = tl.load(delta_ptr + rows, mask=rows < Sq, other=0.0)
+            delta = tl.load(delta_ptr + g64 * Sq + rows, mask=rows < Sq, other=0.0)
         else:
-            delta = tl.load(delta_ptr + rows)
+            delta = tl.load(delta_ptr + g64 * Sq + rows)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PREC)
@@ -127,21 +136,23 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
-    for g in range(GROUP):
-        h = kvh * GROUP + g
-        q_ptr = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_ptr = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
-        row_ptr = (b * Hq + h).to(tl.int64) * Sq
-        if MASK_MODE != 0:  # seen from keys, the causal diagonal comes first
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
-                                 stride_qs, stride_ds, lo, hi, start, full_lo, Sq, qk_scale,
-                                 offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_M, True)
+    h0 = kvh * GROUP  # first query head of the group
+    q_ptr = Q + b.to(tl.int64) * stride_qb + h0.to(tl.int64) * stride_qh
+    do_ptr = DO + b.to(tl.int64) * stride_db + h0.to(tl.int64) * stride_dh
+    row_ptr = (b * Hq + h0).to(tl.int64) * Sq
+    if MASK_MODE != 0:  # seen from keys, the causal diagonal comes first
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
-                             stride_qs, stride_ds, lo, hi, full_lo, full_hi, Sq, qk_scale,
-                             offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_M, False)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
-                             stride_qs, stride_ds, lo, hi, full_hi, end, Sq, qk_scale,
-                             offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_M, True)
+                             stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, start,
+                             full_lo, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
+                             DOT_PREC, BLOCK_M, True)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
+                         stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, full_lo,
+                         full_hi, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
+                         DOT_PREC, BLOCK_M, False)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
+                         stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, full_hi,
+                         end, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
+                         DOT_PREC, BLOCK_M, True)
 
     dk = dk * sm_scale
     dk_ptr = DK + b.to(tl.int64) * stride_dkb + kvh.to(tl.int64) * stride_dkh
