@@ -54,6 +54,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _device_bounds(doc_bounds, device) -> torch.Tensor:
+    """The bounds as an int64 tensor on ``device`` without stalling the host: a plain copy from
+    pageable memory would synchronise the stream (and break compute/communication overlap),
+    so CUDA gets a pinned buffer and an asynchronous copy."""
+    host = torch.tensor(doc_bounds, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def interval_arrays(sq: int, sk: int, q_start: int, k_start: int, causal: bool,
                     doc_bounds, device, *, for_keys: bool):
     """Per-row visible intervals of a document mask, as int32 device arrays.
@@ -70,7 +80,7 @@ def interval_arrays(sq: int, sk: int, q_start: int, k_start: int, causal: bool,
     Returns:
         Two int32 tensors ``(lo, hi)`` with ``0 <= lo <= hi <= other side's length``.
     """
-    bounds = torch.tensor(doc_bounds, dtype=torch.int64, device=device)  # (n_docs + 1,)
+    bounds = _device_bounds(doc_bounds, device)  # (n_docs + 1,)
     rows, start, n_other, other_start = (sk, k_start, sq, q_start) if for_keys else \
         (sq, q_start, sk, k_start)
     pos = torch.arange(start, start + rows, device=device)  # (rows,) global positions
