@@ -13,15 +13,15 @@ flowing into ``lse`` itself folds in for free: ``d lse_i / d S_ij = P_ij`` turns
 
 1. :func:`attn_bwd_delta_kernel` — ``delta`` (B, Hq, Sq) in float32.
 2. :func:`attn_bwd_dkdv_kernel` — one program per key tile of one (batch, KV head). K and V
-   stay in registers; the program walks every query head of its GQA group and, per head, the
-   query tiles that can see the key tile (the same masked / unmasked / masked stage split as
-   the forward, seen from the keys: ``key_intervals``). dK and dV of the whole group are summed
-   in registers, so no atomics and no repeated K/V.
+   stay on chip; the program walks the query tiles that can see the key tile (the same
+   masked / unmasked / masked stage split as the forward, seen from the keys:
+   ``key_intervals``), for every query head of its GQA group, as one flat loop per stage.
+   dK and dV of the whole group are summed in registers: no atomics, no repeated K/V.
 3. :func:`attn_bwd_dq_kernel` — one program per query tile of one (batch, query head), walking
    key tiles like the forward and accumulating dQ in registers.
 
-Splitting dQ from dK/dV recomputes ``S`` and ``dP`` once more (7 matrix products instead of 5)
-but needs no atomic adds and keeps each kernel's tiles free to be tuned on their own, as in
+Splitting dQ from dK/dV recomputes ``S`` and ``dP`` once more (7 matrix products instead of
+5) but needs no atomic adds and keeps each kernel's tiles free to be tuned on their own, as in
 FlashAttention-2's deterministic path and Triton's fused-attention tutorial.
 """
 from __future__ import annotations
