@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -114,6 +115,17 @@ def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu") -> P
     dp, cp = check_parallel_sizes(world, cp, dp)
     mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
     world_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("world",))
+    if cp > 1:
+        # NCCL makes a communicator lazily at a group's first operation; the attention's first
+        # batched send/receive may leave a rank out (document pruning), so every rank of the cp
+        # group joins one collective here first.
+        dist.all_reduce(torch.zeros(1, device=_group_device(device_type)), group=mesh.get_group("cp"))
     return ParallelMesh(dp=dp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
                         cp_rank=mesh.get_local_rank("cp"), mesh=mesh, world_mesh=world_mesh,
                         device_type=device_type)
+
+
+def _group_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
