@@ -28,6 +28,11 @@ import triton
 FWD_POINTS = [(128, 64, 3, 8), (128, 64, 4, 8), (128, 128, 2, 8), (64, 64, 3, 4), (64, 64, 2, 4)]
 DKDV_POINTS = [(64, 128, 3, 8), (32, 128, 3, 8), (32, 128, 2, 8), (32, 64, 3, 4), (32, 64, 2, 4)]
 DQ_POINTS = [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4), (64, 32, 2, 4)]
+#: float32 inputs run tf32x3 products, which split every operand in two: smaller tiles.
+FP32_POINTS = {"fwd": [(64, 32, 2, 4), (32, 32, 2, 4)], "dkdv": [(32, 32, 2, 4)],
+               "dq": [(32, 32, 2, 4)]}
+#: Launched when a tuned configuration still runs out of shared memory on some GPU.
+SAFE_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4}
 
 #: Fixed tiles under TRITON_INTERPRET (no autotuning there).
 INTERPRET_CONFIGS = {
@@ -75,6 +80,7 @@ def prune(kind: str):
     def _prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         d, elt = int(args["HEAD_DIM_PAD"]), args["Q"].element_size()
+        elt = 2 * elt if elt == 4 else elt  # tf32x3 keeps a high and a low half of each tile
         smem = _max_shared_memory()
 
         def cost(cfg):

@@ -23,9 +23,15 @@ from lctrain_kernels.triton.backward import (attn_bwd_delta_kernel, attn_bwd_dkd
                                              attn_bwd_dq_kernel)
 from lctrain_kernels.triton.common import (MASK_CAUSAL, MASK_NONE, MASK_RANGES, interpreting,
                                            interval_arrays)
-from lctrain_kernels.triton.configs import (DKDV_POINTS, DQ_POINTS, FWD_POINTS,
-                                            INTERPRET_CONFIGS, autotuned, seq_bucket)
+from lctrain_kernels.triton.configs import (DKDV_POINTS, DQ_POINTS, FP32_POINTS, FWD_POINTS,
+                                            INTERPRET_CONFIGS, SAFE_CONFIG, autotuned,
+                                            seq_bucket)
 from lctrain_kernels.triton.forward import attn_fwd_kernel
+
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - older layouts
+    from triton.runtime.autotuner import OutOfResources
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -34,6 +40,10 @@ MAX_GRID_Y = 65535
 fwd_tuned = autotuned(attn_fwd_kernel, "fwd", FWD_POINTS)
 dkdv_tuned = autotuned(attn_bwd_dkdv_kernel, "dkdv", DKDV_POINTS)
 dq_tuned = autotuned(attn_bwd_dq_kernel, "dq", DQ_POINTS)
+#: float32 inputs get their own tuners (smaller tiles, see configs.FP32_POINTS).
+FP32_TUNED = {kind: autotuned(kernel, kind, FP32_POINTS[kind]) for kind, kernel in
+              (("fwd", attn_fwd_kernel), ("dkdv", attn_bwd_dkdv_kernel),
+               ("dq", attn_bwd_dq_kernel))}
 
 
 def check_inputs(q, k, v) -> tuple[int, int, int, int, int, int]:
@@ -121,12 +131,18 @@ def _flags(dtype) -> dict:
 
 
 def _launch(tuned, raw, kind: str, grid, args: dict, config: dict | None) -> None:
+    """Autotuned launch, or one fixed config (given, or the interpreter's)."""
     if config is None and interpreting():
         config = INTERPRET_CONFIGS[kind]
-    if config is None:
-        tuned[grid](**args)
-    else:
+    if config is not None:
         raw[grid](**{**args, **config})
+        return
+    if args["Q"].dtype == torch.float32:
+        tuned = FP32_TUNED[kind]
+    try:
+        tuned[grid](**args)
+    except OutOfResources:  # the footprint model was optimistic for this GPU / Triton
+        raw[grid](**{**args, **SAFE_CONFIG})
 
 
 def _mask_arrays(plan, sq, sk, q_start, k_start, causal, device, placeholder, for_keys):
