@@ -106,3 +106,14 @@ def test_autotune_pruning_keeps_what_fits(monkeypatch, kind, d, dtype, expect):
     assert len(kept) == expect and all(c in cfgs for c in kept)
     if expect > 1:
         assert cfgs[-1] not in kept  # the small fallback only when nothing larger fits
+
+
+def test_opcheck_custom_ops():
+    """Schema, fake kernels (shapes AND strides), autograd registration, aot dispatch."""
+    q, k, v = (x.requires_grad_() for x in inputs(1, 24, 24, 4, 2, 32, torch.float32))
+    mask = (0.2, True, 4, 0, [0, 10, 30])
+    torch.library.opcheck(torch.ops.lctrain_kernels.triton_attn_fwd.default, (q, k, v, *mask))
+    out, lse = torch.ops.lctrain_kernels.triton_attn_fwd(q, k, v, *mask)
+    do = torch.randn_like(out)
+    args = (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, *mask)
+    torch.library.opcheck(torch.ops.lctrain_kernels.triton_attn_bwd.default, args)
