@@ -7,23 +7,21 @@ steps into a scratch output folder; the runner's ``metrics.jsonl`` is read back 
 steps:
 
 - tokens/s of the whole job, and step time;
-- MFU: tokens/s × (6·N + 7·S·H·D·L per token) / (GPUs × the GPU's dense bf16 peak), as the
-  runner computes it (``lctrain.train.metrics``: N = parameters in matrix products, S the
-  sequence length, H·D the attention width, L layers; recomputation is not counted as useful
-  work; the peak comes from the table by device name there, 989 TFLOP/s for H100 and H200);
+- MFU as the runner logs it (``lctrain.train.metrics``): 6·N per token plus the attention FLOPs
+  of the documents actually trained on (7·Σ n²·H·D·L for causal documents of n tokens), over
+  GPUs × the GPU's dense bf16 peak (989 TFLOP/s for H100 and H200); recomputation is not
+  counted as useful work;
 - peak memory of rank 0 (the CUDA allocator's peak; on a CPU the process's peak RSS) beside the
   memory model's prediction for the same recipe (`lctrain.memory.estimate_recipe`:
   ``details.peak_allocated``, the figure comparable with ``torch.cuda.max_memory_allocated``);
-- attention forwards per optimizer step: counted with
-  `lctrain.parallel.checkpointing.AttentionCounter` during the first step when the run happens in
-  this process (one rank), or taken from the runner's ``attention_forward_calls`` metric when it
-  logs one; beside the expected L (none, remat, remat-offload) or 2·L (full) per micro-step.
+- attention forwards per optimizer step: the runner's ``attention_forward_calls`` (counted by
+  `lctrain.parallel.checkpointing.AttentionCounter` on the run's first step, on every rank);
+  beside the expected L (none, remat, remat-offload) or 2·L (full) per micro-step.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -34,10 +32,8 @@ import torch
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig
 from lctrain.errors import UserError
-from lctrain.parallel.checkpointing import AttentionCounter
 
 _GIB = float(1 << 30)
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK")
 
 
 def run(cfg: RecipeConfig, steps: int, nproc: int | None = None, *, warmup: int = 1) -> BenchResult:
@@ -62,19 +58,17 @@ def run(cfg: RecipeConfig, steps: int, nproc: int | None = None, *, warmup: int 
         raise UserError(f"bench step needs at least 1 timed step (got {steps}) and a warm-up "
                         f"of 0 or more (got {warmup})")
     n = nproc if nproc is not None else default_nproc(cfg)
-    in_process = n == 1 or any(name in os.environ for name in _LAUNCHER_ENV)
     layers, predicted = _expectations(cfg, n)  # before the run: a bad model fails fast
     scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=_parent(cfg)))
     try:
         bench_cfg = _bench_recipe(cfg, scratch, warmup + steps)
-        with _FirstStepCounter(enabled=in_process) as counter:
-            code = finetune(bench_cfg, nproc=n)
+        code = finetune(bench_cfg, nproc=n)
         if code != 0:
             raise RuntimeError(f"the benchmarked training run failed with exit code {code}")
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    row = _row(cfg, n, records, warmup, counter.calls, layers, predicted)
+    row = _row(cfg, n, records, warmup, layers, predicted)
     return BenchResult(title="training step", rows=[row], meta=_meta(cfg, n, warmup, steps),
                        columns=list(row))
 
@@ -89,7 +83,7 @@ def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int) -> Reci
     """The recipe with the step count, a per-step log and a scratch output folder."""
     train = dataclasses.replace(cfg.train, max_steps=total_steps, log_every=1,
                                 output_dir=str(output_dir))
-    checkpoint = dataclasses.replace(cfg.checkpoint, every=0, keep=1)
+    checkpoint = dataclasses.replace(cfg.checkpoint, enabled=False)
     return dataclasses.replace(cfg, train=train, checkpoint=checkpoint)
 
 
@@ -99,47 +93,11 @@ def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-class _FirstStepCounter:
-    """Counts attention forwards in this process until the first optimizer step ends.
-
-    The counter is a dispatch mode (every op passes through Python while it is on), so it is
-    taken off as soon as the first optimizer step has run: the timed steps run without it.
-    """
-
-    def __init__(self, *, enabled: bool) -> None:
-        self.enabled = enabled
-        self.calls: int | None = None
-        self._counter: AttentionCounter | None = None
-        self._handle = None
-
-    def __enter__(self) -> _FirstStepCounter:
-        if self.enabled:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._counter = AttentionCounter().__enter__()
-            self._handle = register_optimizer_step_post_hook(self._stop)
-        return self
-
-    def _stop(self, *_args) -> None:
-        if self._counter is not None:
-            self._counter.__exit__(None, None, None)
-            self.calls = self._counter.total
-            self._counter = None
-            self._handle.remove()
-
-    def __exit__(self, *exc) -> None:
-        if self._counter is not None:  # the run ended before any optimizer step
-            self._counter.__exit__(None, None, None)
-            self._counter = None
-            self._handle.remove()
-
-
-def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, counted: int | None,
-         layers: int, predicted: dict) -> dict:
+def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers: int,
+         predicted: dict) -> dict:
     timed = [r for r in records if r["step"] > warmup] or records
     measured = max((r.get("peak_memory_bytes") or 0) for r in records)
-    logged_calls = records[0].get("attention_forward_calls") if records else None
-    calls = counted if counted is not None else logged_calls
+    calls = records[0].get("attention_forward_calls") if records else None  # the run's 1st step
     per_micro = 2 if cfg.train.checkpointing == "full" else 1
     cuda = torch.cuda.is_available()
     return {

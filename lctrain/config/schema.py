@@ -183,6 +183,8 @@ class CheckpointConfig:
     """Save every N optimizer steps; 0 = only at the end."""
     keep: int = 2
     """Keep the last K checkpoints, deleting older ones."""
+    enabled: bool = True
+    """False: never save (benchmarks, throw-away runs); --resume then has nothing to resume."""
 
     def __post_init__(self) -> None:
         check_fields(self, "checkpoint")

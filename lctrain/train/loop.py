@@ -178,7 +178,7 @@ class LoopHooks:
     peak_flops: float | None
     log: Callable[[dict], None]
     progress: Callable[[int, dict | None], None]
-    save: Callable[[], Path]
+    save: Callable[[], Path] | None  # None: never save
     history: list[dict] = field(default_factory=list)
 
 
@@ -189,6 +189,7 @@ class _Window:
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
     attn_units: int = 0
+    attn_calls: int | None = None  # attention forwards counted in the run's first step
 
 
 def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks) -> list[dict]:
@@ -200,10 +201,17 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
     Returns:
         The logged records (identical on every rank).
     """
-    window = _Window()
+    from lctrain.parallel.checkpointing import AttentionCounter
+
+    window, first_step = _Window(), trainer.step
     while trainer.step < hooks.max_steps:
         micro = list(islice(batches, trainer.grad_accum))
-        stats = trainer.train_step(micro)
+        if trainer.step == first_step:  # count once: proves remat runs attention once per layer
+            with AttentionCounter() as counter:
+                stats = trainer.train_step(micro)
+            window.attn_calls = counter.total
+        else:
+            stats = trainer.train_step(micro)
         window.steps += 1
         window.attn_units += attention_units(micro)
         step, record = trainer.step, None
@@ -214,7 +222,8 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
             hooks.log(record)
             window = _Window()
         hooks.progress(step, record)
-        if step == hooks.max_steps or (hooks.checkpoint_every and step % hooks.checkpoint_every == 0):
+        if hooks.save is not None and (step == hooks.max_steps or (
+                hooks.checkpoint_every and step % hooks.checkpoint_every == 0)):
             hooks.save()
             window = _Window()
     return hooks.history
@@ -232,7 +241,10 @@ def _record(trainer: Trainer, hooks: LoopHooks, window: _Window, loss: float, gr
     if hooks.peak_flops and elapsed > 0:
         flops = hooks.flops.total(tokens, attn_units)
         mfu = flops / elapsed / trainer.pmesh.world_size / hooks.peak_flops
-    return {"step": trainer.step, "loss": loss, "tokens": hooks.tokens_per_step,
-            "tokens_per_s": tokens_per_s, "step_time_s": elapsed / steps, "lr": lr,
-            "grad_norm": grad_norm, "peak_memory_bytes": peak_memory_bytes(trainer.device),
-            "mfu": mfu}
+    record = {"step": trainer.step, "loss": loss, "tokens": hooks.tokens_per_step,
+              "tokens_per_s": tokens_per_s, "step_time_s": elapsed / steps, "lr": lr,
+              "grad_norm": grad_norm, "peak_memory_bytes": peak_memory_bytes(trainer.device),
+              "mfu": mfu}
+    if window.attn_calls is not None:
+        record["attention_forward_calls"] = window.attn_calls
+    return record

@@ -249,7 +249,8 @@ def _run(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer, da
                       checkpoint_every=cfg.checkpoint.every,
                       tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
                       flops=parts.flops, peak_flops=peak_flops(trainer.device),
-                      log=metrics.write, progress=progress.update, save=save)
+                      log=metrics.write, progress=progress.update,
+                      save=save if cfg.checkpoint.enabled else None)
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
                            dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
     try:
