@@ -80,7 +80,9 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         check_model_path(cfg.model.path)
         local_data(cfg.data.source)
     except ConfigError as error:
-        raise ConfigError(f"{error} ({_origin(error.key, origins, source)})", key=error.key) from None
+        origin = _origin(error.key, origins, source)
+        named = origin.split(" ", 1)[1] in str(error)  # the message already says where
+        raise ConfigError(str(error) if named else f"{error} ({origin})", key=error.key) from None
     return cfg
 
 
