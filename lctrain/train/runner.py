@@ -257,10 +257,11 @@ def _run(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer, da
         history = run_loop(trainer, batches, hooks)
     finally:
         progress.close()
+    saved = "metrics, config and checkpoints" if cfg.checkpoint.enabled else "metrics and config"
     if main and history:
         first, last = history[0], history[-1]
         print(f"done: step {last['step']}/{t.max_steps}, loss {first['loss']:.4f} -> "
-              f"{last['loss']:.4f}; metrics, config and checkpoints in {out}", flush=True)
+              f"{last['loss']:.4f}; {saved} in {out}", flush=True)
     elif main:
         print(f"nothing to do: the run is already at step {trainer.step} of {t.max_steps}; "
               "raise train.max_steps (--max-steps) to train further.", flush=True)
