@@ -64,6 +64,12 @@ class BenchResult:
 
         table = Table(title=self.title)
         columns = self._columns()
+        if len(self.rows) == 1:  # one measurement reads best as a list of fields, in any width
+            table.add_column("field")
+            table.add_column("value", justify="right")
+            for name in columns:
+                table.add_row(name, _cell(self.rows[0].get(name)))
+            return table
         for name in columns:
             table.add_column(name, justify="left" if name in ("backend", "status") else "right")
         for row in self.rows:
