@@ -2,6 +2,7 @@
 # Llama-7B architecture (random init), bf16, full fine-tune, FSDP2 over all GPUs, cp = GPUs,
 # through `lctrain bench step`: checkpointing policies side by side, then the longest lengths.
 # Usage: bash scripts/gpu_e2e.sh "64k:remat:2 64k:full:2 256k:remat-offload:1" [deadline_s]
+# Extra recipe overrides for every run go in E2E_SET, e.g. E2E_SET="--set model.dtype=bfloat16".
 set -u
 . scripts/gpu_setup.sh
 runs=${1:-"64k:remat:2 64k:full:2 256k:remat-offload:1"}
@@ -12,7 +13,7 @@ for r in $runs; do
   [ "$left" -gt 60 ] || { echo "== $r skipped: time"; continue; }
   echo "== llama-7b $len $policy ($steps timed steps, ${left}s left)"
   timeout "$left" lctrain bench step recipes/llama-7b-256k.yaml --seq-len "$len" --steps "$steps" \
-    --set train.checkpointing="$policy" --set data.document_mask=false \
+    --set train.checkpointing="$policy" --set data.document_mask=false ${E2E_SET:-} \
     --json "$OUT/step-$len-$policy.json" 2>&1 | grep -E "^step|^error|Error|out of memory" | tail -4
 done
 python3 - <<'PY'
