@@ -118,7 +118,7 @@ def test_recipe_estimate_uses_the_recipe(tmp_path):
     est = estimate_recipe(cfg, seq_len=262144, gpus=2, gpu_memory=141 * GIB)
     assert est.policy == cfg.train.checkpointing and est.cp == cfg.parallel.cp
     assert est.parameters_count == load_architecture("llama-7b").parameters()
-    assert est.master_dtype == "bfloat16" and est.dtype == "bfloat16"
+    assert est.master_dtype == cfg.model.dtype == "float32" and est.dtype == "bfloat16"  # bf16 compute
     config = tmp_path / "config.json"
     config.write_text(json.dumps(PRESETS["llama3-8b"]))
     by_path = estimate_recipe(cfg, model=str(tmp_path), seq_len=262144, gpus=8,
