@@ -11,9 +11,10 @@ steps:
   of the documents actually trained on (7·Σ n²·H·D·L for causal documents of n tokens), over
   GPUs × the GPU's dense bf16 peak (989 TFLOP/s for H100 and H200); recomputation is not
   counted as useful work;
-- peak memory of rank 0 (the CUDA allocator's peak; on a CPU the process's peak RSS) beside the
-  memory model's prediction for the same recipe (`lctrain.memory.estimate_recipe`:
-  ``details.peak_allocated``, the figure comparable with ``torch.cuda.max_memory_allocated``);
+- peak memory, the largest of any rank (the CUDA allocator's peak; on a CPU the process's peak
+  RSS) beside the memory model's prediction for the same recipe
+  (`lctrain.memory.estimate_recipe`: ``details.peak_allocated``, the figure comparable with
+  ``torch.cuda.max_memory_allocated``);
 - attention forwards per optimizer step: the runner's ``attention_forward_calls`` (counted by
   `lctrain.parallel.checkpointing.AttentionCounter` on the run's first step, on every rank);
   beside the expected L (none, remat, remat-offload) or 2·L (full) per micro-step.

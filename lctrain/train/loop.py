@@ -135,7 +135,8 @@ class Trainer:
         self.step += 1
         return {"grad_norm": grad_norm, "lr": lr}
 
-    def reduce_for_log(self, stats: dict[str, Any], attn_units: int) -> tuple[float, float, float]:
+    def reduce_for_log(self, stats: dict[str, Any],
+                       attn_units: int) -> tuple[float, float, float, int]:
         """Global figures of a step: ONE all-reduce and ONE host transfer.
 
         Args:
@@ -144,16 +145,24 @@ class Trainer:
                 log, counted on its global sequences.
 
         Returns:
-            (mean token loss over all ranks, gradient norm, attention units of all dp groups).
+            (mean token loss over all ranks, gradient norm, attention units of all dp groups,
+            the largest peak memory of any rank in bytes).
         """
-        local = torch.stack([stats["loss_sum"].double(),
-                             torch.tensor(float(attn_units), dtype=torch.float64,
-                                          device=self.device)])
+        from lctrain.train.metrics import peak_memory_bytes
+
+        world = self.pmesh.world_size
+        peaks = torch.zeros(world, dtype=torch.float64, device=self.device)  # one slot per rank:
+        peaks[self.pmesh.rank] = float(peak_memory_bytes(self.device))    # the SUM is a gather
+        local = torch.cat([stats["loss_sum"].double().reshape(1),
+                           torch.tensor([float(attn_units)], dtype=torch.float64,
+                                        device=self.device), peaks])
         if self.pmesh.world_group is not None:
             dist.all_reduce(local, group=self.pmesh.world_group)
         already_global = torch.stack([stats["count"], stats["grad_norm"].float()]).double()
-        loss_sum, units, count, norm = torch.cat([local, already_global]).tolist()
-        return loss_sum / max(count, 1.0), norm, units / self.pmesh.cp  # cp ranks share sequences
+        values = torch.cat([local, already_global]).tolist()
+        loss_sum, units, count, norm = values[0], values[1], values[-2], values[-1]
+        peak = int(max(values[2:2 + world]))
+        return loss_sum / max(count, 1.0), norm, units / self.pmesh.cp, peak  # cp ranks share rows
 
 
 def attention_units(micro: list[PackedBatch]) -> int:
@@ -216,8 +225,8 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
         window.attn_units += attention_units(micro)
         step, record = trainer.step, None
         if step % hooks.log_every == 0 or step == hooks.max_steps:
-            loss, grad_norm, units = trainer.reduce_for_log(stats, window.attn_units)  # syncs
-            record = _record(trainer, hooks, window, loss, grad_norm, stats["lr"], units)
+            loss, grad_norm, units, peak = trainer.reduce_for_log(stats, window.attn_units)  # syncs
+            record = _record(trainer, hooks, window, loss, grad_norm, stats["lr"], units, peak)
             hooks.history.append(record)
             hooks.log(record)
             window = _Window()
@@ -230,9 +239,7 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
 
 
 def _record(trainer: Trainer, hooks: LoopHooks, window: _Window, loss: float, grad_norm: float,
-            lr: float, attn_units: float) -> dict:
-    from lctrain.train.metrics import peak_memory_bytes
-
+            lr: float, attn_units: float, peak_bytes: int) -> dict:
     elapsed = time.perf_counter() - window.start
     steps = max(window.steps, 1)
     tokens = hooks.tokens_per_step * window.steps
@@ -243,7 +250,7 @@ def _record(trainer: Trainer, hooks: LoopHooks, window: _Window, loss: float, gr
         mfu = flops / elapsed / trainer.pmesh.world_size / hooks.peak_flops
     record = {"step": trainer.step, "loss": loss, "tokens": hooks.tokens_per_step,
               "tokens_per_s": tokens_per_s, "step_time_s": elapsed / steps, "lr": lr,
-              "grad_norm": grad_norm, "peak_memory_bytes": peak_memory_bytes(trainer.device),
+              "grad_norm": grad_norm, "peak_memory_bytes": peak_bytes,  # max over ranks
               "mfu": mfu}
     if window.attn_calls is not None:
         record["attention_forward_calls"] = window.attn_calls
