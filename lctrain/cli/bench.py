@@ -6,7 +6,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from lctrain.cli.common import as_json, fail, library, split_names, user_errors, write_text
+from lctrain.cli.common import as_json, fail, split_names, user_errors, write_text
 from lctrain.cli.options import (
     BackendOpt,
     BackendsOpt,
@@ -43,7 +43,8 @@ def kernel(seq_len: SeqLensOpt = "4k,8k,16k", backend: BackendsOpt = None, heads
     """
     with user_errors():
         seq_lens = parse_size_list(seq_len, what="--seq-len")
-        run = library("lctrain.bench.kernel", "run", "bench kernel")
+        from lctrain.bench.kernel import run
+
         result = run(seq_lens=seq_lens, backends=split_names(backend), heads=heads,
                      head_dim=head_dim, dtype=dtype.value, causal=causal,
                      documents=documents or None)
@@ -67,7 +68,8 @@ def attention(seq_len: SeqLensOpt = "16k,32k,64k", schedule: SchedulesOpt = "dis
     """
     with user_errors():
         seq_lens = parse_size_list(seq_len, what="--seq-len")
-        run = library("lctrain.bench.attention", "run", "bench attention")
+        from lctrain.bench.attention import run
+
         extra = {} if backend is None else {"backend": backend}
         result = run(seq_lens=seq_lens, schedules=split_names(schedule), nproc=nproc, heads=heads,
                      kv_heads=kv_heads or heads, head_dim=head_dim, dtype=dtype.value,
@@ -85,7 +87,8 @@ def step(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetOpt 
     """
     with user_errors():
         cfg = load_recipe(recipe, overrides or [], seq_len=seq_len)
-        run = library("lctrain.bench.step", "run", "bench step")
+        from lctrain.bench.step import run
+
         result = run(cfg, steps=steps, nproc=nproc)
         publish(result, json_file, plot, "bench step")
 

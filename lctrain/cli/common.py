@@ -1,11 +1,10 @@
 """What every command shares: user errors as one sentence, and libraries not built yet."""
 from __future__ import annotations
 
-import importlib
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import typer
 
@@ -13,8 +12,6 @@ from lctrain.errors import UserError
 
 USER_ERROR_EXIT = 1
 """Exit code of a user mistake (bad recipe, size, path, ...)."""
-NOT_AVAILABLE_EXIT = 2
-"""Exit code of a command whose library is not part of this build yet."""
 
 
 def is_user_error(error: BaseException) -> bool:
@@ -45,23 +42,6 @@ def user_errors() -> Iterator[None]:
         if not is_user_error(error):
             raise
         raise fail(str(error)) from None
-
-
-def library(module: str, name: str, command: str) -> Callable[..., Any]:
-    """``module.name``, or exit 2 saying the command is not yet available when the module (or
-    the name in it) does not exist in this build. Missing dependencies of an existing module are
-    NOT hidden: they raise as usual."""
-    try:
-        found = importlib.import_module(module)
-    except ModuleNotFoundError as error:
-        if error.name is None or not (module == error.name or module.startswith(error.name + ".")):
-            raise
-        found = None
-    function = getattr(found, name, None)
-    if function is None:
-        raise fail(f"lctrain {command} is not yet available in this build ({module}.{name} is "
-                   f"missing)", NOT_AVAILABLE_EXIT)
-    return function
 
 
 def as_json(payload: Any) -> str:

@@ -7,7 +7,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lctrain.cli.common import as_json, library, user_errors
+from lctrain.cli.common import as_json, user_errors
 from lctrain.cli.options import (
     CheckpointingOpt,
     CpOpt,
@@ -48,7 +48,8 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
                 raise ConfigError("--seq-len is needed with --model (there is no recipe to take "
                                   "it from), e.g. --seq-len 128k")
             tokens = cfg.data.seq_len
-        estimate = library("lctrain.memory", "estimate_recipe", "estimate-memory")
+        from lctrain.memory import estimate_recipe as estimate
+
         result = estimate(cfg, model=model, seq_len=tokens, gpus=gpus, gpu_memory=memory, cp=cp,
                           policy=policy)
     payload = result.to_json()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from lctrain.cli.common import library, user_errors
+from lctrain.cli.common import user_errors
 from lctrain.cli.options import (
     MaxStepsOpt,
     NprocOpt,
@@ -34,7 +34,8 @@ def finetune(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: Set
     with user_errors():
         cfg = load_recipe(recipe, overrides or [], seq_len=seq_len, output_dir=output_dir,
                           max_steps=max_steps)
-        run = library("lctrain.train.runner", "finetune", "finetune")
+        from lctrain.train.runner import finetune as run
+
         code = run(cfg, resume=resume, nproc=nproc)
     if code:
         raise typer.Exit(int(code))
