@@ -4,7 +4,9 @@ Triton kernels run under the interpreter on machines without a CUDA GPU; the swi
 before the first `import triton`, so it lives here, at the very top of the test session.
 """
 import os
+import random
 import shutil
+import zlib
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -25,7 +27,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Every run draws fresh random inputs (a new session seed each time); a failure is reproduced
+# by running again with LCTRAIN_TEST_SEED set to the seed printed in the pytest header.
+SESSION_SEED = int(os.environ.get("LCTRAIN_TEST_SEED") or random.SystemRandom().randrange(2**31))
+
+
+def pytest_report_header(config):
+    return f"lctrain test seed: LCTRAIN_TEST_SEED={SESSION_SEED}"
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    """Every test draws fresh random inputs, but reproducibly from its own name."""
-    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+    """Seed torch from the session seed and the test's own name (stable within a run)."""
+    torch.manual_seed((SESSION_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**31))
