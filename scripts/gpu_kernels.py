@@ -8,18 +8,12 @@
    also measures torch's own bf16 flash SDPA against that reference: ours may err at most
    2x as much. Other cases cover documents (a length-1 document), GQA with an offset diagonal,
    D = 80 with ragged Sq != Sk (fp16), fp32, BHSD-strided inputs, rows that see nothing.
-   Four of them ("+atomic") run again with ``flash_backward(..., dq_mode="atomic")``: dQ
-   added by the dK/dV kernel with atomic adds, no dQ kernel (5 tile products instead of 7).
 2. Speed, B = 1, H = 32, D = 128, bf16, causal, S = 16K..128K: forward and forward+backward
    TFLOP/s (causal fwd = 2 S^2 H D, bwd = 2.5 x fwd), median of >= 5 CUDA-event timings after
-   warm-up (autotuning happens in the warm-up), for our kernels (backward with
-   dq_mode="separate", and fwd+bwd again with "atomic") and torch SDPA's cuDNN and flash
-   backends.
+   warm-up (autotuning happens in the warm-up), for our kernels and torch SDPA's cuDNN and
+   flash backends.
 3. 8 equal packed documents at 64K against fully causal 64K (target: >= 5x faster).
 4. Experiment: the forward's unmasked loop with ``warp_specialize`` (Triton >= 3.4).
-5. Experiment: backward-only ms at 16K, separate vs atomic (tuned), and atomic with the 64 x 128
-   dK/dV tiles that the atomic tuner prunes for D = 128 (its dQ tile would exceed the
-   register model): does that config spill, or win anyway?
 The autotuner's choices (and each config's time) are printed; the summary table comes LAST.
 """
 from __future__ import annotations
@@ -55,8 +49,7 @@ H, D = 32, 128
 BF16 = torch.bfloat16
 DEVICE = "cuda"
 SEQS, LONG_SEQ, DOC_SEQ, N_DOCS = (16384, 32768, 65536), 131072, 65536, 8
-TUNED = {"fwd": launch.fwd_tuned, "dkdv": launch.dkdv_tuned, "dq": launch.dq_tuned,
-         "dkdv_atomic": launch.dkdv_atomic_tuned}
+TUNED = {"fwd": launch.fwd_tuned, "dkdv": launch.dkdv_tuned, "dq": launch.dq_tuned}
 TUNING_LOG: list[dict] = []
 
 
@@ -142,8 +135,6 @@ TILES = {"small": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3
          "fp32": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}}
 DKDV_TILES = {"small": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
               "fp32": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
-#: Cases checked once more with dq_mode="atomic" (GQA + offset, documents, D = 80, fp32).
-ATOMIC_CASES = ("gqa-offset", "docs-4k", "d80-ragged-fp16", "docs-fp32")
 
 
 def sdpa_bf16_errors(q, k, v, do, ref, scale):
@@ -158,10 +149,8 @@ def sdpa_bf16_errors(q, k, v, do, ref, scale):
     return {n: rel(got[n], ref[n]) for n in got}
 
 
-def run_case(case, dq_mode="separate") -> dict:
+def run_case(case) -> dict:
     name, B, sq, sk, hq, hkv, d, dtype, causal, q0, k0, bounds, tiles, limit = case
-    if dq_mode != "separate":
-        name = f"{name}+{dq_mode}"
     dev = DEVICE
     q = torch.randn(B, sq, hq, d, device=dev, dtype=dtype)
     k = torch.randn(B, sk, hkv, d, device=dev, dtype=dtype)
@@ -175,7 +164,7 @@ def run_case(case, dq_mode="separate") -> dict:
     kw = dict(scale=scale, causal=causal, q_start=q0, k_start=k0, doc_bounds=bounds)
     out, lse = flash_forward(q, k, v, config=TILES.get(tiles), **kw)
     dq, dk, dv = flash_backward(do, q, k, v, out, lse, dq_config=TILES.get(tiles),
-                                dkdv_config=DKDV_TILES.get(tiles), dq_mode=dq_mode, **kw)
+                                dkdv_config=DKDV_TILES.get(tiles), **kw)
     torch.cuda.synchronize()
     record_tuning(name)
     errs = {"out": rel(out, ref["out"]), "dq": rel(dq, ref["dq"]), "dk": rel(dk, ref["dk"]),
@@ -197,15 +186,14 @@ def run_case(case, dq_mode="separate") -> dict:
     return res
 
 
-def safe_case(case, dq_mode="separate") -> dict:
+def safe_case(case) -> dict:
     """run_case, turning a crash (e.g. a compile error) into a FAIL row with its reason."""
     try:
-        return run_case(case, dq_mode)
+        return run_case(case)
     except Exception as exc:  # noqa: BLE001 - report and carry on with the other checks
         traceback.print_exc()
         nan = float("nan")
-        name = case[0] if dq_mode == "separate" else f"{case[0]}+{dq_mode}"
-        return {"case": name, "pass": False, "error": f"{type(exc).__name__}: {exc}"[:500],
+        return {"case": case[0], "pass": False, "error": f"{type(exc).__name__}: {exc}"[:500],
                 "errors": {n: nan for n in ("out", "dq", "dk", "dv", "lse_maxabs")}}
 
 
@@ -251,11 +239,7 @@ def providers(seq, bounds=None, fwd_config=None):
         out, _ = triton_attention(*qkv, causal=True, doc_bounds=bounds)
         torch.autograd.grad(out, qkv, do)
 
-    def atomic_fb():  # the forward is the same: only fwd+bwd is timed
-        out, lse = flash_forward(q, k, v, causal=True, doc_bounds=bounds)
-        flash_backward(do, q, k, v, out, lse, causal=True, doc_bounds=bounds, dq_mode="atomic")
-
-    fns = {"triton": (ours_fwd, ours_fb), "atomic": (None, atomic_fb)}
+    fns = {"triton": (ours_fwd, ours_fb)}
     if bounds is not None or fwd_config is not None:
         return fns
     qs, ks, vs, dos = (x.detach().transpose(1, 2).contiguous() for x in (q, k, v, do))
@@ -280,11 +264,6 @@ def time_seq(seq: int, bounds=None, docs: int = 1) -> dict:
     flops = causal_flops(seq, docs)
     for name, (fwd, fb) in providers(seq, bounds).items():
         for mode, fn, mult in (("fwd", fwd, 1.0), ("fwd+bwd", fb, 3.5)):
-            if fn is None:
-                continue
-            if name == "atomic" and left() < 15 + seq / 16384:
-                row[f"{name} {mode}"] = {"error": "skipped (time budget)"}
-                continue
             try:
                 t = cuda_time(fn)
             except Exception as exc:  # noqa: BLE001 - a missing SDPA backend is a result too
@@ -326,60 +305,35 @@ def warp_specialize_experiment(seq: int) -> dict:
     return res
 
 
-ATOMIC_WIDE = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
-
-
-def atomic_backward_experiment(seq: int) -> dict:
-    """Backward only (same out / lse) at ``seq``: separate, atomic, atomic with ATOMIC_WIDE."""
-    q, k, v, do = (torch.randn(1, seq, H, D, device=DEVICE, dtype=BF16) for _ in range(4))
-    out, lse = flash_forward(q, k, v, causal=True)
-    runs = {"separate": {}, "atomic": {"dq_mode": "atomic"},
-            "atomic 64x128": {"dq_mode": "atomic", "dkdv_config": ATOMIC_WIDE}}
-    res, flops = {}, 2.5 * causal_flops(seq)
-    for name, kw in runs.items():
-        try:
-            t = cuda_time(lambda kw=kw: flash_backward(do, q, k, v, out, lse, causal=True, **kw))
-            t["tflops"] = flops / (t["median"] * 1e-3) / 1e12
-            res[name] = t
-        except Exception as exc:  # noqa: BLE001 - e.g. out of resources: report it
-            res[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    record_tuning(f"bwd S={seq}")
-    print(f"[experiment] backward @{seq}: {res}", flush=True)
-    return res
-
-
 # ----------------------------------------------------------------------------- report
 def tf(row, key) -> str:
     cell = row.get(key)
     if not cell:
         return "-"
-    if "error" in cell:
-        return "skip" if cell["error"].startswith("skipped") else "err"
-    return f"{cell['tflops']:.0f}"
+    return "err" if "error" in cell else f"{cell['tflops']:.0f}"
 
 
 def summary(report: dict) -> str:
     lines = [f"== lctrain Triton attention: {report['device']}, torch {report['torch']}, "
              f"triton {report['triton']}, {report['wall_s']:.0f} s ==",
              "correctness (relative Frobenius error vs float32 math):",
-             f"  {'case':<22} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9} {'lse|abs|':>9}  result"]
+             f"  {'case':<16} {'out':>9} {'dq':>9} {'dk':>9} {'dv':>9} {'lse|abs|':>9}  result"]
     for r in report["correctness"]:
         e = r["errors"]
-        lines.append(f"  {r['case']:<22} {e['out']:9.2e} {e['dq']:9.2e} {e['dk']:9.2e} "
+        lines.append(f"  {r['case']:<16} {e['out']:9.2e} {e['dq']:9.2e} {e['dk']:9.2e} "
                      f"{e['dv']:9.2e} {e['lse_maxabs']:9.2e}  {'PASS' if r['pass'] else 'FAIL'}")
         if "error" in r:
             lines.append(f"    error: {r['error'][:150]}")
         if "sdpa_flash_errors" in r:
             s = r["sdpa_flash_errors"]
-            lines.append(f"  {'  sdpa flash':<22} {s['out']:9.2e} {s['dq']:9.2e} {s['dk']:9.2e} "
+            lines.append(f"  {'  sdpa flash':<16} {s['out']:9.2e} {s['dq']:9.2e} {s['dk']:9.2e} "
                          f"{s['dv']:9.2e}  (limit: 2x these)")
-    lines.append("TFLOP/s, causal, B=1, H=32, D=128, bf16 (median; fwd+bwd = 3.5 x fwd FLOPs; "
-                 "atomic = triton with dq_mode='atomic'):")
-    lines.append(f"  {'S':>6} {'triton fwd':>10} {'triton f+b':>10} {'atomic f+b':>10} "
-                 f"{'cudnn fwd':>10} {'cudnn f+b':>10} {'flash fwd':>10} {'flash f+b':>10}")
+    lines.append("TFLOP/s, causal, B=1, H=32, D=128, bf16 (median; fwd+bwd = 3.5 x fwd FLOPs):")
+    lines.append(f"  {'S':>6} {'triton fwd':>10} {'triton f+b':>10} {'cudnn fwd':>10} "
+                 f"{'cudnn f+b':>10} {'flash fwd':>10} {'flash f+b':>10}")
     for row in report["timing"]:
-        cells = [tf(row, "triton fwd"), tf(row, "triton fwd+bwd"), tf(row, "atomic fwd+bwd")]
-        cells += [tf(row, f"{p} {m}") for p in ("cudnn", "flash") for m in ("fwd", "fwd+bwd")]
+        cells = [tf(row, f"{p} {m}") for p in ("triton", "cudnn", "flash")
+                 for m in ("fwd", "fwd+bwd")]
         lines.append(f"  {row['seq'] // 1024:>5}K " + " ".join(f"{c:>10}" for c in cells))
     ws = report.get("warp_specialize")
     if isinstance(ws, dict) and "tiles" in ws:
@@ -388,11 +342,6 @@ def summary(report: dict) -> str:
                  if k.startswith("warp_specialize")]
         lines.append(f"  fwd warp_specialize @{SEQS[0] // 1024}K ({ws['tiles']}): "
                      + "; ".join(cells))
-    ab = report.get("atomic_backward")
-    if isinstance(ab, dict):
-        cells = [f"{n}: " + (f"{t['median']:.2f} ms ({t['tflops']:.0f} TFLOP/s)" if "median" in t
-                             else t.get("error", "?")[:60]) for n, t in ab.items()]
-        lines.append(f"  bwd only @{SEQS[0] // 1024}K: " + "; ".join(cells))
     best = {e["kernel"]: e["best"] for e in report["autotune"]
             if e["context"] == f"S={SEQS[0]} docs=1"}
     lines.append("  autotuned (long causal): " + ", ".join(f"{k} {v}" for k, v in best.items()))
@@ -407,18 +356,7 @@ def verdicts(report: dict) -> dict:
     if at64 and "tflops" in at64.get("triton fwd+bwd", {}):
         v = at64["triton fwd+bwd"]["tflops"]
         out["triton fwd+bwd @64K >= 400 TFLOP/s"] = f"{v:.0f} -> {'PASS' if v >= 400 else 'FAIL'}"
-        a = at64.get("atomic fwd+bwd", {}).get("tflops")
-        if a is not None:
-            out["dq_mode='atomic' fwd+bwd @64K"] = (
-                f"{a:.0f} TFLOP/s ({a / v:.2f}x separate) -> "
-                f"{'PASS' if a >= 400 else 'FAIL'} vs 400; "
-                f"{'atomic' if a > v else 'separate'} is faster")
     docs = report.get("documents", {})
-    drow = docs.get("row", {})
-    if "median" in drow.get("atomic fwd+bwd", {}) and "median" in drow.get("triton fwd+bwd", {}):
-        out["8 docs @64K fwd+bwd, atomic vs separate"] = (
-            f"{drow['atomic fwd+bwd']['median']:.1f} ms vs "
-            f"{drow['triton fwd+bwd']['median']:.1f} ms")
     if "speedup_fwd+bwd" in docs:
         x = docs["speedup_fwd+bwd"]
         out["8 docs vs causal @64K, fwd+bwd >= 5x"] = (
@@ -448,7 +386,6 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "capability": torch.cuda.get_device_capability()}
     report["correctness"] = [safe_case(c) for c in CASES]
-    report["correctness"] += [safe_case(c, "atomic") for c in CASES if c[0] in ATOMIC_CASES]
     torch.cuda.empty_cache()
     report["timing"], report["skipped"] = [], []
     for seq in SEQS:
@@ -457,11 +394,9 @@ def main() -> int:
         else:
             report["skipped"].append(f"timing S={seq} (time budget)")
     report["warp_specialize"] = warp_specialize_experiment(SEQS[0]) if left() > 20 else "skipped"
-    report["atomic_backward"] = (atomic_backward_experiment(SEQS[0]) if left() > 40
-                                 else "skipped")
     at64 = next((r for r in report["timing"] if r["seq"] == DOC_SEQ), None)
     report["documents"] = documents_section(at64) if left() > 20 else {"skipped": True}
-    if left() > 85:  # ~40 s for triton, atomic, cudnn and flash at 128K
+    if left() > 75:
         report["timing"].append(time_seq(LONG_SEQ))
     else:
         report["skipped"].append(f"timing S={LONG_SEQ} (time budget)")

@@ -4,9 +4,6 @@ The reference is written out here: softmax(Q K^T * scale + mask) V with K/V repe
 GQA group, lse = logsumexp, gradients by float64 autograd. Masks are built from global
 positions (causal: key <= query; documents: same document). Shapes are tiny (S <= 200) so the
 interpreter stays fast; the tiles are the real ones (several per sequence).
-
-Every backward case runs with both ``dq_mode`` s: "separate" (the dQ kernel) and "atomic" (dQ
-added by the dK/dV kernel into a float32 buffer with atomic adds) against the same reference.
 """
 from __future__ import annotations
 
@@ -55,12 +52,8 @@ def rel_err(x, ref):
     return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
 
 
-DQ_MODES = pytest.mark.parametrize("dq_mode", ["separate", "atomic"])
-
-
 def check_block(B, sq, sk, hq, hkv, d, dtype, causal, q_start=0, k_start=0, doc_bounds=None,
-                tol=None, backward=True, device="cpu", dq_mode="separate", dq_dtype=None,
-                **cfg):
+                tol=None, backward=True, device="cpu", **cfg):
     tol = tol if tol is not None else {torch.float32: 2e-5, torch.float16: 4e-3,
                                        torch.bfloat16: 3e-2}[dtype]
     q, k, v = inputs(B, sq, sk, hq, hkv, d, dtype, device)
@@ -86,77 +79,61 @@ def check_block(B, sq, sk, hq, hkv, d, dtype, causal, q_start=0, k_start=0, doc_
     do = torch.randn_like(q)
     ref_out.backward(do.double())
     grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-    if dq_dtype is not None:  # e.g. a float32 dq accumulator for 16-bit inputs
-        grads[0] = torch.full_like(q, float("nan"), dtype=dq_dtype)
     dq, dk, dv = flash_backward(do, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
-                                dq_config=cfg.get("dq"), dkdv_config=cfg.get("dkdv"),
-                                dq_mode=dq_mode, **mask_kw)
-    assert dq is grads[0] and dq.dtype == (dq_dtype or dtype)
+                                dq_config=cfg.get("dq"), dkdv_config=cfg.get("dkdv"), **mask_kw)
+    assert dq is grads[0] and dq.dtype == dtype
     for name, got, ref in (("dq", dq, qd.grad), ("dk", dk, kd.grad), ("dv", dv, vd.grad)):
         assert not got.isnan().any(), name
         assert rel_err(got, ref) < tol * 4, (name, rel_err(got, ref))
 
 
-@DQ_MODES
-def test_causal_gqa_odd_length_fp32(dq_mode):
-    check_block(1, 100, 100, 4, 2, 64, torch.float32, causal=True, dq_mode=dq_mode)
+def test_causal_gqa_odd_length_fp32():
+    check_block(1, 100, 100, 4, 2, 64, torch.float32, causal=True)
 
 
-@DQ_MODES
-def test_full_ragged_padded_head_dim_fp32(dq_mode):
-    check_block(2, 37, 100, 2, 1, 80, torch.float32, causal=False, dq_mode=dq_mode)
+def test_full_ragged_padded_head_dim_fp32():
+    check_block(2, 37, 100, 2, 1, 80, torch.float32, causal=False)
 
 
-@DQ_MODES
-def test_offset_causal_block_fp32(dq_mode):
+def test_offset_causal_block_fp32():
     # queries 150..213 against keys 100..229: a shifted diagonal with a fully visible prefix
-    check_block(1, 64, 130, 2, 2, 32, torch.float32, causal=True, q_start=150, k_start=100,
-                dq_mode=dq_mode)
+    check_block(1, 64, 130, 2, 2, 32, torch.float32, causal=True, q_start=150, k_start=100)
 
 
-@DQ_MODES
-def test_rows_that_see_nothing_fp32(dq_mode):
+def test_rows_that_see_nothing_fp32():
     # keys start after the first 20 queries: those rows give out 0 and lse -inf, and no NaN
-    check_block(1, 50, 40, 2, 1, 64, torch.float32, causal=True, q_start=0, k_start=20,
-                dq_mode=dq_mode)
+    check_block(1, 50, 40, 2, 1, 64, torch.float32, causal=True, q_start=0, k_start=20)
 
 
-@DQ_MODES
-def test_documents_causal_fp32(dq_mode):
+def test_documents_causal_fp32():
     # a document of length 1 and boundaries that cross the 64 / 32 tiles
     check_block(1, 200, 200, 2, 1, 64, torch.float32, causal=True,
-                doc_bounds=(0, 30, 31, 97, 160, 200), dq_mode=dq_mode)
+                doc_bounds=(0, 30, 31, 97, 160, 200))
 
 
-@DQ_MODES
-def test_documents_offset_noncausal_fp32(dq_mode):
+def test_documents_offset_noncausal_fp32():
     check_block(1, 120, 200, 4, 2, 32, torch.float32, causal=False, q_start=40, k_start=0,
-                doc_bounds=(0, 30, 31, 97, 160, 200), dq_mode=dq_mode)
+                doc_bounds=(0, 30, 31, 97, 160, 200))
 
 
-@DQ_MODES
-def test_causal_gqa_fp16(dq_mode):
-    check_block(1, 128, 128, 4, 2, 64, torch.float16, causal=True, dq_mode=dq_mode)
+def test_causal_gqa_fp16():
+    check_block(1, 128, 128, 4, 2, 64, torch.float16, causal=True)
 
 
-@DQ_MODES
-def test_documents_fp16_d96(dq_mode):
-    check_block(1, 90, 90, 2, 2, 96, torch.float16, causal=True, doc_bounds=(0, 1, 45, 90),
-                dq_mode=dq_mode)
+def test_documents_fp16_d96():
+    check_block(1, 90, 90, 2, 2, 96, torch.float16, causal=True, doc_bounds=(0, 1, 45, 90))
 
 
-@DQ_MODES
-def test_bf16_forward_under_interpreter_upcast(dq_mode):
-    check_block(1, 70, 70, 2, 1, 64, torch.bfloat16, causal=True, dq_mode=dq_mode)
+def test_bf16_forward_under_interpreter_upcast():
+    check_block(1, 70, 70, 2, 1, 64, torch.bfloat16, causal=True)
 
 
-@DQ_MODES
-def test_explicit_tiles_with_wide_key_tiles(dq_mode):
+def test_explicit_tiles_with_wide_key_tiles():
     tiles = {"fwd": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
              "dq": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
              "dkdv": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}}
     check_block(1, 77, 77, 2, 1, 32, torch.float32, causal=True,
-                doc_bounds=(0, 20, 77), **tiles, dq_mode=dq_mode)
+                doc_bounds=(0, 20, 77), **tiles)
 
 
 @pytest.mark.gpu
@@ -167,37 +144,10 @@ def test_explicit_tiles_with_wide_key_tiles(dq_mode):
     dict(B=1, sq=1024, sk=1024, hq=4, hkv=1, d=64, causal=True,
          doc_bounds=(0, 1, 300, 301, 777, 1024)),
 ])
-@DQ_MODES
-def test_gpu_kernels_against_float64(case, dtype, dq_mode):
+def test_gpu_kernels_against_float64(case, dtype):
     """The compiled kernels (autotuned) on a GPU; float32 runs tf32x3 products."""
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
-    check_block(dtype=dtype, device="cuda", tol=tol, dq_mode=dq_mode, **case)
-
-
-def test_atomic_dq_into_callers_float32_buffer_fp16():
-    # 16-bit inputs, a poisoned float32 dq: the atomic sum goes straight into it (zeroed first)
-    check_block(1, 70, 90, 4, 2, 80, torch.float16, causal=True, q_start=30, k_start=0,
-                dq_mode="atomic", dq_dtype=torch.float32)
-
-
-def test_atomic_dq_matches_separate_fp32():
-    # same math, only the order of the dQ sum differs
-    q, k, v = inputs(1, 100, 100, 4, 2, 64, torch.float32)
-    kw = dict(causal=True, doc_bounds=(0, 45, 100))
-    out, lse = flash_forward(q, k, v, **kw)
-    do = torch.randn_like(q)
-    sep = flash_backward(do, q, k, v, out, lse, **kw)
-    atom = flash_backward(do, q, k, v, out, lse, dq_mode="atomic", **kw)
-    for a, b in zip(sep, atom):
-        assert rel_err(b, a.double()) < 1e-5
-    assert torch.equal(sep[1], atom[1]) and torch.equal(sep[2], atom[2])  # dk, dv untouched
-
-
-def test_unknown_dq_mode():
-    q = torch.randn(1, 8, 2, 32)
-    out, lse = flash_forward(q, q, q, causal=True)
-    with pytest.raises(ValueError, match="dq_mode"):
-        flash_backward(q, q, q, q, out, lse, dq_mode="fused")
+    check_block(dtype=dtype, device="cuda", tol=tol, **case)
 
 
 @pytest.mark.parametrize("bad, match", [

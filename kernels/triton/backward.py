@@ -1,4 +1,4 @@
-"""Flash-attention backward in Triton: delta, then dK/dV and dQ (two kernels, or one with atomics).
+"""Flash-attention backward in Triton: delta, then dK/dV and dQ in two kernels without atomics.
 
 With ``P = softmax(S)``, ``S = scale * Q K^T`` recomputed tile by tile from the saved natural
 ``lse`` (``P = exp2(S * log2(e) - lse * log2(e))``), the gradients are
@@ -18,20 +18,21 @@ flowing into ``lse`` itself folds in for free: ``d lse_i / d S_ij = P_ij`` turns
    ``key_intervals``), for every query head of its GQA group, as one flat loop per stage.
    dK and dV of the whole group are summed in registers: no atomics, no repeated K/V.
 3. :func:`attn_bwd_dq_kernel` — one program per query tile of one (batch, query head), walking
-   key tiles like the forward and accumulating dQ in registers (not launched when
-   step 2 runs with ``ATOMIC_DQ``, below).
+   key tiles like the forward and accumulating dQ in registers.
 
-Splitting dQ from dK/dV recomputes ``S`` and ``dP`` once more (7 matrix products instead of
-5) but needs no atomic adds and keeps each kernel's tiles free to be tuned on their own, as in
-FlashAttention-2's deterministic path and Triton's fused-attention tutorial.
+Why dQ is a kernel of its own: dQ rows are sums over KEY tiles, while step 2 is parallel over
+key tiles, so computing dQ there would need every program to atomically add its share into
+one shared dQ buffer. Step 3 instead owns its query rows and sums them in registers. That costs recomputing
+``S`` and ``dP`` once more (7 tile matrix products: 4 in step 2, 3 in step 3, instead of 5)
+but needs no atomic adds and no zeroed float32 dQ buffer, is deterministic (the same inputs
+give the same bits on every run), and lets each kernel's tiles be tuned on their own
+(``configs.py``), as in FlashAttention-2's deterministic path and Triton's fused-attention
+tutorial.
 
-The alternative, FlashAttention-2's default, is ``ATOMIC_DQ=True`` of the dK/dV kernel: the
-``dS`` tile it already holds gives that query tile's share of dQ with one more product,
-``dQ_tile += scale * dS K_tile``, which is added straight into a float32 dQ (B, Sq, Hq, D)
-with ``tl.atomic_add`` — every key tile that a query row sees adds its part, so the sum is
-complete once all programs are done, and step 3 is not launched: 5 products instead of 7,
-for a zeroed float32 buffer, atomic traffic into it (``Sk / BLOCK_N`` adds per dQ element)
-and a sum whose order, hence last bits, changes from run to run.
+FlashAttention-2's default, dQ added by the dK/dV kernel with atomic adds (5 products), was
+measured slower here on an H200 at every tile configuration: backward at 16K 16.9 ms at best
+against 15.3 ms, at 64K 327 against 364 TFLOP/s
+(``docs/measurements/2026-11-22-bwd-tiles-H200.log``).
 """
 from __future__ import annotations
 
@@ -64,41 +65,16 @@ def attn_bwd_delta_kernel(O, DO, Delta, stride_ob, stride_os, stride_oh,
 
 
 @triton.jit
-def _atomic_add_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, x, HEAD_DIM: tl.constexpr,
-                     CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr):
-    """Atomically add a float32 (ROWS, HEAD_DIM_PAD) tile at row ``row0`` (as ``store_rows``).
-
-    ``relaxed``: the adds only have to be atomic, not ordered — nothing reads the sum before
-    the kernel ends — which spares the fences of the default acquire-release semantics.
-    """
-    base = ptr + row0.to(tl.int64) * stride_row
-    ptrs = base + offs_r[:, None] * stride_row + offs_d[None, :]
-    if CHECK_ROWS:
-        mask = (row0 + offs_r)[:, None] < n_rows
-        if PAD_D:
-            mask = mask & (offs_d[None, :] < HEAD_DIM)
-        tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
-    elif PAD_D:
-        tl.atomic_add(ptrs, x, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
-    else:
-        tl.atomic_add(ptrs, x, sem="relaxed")
-
-
-@triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, stride_qs, stride_ds,
-                stride_dqs, stride_qh, stride_dh, stride_dqh, GROUP, lo, hi, start, end, Sq,
-                sm_scale, qk_scale, offs_m, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
-                UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_ds,
+                stride_qh, stride_dh, GROUP, lo, hi, start, end, Sq, qk_scale, offs_m, offs_d,
+                HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
     """Add the query tiles ``[start, end)`` of all GROUP query heads to dk, dv (BLOCK_N, D).
 
     The heads and tiles are walked as ONE flat loop (head = it // tiles): an outer loop over
     the heads would keep the pipelined inner loop's state alive across it and spill registers.
     The pointers are those of the group's first head; heads are ``stride_qh`` (q),
-    ``stride_dh`` (dO), ``stride_dqh`` (dQ) and ``Sq`` (lse, delta) apart.
-
-    With ATOMIC_DQ each tile also adds ``scale * dS K`` (BLOCK_M, D) into the float32 dQ rows
-    of its head: the fifth product, on the ``dS`` and the resident K this loop already has.
+    ``stride_dh`` (dO) and ``Sq`` (lse, delta) apart.
     """
     LOG2E: tl.constexpr = 1.4426950408889634
     n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
@@ -128,10 +104,6 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, stride_
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)  # (BLOCK_N, BLOCK_M)
         dk = tl.dot(dsT, q, dk, input_precision=DOT_PREC)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC) * sm_scale  # (BLOCK_M, D)
-            _atomic_add_rows(dq_ptr + g64 * stride_dqh, start_m, stride_dqs, Sq, offs_m, offs_d,
-                             dq, HEAD_DIM, MASKED, PAD_D)
     return dk, dv
 
 
@@ -139,7 +111,7 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, stride_
 # diagonal offsets and autotune buckets.
 @triton.jit(do_not_specialize=["causal_off", "Hq", "Hkv", "GROUP", "SEQ_BUCKET"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ, Lse, Delta, Q_LO, Q_HI,
+    Q, K, V, DO, DK, DV, Lse, Delta, Q_LO, Q_HI,
     sm_scale, causal_off,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -147,17 +119,12 @@ def attn_bwd_dkdv_kernel(
     stride_db, stride_ds, stride_dh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
-    stride_dqb, stride_dqs, stride_dqh,
     Hq, Hkv, GROUP, Sq, Sk, SEQ_BUCKET,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASK_MODE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Grid: (cdiv(Sk, BLOCK_N), B * Hkv). dK, dV (B, Sk, Hkv, D), summed over the GQA group.
-
-    ATOMIC_DQ: also add this key tile's share of dQ into DQ, a ZEROED float32 (B, Sq, Hq, D)
-    (each query head of the group into its own head slice); otherwise DQ is never touched.
-    """
+    """Grid: (cdiv(Sk, BLOCK_N), B * Hkv). dK, dV (B, Sk, Hkv, D), summed over the GQA group."""
     PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
     LOG2E: tl.constexpr = 1.4426950408889634
     bkv = tl.program_id(1)
@@ -182,21 +149,20 @@ def attn_bwd_dkdv_kernel(
     h0 = kvh * GROUP  # first query head of the group
     q_ptr = Q + b.to(tl.int64) * stride_qb + h0.to(tl.int64) * stride_qh
     do_ptr = DO + b.to(tl.int64) * stride_db + h0.to(tl.int64) * stride_dh
-    dq_ptr = DQ + b.to(tl.int64) * stride_dqb + h0.to(tl.int64) * stride_dqh
     row_ptr = (b * Hq + h0).to(tl.int64) * Sq
     if MASK_MODE != 0:  # seen from keys, the causal diagonal comes first
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr, dq_ptr,
-                             stride_qs, stride_ds, stride_dqs, stride_qh, stride_dh, stride_dqh,
-                             GROUP, lo, hi, start, full_lo, Sq, sm_scale, qk_scale, offs_m,
-                             offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_M, True, ATOMIC_DQ)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr, dq_ptr,
-                         stride_qs, stride_ds, stride_dqs, stride_qh, stride_dh, stride_dqh,
-                         GROUP, lo, hi, full_lo, full_hi, Sq, sm_scale, qk_scale, offs_m,
-                         offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_M, False, ATOMIC_DQ)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr, dq_ptr,
-                         stride_qs, stride_ds, stride_dqs, stride_qh, stride_dh, stride_dqh,
-                         GROUP, lo, hi, full_hi, end, Sq, sm_scale, qk_scale, offs_m,
-                         offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_M, True, ATOMIC_DQ)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
+                             stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, start,
+                             full_lo, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
+                             DOT_PREC, BLOCK_M, True)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
+                         stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, full_lo,
+                         full_hi, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
+                         DOT_PREC, BLOCK_M, False)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
+                         stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, full_hi,
+                         end, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
+                         DOT_PREC, BLOCK_M, True)
 
     dk = dk * sm_scale
     dk_ptr = DK + b.to(tl.int64) * stride_dkb + kvh.to(tl.int64) * stride_dkh

@@ -10,11 +10,6 @@ configurations whose pipelined tiles cannot fit in the device's shared memory or
 accumulators would spill registers for this head dim and dtype; a config that still fails to
 compile is skipped by the autotuner (OutOfResources).
 
-The dK/dV kernel with ``ATOMIC_DQ`` (kind "dkdv_atomic") is tuned over the same points, as
-its own tuner: its footprint adds the transposed dS tile in shared memory and the transient
-(BLOCK_M, D) float32 dQ tile in registers (K is already resident), and its benchmark runs
-zero the dQ accumulator first (``reset_to_zero``), since every run adds into it.
-
 The autotune key is (HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET) plus the tensors' dtypes, where
 SEQ_BUCKET is ``next_power_of_2(max(Sq, Sk))`` capped at 16K: every long sequence shares one
 tuning, done at its first call.
@@ -35,7 +30,7 @@ DKDV_POINTS = [(64, 128, 3, 8), (32, 128, 3, 8), (32, 128, 2, 8), (32, 64, 3, 4)
 DQ_POINTS = [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4), (64, 32, 2, 4)]
 #: float32 inputs run tf32x3 products, which split every operand in two: smaller tiles.
 FP32_POINTS = {"fwd": [(64, 32, 2, 4), (32, 32, 2, 4)], "dkdv": [(32, 32, 2, 4)],
-               "dkdv_atomic": [(32, 32, 2, 4)], "dq": [(32, 32, 2, 4)]}
+               "dq": [(32, 32, 2, 4)]}
 #: Launched when a tuned configuration still runs out of shared memory on some GPU.
 SAFE_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4}
 
@@ -43,7 +38,6 @@ SAFE_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4}
 INTERPRET_CONFIGS = {
     "fwd": {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
     "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_stages": 1, "num_warps": 4},
-    "dkdv_atomic": {"BLOCK_M": 32, "BLOCK_N": 64, "num_stages": 1, "num_warps": 4},
     "dq": {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
 }
 
@@ -77,14 +71,11 @@ def _footprint(kind: str, bm: int, bn: int, stages: int, d: int, elt: int) -> tu
     if kind == "dq":  # q, do resident; k, v pipelined; dq (bm, d) and two (bm, bn) tiles
         return (2 * bm * d + stages * 2 * bn * d) * elt, bm * d + 2 * bm * bn
     # dkdv: k, v resident; q, do pipelined; dk, dv (bn, d) and two (bn, bm) tiles
-    smem, regs = (2 * bn * d + stages * 2 * bm * d) * elt, 2 * bn * d + 2 * bm * bn
-    if kind == "dkdv_atomic":  # + dS^T staged as an operand, + the (bm, d) dQ tile
-        smem, regs = smem + bm * bn * elt, regs + bm * d
-    return smem, regs
+    return (2 * bn * d + stages * 2 * bm * d) * elt, 2 * bn * d + 2 * bm * bn
 
 
 def prune(kind: str):
-    """An ``early_config_prune`` hook for kernel ``kind`` ("fwd", "dq", "dkdv", "dkdv_atomic")."""
+    """An ``early_config_prune`` hook for kernel ``kind`` ("fwd", "dq" or "dkdv")."""
 
     def _prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -106,12 +97,7 @@ def prune(kind: str):
 
 
 def autotuned(kernel, kind: str, points):
-    """Wrap a ``@triton.jit`` kernel in ``triton.autotune`` with this module's policy.
-
-    Kind "dkdv_atomic" accumulates into its DQ argument, so the tuner zeroes DQ before each
-    benchmark run and once more after choosing (the launcher zeroes it before the real run too).
-    """
+    """Wrap a ``@triton.jit`` kernel in ``triton.autotune`` with this module's policy."""
     return triton.autotune(configs=make_configs(points),
                            key=["HEAD_DIM_PAD", "MASK_MODE", "SEQ_BUCKET"],
-                           prune_configs_by={"early_config_prune": prune(kind)},
-                           reset_to_zero=["DQ"] if kind == "dkdv_atomic" else None)(kernel)
+                           prune_configs_by={"early_config_prune": prune(kind)})(kernel)

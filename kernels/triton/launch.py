@@ -39,14 +39,11 @@ MAX_GRID_Y = 65535
 
 fwd_tuned = autotuned(attn_fwd_kernel, "fwd", FWD_POINTS)
 dkdv_tuned = autotuned(attn_bwd_dkdv_kernel, "dkdv", DKDV_POINTS)
-#: The dK/dV kernel with ATOMIC_DQ: same points, its own footprint, cache and dQ reset.
-dkdv_atomic_tuned = autotuned(attn_bwd_dkdv_kernel, "dkdv_atomic", DKDV_POINTS)
 dq_tuned = autotuned(attn_bwd_dq_kernel, "dq", DQ_POINTS)
 #: float32 inputs get their own tuners (smaller tiles, see configs.FP32_POINTS).
 FP32_TUNED = {kind: autotuned(kernel, kind, FP32_POINTS[kind]) for kind, kernel in
               (("fwd", attn_fwd_kernel), ("dkdv", attn_bwd_dkdv_kernel),
-               ("dkdv_atomic", attn_bwd_dkdv_kernel), ("dq", attn_bwd_dq_kernel))}
-DQ_MODES = ("separate", "atomic")
+               ("dq", attn_bwd_dq_kernel))}
 
 
 def check_inputs(q, k, v) -> tuple[int, int, int, int, int, int]:
@@ -133,13 +130,8 @@ def _flags(dtype) -> dict:
     return {"UPCAST": interp and dtype == torch.bfloat16, "DOT_PREC": prec}
 
 
-def _launch(tuned, raw, kind: str, grid, args: dict, config: dict | None,
-            accumulator: torch.Tensor | None = None) -> None:
-    """Autotuned launch, or one fixed config (given, or the interpreter's).
-
-    ``accumulator``: a zeroed buffer the kernel adds into; zeroed again before the fallback
-    launch, in case the failed one ran any program.
-    """
+def _launch(tuned, raw, kind: str, grid, args: dict, config: dict | None) -> None:
+    """Autotuned launch, or one fixed config (given, or the interpreter's)."""
     if config is None and interpreting():
         config = INTERPRET_CONFIGS[kind]
     if config is not None:
@@ -150,8 +142,6 @@ def _launch(tuned, raw, kind: str, grid, args: dict, config: dict | None,
     try:
         tuned[grid](**args)
     except OutOfResources:  # the footprint model was optimistic for this GPU / Triton
-        if accumulator is not None:
-            accumulator.zero_()
         raw[grid](**{**args, **SAFE_CONFIG})
 
 
@@ -226,7 +216,7 @@ def _delta(o, do, lse_shape, dlse) -> torch.Tensor:
 def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal: bool = False,
                    q_start: int = 0, k_start: int = 0, doc_bounds=None, dlse=None,
                    dq=None, dk=None, dv=None, dq_config: dict | None = None,
-                   dkdv_config: dict | None = None, dq_mode: str = "separate"):
+                   dkdv_config: dict | None = None):
     """Gradients of one block from the FINAL (merged) ``out`` and ``lse`` of its query rows.
 
     Args:
@@ -234,13 +224,7 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
             :func:`flash_forward`. out: (B, Sq, Hq, D); lse: (B, Hq, Sq) float32.
         dlse: optional (B, Hq, Sq) gradient of ``lse``.
         dq, dk, dv: optional output buffers (any float dtype, e.g. float32 accumulators).
-        dq_config, dkdv_config: fixed tiles for the two kernels instead of autotuning
-            (``dq_config`` is unused with ``dq_mode="atomic"``).
-        dq_mode: ``"separate"``: dQ by its own kernel (7 tile products, deterministic);
-            ``"atomic"``: the dK/dV kernel also adds ``scale * dS K`` into a zeroed float32 dQ
-            with atomic adds (5 products, FlashAttention-2's default; the last bits vary from
-            run to run). A float32 ``dq`` buffer is accumulated into directly; otherwise a
-            float32 one is allocated and cast into ``dq`` (or q's dtype) at the end.
+        dq_config, dkdv_config: fixed tiles for the two kernels instead of autotuning.
 
     Returns:
         ``(dq, dk, dv)``: dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) summed over each GQA group,
@@ -250,8 +234,6 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
         ValueError: on inputs the kernels cannot take.
     """
     B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode must be one of {DQ_MODES}, got {dq_mode!r}.")
     if do.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != (B, Hq, Sq):
         raise ValueError(f"do and out must be {tuple(q.shape)} and lse {(B, Hq, Sq)}, got "
                          f"{tuple(do.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}.")
@@ -273,24 +255,10 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
                   HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
                   MASK_MODE=plan[0], **_flags(q.dtype))
     q_lo, q_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, True)
-    atomic = dq_mode == "atomic"
-    # atomic: the float32 sum, zeroed (dq itself when it is float32); separate: never read
-    dq_acc = (dq if dq.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
-                                                                device=q.device)) if atomic else dq
-    if atomic:
-        dq_acc.zero_()
-    dkdv_args = dict(common, DK=dk, DV=dv, DQ=dq_acc, Q_LO=q_lo, Q_HI=q_hi, Hkv=Hkv,
+    dkdv_args = dict(common, DK=dk, DV=dv, Q_LO=q_lo, Q_HI=q_hi, Hkv=Hkv,
                      **dict(zip(("stride_dkb", "stride_dks", "stride_dkh"), _strides3(dk))),
-                     **dict(zip(("stride_dvb", "stride_dvs", "stride_dvh"), _strides3(dv))),
-                     **dict(zip(("stride_dqb", "stride_dqs", "stride_dqh"), _strides3(dq_acc))),
-                     ATOMIC_DQ=atomic)
+                     **dict(zip(("stride_dvb", "stride_dvs", "stride_dvh"), _strides3(dv))))
     grid = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
-    if atomic:
-        _launch(dkdv_atomic_tuned, attn_bwd_dkdv_kernel, "dkdv_atomic", grid, dkdv_args,
-                dkdv_config, accumulator=dq_acc)
-        if dq_acc is not dq:
-            dq.copy_(dq_acc)  # cast to the output dtype
-        return dq, dk, dv
     _launch(dkdv_tuned, attn_bwd_dkdv_kernel, "dkdv", grid, dkdv_args, dkdv_config)
     kv_lo, kv_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, False)
     dq_args = dict(common, DQ=dq, KV_LO=kv_lo, KV_HI=kv_hi,
