@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Distributed attention on 2 GPUs, side by side in one run, in < 6 minutes.
 
-    python scripts/gpu_attention.py        # writes $OUT/gpu_attention.json when $OUT is set
+    python scripts/gpu_attention.py [64,128]   # writes $OUT/gpu_attention.json when $OUT is set
 
 Total sequence 64K, 128K, 256K, 512K; bf16, batch 1, 32 heads, head dim 128, causal. Variants:
 lctrain distflash (overlap on, and off as the ablation), ring, zigzag; torch context_parallel on
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from lctrain.bench.attention import run  # noqa: E402
 
-SEQ_LENS = [65536, 131072, 262144, 524288]
+SEQ_LENS = [65536, 131072, 262144, 524288]  # or the K's given as "64,128" in argv[1]
 BUDGET_S = 285.0
 
 
@@ -67,7 +67,8 @@ def main() -> int:
         print("needs 2 CUDA GPUs", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    result = run(SEQ_LENS, nproc=2, heads=32, head_dim=128, dtype=torch.bfloat16, overlap_ablation=True,
+    seq_lens = [int(k) * 1024 for k in sys.argv[1].split(",")] if len(sys.argv) > 1 else SEQ_LENS
+    result = run(seq_lens, nproc=2, heads=32, head_dim=128, dtype=torch.bfloat16, overlap_ablation=True,
                  peers=True, repeats=5, warmup=1, check_len=4096, single_max_len=262144,
                  time_budget_s=BUDGET_S)
     result.meta["wall_s"] = round(time.perf_counter() - t0, 1)

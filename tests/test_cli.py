@@ -68,6 +68,7 @@ def test_python_dash_m_lctrain_works():
     ["finetune", "--set", "train.lr=abc"],
     ["finetune", "--set", "parallel.cp=3"],
     ["finetune", "--set", "model.path=/no/such/model", "--set", "model.config=null"],
+    ["finetune", "--set", "parallel.schedule=context_parallel"],
     ["estimate-memory", "--gpu-memory", "80XB"],
     ["estimate-memory", "--model", "llama-7b"],
     ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--set", "train.lr=1"],
@@ -159,10 +160,11 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
     kwargs = seen["attention"][1]
     assert kwargs["seq_lens"] == [65536] and kwargs["schedules"] == ["distflash", "ring"]
     assert kwargs["nproc"] == 4 and kwargs["kv_heads"] == 8 and kwargs["overlap_ablation"] is True
-    result = _invoke("bench", "step", "llama-7b-64k", "--seq-len", "32k", "--steps", "3")
+    result = _invoke("bench", "step", "llama-7b-64k", "--seq-len", "32k", "--steps", "3",
+                     "--warmup", "0")
     assert result.exit_code == 0, result.output
     (cfg,), kwargs = seen["step"]
-    assert cfg.data.seq_len == 32768 and kwargs == {"steps": 3, "nproc": None}
+    assert cfg.data.seq_len == 32768 and kwargs == {"steps": 3, "nproc": None, "warmup": 0}
 
 
 def test_estimate_memory_renders_table_and_json(monkeypatch):

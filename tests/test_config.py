@@ -202,5 +202,7 @@ def test_parse_size_list_and_memory():
 def test_schedule_layouts_match_the_kernels():
     distributed = pytest.importorskip("lctrain_kernels.distributed")
     for kind, layout in SCHEDULE_LAYOUTS.items():
+        if kind == "context_parallel":  # torch's peer, not an lctrain schedule
+            continue
         for world in (1, 2, 3):
             assert distributed.make_schedule(world, kind).layout == layout

@@ -80,6 +80,8 @@ def attention(seq_len: SeqLensOpt = "16k,32k,64k", schedule: SchedulesOpt = "dis
 @app.command("step")
 def step(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetOpt = None,
          steps: int = typer.Option(10, "--steps", min=1, help="Training steps to time."),
+         warmup: int = typer.Option(1, "--warmup", min=0,
+                                    help="Untimed steps first (allocator growth, autotuning)."),
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory).
 
@@ -89,7 +91,7 @@ def step(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetOpt 
         cfg = load_recipe(recipe, overrides or [], seq_len=seq_len)
         from lctrain.bench.step import run
 
-        result = run(cfg, steps=steps, nproc=nproc)
+        result = run(cfg, steps=steps, nproc=nproc, warmup=warmup)
         publish(result, json_file, plot, "bench step")
 
 

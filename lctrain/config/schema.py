@@ -14,9 +14,12 @@ from typing import Literal
 from lctrain.config.fields import SIZE, check_fields, require
 from lctrain.errors import ConfigError
 
-SCHEDULE_LAYOUTS = {"distflash": "contiguous", "ring": "contiguous", "zigzag": "zigzag"}
+SCHEDULE_LAYOUTS = {"distflash": "contiguous", "ring": "contiguous", "zigzag": "zigzag",
+                    "context_parallel": "zigzag"}
 """How each attention schedule lays the sequence out over the cp ranks (mirrors
-``lctrain_kernels.distributed.make_schedule(p, kind).layout``; a test keeps the two in step)."""
+``lctrain_kernels.distributed.make_schedule(p, kind).layout``; a test keeps the two in step).
+``context_parallel`` is torch's own ring attention, the peer to compare with: its head-tail
+load balancer is the zigzag layout (`lctrain.parallel.torch_cp` checks that at run time)."""
 
 LAYOUT_CHUNKS_PER_RANK = {"contiguous": 1, "zigzag": 2}
 """Chunks per cp rank: zigzag gives every rank one chunk from the head and one from the tail."""
@@ -96,9 +99,11 @@ class ParallelConfig:
     """Context-parallel degree: ranks that share one sequence (each holds seq_len / cp tokens)."""
     dp: int = 0
     """Data-parallel degree; 0 = world size / cp."""
-    schedule: Literal["distflash", "ring", "zigzag"] = "distflash"
-    """Distributed attention schedule: distflash (balanced), ring (unbalanced baseline) or
-    zigzag (ring over the head-tail layout)."""
+    schedule: Literal["distflash", "ring", "zigzag", "context_parallel"] = "distflash"
+    """Distributed attention schedule: distflash (balanced), ring (unbalanced baseline),
+    zigzag (ring over the head-tail layout), or context_parallel — torch's own
+    ``torch.distributed.tensor.experimental.context_parallel`` ring on SDPA, the peer to
+    measure against (CUDA only, one causal sequence per row: data.document_mask false)."""
     attention_backend: Literal["auto", "triton", "cudnn", "flash", "flash_attn", "reference"] = "auto"
     """Local attention backend of lctrain_kernels; auto picks the fastest that can run."""
     fsdp: Literal["auto", "on", "off"] = "auto"
@@ -219,6 +224,11 @@ class RecipeConfig:
                 f"(attention takes one set of document boundaries per step); use "
                 f"train.grad_accum={self.train.batch_size * self.train.grad_accum} instead or set "
                 f"data.document_mask=false", key="train.batch_size")
+        if self.parallel.schedule == "context_parallel" and self.data.document_mask:
+            raise ConfigError(
+                "parallel.schedule context_parallel (torch's ring attention) has no document "
+                "mask: it attends causally across the packed documents; set "
+                "data.document_mask=false", key="data.document_mask")
 
     def to_dict(self) -> dict:
         """The recipe as plain YAML-ready data (tuples become lists)."""

@@ -33,8 +33,9 @@ class CPContext:
         group: the context-parallel process group (None or size 1: local attention).
         cu_seqlens: document boundaries as GLOBAL positions (0, ..., seq_len), identical on every
             rank of the group, or None for one causal sequence per row.
-        schedule: distributed schedule kind ("distflash", "ring", "zigzag"); the shards must be in
-            that schedule's layout.
+        schedule: distributed schedule kind ("distflash", "ring", "zigzag"), or
+            "context_parallel" for torch's own ring (`lctrain.parallel.torch_cp`, which must be
+            active around the call); the shards must be in that schedule's layout.
         backend: local attention backend name ("auto", "reference", "triton", ...).
     """
 
@@ -78,6 +79,13 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     elif ctx.group is None:
         out = lctrain_kernels.attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens,
                                         softmax_scale=scaling, backend=ctx.backend)
+    elif ctx.schedule == "context_parallel":  # torch's ring, the peer (lctrain.parallel.torch_cp)
+        from lctrain.parallel.torch_cp import ring_attention
+
+        if ctx.cu_seqlens is not None:
+            raise ValueError("the context_parallel schedule has no document mask; train with "
+                             "data.document_mask=false.")
+        out = ring_attention(query, key, value, scaling).transpose(1, 2)
     else:
         out = lctrain_kernels.dist_attention(q, k, v, group=ctx.group, causal=True,
                                              cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,

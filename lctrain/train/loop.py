@@ -18,6 +18,7 @@ one transfer of loss, count and gradient norm).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -86,6 +87,7 @@ class Trainer:
     grad_accum: int
     max_grad_norm: float
     autocast: Callable[[], Any]
+    torch_cp: Any = None  # lctrain.parallel.torch_cp.TorchContextParallel for that peer schedule
     step: int = 0
     data_position: int = 0  # micro-batches consumed by this dp rank
 
@@ -117,12 +119,18 @@ class Trainer:
         for s in shards:
             ctx = CPContext(group=self.pmesh.cp_group, cu_seqlens=s.cu_seqlens,
                             schedule=self.schedule, backend=self.backend)
-            with self.autocast():
-                loss = self.distributed.module(s.input_ids, s.labels, s.position_ids,
-                                               cp_context=ctx)
-            (loss / normaliser).backward()
+            with self._attention_session(s.input_ids.shape[1] * self.pmesh.cp):
+                with self.autocast():
+                    loss = self.distributed.module(s.input_ids, s.labels, s.position_ids,
+                                                   cp_context=ctx)
+                (loss / normaliser).backward()
             loss_sum += loss.detach()
         return {"loss_sum": loss_sum, "count": count}
+
+    def _attention_session(self, seq_len: int):
+        """What must be active around a micro-batch's forward and backward: torch's context
+        for the context_parallel peer, nothing for lctrain's own schedules."""
+        return self.torch_cp.session(seq_len) if self.torch_cp is not None else contextlib.nullcontext()
 
     def apply_gradients(self) -> dict[str, Any]:
         """Sum gradients over ranks, clip, step optimizer and schedule, clear gradients."""

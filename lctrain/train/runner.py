@@ -44,6 +44,7 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
         return run_worker(cfg, resume=resume)
     n = nproc if nproc is not None else default_nproc(cfg)
     check_parallel_sizes(n, cfg.parallel.cp, cfg.parallel.dp or None)
+    _check_schedule(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     if n == 1:
         return run_worker(cfg, resume=resume)
     from lctrain.train.launch import spawn_workers
@@ -77,6 +78,7 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
     accelerator = Accelerator(cpu=not cuda, mixed_precision=precision)
     store_dir = _ensure_process_group(accelerator.device)
     try:
+        _check_schedule(cfg, accelerator.device.type)
         pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None,
                            device_type=accelerator.device.type)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
@@ -87,6 +89,14 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
         if store_dir is not None:
             shutil.rmtree(store_dir, ignore_errors=True)
     return 0
+
+
+def _check_schedule(cfg: RecipeConfig, device_type: str) -> None:
+    """Raise a UserError if the attention schedule cannot run on this device type."""
+    if cfg.parallel.schedule == "context_parallel" and cfg.parallel.cp > 1:
+        from lctrain.parallel.torch_cp import check_available
+
+        check_available(device_type)
 
 
 def _check_output_dir(cfg: RecipeConfig, resume: bool) -> Path | None:
@@ -201,8 +211,6 @@ def _strategy(cfg: RecipeConfig, pmesh: ParallelMesh) -> str:
 def _build_trainer(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, accelerator,
                    resume_from: Path | None):
     """Optimizer, schedule and the Trainer; restored from ``resume_from`` when given."""
-    from lctrain_kernels.distributed import make_schedule
-
     from lctrain.train.checkpoint import load_checkpoint
     from lctrain.train.loop import Trainer
     from lctrain.train.optim import build_optimizer
@@ -213,15 +221,25 @@ def _build_trainer(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, a
         warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
     trainer = Trainer(distributed=parts.distributed, optimizer=optimizer, scheduler=scheduler,
                       pmesh=pmesh, device=accelerator.device,
-                      layout=make_schedule(pmesh.cp, cfg.parallel.schedule).layout,
+                      layout=cfg.parallel.layout,
                       schedule=cfg.parallel.schedule, backend=cfg.parallel.attention_backend,
                       grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm,
-                      autocast=accelerator.autocast)
+                      autocast=accelerator.autocast,
+                      torch_cp=_torch_cp(cfg, pmesh, accelerator.device))
     if resume_from is not None:
         state = load_checkpoint(resume_from, module=parts.distributed.module,
                                 optimizer=optimizer, scheduler=scheduler, layout=_layout(pmesh))
         trainer.step, trainer.data_position = state["step"], state["data_position"]
     return trainer
+
+
+def _torch_cp(cfg: RecipeConfig, pmesh: ParallelMesh, device: torch.device):
+    """torch's context parallelism for the context_parallel peer schedule, else None."""
+    if cfg.parallel.schedule != "context_parallel" or pmesh.cp == 1:
+        return None
+    from lctrain.parallel.torch_cp import TorchContextParallel
+
+    return TorchContextParallel(pmesh.mesh["cp"], pmesh.cp_rank, device)
 
 
 def _run(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer, dataset,
