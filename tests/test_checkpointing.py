@@ -215,6 +215,27 @@ def test_remat_offload_moves_memory_to_host_on_gpu(base_model):
 
 
 @pytest.mark.gpu
+def test_remat_offload_pins_exact_sizes_and_reuses_them(base_model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from lctrain.parallel.offload import Offloader
+
+    base, tokens, hidden = _gpu_model(), 3000, 256  # 3000 x 256 x 4 bytes: no power of two
+    ids = torch.randint(0, 512, (1, tokens), device="cuda")
+    model = _model(base, "remat-offload")
+    pools = {id(a.pool): a.pool for m in model.modules() if isinstance(m, CheckpointWrapper)
+             for a in m.checkpoint_fn.args if isinstance(a, Offloader)}
+    sizes = []
+    for _ in range(2):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        sizes.append(sum(p.pinned_bytes for p in pools.values()))
+    assert pools and sizes[0] == sizes[1] == 4 * 2 * tokens * hidden * 4, sizes
+    assert all(b.is_pinned() for p in pools.values() for b in p._all)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("attn", [DIST, "lctrain"])
 def test_remat_runs_attention_once_on_gpu_in_bf16(base_model, attn):
     base = _gpu_model().to(torch.bfloat16)

@@ -50,8 +50,8 @@ def run(cfg: RecipeConfig, steps: int, nproc: int | None = None, *, warmup: int 
         A BenchResult with one row.
 
     Raises:
-        UserError: steps < 1, or the training run failed with a user error.
-        RuntimeError: the training run failed otherwise (its exit code).
+        UserError: steps < 1, or the training run failed (a user error, or a worker that died:
+            the launcher has already printed where its log is, a traceback would add nothing).
     """
     from lctrain.train.runner import default_nproc, finetune
 
@@ -65,7 +65,8 @@ def run(cfg: RecipeConfig, steps: int, nproc: int | None = None, *, warmup: int 
         bench_cfg = _bench_recipe(cfg, scratch, warmup + steps)
         code = finetune(bench_cfg, nproc=n)
         if code != 0:
-            raise RuntimeError(f"the benchmarked training run failed with exit code {code}")
+            raise UserError(f"the benchmarked training run failed with exit code {code}; the "
+                            f"workers' log named above says why")
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -18,6 +18,11 @@ On a GPU all copies run on one side stream, ordered with events, into pinned hos
 ``record_stream`` keeps the caching allocator from reusing a block before its copy is done. The
 host is never synchronised. Without a GPU the same logic runs with plain synchronous copies (so
 CPU tests exercise it), which saves nothing but changes nothing either.
+
+The pinned buffers come from `PinnedPool`, not from ``pin_memory=True``: torch's pinned
+allocator rounds every block up to a power of two, so a 1.5 GiB layer input pins 2 GiB. On
+2 × H200 (251 GiB of host memory) a 384K-token Llama-7B step needed 97 GiB per GPU but pinned
+128 and was killed by the kernel's OOM killer; exact-size buffers need 97.
 """
 from __future__ import annotations
 
@@ -28,17 +33,71 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+class PinnedPool:
+    """Page-locked host buffers of EXACTLY the requested size, reused from step to step.
+
+    Each buffer is an ordinary host allocation pinned in place with ``cudaHostRegister``
+    (torch's ``pin_memory=True`` rounds up to a power of two). A buffer goes back to the pool
+    when the copy that used it is garbage: by then its copy back to the GPU has been queued on
+    the same side stream as any later copy into it, so stream order protects it. Buffers stay
+    registered (and alive) until the pool is collected.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._all: list[torch.Tensor] = []
+        self.pinned_bytes = 0
+        weakref.finalize(self, _unregister, self._all)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 host tensor of ``nbytes`` bytes."""
+        bucket = self._free.get(nbytes)
+        if bucket:
+            return bucket.pop()
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB of host memory "
+                               f"failed (CUDA error {int(err)}); remat-offload needs that much "
+                               f"page-locked memory: lower data.seq_len or use remat.")
+        self._all.append(buf)
+        self.pinned_bytes += nbytes
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.setdefault(buf.numel(), []).append(buf)
+
+
+def _unregister(buffers: list[torch.Tensor]) -> None:
+    """Unpin the pool's buffers before their memory goes back to the host allocator."""
+    for buf in buffers:
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    buffers.clear()
+
+
+def _span(shape, stride) -> int:
+    """Elements a strided view reaches (the storage it needs)."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+
+
 class _Copy:
     """One tensor's bytes parked in host memory, and the way back."""
 
-    def __init__(self, tensor: torch.Tensor, stream, *, release: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, stream, *, release: bool,
+                 pool: PinnedPool | None = None) -> None:
         self.device = tensor.device
         self.storage = tensor.untyped_storage() if release else None
         self.shape, self.stride, self.dtype = tensor.shape, tensor.stride(), tensor.dtype
         source = _bytes_view(tensor.untyped_storage(), self.device) if release else tensor
         pinned = stream is not None
-        self.host = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype,
-                                        device="cpu", pin_memory=pinned)
+        if pinned:  # exact-size page-locked buffer, returned to the pool with this copy
+            nbytes = _span(source.shape, source.stride()) * source.element_size()
+            raw = pool.take(nbytes)
+            weakref.finalize(self, pool.give, raw)
+            self.host = raw.view(source.dtype).as_strided(source.shape, source.stride())
+        else:
+            self.host = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype,
+                                            device="cpu")
         with _on(stream):
             self.host.copy_(source, non_blocking=pinned)
         if pinned:
@@ -83,7 +142,8 @@ class LayerStash:
         """saved_tensors_hooks pack: park the layer input (small tensors stay)."""
         if not self.offloader.wants(tensor):
             return tensor
-        copy = _Copy(tensor, self.offloader.stream_for(tensor), release=False)
+        copy = _Copy(tensor, self.offloader.stream_for(tensor), release=False,
+                     pool=self.offloader.pool)
         self.inputs.append(copy)
         return copy
 
@@ -109,7 +169,8 @@ class LayerStash:
             key = tensor.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
-                self.parked.append(_Copy(tensor, self.offloader.stream_for(tensor), release=True))
+                self.parked.append(_Copy(tensor, self.offloader.stream_for(tensor), release=True,
+                                         pool=self.offloader.pool))
         self.outputs = []
         self.fetched = False
 
@@ -162,6 +223,7 @@ class Offloader:
 
     def __init__(self, min_bytes: int = 1 << 20) -> None:
         self.min_bytes = min_bytes
+        self.pool = PinnedPool()  # used on GPUs only
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: weakref.ref | None = None
 

@@ -45,6 +45,7 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
     n = nproc if nproc is not None else default_nproc(cfg)
     check_parallel_sizes(n, cfg.parallel.cp, cfg.parallel.dp or None)
     _check_schedule(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    check_host_memory(cfg, local_processes=n, gpus=n)
     if n == 1:
         return run_worker(cfg, resume=resume)
     from lctrain.train.launch import spawn_workers
@@ -79,6 +80,9 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
     store_dir = _ensure_process_group(accelerator.device)
     try:
         _check_schedule(cfg, accelerator.device.type)
+        if "LOCAL_WORLD_SIZE" in os.environ:  # started by torchrun / accelerate launch
+            check_host_memory(cfg, local_processes=int(os.environ["LOCAL_WORLD_SIZE"]),
+                              gpus=dist.get_world_size())
         pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None,
                            device_type=accelerator.device.type)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
@@ -97,6 +101,58 @@ def _check_schedule(cfg: RecipeConfig, device_type: str) -> None:
         from lctrain.parallel.torch_cp import check_available
 
         check_available(device_type)
+
+
+def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
+                      available: int | None = None) -> None:
+    """Fail before training if remat-offload would pin more host memory than this machine has.
+
+    Every GPU process parks ``host_offload`` bytes (the memory model's figure) in page-locked
+    host memory; running out of it gets the processes killed by the kernel mid-step, with no
+    message. Checked on CUDA machines only (on a CPU offload pins nothing).
+
+    Args:
+        cfg: the recipe.
+        local_processes: training processes on this machine.
+        gpus: GPUs in the whole job.
+        available: host bytes available (default: MemAvailable of /proc/meminfo; no check
+            where that cannot be read).
+
+    Raises:
+        UserError: the parked activations of this machine's processes exceed 90 % of the
+            available host memory.
+    """
+    if cfg.train.checkpointing != "remat-offload" or not torch.cuda.is_available():
+        return
+    available = _available_host_bytes() if available is None else available
+    if not available:
+        return
+    from lctrain.memory import estimate_recipe
+
+    try:
+        est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=gpus, gpu_memory=1 << 40)
+    except UserError:
+        return  # no readable architecture here: loading the model reports it
+    need = est.details["host_offload"] * local_processes
+    if need > 0.9 * available:
+        gib = 1 << 30
+        raise UserError(
+            f"remat-offload at data.seq_len {cfg.data.seq_len} parks about "
+            f"{est.details['host_offload'] / gib:.0f} GiB of activations per GPU in pinned host "
+            f"memory, {need / gib:.0f} GiB for the {local_processes} processes on this machine, "
+            f"but only {available / gib:.0f} GiB is available; lower data.seq_len, raise "
+            f"parallel.cp over more machines, or use train.checkpointing=remat.")
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _check_output_dir(cfg: RecipeConfig, resume: bool) -> Path | None:

@@ -1,0 +1,41 @@
+"""remat-offload's pinned host memory is checked before training starts (it used to end in the
+kernel's OOM killer mid-step: 384K tokens on 2 x H200 with 251 GiB of host memory)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lctrain.config import load_recipe
+from lctrain.errors import UserError
+from lctrain.memory import estimate_recipe
+from lctrain.train.runner import check_host_memory
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def cuda_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def _parked(cfg, gpus=2):
+    return estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=gpus,
+                           gpu_memory=80 * GIB).details["host_offload"]
+
+
+def test_too_little_host_memory_is_one_clear_error(cuda_machine):
+    cfg = load_recipe("llama-7b-256k", seq_len="512k")
+    parked = _parked(cfg)
+    assert parked > 100 * GIB  # every GPU parks every layer's input and attention output
+    with pytest.raises(UserError, match=r"remat-offload at data.seq_len 524288 parks about \d+ "
+                                        r"GiB .* 2 processes .* only 200 GiB is available"):
+        check_host_memory(cfg, local_processes=2, gpus=2, available=200 * GIB)
+    check_host_memory(cfg, local_processes=1, gpus=2, available=int(parked / 0.85))
+
+
+def test_only_remat_offload_on_gpus_is_checked(cuda_machine, monkeypatch):
+    cfg = load_recipe("llama-7b-256k", ["train.checkpointing=remat"], seq_len="512k")
+    check_host_memory(cfg, local_processes=8, gpus=8, available=1 * GIB)
+    cfg = load_recipe("llama-7b-256k", seq_len="512k")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_host_memory(cfg, local_processes=8, gpus=8, available=1 * GIB)
