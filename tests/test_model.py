@@ -51,6 +51,24 @@ def test_lctrain_attention_matches_eager_causal():
     _assert_close_grads(ours[1], eager[1])
 
 
+def test_float32_parameters_under_bf16_autocast_match_sdpa():
+    """fp32 master weights + bf16 autocast on one device: RoPE hands attention float32 q, k and a
+    bf16 v; lctrain's attention computes in bf16 like SDPA under autocast (no dtype error)."""
+    model = _model(seed=1)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 40))
+    positions = torch.arange(40)[None]
+    probe = torch.randn(1, 40, TINY["vocab_size"])
+    runs = {}
+    for attn in ("lctrain", "sdpa"):
+        model.set_attn_implementation(attn)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs[attn] = _logits_and_grads(model, ids, positions, probe)
+    (ours, grads), (sdpa, sdpa_grads) = runs["lctrain"], runs["sdpa"]
+    torch.testing.assert_close(ours.float(), sdpa.float(), rtol=3e-2, atol=3e-2)
+    for name, g in sdpa_grads.items():
+        assert (grads[name] - g).norm() <= 5e-2 * g.norm() + 1e-6, name
+
+
 def test_documents_match_separate_sequences():
     """Packed documents with restarting positions == each document run on its own."""
     model = _model()

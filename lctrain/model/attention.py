@@ -70,6 +70,7 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     _check_supported(module, attention_mask, dropout)
     import lctrain_kernels
 
+    query, key, value = _one_dtype(query, key, value)
     q = query.transpose(1, 2)  # (B, S, Hq, D)
     k = key.transpose(1, 2)  # (B, S, Hkv, D)
     v = value.transpose(1, 2)  # (B, S, Hkv, D)
@@ -91,6 +92,23 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                              cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
                                              schedule=ctx.schedule, backend=ctx.backend)
     return out, None  # (B, S, Hq, D)
+
+
+def _one_dtype(query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the dtype attention computes in, as SDPA does under autocast.
+
+    With float32 parameters under bf16 autocast, the projections come out in bf16 but RoPE
+    multiplies q and k by float32 cos/sin, so q and k arrive in float32 and v in bf16. Under
+    autocast all three go to the autocast dtype (what autocast does to SDPA); otherwise
+    mismatched inputs meet in their promoted dtype.
+    """
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def _check_supported(module: torch.nn.Module, attention_mask, dropout: float) -> None:
