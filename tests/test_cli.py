@@ -71,6 +71,7 @@ def test_python_dash_m_lctrain_works():
     ["finetune", "--set", "parallel.schedule=context_parallel"],
     ["estimate-memory", "--gpu-memory", "80XB"],
     ["estimate-memory", "--model", "llama-7b"],
+    ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--host-memory", "12XB"],
     ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--set", "train.lr=1"],
     ["estimate-memory", "tiny", "--seq-len", "100k", "--cp", "3"],
     ["bench", "kernel", "--seq-len", "16k,32q"],
@@ -179,18 +180,20 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
 
     _fake_module(monkeypatch, "lctrain.memory", estimate_recipe=estimate_recipe)
     result = _invoke("estimate-memory", "llama-7b-256k", "--seq-len", "512k", "--gpus", "8",
-                     "--gpu-memory", "80GiB", "--cp", "8", "--checkpointing", "remat-offload")
+                     "--gpu-memory", "80GiB", "--cp", "8", "--checkpointing", "remat-offload",
+                     "--host-memory", "1TiB", "--gpus-per-node", "4")
     assert result.exit_code == 0, result.output
     assert "activations" in result.stdout and "64.0 GiB" in result.stdout and "176k" in result.stdout
     cfg, kwargs = calls[-1]
     assert cfg.data.seq_len == 524288 and cfg.parallel.cp == 8
     assert kwargs == dict(model=None, seq_len=524288, gpus=8, gpu_memory=80 * 2**30, cp=8,
-                          policy="remat-offload")
+                          policy="remat-offload", host_memory=2**40, gpus_per_node=4)
     result = _invoke("estimate-memory", "--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "64k",
                      "--gpu-memory", "80GB", "--json")
     assert result.exit_code == 0 and json.loads(result.stdout) == payload
     assert calls[-1] == (None, dict(model="meta-llama/Llama-2-7b-hf", seq_len=65536, gpus=1,
-                                    gpu_memory=80 * 10**9, cp=None, policy=None))
+                                    gpu_memory=80 * 10**9, cp=None, policy=None,
+                                    host_memory=None, gpus_per_node=None))
 
 
 def test_estimate_memory_with_the_real_memory_model():

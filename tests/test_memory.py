@@ -7,6 +7,7 @@ import pytest
 from lctrain.config import TrainConfig, load_recipe
 from lctrain.errors import UserError
 from lctrain.memory import (
+    HOST_USABLE,
     POLICIES,
     PRESETS,
     estimate,
@@ -105,6 +106,33 @@ def test_max_seq_len_is_the_boundary():
     assert estimate(arch, longest + 8, 8, 4, "remat").per_gpu_bytes["total"] > 80 * GIB
     tiny_gpu = estimate(arch, 8192, 8, 4, "remat", gpu_memory=GIB)
     assert tiny_gpu.fits is False and tiny_gpu.max_seq_len == 0
+
+
+def test_host_memory_bounds_remat_offload():
+    """2 x H200 with 251 GiB of host memory: 512K does not fit the HOST (measured: the workers
+    were OOM-killed), and the longest length is where the machine's pinned bytes meet it."""
+    arch, host, gpus = load_architecture("llama-7b"), 251 * GIB, int(torch_randint(1, 3)) * 2
+    kw = dict(gpu_memory=139 * GIB, seq_chunks=2, host_memory=host, gpus_per_node=gpus)
+    est = estimate(arch, 512 * 1024, gpus, 2, "remat-offload", **kw)
+    assert est.fits is False and est.details["host_offload_per_node"] > HOST_USABLE * host
+    longest = est.max_seq_len
+    assert 0 < longest < 512 * 1024 and longest % 2 == 0
+
+    def pinned(seq):
+        return estimate(arch, seq, gpus, 2, "remat-offload").details["host_offload"] * gpus
+
+    assert pinned(longest) <= HOST_USABLE * host < pinned(longest + 2)
+    assert estimate(arch, longest, gpus, 2, "remat-offload", **kw).fits
+    remat = estimate(arch, 512 * 1024, gpus, 2, "remat", **kw)  # nothing pinned: GPU bound only
+    assert remat.max_seq_len == estimate(arch, 512 * 1024, gpus, 2, "remat", gpu_memory=139 * GIB,
+                                         seq_chunks=2).max_seq_len
+    assert json.loads(json.dumps(est.to_json()))["host_memory"] == host
+
+
+def torch_randint(low, high):
+    import torch
+
+    return torch.randint(low, high, ()).item()
 
 
 def test_optimizer_phase_wins_at_short_context():

@@ -13,6 +13,8 @@ from lctrain.cli.options import (
     CpOpt,
     GpuMemoryOpt,
     GpusOpt,
+    GpusPerNodeOpt,
+    HostMemoryOpt,
     JsonFlag,
     ModelOpt,
     RecipeArg,
@@ -28,6 +30,7 @@ _PARTS = ("parameters", "gradients", "optimizer", "activations", "other")
 def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: SeqLenOpt = None,
                     gpus: GpusOpt = 1, gpu_memory: GpuMemoryOpt = "80GiB", cp: CpOpt = None,
                     checkpointing: CheckpointingOpt = None, overrides: SetOpt = None,
+                    host_memory: HostMemoryOpt = None, gpus_per_node: GpusPerNodeOpt = None,
                     json_output: JsonFlag = False) -> None:
     """Estimate per-GPU memory (parameters, gradients, optimizer, activations) and the longest
     sequence that fits.
@@ -37,10 +40,13 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
         lctrain estimate-memory recipes/llama-7b-256k.yaml --seq-len 512k --gpus 8 --gpu-memory 80GiB
 
         lctrain estimate-memory --model /models/Llama-2-7b-hf --seq-len 128k --gpus 8 --json
+
+        lctrain estimate-memory recipes/llama-7b-256k.yaml --seq-len 384k --gpus 2 --gpu-memory 139GiB --host-memory 251GiB
     """
     policy = checkpointing.value if checkpointing is not None else None
     with user_errors():
         memory = parse_memory(gpu_memory, what="--gpu-memory")
+        host = None if host_memory is None else parse_memory(host_memory, what="--host-memory")
         tokens = None if seq_len is None else parse_size(seq_len, what="--seq-len")
         cfg = _recipe(recipe, model, overrides or [], tokens, cp, policy)
         if tokens is None:
@@ -51,7 +57,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
         from lctrain.memory import estimate_recipe as estimate
 
         result = estimate(cfg, model=model, seq_len=tokens, gpus=gpus, gpu_memory=memory, cp=cp,
-                          policy=policy)
+                          policy=policy, host_memory=host, gpus_per_node=gpus_per_node)
     payload = result.to_json()
     if json_output:
         typer.echo(as_json(payload))
@@ -83,6 +89,13 @@ def memory_table(estimate: dict[str, Any], gpu_memory: int) -> Table:
     if "total" in per_gpu:
         table.add_row("[bold]total[/bold]", f"[bold]{format_bytes(per_gpu['total'])}[/bold]")
     table.add_row("GPU memory", format_bytes(gpu_memory))
+    details = estimate.get("details") or {}
+    if details.get("host_offload"):
+        table.add_row("pinned host memory per GPU", format_bytes(details["host_offload"]))
+    if details.get("host_offload_per_node") and estimate.get("host_memory"):
+        table.add_row("pinned host memory per machine",
+                      f"{format_bytes(details['host_offload_per_node'])} of "
+                      f"{format_bytes(estimate['host_memory'])}")
     if "fits" in estimate:
         table.add_row("fits", "[green]yes[/green]" if estimate["fits"] else "[red]no[/red]")
     if estimate.get("max_seq_len") is not None:
@@ -92,7 +105,8 @@ def memory_table(estimate: dict[str, Any], gpu_memory: int) -> Table:
         table.add_row("parameter count", f"{estimate['parameters_count'] / 1e9:.2f} B")
     if estimate.get("seq_len"):
         table.add_row("sequence length", _tokens(int(estimate["seq_len"])))
-    shown = ("per_gpu_bytes", "fits", "max_seq_len", "parameters_count", "seq_len", "gpu_memory")
+    shown = ("per_gpu_bytes", "fits", "max_seq_len", "parameters_count", "seq_len", "gpu_memory",
+             "host_memory")
     for key, value in estimate.items():
         if key not in shown and isinstance(value, (int, float, str, bool)):
             table.add_row(key.replace("_", " "), str(value))

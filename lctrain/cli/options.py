@@ -54,6 +54,12 @@ ModelOpt = Annotated[Optional[str], typer.Option(
 GpusOpt = Annotated[int, typer.Option("--gpus", min=1, metavar="N", help="Number of GPUs.")]
 GpuMemoryOpt = Annotated[str, typer.Option(
     "--gpu-memory", metavar="SIZE", help="Memory per GPU: 80GiB, 80G (1024³ bytes) or 80GB (10⁹).")]
+HostMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--host-memory", metavar="SIZE", show_default=False,
+    help="Host memory per machine (e.g. 251GiB): remat-offload's pinned activations must fit too.")]
+GpusPerNodeOpt = Annotated[Optional[int], typer.Option(
+    "--gpus-per-node", min=1, metavar="N", show_default=False,
+    help="GPU processes per machine, sharing its host memory (default: min(--gpus, 8)).")]
 CpOpt = Annotated[Optional[int], typer.Option(
     "--cp", min=1, metavar="N", show_default=False,
     help="Context-parallel degree (default: the recipe's parallel.cp).")]

@@ -135,10 +135,32 @@ def max_seq_len(setup: Setup, gpu_memory: int, seq_chunks: int) -> int:
     return low * seq_chunks
 
 
+HOST_USABLE = 0.9
+"""Share of a machine's available host memory that remat-offload may pin (the rest is left to
+the processes themselves, the page cache and the data loader)."""
+
+
+def host_offload_fits(per_gpu: int, processes: int, host_memory: int) -> bool:
+    """Whether ``processes`` GPU processes parking ``per_gpu`` pinned bytes each fit in
+    ``host_memory`` bytes of one machine (see :data:`HOST_USABLE`)."""
+    return per_gpu * processes <= HOST_USABLE * host_memory
+
+
+def _host_max_seq_len(seq_len: int, per_gpu: int, processes: int, host_memory: int,
+                      chunks: int) -> int | None:
+    """Longest multiple of ``chunks`` whose parked bytes fit the host (None: nothing parked).
+    The parked bytes grow linearly with the tokens per GPU."""
+    if per_gpu <= 0:
+        return None
+    longest = int(seq_len * HOST_USABLE * host_memory / (per_gpu * processes))
+    return longest // chunks * chunks
+
+
 def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
              dtype: str = "bfloat16", *, master_dtype: str = "float32", batch_size: int = 1,
              grad_accum: int = 1, fsdp: bool = True, loss_chunk_tokens: int = 4096,
-             gpu_memory: int | None = None, seq_chunks: int | None = None) -> MemoryEstimate:
+             gpu_memory: int | None = None, seq_chunks: int | None = None,
+             host_memory: int | None = None, gpus_per_node: int | None = None) -> MemoryEstimate:
     """Estimate the per-GPU memory of training ``arch`` at ``seq_len`` tokens per sequence.
 
     Args:
@@ -155,6 +177,10 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
         loss_chunk_tokens: tokens per chunk of the chunked cross-entropy.
         gpu_memory: bytes per GPU; when given, ``fits`` and ``max_seq_len`` are filled in.
         seq_chunks: the layout's chunking (cp, or 2·cp for zigzag); max_seq_len is a multiple.
+        host_memory: host bytes of one machine; when given (with gpu_memory), ``fits`` and
+            ``max_seq_len`` also require remat-offload's pinned bytes of the machine's
+            processes to fit in it (:func:`host_offload_fits`).
+        gpus_per_node: GPU processes per machine (default: min(gpus, 8)).
 
     Returns:
         A `MemoryEstimate`.
@@ -173,7 +199,17 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
     per_gpu, details = breakdown(setup, seq_len)
     fits = None if gpu_memory is None else per_gpu["total"] <= gpu_memory
     longest = None if gpu_memory is None else max_seq_len(setup, gpu_memory, chunks)
+    if host_memory is not None:
+        local = gpus_per_node or min(gpus, 8)
+        details["host_offload_per_node"] = details["host_offload"] * local
+        host_ok = host_offload_fits(details["host_offload"], local, host_memory)
+        host_longest = _host_max_seq_len(seq_len, details["host_offload"], local, host_memory,
+                                         chunks)
+        if fits is not None:
+            fits = fits and host_ok
+            longest = longest if host_longest is None else min(longest, host_longest)
     return MemoryEstimate(model=arch.name, parameters_count=arch.parameters(), seq_len=seq_len,
                           gpus=gpus, cp=cp, policy=policy, dtype=dtype, master_dtype=master_dtype,
-                          gpu_memory=gpu_memory, per_gpu_bytes=per_gpu, details=details,
+                          gpu_memory=gpu_memory, host_memory=host_memory,
+                          per_gpu_bytes=per_gpu, details=details,
                           fits=fits, max_seq_len=longest)

@@ -10,7 +10,8 @@ from lctrain.memory.report import MemoryEstimate
 
 def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_len: int,
                     gpus: int, gpu_memory: int, cp: int | None = None,
-                    policy: str | None = None) -> MemoryEstimate:
+                    policy: str | None = None, host_memory: int | None = None,
+                    gpus_per_node: int | None = None) -> MemoryEstimate:
     """Estimate the per-GPU memory of training a recipe (or a bare model with default settings).
 
     Args:
@@ -23,6 +24,8 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
         gpu_memory: bytes per GPU.
         cp: context-parallel degree (default: the recipe's).
         policy: checkpointing policy (default: the recipe's train.checkpointing).
+        host_memory, gpus_per_node: host bytes and GPU processes per machine, to check
+            remat-offload's pinned memory too (see `lctrain.memory.estimate`).
 
     Returns:
         A `MemoryEstimate` with ``fits`` and ``max_seq_len`` filled in.
@@ -41,7 +44,8 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
                     master_dtype=master, batch_size=train.batch_size,
                     grad_accum=train.grad_accum, fsdp=parallel.fsdp != "off",
                     loss_chunk_tokens=train.loss_chunk_tokens, gpu_memory=gpu_memory,
-                    seq_chunks=cp * LAYOUT_CHUNKS_PER_RANK[parallel.layout])
+                    seq_chunks=cp * LAYOUT_CHUNKS_PER_RANK[parallel.layout],
+                    host_memory=host_memory, gpus_per_node=gpus_per_node)
 
 
 def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:

@@ -16,13 +16,17 @@ class MemoryEstimate:
         parameters_count: all parameters of the model.
         seq_len, gpus, cp, policy, dtype, master_dtype: the setup estimated.
         gpu_memory: bytes per GPU the estimate was checked against (None: not checked).
+        host_memory: host bytes per machine checked for remat-offload's pinned memory (None:
+            not checked).
         per_gpu_bytes: parameters, gradients, optimizer, activations, other (transients and
             allocator headroom) and their total, at the step's peak.
         details: how the peak was reached: phase ("activations" or "optimizer"),
             tokens_per_gpu, shard_degree, peak_allocated (compare with
             torch.cuda.max_memory_allocated), headroom, the transient parts, and host_offload
-            (pinned host bytes per process under remat-offload).
-        fits: total ≤ gpu_memory (None when no gpu_memory was given).
+            (pinned host bytes per process under remat-offload; with host_memory also
+            host_offload_per_node).
+        fits: total ≤ gpu_memory, and the machine's pinned bytes within host_memory when given
+            (None when no gpu_memory was given).
         max_seq_len: the longest sequence (a multiple of the layout's chunking) that fits;
             0 if none does; None when no gpu_memory was given.
     """
@@ -38,6 +42,7 @@ class MemoryEstimate:
     gpu_memory: int | None
     per_gpu_bytes: dict[str, int]
     details: dict = field(default_factory=dict)
+    host_memory: int | None = None
     fits: bool | None = None
     max_seq_len: int | None = None
 
@@ -47,7 +52,8 @@ class MemoryEstimate:
             "model": self.model, "parameters_count": self.parameters_count,
             "seq_len": self.seq_len, "gpus": self.gpus, "cp": self.cp, "policy": self.policy,
             "dtype": self.dtype, "master_dtype": self.master_dtype,
-            "gpu_memory": self.gpu_memory, "per_gpu_bytes": dict(self.per_gpu_bytes),
+            "gpu_memory": self.gpu_memory, "host_memory": self.host_memory,
+            "per_gpu_bytes": dict(self.per_gpu_bytes),
             "details": dict(self.details), "fits": self.fits, "max_seq_len": self.max_seq_len,
         }
 
@@ -76,6 +82,10 @@ class MemoryEstimate:
         if self.gpu_memory is None:
             return text
         verdict = "fits" if self.fits else "does NOT fit"
+        where = f"{self.gpu_memory / _GIB:.1f} GiB per GPU"
+        if self.host_memory is not None and self.details.get("host_offload"):
+            where += (f" and {self.host_memory / _GIB:.0f} GiB of host memory per machine "
+                      f"({self.details['host_offload_per_node'] / _GIB:.0f} GiB pinned)")
         longest = (f"longest that fits: {self.max_seq_len} tokens" if self.max_seq_len
                    else "no sequence length fits")
-        return f"{verdict} in {self.gpu_memory / _GIB:.1f} GiB per GPU; {longest}; {text}"
+        return f"{verdict} in {where}; {longest}; {text}"

@@ -119,22 +119,22 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
             where that cannot be read).
 
     Raises:
-        UserError: the parked activations of this machine's processes exceed 90 % of the
-            available host memory.
+        UserError: the parked activations of this machine's processes exceed the share of the
+            available host memory that may be pinned (`lctrain.memory.HOST_USABLE`).
     """
     if cfg.train.checkpointing != "remat-offload" or not torch.cuda.is_available():
         return
     available = _available_host_bytes() if available is None else available
     if not available:
         return
-    from lctrain.memory import estimate_recipe
+    from lctrain.memory import estimate_recipe, host_offload_fits
 
     try:
         est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=gpus, gpu_memory=1 << 40)
     except UserError:
         return  # no readable architecture here: loading the model reports it
     need = est.details["host_offload"] * local_processes
-    if need > 0.9 * available:
+    if not host_offload_fits(est.details["host_offload"], local_processes, available):
         gib = 1 << 30
         raise UserError(
             f"remat-offload at data.seq_len {cfg.data.seq_len} parks about "
