@@ -3,6 +3,8 @@
 
     python scripts/gpu_attention.py [64,128]   # writes $OUT/gpu_attention.json when $OUT is set
 
+Needs lctrain installed (on the lent GPU machine: ``. scripts/gpu_setup.sh`` first).
+
 Total sequence 64K, 128K, 256K, 512K; bf16, batch 1, 32 heads, head dim 128, causal. Variants:
 lctrain distflash (overlap on, and off as the ablation), ring, zigzag; torch context_parallel on
 cuDNN (and ring-flash-attn if installed); the single-GPU cuDNN kernel at the same TOTAL length
@@ -17,26 +19,14 @@ Targets (shared/PERF.md): distflash >= 97 % of single-GPU cuDNN per-GPU rate at 
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("lctrain") is None:
-    sys.path.insert(0, str(ROOT))
-if importlib.util.find_spec("lctrain_kernels") is None:  # not pip-installed: map kernels/
-    _spec = importlib.util.spec_from_file_location(
-        "lctrain_kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")])
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules["lctrain_kernels"] = _mod
-    _spec.loader.exec_module(_mod)
+import torch
 
-import torch  # noqa: E402
-
-from lctrain.bench.attention import run  # noqa: E402
+from lctrain.bench.attention import run
 
 SEQ_LENS = [65536, 131072, 262144, 524288]  # or the K's given as "64,128" in argv[1]
 BUDGET_S = 285.0

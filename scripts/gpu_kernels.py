@@ -3,6 +3,8 @@
 
     python scripts/gpu_kernels.py            # writes $OUT/gpu_kernels.json when $OUT is set
 
+Needs lctrain installed (on the lent GPU machine: ``. scripts/gpu_setup.sh`` first).
+
 1. Correctness (bf16 unless noted) against float32 torch math on the same inputs: relative
    Frobenius error of out, dq, dk, dv (and lse). The main case (causal, S = 8K, H = 32, D = 128)
    also measures torch's own bf16 flash SDPA against that reference: ours may err at most
@@ -18,7 +20,6 @@ The autotuner's choices (and each config's time) are printed; the summary table 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -31,17 +32,8 @@ import traceback
 import torch
 import triton
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("lctrain_kernels") is None:  # not pip-installed: map kernels/
-    _spec = importlib.util.spec_from_file_location(
-        "lctrain_kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")])
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules["lctrain_kernels"] = _mod
-    _spec.loader.exec_module(_mod)
-
-from lctrain_kernels.triton import flash_backward, flash_forward, triton_attention  # noqa: E402
-from lctrain_kernels.triton import launch  # noqa: E402
+from lctrain_kernels.triton import flash_backward, flash_forward, triton_attention
+from lctrain_kernels.triton import launch
 
 T0 = time.perf_counter()
 BUDGET_S = 215.0
