@@ -11,7 +11,8 @@ cuDNN (and ring-flash-attn if installed); the single-GPU cuDNN kernel at the sam
 (up to 256K) as the per-GPU rate to match. Each schedule is first checked for correctness
 against the float32 reference at 4K tokens (error at most 2x the single-GPU kernel's). Timing:
 CUDA events on every rank, 1 warm-up, median of 5, the slowest rank's median; per-GPU TFLOP/s
-with causal fwd = 2*S^2*H*D of the whole sequence / GPUs, bwd = 2.5x. A time budget skips
+with causal fwd = 2*S^2*H*D of the whole sequence / GPUs, bwd = 2.5x; short lengths repeat
+until about 2 s of timing (at 64K: about 17 iterations). A time budget skips
 the measurements that would overrun (their rows say so). The table comes LAST.
 
 Targets (shared/PERF.md): distflash >= 97 % of single-GPU cuDNN per-GPU rate at 256K, >= 92 % at
@@ -60,7 +61,7 @@ def main() -> int:
     seq_lens = [int(k) * 1024 for k in sys.argv[1].split(",")] if len(sys.argv) > 1 else SEQ_LENS
     result = run(seq_lens, nproc=2, heads=32, head_dim=128, dtype=torch.bfloat16, overlap_ablation=True,
                  peers=True, repeats=5, warmup=1, check_len=4096, single_max_len=262144,
-                 time_budget_s=BUDGET_S)
+                 time_budget_s=BUDGET_S, min_time_s=2.0)
     result.meta["wall_s"] = round(time.perf_counter() - t0, 1)
     out_dir = pathlib.Path(os.environ.get("OUT", "."))
     path = out_dir / "gpu_attention.json"

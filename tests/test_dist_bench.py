@@ -23,10 +23,22 @@ def test_bench_rows_on_two_cpu_ranks():
             assert row["max_rel_err"] < 1e-4 and row["total_tflops"] > 0 and row["vs_single"] > 0
         assert "needs CUDA" in rows[(seq_len, "context_parallel")]["status"]
         assert rows[(seq_len, "single-gpu reference")]["total_tflops"] > 0
+        assert rows[(seq_len, "distflash")]["repeats"] == 2  # no min_time_s: exactly repeats
         assert 0.0 <= rows[(seq_len, "distflash")]["hidden_share"] <= 1.0
     assert rows[(64, "distflash")]["balance"] == 1.0 and rows[(64, "ring")]["balance"] == 1.5
     assert json.loads(result.to_json())["meta"]["nproc"] == 2
     assert result.table().row_count == len(result.rows)
+
+
+def test_short_measurements_repeat_until_min_time():
+    result = run([32], ["distflash"], nproc=2, heads=2, head_dim=8, dtype=torch.float32,
+                 overlap_ablation=False, peers=False, repeats=2, warmup=1, backend="reference",
+                 min_time_s=0.3)
+    rows = {r["variant"]: r for r in result.rows}
+    single, ours = rows["single-gpu reference"], rows["distflash"]
+    assert ours["status"] == "ok" and ours["correct"] is True
+    assert 2 <= single["repeats"] <= 50 and 2 < ours["repeats"] <= 50  # tiny: more than 2
+    assert result.meta["min_time_s"] == 0.3
 
 
 def test_bench_rejects_lengths_the_layouts_cannot_split():

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -38,6 +39,7 @@ from lctrain.bench.result import BenchResult
 
 SCHEDULES = ("distflash", "zigzag", "ring")
 _CHECK_FLOOR = 1e-4  # float32 schedules differ from the reference by rounding only
+_MAX_REPEATS = 50
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class BenchConfig:
     check_len: int
     single_max_len: int
     time_budget_s: float | None
+    min_time_s: float = 0.0
 
 
 def _timings(fwd, bwd, device: torch.device, repeats: int, warmup: int):
@@ -109,6 +112,16 @@ class _Bench:
         est = (self.cfg.warmup + self.cfg.repeats) * 3.5 * flops_per_gpu / self.rate
         return self._agree(time.perf_counter() - self.start + est <= self.cfg.time_budget_s)
 
+    def _repeats(self, flops_per_gpu: float) -> int:
+        """Timed iterations: at least ``repeats``, more until about ``min_time_s`` of timing
+        (short lengths are noisy), at most 50. The estimate uses the last measured rate, which
+        every rank holds alike (it comes from all-gathered timings), so ranks agree."""
+        c = self.cfg
+        if not c.min_time_s:
+            return c.repeats
+        per_iteration = 3.5 * flops_per_gpu / self.rate
+        return int(min(_MAX_REPEATS, max(c.repeats, math.ceil(c.min_time_s / per_iteration))))
+
     def _local(self, n: int, heads: int, seed: int) -> torch.Tensor:
         gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
         return torch.randn((1, n, heads, self.cfg.head_dim), generator=gen, dtype=self.dtype,
@@ -149,9 +162,10 @@ class _Bench:
         """
         status, fw, bw = "ok", [], []
         caught = Exception if peer else (PeerUnavailable, torch.cuda.OutOfMemoryError)
+        repeats = self._repeats(flops_per_gpu)
         try:
             with make() as (fwd, bwd):
-                fw, bw = _timings(fwd, bwd, self.device, self.cfg.repeats, self.cfg.warmup)
+                fw, bw = _timings(fwd, bwd, self.device, repeats, self.cfg.warmup)
         except caught as exc:
             status = f"{'' if isinstance(exc, PeerUnavailable) else type(exc).__name__ + ': '}{exc}"
             status = status.splitlines()[0][:200]
@@ -166,7 +180,7 @@ class _Bench:
         b = max(statistics.median(y) for _, _, y in per_rank)
         tot = max(statistics.median(x + y for x, y in zip(xs, ys)) for _, xs, ys in per_rank)
         self.rate = 3.5 * flops_per_gpu / tot * 1e3
-        return {"fwd_ms": f, "bwd_ms": b, "total_ms": tot,
+        return {"fwd_ms": f, "bwd_ms": b, "total_ms": tot, "repeats": repeats,
                 "total_ms_min": min(min(x + y for x, y in zip(xs, ys)) for _, xs, ys in per_rank),
                 "total_ms_max": max(max(x + y for x, y in zip(xs, ys)) for _, xs, ys in per_rank),
                 "fwd_tflops": flops_per_gpu / f / 1e9, "bwd_tflops": 2.5 * flops_per_gpu / b / 1e9,
@@ -177,11 +191,13 @@ class _Bench:
         from lctrain.bench.kernel import run as kernel_run
 
         c = self.cfg
+        repeats = self._repeats(forward_flops(seq_len, c.heads, c.head_dim, True, None))
         res = kernel_run([seq_len], backends=[self.single_backend], heads=c.heads, head_dim=c.head_dim,
-                         dtype=self.dtype, causal=True, kv_heads=c.kv_heads, repeats=c.repeats,
+                         dtype=self.dtype, causal=True, kv_heads=c.kv_heads, repeats=repeats,
                          warmup=c.warmup, check_len=min(256, seq_len), device=self.device).rows[0]
         keys = ("fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "total_tflops", "status")
         row = {key: res.get(key) for key in keys}
+        row["repeats"] = repeats
         if row.get("fwd_ms") is not None:
             row["total_ms"] = row["fwd_ms"] + row["bwd_ms"]
         return self._agree(row)
@@ -270,7 +286,7 @@ def run(seq_lens: list[int], schedules: list[str] | None = None, nproc: int | No
         kv_heads: int | None = None, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
         overlap_ablation: bool = True, peers: bool = True, backend: str = "auto", *, repeats: int = 5,
         warmup: int = 2, check_len: int | None = None, single_max_len: int = 262144,
-        time_budget_s: float | None = None) -> BenchResult:
+        time_budget_s: float | None = None, min_time_s: float = 0.0) -> BenchResult:
     """Benchmark distributed attention on ``nproc`` ranks it launches itself.
 
     Args:
@@ -287,6 +303,8 @@ def run(seq_lens: list[int], schedules: list[str] | None = None, nproc: int | No
         check_len: total length of the correctness check (default min(seq_lens, 2048·nproc)).
         single_max_len: longest total length timed on a single GPU.
         time_budget_s: skip measurements that would end later than this after the start.
+        min_time_s: time more than ``repeats`` iterations where one is short, until about this
+            many seconds per measurement (at most 50 iterations); 0 keeps ``repeats``.
 
     Returns:
         A :class:`BenchResult`, one row per (seq_len, variant).
@@ -311,7 +329,8 @@ def run(seq_lens: list[int], schedules: list[str] | None = None, nproc: int | No
             raise ValueError(f"sequence length {s} must be a multiple of {2 * nproc} (2 × {nproc} ranks, "
                              f"for the zigzag layout); round it to a multiple of {2 * nproc}.")
     cfg = BenchConfig(tuple(seq_lens), schedules, heads, kv_heads, head_dim, str(dtype).replace("torch.", ""),
-                      overlap_ablation, peers, backend, repeats, warmup, check_len, single_max_len, time_budget_s)
+                      overlap_ablation, peers, backend, repeats, warmup, check_len, single_max_len, time_budget_s,
+                      min_time_s)
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(_worker, args=(nproc, cfg, tmp), nprocs=nproc, join=True)
         with open(os.path.join(tmp, "rows.json")) as f:
