@@ -10,7 +10,7 @@ lctrain distflash (overlap on, and off as the ablation), ring, zigzag; torch con
 cuDNN (and ring-flash-attn if installed); the single-GPU cuDNN kernel at the same TOTAL length
 (up to 256K) as the per-GPU rate to match. Each schedule is first checked for correctness
 against the float32 reference at 4K tokens (error at most 2x the single-GPU kernel's). Timing:
-CUDA events on every rank, 1 warm-up, median of 5, the slowest rank's median; per-GPU TFLOP/s
+CUDA events on every rank, 1 warm-up, median of at least 5, the slowest rank's median; per-GPU TFLOP/s
 with causal fwd = 2*S^2*H*D of the whole sequence / GPUs, bwd = 2.5x; short lengths repeat
 until about 2 s of timing (at 64K: about 17 iterations). A time budget skips
 the measurements that would overrun (their rows say so). The table comes LAST.
