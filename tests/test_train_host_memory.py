@@ -39,3 +39,28 @@ def test_only_remat_offload_on_gpus_is_checked(cuda_machine, monkeypatch):
     cfg = load_recipe("llama-7b-256k", seq_len="512k")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     check_host_memory(cfg, local_processes=8, gpus=8, available=1 * GIB)
+
+
+def test_declared_host_memory_replaces_what_the_machine_reports(cuda_machine, monkeypatch):
+    """VMs whose memory grows as it is used report too little: train.host_memory says how much."""
+    import lctrain.train.runner as runner
+
+    monkeypatch.setattr(runner, "_available_host_bytes", lambda: 31 * GIB)
+    cfg = load_recipe("llama-7b-256k", seq_len="384k")
+    with pytest.raises(UserError, match="only 31 GiB is available.*train.host_memory"):
+        check_host_memory(cfg, local_processes=2, gpus=2)
+    big = load_recipe("llama-7b-256k", ["train.host_memory=251GiB"], seq_len="384k")
+    assert big.train.host_memory == 251 * GIB
+    check_host_memory(big, local_processes=2, gpus=2)
+    with pytest.raises(UserError, match="only 120 GiB"):
+        check_host_memory(load_recipe("llama-7b-256k", ["train.host_memory=120GiB"],
+                                      seq_len="384k"), local_processes=2, gpus=2)
+
+
+@pytest.mark.parametrize("value, message", [("lots", "train.host_memory"),
+                                            ("-5", "must be positive"), ("0", "must be positive")])
+def test_bad_host_memory_is_one_clear_error(value, message):
+    from lctrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_recipe("llama-7b-256k", [f"train.host_memory={value}"])

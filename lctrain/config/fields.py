@@ -4,7 +4,8 @@ Every config dataclass calls :func:`check_fields` first thing in ``__post_init__
 each value with the field's annotation (``int``, ``float``, ``bool``, ``str``, ``dict``,
 ``tuple[float, float]``, ``Literal[...]`` and ``X | None``), applies the few lossless conversions
 YAML needs (an int where a float is expected, a list for a tuple, ``"3e-3"`` which YAML reads as
-a string, a size such as ``"256k"`` for fields marked ``metadata={"size": True}``) and otherwise
+a string, a size such as ``"256k"`` for fields marked :data:`SIZE`, a memory size such as
+``"240GiB"`` for fields marked :data:`MEMORY`) and otherwise
 raises a one-sentence :class:`ConfigError` naming the key, the value and what is expected.
 """
 from __future__ import annotations
@@ -16,11 +17,13 @@ import types
 import typing
 from typing import Any, Literal
 
-from lctrain.config.sizes import parse_size
+from lctrain.config.sizes import parse_memory, parse_size
 from lctrain.errors import ConfigError
 
-SIZE = {"size": True}
+SIZE = {"unit": "tokens"}
 """Field metadata: the int field also accepts a size string such as ``"256k"``."""
+MEMORY = {"unit": "bytes"}
+"""Field metadata: the int field also accepts a memory size such as ``"240GiB"``."""
 
 
 def suggest(word: str, choices: typing.Iterable[str]) -> str:
@@ -44,19 +47,21 @@ def check_fields(obj: Any, section: str) -> None:
     for field in dataclasses.fields(obj):
         key = f"{section}.{field.name}"
         value = getattr(obj, field.name)
-        new = coerce(key, hints[field.name], value, size=bool(field.metadata.get("size")))
+        new = coerce(key, hints[field.name], value, unit=field.metadata.get("unit"))
         if new is not value:
             object.__setattr__(obj, field.name, new)
 
 
-def coerce(key: str, annotation: Any, value: Any, *, size: bool = False) -> Any:
-    """Return ``value`` converted to ``annotation`` or raise ConfigError naming ``key``."""
+def coerce(key: str, annotation: Any, value: Any, *, unit: str | None = None) -> Any:
+    """Return ``value`` converted to ``annotation`` or raise ConfigError naming ``key``.
+
+    ``unit`` ("tokens" or "bytes") lets an int field take a size string ("256k", "240GiB")."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return coerce(key, inner, value, size=size)
+        return coerce(key, inner, value, unit=unit)
     if origin is Literal:
         if isinstance(value, str) and value in args:
             return value
@@ -68,7 +73,7 @@ def coerce(key: str, annotation: Any, value: Any, *, size: bool = False) -> Any:
     handler = _SCALARS.get(annotation)
     if handler is None:
         raise TypeError(f"config field {key} has an unsupported annotation {annotation!r}")
-    return handler(key, value, size)
+    return handler(key, value, unit)
 
 
 def _fail(key: str, expected: str, value: Any) -> ConfigError:
@@ -76,15 +81,20 @@ def _fail(key: str, expected: str, value: Any) -> ConfigError:
                        key=key)
 
 
-def _to_int(key: str, value: Any, size: bool) -> int:
+def _to_int(key: str, value: Any, unit: str | None) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if size and isinstance(value, str):
-        return parse_size(value, what=key)
-    raise _fail(key, "a whole number" + (" or a size such as 64k" if size else ""), value)
+    if unit in ("tokens", "bytes") and isinstance(value, str):
+        parse = parse_size if unit == "tokens" else parse_memory
+        try:
+            return parse(value, what=key)
+        except ConfigError as error:  # the loader names the source of a keyed error
+            raise ConfigError(str(error), key=key) from None
+    example = {"tokens": " or a size such as 64k", "bytes": " of bytes or a size such as 240GiB"}
+    raise _fail(key, "a whole number" + example.get(unit, ""), value)
 
 
-def _to_float(key: str, value: Any, size: bool) -> float:
+def _to_float(key: str, value: Any, unit: str | None) -> float:
     if isinstance(value, float):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
@@ -97,19 +107,19 @@ def _to_float(key: str, value: Any, size: bool) -> float:
     raise _fail(key, "a number", value)
 
 
-def _to_bool(key: str, value: Any, size: bool) -> bool:
+def _to_bool(key: str, value: Any, unit: str | None) -> bool:
     if isinstance(value, bool):
         return value
     raise _fail(key, "true or false", value)
 
 
-def _to_str(key: str, value: Any, size: bool) -> str:
+def _to_str(key: str, value: Any, unit: str | None) -> str:
     if isinstance(value, str):
         return value
     raise _fail(key, "a string", value)
 
 
-def _to_dict(key: str, value: Any, size: bool) -> dict:
+def _to_dict(key: str, value: Any, unit: str | None) -> dict:
     if isinstance(value, dict):
         return value
     raise _fail(key, "a mapping", value)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lctrain.config.fields import SIZE, check_fields, require
+from lctrain.config.fields import MEMORY, SIZE, check_fields, require
 from lctrain.errors import ConfigError
 
 SCHEDULE_LAYOUTS = {"distflash": "contiguous", "ring": "contiguous", "zigzag": "zigzag",
@@ -156,6 +156,9 @@ class TrainConfig:
     """Activation checkpointing per decoder layer: none, full (recompute everything), remat
     (recompute all but the distributed attention, whose output and LSE are kept) or
     remat-offload (remat with saved activations in host memory)."""
+    host_memory: int | None = field(default=None, metadata=MEMORY)
+    """Host memory per machine that remat-offload may pin, e.g. 240GiB; null = MemAvailable
+    of /proc/meminfo, which reads too low on virtual machines whose memory grows as it is used."""
     loss_chunk_tokens: int = field(default=4096, metadata=SIZE)
     """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once)."""
     log_every: int = 1
@@ -178,6 +181,8 @@ class TrainConfig:
         require(self.max_grad_norm >= 0, "train.max_grad_norm",
                 f"is {self.max_grad_norm} but must be ≥ 0 (0 = no clipping)")
         require(self.output_dir != "", "train.output_dir", "is empty; name a folder")
+        require(self.host_memory is None or self.host_memory > 0, "train.host_memory",
+                f"is {self.host_memory} but must be positive (or null to read /proc/meminfo)")
 
 
 @dataclass(frozen=True, kw_only=True)

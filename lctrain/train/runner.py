@@ -115,8 +115,8 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
         cfg: the recipe.
         local_processes: training processes on this machine.
         gpus: GPUs in the whole job.
-        available: host bytes available (default: MemAvailable of /proc/meminfo; no check
-            where that cannot be read).
+        available: host bytes available (default: ``train.host_memory``, else MemAvailable
+            of /proc/meminfo; no check where that cannot be read).
 
     Raises:
         UserError: the parked activations of this machine's processes exceed the share of the
@@ -124,7 +124,8 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
     """
     if cfg.train.checkpointing != "remat-offload" or not torch.cuda.is_available():
         return
-    available = _available_host_bytes() if available is None else available
+    if available is None:
+        available = cfg.train.host_memory or _available_host_bytes()
     if not available:
         return
     from lctrain.memory import estimate_recipe, host_offload_fits
@@ -141,7 +142,8 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
             f"{est.details['host_offload'] / gib:.0f} GiB of activations per GPU in pinned host "
             f"memory, {need / gib:.0f} GiB for the {local_processes} processes on this machine, "
             f"but only {available / gib:.0f} GiB is available; lower data.seq_len, raise "
-            f"parallel.cp over more machines, or use train.checkpointing=remat.")
+            f"parallel.cp over more machines, or use train.checkpointing=remat (or, where the "
+            f"machine has more than it reports, say how much with train.host_memory).")
 
 
 def _available_host_bytes() -> int | None:
