@@ -12,11 +12,13 @@ Before any kernel launch or send, :func:`classify` sorts a block into one of fou
 
     EMPTY    nothing visible           -> skip the block entirely (no launch, no communication)
     FULL     everything visible        -> plain non-causal attention (fast dense kernels)
-    CAUSAL   the standard lower triangle: q_start == k_start, sq == sk, one document
+    CAUSAL   the lower triangle from the top-left corner: q_start == k_start, one document
+             (query row i sees key rows 0..i; sq and sk may differ)
     PARTIAL  anything else             -> an explicit (elementwise) mask is needed
 
 In DistFlashAttn (causal, P chunks), block (q_r, kv_c) is CAUSAL for c == r, FULL for c < r and
-EMPTY for c > r; with documents most off-diagonal blocks become EMPTY, which is where packing
+EMPTY for c > r (and a diagonal block's rows against the first half of its keys are CAUSAL too:
+torch's SDPA kernels align a non-square causal mask top-left, which is exactly this); with documents most off-diagonal blocks become EMPTY, which is where packing
 saves work. Classification is pure Python arithmetic on global positions (a bisection into the
 document bounds), so it never touches the device and never synchronises.
 
@@ -129,7 +131,7 @@ def _classify_documents(spec: MaskSpec, sq: int, sk: int) -> Relation:
     one_doc = dq0 == dq1 == dk0 == dk1
     if one_doc and (not spec.causal or k1 <= q0):
         return Relation.FULL
-    if one_doc and q0 == k0 and sq == sk:
+    if spec.causal and q0 == k0 and dq0 == dq1:  # keys after q1 are never visible anyway
         return Relation.CAUSAL
     return Relation.PARTIAL
 
@@ -162,7 +164,7 @@ def classify(spec: MaskSpec, sq: int, sk: int) -> Relation:
         return Relation.EMPTY
     if k1 <= q0:
         return Relation.FULL
-    if q0 == k0 and sq == sk:
+    if q0 == k0:
         return Relation.CAUSAL
     return Relation.PARTIAL
 

@@ -113,6 +113,54 @@ def test_gpu_backend_matches_reference_across_merged_blocks(name, dtype):
     check_backend(backend, dtype, "cuda", 1e-2, 3e-2)
 
 
+def check_top_left_causal(backend, dtype, device, tol):
+    """Non-square CAUSAL blocks (q_start == k_start): all rows against the first part of the keys
+    (distflash's first diagonal piece) and a few rows against more keys, forward and backward."""
+    for sq, sk in ((40, 24), (16, 40)):
+        q, k, v = qkv(2, sq, 4, 2, 64, dtype, device, sk=sk)
+        spec, scale = MaskSpec(True, 8, 8), 64 ** -0.5
+        rel = classify(spec, sq, sk)
+        assert rel is Relation.CAUSAL and backend.unsupported(q, k, v, spec, rel) is None
+        out, lse = backend.forward(q, k, v, spec, rel, scale)
+        ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), spec, scale)
+        dout = torch.randn_like(q)
+        grads = backend.backward(dout, q, k, v, out, lse, spec, rel, scale)
+        ref = reference_backward(dout.double(), q.double(), k.double(), v.double(), ref_out,
+                                 ref_lse, spec, scale)
+        for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref)):
+            err = (got.double() - want).abs().max() / want.abs().max()
+            assert err.item() < tol, (backend.name, sq, sk)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_cpu_flash_aligns_a_non_square_causal_block_top_left(dtype, tol):
+    check_top_left_causal(get_backend("cpu_flash"), dtype, "cpu", tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["cudnn", "triton", "reference"])
+def test_gpu_backends_align_a_non_square_causal_block_top_left(name):
+    try:
+        backend = get_backend(name)
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    check_top_left_causal(backend, torch.bfloat16, "cuda", 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flash", "flash_attn"])
+def test_bottom_right_backends_refuse_non_square_causal_blocks(name):
+    try:
+        backend = get_backend(name)
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    q, k, v = qkv(1, 32, 2, 2, 64, torch.bfloat16, "cuda", sk=16)
+    reason = backend.unsupported(q, k, v, MaskSpec(True), Relation.CAUSAL)
+    assert reason is not None and "bottom-right" in reason
+    q, k, v = qkv(1, 32, 2, 2, 64, torch.bfloat16, "cuda")
+    assert backend.unsupported(q, k, v, MaskSpec(True), Relation.CAUSAL) is None
+
+
 @pytest.mark.gpu
 def test_auto_picks_cudnn_for_dense_half_blocks_on_gpu():
     q, k, v = qkv(1, 64, 2, 2, 64, torch.bfloat16, "cuda")

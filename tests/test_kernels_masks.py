@@ -28,7 +28,8 @@ def expected_relation(spec, sq, sk, vis) -> Relation:
         return Relation.EMPTY
     if vis.all():
         return Relation.FULL
-    if (spec.causal and spec.q_start == spec.k_start and sq == sk
+    # the triangle from the top-left corner (what torch's SDPA kernels compute), any sq and sk
+    if (spec.causal and spec.q_start == spec.k_start
             and torch.equal(vis, torch.ones(sq, sk, dtype=torch.bool).tril())):
         return Relation.CAUSAL
     return Relation.PARTIAL
@@ -43,6 +44,8 @@ def random_spec(rng: random.Random, n: int):
     q0, k0 = rng.randint(0, n - sq), rng.randint(0, n - sk)
     if rng.random() < 0.25:  # diagonal blocks, the CAUSAL candidates
         sk, k0 = sq, q0
+    elif rng.random() < 0.2:  # a diagonal block's rows against part of its keys, or the reverse
+        k0 = q0 = min(q0, k0)
     return MaskSpec(rng.random() < 0.7, q0, k0, bounds), sq, sk
 
 
@@ -68,7 +71,10 @@ def test_classify_and_dense_mask_match_brute_force_on_random_blocks():
     (MaskSpec(True, 8, 0), 8, 8, Relation.FULL),        # DistFlashAttn block below diagonal
     (MaskSpec(True, 0, 8), 8, 8, Relation.EMPTY),       # above the diagonal
     (MaskSpec(True, 4, 0), 8, 8, Relation.PARTIAL),     # offset diagonal
-    (MaskSpec(True, 0, 0), 4, 8, Relation.PARTIAL),     # more keys than queries
+    (MaskSpec(True, 0, 0), 4, 8, Relation.CAUSAL),      # more keys than queries: top-left
+    (MaskSpec(True, 0, 0), 8, 4, Relation.CAUSAL),      # all rows x first half of the keys
+    (MaskSpec(True, 4, 4, (0, 6, 16)), 2, 8, Relation.CAUSAL),  # later document: never seen
+    (MaskSpec(True, 4, 4, (0, 6, 16)), 4, 4, Relation.PARTIAL),
     (MaskSpec(False, 0, 8), 8, 8, Relation.FULL),
     (MaskSpec(True, 0, 0, (0, 8, 16)), 8, 8, Relation.CAUSAL),
     (MaskSpec(True, 0, 0, (0, 4, 16)), 8, 8, Relation.PARTIAL),

@@ -10,14 +10,15 @@ from them. Signature relied on (flash-attn >= 2.7)::
                          causal, window_size_left, window_size_right, softcap, alibi_slopes,
                          deterministic, rng_state=None)   # writes dq, dk, dv in place
 
-Like torch's SDPA ops it knows no mask but "causal", so it computes FULL and CAUSAL blocks only
-(``sq == sk`` for CAUSAL, so its bottom-right causal alignment equals top-left here).
+Like torch's SDPA ops it knows no mask but "causal", so it computes FULL and CAUSAL blocks only,
+and square CAUSAL ones only: its causal mask is aligned bottom-right, lctrain's top-left.
 """
 from __future__ import annotations
 
 import torch
 
 from lctrain_kernels.backends import BackendUnavailable
+from lctrain_kernels.backends.sdpa import square_causal_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 
 _MIN_VERSION = (2, 7)
@@ -52,6 +53,9 @@ class FlashAttnBackend:
         if relation not in (Relation.FULL, Relation.CAUSAL):
             return (f"the flash_attn backend computes only full or causal blocks, not a "
                     f"{relation.value} one; use triton or reference.")
+        reason = square_causal_reason(self.name, q, k, relation)
+        if reason is not None:
+            return reason
         if q.dtype not in (torch.float16, torch.bfloat16):
             return f"the flash_attn backend takes float16 or bfloat16, not {q.dtype}."
         d = q.shape[-1]

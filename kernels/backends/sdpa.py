@@ -26,8 +26,11 @@ cuDNN returns lse as (B, H, S, 1) from torch 2.9 on and (B, H, S) before, and it
 expects the same rank back; the lse we pass is made contiguous (cuDNN < 9.26 assumes packed
 BHSD statistics).
 
-Limits: these kernels know only "no mask" and "top-left causal", so they compute FULL and
-CAUSAL blocks (``sq == sk`` there, so the causal alignment does not matter), never PARTIAL.
+Limits: these kernels know only "no mask" and "causal", so they compute FULL and CAUSAL blocks,
+never PARTIAL. A CAUSAL block may be non-square (``q_start == k_start``, query row i sees key
+rows 0..i: top-left). cuDNN and the CPU op align a non-square causal mask top-left, as needed;
+torch's flash op is FlashAttention-2, which aligns it bottom-right, so ``flash`` takes square
+causal blocks only.
 The CUDA ops take fp16/bf16; cuDNN head_dim must be a multiple of 8 up to 128, flash up to
 256. GQA: K/V heads are repeated for the op (a transient copy inside the block, never sent)
 and dK/dV summed back over each group in float32. The CPU op takes GQA as is and any float
@@ -77,6 +80,14 @@ def _no_rng(device) -> tuple[torch.Tensor, torch.Tensor]:
     """Philox seed and offset placeholders (never read without dropout)."""
     return (torch.zeros((), dtype=torch.int64, device=device),
             torch.zeros((), dtype=torch.int64, device=device))
+
+
+def square_causal_reason(name: str, q, k, relation: Relation) -> str | None:
+    """Why a backend whose causal mask is aligned bottom-right refuses a non-square causal block."""
+    if relation is Relation.CAUSAL and q.shape[1] != k.shape[1]:
+        return (f"the {name} backend aligns a causal mask bottom-right, so it computes only "
+                f"square causal blocks, not {q.shape[1]} queries by {k.shape[1]} keys.")
+    return None
 
 
 def _cuda_reason(name: str, q, relation: Relation, max_dim: int) -> str | None:
@@ -147,7 +158,8 @@ class FlashBackend:
         _require_cuda(self.name)
 
     def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
-        return _cuda_reason(self.name, q, relation, 256)
+        return (_cuda_reason(self.name, q, relation, 256)
+                or square_causal_reason(self.name, q, k, relation))
 
     def forward(self, q, k, v, spec, relation, scale):
         hq = q.shape[2]

@@ -31,9 +31,12 @@ schedule's (P+1)/P, in which P/2 ranks idle at the last step.
 Overlap. The executor posts step t+1's messages (and step t−1's results going home) before it
 computes step t, so transfers hide behind compute. Two spots have nothing to hide behind: the
 first step's inputs and the last step's results. So for P > 1 distflash splits every diagonal
-block by query rows: the top-left quarter (q rows [0, ½), keys [0, ½), causal, ⅛ block) runs
-first, while the first messages travel; the rest (q rows [½, 1) against keys [0, ½) — full — and
-[½, 1) — causal) runs last, while the last partial results travel home.
+block by key rows: all q rows against the first half of the keys (⅜ block, causal from the
+top-left corner: ONE call of the dense kernels) runs first, while the first messages travel;
+q rows [½, 1) against keys [½, 1) (⅛ block, causal) runs last, while the last partial results
+travel home. (Splitting by query rows instead — a ⅛ quarter first, then [½, 1) × [0, ½) full and
+[½, 1) × [½, 1) causal last — costs one more kernel call and gives the first step less to hide
+behind.)
 
 Backward runs the same steps. Each block's backward needs q, dO, the FINAL merged out and lse of
 its query rows and the block's k, v: a "q" message then carries (q, dO, out, lse). A block
@@ -217,7 +220,7 @@ def _own(r: int, kv: int, q_rows: Rows = ALL, kv_rows: Rows = ALL) -> Block:
 def _distflash_causal(p: int) -> list[Step]:
     if p == 1:
         return [Step((_own(0, 0),), ())]
-    steps = [Step(tuple(_own(r, r, HEAD, HEAD) for r in range(p)), ())]
+    steps = [Step(tuple(_own(r, r, ALL, HEAD) for r in range(p)), ())]
     for t in range(1, (p - 1) // 2 + 1):
         blocks, msgs = [], []
         for r in range(p):  # r sends to d = r + t (mod p)
@@ -236,8 +239,7 @@ def _distflash_causal(p: int) -> list[Step]:
             msgs += [Message("kv", s, r, s, ALL), Message("q", r, s, r, TAIL)]
             blocks += [_own(r, s, HEAD), Block(s, r, TAIL, s, ALL)]
         steps.append(Step(tuple(blocks), tuple(msgs)))
-    last = [b for r in range(p) for b in (_own(r, r, TAIL, HEAD), _own(r, r, TAIL, TAIL))]
-    steps.append(Step(tuple(last), ()))
+    steps.append(Step(tuple(_own(r, r, TAIL, TAIL) for r in range(p)), ()))
     return steps
 
 
