@@ -4,6 +4,7 @@
     python scripts/e2e_table.py OUT/step-*.json
 """
 import json
+import pathlib
 import sys
 
 KEYS = ["seq_len", "policy", "schedule", "gpus", "step_time_s", "tokens_per_s", "mfu", "peak_gib",
@@ -17,7 +18,7 @@ def cell(value) -> str:
 
 def main(paths: list[str]) -> None:
     print(" | ".join(KEYS))
-    for path in sorted(paths):
+    for path in sorted(p for p in paths if pathlib.Path(p).is_file()):  # a failed run wrote none
         data = json.load(open(path))
         for row in data["rows"]:
             row = {**row, "schedule": data["meta"].get("schedule")}
