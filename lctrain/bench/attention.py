@@ -278,6 +278,9 @@ def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:
         if rank == 0:
             with open(os.path.join(tmp, "rows.json"), "w") as f:
                 json.dump(rows, f)
+        # Every rank's last transfers finish before any tears the group down (gloo aborted a
+        # rank once when its peer destroyed the group while its last message was in flight).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
