@@ -91,6 +91,8 @@ def profile(rank: int, world: int, seq_len: int, schedule: str, device) -> dict:
         wall_ms = (time.perf_counter() - t0) * 1e3 / iters
     per_kernel: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
+        if device.type == "cuda" and evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # an operator: its kernels are listed on their own (no double count)
         us = getattr(evt, "self_device_time_total", 0) if device.type == "cuda" else evt.self_cpu_time_total
         if us:
             per_kernel[evt.key] += us / 1e3 / iters

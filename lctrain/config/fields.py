@@ -81,17 +81,21 @@ def _fail(key: str, expected: str, value: Any) -> ConfigError:
                        key=key)
 
 
+_UNITS = {"tokens": (parse_size, " or a size such as 64k"),
+          "bytes": (parse_memory, " of bytes or a size such as 240GiB")}
+"""unit -> (parser of a size string, how the error message says what is expected)."""
+
+
 def _to_int(key: str, value: Any, unit: str | None) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if unit in ("tokens", "bytes") and isinstance(value, str):
-        parse = parse_size if unit == "tokens" else parse_memory
+    parse, example = _UNITS.get(unit, (None, ""))
+    if parse is not None and isinstance(value, str):
         try:
             return parse(value, what=key)
         except ConfigError as error:  # the loader names the source of a keyed error
             raise ConfigError(str(error), key=key) from None
-    example = {"tokens": " or a size such as 64k", "bytes": " of bytes or a size such as 240GiB"}
-    raise _fail(key, "a whole number" + example.get(unit, ""), value)
+    raise _fail(key, "a whole number" + example, value)
 
 
 def _to_float(key: str, value: Any, unit: str | None) -> float:
