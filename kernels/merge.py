@@ -50,7 +50,7 @@ def _check(out_a, lse_a, out_b, lse_b) -> None:
 
 
 def _fusable(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the one-kernel Triton merge (lctrain_kernels.triton.merge) can take these: CUDA,
+    """Whether the one-kernel Triton merge (lctrain_kernels.triton.combine) can take these: CUDA,
     float32 accumulators, contiguous head dims. Elsewhere the torch ops below run."""
     return (acc_out.is_cuda and acc_out.dtype == torch.float32 and acc_lse.dtype == torch.float32
             and acc_out.stride(-1) == 1 and out.stride(-1) == 1)
@@ -76,9 +76,9 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
         raise ValueError(f"the merge accumulator must be float32 (or float64), got out "
                          f"{acc_out.dtype} and lse {acc_lse.dtype}.")
     if _fusable(acc_out, acc_lse, out):
-        from lctrain_kernels.triton.merge import merge_into_fused
+        from lctrain_kernels.triton.combine import merge_fused
 
-        merge_into_fused(acc_out, acc_lse, out, lse)
+        merge_fused(acc_out, acc_lse, [(acc_out, acc_lse), (out, lse)])
         return
     new_lse, w_acc, w_new = _weights(acc_lse, lse)
     acc_out.mul_(_as_bshd_weight(w_acc).to(acc_out.dtype))

@@ -10,7 +10,8 @@ our Triton), communication (NCCL), the distributed bookkeeping (merges, float32 
 sums, casts and copies) and the rest — then the 20 heaviest kernels. Wall time per iteration
 is printed beside it, so the share that no kernel covers (launch gaps, waits) shows too. This
 is the first step of #4 (64K over 2 GPUs at 0.919 of one GPU's cuDNN): measure before changing.
-Writes ``$OUT/profile_attention.json`` when ``$OUT`` is set. Needs lctrain installed.
+Writes ``$OUT/profile_attention.json`` and each rank's timeline ``$OUT/trace_rank{r}.json``
+(chrome trace) when ``$OUT`` is set. Needs lctrain installed.
 """
 from __future__ import annotations
 
@@ -89,6 +90,8 @@ def profile(rank: int, world: int, seq_len: int, schedule: str, device) -> dict:
             step()
         sync()
         wall_ms = (time.perf_counter() - t0) * 1e3 / iters
+    if os.environ.get("OUT"):  # the timeline of every rank, for chrome://tracing or Perfetto
+        prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_rank{rank}.json"))
     per_kernel: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():
         if device.type == "cuda" and evt.device_type != torch.autograd.DeviceType.CUDA:

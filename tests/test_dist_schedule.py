@@ -183,3 +183,33 @@ def test_accumulators_copy_merge_and_fill_untouched_rows():
     o, l = torch.randn(1, 4, 2, 3), torch.randn(1, 2, 4)
     single.add(0, 4, o, l)
     assert single.result(o)[0] is o  # one result covering every row is kept as it is
+
+
+def test_accumulators_fold_into_float32_when_results_pile_up():
+    from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc
+
+    n, b, h, d = 8, 1, 2, 4
+    parts = [(0, 8), (0, 8), (4, 8), (0, 8), (2, 6), (0, 8), (0, 4)]  # more than the budget holds
+    outs = [torch.randn(b, hi - lo, h, d) for lo, hi in parts]
+    lses = [torch.randn(b, h, hi - lo) for lo, hi in parts]
+    acc, grads = OutAcc(n), GradAcc(n)
+    budget = 2 * 4 * b * n * h * d  # float32 accumulator + one float32 result of n rows
+    for (lo, hi), o, l in zip(parts, outs, lses):
+        acc.add(lo, hi, o, l)
+        grads.add(lo, hi, o)
+        held = sum(t.numel() * 4 for _, _, ts in grads.parts for t in ts)
+        held += 0 if grads.base is None else grads.base[0].numel() * 4
+        assert held <= budget
+    assert grads.base is not None and acc.base is not None  # the budget forced a fold
+    want_sum = torch.zeros(b, n, h, d, dtype=torch.float64)
+    want_lse = torch.full((b, h, n), float("-inf"), dtype=torch.float64)
+    num = torch.zeros(b, n, h, d, dtype=torch.float64)
+    for (lo, hi), o, l in zip(parts, outs, lses):
+        want_sum[:, lo:hi] += o.double()
+        want_lse[:, :, lo:hi] = torch.logaddexp(want_lse[:, :, lo:hi], l.double())
+        num[:, lo:hi] += o.double() * l.double().exp().transpose(1, 2)[..., None]
+    out, lse = acc.result(outs[0])
+    torch.testing.assert_close(grads.result(outs[0]).double(), want_sum, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), num / want_lse.exp().transpose(1, 2)[..., None],
+                               rtol=1e-5, atol=1e-5)

@@ -1,17 +1,18 @@
 """Point-to-point exchange of one schedule step, posted as one batch and waited on later.
 
-Each message of a step (k and v of a rank, a run of query rows, a partial result, gradients)
-travels as ONE contiguous byte buffer: its tensors are packed back to back, every piece
-aligned to 16 bytes, so K and V (or out and its float32 lse) cost one send, not two, and
-gloo's need for contiguous tensors is met. The receiver unpacks with zero-copy views.
+A message of a step (k and v of a rank, a run of query rows, a partial result, gradients) is a
+list of tensors. Each tensor travels as its own send of its bytes (a flat uint8 view of the
+tensor, contiguous first if it is not): k and v are sent from where they lie, with no copy
+into a staging buffer, and gloo's need for contiguous tensors is met. The receiver allocates
+each tensor with its shape and dtype from the same schedule and receives straight into it.
 
 :class:`Exchanger` posts all sends and receives of a step with ``dist.batch_isend_irecv`` and
 returns a :class:`Pending` without waiting. The executor waits only when it needs the data,
 one step later, so the transfer runs while the current block computes. With NCCL the
 transfers run on NCCL's own streams and ``work.wait()`` makes the current CUDA stream wait for
 them — the host never synchronises (no ``torch.cuda.synchronize``, ``.item()`` or ``.cpu()``
-here). Received buffers are fresh tensors, so the buffer being computed on and the one being
-filled are always different (double buffering without a shared pool to get wrong).
+here). Received tensors are fresh, so the buffer being computed on and the one being filled
+are always different (double buffering without a shared pool to get wrong).
 
 Both sides of a message derive it from the same schedule in the same order, so every send
 meets its receive within the same batch. The process group is always an argument, never a
@@ -25,63 +26,26 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_ALIGN = 16
+#: Tensors of one message: tag * _PER_MESSAGE + index (gloo matches sends to receives by tag).
+_PER_MESSAGE = 8
+
+Spec = tuple[tuple[int, ...], torch.dtype]
 
 
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def packed_size(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """Bytes of the buffer holding tensors of ``specs`` = [(shape, dtype), ...]."""
-    return sum(_aligned(_nbytes(shape, dtype)) for shape, dtype in specs)
-
-
-def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Copy ``tensors`` (any layout) into one contiguous uint8 buffer, 16-byte aligned pieces.
-
-    Returns:
-        A 1-D uint8 tensor on the tensors' device.
-    """
-    specs = [(tuple(t.shape), t.dtype) for t in tensors]
-    buf = torch.empty(packed_size(specs), dtype=torch.uint8, device=tensors[0].device)  # (bytes,)
-    for t, view in zip(tensors, unpack(buf, specs)):
-        view.copy_(t)
-    return buf
-
-
-def unpack(buf: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """Views of the tensors packed in ``buf`` (no copy), in order.
-
-    Raises:
-        ValueError: if ``buf`` is smaller than ``specs`` need.
-    """
-    if buf.numel() < packed_size(specs):
-        raise ValueError(f"buffer of {buf.numel()} bytes cannot hold {packed_size(specs)} bytes")
-    views, offset = [], 0
-    for shape, dtype in specs:
-        n = _nbytes(shape, dtype)
-        views.append(buf[offset:offset + n].view(dtype).view(shape))
-        offset += _aligned(n)
-    return views
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s elements (a contiguous copy first if needed)."""
+    return t.contiguous().view(-1).view(torch.uint8)
 
 
 @dataclass
 class Pending:
-    """Posted transfers of one batch; :meth:`wait` before touching the received buffers."""
+    """Posted transfers of one batch; :meth:`wait` before touching the received tensors."""
 
     works: list = field(default_factory=list)
-    received: list[torch.Tensor] = field(default_factory=list)
+    received: list[list[torch.Tensor]] = field(default_factory=list)
     sent: list[torch.Tensor] = field(default_factory=list)  # kept alive until waited
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> list[list[torch.Tensor]]:
         """Order the current stream after the transfers (no host sync on CUDA); return recvs."""
         for work in self.works:
             work.wait()
@@ -104,28 +68,39 @@ class Exchanger:
         self._global = [0] if group is None else [dist.get_global_rank(group, r)
                                                   for r in range(self.world_size)]
 
-    def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[int, int, int]],
-             device: torch.device) -> Pending:
+    def post(self, sends: list[tuple[list[torch.Tensor], int, int]],
+             recvs: list[tuple[list[Spec], int, int]], device: torch.device) -> Pending:
         """Post every send and receive of a batch at once; do not wait.
 
         Args:
-            sends: ``(buffer, dst, tag)``, buffers 1-D contiguous uint8 (see :func:`pack`).
-            recvs: ``(nbytes, src, tag)``; a fresh buffer is allocated for each.
-            device: where receive buffers live.
+            sends: ``(tensors, dst, tag)``, the tensors of one message (any layout).
+            recvs: ``(specs, src, tag)``, specs ``[(shape, dtype), ...]`` of one message's
+                tensors; fresh tensors are allocated for them.
+            device: where received tensors live.
 
         Returns:
-            A :class:`Pending` whose ``received`` buffers follow the order of ``recvs``.
+            A :class:`Pending` whose ``received`` lists follow the order of ``recvs``.
 
         A send and its receive carry the same tag (gloo matches on it; NCCL matches on order),
-        and both sides must list the messages between any two ranks in the same order.
+        and both sides must list the messages between any two ranks in the same order. Empty
+        tensors travel as nothing (both sides know their shapes).
         """
-        pending = Pending(received=[torch.empty(n, dtype=torch.uint8, device=device)
-                                    for n, _, _ in recvs])
-        ops = [dist.P2POp(dist.isend, buf, self._global[dst], self.group, tag=tag)
-               for buf, dst, tag in sends]
-        ops += [dist.P2POp(dist.irecv, buf, self._global[src], self.group, tag=tag)
-                for buf, (_, src, tag) in zip(pending.received, recvs)]
+        received = [[torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+                    for specs, _, _ in recvs]
+        pending = Pending(received=received)
+        ops = []
+        for tensors, dst, tag in sends:
+            for i, t in enumerate(tensors):
+                if t.numel():
+                    buf = _bytes(t)
+                    pending.sent.append(buf)
+                    ops.append(dist.P2POp(dist.isend, buf, self._global[dst], self.group,
+                                          tag=tag * _PER_MESSAGE + i))
+        for tensors, (_, src, tag) in zip(received, recvs):
+            for i, t in enumerate(tensors):
+                if t.numel():
+                    ops.append(dist.P2POp(dist.irecv, t.view(-1).view(torch.uint8),
+                                          self._global[src], self.group, tag=tag * _PER_MESSAGE + i))
         if ops:
             pending.works = list(dist.batch_isend_irecv(ops))
-            pending.sent = [buf for buf, _, _ in sends]
         return pending

@@ -17,8 +17,9 @@ Every block of the plan is cut at the layout's chunk boundaries into local calls
 :func:`lctrain_kernels.blocks.block_forward` / ``block_backward`` with the global start
 positions in a :class:`~lctrain_kernels.masks.MaskSpec`; EMPTY pieces are skipped, and pieces
 that are entirely visible and adjacent in memory are fused into one FULL call (the zigzag
-ring's "all queries against the first half of the keys"). Partial outputs are merged in
-float32; gradients are accumulated in float32 when more than one piece contributes.
+ring's "all queries against the first half of the keys"). Partial outputs and gradients are
+kept as they arrive and combined once per row, in float32, when the rank reads them out
+(:mod:`lctrain_kernels.distributed.accumulate`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 
 from lctrain_kernels.blocks import block_backward, block_forward
 from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc
-from lctrain_kernels.distributed.comm import Exchanger, Pending, pack, packed_size, unpack
+from lctrain_kernels.distributed.comm import Exchanger, Pending
 from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import Block, Message, Plan, make_schedule
 from lctrain_kernels.masks import MaskSpec, Relation, classify
@@ -115,7 +116,7 @@ class Engine:
         self.plan, self.geo, self.exch, self.overlap, self.device = plan, geo, exchanger, overlap, device
         self.compute_enabled = compute
         self.rank, self.n = exchanger.rank, geo.n_local
-        self.kv_have: dict[int, tuple] = {}  # kv owner -> (packed buffer, k, v)
+        self.kv_have: dict[int, tuple] = {}  # kv owner -> (k, v)
         self.q_in: dict[tuple, list[torch.Tensor]] = {}  # (owner, rows) -> received q tensors
         self.results: dict[Message, list[torch.Tensor]] = {}  # outputs waiting to be sent
         self.last_use = self._last_use()
@@ -147,8 +148,8 @@ class Engine:
                 self.compute([b for b in steps[k].blocks if b.rank == self.rank])
             else:
                 for m in (m for m in steps[k].outputs if m.src == self.rank):
-                    self.results[m] = torch.empty(packed_size(self.specs(m)), dtype=torch.uint8,
-                                                  device=self.device)
+                    self.results[m] = [torch.empty(shape, dtype=dt, device=self.device)
+                                       for shape, dt in self.specs(m)]
             self.q_in.clear()
             for owner in [o for o, at in self.last_use.items() if at <= k and o != self.rank]:
                 self.kv_have.pop(owner, None)
@@ -156,38 +157,32 @@ class Engine:
         self._receive(self._post(batch(last, last - 1)))
 
     def _post(self, batch: list[Message]) -> tuple[Pending, list[Message]]:
-        sends = [(self.send_buffer(m), m.dst, tag) for tag, m in enumerate(batch) if m.src == self.rank]
-        recvs = [(packed_size(self.specs(m)), m.src, tag) for tag, m in enumerate(batch) if m.dst == self.rank]
+        sends = [(self.send_tensors(m), m.dst, tag) for tag, m in enumerate(batch) if m.src == self.rank]
+        recvs = [(self.specs(m), m.src, tag) for tag, m in enumerate(batch) if m.dst == self.rank]
         return self.exch.post(sends, recvs, self.device), [m for m in batch if m.dst == self.rank]
 
     def _receive(self, posted: tuple[Pending, list[Message]]) -> None:
         pending, messages = posted
-        for m, buf in zip(messages, pending.wait()):
-            tensors = unpack(buf, self.specs(m))
+        for m, tensors in zip(messages, pending.wait()):
             if m.kind == "kv":
-                self.kv_have[m.owner] = (buf, *tensors)
+                self.kv_have[m.owner] = tuple(tensors)
             elif m.kind == "q":
                 self.q_in[(m.owner, m.rows)] = tensors
             elif self.compute_enabled:
                 self.absorb(m, tensors)
 
-    def send_buffer(self, m: Message) -> torch.Tensor:
-        """The packed buffer of an outgoing message (own k/v are packed once, on first send)."""
+    def send_tensors(self, m: Message) -> list[torch.Tensor]:
+        """The tensors of an outgoing message (own or forwarded k/v, own q rows, results)."""
         if m.kind == "kv":
-            buf, k, v = self.kv_have[m.owner]
-            if buf is None:
-                buf = pack([k, v])
-                self.kv_have[m.owner] = (buf, k, v)
-            return buf
+            return list(self.kv_have[m.owner])
         if m.kind == "q":
-            return pack(self.local_rows(m.rows))
-        result = self.results.pop(m)
-        return result if isinstance(result, torch.Tensor) else pack(result)
+            return self.local_rows(m.rows)
+        return list(self.results.pop(m))
 
     def kv(self, owner: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``owner`` (own or received), restricted to ``rows``."""
         c, d = rows.resolve(self.n)
-        _, k, v = self.kv_have[owner]
+        k, v = self.kv_have[owner]
         return k[:, c:d], v[:, c:d]  # (B, d - c, Hkv, D) each
 
     def q_rows(self, block: Block) -> list[torch.Tensor]:
@@ -206,11 +201,11 @@ class ForwardEngine(Engine):
                  compute: bool = True):
         super().__init__(plan, geo, exchanger, overlap, q.device, compute)
         self.q, self.scale, self.backend = q, scale, backend  # q (B, n, Hq, D)
-        self.kv_have[self.rank] = (None, k, v)  # (B, n, Hkv, D) each
+        self.kv_have[self.rank] = (k, v)  # (B, n, Hkv, D) each
         self.acc = OutAcc(self.n)
 
     def specs(self, m: Message) -> list:
-        (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][1].shape
+        (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][0].shape
         rows = m.rows.resolve(self.n)
         rows = self.n if m.kind == "kv" else rows[1] - rows[0]
         if m.kind == "kv":
@@ -250,11 +245,11 @@ class BackwardEngine(Engine):
         super().__init__(plan, geo, exchanger, overlap, q.device, compute)
         self.do, self.q, self.out, self.lse = do, q, out, lse  # (B, n, Hq, D) x3, (B, Hq, n)
         self.scale, self.backend = scale, backend
-        self.kv_have[self.rank] = (None, k, v)  # (B, n, Hkv, D) each
+        self.kv_have[self.rank] = (k, v)  # (B, n, Hkv, D) each
         self.dq, self.dk, self.dv = GradAcc(self.n), GradAcc(self.n), GradAcc(self.n)
 
     def specs(self, m: Message) -> list:
-        (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][1].shape
+        (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][0].shape
         lo, hi = m.rows.resolve(self.n)
         rows, dt = hi - lo, self.q.dtype
         if m.kind in ("kv", "dkv"):
