@@ -25,6 +25,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from lctrain_kernels.distributed.comm import nccl_options
+
 CATEGORIES = (  # first match wins; names are lower-cased kernel names
     ("attention", ("fmha", "cudnn", "flash", "attn_fwd", "attn_bwd", "sdpa")),
     ("communication", ("nccl", "c10d")),
@@ -41,7 +43,7 @@ def category(name: str) -> str:
 def worker(rank: int, world: int, seq_len: int, schedule: str, store: str) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    kwargs = {"device_id": device} if cuda else {}
+    kwargs = {"device_id": device, "pg_options": nccl_options()} if cuda else {}
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,

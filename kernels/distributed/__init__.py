@@ -8,8 +8,12 @@ any local backend, forward and backward, as the custom op ``lctrain::dist_attent
     q_loc = shard(q, group=pg, layout=make_schedule(P).layout, dim=1)       # (B, S/P, Hq, D)
     out_loc = dist_attention(q_loc, k_loc, v_loc, group=pg, causal=True)    # (B, S/P, Hq, D)
     out = unshard(out_loc, group=pg, layout="contiguous", dim=1)            # (B, S, Hq, D)
+
+On GPUs, create the group with ``pg_options=nccl_options()`` (high-priority NCCL streams) so
+the transfers overlap the attention kernels (see ``comm``).
 """
 from lctrain_kernels.distributed.attention import dist_attention, dist_attention_with_lse
+from lctrain_kernels.distributed.comm import nccl_options
 from lctrain_kernels.distributed.layout import (
     LAYOUTS,
     chunks_per_rank,
@@ -25,5 +29,5 @@ from lctrain_kernels.distributed.schedule import SCHEDULES, Schedule, make_sched
 __all__ = [
     "LAYOUTS", "SCHEDULES", "Schedule", "chunks_per_rank", "dist_attention",
     "dist_attention_with_lse", "global_order", "layout_positions", "local_spans", "make_schedule",
-    "shard", "shard_indices", "unshard",
+    "nccl_options", "shard", "shard_indices", "unshard",
 ]

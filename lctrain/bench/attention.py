@@ -36,6 +36,7 @@ import torch.distributed as dist
 from lctrain.bench.attention_peers import PEERS, PeerUnavailable, Shape
 from lctrain.bench.kernel import forward_flops
 from lctrain.bench.result import BenchResult
+from lctrain_kernels.distributed.comm import nccl_options
 
 SCHEDULES = ("distflash", "zigzag", "ring")
 _CHECK_FLOOR = 1e-4  # float32 schedules differ from the reference by rounding only
@@ -270,6 +271,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:
     if cuda:
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # eager NCCL init: batched P2P needs a ready communicator
+        kwargs["pg_options"] = nccl_options()  # transfers start beside running attention kernels
     else:
         torch.set_num_threads(1)
     dist.init_process_group(**kwargs)
