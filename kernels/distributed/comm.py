@@ -29,6 +29,7 @@ module global. Notes (NCCL):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,9 +40,13 @@ _PER_MESSAGE = 8
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
-def nccl_options():
+def nccl_options(timeout: timedelta | None = None):
     """Options for the NCCL process group that carries the attention's transfers: its streams
     get high priority, so its kernels start while an attention kernel occupies the GPU.
+
+    Args:
+        timeout: the group's timeout, when ``init_process_group`` / ``new_group`` is given one
+            too (the two must agree); None keeps NCCL's default.
 
     Returns:
         ``ProcessGroupNCCL.Options`` for ``init_process_group(pg_options=...)``,
@@ -50,7 +55,10 @@ def nccl_options():
     """
     if not dist.is_available() or not dist.is_nccl_available():
         return None
-    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    if timeout is not None:
+        options._timeout = timeout
+    return options
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
