@@ -20,11 +20,11 @@ module global. Notes (NCCL):
 
 * as for any batched P2P, the group's communicator should already be initialised (any
   collective, or ``init_process_group(device_id=...)``) before the first batch;
-* create the group with :func:`nccl_options` (high-priority streams). The transfers of step
-  k+1 are posted before step k's attention kernel, but the GPU hands out thread blocks in launch
-  order: on a normal-priority stream the NCCL kernel waits until the attention kernel's last
-  wave, and the transfer is not hidden at all (measured on 2 x H200 at 64K: the forward's
-  k/v transfer ran after the first block, 3 ms of idle compute per forward).
+* create the group with :func:`nccl_options` (high-priority streams), so that the transfer
+  kernels' thread blocks are handed out ahead of a running attention kernel's waiting ones.
+  That alone did not move the forward's first transfer in the 64K trace on 2 x H200 (it still
+  began at the first block's last wave: cuDNN's forward holds every SM to its end); the
+  executor's head start (``Engine._let_transfers_in``) did.
 """
 from __future__ import annotations
 
