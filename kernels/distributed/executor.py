@@ -10,11 +10,11 @@ The loop over a plan's steps (``overlap=True``)::
         compute step k                     # the transfers above run meanwhile
     wait, absorb; post(results of the last step); wait, absorb
 
-With ``overlap=False`` (the ablation) each step posts its own inputs and waits at once. On
-CUDA a posted batch is given a ~15 µs head start before the step's attention kernel, so the
-transfer kernel gets its SMs before a persistent attention kernel takes them all
+With ``overlap=False`` (the ablation) each step posts its own inputs and waits at once.
+Waiting before posting lets a rank forward k/v it has just received (the rings). On CUDA a
+posted batch is given a ~15 µs head start before the step's attention kernel, so the transfer
+kernel gets its SMs before a persistent attention kernel takes them all
 (:meth:`Engine._let_transfers_in`).
-Waiting before posting lets a rank forward k/v it has just received (the rings).
 
 Every block of the plan is cut at the layout's chunk boundaries into local calls of
 :func:`lctrain_kernels.blocks.block_forward` / ``block_backward`` with the global start
