@@ -18,6 +18,7 @@ import statistics
 
 import torch
 
+from lctrain.bench.kernel import timings_ms
 from lctrain_kernels.blocks import block_backward, block_forward
 from lctrain_kernels.masks import MaskSpec
 
@@ -40,17 +41,9 @@ def flops(sq: int, sk: int, causal: bool) -> float:
     return 4.0 * area * HEADS * DIM
 
 
-def timed(fn, reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Median of 3 timed calls after 1 warm-up, in ms."""
+    return statistics.median(timings_ms(fn, torch.device("cuda"), repeats=3, warmup=1))
 
 
 def main() -> None:

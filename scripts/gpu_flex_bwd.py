@@ -24,25 +24,17 @@ import sys
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from lctrain.bench.kernel import timings_ms
 from lctrain_kernels import attention
 from lctrain_kernels.triton import launch
 
 H, D = 32, 128
 
 
-def timed_ms(fn, reps: int = 5) -> float:
-    fn()
-    if not torch.cuda.is_available():
-        return 0.0
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def timed_ms(fn) -> float:
+    """Median of 5 timed calls after 1 warm-up, in ms (the host clock on a CPU)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return statistics.median(timings_ms(fn, device, repeats=5, warmup=1))
 
 
 def kernel_stats() -> dict:

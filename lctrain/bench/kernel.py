@@ -46,7 +46,9 @@ def forward_flops(seq_len: int, heads: int, head_dim: int, causal: bool, bounds)
     return 4.0 * pairs * heads * head_dim
 
 
-def _timings_ms(fn, device: torch.device, repeats: int, warmup: int) -> list[float]:
+def timings_ms(fn, device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones (CUDA
+    events on a GPU, the host clock elsewhere)."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -110,9 +112,9 @@ def _measure(backend, seq_len, heads, kv_heads, head_dim, dtype, device, causal,
     if reason is not None:
         return {"relation": rel.value, "status": reason}
     out, lse = backend.forward(q, k, v, spec, rel, scale)
-    fwd = _timings_ms(lambda: backend.forward(q, k, v, spec, rel, scale), device, repeats,
+    fwd = timings_ms(lambda: backend.forward(q, k, v, spec, rel, scale), device, repeats,
                       warmup)
-    bwd = _timings_ms(lambda: backend.backward(do, q, k, v, out, lse, spec, rel, scale),
+    bwd = timings_ms(lambda: backend.backward(do, q, k, v, out, lse, spec, rel, scale),
                       device, repeats, warmup)
     flops = forward_flops(seq_len, heads, head_dim, causal, bounds)
     f_ms, b_ms = statistics.median(fwd), statistics.median(bwd)
