@@ -94,7 +94,7 @@ def merge_many_into(dst: torch.Tensor, dst_lse: torch.Tensor,
         merge_fused(dst, dst_lse, parts)
         return
     out, lse = parts[0]
-    out, lse = out.to(_wide([out.dtype, lse.dtype])), lse
+    out = out.to(_wide([out.dtype, lse.dtype]))
     for o, l in parts[1:]:
         out, lse = merge(out, lse, o, l)
     dst.copy_(out)

@@ -49,13 +49,6 @@ def _check(out_a, lse_a, out_b, lse_b) -> None:
                          f"{tuple(out_a.shape)}, got {tuple(lse_a.shape)}.")
 
 
-def _fusable(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the one-kernel Triton merge (lctrain_kernels.triton.combine) can take these: CUDA,
-    float32 accumulators, contiguous head dims. Elsewhere the torch ops below run."""
-    return (acc_out.is_cuda and acc_out.dtype == torch.float32 and acc_lse.dtype == torch.float32
-            and acc_out.stride(-1) == 1 and out.stride(-1) == 1)
-
-
 def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor) -> None:
     """Fold one partial result into a float32 accumulator, in place.
@@ -75,15 +68,9 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
     if acc_out.dtype not in wide or acc_lse.dtype not in wide:
         raise ValueError(f"the merge accumulator must be float32 (or float64), got out "
                          f"{acc_out.dtype} and lse {acc_lse.dtype}.")
-    if _fusable(acc_out, acc_lse, out):
-        from lctrain_kernels.triton.combine import merge_fused
+    from lctrain_kernels.combine import merge_many_into  # combine builds on merge below
 
-        merge_fused(acc_out, acc_lse, [(acc_out, acc_lse), (out, lse)])
-        return
-    new_lse, w_acc, w_new = _weights(acc_lse, lse)
-    acc_out.mul_(_as_bshd_weight(w_acc).to(acc_out.dtype))
-    acc_out.add_(out.to(acc_out.dtype) * _as_bshd_weight(w_new).to(acc_out.dtype))
-    acc_lse.copy_(new_lse)
+    merge_many_into(acc_out, acc_lse, [(acc_out, acc_lse), (out, lse)])  # one kernel on CUDA
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
