@@ -42,7 +42,8 @@ Spec = tuple[tuple[int, ...], torch.dtype]
 
 def nccl_options(timeout: timedelta | None = None):
     """Options for the NCCL process group that carries the attention's transfers: its streams
-    get high priority, so its kernels start while an attention kernel occupies the GPU.
+    get high priority, so their thread blocks are dispatched ahead of queued compute blocks (a
+    kernel that already holds every SM still needs the executor's head start).
 
     Args:
         timeout: the group's timeout, when ``init_process_group`` / ``new_group`` is given one
@@ -128,8 +129,8 @@ class Exchanger:
         for tensors, (_, src, tag) in zip(received, recvs):
             for i, t in enumerate(tensors):
                 if t.numel():
-                    ops.append(dist.P2POp(dist.irecv, t.view(-1).view(torch.uint8),
-                                          self._global[src], self.group, tag=tag * _PER_MESSAGE + i))
+                    ops.append(dist.P2POp(dist.irecv, _bytes(t), self._global[src], self.group,
+                                          tag=tag * _PER_MESSAGE + i))
         if ops:
             pending.works = list(dist.batch_isend_irecv(ops))
         return pending

@@ -271,7 +271,7 @@ def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:
     if cuda:
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # eager NCCL init: batched P2P needs a ready communicator
-        kwargs["pg_options"] = nccl_options(kwargs["timeout"])  # transfers run beside attention
+        kwargs["pg_options"] = nccl_options(kwargs["timeout"])  # high-priority NCCL streams
     else:
         torch.set_num_threads(1)
     dist.init_process_group(**kwargs)

@@ -114,8 +114,8 @@ def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu") -> P
                             device_type=device_type)
     world = dist.get_world_size()
     dp, cp = check_parallel_sizes(world, cp, dp)
-    # The cp group carries the attention's transfers: high-priority NCCL streams let them run
-    # beside the attention kernels (lctrain_kernels.distributed.comm).
+    # The cp group carries the attention's transfers: high-priority NCCL streams
+    # (lctrain_kernels.distributed.comm.nccl_options).
     override = {"cp": ("nccl", nccl_options())} if device_type == "cuda" and cp > 1 else None
     mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"), backend_override=override)
     world_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("world",))
