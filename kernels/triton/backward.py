@@ -22,25 +22,32 @@ flowing into ``lse`` itself folds in for free: ``d lse_i / d S_ij = P_ij`` turns
 
 Why dQ is a kernel of its own: dQ rows are sums over KEY tiles, while step 2 is parallel over
 key tiles, so computing dQ there would need every program to atomically add its share into
-one shared dQ buffer. Step 3 instead owns its query rows and sums them in registers. That costs recomputing
-``S`` and ``dP`` once more (7 tile matrix products: 4 in step 2, 3 in step 3, instead of 5)
-but needs no atomic adds and no zeroed float32 dQ buffer, is deterministic (the same inputs
-give the same bits on every run), and lets each kernel's tiles be tuned on their own
-(``configs.py``), as in FlashAttention-2's deterministic path and Triton's fused-attention
-tutorial.
+one shared dQ buffer. Step 3 instead owns its query rows and sums them in registers. That
+costs recomputing ``S`` and ``dP`` once more (7 tile matrix products: 4 in step 2, 3 in
+step 3, instead of 5) but needs no atomic adds and no zeroed float32 dQ buffer, is
+deterministic (the same inputs give the same bits on every run), and lets each kernel's tiles
+be tuned on their own (``configs.py``), as in FlashAttention-2's deterministic path and
+Triton's fused-attention tutorial.
 
 FlashAttention-2's default, dQ added by the dK/dV kernel with atomic adds (5 products), was
 measured slower here on an H200 at every tile configuration: backward at 16K 16.9 ms at best
 against 15.3 ms, at 64K 327 against 364 TFLOP/s
 (``docs/measurements/2026-11-22-bwd-tiles-H200.log``).
+
+Tiles of q and dO (step 2) and of k and v (step 3) are read with TMA copies where the inputs
+allow it (``TMA``, see ``launch.tma_ok``): the copy engine writes them straight into shared
+memory, so no thread holds their addresses and the dK/dV accumulators get the registers. On
+an H200 at 64K this took the dK/dV kernel from 148.0 to 137.6 ms and the dQ kernel from 104.2
+to 86.3 ms (dQ's registers 206 -> 161). In step 2 the group's heads are one 3-D descriptor
+(head, row, dim), so the flat loop over (head, tile) needs no descriptor per head.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from lctrain_kernels.triton.common import (key_intervals, load_rows, query_intervals,
-                                           store_rows, tile_ranges)
+from lctrain_kernels.triton.common import (key_intervals, load_rows, load_tile,
+                                           query_intervals, slab_desc, store_rows, tile_ranges)
 
 
 @triton.jit
@@ -65,10 +72,36 @@ def attn_bwd_delta_kernel(O, DO, Delta, stride_ob, stride_os, stride_oh,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_ds,
-                stride_qh, stride_dh, GROUP, lo, hi, start, end, Sq, qk_scale, offs_m, offs_d,
-                HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
-                DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+def _group_desc(ptr, GROUP, n_rows, stride_head, stride_row, HEAD_DIM: tl.constexpr,
+                ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """A TMA descriptor of the GQA group's (GROUP, n_rows, HEAD_DIM) rows at ``ptr``, read in
+    (1, ROWS, HEAD_DIM_PAD) tiles."""
+    return tl.make_tensor_descriptor(ptr, shape=[GROUP, n_rows, HEAD_DIM],
+                                     strides=[stride_head, stride_row, 1],
+                                     block_shape=[1, ROWS, HEAD_DIM_PAD])
+
+
+@triton.jit
+def _group_tile(desc, ptr, g, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``[row0, row0 + ROWS)`` of the group's head ``g`` (``ptr`` already points at it)."""
+    if TMA:
+        x = desc.load([g, row0, 0]).reshape(ROWS, HEAD_DIM_PAD)
+        if UPCAST:
+            x = x.to(tl.float32)
+    else:
+        x = load_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM, CHECK_ROWS, PAD_D,
+                      UPCAST)
+    return x
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs,
+                stride_ds, stride_qh, stride_dh, GROUP, lo, hi, start, end, Sq, qk_scale,
+                offs_m, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                PAD_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """Add the query tiles ``[start, end)`` of all GROUP query heads to dk, dv (BLOCK_N, D).
 
     The heads and tiles are walked as ONE flat loop (head = it // tiles): an outer loop over
@@ -83,8 +116,9 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
         start_m = tl.multiple_of(start + (it - g * n_tiles) * BLOCK_M, BLOCK_M)
         rows = start_m + offs_m
         g64 = g.to(tl.int64)
-        q = load_rows(q_ptr + g64 * stride_qh, start_m, stride_qs, Sq, offs_m, offs_d, HEAD_DIM,
-                      MASKED, PAD_D, UPCAST)  # (BLOCK_M, D)
+        q = _group_tile(q_desc, q_ptr + g64 * stride_qh, g, start_m, stride_qs, Sq, offs_m,
+                        offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, MASKED, PAD_D, UPCAST,
+                        TMA)  # (BLOCK_M, D)
         if MASKED:
             lse = tl.load(lse_ptr + g64 * Sq + rows, mask=rows < Sq, other=0.0)
         else:
@@ -94,8 +128,9 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
         if MASKED:
             visible = (rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None])
             pT = tl.where(visible, pT, 0.0)
-        do = load_rows(do_ptr + g64 * stride_dh, start_m, stride_ds, Sq, offs_m, offs_d,
-                       HEAD_DIM, MASKED, PAD_D, UPCAST)  # (BLOCK_M, D)
+        do = _group_tile(do_desc, do_ptr + g64 * stride_dh, g, start_m, stride_ds, Sq, offs_m,
+                         offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, MASKED, PAD_D, UPCAST,
+                         TMA)  # (BLOCK_M, D)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
         if MASKED:
             delta = tl.load(delta_ptr + g64 * Sq + rows, mask=rows < Sq, other=0.0)
@@ -121,7 +156,7 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     Hq, Hkv, GROUP, Sq, Sk, SEQ_BUCKET,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASK_MODE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(Sk, BLOCK_N), B * Hkv). dK, dV (B, Sk, Hkv, D), summed over the GQA group."""
@@ -150,19 +185,28 @@ def attn_bwd_dkdv_kernel(
     q_ptr = Q + b.to(tl.int64) * stride_qb + h0.to(tl.int64) * stride_qh
     do_ptr = DO + b.to(tl.int64) * stride_db + h0.to(tl.int64) * stride_dh
     row_ptr = (b * Hq + h0).to(tl.int64) * Sq
+    q_desc = None
+    do_desc = None
+    if TMA:
+        q_desc = _group_desc(q_ptr, GROUP, Sq, stride_qh, stride_qs, HEAD_DIM, BLOCK_M,
+                             HEAD_DIM_PAD)
+        do_desc = _group_desc(do_ptr, GROUP, Sq, stride_dh, stride_ds, HEAD_DIM, BLOCK_M,
+                              HEAD_DIM_PAD)
+    lse_ptr = Lse + row_ptr
+    delta_ptr = Delta + row_ptr
     if MASK_MODE != 0:  # seen from keys, the causal diagonal comes first
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr,
                              stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, start,
-                             full_lo, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
-                             DOT_PREC, BLOCK_M, True)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
+                             full_lo, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, HEAD_DIM_PAD, PAD_D,
+                             UPCAST, DOT_PREC, BLOCK_M, True, TMA)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr,
                          stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, full_lo,
-                         full_hi, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
-                         DOT_PREC, BLOCK_M, False)
-    dk, dv = _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, Lse + row_ptr, Delta + row_ptr,
+                         full_hi, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, HEAD_DIM_PAD, PAD_D,
+                         UPCAST, DOT_PREC, BLOCK_M, False, TMA)
+    dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr,
                          stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, full_hi,
-                         end, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D, UPCAST,
-                         DOT_PREC, BLOCK_M, True)
+                         end, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, HEAD_DIM_PAD, PAD_D,
+                         UPCAST, DOT_PREC, BLOCK_M, True, TMA)
 
     dk = dk * sm_scale
     dk_ptr = DK + b.to(tl.int64) * stride_dkb + kvh.to(tl.int64) * stride_dkh
@@ -172,23 +216,23 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, start, end,
-              Sk, qk_scale, offs_n, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
-              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr):
+def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_ptr, v_ptr, stride_ks, stride_vs, lo,
+              hi, start, end, Sk, qk_scale, offs_n, offs_d, HEAD_DIM: tl.constexpr,
+              PAD_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """Add the key tiles ``[start, end)`` to dq (BLOCK_M, D)."""
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = load_rows(k_ptr, start_n, stride_ks, Sk, offs_n, offs_d, HEAD_DIM, MASKED, PAD_D,
-                      UPCAST)  # (BLOCK_N, D)
+        k = load_tile(k_desc, k_ptr, start_n, stride_ks, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
+                      PAD_D, UPCAST, TMA)  # (BLOCK_N, D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             cols = start_n + offs_n
             visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
             p = tl.where(visible, p, 0.0)
-        v = load_rows(v_ptr, start_n, stride_vs, Sk, offs_n, offs_d, HEAD_DIM, MASKED, PAD_D,
-                      UPCAST)  # (BLOCK_N, D)
+        v = load_tile(v_desc, v_ptr, start_n, stride_vs, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
+                      PAD_D, UPCAST, TMA)  # (BLOCK_N, D)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -208,7 +252,7 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     Hq, GROUP, Sq, Sk, SEQ_BUCKET,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASK_MODE: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(Sq, BLOCK_M), B * Hq). dQ (B, Sq, Hq, D)."""
@@ -231,8 +275,19 @@ def attn_bwd_dq_kernel(
     do_ptr = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
     k_ptr = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_ptr = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    q = load_rows(q_ptr, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST)
-    do = load_rows(do_ptr, m0, stride_ds, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST)
+    q_desc = None
+    do_desc = None
+    k_desc = None
+    v_desc = None
+    if TMA:
+        q_desc = slab_desc(q_ptr, Sq, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+        do_desc = slab_desc(do_ptr, Sq, stride_ds, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+        k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+    q = load_tile(q_desc, q_ptr, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST,
+                  TMA)
+    do = load_tile(do_desc, do_ptr, m0, stride_ds, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D,
+                   UPCAST, TMA)
     row_ptr = bh.to(tl.int64) * Sq
     lse2 = tl.load(Lse + row_ptr + offs_m, mask=offs_m < Sq, other=0.0) * LOG2E
     delta = tl.load(Delta + row_ptr + offs_m, mask=offs_m < Sq, other=0.0)
@@ -242,14 +297,14 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     if MASK_MODE == 2:
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, start,
-                       full_lo, Sk, qk_scale, offs_n, offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC,
-                       BLOCK_N, True)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo,
-                   full_hi, Sk, qk_scale, offs_n, offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC,
-                   BLOCK_N, False)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_hi,
-                   end, Sk, qk_scale, offs_n, offs_d, HEAD_DIM, PAD_D, UPCAST, DOT_PREC,
-                   BLOCK_N, True)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_ptr, v_ptr, stride_ks,
+                       stride_vs, lo, hi, start, full_lo, Sk, qk_scale, offs_n, offs_d,
+                       HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_N, True, TMA)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_ptr, v_ptr, stride_ks,
+                   stride_vs, lo, hi, full_lo, full_hi, Sk, qk_scale, offs_n, offs_d,
+                   HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_N, False, TMA)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_ptr, v_ptr, stride_ks,
+                   stride_vs, lo, hi, full_hi, end, Sk, qk_scale, offs_n, offs_d,
+                   HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_N, True, TMA)
     dq_ptr = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     store_rows(dq_ptr, m0, stride_dqs, Sq, offs_r, offs_d, dq * sm_scale, HEAD_DIM, PAD_D)

@@ -122,6 +122,32 @@ def load_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.conste
 
 
 @triton.jit
+def slab_desc(ptr, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+              HEAD_DIM_PAD: tl.constexpr):
+    """A TMA descriptor of the (n_rows, HEAD_DIM) slab at ``ptr`` read in (ROWS, HEAD_DIM_PAD)
+    tiles. Rows and columns past the slab load as zero (hardware bounds). Kernels without TMA
+    pass None where a descriptor would go (Triton 3.6 cannot return None from a function)."""
+    return tl.make_tensor_descriptor(ptr, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                     block_shape=[ROWS, HEAD_DIM_PAD])
+
+
+@triton.jit
+def load_tile(desc, ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.constexpr,
+              CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+              TMA: tl.constexpr):
+    """The (ROWS, HEAD_DIM_PAD) tile at row ``row0``: one TMA copy through ``desc`` straight
+    into shared memory, or (no TMA) per-thread loads as :func:`load_rows`."""
+    if TMA:
+        x = desc.load([row0, 0])
+        if UPCAST:
+            x = x.to(tl.float32)
+    else:
+        x = load_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM, CHECK_ROWS, PAD_D,
+                      UPCAST)
+    return x
+
+
+@triton.jit
 def store_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, x, HEAD_DIM: tl.constexpr,
                PAD_D: tl.constexpr):
     """Store a (ROWS, HEAD_DIM_PAD) tile at row ``row0``, casting to the destination dtype."""

@@ -5,14 +5,16 @@ the shapes known to run well on Hopper (Triton's fused-attention tutorial and to
 flex_attention defaults for H100: forward 128 x 64 tiles, 3 stages, 8 warps; backward dK/dV
 64 x 128 and dQ 128 x 64, 3 stages, 8 warps). On an H200 the forward runs fastest with
 128 x 128 tiles and 3 stages (466 against 425 TFLOP/s causal at 64K; the 229,376 bytes of
-shared memory it needs just fit Hopper's 232,448), so that point leads the list. For head dim 128 in bf16, compiled for sm_90a,
-the dK/dV kernel's two float32 accumulators leave little room: 64 x 128 tiles spill ~200
-bytes per thread, 32 x 128 and 32 x 64 do not, so those are in the set too. ``prune`` drops, before any compilation, the
+shared memory it needs just fit Hopper's 232,448), so that point leads the list. For head dim
+128 in bf16 (sm_90a, Triton 3.6) the dK/dV kernel's two float32 accumulators leave little
+room: 64 x 128 tiles spill a little (40 bytes a thread with per-thread loads, 26 with TMA
+loads), 32 x 128 and 32 x 64 do not, so those are in the set too; the autotuner picked
+64 x 128 with TMA and 32 x 64 without on an H200. ``prune`` drops, before any compilation, the
 configurations whose pipelined tiles cannot fit in the device's shared memory or whose float32
 accumulators would spill registers for this head dim and dtype; a config that still fails to
 compile is skipped by the autotuner (OutOfResources).
 
-The autotune key is (HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET) plus the tensors' dtypes, where
+The autotune key is (HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET, TMA) plus the tensors' dtypes, where
 SEQ_BUCKET is ``next_power_of_2(max(Sq, Sk))`` capped at 16K: every long sequence shares one
 tuning, done at its first call.
 
@@ -101,5 +103,5 @@ def prune(kind: str):
 def autotuned(kernel, kind: str, points):
     """Wrap a ``@triton.jit`` kernel in ``triton.autotune`` with this module's policy."""
     return triton.autotune(configs=make_configs(points),
-                           key=["HEAD_DIM_PAD", "MASK_MODE", "SEQ_BUCKET"],
+                           key=["HEAD_DIM_PAD", "MASK_MODE", "SEQ_BUCKET", "TMA"],
                            prune_configs_by={"early_config_prune": prune(kind)})(kernel)

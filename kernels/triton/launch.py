@@ -118,8 +118,34 @@ def _buffer(buf, shape, dtype, like: torch.Tensor, name: str) -> torch.Tensor:
     return buf
 
 
-def _flags(dtype) -> dict:
-    """Constexprs that depend on dtype and on the interpreter."""
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the TMA descriptors the kernels build on the device (Triton asks)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels may read these tensors' tiles with TMA copies.
+
+    TMA (Hopper's tensor memory accelerator, sm_90+) copies a whole tile from global into
+    shared memory in one instruction: no per-thread addresses in registers, bounds checked
+    (and zero-filled) by the hardware. It needs 16-byte aligned base addresses and strides.
+    The interpreter runs the TMA path too, so the CPU tests cover it.
+    """
+    if not hasattr(triton.language, "make_tensor_descriptor"):
+        return False
+    if not interpreting():
+        if tensors[0].device.type != "cuda" or torch.cuda.get_device_capability(
+                tensors[0].device)[0] < 9:
+            return False
+    for x in tensors:
+        elt = x.element_size()
+        if x.data_ptr() % 16 or any(st * elt % 16 for st in x.stride()[:-1]):
+            return False
+    return True
+
+
+def _flags(dtype, tma: bool) -> dict:
+    """Constexprs that depend on dtype, on TMA and on the interpreter."""
     interp = interpreting()
     if interp:
         prec = "ieee"  # exact products on the CPU (also for bf16 upcast to float32)
@@ -127,7 +153,9 @@ def _flags(dtype) -> dict:
         prec = "tf32x3"  # near-fp32 products on tensor cores
     else:
         prec = "tf32"  # the default; unused for 16-bit operands
-    return {"UPCAST": interp and dtype == torch.bfloat16, "DOT_PREC": prec}
+    if tma and not interp:
+        triton.set_allocator(_scratch)  # cheap; a context variable of the calling thread
+    return {"UPCAST": interp and dtype == torch.bfloat16, "DOT_PREC": prec, "TMA": tma}
 
 
 def _launch(tuned, raw, kind: str, grid, args: dict, config: dict | None) -> None:
@@ -194,7 +222,7 @@ def flash_forward(q, k, v, *, scale: float | None = None, causal: bool = False,
                 **dict(zip(("stride_ob", "stride_os", "stride_oh"), _strides3(out))),
                 Hq=Hq, GROUP=Hq // Hkv, Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk),
                 HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
-                MASK_MODE=plan[0], WARP_SPECIALIZE=False, **_flags(q.dtype))
+                MASK_MODE=plan[0], WARP_SPECIALIZE=False, **_flags(q.dtype, tma_ok(q, k, v)))
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     _launch(fwd_tuned, attn_fwd_kernel, "fwd", grid, args, config)
     return out, lse
@@ -253,7 +281,7 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
                   **dict(zip(("stride_db", "stride_ds", "stride_dh"), _strides3(do))),
                   Hq=Hq, GROUP=Hq // Hkv, Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk),
                   HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
-                  MASK_MODE=plan[0], **_flags(q.dtype))
+                  MASK_MODE=plan[0], **_flags(q.dtype, tma_ok(q, k, v, do)))
     q_lo, q_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, True)
     dkdv_args = dict(common, DK=dk, DV=dv, Q_LO=q_lo, Q_HI=q_hi, Hkv=Hkv,
                      **dict(zip(("stride_dkb", "stride_dks", "stride_dkh"), _strides3(dk))),
