@@ -173,8 +173,15 @@ def attn_bwd_dkdv_kernel(
 
     k_ptr = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_ptr = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    k = load_rows(k_ptr, n0, stride_ks, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST)
-    v = load_rows(v_ptr, n0, stride_vs, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST)
+    k_desc = None
+    v_desc = None
+    if TMA:
+        k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+        v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+    k = load_tile(k_desc, k_ptr, n0, stride_ks, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST,
+                  TMA)
+    v = load_tile(v_desc, v_ptr, n0, stride_vs, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST,
+                  TMA)
     lo, hi = key_intervals(offs_n, Sq, Sk, causal_off, Q_LO, Q_HI, MASK_MODE)
     start, full_lo, full_hi, end = tile_ranges(lo, hi, offs_n < Sk, Sq, BLOCK_M)
 
