@@ -8,16 +8,14 @@ switches ``tma_ok`` on and off and, in one run: checks forward, lse and gradient
 against the float32 reference at 2K (MHA and GQA, D = 128 and 80, causal and 8 documents),
 times forward and backward (CUDA events, median of 5 after autotuning and warm-up), splits
 the backward into its kernels with the profiler, and prints the compiled kernels' registers
-and spills. Then torch's flex_attention at the first length, timed the same way, with its
-generated Triton code copied to $OUT (the lead from session 4: its backward beat ours at 16K).
+and spills. Then torch's flex_attention at the first length, timed the same way (the lead from session 4:
+its backward beat ours at 16K; ``TORCH_LOGS=output_code`` prints its generated kernel).
 bf16, B = 1, H = 32, D = 128, causal.
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import statistics
 import sys
 
@@ -138,11 +136,6 @@ def flex_row(s: int) -> dict:
     step = lambda: torch.autograd.grad(fwd(), (q, k, v), do)  # noqa: E731
     f_ms, fb_ms = med_ms(fwd), med_ms(step)
     split = kernel_split_ms(step)
-    if OUT:
-        for path in glob.glob("/tmp/torchinductor_*/**/*.py", recursive=True):
-            text = open(path).read()
-            if "flex" in text and "@triton.jit" in text:
-                shutil.copy(path, os.path.join(OUT, "flex_" + os.path.basename(path)))
     flops = 2.0 * s * s * H * D
     row = {"seq": s, "fwd_ms": f_ms, "bwd_ms": fb_ms - f_ms,
            "bwd_tflops": 2.5 * flops / (fb_ms - f_ms) / 1e9, "bwd_kernels_ms": split}

@@ -34,11 +34,11 @@ measured slower here on an H200 at every tile configuration: backward at 16K 16.
 against 15.3 ms, at 64K 327 against 364 TFLOP/s
 (``docs/measurements/2026-11-22-bwd-tiles-H200.log``).
 
-Tiles of q and dO (step 2) and of k and v (step 3) are read with TMA copies where the inputs
-allow it (``TMA``, see ``launch.tma_ok``): the copy engine writes them straight into shared
-memory, so no thread holds their addresses and the dK/dV accumulators get the registers. On
-an H200 at 64K this took the dK/dV kernel from 148.0 to 137.6 ms and the dQ kernel from 104.2
-to 86.3 ms (dQ's registers 206 -> 161). In step 2 the group's heads are one 3-D descriptor
+Every q, k, v and dO tile is read with a TMA copy where the inputs allow it (``TMA``, see
+``launch.tma_ok``): the copy engine writes it straight into shared memory, so no thread holds
+its addresses and the dK/dV accumulators get the registers. On an H200 at 64K this took the
+dK/dV kernel from 147.1 to 131.8 ms and the dQ kernel from 104.0 to 86.2 ms (dQ's registers
+206 -> 161). In step 2 the group's heads are one 3-D descriptor
 (head, row, dim), so the flat loop over (head, tile) needs no descriptor per head.
 """
 from __future__ import annotations
