@@ -127,6 +127,26 @@ def test_backend_unavailable_is_a_user_error(monkeypatch):
     assert result.exit_code == 1 and "flash_attn" in result.stderr and "Traceback" not in result.output
 
 
+def test_bench_kernel_runs_for_real_on_a_cpu(tmp_path):
+    """No fake module: the command line reaches the real bench (dtype given by name)."""
+    out = tmp_path / "kernel.json"
+    result = _invoke("bench", "kernel", "--seq-len", "48", "--check-len", "32", "--backend",
+                     "reference", "--heads", "2", "--head-dim", "16", "--dtype", "float32",
+                     "--json", str(out))
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["correct"] and row["seq_len"] == 48
+    assert report["meta"]["check_len"] == 32 and report["meta"]["dtype"] == "float32"
+
+
+def test_bad_check_len_is_one_sentence(monkeypatch):
+    _fake_module(monkeypatch, "lctrain.bench.kernel", run=lambda **kw: FakeResult([]))
+    result = _invoke("bench", "kernel", "--check-len", "8q")
+    assert result.exit_code != 0 and "--check-len" in result.stderr
+    assert "Traceback" not in result.output
+
+
 def test_bugs_keep_their_traceback(monkeypatch):
     def run(**kw):
         raise RuntimeError("a bug")
@@ -150,10 +170,11 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
     out, plot = tmp_path / "k" / "r.json", tmp_path / "k.png"
     result = _invoke("bench", "kernel", "--seq-len", "16k,32k", "--backend", "triton, flash",
                      "--heads", "8", "--head-dim", "64", "--dtype", "float16", "--json", str(out),
-                     "--plot", str(plot))
+                     "--plot", str(plot), "--check-len", "8k")
     assert result.exit_code == 0, result.output
     assert seen["kernel"][1] == dict(seq_lens=[16384, 32768], backends=["triton", "flash"], heads=8,
-                                     head_dim=64, dtype="float16", causal=True, documents=None)
+                                     head_dim=64, dtype="float16", causal=True, documents=None,
+                                     check_len=8192)
     assert json.loads(out.read_text()) == {"rows": [1, 2]} and plot.read_text() == "png"
     result = _invoke("bench", "attention", "--seq-len", "64k", "--schedule", "distflash,ring",
                      "--nproc", "4", "--kv-heads", "8", "--overlap-ablation")

@@ -162,7 +162,7 @@ def _run_backend(name, seq_lens, params, check_len, repeats, warmup) -> list[dic
 
 
 def run(seq_lens: list[int], backends: list[str] | None = None, heads: int = 32,
-        head_dim: int = 128, dtype: torch.dtype = torch.bfloat16, causal: bool = True,
+        head_dim: int = 128, dtype: torch.dtype | str = torch.bfloat16, causal: bool = True,
         documents: int | None = None, kv_heads: int | None = None, *, repeats: int = 5,
         warmup: int = 2, check_len: int = 256, device=None) -> BenchResult:
     """Benchmark the local attention backends (forward, backward, total TFLOP/s).
@@ -173,7 +173,7 @@ def run(seq_lens: list[int], backends: list[str] | None = None, heads: int = 32,
             flash_attn, triton as installed; CPU: reference, cpu_flash).
         heads: query heads.
         head_dim: head dimension.
-        dtype: input dtype.
+        dtype: input dtype, or its name ("bfloat16").
         causal: causal attention (else full).
         documents: pack this many equal documents per sequence (document mask), or None.
         kv_heads: key/value heads (GQA); None = ``heads``.
@@ -189,6 +189,8 @@ def run(seq_lens: list[int], backends: list[str] | None = None, heads: int = 32,
     Raises:
         ValueError: on impossible sizes (heads not divisible, too many documents, ...).
     """
+    if isinstance(dtype, str):  # the CLI passes the name, e.g. "bfloat16"
+        dtype = getattr(torch, dtype)
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}).")

@@ -24,7 +24,7 @@ from lctrain.cli.options import (
     SeqLensOpt,
     SetOpt,
 )
-from lctrain.config import load_recipe, parse_size_list
+from lctrain.config import load_recipe, parse_size, parse_size_list
 
 app = typer.Typer(help="Measure local attention kernels, the distributed attention and whole "
                        "training steps.", no_args_is_help=True, add_completion=False,
@@ -36,6 +36,9 @@ def kernel(seq_len: SeqLensOpt = "4k,8k,16k", backend: BackendsOpt = None, heads
            head_dim: HeadDimOpt = 128, dtype: DTypeOpt = DType.bfloat16,
            causal: bool = typer.Option(True, help="Causal mask."),
            documents: int = typer.Option(0, min=0, help="Packed documents per sequence (0 = one)."),
+           check_len: str = typer.Option(
+               "256", metavar="SIZE", help="Sequence length of each backend's correctness check "
+               "against float32 math, e.g. 8k (at most the shortest --seq-len)."),
            json_file: JsonFileOpt = None, plot: PlotOpt = None) -> None:
     """Time one GPU's attention backends (forward + backward, TFLOP/s).
 
@@ -43,11 +46,12 @@ def kernel(seq_len: SeqLensOpt = "4k,8k,16k", backend: BackendsOpt = None, heads
     """
     with user_errors():
         seq_lens = parse_size_list(seq_len, what="--seq-len")
+        check = parse_size(check_len, what="--check-len")
         from lctrain.bench.kernel import run
 
         result = run(seq_lens=seq_lens, backends=split_names(backend), heads=heads,
                      head_dim=head_dim, dtype=dtype.value, causal=causal,
-                     documents=documents or None)
+                     documents=documents or None, check_len=check)
         publish(result, json_file, plot, "bench kernel")
 
 
