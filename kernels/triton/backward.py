@@ -82,26 +82,11 @@ def _group_desc(ptr, GROUP, n_rows, stride_head, stride_row, HEAD_DIM: tl.conste
 
 
 @triton.jit
-def _group_tile(desc, ptr, g, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.constexpr,
-                HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, CHECK_ROWS: tl.constexpr,
-                PAD_D: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr):
-    """Rows ``[row0, row0 + ROWS)`` of the group's head ``g`` (``ptr`` already points at it)."""
-    if TMA:
-        x = desc.load([g, row0, 0]).reshape(ROWS, HEAD_DIM_PAD)
-        if UPCAST:
-            x = x.to(tl.float32)
-    else:
-        x = load_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM, CHECK_ROWS, PAD_D,
-                      UPCAST)
-    return x
-
-
-@triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs,
                 stride_ds, stride_qh, stride_dh, GROUP, lo, hi, start, end, Sq, qk_scale,
-                offs_m, offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                PAD_D: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+                offs_m, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
+                UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, TMA: tl.constexpr):
     """Add the query tiles ``[start, end)`` of all GROUP query heads to dk, dv (BLOCK_N, D).
 
     The heads and tiles are walked as ONE flat loop (head = it // tiles): an outer loop over
@@ -116,9 +101,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr
         start_m = tl.multiple_of(start + (it - g * n_tiles) * BLOCK_M, BLOCK_M)
         rows = start_m + offs_m
         g64 = g.to(tl.int64)
-        q = _group_tile(q_desc, q_ptr + g64 * stride_qh, g, start_m, stride_qs, Sq, offs_m,
-                        offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, MASKED, PAD_D, UPCAST,
-                        TMA)  # (BLOCK_M, D)
+        q = load_tile(q_desc, q_ptr + g64 * stride_qh, g, start_m, stride_qs, Sq, offs_m, offs_d,
+                      HEAD_DIM, MASKED, PAD_D, UPCAST, TMA, True)  # (BLOCK_M, D)
         if MASKED:
             lse = tl.load(lse_ptr + g64 * Sq + rows, mask=rows < Sq, other=0.0)
         else:
@@ -128,9 +112,8 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr
         if MASKED:
             visible = (rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None])
             pT = tl.where(visible, pT, 0.0)
-        do = _group_tile(do_desc, do_ptr + g64 * stride_dh, g, start_m, stride_ds, Sq, offs_m,
-                         offs_d, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, MASKED, PAD_D, UPCAST,
-                         TMA)  # (BLOCK_M, D)
+        do = load_tile(do_desc, do_ptr + g64 * stride_dh, g, start_m, stride_ds, Sq, offs_m,
+                       offs_d, HEAD_DIM, MASKED, PAD_D, UPCAST, TMA, True)  # (BLOCK_M, D)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PREC)
         if MASKED:
             delta = tl.load(delta_ptr + g64 * Sq + rows, mask=rows < Sq, other=0.0)
@@ -178,10 +161,10 @@ def attn_bwd_dkdv_kernel(
     if TMA:
         k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-    k = load_tile(k_desc, k_ptr, n0, stride_ks, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST,
-                  TMA)
-    v = load_tile(v_desc, v_ptr, n0, stride_vs, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST,
-                  TMA)
+    k = load_tile(k_desc, k_ptr, 0, n0, stride_ks, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D,
+                  UPCAST, TMA, False)
+    v = load_tile(v_desc, v_ptr, 0, n0, stride_vs, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D,
+                  UPCAST, TMA, False)
     lo, hi = key_intervals(offs_n, Sq, Sk, causal_off, Q_LO, Q_HI, MASK_MODE)
     start, full_lo, full_hi, end = tile_ranges(lo, hi, offs_n < Sk, Sq, BLOCK_M)
 
@@ -204,15 +187,15 @@ def attn_bwd_dkdv_kernel(
     if MASK_MODE != 0:  # seen from keys, the causal diagonal comes first
         dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr,
                              stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, start,
-                             full_lo, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, HEAD_DIM_PAD, PAD_D,
+                             full_lo, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D,
                              UPCAST, DOT_PREC, BLOCK_M, True, TMA)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr,
                          stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, full_lo,
-                         full_hi, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, HEAD_DIM_PAD, PAD_D,
+                         full_hi, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D,
                          UPCAST, DOT_PREC, BLOCK_M, False, TMA)
     dk, dv = _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr,
                          stride_qs, stride_ds, stride_qh, stride_dh, GROUP, lo, hi, full_hi,
-                         end, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, HEAD_DIM_PAD, PAD_D,
+                         end, Sq, qk_scale, offs_m, offs_d, HEAD_DIM, PAD_D,
                          UPCAST, DOT_PREC, BLOCK_M, True, TMA)
 
     dk = dk * sm_scale
@@ -230,16 +213,16 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_ptr, v_ptr, stride_ks, s
     """Add the key tiles ``[start, end)`` to dq (BLOCK_M, D)."""
     for start_n in range(start, end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = load_tile(k_desc, k_ptr, start_n, stride_ks, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
-                      PAD_D, UPCAST, TMA)  # (BLOCK_N, D)
+        k = load_tile(k_desc, k_ptr, 0, start_n, stride_ks, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
+                      PAD_D, UPCAST, TMA, False)  # (BLOCK_N, D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             cols = start_n + offs_n
             visible = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
             p = tl.where(visible, p, 0.0)
-        v = load_tile(v_desc, v_ptr, start_n, stride_vs, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
-                      PAD_D, UPCAST, TMA)  # (BLOCK_N, D)
+        v = load_tile(v_desc, v_ptr, 0, start_n, stride_vs, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
+                      PAD_D, UPCAST, TMA, False)  # (BLOCK_N, D)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -291,10 +274,10 @@ def attn_bwd_dq_kernel(
         do_desc = slab_desc(do_ptr, Sq, stride_ds, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
         k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-    q = load_tile(q_desc, q_ptr, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST,
-                  TMA)
-    do = load_tile(do_desc, do_ptr, m0, stride_ds, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D,
-                   UPCAST, TMA)
+    q = load_tile(q_desc, q_ptr, 0, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D,
+                  UPCAST, TMA, False)
+    do = load_tile(do_desc, do_ptr, 0, m0, stride_ds, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D,
+                   UPCAST, TMA, False)
     row_ptr = bh.to(tl.int64) * Sq
     lse2 = tl.load(Lse + row_ptr + offs_m, mask=offs_m < Sq, other=0.0) * LOG2E
     delta = tl.load(Delta + row_ptr + offs_m, mask=offs_m < Sq, other=0.0)

@@ -132,13 +132,20 @@ def slab_desc(ptr, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexp
 
 
 @triton.jit
-def load_tile(desc, ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.constexpr,
+def load_tile(desc, ptr, head, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.constexpr,
               CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
-              TMA: tl.constexpr):
+              TMA: tl.constexpr, GROUPED: tl.constexpr):
     """The (ROWS, HEAD_DIM_PAD) tile at row ``row0``: one TMA copy through ``desc`` straight
-    into shared memory, or (no TMA) per-thread loads as :func:`load_rows`."""
+    into shared memory, or (no TMA) per-thread loads as :func:`load_rows`.
+
+    ``GROUPED``: ``desc`` covers (heads, rows, dims) and ``head`` picks the head (``ptr``
+    already points at that head, for the pointer path); otherwise ``head`` is unused.
+    """
     if TMA:
-        x = desc.load([row0, 0])
+        if GROUPED:
+            x = desc.load([head, row0, 0]).reshape(offs_r.shape[0], offs_d.shape[0])
+        else:
+            x = desc.load([row0, 0])
         if UPCAST:
             x = x.to(tl.float32)
     else:

@@ -8,11 +8,11 @@ flex_attention defaults for H100: forward 128 x 64 tiles, 3 stages, 8 warps; bac
 shared memory it needs just fit Hopper's 232,448), so that point leads the list. For head dim
 128 in bf16 (sm_90a, Triton 3.6) the dK/dV kernel's two float32 accumulators leave little
 room: 64 x 128 tiles spill a little (40 bytes a thread with per-thread loads, 16 with TMA
-loads, outside the loop), 32 x 128 and 32 x 64 do not, so those are in the set too; the autotuner picked
-64 x 128 with TMA and 32 x 64 without on an H200. ``prune`` drops, before any compilation, the
-configurations whose pipelined tiles cannot fit in the device's shared memory or whose float32
-accumulators would spill registers for this head dim and dtype; a config that still fails to
-compile is skipped by the autotuner (OutOfResources).
+loads, outside the loop), 32 x 128 and 32 x 64 do not, so those are in the set too; the
+autotuner picked 64 x 128 with TMA and 32 x 64 without on an H200. ``prune`` drops, before
+any compilation, the configurations whose pipelined tiles cannot fit in the device's shared
+memory or whose float32 accumulators would spill registers for this head dim and dtype; a
+config that still fails to compile is skipped by the autotuner (OutOfResources).
 
 The autotune key is (HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET, TMA) plus the tensors' dtypes, where
 SEQ_BUCKET is ``next_power_of_2(max(Sq, Sk))`` capped at 16K: every long sequence shares one

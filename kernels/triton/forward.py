@@ -46,8 +46,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, k_ptr, v_ptr, stride_ks, stride
     """Fold the key tiles ``[start, end)`` into the running (acc, l_i, m_i)."""
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = load_tile(k_desc, k_ptr, start_n, stride_ks, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
-                      PAD_D, UPCAST, TMA)  # (BLOCK_N, D)
+        k = load_tile(k_desc, k_ptr, 0, start_n, stride_ks, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
+                      PAD_D, UPCAST, TMA, False)  # (BLOCK_N, D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         if MASKED:
             cols = start_n + offs_n
@@ -64,8 +64,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, k_ptr, v_ptr, stride_ks, stride
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = load_tile(v_desc, v_ptr, start_n, stride_vs, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
-                      PAD_D, UPCAST, TMA)  # (BLOCK_N, D)
+        v = load_tile(v_desc, v_ptr, 0, start_n, stride_vs, Sk, offs_n, offs_d, HEAD_DIM, MASKED,
+                      PAD_D, UPCAST, TMA, False)  # (BLOCK_N, D)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -114,8 +114,8 @@ def attn_fwd_kernel(
         q_desc = slab_desc(q_ptr, Sq, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
         k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
         v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-    q = load_tile(q_desc, q_ptr, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D, UPCAST,
-                  TMA)
+    q = load_tile(q_desc, q_ptr, 0, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D,
+                  UPCAST, TMA, False)
 
     lo, hi = query_intervals(offs_m, Sq, Sk, causal_off, KV_LO, KV_HI, MASK_MODE)
     start, full_lo, full_hi, end = tile_ranges(lo, hi, offs_m < Sq, Sk, BLOCK_N)
