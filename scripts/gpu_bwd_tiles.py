@@ -41,6 +41,16 @@ DQ = [(128, 64, 3, 8), (128, 64, 4, 8), (128, 32, 3, 4), (128, 32, 4, 4), (128, 
       (64, 64, 3, 4), (64, 64, 4, 4), (128, 128, 2, 8), (64, 32, 4, 4)]
 
 
+def save_report(stem: str, rows: list[dict], t0: float) -> dict:
+    """The run's rows with machine and versions; written to $OUT/<stem>.json when $OUT is set."""
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "rows": rows,
+              "wall_s": time.perf_counter() - t0}
+    if os.environ.get("OUT"):
+        (pathlib.Path(os.environ["OUT"]) / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
 def cfg(point) -> dict:
     bm, bn, s, w = point
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": s, "num_warps": w}
@@ -109,12 +119,7 @@ def main() -> int:
     run(rows, "64K best separate", LONG, long, ref, dkdv_config=cfg(best_dkdv),
         dq_config=cfg(best_dq))
     rows[-1]["config"] = f"dkdv {name(best_dkdv)} + dq {name(best_dq)}"
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "rows": rows,
-              "wall_s": time.perf_counter() - T0}
-    if os.environ.get("OUT"):
-        (pathlib.Path(os.environ["OUT"]) / "gpu_bwd_tiles.json").write_text(
-            json.dumps(report, indent=1))
+    report = save_report("gpu_bwd_tiles", rows, T0)
     print(f"\n== backward tiles: {report['device']}, torch {report['torch']}, triton "
           f"{report['triton']}, {report['wall_s']:.0f} s; bwd TFLOP/s = 2.5 x causal fwd ==")
     for r in rows:

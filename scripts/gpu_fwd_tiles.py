@@ -11,7 +11,6 @@ D = 128, bf16, causal), each checked against the autotuned forward. The table co
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
 import time
@@ -19,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from gpu_bwd_tiles import cfg, name  # noqa: E402
+from gpu_bwd_tiles import cfg, name, save_report  # noqa: E402
 from gpu_kernels import BF16, DEVICE, D, H, causal_flops, cuda_time, rel  # noqa: E402
 
 from lctrain_kernels.triton import flash_forward  # noqa: E402
@@ -50,12 +49,7 @@ def main() -> int:
             print(json.dumps(row), flush=True)
         del q, k, v, ref
         torch.cuda.empty_cache()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": __import__("triton").__version__, "rows": rows,
-              "wall_s": time.perf_counter() - t0}
-    if os.environ.get("OUT"):
-        (pathlib.Path(os.environ["OUT"]) / "gpu_fwd_tiles.json").write_text(
-            json.dumps(report, indent=1))
+    report = save_report("gpu_fwd_tiles", rows, t0)
     print(f"\n== forward tiles: {report['device']}, torch {report['torch']}, triton "
           f"{report['triton']}, {report['wall_s']:.0f} s; causal fwd TFLOP/s ==")
     for r in rows:
