@@ -18,9 +18,10 @@ Before any kernel launch or send, :func:`classify` sorts a block into one of fou
 
 In DistFlashAttn (causal, P chunks), block (q_r, kv_c) is CAUSAL for c == r, FULL for c < r and
 EMPTY for c > r (and a diagonal block's rows against the first half of its keys are CAUSAL too:
-torch's SDPA kernels align a non-square causal mask top-left, which is exactly this); with documents most off-diagonal blocks become EMPTY, which is where packing
-saves work. Classification is pure Python arithmetic on global positions (a bisection into the
-document bounds), so it never touches the device and never synchronises.
+torch's SDPA kernels align a non-square causal mask top-left, which is exactly this); with
+documents most off-diagonal blocks become EMPTY, which is where packing saves work.
+Classification is pure Python arithmetic on global positions (a bisection into the document
+bounds), so it never touches the device and never synchronises.
 
 :func:`dense_mask` materialises the same rule as a boolean ``(sq, sk)`` tensor for kernels
 that take an explicit mask (the reference backend, or a masked SDPA call).

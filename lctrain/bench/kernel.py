@@ -113,9 +113,9 @@ def _measure(backend, seq_len, heads, kv_heads, head_dim, dtype, device, causal,
         return {"relation": rel.value, "status": reason}
     out, lse = backend.forward(q, k, v, spec, rel, scale)
     fwd = timings_ms(lambda: backend.forward(q, k, v, spec, rel, scale), device, repeats,
-                      warmup)
+                     warmup)
     bwd = timings_ms(lambda: backend.backward(do, q, k, v, out, lse, spec, rel, scale),
-                      device, repeats, warmup)
+                     device, repeats, warmup)
     flops = forward_flops(seq_len, heads, head_dim, causal, bounds)
     f_ms, b_ms = statistics.median(fwd), statistics.median(bwd)
     return {"relation": rel.value, "fwd_ms": f_ms, "fwd_ms_min": min(fwd),
