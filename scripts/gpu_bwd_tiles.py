@@ -3,7 +3,7 @@
 
     python scripts/gpu_bwd_tiles.py          # writes $OUT/gpu_bwd_tiles.json when $OUT is set
 
-The autotuner only sees the few points of ``kernels/triton/configs.py``; this script times a
+The autotuner only sees the few points of ``kernels/lctrain_kernels/triton/configs.py``; this script times a
 wider set, one fixed configuration at a time, to decide what goes into that list.
 B = 1, H = 32, D = 128, bf16, causal, one saved (out, lse):
 

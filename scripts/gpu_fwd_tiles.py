@@ -3,7 +3,7 @@
 
     python scripts/gpu_fwd_tiles.py          # writes $OUT/gpu_fwd_tiles.json when $OUT is set
 
-The forward's autotune set (``kernels/triton/configs.py``) was chosen with per-thread loads;
+The forward's autotune set (``kernels/lctrain_kernels/triton/configs.py``) was chosen with per-thread loads;
 with TMA copies the kernels hold fewer registers, so deeper pipelines and taller query tiles
 may now fit. This times one fixed configuration at a time at 16K and 64K (B = 1, H = 32,
 D = 128, bf16, causal), each checked against the autotuned forward. The table comes last.

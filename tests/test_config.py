@@ -25,7 +25,7 @@ from lctrain.config import (
 from lctrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+RECIPES = sorted((REPO / "recipes" / "lctrain_recipes").glob("*.yaml"))
 
 
 def test_recipes_folder_matches_the_installed_package_data():
@@ -56,7 +56,7 @@ def test_every_recipe_names_only_real_transformers_config_keys(path):
 
 def test_default_is_the_embedded_tiny_recipe():
     cfg = load_recipe(None)
-    assert cfg == load_recipe(REPO / "recipes" / "tiny.yaml")
+    assert cfg == load_recipe(REPO / "recipes" / "lctrain_recipes" / "tiny.yaml")
     assert cfg.data.source == "builtin" and cfg.data.tokenizer == "bytes"
     assert cfg.parallel.cp == 2 and cfg.data.seq_len == 512 and cfg.model.dtype == "float32"
     assert cfg.model.config["num_key_value_heads"] < cfg.model.config["num_attention_heads"]
@@ -124,7 +124,7 @@ def test_seq_len_must_fit_the_layout_chunking():
 
 
 def test_unknown_keys_in_a_file_name_the_file(tmp_path):
-    text = (REPO / "recipes" / "tiny.yaml").read_text()
+    text = (REPO / "recipes" / "lctrain_recipes" / "tiny.yaml").read_text()
     bad = tmp_path / "bad.yaml"
     bad.write_text(text.replace("  lr: 3.0e-3", "  learning_rate: 3.0e-3"))
     with pytest.raises(ConfigError, match=r"unknown key train.learning_rate in .*bad.yaml"):

@@ -89,7 +89,7 @@ def step(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetOpt 
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory).
 
-    Example: lctrain bench step recipes/llama-7b-64k.yaml --seq-len 64k --steps 5
+    Example: lctrain bench step llama-7b-64k --seq-len 64k --steps 5
     """
     with user_errors():
         cfg = load_recipe(recipe, overrides or [], seq_len=seq_len)

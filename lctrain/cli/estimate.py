@@ -37,11 +37,11 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
 
     Examples:
 
-        lctrain estimate-memory recipes/llama-7b-256k.yaml --seq-len 512k --gpus 8 --gpu-memory 80GiB
+        lctrain estimate-memory llama-7b-256k --seq-len 512k --gpus 8 --gpu-memory 80GiB
 
         lctrain estimate-memory --model /models/Llama-2-7b-hf --seq-len 128k --gpus 8 --json
 
-        lctrain estimate-memory recipes/llama-7b-256k.yaml --seq-len 384k --gpus 2 --gpu-memory 139GiB --host-memory 251GiB
+        lctrain estimate-memory llama-7b-256k --seq-len 384k --gpus 2 --gpu-memory 139GiB --host-memory 251GiB
     """
     policy = checkpointing.value if checkpointing is not None else None
     with user_errors():

@@ -29,7 +29,7 @@ def finetune(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: Set
 
         lctrain finetune
 
-        lctrain finetune recipes/llama-7b-256k.yaml --seq-len 256k --set train.lr=1e-5
+        lctrain finetune llama-7b-256k --seq-len 256k --set train.lr=1e-5
     """
     with user_errors():
         cfg = load_recipe(recipe, overrides or [], seq_len=seq_len, output_dir=output_dir,

@@ -1,6 +1,6 @@
 """Typed, frozen recipe configuration; YAML is only how it is stored.
 
-    cfg = load_recipe("recipes/llama-7b-64k.yaml", ["train.lr=1e-5"], seq_len="128k")
+    cfg = load_recipe("llama-7b-64k", ["train.lr=1e-5"], seq_len="128k")
     cfg.data.seq_len          # 131072
     save_resolved(cfg, "runs/x/config.yaml")
 """

@@ -48,7 +48,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
 
     Args:
         path: a recipe YAML file, the name of a shipped recipe, or None for the embedded
-            default (``lctrain.recipes/tiny.yaml``).
+            default (``lctrain_recipes/tiny.yaml``).
         overrides: ``"a.b=c"`` strings, applied in order (``model.config.rope_theta=1e6`` reaches
             into the model's transformers config).
         seq_len: replaces ``data.seq_len`` (an int or a size such as ``"256k"``).

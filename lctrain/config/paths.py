@@ -24,8 +24,9 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
 
 
 def shipped_recipes() -> dict[str, str]:
-    """Names of the recipes shipped in the ``lctrain.recipes`` package -> their YAML text."""
-    root = importlib.resources.files("lctrain.recipes")
+    """Names of the shipped recipes (package ``lctrain_recipes``, folder recipes/lctrain_recipes)
+    -> their YAML text."""
+    root = importlib.resources.files("lctrain_recipes")
     return {entry.name: entry.read_text(encoding="utf-8")
             for entry in root.iterdir() if entry.name.endswith(".yaml")}
 

@@ -1,7 +1,7 @@
 """Training: the runner (the one composition root), the loop, loss, checkpoints and metrics.
 
     from lctrain.train import finetune
-    exit_code = finetune(load_recipe("recipes/tiny.yaml"), resume=False, nproc=None)
+    exit_code = finetune(load_recipe("tiny"), resume=False, nproc=None)
 """
 from lctrain.train.runner import finetune, run_worker
 

@@ -68,9 +68,6 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
 
 def _worker_env(nproc: int) -> dict[str, str]:
     env = dict(os.environ)
-    # A checkout's top-level kernels/ folder must not shadow Hugging Face's `kernels` package:
-    # keep the current directory off the workers' sys.path (they import the installed package).
-    env["PYTHONSAFEPATH"] = "1"
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return env
 
