@@ -171,13 +171,3 @@ def test_user_errors_are_one_sentence(kwargs, words):
 def test_policies_match_the_config():
     annotation = typing.get_type_hints(TrainConfig)["checkpointing"]
     assert set(typing.get_args(annotation)) == set(POLICIES)
-
-
-def test_table_renders():
-    from rich.console import Console
-
-    console = Console(record=True, width=100)
-    console.print(estimate(load_architecture("llama-7b"), 65536, 8, 2, "remat",
-                           gpu_memory=80 * GIB).table())
-    text = console.export_text()
-    assert "activations" in text and "fits" in text
