@@ -32,7 +32,8 @@ import traceback
 import torch
 import triton
 
-from lctrain_kernels.triton import flash_backward, flash_forward, triton_attention
+from lctrain_kernels import attention
+from lctrain_kernels.triton import flash_backward, flash_forward
 from lctrain_kernels.triton import launch
 
 T0 = time.perf_counter()
@@ -228,7 +229,7 @@ def providers(seq, bounds=None, fwd_config=None):
             flash_forward(q, k, v, causal=True, doc_bounds=bounds, config=fwd_config)
 
     def ours_fb():
-        out, _ = triton_attention(*qkv, causal=True, doc_bounds=bounds)
+        out = attention(*qkv, causal=True, cu_seqlens=bounds, backend="triton")
         torch.autograd.grad(out, qkv, do)
 
     fns = {"triton": (ours_fwd, ours_fb)}

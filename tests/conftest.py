@@ -28,12 +28,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Every run draws fresh random inputs (a new session seed each time); a failure is reproduced
-# by running again with LCTRAIN_TEST_SEED set to the seed printed in the pytest header.
+# by running again with LCTRAIN_TEST_SEED set to the seed printed in the pytest header and, when
+# anything failed, again at the end of the run (the header is hidden under -q).
 SESSION_SEED = int(os.environ.get("LCTRAIN_TEST_SEED") or random.SystemRandom().randrange(2**31))
+_SEED_LINE = f"lctrain test seed: LCTRAIN_TEST_SEED={SESSION_SEED}"
 
 
 def pytest_report_header(config):
-    return f"lctrain test seed: LCTRAIN_TEST_SEED={SESSION_SEED}"
+    return _SEED_LINE
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        terminalreporter.write_line(f"{_SEED_LINE} (set it to repeat this run's inputs)",
+                                    red=True, bold=True)
 
 
 @pytest.fixture(autouse=True)

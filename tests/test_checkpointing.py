@@ -18,14 +18,24 @@ from lctrain.parallel.checkpointing import (
 
 LAYERS = 3
 DIST = "lctrain_test_dist"
+REFERENCE = "lctrain_test_reference"
 
 
 def _dist_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     **kwargs):
-    """transformers attention through the lctrain::dist_attention op (one rank, group=None)."""
+    """transformers attention through lctrain_kernels.dist_attention (one rank, group=None)."""
     out = lctrain_kernels.dist_attention(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), group=None, causal=True,
                                          softmax_scale=scaling)
+    return out, None  # (B, S, Hq, D)
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                         **kwargs):
+    """transformers attention through lctrain_kernels.attention on the plain-torch backend."""
+    out = lctrain_kernels.attention(query.transpose(1, 2), key.transpose(1, 2),
+                                    value.transpose(1, 2), causal=True, softmax_scale=scaling,
+                                    backend="reference")
     return out, None  # (B, S, Hq, D)
 
 
@@ -36,6 +46,7 @@ def base_model():
     from lctrain.model import register_attention
 
     AttentionInterface.register(DIST, _dist_attention)
+    AttentionInterface.register(REFERENCE, _reference_attention)
     register_attention()
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
@@ -103,8 +114,10 @@ def test_generic_fallback_without_no_split_modules():
         apply_checkpointing(torch.nn.Linear(2, 2), "full")
 
 
-@pytest.mark.parametrize("attn", [DIST, "lctrain"])
+@pytest.mark.parametrize("attn", [DIST, "lctrain", REFERENCE])
 def test_same_gradients_and_attention_runs(base_model, attn):
+    """Local attention (cp = 1) is one op for every backend ("lctrain" takes auto: cpu_flash
+    here): remat keeps its output, so the attention forward runs once per layer."""
     ids, labels = _batch()
     results, runs = {}, {}
     for policy in POLICIES:

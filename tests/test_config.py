@@ -8,7 +8,6 @@ import pytest
 import yaml
 
 from lctrain.config import (
-    SCHEDULE_LAYOUTS,
     ConfigError,
     DataConfig,
     ModelConfig,
@@ -199,10 +198,16 @@ def test_parse_size_list_and_memory():
         parse_memory("80XB")
 
 
-def test_schedule_layouts_match_the_kernels():
-    distributed = pytest.importorskip("lctrain_kernels.distributed")
-    for kind, layout in SCHEDULE_LAYOUTS.items():
-        if kind == "context_parallel":  # torch's peer, not an lctrain schedule
-            continue
-        for world in (1, 2, 3):
-            assert distributed.make_schedule(world, kind).layout == layout
+def test_parallel_names_come_from_the_kernels():
+    """Every schedule and backend lctrain_kernels knows is a valid recipe value, with its
+    layout's chunking; anything else is refused with the choices."""
+    vocabulary = pytest.importorskip("lctrain_kernels.vocabulary")
+    for kind in vocabulary.SCHEDULES:
+        cfg = load_recipe(None, [f"parallel.schedule={kind}", "parallel.cp=3"], seq_len=60)
+        assert cfg.parallel.layout == vocabulary.schedule_layout(kind)
+        assert cfg.parallel.seq_chunks == 3 * vocabulary.chunks_per_rank(cfg.parallel.layout)
+    for name in ("auto", *vocabulary.BACKENDS):
+        cfg = load_recipe(None, [f"parallel.attention_backend={name}"])
+        assert cfg.parallel.attention_backend == name
+    with pytest.raises(ConfigError, match="parallel.attention_backend is 'cpu-flash'.*'cpu_flash'"):
+        load_recipe(None, ["parallel.attention_backend=cpu-flash"])

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from lctrain_kernels import attention_with_lse, dist_attention, dist_attention_with_lse
 from lctrain_kernels.distributed import make_schedule, shard, unshard
+from lctrain_kernels.masks import MaskSpec
+from lctrain_kernels.reference import reference_forward
 from spawn import run_on_ranks
 
 TOL = 1e-4  # float32 everywhere; the reference backend computes in float32
@@ -40,7 +42,7 @@ def _one_case(group, case: dict) -> float:
     layout = make_schedule(world, case["schedule"]).layout
     loc = [shard(t, group, layout).requires_grad_() for t in (q, k, v)]
     o_l, lse_l = dist_attention_with_lse(*loc, group=group, causal=case["causal"], cu_seqlens=case["bounds"],
-                                         schedule=case["schedule"], backend="reference", overlap=case["overlap"])
+                                         schedule=case["schedule"], backend=case["backend"], overlap=case["overlap"])
     if case.get("unshard"):  # every rank's loss is the whole one: divide by the ranks
         loss = (unshard(o_l, group, layout) * g).sum() / world
     else:
@@ -77,7 +79,9 @@ def _worker(rank: int, world: int, phases: list[tuple[list[int] | None, list[dic
 
 
 def _cases(world: int, schedules=("distflash", "ring", "zigzag"), docs=(), lse_every=5) -> list[dict]:
-    """Every schedule × causal × overlap, then document masks; GQA and batch vary by case."""
+    """Every schedule × causal × overlap, then document masks; GQA, batch, the backend ("auto":
+    cpu_flash for full and causal blocks, whose lse gradient takes a second backward) and a
+    loss on the lse vary by case."""
     cases = []
     combos = itertools.product(schedules, (True, False), (True, False), [None, *docs])
     for i, (sched, causal, overlap, bounds) in enumerate(combos):
@@ -87,7 +91,8 @@ def _cases(world: int, schedules=("distflash", "ring", "zigzag"), docs=(), lse_e
         cases.append(dict(name=f"{sched}/causal={causal}/overlap={overlap}/{getattr(bounds, '__name__', 'nodocs')}/{i}", seed=i,
                           schedule=sched, causal=causal, overlap=overlap, n=n, batch=1 + i % 2,
                           hq=4, hkv=(4, 2, 1)[i % 3], bounds=None if bounds is None else bounds(n * world),
-                          lse_grad=i % lse_every == 0, unshard=i % 4 == 1))
+                          lse_grad=i % lse_every == 0, unshard=i % 4 == 1,
+                          backend="auto" if i % 3 == 2 or i % lse_every == 0 else "reference"))
     return cases
 
 
@@ -137,14 +142,16 @@ def test_six_ranks_and_sub_groups_of_five_and_four():
 def test_single_rank_runs_local_attention_and_validates():
     q, k, v = torch.randn(2, 10, 4, D), torch.randn(2, 10, 2, D), torch.randn(2, 10, 2, D)
     for causal, bounds in ((True, None), (False, None), (True, [0, 3, 10])):
-        out, lse = dist_attention_with_lse(q, k, v, causal=causal, cu_seqlens=bounds, backend="reference")
-        ref_out, ref_lse = attention_with_lse(q, k, v, causal=causal, cu_seqlens=bounds, backend="reference")
-        assert _rel(out, ref_out) < TOL and _rel(lse, ref_lse) < TOL
+        ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(),
+                                             MaskSpec(causal, doc_bounds=bounds and tuple(bounds)), D ** -0.5)
+        for schedule in ("distflash", "ring", "zigzag"):  # one rank: every plan is one block
+            out, lse = dist_attention_with_lse(q, k, v, causal=causal, cu_seqlens=bounds, schedule=schedule)
+            assert _rel(out, ref_out.float()) < TOL and _rel(lse, ref_lse.float()) < TOL
     with pytest.raises(ValueError, match="unknown schedule"):
         dist_attention(q, k, v, schedule="tree")
     with pytest.raises(ValueError, match="multiple of the number"):
         dist_attention(q, torch.randn(2, 10, 3, D), torch.randn(2, 10, 3, D))
-    with pytest.raises(ValueError, match="GLOBAL cu_seqlens"):
+    with pytest.raises(ValueError, match="end at the sequence length 10, got 8"):
         dist_attention(q, k, v, cu_seqlens=[0, 4, 8])
     with pytest.raises(ValueError, match="4-D"):
         dist_attention(q[0], k, v)
@@ -152,12 +159,18 @@ def test_single_rank_runs_local_attention_and_validates():
     assert out[0].shape == q.shape and out[1].shape == (2, 4, 10)
 
 
-def test_custom_ops_pass_opcheck():
-    """Schema, fake (meta) kernels and autograd registration hold, so torch.compile can trace."""
-    q = torch.randn(1, 8, 4, D, requires_grad=True)
-    k, v = torch.randn(1, 8, 2, D, requires_grad=True), torch.randn(1, 8, 2, D, requires_grad=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_custom_ops_pass_opcheck(dtype):
+    """Schema, fake (meta) kernels (shapes and strides) and autograd registration hold, so
+    torch.compile can trace; inputs are BSHD views of BHSD tensors, as a transformers model
+    passes them; the lse is float64 for float64 inputs, in the real and the fake kernels alike."""
+    q = torch.randn(1, 4, 8, D, dtype=dtype).transpose(1, 2).requires_grad_()  # (B, S, H, D)
+    k, v = (torch.randn(1, 2, 8, D, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(2))
     opts = ("", True, [0, 3, 8], 0.25, "distflash", "reference", True)
     torch.library.opcheck(torch.ops.lctrain.dist_attention.default, (q, k, v, *opts))
     out, lse = torch.ops.lctrain.dist_attention(q, k, v, *opts)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     plain = [t.detach() for t in (torch.randn_like(out), q, k, v, out, lse)]
-    torch.library.opcheck(torch.ops.lctrain.dist_attention_backward.default, (*plain, *opts))
+    for dlse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(torch.ops.lctrain.dist_attention_backward.default,
+                              (*plain, *opts, dlse))

@@ -1,7 +1,10 @@
-"""Schedules and layouts without any process group: exact coverage, matching messages, balance."""
+"""Schedules and layouts without any process group: exact coverage, matching messages, balance,
+and the torch-free vocabulary that names them."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -12,6 +15,7 @@ from lctrain_kernels.distributed import (
 )
 from lctrain_kernels.distributed.executor import Geometry, block_calls, pruned_plan
 from lctrain_kernels.masks import dense_mask
+from lctrain_kernels.vocabulary import SCHEDULES, check_seq_len, schedule_layout, seq_chunks
 
 KINDS = ("distflash", "ring", "zigzag")
 
@@ -155,6 +159,43 @@ def test_layout_maps_and_errors():
         make_schedule(2, "tree")
     with pytest.raises(ValueError, match="positive integer"):
         make_schedule(0)
+
+
+def test_vocabulary_names_every_schedule_and_its_layout():
+    assert sorted(SCHEDULES) == sorted(KINDS)
+    for kind, layout in zip(KINDS, ("contiguous", "contiguous", "zigzag")):
+        assert schedule_layout(kind) == layout
+        for p in (1, 3):
+            sched = make_schedule(p, kind)
+            assert sched.layout == layout == sched.plan("backward", False).layout
+            assert seq_chunks(p, layout) == p * (2 if layout == "zigzag" else 1)
+    with pytest.raises(ValueError, match="unknown schedule 'tree'; choose one of distflash"):
+        schedule_layout("tree")
+    with pytest.raises(ValueError, match="unknown layout 'striped'"):
+        seq_chunks(2, "striped")
+
+
+def test_seq_len_rule_says_which_lengths_work():
+    assert check_seq_len(36, 3, "zigzag") == 6 and check_seq_len(7, 1, "contiguous") == 7
+    with pytest.raises(ValueError, match=r"^sequence length 26 is not divisible by 12 \(2 × world "
+                                         r"size 6 for the zigzag layout\); use a multiple of 12 "
+                                         r"such as 24 or 36$"):
+        check_seq_len(26, 6, "zigzag")
+    with pytest.raises(ValueError, match=r"^data.seq_len 3 is not divisible by 4 \(parallel.cp "
+                                         r"for the contiguous layout\); use a multiple of 4 such "
+                                         r"as 4$"):
+        check_seq_len(3, 4, "contiguous", what="data.seq_len", ranks="parallel.cp")
+    with pytest.raises(ValueError, match="world size must be a positive integer"):
+        check_seq_len(4, 0, "contiguous")
+
+
+def test_vocabulary_and_config_load_without_torch():
+    """The recipe schema and the CLI read the vocabulary; neither may pull torch in."""
+    code = ("import sys, lctrain_kernels, lctrain_kernels.vocabulary, lctrain.config, "
+            "lctrain.cli.options; print(sorted({'torch', 'triton'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_accumulators_copy_merge_and_fill_untouched_rows():

@@ -1,4 +1,5 @@
-"""attention / attention_with_lse: values and gradients against float64 SDPA, and input checks."""
+"""attention / attention_with_lse: values and gradients (of out and lse) against float64 SDPA for
+the backends that run on a CPU, and input checks."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,13 +35,18 @@ def all_grads(fn, q, k, v, g_out, g_lse):
     return (out, lse), torch.autograd.grad(loss, (q, k, v))
 
 
-@pytest.mark.parametrize("causal, bounds, s, hq, hkv, d", [
+CASES = [  # causal, bounds, s, hq, hkv, d
     (True, None, 29, 4, 2, 16),
     (False, None, 24, 2, 2, 80),
     (True, [0, 6, 7, 20, 31], 31, 4, 1, 16),
     (False, [0, 10, 24], 24, 3, 1, 8),
+]
+
+
+@pytest.mark.parametrize("causal, bounds, s, hq, hkv, d, backend", [
+    (*case, backend) for case in CASES for backend in ("auto", "reference", "cpu_flash")
+    if backend != "cpu_flash" or case[1] is None  # cpu_flash: no document masks
 ])
-@pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_values_and_all_gradients_match_float64_sdpa(causal, bounds, s, hq, hkv, d, backend):
     q, k, v = leaves(2, s, hq, hkv, d)
     cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
@@ -74,6 +80,20 @@ def test_half_precision_error_is_within_twice_torchs_own(dtype):
         err = (got.double() - want).abs().max().item()
         base_err = (base.double() - want).abs().max().item()
         assert err <= 2 * base_err + 1e-3 * want.abs().max().item(), (err, base_err)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_flash"])
+def test_a_loss_on_the_lse_alone_has_exact_gradients(backend):
+    """d lse / d v = 0, and the output's gradient is absent (not zero-filled by the caller)."""
+    q, k, v = leaves(1, 20, 4, 2, 16)
+    g_lse = torch.randn(1, 4, 20, dtype=torch.float64)
+    lse = attention_with_lse(q, k, v, backend=backend)[1]
+    dq, dk, dv = torch.autograd.grad((lse * g_lse).sum(), (q, k, v))
+    ref_lse = sdpa_oracle(q, k, v, True, None, 0.25)[1]
+    ref_dq, ref_dk = torch.autograd.grad((ref_lse * g_lse).sum(), (q, k))
+    torch.testing.assert_close(dq, ref_dq, rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(dk, ref_dk, rtol=1e-8, atol=1e-8)
+    assert dv.shape == v.shape and not dv.any()
 
 
 def test_gradients_reach_only_inputs_that_need_them():

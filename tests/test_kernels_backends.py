@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from lctrain_kernels.backends import (BackendUnavailable, available_backends, backend_names,
-                                      get_backend, select_backend)
+from lctrain_kernels.backends import (Backend, BackendUnavailable, available_backends,
+                                      backend_names, get_backend, select_backend)
 from lctrain_kernels.masks import MaskSpec, Relation, classify
-from lctrain_kernels.merge import merge
+from lctrain_kernels.combine import merge
 from lctrain_kernels.reference import reference_backward, reference_forward
 
 
@@ -29,6 +29,7 @@ def test_registry_knows_every_backend_and_loads_the_available_ones():
             assert name in str(exc) and str(exc).endswith(".")
         else:
             assert backend.name == name and name in available
+            assert isinstance(backend, Backend)  # the protocol's attributes and methods
 
 
 def test_unknown_and_missing_backends_say_what_to_do():
@@ -61,15 +62,14 @@ def test_auto_rule_on_cpu_and_explicit_backends_that_cannot_run_the_block():
 
 
 def check_backend(backend, dtype, device, fwd_tol, bwd_tol):
-    """A FULL block and a CAUSAL block of the same queries, merged, then both backwards."""
+    """A FULL block and a CAUSAL block of the same queries, merged, then both backwards: from
+    the output's gradient alone, and with a gradient of the merged lse too."""
     s, hq, hkv, d = 48, 4, 2, 64
     q, k, v = qkv(2, s, hq, hkv, d, dtype, device, sk=2 * s)
     scale = d ** -0.5
     whole = MaskSpec(True, q_start=s, k_start=0)  # queries s..2s, keys 0..2s
     ref_out, ref_lse = reference_forward(q.double(), k.double(), v.double(), whole, scale)
     dout = torch.randn_like(q)
-    ref = reference_backward(dout.double(), q.double(), k.double(), v.double(), ref_out,
-                             ref_lse, whole, scale)
     blocks = [(MaskSpec(True, s, 0), slice(0, s)), (MaskSpec(True, s, s), slice(s, 2 * s))]
     assert [classify(sp, s, s) for sp, _ in blocks] == [Relation.FULL, Relation.CAUSAL]
     parts = []
@@ -83,16 +83,20 @@ def check_backend(backend, dtype, device, fwd_tol, bwd_tol):
     rel_err = lambda got, want: ((got.double() - want).abs().max() / want.abs().max()).item()
     assert rel_err(out, ref_out) < fwd_tol
     assert (lse.double() - ref_lse).abs().max().item() < fwd_tol
-    dq, dks, dvs = 0, [], []
-    for spec, keys in blocks:
-        g = backend.backward(dout, q, k[:, keys], v[:, keys], out.to(dtype), lse, spec,
-                             classify(spec, s, s), scale)
-        dq = dq + g[0].double()
-        dks.append(g[1].double())
-        dvs.append(g[2].double())
-    for got, want in zip((dq, torch.cat(dks, 1), torch.cat(dvs, 1)), ref):
-        assert got.shape == want.shape
-        assert rel_err(got, want) < bwd_tol
+    for dlse in (None, torch.randn(lse.shape, dtype=lse.dtype, device=device)):
+        ref = reference_backward(dout.double(), q.double(), k.double(), v.double(), ref_out,
+                                 ref_lse, whole, scale,
+                                 dlse=None if dlse is None else dlse.double())
+        dq, dks, dvs = 0, [], []
+        for spec, keys in blocks:
+            g = backend.backward(dout, q, k[:, keys], v[:, keys], out.to(dtype), lse, spec,
+                                 classify(spec, s, s), scale, dlse=dlse)
+            dq = dq + g[0].double()
+            dks.append(g[1].double())
+            dvs.append(g[2].double())
+        for got, want in zip((dq, torch.cat(dks, 1), torch.cat(dvs, 1)), ref):
+            assert got.shape == want.shape
+            assert rel_err(got, want) < bwd_tol, (backend.name, dlse is not None)
 
 
 @pytest.mark.parametrize("dtype, fwd_tol, bwd_tol", [(torch.float64, 1e-12, 1e-11),

@@ -1,4 +1,4 @@
-"""Block entry points + merge rebuild whole attention, exactly as the distributed executor will.
+"""Block entry points + merge rebuild whole attention, exactly as the distributed executor does.
 
 Keys split into pieces: each piece is one block (global positions in its MaskSpec), partial
 results merged through their lse; the backward of each block takes the MERGED out and lse and
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lctrain_kernels.blocks import block_backward, block_forward
+from lctrain_kernels.combine import merge, merge_many_into
 from lctrain_kernels.masks import MaskSpec
-from lctrain_kernels.merge import merge, merge_into
 from lctrain_kernels.reference import reference_backward, reference_forward
 
 NEG_INF = float("-inf")
@@ -49,7 +49,7 @@ def test_key_pieces_merged_equal_whole_attention(causal, bounds, s, hq, hkv, bac
         if result is None:
             skipped += 1
             continue
-        merge_into(acc_out, acc_lse, *result)
+        merge_many_into(acc_out, acc_lse, [(acc_out, acc_lse), result])
     torch.testing.assert_close(acc_out, ref_out, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(acc_lse, ref_lse, rtol=1e-9, atol=1e-9)
 
@@ -116,7 +116,7 @@ def test_merge_handles_rows_that_saw_nothing():
     assert lse[0, 1, 2] == NEG_INF and (out[0, 2, 1] == 0).all()
     # merging into an empty accumulator reproduces the piece
     acc_out, acc_lse = torch.zeros(1, 4, 2, 8), torch.full((1, 2, 4), NEG_INF)
-    merge_into(acc_out, acc_lse, out_a, lse_a)
+    merge_many_into(acc_out, acc_lse, [(acc_out, acc_lse), (out_a, lse_a)])
     torch.testing.assert_close(acc_out, out_a)
     torch.testing.assert_close(acc_lse, lse_a)
 
@@ -135,11 +135,11 @@ def test_merge_is_stable_for_far_apart_lse_and_matches_the_formula():
     assert merge(out_a.bfloat16(), lse_a, out_b.bfloat16(), lse_b)[0].dtype == torch.float32
 
 
-def test_merge_rejects_mismatched_shapes_and_narrow_accumulators():
+def test_merge_rejects_mismatched_shapes():
     out, lse = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4)
     with pytest.raises(ValueError, match="different shapes"):
         merge(out, lse, out[:, :3], lse[..., :3])
     with pytest.raises(ValueError, match=r"\(B, H, S\)"):
         merge(out, lse.transpose(1, 2), out, lse.transpose(1, 2))
-    with pytest.raises(ValueError, match="float32"):
-        merge_into(out.bfloat16(), lse, out, lse)
+    with pytest.raises(ValueError, match="cannot merge an lse"):
+        merge_many_into(out, lse, [(out, lse.transpose(1, 2))])

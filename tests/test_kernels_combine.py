@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from lctrain_kernels.combine import merge_many_into, sum_into
-from lctrain_kernels.merge import merge_into
 from lctrain_kernels.triton.combine import MAX_INPUTS, merge_fused, sum_fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,10 +82,10 @@ def test_combine_functions_take_any_number_of_parts(dtype):
         sum_into(dst, [outs[0][:, 1:]])
 
 
-def test_merge_into_folds_one_part_into_a_float32_accumulator():
+def test_merge_many_into_folds_into_one_of_its_parts():
     outs, lses = _parts(2, 1, 5, 2, 16, torch.float16)
-    acc, acc_lse = outs[0].float(), lses[0].clone()
-    merge_into(acc, acc_lse, outs[1], lses[1])
+    acc, acc_lse = outs[0].float(), lses[0].clone()  # a float32 accumulator, updated in place
+    merge_many_into(acc, acc_lse, [(acc, acc_lse), (outs[1], lses[1])])
     want, want_lse = _want_merge(outs, lses)
     torch.testing.assert_close(acc.double().cpu(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(acc_lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5)

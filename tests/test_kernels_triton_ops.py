@@ -1,19 +1,20 @@
-"""The Triton attention as torch operators and as a Backend (interpreter on CPU, tiny shapes).
+"""The Triton attention behind the one attention op, and as a Backend (interpreter on CPU).
 
-* ``triton_attention`` is differentiable through ``out`` AND ``lse`` (float64 autograd oracle);
-* ``torch.compile(fullgraph=True)`` traces the custom ops through their fake kernels;
-* ``TritonBackend`` matches the reference backend on FULL / CAUSAL / PARTIAL blocks and says
-  in one sentence why it refuses a block.
+* ``attention_with_lse(..., backend="triton")`` is differentiable through ``out`` AND ``lse``
+  (float64 autograd oracle): the lse gradient is folded into the kernels' delta;
+* ``torch.compile(fullgraph=True)`` traces the op through its fake kernel;
+* ``TritonBackend`` matches the reference backend on FULL / CAUSAL / PARTIAL blocks, with and
+  without an lse gradient, and says in one sentence why it refuses a block.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lctrain_kernels import attention_with_lse
 from lctrain_kernels.backends.reference import ReferenceBackend
 from lctrain_kernels.backends.triton import TritonBackend
 from lctrain_kernels.masks import MaskSpec, Relation, classify
-from lctrain_kernels.triton import triton_attention
 from test_kernels_triton import inputs, make_mask, reference, rel_err
 
 
@@ -28,26 +29,27 @@ def test_autograd_through_out_and_lse():
     ((out * w).sum() + (lse * u).sum()).backward()
 
     qt, kt, vt = (x.clone().requires_grad_() for x in (q, k, v))
-    out_t, lse_t = triton_attention(qt, kt, vt, causal=True, softmax_scale=0.2,
-                                    doc_bounds=bounds)
+    out_t, lse_t = attention_with_lse(qt, kt, vt, causal=True, softmax_scale=0.2,
+                                      cu_seqlens=list(bounds), backend="triton")
     ((out_t.double() * w).sum() + (lse_t.double() * u).sum()).backward()
-    assert rel_err(out_t, out.detach()) < 1e-5
+    assert rel_err(out_t, out.detach()) < 1e-5 and rel_err(lse_t, lse.detach()) < 1e-5
     for got, ref in ((qt.grad, qd.grad), (kt.grad, kd.grad), (vt.grad, vd.grad)):
         assert rel_err(got, ref) < 1e-4
 
 
-def test_torch_compile_traces_the_custom_ops():
+def test_torch_compile_traces_the_op():
     q, k, v = (x.requires_grad_() for x in inputs(1, 40, 40, 2, 1, 32, torch.float32))
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def f(q, k, v):
-        out, lse = triton_attention(q, k, v, causal=True, q_start=8, k_start=0)
+        out, lse = attention_with_lse(q, k, v, causal=True, cu_seqlens=[0, 8, 40],
+                                      backend="triton")
         return out.sum() + lse.sum()
 
     loss = f(q, k, v)
     loss.backward()
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out, lse = reference(qd, kd, vd, make_mask(40, 40, True, 8, 0), 32 ** -0.5)
+    out, lse = reference(qd, kd, vd, make_mask(40, 40, True, doc_bounds=(0, 8, 40)), 32 ** -0.5)
     (out.sum() + lse.sum()).backward()
     assert abs(loss.item() - (out.sum() + lse.sum()).item()) < 1e-3
     assert rel_err(q.grad, qd.grad) < 1e-4 and rel_err(k.grad, kd.grad) < 1e-4
@@ -70,11 +72,13 @@ def test_backend_matches_reference_backend(spec, sq, sk):
     assert torch.equal(finite, torch.isfinite(lse))
     assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-4
     do = torch.randn_like(q)
-    grads = triton_b.backward(do, q, k, v, out, lse, spec, relation, 0.125)
-    ref_grads = ref_b.backward(do, q, k, v, ref_out, ref_lse, spec, relation, 0.125)
-    for got, ref in zip(grads, ref_grads):
-        assert got.shape == ref.shape
-        assert rel_err(got, ref.double()) < 1e-4
+    for dlse in (None, torch.randn_like(lse) * finite):
+        grads = triton_b.backward(do, q, k, v, out, lse, spec, relation, 0.125, dlse=dlse)
+        ref_grads = ref_b.backward(do, q, k, v, ref_out, ref_lse, spec, relation, 0.125,
+                                   dlse=dlse)
+        for got, ref in zip(grads, ref_grads):
+            assert got.shape == ref.shape
+            assert rel_err(got, ref.double()) < 1e-4
 
 
 def test_backend_refuses_with_one_sentence(monkeypatch):
@@ -106,14 +110,3 @@ def test_autotune_pruning_keeps_what_fits(monkeypatch, kind, d, dtype, expect):
     assert len(kept) == expect and all(c in cfgs for c in kept)
     if expect > 1:
         assert cfgs[-1] not in kept  # the small fallback only when nothing larger fits
-
-
-def test_opcheck_custom_ops():
-    """Schema, fake kernels (shapes AND strides), autograd registration, aot dispatch."""
-    q, k, v = (x.requires_grad_() for x in inputs(1, 24, 24, 4, 2, 32, torch.float32))
-    mask = (0.2, True, 4, 0, [0, 10, 30])
-    torch.library.opcheck(torch.ops.lctrain_kernels.triton_attn_fwd.default, (q, k, v, *mask))
-    out, lse = torch.ops.lctrain_kernels.triton_attn_fwd(q, k, v, *mask)
-    do = torch.randn_like(out)
-    args = (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None, *mask)
-    torch.library.opcheck(torch.ops.lctrain_kernels.triton_attn_bwd.default, args)

@@ -8,9 +8,24 @@ packed documents; attention never crosses a document boundary when it is given.
     out, lse = attention_with_lse(...)     # lse: (B, Hq, S) float32, natural log
     out_loc = dist_attention(q_loc, k_loc, v_loc, group=pg, schedule="distflash")
 
+All four are one operator (``torch.ops.lctrain.dist_attention``): local attention is the
+distributed attention on a group of one (:mod:`lctrain_kernels.api`). The names of schedules,
+layouts and backends live in the torch-free :mod:`lctrain_kernels.vocabulary`; this package
+loads torch only when one of the functions above is first used.
+
 This package depends on torch and triton only.
 """
-from lctrain_kernels.api import attention, attention_with_lse
-from lctrain_kernels.distributed import dist_attention, dist_attention_with_lse
+import importlib
 
 __all__ = ["attention", "attention_with_lse", "dist_attention", "dist_attention_with_lse"]
+
+
+def __getattr__(name: str):
+    """Load the attention API (and torch) on first use of one of its functions (PEP 562)."""
+    if name in __all__:
+        return getattr(importlib.import_module("lctrain_kernels.api"), name)
+    raise AttributeError(f"module 'lctrain_kernels' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,94 +1,46 @@
-"""The local attention API: ``attention`` and ``attention_with_lse`` on one device.
+"""The attention API, one door: ``dist_attention`` over a process group, ``attention`` on one.
 
-Layout is BSHD — q ``(B, S, Hq, D)``, k and v ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0`` — and the
-log-sum-exp is ``(B, Hq, S)`` float32 (float64 for float64 inputs), natural log. The whole sequence is ONE block of
-:mod:`lctrain_kernels.blocks` (queries and keys both start at global position 0), so the local
-path and the distributed one run exactly the same backends.
+Local attention IS distributed attention on a group of one: all four functions check their
+arguments here, once, on the host, and call the one operator ``torch.ops.lctrain.dist_attention``
+(:mod:`lctrain_kernels.distributed.op`), which runs a schedule's plan with any local backend —
+for one rank a plan of one block covering the whole sequence, with no communication.
 
-Autograd: a :class:`torch.autograd.Function` saves q, k, v, out and lse (no score matrix) and its
-backward recomputes the probabilities through ``block_backward``, as FlashAttention does. The
-log-sum-exp is differentiable too: ``d lse_i / d s_ij = P_ij``, which is exactly the
-``dS = P * (dP - delta)`` of an ordinary backward run with ``dO_i = g_i e_0``, ``V_j = e_0`` and
-``O = 0`` (so ``dP_ij = g_i`` and ``delta = 0``); that second backward runs only when a loss
-actually uses the lse.
+Layout is BSHD — q ``(B, S, Hq, D)``, k and v ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0`` — and
+the log-sum-exp is ``(B, Hq, S)`` float32 (float64 for float64 inputs), natural log. Both
+outputs are differentiable: the backward recomputes the probabilities from the saved q, k, v,
+out and lse (no score matrix is kept), as FlashAttention does, and takes the lse's gradient in
+the same pass.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 
-from lctrain_kernels.blocks import block_backward, block_forward
-from lctrain_kernels.masks import MaskSpec, doc_bounds_from
+import lctrain_kernels.distributed.op  # noqa: F401 - registers torch.ops.lctrain.dist_attention*
+from lctrain_kernels.backends import check_backend_name
+from lctrain_kernels.masks import doc_bounds_from
+from lctrain_kernels.vocabulary import check_schedule, check_seq_len, schedule_layout
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    b, s, h, _ = q.shape
-    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
-    return torch.zeros_like(q), lse
-
-
-def _lse_backward(dlse, q, k, v, out, lse, spec, scale, backend):
-    """(dq, dk, _) of ``sum(dlse * lse)`` via one ordinary backward (see module docstring)."""
-    do_unit = torch.zeros_like(q)  # (B, S, Hq, D): dlse in feature 0
-    do_unit[..., 0] = dlse.transpose(1, 2).to(q.dtype)
-    v_unit = torch.zeros_like(v)  # (B, S, Hkv, D): e_0 for every key
-    v_unit[..., 0] = 1
-    return block_backward(do_unit, q, k, v_unit, torch.zeros_like(out), lse, spec, scale=scale,
-                          backend=backend)
-
-
-class _AttentionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, spec: MaskSpec, scale: float, backend):
-        result = block_forward(q, k, v, spec, scale=scale, backend=backend)
-        out, lse = result if result is not None else _empty_result(q)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.scale, ctx.backend = spec, scale, backend
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        spec, scale, backend = ctx.spec, ctx.scale, ctx.backend
-        grads = None  # (dq (B, S, Hq, D), dk (B, S, Hkv, D), dv (B, S, Hkv, D))
-        if dout is not None:
-            grads = block_backward(dout.contiguous(), q, k, v, out, lse, spec, scale=scale,
-                                   backend=backend)
-        if dlse is not None:
-            extra = _lse_backward(dlse, q, k, v, out, lse, spec, scale, backend)
-            if extra is not None:
-                extra = (extra[0], extra[1], torch.zeros_like(v))  # lse does not depend on v
-                grads = extra if grads is None else _add_wide(grads, extra)
-        if grads is None:  # empty attention or no gradient flowing in
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
-        dq, dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def _add_wide(a, b):
-    """Element-wise sums of two gradient triples, in float32 at least."""
-    return tuple(x.to(torch.promote_types(x.dtype, torch.float32)) + y for x, y in zip(a, b))
 
 
 def _check_tensors(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, seq, heads, head_dim), got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}.")
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}.")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must share batch and sequence length (self-attention), got "
-                         f"q {tuple(q.shape)} and k {tuple(k.shape)}.")
+    if q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"q and k must share batch and sequence length (self-attention of this "
+                         f"rank's rows), got q {tuple(q.shape)} and k {tuple(k.shape)}.")
     if q.shape[3] != k.shape[3] or q.shape[3] == 0:
         raise ValueError(f"q and k/v must have the same non-zero head_dim, got {q.shape[3]} and "
                          f"{k.shape[3]}.")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"the number of query heads ({q.shape[2]}) must be a multiple of the "
                          f"number of key/value heads ({k.shape[2]}).")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
@@ -99,15 +51,86 @@ def _check_tensors(q, k, v) -> None:
                          f"{v.device}.")
 
 
-def _spec_and_scale(q, causal, cu_seqlens, softmax_scale) -> tuple[MaskSpec, float]:
+def _backend_name(backend) -> str:
+    """The name of ``backend`` (a name, or a Backend standing for its registered name)."""
+    name = backend if isinstance(backend, str) else getattr(backend, "name", None)
+    if not isinstance(name, str):
+        raise ValueError(f"backend must be a backend name or a Backend object, got {backend!r}.")
+    return check_backend_name(name)
+
+
+def _options(q, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap) -> tuple:
+    """Validate everything once, on the host, and turn it into the op's plain arguments."""
+    check_schedule(schedule)
+    world = 1 if group is None else dist.get_world_size(group)
+    seq_len = q.shape[1] * world
+    check_seq_len(seq_len, world, schedule_layout(schedule))
     bounds = doc_bounds_from(cu_seqlens)
-    if bounds is not None and bounds[-1] != q.shape[1]:
-        raise ValueError(f"cu_seqlens must end at the sequence length {q.shape[1]}, got "
-                         f"{bounds[-1]}.")
+    if bounds is not None and bounds[-1] != seq_len:
+        held, fix = "", ""
+        if world > 1:
+            held = f" ({world} ranks × {q.shape[1]} rows)"
+            fix = "; pass the GLOBAL cu_seqlens, the same on every rank"
+        raise ValueError(f"cu_seqlens must end at the sequence length {seq_len}{held}, got "
+                         f"{bounds[-1]}{fix}.")
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}.")
-    return MaskSpec(causal=bool(causal), doc_bounds=bounds), scale
+    group_name = group.group_name if world > 1 else ""
+    return (group_name, bool(causal), list(bounds or ()), scale, schedule,
+            _backend_name(backend), bool(overlap))
+
+
+def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
+                            causal: bool = True, cu_seqlens=None, softmax_scale: float | None = None,
+                            schedule: str = "distflash", backend="auto", overlap: bool = True
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence-parallel attention of this rank's rows, with their global log-sum-exp.
+
+    Args:
+        q: (B, N/P, Hq, D) this rank's queries, sharded with ``make_schedule(P, schedule).layout``.
+        k: (B, N/P, Hkv, D) this rank's keys, ``Hq % Hkv == 0`` (only Hkv heads travel).
+        v: (B, N/P, Hkv, D) this rank's values.
+        group: the sequence-parallel process group; None (or one rank) runs local attention.
+        causal: key ``j`` visible to query ``i`` only if ``j <= i`` (global positions).
+        cu_seqlens: GLOBAL document bounds ``[0, ..., N]`` (tensor or ints, identical on every
+            rank); attention never crosses a document. None: one document.
+        softmax_scale: scale of ``q k^T``; default ``1 / sqrt(D)``.
+        schedule: "distflash" (balanced, default), "ring" or "zigzag".
+        backend: local attention backend name ("auto", "reference", "cudnn", ...; see
+            :mod:`lctrain_kernels.backends`), or a Backend object standing for its name.
+        overlap: post the next step's transfers before computing the current block (False is
+            the ablation that waits right after posting).
+
+    Returns:
+        ``(out, lse)``: (B, N/P, Hq, D) in q's dtype and (B, Hq, N/P) float32 (float64 for
+        float64 inputs), natural log; both differentiable with respect to q, k and v. When a
+        loss uses the lse on one rank of a group, it must use it on every rank (its gradient
+        travels with the query rows).
+
+    Raises:
+        ValueError: bad shapes, dtypes, schedule name, cu_seqlens, scale, or a global length
+            (P × local length) not divisible by the schedule's layout chunking.
+        BackendUnavailable: the backend is unknown, not installed, or cannot run a block.
+    """
+    _check_tensors(q, k, v)
+    options = _options(q, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap)
+    return torch.ops.lctrain.dist_attention(q, k, v, *options)
+
+
+def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
+                   cu_seqlens=None, softmax_scale: float | None = None, schedule: str = "distflash",
+                   backend="auto", overlap: bool = True) -> torch.Tensor:
+    """Sequence-parallel attention of this rank's rows; see :func:`dist_attention_with_lse`.
+
+    Returns:
+        (B, N/P, Hq, D) output rows of this rank, in q's dtype, differentiable.
+
+    Raises:
+        ValueError, BackendUnavailable: as :func:`dist_attention_with_lse`.
+    """
+    return dist_attention_with_lse(q, k, v, group, causal, cu_seqlens, softmax_scale, schedule,
+                                   backend, overlap)[0]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -133,9 +156,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         ValueError: on inconsistent shapes, dtypes, devices, ``cu_seqlens`` or scale.
         BackendUnavailable: if the requested backend cannot run this attention.
     """
-    _check_tensors(q, k, v)
-    spec, scale = _spec_and_scale(q, causal, cu_seqlens, softmax_scale)
-    return _AttentionFn.apply(q, k, v, spec, scale, backend)
+    return dist_attention_with_lse(q, k, v, None, causal, cu_seqlens, softmax_scale,
+                                   backend=backend)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,

@@ -1,12 +1,13 @@
 """Block entry points: classify a block, skip it if empty, otherwise run the chosen backend.
 
-These two functions are what everything above the backends calls — the local API
-(:mod:`lctrain_kernels.api`, one block covering the whole sequence) and the distributed
-executor (one call per (query chunk, key chunk) pair of its schedule). An EMPTY block returns
-None before any backend is chosen or any kernel launched, so callers can also skip the
-communication that would have fed it. Partial results of the blocks of one query row are
-combined with :mod:`lctrain_kernels.merge`; the backward of each block then takes the row's
-FINAL (merged) output and log-sum-exp, and the blocks' gradients add up.
+These two functions are what the attention executor calls
+(:mod:`lctrain_kernels.distributed.executor`: one call per (query chunk, key chunk) piece of
+its schedule; local attention is a schedule of one block). An EMPTY block returns None before
+any backend is chosen or any kernel launched, so callers can also skip the communication that
+would have fed it. Partial results of the blocks of one query row are combined with
+:mod:`lctrain_kernels.combine`; the backward of each block then takes the row's FINAL (merged)
+output and log-sum-exp (and that lse's gradient, when a loss uses it), and the blocks'
+gradients add up.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskS
 
 def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, spec: MaskSpec, *, scale: float,
-                   backend="auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                   backend="auto", dlse: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Gradients of one block, from the FINAL (merged) output and lse of its query rows.
 
     Args:
@@ -57,6 +59,7 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         spec: the block's mask in global positions.
         scale: the forward's softmax scale.
         backend: "auto", a backend name, or a Backend object.
+        dlse: (B, Hq, Sq) gradient of the final lse, or None when no loss uses it.
 
     Returns:
         ``(dq, dk, dv)`` — (B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), summed over each
@@ -69,4 +72,4 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if relation is Relation.EMPTY:
         return None
     chosen = select_backend(backend, q, k, v, spec, relation)
-    return chosen.backward(do, q, k, v, out, lse, spec, relation, scale)
+    return chosen.backward(do, q, k, v, out, lse, spec, relation, scale, dlse=dlse)

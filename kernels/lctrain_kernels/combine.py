@@ -1,10 +1,24 @@
-"""Combine any number of partial results of the same rows: gradient sums and output merges.
+"""Combine partial results of the same rows: attention outputs merged through their lse, and
+gradient sums.
 
-``sum_into(dst, parts)`` writes ``sum(parts)``; ``merge_many_into(dst, dst_lse, parts)`` writes
-the attention over the union of the parts' key sets (see :mod:`lctrain_kernels.merge` for the
-arithmetic). Both compute in float32 (float64 when an input is float64) and round ONCE into
-``dst``, however many parts there are — a bf16 gradient summed from three blocks is as exact
-as the blocks themselves allow. On CUDA with contiguous head dims one Triton kernel
+Attention over a set of keys splits into attention over disjoint pieces of it. For one query
+row, a piece ``a`` gives its normalised output ``out_a`` and ``lse_a = log sum_j exp(s_j)``
+over its keys. Two pieces combine exactly into the attention over their union:
+
+    lse = log(exp(lse_a) + exp(lse_b)) = max(lse_a, lse_b) + log1p(exp(-|lse_a - lse_b|))
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+Both weights are at most 1, so nothing overflows. A row that sees no key in a piece carries
+``lse = -inf`` and ``out = 0``: its weight is exactly 0; a row that sees no key in any piece
+stays ``lse = -inf``, ``out = 0`` (never NaN). This is how DistFlashAttn folds the blocks
+computed on other workers into the owner's result.
+
+``merge(out_a, lse_a, out_b, lse_b)`` combines two pieces into new tensors;
+``merge_many_into(dst, dst_lse, parts)`` writes the merge of any number of them, and
+``sum_into(dst, parts)`` the sum of gradients. All compute in float32 (float64 when an input is
+float64, so the float64 oracle tests keep their precision) and round ONCE into ``dst``, however
+many parts there are — a bf16 gradient summed from three blocks is as exact as the blocks
+themselves allow. On CUDA with contiguous head dims one Triton kernel
 (:mod:`lctrain_kernels.triton.combine`) reads each part once per group of four; elsewhere
 (CPU, float64, odd strides) the same arithmetic runs as torch ops. ``dst`` may be one of the
 parts (an in-place fold).
@@ -13,9 +27,57 @@ from __future__ import annotations
 
 import torch
 
-from lctrain_kernels.merge import merge
-
+_NEG_INF = float("-inf")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
+    """Merged lse and the weights exp(lse_x - lse), (B, H, S) float32 or float64, -inf safe."""
+    ct = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
+    lse_a, lse_b = lse_a.to(ct), lse_b.to(ct)
+    hi = torch.maximum(lse_a, lse_b)  # (B, H, S)
+    lo = torch.minimum(lse_a, lse_b)
+    hi_safe = torch.where(hi == _NEG_INF, torch.zeros_like(hi), hi)
+    lse = hi + torch.log1p(torch.exp(lo - hi_safe))  # both -inf -> -inf + log1p(0) = -inf
+    lse_safe = torch.where(lse == _NEG_INF, torch.zeros_like(lse), lse)
+    w_a = torch.exp(lse_a - lse_safe)  # exactly 0 where a piece saw nothing
+    w_b = torch.exp(lse_b - lse_safe)
+    return lse, w_a, w_b
+
+
+def _as_bshd_weight(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(1, 2).unsqueeze(-1)  # (B, H, S) -> (B, S, H, 1)
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial results of the same query rows into new tensors.
+
+    Args:
+        out_a: (B, S, H, D) output over the first set of keys.
+        lse_a: (B, H, S) its log-sum-exp.
+        out_b: (B, S, H, D) output over a disjoint second set of keys.
+        lse_b: (B, H, S) its log-sum-exp.
+
+    Returns:
+        ``(out, lse)``: (B, S, H, D) and (B, H, S), float32 (float64 if any input is), the
+        attention over the union of both key sets.
+
+    Raises:
+        ValueError: if the shapes disagree.
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(f"cannot merge partial results of different shapes: out "
+                         f"{tuple(out_a.shape)} vs {tuple(out_b.shape)}, lse "
+                         f"{tuple(lse_a.shape)} vs {tuple(lse_b.shape)}.")
+    b, s, h, _ = out_a.shape
+    if tuple(lse_a.shape) != (b, h, s):
+        raise ValueError(f"lse must be (B, H, S) = {(b, h, s)} for out of shape (B, S, H, D) = "
+                         f"{tuple(out_a.shape)}, got {tuple(lse_a.shape)}.")
+    lse, w_a, w_b = _weights(lse_a, lse_b)
+    ct = torch.promote_types(torch.promote_types(out_a.dtype, out_b.dtype), lse.dtype)
+    out = out_a.to(ct) * _as_bshd_weight(w_a).to(ct) + out_b.to(ct) * _as_bshd_weight(w_b).to(ct)
+    return out, lse
 
 
 def _wide(dtypes) -> torch.dtype:

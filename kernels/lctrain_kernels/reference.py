@@ -13,7 +13,8 @@ with other blocks — and recomputes the probabilities, as FlashAttention does::
     P     = exp(S - lse)             this block's share of the final softmax
     dV    = P^T dO
     dP    = dO V^T
-    delta = rowsum(dO * O)           the same for every block of a row
+    delta = rowsum(dO * O) - dlse    the same for every block of a row (dlse: the gradient
+                                     of the lse, when a loss uses it; d lse_i / d S_ij = P_ij)
     dS    = P * (dP - delta)
     dQ    = scale * dS K,  dK = scale * dS^T Q
 
@@ -146,7 +147,7 @@ def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: M
 
 def reference_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, spec: MaskSpec, scale: float, *,
-                       max_scores: int = MAX_SCORES
+                       dlse: torch.Tensor | None = None, max_scores: int = MAX_SCORES
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block from the FINAL (merged) output and log-sum-exp of its rows.
 
@@ -159,6 +160,7 @@ def reference_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         lse: (B, Hq, Sq) final log-sum-exp of these rows.
         spec: the block's mask in global positions.
         scale: the softmax scale of the forward.
+        dlse: (B, Hq, Sq) gradient of the final lse, or None when no loss uses it.
         max_scores: bound on the score elements held at once.
 
     Returns:
@@ -180,6 +182,8 @@ def reference_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         qg = _group_rows(q[:, rows], hkv, ct)  # (B, Hkv, G*R, D)
         dog = _group_rows(do[:, rows], hkv, ct)  # (B, Hkv, G*R, D)
         delta = (dog * _group_rows(out[:, rows], hkv, ct)).sum(-1, keepdim=True)  # (B,Hkv,G*R,1)
+        if dlse is not None:
+            delta -= dlse[:, :, rows].to(ct).reshape(b, hkv, g * r, 1)
         lse_c = lse[:, :, rows].to(ct).reshape(b, hkv, g * r)  # (B, Hkv, G*R)
         k_c = kh[:, :, keys]  # (B, Hkv, K, D)
         p = _probs(_scores(qg, k_c.transpose(-1, -2), scale, mask, g), lse_c)  # (B,Hkv,G*R,K)

@@ -37,9 +37,8 @@ from lctrain.bench.attention_peers import PEERS, PeerUnavailable, Shape
 from lctrain.bench.kernel import forward_flops
 from lctrain.bench.result import BenchResult
 from lctrain_kernels.distributed.comm import nccl_options
+from lctrain_kernels.vocabulary import SCHEDULES, check_schedule, check_seq_len
 
-SCHEDULES = ("distflash", "zigzag", "ring")
-_CHECK_FLOOR = 1e-4  # float32 schedules differ from the reference by rounding only
 _MAX_REPEATS = 50
 
 
@@ -296,7 +295,7 @@ def run(seq_lens: list[int], schedules: list[str] | None = None, nproc: int | No
 
     Args:
         seq_lens: TOTAL sequence lengths (batch 1); each must split into 2·nproc chunks.
-        schedules: lctrain schedules to time (default all: distflash, zigzag, ring).
+        schedules: lctrain schedules to time (default all: distflash, ring, zigzag).
         nproc: ranks; default every CUDA GPU, or 2 CPU processes (gloo) without one.
         heads, kv_heads, head_dim: attention shape (kv_heads default = heads).
         dtype: input dtype.
@@ -322,17 +321,14 @@ def run(seq_lens: list[int], schedules: list[str] | None = None, nproc: int | No
     kv_heads = kv_heads or heads
     schedules = tuple(schedules or SCHEDULES)
     for s in schedules:
-        if s not in SCHEDULES:
-            raise ValueError(f"unknown schedule {s!r}; choose from {', '.join(SCHEDULES)}.")
+        check_schedule(s)
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}).")
     if cuda and nproc > torch.cuda.device_count():
         raise ValueError(f"nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs.")
     check_len = check_len or min(min(seq_lens), 2048 * nproc)
     for s in (*seq_lens, check_len):
-        if s % (2 * nproc):
-            raise ValueError(f"sequence length {s} must be a multiple of {2 * nproc} (2 × {nproc} ranks, "
-                             f"for the zigzag layout); round it to a multiple of {2 * nproc}.")
+        check_seq_len(s, nproc, "zigzag", ranks=f"{nproc} ranks")  # every schedule and peer
     cfg = BenchConfig(tuple(seq_lens), schedules, heads, kv_heads, head_dim, str(dtype).replace("torch.", ""),
                       overlap_ablation, peers, backend, repeats, warmup, check_len, single_max_len, time_budget_s,
                       min_time_s)

@@ -25,6 +25,7 @@ from lctrain.cli.options import (
     SetOpt,
 )
 from lctrain.config import load_recipe, parse_size, parse_size_list
+from lctrain_kernels.vocabulary import SCHEDULES
 
 app = typer.Typer(help="Measure local attention kernels, the distributed attention and whole "
                        "training steps.", no_args_is_help=True, add_completion=False,
@@ -56,7 +57,7 @@ def kernel(seq_len: SeqLensOpt = "4k,8k,16k", backend: BackendsOpt = None, heads
 
 
 @app.command("attention")
-def attention(seq_len: SeqLensOpt = "16k,32k,64k", schedule: SchedulesOpt = "distflash,ring,zigzag",
+def attention(seq_len: SeqLensOpt = "16k,32k,64k", schedule: SchedulesOpt = ",".join(SCHEDULES),
               nproc: NprocOpt = None, heads: HeadsOpt = 32, kv_heads: KvHeadsOpt = None,
               head_dim: HeadDimOpt = 128, dtype: DTypeOpt = DType.bfloat16,
               backend: BackendOpt = None,

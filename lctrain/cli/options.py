@@ -10,14 +10,12 @@ from typing import Annotated, Optional
 
 import typer
 
+from lctrain.config.schema import ATTENTION_BACKENDS, CHECKPOINTING_POLICIES
+from lctrain_kernels.vocabulary import SCHEDULES
 
-class Policy(str, enum.Enum):
-    """Activation checkpointing policies (``train.checkpointing``)."""
-
-    none = "none"
-    full = "full"
-    remat = "remat"
-    remat_offload = "remat-offload"
+Policy = enum.Enum("Policy", [(name.replace("-", "_"), name) for name in CHECKPOINTING_POLICIES],
+                   type=str)
+"""Activation checkpointing policies (``train.checkpointing``), as a choice for Typer."""
 
 
 class DType(str, enum.Enum):
@@ -71,13 +69,13 @@ SeqLensOpt = Annotated[str, typer.Option(
     "--seq-len", metavar="SIZES", help="Comma-separated sequence lengths, e.g. 16k,32k,64k.")]
 BackendsOpt = Annotated[Optional[str], typer.Option(
     "--backend", metavar="NAMES", show_default=False,
-    help="Comma-separated local attention backends (triton, cudnn, flash, flash_attn, "
-         "reference); default: every one available.")]
+    help=f"Comma-separated local attention backends ({', '.join(ATTENTION_BACKENDS[1:])}); "
+         "default: every one available.")]
 BackendOpt = Annotated[Optional[str], typer.Option(
     "--backend", metavar="NAME", show_default=False,
     help="Local attention backend inside the distributed attention (default: auto).")]
 SchedulesOpt = Annotated[str, typer.Option(
-    "--schedule", metavar="NAMES", help="Comma-separated schedules: distflash, ring, zigzag.")]
+    "--schedule", metavar="NAMES", help=f"Comma-separated schedules: {', '.join(SCHEDULES)}.")]
 HeadsOpt = Annotated[int, typer.Option("--heads", min=1, help="Query heads.")]
 KvHeadsOpt = Annotated[Optional[int], typer.Option(
     "--kv-heads", min=1, show_default=False, help="Key/value heads (default: --heads).")]

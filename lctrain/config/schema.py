@@ -13,16 +13,22 @@ from typing import Literal
 
 from lctrain.config.fields import MEMORY, SIZE, check_fields, require
 from lctrain.errors import ConfigError
+from lctrain_kernels.vocabulary import (BACKENDS, SCHEDULES, check_seq_len, schedule_layout,
+                                        seq_chunks)
 
-SCHEDULE_LAYOUTS = {"distflash": "contiguous", "ring": "contiguous", "zigzag": "zigzag",
+SCHEDULE_LAYOUTS = {**{kind: schedule_layout(kind) for kind in SCHEDULES},
                     "context_parallel": "zigzag"}
-"""How each attention schedule lays the sequence out over the cp ranks (mirrors
-``lctrain_kernels.distributed.make_schedule(p, kind).layout``; a test keeps the two in step).
-``context_parallel`` is torch's own ring attention, the peer to compare with: its head-tail
-load balancer is the zigzag layout (`lctrain.parallel.torch_cp` checks that at run time)."""
+"""How each attention schedule lays the sequence out over the cp ranks: lctrain_kernels'
+schedules (``lctrain_kernels.vocabulary``), and ``context_parallel``, torch's own ring
+attention, the peer to compare with: its head-tail load balancer is the zigzag layout
+(`lctrain.parallel.torch_cp` checks that at run time)."""
 
-LAYOUT_CHUNKS_PER_RANK = {"contiguous": 1, "zigzag": 2}
-"""Chunks per cp rank: zigzag gives every rank one chunk from the head and one from the tail."""
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
+"""Local attention backends of lctrain_kernels, and "auto" (the fastest that can run)."""
+
+CHECKPOINTING_POLICIES = ("none", "full", "remat", "remat-offload")
+"""Activation checkpointing policies (``train.checkpointing``), implemented by
+`lctrain.parallel.checkpointing` and modelled by `lctrain.memory`."""
 
 BYTE_TOKENIZER_VOCAB = 259
 """Vocabulary of the ``"bytes"`` tokenizer: 256 byte values + bos, eos, pad (see lctrain.data)."""
@@ -99,12 +105,12 @@ class ParallelConfig:
     """Context-parallel degree: ranks that share one sequence (each holds seq_len / cp tokens)."""
     dp: int = 0
     """Data-parallel degree; 0 = world size / cp."""
-    schedule: Literal["distflash", "ring", "zigzag", "context_parallel"] = "distflash"
+    schedule: Literal[tuple(SCHEDULE_LAYOUTS)] = "distflash"
     """Distributed attention schedule: distflash (balanced), ring (unbalanced baseline),
     zigzag (ring over the head-tail layout), or context_parallel — torch's own
     ``torch.distributed.tensor.experimental.context_parallel`` ring on SDPA, the peer to
     measure against (CUDA only, one causal sequence per row: data.document_mask false)."""
-    attention_backend: Literal["auto", "triton", "cudnn", "flash", "flash_attn", "reference"] = "auto"
+    attention_backend: Literal[ATTENTION_BACKENDS] = "auto"
     """Local attention backend of lctrain_kernels; auto picks the fastest that can run."""
     fsdp: Literal["auto", "on", "off"] = "auto"
     """Shard parameters, gradients and optimizer state (FSDP2) over all ranks; auto = on when
@@ -123,7 +129,7 @@ class ParallelConfig:
     @property
     def seq_chunks(self) -> int:
         """Number of equal chunks the sequence is cut into: seq_len must be a multiple of it."""
-        return self.cp * LAYOUT_CHUNKS_PER_RANK[self.layout]
+        return seq_chunks(self.cp, self.layout)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +158,7 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 = no clipping."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """Compute dtype: bf16 autocast / FSDP2 bf16 params, no, or auto (bf16 on GPUs that have it)."""
-    checkpointing: Literal["none", "full", "remat", "remat-offload"] = "none"
+    checkpointing: Literal[CHECKPOINTING_POLICIES] = "none"
     """Activation checkpointing per decoder layer: none, full (recompute everything), remat
     (recompute all but the distributed attention, whose output and LSE are kept) or
     remat-offload (remat with saved activations in host memory)."""
@@ -246,15 +252,11 @@ _SECTIONS = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfi
 
 
 def _check_seq_len(cfg: RecipeConfig) -> None:
-    seq_len, chunks = cfg.data.seq_len, cfg.parallel.seq_chunks
-    if seq_len % chunks:
-        low, high = seq_len // chunks * chunks, (seq_len // chunks + 1) * chunks
-        how = "parallel.cp" if chunks == cfg.parallel.cp else "2 × parallel.cp"
-        nearest = f"{low} or {high}" if low else str(high)
-        raise ConfigError(
-            f"data.seq_len {seq_len} is not divisible by {chunks} ({how} for the "
-            f"{cfg.parallel.schedule} schedule's {cfg.parallel.layout} layout); use a multiple of "
-            f"{chunks} such as {nearest}", key="data.seq_len")
+    try:
+        check_seq_len(cfg.data.seq_len, cfg.parallel.cp, cfg.parallel.layout,
+                      what="data.seq_len", ranks="parallel.cp")
+    except ValueError as exc:
+        raise ConfigError(str(exc), key="data.seq_len") from None
 
 
 def _check_tokenizer(cfg: RecipeConfig) -> None:

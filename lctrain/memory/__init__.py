@@ -4,7 +4,6 @@
     est = estimate_recipe(cfg, model=None, seq_len=256 * 1024, gpus=8, gpu_memory=80 << 30,
                           cp=None, policy=None)
     est.to_json()   # parameters_count, per_gpu_bytes{...,total}, fits, max_seq_len
-    est.table()     # a rich Table
 
 Low level: ``estimate(load_architecture("llama-7b"), seq_len, gpus, cp, "remat", "bfloat16")``.
 """

@@ -28,10 +28,8 @@ of the head).
 """
 from __future__ import annotations
 
+from lctrain.config.schema import CHECKPOINTING_POLICIES as POLICIES
 from lctrain.memory.arch import Architecture
-
-POLICIES = ("none", "full", "remat", "remat-offload")
-"""Checkpointing policies, as in the recipe's train.checkpointing."""
 
 
 def layer_saved(arch: Architecture, tokens: int, c: int) -> int:

@@ -1,11 +1,12 @@
 """`estimate_recipe`: the memory model applied to a recipe (what ``lctrain estimate-memory`` calls)."""
 from __future__ import annotations
 
-from lctrain.config.schema import LAYOUT_CHUNKS_PER_RANK, ParallelConfig, RecipeConfig, TrainConfig
+from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
 from lctrain.errors import UserError
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
 from lctrain.memory.estimate import estimate
 from lctrain.memory.report import MemoryEstimate
+from lctrain_kernels.vocabulary import seq_chunks
 
 
 def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_len: int,
@@ -44,7 +45,7 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
                     master_dtype=master, batch_size=train.batch_size,
                     grad_accum=train.grad_accum, fsdp=parallel.fsdp != "off",
                     loss_chunk_tokens=train.loss_chunk_tokens, gpu_memory=gpu_memory,
-                    seq_chunks=cp * LAYOUT_CHUNKS_PER_RANK[parallel.layout],
+                    seq_chunks=seq_chunks(cp, parallel.layout),
                     host_memory=host_memory, gpus_per_node=gpus_per_node)
 
 

@@ -1,10 +1,7 @@
-"""`MemoryEstimate`: the result of the memory model, as JSON and as a table."""
+"""`MemoryEstimate`: the result of the memory model, as JSON (the CLI renders it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "other")
-_GIB = float(1 << 30)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,36 +53,3 @@ class MemoryEstimate:
             "per_gpu_bytes": dict(self.per_gpu_bytes),
             "details": dict(self.details), "fits": self.fits, "max_seq_len": self.max_seq_len,
         }
-
-    def table(self):
-        """A rich Table: one row per component with GiB and share of the total."""
-        from rich.table import Table
-
-        total = self.per_gpu_bytes["total"]
-        title = (f"{self.model} ({self.parameters_count / 1e9:.2f} B parameters): "
-                 f"{self.seq_len} tokens, {self.gpus} GPU(s), cp {self.cp}, {self.policy}")
-        table = Table(title=title, caption=self._caption())
-        table.add_column("per GPU")
-        table.add_column("GiB", justify="right")
-        table.add_column("share", justify="right")
-        for name in COMPONENTS:
-            value = self.per_gpu_bytes[name]
-            table.add_row(name, f"{value / _GIB:.2f}", f"{100 * value / total:.0f} %")
-        table.add_row("total", f"{total / _GIB:.2f}", "100 %", style="bold")
-        return table
-
-    def _caption(self) -> str:
-        phase = self.details.get("phase", "?")
-        text = f"peak at the {phase} phase; {self.details.get('tokens_per_gpu', '?')} tokens per GPU"
-        if self.details.get("host_offload"):
-            text += f"; {self.details['host_offload'] / _GIB:.1f} GiB pinned host memory per GPU"
-        if self.gpu_memory is None:
-            return text
-        verdict = "fits" if self.fits else "does NOT fit"
-        where = f"{self.gpu_memory / _GIB:.1f} GiB per GPU"
-        if self.host_memory is not None and self.details.get("host_offload"):
-            where += (f" and {self.host_memory / _GIB:.0f} GiB of host memory per machine "
-                      f"({self.details['host_offload_per_node'] / _GIB:.0f} GiB pinned)")
-        longest = (f"longest that fits: {self.max_seq_len} tokens" if self.max_seq_len
-                   else "no sequence length fits")
-        return f"{verdict} in {where}; {longest}; {text}"

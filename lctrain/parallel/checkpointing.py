@@ -9,9 +9,10 @@ Policies (the recipe's ``train.checkpointing``):
   its input and re-runs its whole forward in the backward — including the attention forward and
   all its communication, which a flash-style backward then does not even need.
 - ``remat``: DistFlashAttn's rematerialization-aware checkpointing, done with selective
-  activation checkpointing: inside each checkpointed layer the attention forward ops
-  (:data:`ATTENTION_FORWARD_OPS`, above all ``lctrain::dist_attention``) are MUST_SAVE and
-  everything else PREFER_RECOMPUTE. In the backward the projections, norms, RoPE and MLP are
+  activation checkpointing: inside each checkpointed layer the attention forward
+  (:data:`ATTENTION_FORWARD_OPS`: ``lctrain::dist_attention``, the one op of lctrain's local
+  and distributed attention, with any backend) is MUST_SAVE and everything else
+  PREFER_RECOMPUTE. In the backward the projections, norms, RoPE and MLP are
   recomputed while the attention op returns its cached (out, lse); its autograd backward gets
   the recomputed q, k, v and the saved out, lse — so the attention forward and its
   communication run exactly once per layer per step. Cost: one (tokens × hidden) output and an
@@ -40,24 +41,20 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lctrain.config.schema import CHECKPOINTING_POLICIES as POLICIES
 from lctrain.errors import UserError
 from lctrain.parallel.offload import Offloader
 
-POLICIES = ("none", "full", "remat", "remat-offload")
-
 ATTENTION_FORWARD_OPS = frozenset({
-    "lctrain::dist_attention",                           # lctrain_kernels.dist_attention
-    "lctrain_kernels::triton_attn_fwd",                  # local path, triton backend
-    "aten::_scaled_dot_product_flash_attention",         # local path, flash backend
-    "aten::_scaled_dot_product_cudnn_attention",         # local path, cudnn backend
+    "lctrain::dist_attention",                        # lctrain_kernels: every attention, cp >= 1
+    "aten::_scaled_dot_product_cudnn_attention",      # torch's context_parallel ring (a peer):
+    "aten::_scaled_dot_product_flash_attention",      # its SDPA calls on sharded tensors
     "aten::_scaled_dot_product_efficient_attention",
-    "aten::_scaled_dot_product_flash_attention_for_cpu",  # local path, cpu_flash backend
-    "aten::_flash_attention_forward",
-    "aten::_efficient_attention_forward",
-    "flash_attn::_flash_attn_forward",                  # local path, flash_attn backend
 })
 """Qualified names of the ops whose outputs ``remat`` keeps: attention forwards that return
-(out, lse). Anything whose backward recomputes attention from (q, k, v, out, lse) belongs here."""
+(out, lse) and whose backward recomputes attention from (q, k, v, out, lse). lctrain's own
+attention is one op for every backend and cp degree; the SDPA ops are there for the
+``context_parallel`` schedule, torch's ring attention, the peer measured against."""
 
 
 def op_name(func) -> str:

@@ -1,14 +1,15 @@
 """Local attention backends and the rule that picks one.
 
 A backend computes one attention block (see :mod:`lctrain_kernels.masks`) and its backward,
-following the protocol in ``docs/internals.md``::
+following the :class:`~lctrain_kernels.backends.base.Backend` protocol::
 
     name: str
     unsupported(q, k, v, spec, relation) -> str | None   # None = can run it, else why not
     forward(q, k, v, spec, relation, scale) -> (out, lse)
-    backward(do, q, k, v, out, lse, spec, relation, scale) -> (dq, dk, dv)
+    backward(do, q, k, v, out, lse, spec, relation, scale, dlse=None) -> (dq, dk, dv)
 
-Backends by name (each module is imported only when first asked for):
+Backends by name (``lctrain_kernels.vocabulary.BACKENDS``; each module is imported only when
+first asked for):
 
     reference   plain torch, float32 math, any mask, any device (the oracle; CPU path)
     cudnn       torch's cuDNN SDPA op with log-sum-exp; CUDA, fp16/bf16, FULL/CAUSAL
@@ -19,9 +20,8 @@ Backends by name (each module is imported only when first asked for):
 
 The "auto" rule (:func:`select_backend`), first one that is available and supports the block:
 
-* CUDA, FULL or CAUSAL block, fp16/bf16: cudnn > triton > flash > flash_attn > reference.
-  Measured on an H200 at 64K, causal, bf16, fwd+bwd: cuDNN 547, our Triton 422, torch's
-  flash op 327 TFLOP/s (the same order at 16K..128K; README "Local kernels").
+* CUDA, FULL or CAUSAL block, fp16/bf16: cudnn > triton > flash > flash_attn > reference,
+  fastest first as measured on H100/H200 (``lctrain bench kernel``, README "Local kernels").
 * CUDA, PARTIAL block (offset diagonal, documents) or float32: triton > reference; only
   triton skips masked tiles, the dense SDPA ops here cannot take a mask with log-sum-exp.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
@@ -37,33 +37,36 @@ import importlib
 
 import torch
 
+from lctrain_kernels.backends.base import Backend, BackendUnavailable
 from lctrain_kernels.masks import MaskSpec, Relation
+from lctrain_kernels.vocabulary import BACKENDS
 
-#: backend name -> (module under lctrain_kernels.backends, class name)
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "reference": ("reference", "ReferenceBackend"),
-    "cudnn": ("sdpa", "CudnnBackend"),
-    "flash": ("sdpa", "FlashBackend"),
-    "flash_attn": ("flash_attn", "FlashAttnBackend"),
-    "triton": ("triton", "TritonBackend"),
-    "cpu_flash": ("sdpa", "CpuFlashBackend"),
-}
+__all__ = ["Backend", "BackendUnavailable", "available_backends", "backend_names",
+           "check_backend_name", "get_backend", "select_backend"]
 
 _DENSE_CUDA_ORDER = ("cudnn", "triton", "flash", "flash_attn", "reference")
 _MASKED_CUDA_ORDER = ("triton", "reference")
 _DENSE_CPU_ORDER = ("cpu_flash", "reference")
 
 
-class BackendUnavailable(RuntimeError):
-    """An attention backend is unknown, not installed, or cannot run the requested block."""
-
-
 def backend_names() -> list[str]:
     """Every backend name lctrain knows, installed or not."""
-    return list(_REGISTRY)
+    return list(BACKENDS)
 
 
-def get_backend(name: str):
+def check_backend_name(name: str) -> str:
+    """Return ``name`` if it is "auto" or a known backend (installed or not).
+
+    Raises:
+        BackendUnavailable: an unknown name.
+    """
+    if name != "auto" and name not in BACKENDS:
+        raise BackendUnavailable(f"unknown attention backend {name!r}; choose one of auto, "
+                                 f"{', '.join(BACKENDS)}.")
+    return name
+
+
+def get_backend(name: str) -> Backend:
     """The backend called ``name``, ready to use.
 
     Args:
@@ -76,10 +79,10 @@ def get_backend(name: str):
         BackendUnavailable: if the name is unknown, or the backend cannot load on this
             machine (the message says why and how to fix it).
     """
-    if name not in _REGISTRY:
-        raise BackendUnavailable(f"unknown attention backend {name!r}; choose one of auto, "
-                                 f"{', '.join(_REGISTRY)}.")
-    module_name, class_name = _REGISTRY[name]
+    if check_backend_name(name) == "auto":
+        raise BackendUnavailable("'auto' is a rule, not a backend; ask select_backend for the "
+                                 "backend it picks for a block.")
+    module_name, class_name = BACKENDS[name].split(".")
     try:
         module = importlib.import_module(f"lctrain_kernels.backends.{module_name}")
         return getattr(module, class_name)()
@@ -94,7 +97,7 @@ def get_backend(name: str):
 def available_backends() -> list[str]:
     """Names of the backends that load on this machine (each may still refuse some blocks)."""
     names = []
-    for name in _REGISTRY:
+    for name in BACKENDS:
         try:
             get_backend(name)
         except BackendUnavailable:
@@ -112,7 +115,7 @@ def _auto_order(q: torch.Tensor, relation: Relation) -> tuple[str, ...]:
     return _MASKED_CUDA_ORDER
 
 
-def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation):
+def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation) -> Backend:
     """The backend that will compute this block (the "auto" rule is in the module docstring).
 
     Args:

@@ -4,7 +4,8 @@ flash-attn 2 takes BSHD tensors and GQA directly (K/V with fewer heads; its back
 over each group itself), returns the log-sum-exp ``(B, H, Sq)`` float32 from
 ``flash_attn_func(..., return_attn_probs=True)``, and its low-level ``_flash_attn_backward``
 accepts the output and lse we hand it — the MERGED ones — computing ``delta = rowsum(dO * O)``
-from them. Signature relied on (flash-attn >= 2.7)::
+from them (so a gradient of the lse takes one more backward, see
+:class:`~lctrain_kernels.backends.base.UnitValueLseGrad`). Signature relied on (flash-attn >= 2.7)::
 
     _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
                          causal, window_size_left, window_size_right, softcap, alibi_slopes,
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lctrain_kernels.backends import BackendUnavailable
+from lctrain_kernels.backends.base import BackendUnavailable, UnitValueLseGrad
 from lctrain_kernels.backends.sdpa import square_causal_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 
@@ -39,7 +40,7 @@ def _load():
     return flash_attn_func, _flash_attn_backward
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(UnitValueLseGrad):
     """flash-attn 2 kernels; CUDA, fp16/bf16, FULL/CAUSAL blocks, native GQA."""
 
     name = "flash_attn"
@@ -70,7 +71,7 @@ class FlashAttnBackend:
                                         return_attn_probs=True)
         return out, lse[..., :q.shape[1]].float()  # (B, Sq, Hq, D), (B, Hq, Sq)
 
-    def backward(self, do, q, k, v, out, lse, spec, relation, scale):
+    def grads(self, do, q, k, v, out, lse, spec, relation, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._backward(do.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(),
                        v.contiguous(), out.to(q.dtype).contiguous(), lse.float().contiguous(),

@@ -27,5 +27,6 @@ class ReferenceBackend:
     def forward(self, q, k, v, spec: MaskSpec, relation: Relation, scale: float):
         return reference_forward(q, k, v, spec, scale)
 
-    def backward(self, do, q, k, v, out, lse, spec: MaskSpec, relation: Relation, scale: float):
-        return reference_backward(do, q, k, v, out, lse, spec, scale)
+    def backward(self, do, q, k, v, out, lse, spec: MaskSpec, relation: Relation, scale: float,
+                 dlse=None):
+        return reference_backward(do, q, k, v, out, lse, spec, scale, dlse=dlse)

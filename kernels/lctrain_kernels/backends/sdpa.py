@@ -3,7 +3,9 @@
 ``torch.nn.functional.scaled_dot_product_attention`` hides the log-sum-exp, but the aten ops
 behind it return it, and their ``_backward`` ops accept an output and lse that we pass in —
 so they can compute blocks whose results are merged, and back-propagate from the MERGED
-output and lse (see :mod:`lctrain_kernels.merge`). Schemas relied on (torch 2.11 .. 2.13)::
+output and lse (see :mod:`lctrain_kernels.combine`). They compute ``delta`` themselves, so a
+gradient of the lse takes one more backward (``backends.base.UnitValueLseGrad``). Schemas
+relied on (torch 2.11 .. 2.13)::
 
     _scaled_dot_product_cudnn_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p,
         is_causal, return_debug_mask, *, scale)
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from lctrain_kernels.backends import BackendUnavailable
+from lctrain_kernels.backends.base import BackendUnavailable, UnitValueLseGrad
 from lctrain_kernels.masks import MaskSpec, Relation
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -113,7 +115,7 @@ def _require_cuda(name: str) -> None:
                                  f"use backend='reference' (or 'auto') on this machine.")
 
 
-class CudnnBackend:
+class CudnnBackend(UnitValueLseGrad):
     """torch's cuDNN attention (fastest measured on H100/H200); FULL/CAUSAL, fp16/bf16."""
 
     name = "cudnn"
@@ -134,7 +136,7 @@ class CudnnBackend:
             relation is Relation.CAUSAL, False, scale=scale)[:2]
         return out.transpose(1, 2), lse.reshape(b, hq, sq)  # (B, Sq, Hq, D), (B, Hq, Sq)
 
-    def backward(self, do, q, k, v, out, lse, spec, relation, scale):
+    def grads(self, do, q, k, v, out, lse, spec, relation, scale):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         stats = lse.float().contiguous()  # (B, Hq, Sq)
@@ -149,7 +151,7 @@ class CudnnBackend:
         return dq.transpose(1, 2), _sum_groups(dk, hkv), _sum_groups(dv, hkv)
 
 
-class FlashBackend:
+class FlashBackend(UnitValueLseGrad):
     """torch's built-in FlashAttention-2 kernels; FULL/CAUSAL, fp16/bf16."""
 
     name = "flash"
@@ -168,7 +170,7 @@ class FlashBackend:
             relation is Relation.CAUSAL, False, scale=scale)[:2]
         return out.transpose(1, 2), lse[..., :q.shape[1]]  # (B, Sq, Hq, D), (B, Hq, Sq)
 
-    def backward(self, do, q, k, v, out, lse, spec, relation, scale):
+    def grads(self, do, q, k, v, out, lse, spec, relation, scale):
         sq, hq = q.shape[1], q.shape[2]
         sk, hkv = k.shape[1], k.shape[2]
         seed, offset = _no_rng(q.device)
@@ -180,7 +182,7 @@ class FlashBackend:
         return dq.transpose(1, 2), _sum_groups(dk, hkv), _sum_groups(dv, hkv)
 
 
-class CpuFlashBackend:
+class CpuFlashBackend(UnitValueLseGrad):
     """torch's CPU flash-attention op; FULL/CAUSAL blocks on a CPU, any float dtype, GQA."""
 
     name = "cpu_flash"
@@ -200,7 +202,7 @@ class CpuFlashBackend:
             _bhsd(q), _bhsd(k), _bhsd(v), 0.0, relation is Relation.CAUSAL, scale=scale)
         return out.transpose(1, 2), lse  # (B, Sq, Hq, D), (B, Hq, Sq)
 
-    def backward(self, do, q, k, v, out, lse, spec, relation, scale):
+    def grads(self, do, q, k, v, out, lse, spec, relation, scale):
         stats = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhsd(do.to(q.dtype)), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)),

@@ -5,24 +5,21 @@ documents) — with masks in global positions, skipping the key tiles no query c
 document-masked blocks cost only their visible work. CUDA tensors of float16 / bfloat16 /
 float32 with head dims 16..256; on a CPU only under ``TRITON_INTERPRET=1`` (tests).
 
-Calls go through the ``lctrain_kernels::triton_attn_fwd`` / ``triton_attn_bwd`` custom ops
-(``lctrain_kernels.triton.ops``), so ``torch.compile`` sees them as opaque operators.
+The backward folds a gradient of the lse into the kernels' delta, at no extra cost. The
+launchers are plain functions: ``torch.compile`` sees the whole attention as the one operator
+``torch.ops.lctrain.dist_attention`` that calls this backend.
 """
 from __future__ import annotations
 
-import torch
-
-import lctrain_kernels.triton.ops  # noqa: F401 - registers torch.ops.lctrain_kernels.triton_attn_*
 from lctrain_kernels.masks import MaskSpec, Relation
-from lctrain_kernels.triton.launch import check_inputs
+from lctrain_kernels.triton.launch import check_inputs, flash_backward, flash_forward
 
 
-def _mask_args(spec: MaskSpec, relation: Relation) -> tuple[bool, int, int, list[int] | None]:
-    """(causal, q_start, k_start, doc_bounds) for the ops; a FULL block needs no mask at all."""
-    if relation is Relation.FULL:
-        return False, spec.q_start, spec.k_start, None
-    bounds = list(spec.doc_bounds) if spec.doc_bounds is not None else None
-    return bool(spec.causal), spec.q_start, spec.k_start, bounds
+def _mask_args(spec: MaskSpec, relation: Relation) -> dict:
+    """The launchers' mask arguments; a FULL block needs no mask at all."""
+    full = relation is Relation.FULL
+    return dict(causal=bool(spec.causal) and not full, q_start=spec.q_start,
+                k_start=spec.k_start, doc_bounds=None if full else spec.doc_bounds)
 
 
 class TritonBackend:
@@ -38,10 +35,9 @@ class TritonBackend:
         return None
 
     def forward(self, q, k, v, spec: MaskSpec, relation: Relation, scale: float):
-        return torch.ops.lctrain_kernels.triton_attn_fwd(q, k, v, float(scale),
-                                                         *_mask_args(spec, relation))
+        return flash_forward(q, k, v, scale=float(scale), **_mask_args(spec, relation))
 
-    def backward(self, do, q, k, v, out, lse, spec: MaskSpec, relation: Relation, scale: float):
-        return torch.ops.lctrain_kernels.triton_attn_bwd(do, q, k, v, out, lse, None,
-                                                         float(scale),
-                                                         *_mask_args(spec, relation))
+    def backward(self, do, q, k, v, out, lse, spec: MaskSpec, relation: Relation, scale: float,
+                 dlse=None):
+        return flash_backward(do, q, k, v, out, lse, scale=float(scale), dlse=dlse,
+                              **_mask_args(spec, relation))

@@ -20,6 +20,11 @@ import torch
 from lctrain_kernels.combine import merge_many_into, sum_into
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The lse dtype of inputs of ``dtype``: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -113,11 +118,11 @@ class OutAcc(_Rows):
         merge_many_into(dst[0], dst[1], [tuple(c) for c in covering])
 
     def result(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out in like.dtype (B, n, H, D), lse float32 (B, H, n))."""
-        got = self._read((like.dtype, torch.float32))
+        """(out in like.dtype (B, n, H, D), lse (B, H, n) in ``lse_dtype(like.dtype)``)."""
+        got = self._read((like.dtype, lse_dtype(like.dtype)))
         if got is None:
             bsz, _, h, _ = like.shape
-            lse = like.new_full((bsz, h, self.n), float("-inf"), dtype=torch.float32)
+            lse = like.new_full((bsz, h, self.n), float("-inf"), dtype=lse_dtype(like.dtype))
             return torch.zeros_like(like), lse
         return got
 

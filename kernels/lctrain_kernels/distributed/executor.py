@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from lctrain_kernels.blocks import block_backward, block_forward
-from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc
+from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc, lse_dtype
 from lctrain_kernels.distributed.comm import Exchanger, Pending
 from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import Block, Message, Plan, make_schedule
@@ -232,7 +232,7 @@ class ForwardEngine(Engine):
             return [((b, rows, hkv, d), self.q.dtype)] * 2
         if m.kind == "q":
             return [((b, rows, hq, d), self.q.dtype)]
-        return [((b, rows, hq, d), self.q.dtype), ((b, hq, rows), torch.float32)]  # out, lse
+        return [((b, rows, hq, d), self.q.dtype), ((b, hq, rows), lse_dtype(self.q.dtype))]  # out, lse
 
     def local_rows(self, rows) -> list[torch.Tensor]:
         a, b = rows.resolve(self.n)
@@ -258,12 +258,18 @@ class ForwardEngine(Engine):
 
 
 class BackwardEngine(Engine):
-    """Backward: k/v and (q, dO, out, lse) rows travel in, dq and (dk, dv) travel home."""
+    """Backward: k/v and (q, dO, out, lse[, dlse]) rows travel in, dq and (dk, dv) travel home.
+
+    ``dlse`` (B, Hq, n), the gradient of this rank's lse, is given when a loss uses the lse;
+    then it travels with the query rows, and every rank must pass one (or none): the messages
+    of both ends come from the same plan.
+    """
 
     def __init__(self, plan, geo, exchanger, overlap, do, q, k, v, out, lse, scale: float,
-                 backend: str, compute: bool = True):
+                 backend: str, compute: bool = True, dlse: torch.Tensor | None = None):
         super().__init__(plan, geo, exchanger, overlap, q.device, compute)
         self.do, self.q, self.out, self.lse = do, q, out, lse  # (B, n, Hq, D) x3, (B, Hq, n)
+        self.dlse = dlse  # (B, Hq, n) or None
         self.scale, self.backend = scale, backend
         self.kv_have[self.rank] = (k, v)  # (B, n, Hkv, D) each
         self.dq, self.dk, self.dv = GradAcc(self.n), GradAcc(self.n), GradAcc(self.n)
@@ -274,15 +280,17 @@ class BackwardEngine(Engine):
         rows, dt = hi - lo, self.q.dtype
         if m.kind in ("kv", "dkv"):
             return [((b, self.n if m.kind == "kv" else rows, hkv, d), dt)] * 2
-        if m.kind == "q":  # q, dO, out, lse
+        if m.kind == "q":  # q, dO, out, lse[, dlse]
+            lse = [((b, hq, rows), self.lse.dtype)] * (1 if self.dlse is None else 2)
             return [((b, rows, hq, d), dt), ((b, rows, hq, d), self.do.dtype),
-                    ((b, rows, hq, d), self.out.dtype), ((b, hq, rows), torch.float32)]
+                    ((b, rows, hq, d), self.out.dtype), *lse]
         return [((b, rows, hq, d), dt)]  # dq
 
     def local_rows(self, rows) -> list[torch.Tensor]:
         a, b = rows.resolve(self.n)
+        rows_of = [self.lse] if self.dlse is None else [self.lse, self.dlse]
         return [self.q[:, a:b], self.do[:, a:b], self.out[:, a:b],
-                self.lse[:, :, a:b].contiguous()]  # (B, b-a, Hq, D) x3, (B, Hq, b-a)
+                *(x[:, :, a:b].contiguous() for x in rows_of)]  # (B, b-a, Hq, D) x3, (B, Hq, b-a)
 
     def absorb(self, m: Message, tensors: list[torch.Tensor]) -> None:
         a, b = m.rows.resolve(self.n)
@@ -294,15 +302,17 @@ class BackwardEngine(Engine):
 
     def compute(self, blocks: list[Block]) -> None:
         for blk in blocks:
-            (qt, dot, ot, lt), (kt, vt) = self.q_rows(blk), self.kv(blk.kv_owner, blk.kv_rows)
+            (qt, dot, ot, *lt), (kt, vt) = self.q_rows(blk), self.kv(blk.kv_owner, blk.kv_rows)
             (a, b), (c0, c1) = blk.q_rows.resolve(self.n), blk.kv_rows.resolve(self.n)
             own_q, own_kv = blk.q_owner == self.rank, blk.kv_owner == self.rank
             dq, qbase = (self.dq, a) if own_q else (GradAcc(b - a), 0)
             dk, dv, kbase = (self.dk, self.dv, c0) if own_kv else (GradAcc(c1 - c0), GradAcc(c1 - c0), 0)
             for c in block_calls(blk, self.geo):
-                lse = lt[:, :, c.qa:c.qb] if (c.qa, c.qb) == (0, b - a) else lt[:, :, c.qa:c.qb].contiguous()
+                whole = (c.qa, c.qb) == (0, b - a)
+                lse, *dlse = (x if whole else x[:, :, c.qa:c.qb].contiguous() for x in lt)
                 g = block_backward(dot[:, c.qa:c.qb], qt[:, c.qa:c.qb], kt[:, c.ka:c.kb], vt[:, c.ka:c.kb],
-                                   ot[:, c.qa:c.qb], lse, c.spec, scale=self.scale, backend=self.backend)
+                                   ot[:, c.qa:c.qb], lse, c.spec, scale=self.scale, backend=self.backend,
+                                   dlse=dlse[0] if dlse else None)
                 dq.add(qbase + c.qa, qbase + c.qb, g[0])
                 dk.add(kbase + c.ka, kbase + c.kb, g[1])
                 dv.add(kbase + c.ka, kbase + c.kb, g[2])

@@ -13,44 +13,15 @@ Two layouts:
   same amount of work. The zigzag ring (and torch's context_parallel) use it.
 
 A rank's local tensor is its chunks concatenated in that order ("local order"). ``unshard`` is an
-all-gather followed by the reordering that puts every token back at its global position.
+all-gather followed by the reordering that puts every token back at its global position. The
+layout names and the divisibility rule live in :mod:`lctrain_kernels.vocabulary`.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def chunks_per_rank(layout: str) -> int:
-    """Number of equal chunks each rank holds: 1 for "contiguous", 2 for "zigzag".
-
-    Raises:
-        ValueError: unknown layout name.
-    """
-    if layout == "contiguous":
-        return 1
-    if layout == "zigzag":
-        return 2
-    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-
-
-def check_seq_len(seq_len: int, world_size: int, layout: str) -> int:
-    """Return the chunk length, or raise if ``seq_len`` does not split evenly.
-
-    Raises:
-        ValueError: seq_len not divisible by world_size × chunks_per_rank(layout).
-    """
-    parts = world_size * chunks_per_rank(layout)
-    if world_size < 1:
-        raise ValueError(f"world size must be at least 1, got {world_size}")
-    if seq_len <= 0 or seq_len % parts:
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by {parts} (world size {world_size} × "
-            f"{chunks_per_rank(layout)} chunk(s) per rank of the {layout} layout); pad or cut the "
-            f"sequence to a multiple of {parts}")
-    return seq_len // parts
+from lctrain_kernels.vocabulary import check_seq_len, chunks_per_rank
 
 
 def layout_positions(seq_len: int, world_size: int, rank: int, layout: str) -> list[tuple[int, int]]:

@@ -17,7 +17,7 @@ every rank r sends to peer (r+t) mod P:
   distance t;
 * its q if r + t ≥ P — the receiver r+t−P is the owner of the keys (q_r needs kv_{r+t−P}, distance
   P−t) and computes that block on r's behalf; the partial result (out, lse) goes back to r,
-  who merges it (``lctrain_kernels.merge``: lse = logaddexp, out weighted by exp(lse_i − lse)).
+  who merges it (``lctrain_kernels.combine``: lse = logaddexp, out weighted by exp(lse_i − lse)).
 
 So each step's messages are one shift-by-t permutation (every send has its receive in the same
 step: mismatched batched point-to-point is a known hang), every rank computes exactly one full
@@ -61,15 +61,10 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Callable
 
-from lctrain_kernels.distributed.layout import chunks_per_rank, local_spans
+from lctrain_kernels.distributed.layout import local_spans
+from lctrain_kernels.vocabulary import check_schedule, chunks_per_rank, schedule_layout
 
-SCHEDULES = ("distflash", "ring", "zigzag")
 DIRECTIONS = ("forward", "backward")
-# What each message kind carries, per direction.
-PAYLOAD = {
-    "forward": {"kv": ("k", "v"), "q": ("q",), "out": ("out", "lse")},
-    "backward": {"kv": ("k", "v"), "q": ("q", "do", "out", "lse"), "dq": ("dq",), "dkv": ("dk", "dv")},
-}
 
 
 @dataclass(frozen=True, order=True)
@@ -100,15 +95,14 @@ class Block:
     kv_owner: int
     kv_rows: Rows
 
-    @property
-    def role(self) -> str:
-        """"own" when the rank computes its own queries, "help" when it works for another."""
-        return "own" if self.rank == self.q_owner else "help"
-
 
 @dataclass(frozen=True)
 class Message:
-    """A point-to-point transfer of ``kind`` (see PAYLOAD) of ``owner``'s ``rows``."""
+    """A point-to-point transfer of ``kind`` of ``owner``'s ``rows``.
+
+    Kinds: "kv" (k, v), "q" (forward: q; backward: q, dO, out, lse and, when the loss uses the
+    lse, its gradient), "out" (a partial out, lse), "dq" and "dkv" (gradients going home).
+    """
 
     kind: str
     src: int
@@ -128,15 +122,11 @@ class Step:
 
 @dataclass(frozen=True)
 class RankStep:
-    """One rank's view of a step: what it computes, sends and receives (idle if all empty)."""
+    """One rank's view of a step: what it computes, sends and receives."""
 
     compute: tuple[Block, ...]
     sends: tuple[Message, ...]
     recvs: tuple[Message, ...]
-
-    @property
-    def idle(self) -> bool:
-        return not self.compute
 
 
 @dataclass(frozen=True)
@@ -264,12 +254,11 @@ class Schedule:
     """A named schedule for ``world_size`` ranks; see the module docstring."""
 
     def __init__(self, world_size: int, kind: str):
-        if kind not in SCHEDULES:
-            raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+        check_schedule(kind)
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world size must be a positive integer, got {world_size!r}")
         self.world_size, self.kind = world_size, kind
-        self.layout = "zigzag" if kind == "zigzag" else "contiguous"
+        self.layout = schedule_layout(kind)
 
     def __repr__(self) -> str:
         return f"Schedule(world_size={self.world_size}, kind={self.kind!r}, layout={self.layout!r})"
@@ -305,16 +294,9 @@ def _plan(p: int, kind: str, direction: str, causal: bool) -> Plan:
         steps = _distflash_causal(p) if causal else _direct(p)
     else:
         steps = _ring(p, causal and kind == "ring")
-    layout = "zigzag" if kind == "zigzag" else "contiguous"
-    plan = Plan(direction, p, layout, causal, tuple(_with_outputs(steps, direction)))
+    plan = Plan(direction, p, schedule_layout(kind), causal, tuple(_with_outputs(steps, direction)))
     plan.validate()
     return plan
-
-
-def block_area(b: Block, world_size: int, layout: str, causal: bool = True) -> Fraction:
-    """Visible area of a block in units of one full chunk × chunk block (continuous measure)."""
-    local = 4 * chunks_per_rank(layout)
-    return Fraction(_twice_area(b, world_size, layout, causal), 2 * local * local)
 
 
 def _twice_area(b: Block, world_size: int, layout: str, causal: bool) -> int:

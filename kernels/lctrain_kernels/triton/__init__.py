@@ -18,19 +18,22 @@ What this implementation adds for lctrain:
   dims 16..256 (padded to a power of two with masked loads), fp16 / bf16 / fp32;
 * a backward that starts from the FINAL (merged) out and lse: delta = rowsum(dO * O), then
   a dK/dV kernel that loops over the query heads of its GQA group and a separate dQ kernel,
-  with no atomics (``backward.py``).
+  with no atomics (``backward.py``);
 
-Layers (STYLE.md): kernels (``forward.py``, ``backward.py``) → launchers with checks, grid and
-autotuning (``launch.py``, ``configs.py``) → torch custom ops with fake kernels and autograd
-(``ops.py``) → :func:`triton_attention`. The Backend-protocol wrapper lives in
-``lctrain_kernels.backends.triton``.
+* a backward that folds a gradient of the lse into delta (``delta = rowsum(dO * O) - dlse``),
+  so a loss on the lse costs nothing extra.
+
+Layers: kernels (``forward.py``, ``backward.py``) → launchers with checks, grid and autotuning
+(``launch.py``, ``configs.py``) → the ``triton`` backend (``lctrain_kernels.backends.triton``)
+→ the one attention operator, ``torch.ops.lctrain.dist_attention`` (custom op with fake kernel
+and autograd), behind :func:`lctrain_kernels.attention` and ``dist_attention``.
 
 Usage::
 
-    from lctrain_kernels.triton import triton_attention
-    out, lse = triton_attention(q, k, v, causal=True)          # q (B, S, Hq, D), k/v (B, S, Hkv, D)
+    from lctrain_kernels import attention_with_lse
+    out, lse = attention_with_lse(q, k, v, causal=True, backend="triton")   # differentiable
+    out, lse = flash_forward(q, k, v, causal=True)        # one block, no autograd
 """
 from lctrain_kernels.triton.launch import flash_backward, flash_forward
-from lctrain_kernels.triton.ops import triton_attention
 
-__all__ = ["flash_backward", "flash_forward", "triton_attention"]
+__all__ = ["flash_backward", "flash_forward"]

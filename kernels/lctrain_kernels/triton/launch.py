@@ -144,6 +144,23 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _use_tma(tma: bool | None, *tensors: torch.Tensor) -> bool:
+    """The tile-load path of one launch: TMA where :func:`tma_ok` allows it (``tma=None``),
+    per-thread pointer loads (``False``), or TMA required (``True``).
+
+    Raises:
+        ValueError: ``tma=True`` for inputs that TMA cannot read.
+    """
+    if tma is False:
+        return False
+    ok = tma_ok(*tensors)
+    if tma and not ok:
+        raise ValueError("tma=True but these inputs cannot be read with TMA copies (that needs "
+                         "an sm_90+ GPU or the interpreter, and 16-byte aligned addresses and "
+                         "strides); pass tma=None to choose automatically.")
+    return ok
+
+
 def _flags(dtype, tma: bool) -> dict:
     """Constexprs that depend on dtype, on TMA and on the interpreter."""
     interp = interpreting()
@@ -186,7 +203,8 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
 
 def flash_forward(q, k, v, *, scale: float | None = None, causal: bool = False,
                   q_start: int = 0, k_start: int = 0, doc_bounds=None, out=None, lse=None,
-                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: dict | None = None, tma: bool | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block: ``softmax(q k^T * scale + mask) v`` and its log-sum-exp.
 
     Args:
@@ -197,13 +215,16 @@ def flash_forward(q, k, v, *, scale: float | None = None, causal: bool = False,
             float32 buffer.
         config: fixed tiles ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (optionally
             ``"WARP_SPECIALIZE"``) instead of autotuning.
+        tma: read tiles with TMA copies where :func:`tma_ok` allows (None), never (False), or
+            always (True: an error where it cannot).
 
     Returns:
         ``(out, lse)``: out (B, Sq, Hq, D) in q's dtype (or ``out``'s), lse (B, Hq, Sq) float32.
         Rows that see no key get out = 0 and lse = -inf.
 
     Raises:
-        ValueError: on inputs the kernel cannot take (see :func:`check_inputs`).
+        ValueError: on inputs the kernel cannot take (see :func:`check_inputs`), or ``tma=True``
+            where TMA cannot read them.
     """
     B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
     scale = D ** -0.5 if scale is None else float(scale)
@@ -222,7 +243,8 @@ def flash_forward(q, k, v, *, scale: float | None = None, causal: bool = False,
                 **dict(zip(("stride_ob", "stride_os", "stride_oh"), _strides3(out))),
                 Hq=Hq, GROUP=Hq // Hkv, Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk),
                 HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
-                MASK_MODE=plan[0], WARP_SPECIALIZE=False, **_flags(q.dtype, tma_ok(q, k, v)))
+                MASK_MODE=plan[0], WARP_SPECIALIZE=False,
+                **_flags(q.dtype, _use_tma(tma, q, k, v)))
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     _launch(fwd_tuned, attn_fwd_kernel, "fwd", grid, args, config)
     return out, lse
@@ -244,22 +266,24 @@ def _delta(o, do, lse_shape, dlse) -> torch.Tensor:
 def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal: bool = False,
                    q_start: int = 0, k_start: int = 0, doc_bounds=None, dlse=None,
                    dq=None, dk=None, dv=None, dq_config: dict | None = None,
-                   dkdv_config: dict | None = None):
+                   dkdv_config: dict | None = None, tma: bool | None = None):
     """Gradients of one block from the FINAL (merged) ``out`` and ``lse`` of its query rows.
 
     Args:
         do: (B, Sq, Hq, D) gradient of ``out``. q, k, v, scale and the mask as in
             :func:`flash_forward`. out: (B, Sq, Hq, D); lse: (B, Hq, Sq) float32.
-        dlse: optional (B, Hq, Sq) gradient of ``lse``.
+        dlse: optional (B, Hq, Sq) gradient of ``lse``, folded into delta (``delta =
+            rowsum(dO * O) - dlse``: ``d lse_i / d s_ij = P_ij``).
         dq, dk, dv: optional output buffers (any float dtype, e.g. float32 accumulators).
         dq_config, dkdv_config: fixed tiles for the two kernels instead of autotuning.
+        tma: the tile-load path, as in :func:`flash_forward`.
 
     Returns:
         ``(dq, dk, dv)``: dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) summed over each GQA group,
         in the inputs' dtype unless buffers were given.
 
     Raises:
-        ValueError: on inputs the kernels cannot take.
+        ValueError: on inputs the kernels cannot take, or ``tma=True`` where TMA cannot read them.
     """
     B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
     if do.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != (B, Hq, Sq):
@@ -281,7 +305,7 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
                   **dict(zip(("stride_db", "stride_ds", "stride_dh"), _strides3(do))),
                   Hq=Hq, GROUP=Hq // Hkv, Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk),
                   HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
-                  MASK_MODE=plan[0], **_flags(q.dtype, tma_ok(q, k, v, do)))
+                  MASK_MODE=plan[0], **_flags(q.dtype, _use_tma(tma, q, k, v, do)))
     q_lo, q_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, True)
     dkdv_args = dict(common, DK=dk, DV=dv, Q_LO=q_lo, Q_HI=q_hi, Hkv=Hkv,
                      **dict(zip(("stride_dkb", "stride_dks", "stride_dkh"), _strides3(dk))),

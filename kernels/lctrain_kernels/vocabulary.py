@@ -1,0 +1,110 @@
+"""The names the whole project agrees on: schedules, layouts, backends, and how a sequence divides.
+
+This module is the one owner of that vocabulary. The kernels (``distributed.schedule``,
+``distributed.layout``, ``backends``), the recipe schema, the benches and the CLI all read it,
+so a schedule, a layout or a divisibility rule is never written down twice. It imports nothing
+but the standard library — importing it (or ``lctrain_kernels``, whose ``__init__`` loads
+torch only on first use) does not load torch, so ``lctrain.config`` and the CLI stay light.
+
+* A **schedule** says who computes which attention block when (``distributed.schedule``);
+  each expects one **layout**, the way the global sequence is cut over the ranks
+  (``distributed.layout``): ``contiguous`` gives rank r chunk r of P, ``zigzag`` gives it
+  chunks r and 2P−1−r of 2P.
+* So a sequence of N tokens over P ranks must divide into P × ``chunks_per_rank(layout)``
+  equal chunks: :func:`check_seq_len` is that rule, with the sentence every caller shows.
+* A **backend** computes one local attention block (``lctrain_kernels.backends``).
+"""
+from __future__ import annotations
+
+SCHEDULES = ("distflash", "ring", "zigzag")
+"""Distributed attention schedules: balanced DistFlashAttn (the default), the plain ring (the
+unbalanced baseline), and the ring over the head-tail (zigzag) layout."""
+
+LAYOUTS = ("contiguous", "zigzag")
+"""Ways to cut the global sequence over the ranks."""
+
+_CHUNKS_PER_RANK = {"contiguous": 1, "zigzag": 2}
+_SCHEDULE_LAYOUT = {"distflash": "contiguous", "ring": "contiguous", "zigzag": "zigzag"}
+
+BACKENDS = {
+    "reference": "reference.ReferenceBackend",
+    "cudnn": "sdpa.CudnnBackend",
+    "flash": "sdpa.FlashBackend",
+    "flash_attn": "flash_attn.FlashAttnBackend",
+    "triton": "triton.TritonBackend",
+    "cpu_flash": "sdpa.CpuFlashBackend",
+}
+"""Local attention backends: name -> ``module.Class`` under ``lctrain_kernels.backends`` that
+implements it (imported only when first asked for). "auto" picks among them."""
+
+
+def check_schedule(kind: str) -> str:
+    """Return ``kind`` if it names a schedule.
+
+    Raises:
+        ValueError: an unknown schedule name.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    return kind
+
+
+def schedule_layout(kind: str) -> str:
+    """The layout schedule ``kind`` expects ``shard`` to use ("contiguous" or "zigzag").
+
+    Raises:
+        ValueError: an unknown schedule name.
+    """
+    return _SCHEDULE_LAYOUT[check_schedule(kind)]
+
+
+def chunks_per_rank(layout: str) -> int:
+    """Number of equal chunks each rank holds: 1 for "contiguous", 2 for "zigzag".
+
+    Raises:
+        ValueError: an unknown layout name.
+    """
+    if layout not in _CHUNKS_PER_RANK:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return _CHUNKS_PER_RANK[layout]
+
+
+def seq_chunks(world_size: int, layout: str) -> int:
+    """Equal chunks the global sequence is cut into: a valid length is a multiple of this.
+
+    Raises:
+        ValueError: an unknown layout, or a world size below 1.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    return world_size * chunks_per_rank(layout)
+
+
+def check_seq_len(seq_len: int, world_size: int, layout: str, *, what: str = "sequence length",
+                  ranks: str | None = None) -> int:
+    """Return the chunk length of ``seq_len`` over ``world_size`` ranks in ``layout``.
+
+    Args:
+        seq_len: the global sequence length N.
+        world_size: the ranks P that share it.
+        layout: "contiguous" or "zigzag".
+        what: how the message names the length (e.g. "data.seq_len").
+        ranks: how the message names P (e.g. "parallel.cp"); default "world size P".
+
+    Returns:
+        N // (P × chunks per rank).
+
+    Raises:
+        ValueError: N is not a positive multiple of P × chunks per rank; the sentence names the
+            nearest lengths that work.
+    """
+    parts = seq_chunks(world_size, layout)
+    if isinstance(seq_len, int) and seq_len > 0 and seq_len % parts == 0:
+        return seq_len // parts
+    per = chunks_per_rank(layout)
+    ranks = ranks or f"world size {world_size}"
+    how = ranks if per == 1 else f"{per} × {ranks}"
+    low = seq_len // parts * parts if isinstance(seq_len, int) else 0
+    nearest = f"{low} or {low + parts}" if low > 0 else str(parts)
+    raise ValueError(f"{what} {seq_len} is not divisible by {parts} ({how} for the {layout} "
+                     f"layout); use a multiple of {parts} such as {nearest}")
