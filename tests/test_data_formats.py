@@ -5,14 +5,24 @@ by calling the code under test a second way.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
 import numpy as np
 import pytest
+import torch
 
 from lctrain.config import load_recipe
-from lctrain.data import IGNORE, ByteTokenizer, pack, prepare_data, rows_summary
+from lctrain.data import (
+    IGNORE,
+    ByteTokenizer,
+    iter_batches,
+    pack,
+    prepare_data,
+    rows_summary,
+    shard_batch,
+)
 from lctrain.errors import ConfigError, DataError
 
 TOK = ByteTokenizer()
@@ -215,3 +225,27 @@ def test_whole_sample_packing_is_best_fit_and_loses_nothing(document_mask):
         else:
             assert row["doc_lens"].tolist() == [64]
     assert sorted(seen) == list(range(len(docs)))
+
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_masked_labels_are_the_same_at_any_cp(tmp_path, layout):
+    from lctrain_kernels.distributed import layout_positions
+
+    pairs = [{"prompt": _text(random.randint(5, 40)), "completion": _text(random.randint(1, 9))}
+             for _ in range(12)]
+    rows = _prepare(tmp_path, _write(tmp_path / "pc.jsonl", pairs), seq_len=96)
+    batches = itertools.islice(iter_batches(rows, batch_size=1, dp_rank=0, dp_size=1, seed=0),
+                               len(rows))
+    for batch in batches:
+        for cp in (2, 3):
+            whole, count = torch.full_like(batch.labels, -7), 0
+            for rank in range(cp):
+                part = shard_batch(batch, cp_rank=rank, cp_size=cp, layout=layout)
+                count += int(part.label_tokens())
+                offset = 0
+                for start, stop in layout_positions(96, cp, rank, layout):
+                    whole[:, start:stop] = part.labels[:, offset:offset + stop - start]
+                    offset += stop - start
+            assert torch.equal(whole, batch.labels)
+            assert count == int(batch.label_tokens()) > 0
