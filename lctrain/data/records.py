@@ -117,8 +117,7 @@ class RecordReader:
                 yield Record(_object(fields, where), where)
 
     def _parquet(self, path: str) -> Iterator[Record]:
-        import pyarrow.parquet as pq
-
+        pq = _optional("pyarrow.parquet", "pyarrow", ".parquet files")
         row = 0
         try:
             batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
@@ -139,8 +138,7 @@ class RecordReader:
         yield Record({self.data.text_field: text}, path)
 
     def _hub(self) -> Iterator[Record]:
-        import datasets
-
+        datasets = _optional("datasets", "datasets", "hub datasets")
         name, split = self.data.source, self.data.split
         try:
             dataset = datasets.load_dataset(name, split=split, cache_dir=self.data.cache_dir)
@@ -189,13 +187,23 @@ def _object(fields: Any, where: str) -> dict[str, Any]:
 
 
 def _parquet_rows(files: list[str]) -> int:
-    import pyarrow.parquet as pq
-
+    pq = _optional("pyarrow.parquet", "pyarrow", ".parquet files")
     try:
         return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
     except (OSError, ValueError) as error:
         raise DataError(f"could not read data.source files as parquet ({_first_line(error)}); "
                         f"check the files") from None
+
+
+def _optional(module: str, package: str, what: str):
+    """Import ``module``, or a DataError saying which package reading ``what`` needs."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"reading {what} needs the {package} package, which is not installed; "
+                        f"pip install {package}, or convert the data to .jsonl") from None
 
 
 def _first_line(error: BaseException) -> str:
