@@ -48,3 +48,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def _fresh_seed(request):
     """Seed torch from the session seed and the test's own name (stable within a run)."""
     torch.manual_seed((SESSION_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**31))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _data_cache(tmp_path_factory):
+    """Prepared training data goes to this session's temporary folder, not the user's
+    ~/.cache (ranks spawned later inherit the variable)."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))

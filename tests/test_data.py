@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import json
 
-import datasets
 import numpy as np
 import pytest
 import torch
@@ -13,11 +12,11 @@ from lctrain.config import BYTE_TOKENIZER_VOCAB, load_recipe
 from lctrain.data import (
     IGNORE,
     ByteTokenizer,
-    build_packed_dataset,
     builtin_documents,
     iter_batches,
     load_tokenizer,
     pack,
+    prepare_data,
     shard_batch,
 )
 from lctrain.errors import DataError, UserError
@@ -34,9 +33,9 @@ def _corpus(seq_len: int) -> list[list[int]]:
 
 
 def _packed(docs, seq_len, document_mask):
-    ds = pack(datasets.Dataset.from_dict({"input_ids": docs}), seq_len=seq_len,
-              document_mask=document_mask, pad_id=PAD)
-    return {name: ds[name] for name in ds.column_names}
+    ds = pack(docs, seq_len=seq_len, document_mask=document_mask, pad_id=PAD)
+    rows = [ds[r] for r in range(len(ds))]
+    return {name: [row[name].tolist() for row in rows] for name in rows[0]}
 
 
 @pytest.mark.parametrize("document_mask", [True, False])
@@ -86,7 +85,7 @@ def test_no_label_is_lost_across_rows_with_document_mask():
 
 def test_zero_tokens_is_an_error():
     with pytest.raises(DataError, match="no token"):
-        pack(datasets.Dataset.from_dict({"input_ids": [[], []]}), seq_len=8, document_mask=True, pad_id=0)
+        pack([[], []], seq_len=8, document_mask=True, pad_id=0)
 
 
 def test_byte_tokenizer_round_trip():
@@ -102,12 +101,14 @@ def test_byte_tokenizer_round_trip():
 def test_builtin_corpus_packs_whole(tmp_path):
     cfg = load_recipe(None, [f"data.cache_dir={tmp_path}"], seq_len=256)
     tok = load_tokenizer(cfg)
-    rows = build_packed_dataset(cfg, tok)
+    rows = prepare_data(cfg.data, tok)
     total = sum(len(text.encode()) + 2 for text in builtin_documents())
     assert len(rows) == -(-total // 256)
-    assert any(tmp_path.glob("lctrain-packed-*.arrow"))
-    again = build_packed_dataset(cfg, tok)
-    assert again["input_ids"] == rows["input_ids"]
+    assert rows.info["built_tokens"] and len(list(tmp_path.glob("*/rows-*.npz"))) == 1
+    again = prepare_data(cfg.data, tok)
+    assert not again.info["built_tokens"] and not again.info["built_rows"]
+    for r in (0, len(rows) // 2, len(rows) - 1):
+        assert np.array_equal(again[r]["input_ids"], rows[r]["input_ids"])
     first = tok.decode(rows[0]["input_ids"])
     assert first.startswith(builtin_documents()[0][:50])
 
@@ -116,29 +117,40 @@ def _cfg(source, *extra):
     return load_recipe(None, [f"data.source={source}", *extra], seq_len=64)
 
 
+def _real_tokens(rows, pad_id):
+    return sum(int((rows[r]["input_ids"] != pad_id).sum()) for r in range(len(rows)))
+
+
 def test_local_jsonl_txt_and_parquet(tmp_path):
     texts = ["first document", "second one, a bit longer " * 5, "third"]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
     for i, t in enumerate(texts):
         (tmp_path / f"doc{i}.txt").write_text(t)
-    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "a.parquet"))
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pyarrow.table({"text": texts}), str(tmp_path / "a.parquet"))
+    (tmp_path / "a.json").write_text(json.dumps([{"text": t} for t in texts]))
     expected = sum(len(t.encode()) + 2 for t in texts)
     tok = ByteTokenizer()
-    for cfg in (_cfg(tmp_path / "a.jsonl", "data.text_field=body"), _cfg(tmp_path / "doc*.txt"),
-                _cfg(tmp_path / "a.parquet"), _cfg(tmp_path / "a.jsonl", "data.text_field=body",
-                                                  "data.max_documents=2")):
-        rows = build_packed_dataset(cfg, tok)
-        n_real = sum(t != tok.pad_token_id for row in rows["input_ids"] for t in row)
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    for cfg in (_cfg(tmp_path / "a.jsonl", "data.text_field=body", cache),
+                _cfg(tmp_path / "doc*.txt", cache), _cfg(tmp_path / "a.parquet", cache),
+                _cfg(tmp_path / "a.json", cache),
+                _cfg(tmp_path / "a.jsonl", "data.text_field=body", "data.max_documents=2", cache)):
+        rows = prepare_data(cfg.data, tok)
         limit = cfg.data.max_documents
-        assert n_real == (expected if limit is None else sum(len(t.encode()) + 2 for t in texts[:limit]))
-    with pytest.raises(DataError, match="'text' is not a column"):
-        build_packed_dataset(_cfg(tmp_path / "a.jsonl"), tok)
+        want = expected if limit is None else sum(len(t.encode()) + 2 for t in texts[:limit])
+        assert _real_tokens(rows, tok.pad_token_id) == want
+        assert rows.info["format"] == "text"
+    with pytest.raises(DataError, match=r"a\.jsonl:1 has fields \['body'\]"):
+        prepare_data(_cfg(tmp_path / "a.jsonl", cache).data, tok)
 
 
-def test_hub_dataset_offline_and_bad_tokenizer_are_user_errors():
+def test_hub_dataset_offline_and_bad_tokenizer_are_user_errors(tmp_path):
     tok = ByteTokenizer()
     with pytest.raises(UserError, match="no-such-owner/no-such-dataset"):
-        build_packed_dataset(_cfg("no-such-owner/no-such-dataset"), tok)
+        prepare_data(_cfg("no-such-owner/no-such-dataset", f"data.cache_dir={tmp_path}").data, tok)
     with pytest.raises(UserError, match="/no/such/tokenizer"):
         load_tokenizer(load_recipe(None, ["data.tokenizer=/no/such/tokenizer"]))
 
@@ -146,8 +158,7 @@ def test_hub_dataset_offline_and_bad_tokenizer_are_user_errors():
 def _rows(n, seq_len=8):
     rng = np.random.default_rng(1)
     docs = [[r, *rng.integers(0, 50, size=seq_len - 1)] for r in range(n)]  # row r starts with r
-    return pack(datasets.Dataset.from_dict({"input_ids": docs}),
-                seq_len=seq_len, document_mask=True, pad_id=PAD)
+    return pack(docs, seq_len=seq_len, document_mask=True, pad_id=PAD)
 
 
 def _ids(batches):
@@ -161,7 +172,7 @@ def test_iter_batches_is_deterministic_resumable_and_disjoint():
     assert run == _ids(itertools.islice(iter_batches(ds, dp_rank=1, start_step=0, **kw), 12))
     assert run[5:] == _ids(itertools.islice(iter_batches(ds, dp_rank=1, start_step=5, **kw), 7))
     other = _ids(itertools.islice(iter_batches(ds, dp_rank=0, start_step=0, **kw), 12))
-    first_token = {tuple(r)[0] for r in ds["input_ids"]}
+    first_token = {int(ds[r]["input_ids"][0]) for r in range(len(ds))}
     stream = [t for s in range(5) for t in other[s] + run[s]]  # 5 steps × 4 rows = 2 epochs
     assert set(stream[:10]) == set(stream[10:]) == first_token
     assert stream[:10] != stream[10:]  # each epoch reshuffled
@@ -171,8 +182,7 @@ def test_iter_batches_is_deterministic_resumable_and_disjoint():
 
 
 def test_iter_batches_tensors_and_cu_seqlens():
-    ds = pack(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12]}),
-              seq_len=8, document_mask=True, pad_id=PAD)
+    ds = pack([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 12], seq_len=8, document_mask=True, pad_id=PAD)
     batches = list(itertools.islice(iter_batches(ds, batch_size=1, dp_rank=0, dp_size=1, seed=0), 3))
     for b in batches:
         assert b.input_ids.shape == (1, 8) and b.input_ids.dtype == torch.int64
@@ -180,14 +190,13 @@ def test_iter_batches_tensors_and_cu_seqlens():
     assert {b.cu_seqlens for b in batches} == {(0, 3, 8), (0, 4, 8), None}
     assert int(sum(b.label_tokens() for b in batches)) == 2 + 4 + 11
     with pytest.raises(DataError):
-        next(iter_batches(ds.select([]), batch_size=1, dp_rank=0, dp_size=1, seed=0))
+        next(iter_batches([], batch_size=1, dp_rank=0, dp_size=1, seed=0))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_shard_batch_round_trip(layout):
     distributed = pytest.importorskip("lctrain_kernels.distributed")
-    ds = pack(datasets.Dataset.from_dict({"input_ids": [list(range(1, 30)), list(range(40, 60))]}),
-              seq_len=48, document_mask=True, pad_id=PAD)
+    ds = pack([list(range(1, 30)), list(range(40, 60))], seq_len=48, document_mask=True, pad_id=PAD)
     (batch,) = itertools.islice(iter_batches(ds, batch_size=1, dp_rank=0, dp_size=1, seed=0), 1)
     for cp in (1, 2, 3, 4):
         whole = {n: torch.full_like(getattr(batch, n), -7) for n in ("input_ids", "labels", "position_ids")}

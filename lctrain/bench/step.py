@@ -83,7 +83,7 @@ def _parent(cfg: RecipeConfig) -> str:
 
 def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int) -> RecipeConfig:
     """The recipe with the step count, a per-step log and a scratch output folder."""
-    train = dataclasses.replace(cfg.train, max_steps=total_steps, log_every=1,
+    train = dataclasses.replace(cfg.train, max_steps=total_steps, epochs=None, log_every=1,
                                 output_dir=str(output_dir))
     checkpoint = dataclasses.replace(cfg.checkpoint, enabled=False)
     return dataclasses.replace(cfg, train=train, checkpoint=checkpoint)

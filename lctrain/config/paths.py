@@ -18,7 +18,7 @@ DEFAULT_RECIPE = "tiny.yaml"
 """The embedded recipe `lctrain finetune` runs when no recipe is given."""
 
 DATA_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-"""Local data file suffix -> the `datasets` builder that reads it."""
+"""Local data file suffix -> how its records are read (`lctrain.data.records`)."""
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
 
@@ -68,7 +68,7 @@ class LocalData:
     """A data source that is local files."""
 
     builder: str
-    """The `datasets` builder: text, json or parquet."""
+    """How the files are read: text, json or parquet."""
     files: list[str]
     """Matching files, sorted."""
 

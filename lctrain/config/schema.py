@@ -67,24 +67,40 @@ class DataConfig:
 
     source: str = "builtin"
     """``builtin`` (Python's own documentation topics, offline everywhere), a local file or glob
-    (.txt = one document per file, .jsonl / .json / .parquet = one per record) or a hub dataset
-    name (when online)."""
+    (.txt = one document per file, .jsonl / .json / .parquet = one record per line / element /
+    row) or a hub dataset name (when online)."""
     split: str = "train"
     """Split to read from a hub dataset."""
+    format: Literal["auto", "text", "prompt_completion", "chat", "tokenized"] = "auto"
+    """What a record holds and which of its tokens are trained on: ``text`` (the text in
+    text_field; every token), ``prompt_completion`` (``prompt`` and ``completion`` strings; loss
+    on the completion only), ``chat`` (a ``messages`` list of {role, content} rendered with the
+    tokenizer's chat template; loss on the assistant turns only), ``tokenized`` (``input_ids``
+    and optional ``labels``, -100 = no loss, as transformers models take them); ``auto``
+    detects it from the first record's fields."""
     text_field: str = "text"
-    """Column holding each document's text (.jsonl / .json / .parquet / hub sources)."""
+    """Field holding each document's text (the text format)."""
     tokenizer: str | None = None
     """``bytes`` (byte-level, no download), a tokenizer folder or hub name, or null for the
     tokenizer in model.path."""
     seq_len: int = field(default=4096, metadata=SIZE)
     """Tokens per packed row (the context length trained on); accepts sizes such as 256k."""
+    long_samples: Literal["auto", "split", "truncate_left", "truncate_right", "drop"] = "auto"
+    """How samples become rows, and what happens to one longer than seq_len. ``split``: all
+    samples end to end, a row cut every seq_len tokens, a long sample continuing in the next
+    row (nothing is lost). The others keep every sample whole inside one row (rows filled
+    best-fit, the rest padded) and treat a longer one by keeping its last (``truncate_left``) or
+    first (``truncate_right``) seq_len tokens, or by leaving it out (``drop``). ``auto``: split
+    for text and for tokenized records without labels, drop for the formats with a loss mask."""
     document_mask: bool = True
     """Keep packed documents apart: attention never crosses a document boundary, position ids
     restart per document and no label points into the next document."""
     max_documents: int | None = None
-    """Use only the first N documents of the source (null = all)."""
+    """Use only the first N records of the source (null = all)."""
     cache_dir: str | None = None
-    """Folder for the datasets cache (raw, tokenized and packed); null keeps it all in memory."""
+    """Folder of the prepared-data cache: tokenized and packed once per machine (by its local
+    rank 0), reused by the other ranks and by later runs with the same source files, tokenizer
+    and settings; null = ``$XDG_CACHE_HOME/lctrain/data`` (``~/.cache/lctrain/data``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
@@ -138,8 +154,12 @@ class TrainConfig:
 
     seed: int = 0
     """Seed for model init, data order and everything random."""
-    max_steps: int = 1000
-    """Optimizer steps to run."""
+    max_steps: int | None = None
+    """Optimizer steps to run; null = as many as train.epochs gives. With both set, the run
+    stops at whichever comes first."""
+    epochs: float | None = None
+    """Passes over the packed rows (fractions allowed): the run lasts ceil(epochs × rows /
+    rows per step) steps; null = train.max_steps decides (one epoch when both are null)."""
     batch_size: int = 1
     """Packed sequences per dp rank per micro-step."""
     grad_accum: int = 1
@@ -174,9 +194,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "train")
-        for name in ("max_steps", "batch_size", "grad_accum", "loss_chunk_tokens", "log_every"):
+        for name in ("batch_size", "grad_accum", "loss_chunk_tokens", "log_every"):
             value = getattr(self, name)
             require(value >= 1, f"train.{name}", f"is {value} but must be at least 1")
+        require(self.max_steps is None or self.max_steps >= 1, "train.max_steps",
+                f"is {self.max_steps} but must be at least 1 (or null to train by epochs)")
+        require(self.epochs is None or self.epochs > 0, "train.epochs",
+                f"is {self.epochs} but must be positive (or null to train by max_steps)")
         require(self.warmup_steps >= 0, "train.warmup_steps", f"is {self.warmup_steps} but must be ≥ 0")
         require(self.lr > 0, "train.lr", f"is {self.lr} but must be positive")
         require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",

@@ -1,17 +1,26 @@
-"""Training data: sources, tokenizers, packing into seq_len rows, batches and cp shards.
+"""Training data: records in several formats, loss masks, a per-machine cache, rows, batches.
 
     tokenizer = load_tokenizer(cfg)
-    rows = build_packed_dataset(cfg, tokenizer)        # input_ids, labels, position_ids, doc_lens
+    rows = prepare_data(cfg.data, tokenizer, leader=local_rank == 0, show_progress=rank == 0)
     for batch in iter_batches(rows, batch_size=1, dp_rank=0, dp_size=1, seed=0, start_step=0):
         local = shard_batch(batch, cp_rank=r, cp_size=p, layout=sched.layout)
+
+records.py reads sources with each record's location; formats.py turns records into token ids
+and target flags (the loss mask; chat.py for chat templates); prepare.py writes them once into
+the cache (cache.py) and plans the rows; packing.py assembles rows with labels shifted before
+any split; batches.py orders, batches and shards them.
 """
-from lctrain.data.batches import PackedBatch, iter_batches, shard_batch
-from lctrain.data.packing import IGNORE, build_packed_dataset, pack, pack_row, tokenize
-from lctrain.data.sources import builtin_documents, load_documents
+from lctrain.data.batches import PackedBatch, iter_batches, plan_steps, shard_batch, steps_summary
+from lctrain.data.formats import FORMATS, Encoder, Sample, detect_format
+from lctrain.data.packing import IGNORE, PackedRows, TokenStream, pack, plan_rows
+from lctrain.data.prepare import prepare_data, rows_summary, tokenizer_identity
+from lctrain.data.records import Record, RecordReader, builtin_documents
 from lctrain.data.tokenizer import ByteTokenizer, encode_documents, load_tokenizer, pad_token_id
 
 __all__ = [
-    "IGNORE", "ByteTokenizer", "PackedBatch", "build_packed_dataset", "builtin_documents",
-    "encode_documents", "iter_batches", "load_documents", "load_tokenizer", "pack", "pack_row",
-    "pad_token_id", "shard_batch", "tokenize",
+    "FORMATS", "IGNORE", "ByteTokenizer", "Encoder", "PackedBatch", "PackedRows", "Record",
+    "RecordReader", "Sample", "TokenStream", "builtin_documents", "detect_format",
+    "encode_documents", "iter_batches", "load_tokenizer", "pack", "pad_token_id", "plan_rows",
+    "plan_steps", "prepare_data", "rows_summary", "shard_batch", "steps_summary",
+    "tokenizer_identity",
 ]

@@ -16,10 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-import datasets
+import math
+
 import numpy as np
 import torch
 
+from lctrain.data.packing import PackedRows
 from lctrain.errors import DataError
 
 _COLUMNS = ("input_ids", "labels", "position_ids")
@@ -49,12 +51,12 @@ class PackedBatch:
         return (self.labels != -100).sum()
 
 
-def iter_batches(ds: datasets.Dataset, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
+def iter_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
                  start_step: int = 0) -> Iterator[PackedBatch]:
     """Yield this dp rank's micro-batches forever, from micro-step ``start_step`` on.
 
     Args:
-        ds: packed rows (``build_packed_dataset``).
+        ds: packed rows (`prepare_data` or `pack`).
         batch_size: rows per dp rank per micro-step.
         dp_rank, dp_size: this rank's data-parallel index and the number of dp groups.
         seed: seeds the per-epoch shuffles.
@@ -74,14 +76,50 @@ def iter_batches(ds: datasets.Dataset, *, batch_size: int, dp_rank: int, dp_size
         raise ValueError(f"bad batch geometry: batch_size={batch_size}, dp_rank={dp_rank}, "
                          f"dp_size={dp_size}, start_step={start_step}")
     order = _EpochOrder(n_rows, seed)
-    tokens = ds.with_format("numpy", columns=list(_COLUMNS))
-    segments = ds.select_columns(["doc_lens"])
     step = start_step
     while True:
         first = (step * dp_size + dp_rank) * batch_size
-        rows = [order[j] for j in range(first, first + batch_size)]
-        yield _collate(tokens[rows], segments[rows]["doc_lens"])
+        yield _collate([ds.row(order[j]) for j in range(first, first + batch_size)])
         step += 1
+
+
+def plan_steps(*, rows: int, rows_per_step: int, max_steps: int | None,
+               epochs: float | None) -> int:
+    """Optimizer steps of a run: ``max_steps``, the steps of ``epochs`` passes over ``rows``
+    (the last step completed from the next pass), whichever is fewer; one epoch when neither
+    is set.
+
+    Args:
+        rows: packed rows in one epoch.
+        rows_per_step: rows one optimizer step takes over all dp ranks
+            (dp × batch_size × grad_accum).
+        max_steps, epochs: ``train.max_steps`` and ``train.epochs`` (None = not set).
+    """
+    if epochs is None and max_steps is not None:
+        return max_steps
+    by_epochs = max(1, math.ceil((1.0 if epochs is None else epochs) * rows / rows_per_step - 1e-9))
+    return by_epochs if max_steps is None else min(max_steps, by_epochs)
+
+
+def steps_summary(*, rows: int, rows_per_step: int, steps: int, max_steps: int | None,
+                  epochs: float | None) -> list[str]:
+    """Banner lines: how many steps, why, how many epochs they make; and a warning when one
+    step takes more rows than the data has (the same rows are then trained on every step)."""
+    if epochs is None and max_steps is not None:
+        why = "train.max_steps"
+    elif epochs is None:
+        why = "one epoch: train.max_steps and train.epochs are both null"
+    elif max_steps is not None and steps == max_steps:
+        why = f"train.max_steps, reached before train.epochs {epochs:g}"
+    else:
+        why = f"train.epochs {epochs:g}"
+    lines = [f"steps: {steps:,} × {rows_per_step:,} row{'s' * (rows_per_step != 1)} = "
+             f"{steps * rows_per_step / rows:.2f} epochs of {rows:,} rows ({why})"]
+    if rows < rows_per_step:
+        lines.append(f"warning: the data makes {rows:,} packed row{'s' * (rows != 1)} but one step "
+                     f"takes {rows_per_step:,} (dp × batch_size × grad_accum), so every step "
+                     f"trains on the same rows again; add data or lower train.grad_accum")
+    return lines
 
 
 class _EpochOrder:
@@ -100,9 +138,10 @@ class _EpochOrder:
         return int(self._cache[epoch][offset])
 
 
-def _collate(columns: dict[str, np.ndarray], doc_lens: list) -> PackedBatch:
-    tensors = [torch.from_numpy(np.asarray(columns[n], dtype=np.int64)) for n in _COLUMNS]
-    bounds = {tuple(int(x) for x in np.cumsum([0, *lens])) for lens in doc_lens}
+def _collate(rows: list[dict[str, np.ndarray]]) -> PackedBatch:
+    tensors = [torch.from_numpy(np.stack([np.asarray(r[n], dtype=np.int64) for r in rows]))
+               for n in _COLUMNS]  # (B, S) each
+    bounds = {tuple(int(x) for x in np.cumsum([0, *r["doc_lens"]])) for r in rows}
     if len(bounds) > 1:
         raise ValueError("the rows of one batch have different document boundaries; use "
                          "batch_size 1 with document_mask")

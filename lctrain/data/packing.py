@@ -1,162 +1,238 @@
-"""Tokenize documents and pack them into rows of exactly ``seq_len`` tokens.
+"""Packing samples into rows of exactly ``seq_len`` tokens, with labels shifted before any split.
 
-All documents are laid end to end in one token stream (each ends in eos) and the stream is cut
-every ``seq_len`` tokens. Nothing is lost or duplicated: a document longer than the rest of a row
-continues at the start of the next row, and only the very last row is padded (pad tokens, label
--100, forming their own document). Each row carries:
+The samples lie end to end in one token stream (`TokenStream`: ids, per-token target flags and
+the sample boundaries). A row is a list of pieces of that stream, padded at the end; how the
+pieces are chosen is ``data.long_samples`` (`plan_rows`):
 
-* ``input_ids``     — the row's tokens;
-* ``labels``        — the next token, shifted HERE, before the row is ever split across cp ranks
-  (so no token is lost at a shard boundary). With ``document_mask`` the label of token i is token
-  i+1 of the same document (continuing into the next row when the document does), and -100 at a
-  document's last token; without it, the label is the next token of the row (crossing documents)
-  and -100 at the row's last token. Padding is always -100;
-* ``position_ids``  — restarting at 0 for every document piece of the row with
-  ``document_mask``, else 0..S-1;
-* ``doc_lens``      — the lengths of the row's attention segments, summing to S: its document
-  pieces (then the padding) with ``document_mask``, else one segment ``[S]``.
+* ``split`` — the stream is cut every seq_len tokens: one piece per row, nothing lost or
+  duplicated, a sample longer than the rest of a row continuing at the start of the next, only
+  the very last row padded;
+* ``truncate_left`` / ``truncate_right`` / ``drop`` — every sample lies whole in one row. A
+  sample longer than seq_len keeps its last / first seq_len tokens, or is left out (with
+  truncation, one that keeps no target token is left out too). Rows are filled best-fit
+  decreasing (each sample, longest first, goes into the fullest row it still fits; a new row
+  when none) and padded; within a row the samples keep their order.
 
-Tokenizing uses ``datasets.map(batched=True)`` (cached next to the source under
-``data.cache_dir``); packing is a batched map over row numbers, cached there too, keyed by a hash
-of the token stream and the packing settings.
+Each row (`PackedRows.row`) carries:
+
+* ``input_ids``    — the row's tokens, then padding;
+* ``labels``       — the next token where it is a target, else -100, computed HERE, before the
+  row is ever split across cp ranks (so no label is lost at a shard boundary). With
+  ``document_mask`` the next token is the next one of the same sample (which may lie past the
+  row's end when a sample continues or was truncated on the right) and a sample's last token
+  has no label; without it, the next token of the row (crossing samples) and none at the last
+  one. Padding never has a label;
+* ``position_ids`` — restarting at 0 for every sample piece with ``document_mask``, else 0..S-1;
+* ``doc_lens``     — the row's attention segments, summing to S: its sample pieces (then the
+  padding) with ``document_mask``, else ``[S]``.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-from typing import Any
+import bisect
+from dataclasses import dataclass
+from typing import Any, Sequence
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
 
-from lctrain.config import RecipeConfig
-from lctrain.data.sources import load_documents
-from lctrain.data.tokenizer import encode_documents, pad_token_id
 from lctrain.errors import DataError
 
 IGNORE = -100
 """Label of positions that contribute no loss."""
 
-_FORMAT = 1
-"""Bumped whenever the packed layout changes, so stale caches are never reused."""
-
-_TOKENS = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-_ROWS = datasets.Features({name: datasets.Sequence(datasets.Value("int32"))
-                          for name in ("input_ids", "labels", "position_ids", "doc_lens")})
+WHOLE_SAMPLE_MODES = ("truncate_left", "truncate_right", "drop")
+"""``long_samples`` values that keep each sample inside one row."""
 
 
-def build_packed_dataset(cfg: RecipeConfig, tokenizer: Any) -> datasets.Dataset:
-    """Load, tokenize and pack ``cfg.data`` into rows of exactly ``cfg.data.seq_len`` tokens.
-
-    Raises:
-        DataError: the source cannot be read, or yields no token.
-    """
-    documents, column = load_documents(cfg.data)
-    tokens = tokenize(documents, tokenizer, column, in_memory=cfg.data.cache_dir is None)
-    return pack(tokens, seq_len=cfg.data.seq_len, document_mask=cfg.data.document_mask,
-                pad_id=pad_token_id(tokenizer), cache_dir=cfg.data.cache_dir)
-
-
-def tokenize(documents: datasets.Dataset, tokenizer: Any, column: str, *,
-             in_memory: bool) -> datasets.Dataset:
-    """One row of ``input_ids`` (int32, ending in eos) per document, via a batched map."""
-    return documents.map(_encode_batch, batched=True, batch_size=256, features=_TOKENS,
-                         fn_kwargs={"tokenizer": tokenizer, "column": column},
-                         remove_columns=documents.column_names, keep_in_memory=in_memory,
-                         desc="tokenize")
-
-
-def _encode_batch(batch: dict[str, list], tokenizer: Any, column: str) -> dict[str, list]:
-    texts = ["" if text is None else str(text) for text in batch[column]]
-    return {"input_ids": encode_documents(tokenizer, texts)}
-
-
-def pack(tokens: datasets.Dataset, *, seq_len: int, document_mask: bool, pad_id: int,
-         cache_dir: str | None = None) -> datasets.Dataset:
-    """Pack tokenized documents (an ``input_ids`` column) into rows; see the module docstring.
-
-    Raises:
-        DataError: the documents hold no token at all.
-    """
-    stream = TokenStream.from_dataset(tokens)
-    if stream.total == 0:
-        raise DataError("the data yields no token to train on; check data.source and data.text_field")
-    n_rows = -(-stream.total // seq_len)
-    digest = stream.digest(seq_len, document_mask, pad_id)
-    kwargs: dict[str, Any] = {"keep_in_memory": cache_dir is None}
-    if cache_dir is not None:
-        os.makedirs(cache_dir, exist_ok=True)
-        kwargs["cache_file_name"] = os.path.join(cache_dir, f"lctrain-packed-{digest}.arrow")
-    rows = datasets.Dataset.from_dict({"row": np.arange(n_rows, dtype=np.int64)})
-    return rows.map(_pack_batch, batched=True, batch_size=64, features=_ROWS,
-                    remove_columns=["row"], new_fingerprint=digest, desc="pack",
-                    fn_kwargs={"stream": stream, "seq_len": seq_len,
-                               "document_mask": document_mask, "pad_id": pad_id}, **kwargs)
-
-
+@dataclass(frozen=True)
 class TokenStream:
-    """All documents end to end: ``ids`` (T,), ``bounds`` (n_docs + 1,) document starts + T."""
+    """All samples end to end."""
 
-    def __init__(self, ids: np.ndarray, bounds: np.ndarray) -> None:
-        self.ids, self.bounds = ids, bounds
-        self.total = int(ids.shape[0])
-        self.next_in_doc = self._shifted_within_documents()
+    ids: np.ndarray
+    """(T,) int32 token ids (may be a read-only memory map)."""
+    targets: np.ndarray
+    """(T,) bool or uint8: the token is trained on."""
+    bounds: np.ndarray
+    """(n + 1,) int64 sample starts, then T."""
 
     @classmethod
-    def from_dataset(cls, tokens: datasets.Dataset) -> TokenStream:
-        table = tokens.with_format("arrow")[:]
-        column = table.column("input_ids").combine_chunks()
-        lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-        ids = column.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-        bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        return cls(ids, bounds)
+    def from_samples(cls, ids: Sequence[Sequence[int]],
+                     targets: Sequence[Sequence[bool]] | None = None) -> TokenStream:
+        """A stream of in-memory samples (every token a target unless ``targets`` says)."""
+        lengths = [len(x) for x in ids]
+        flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=sum(lengths))
+        flags = (np.ones(flat.size, bool) if targets is None else
+                 np.fromiter((bool(t) for x in targets for t in x), dtype=bool, count=flat.size))
+        return cls(flat, flags, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
 
-    def _shifted_within_documents(self) -> np.ndarray:
-        labels = np.full(self.total, IGNORE, dtype=np.int32)  # (T,)
-        labels[:-1] = self.ids[1:]
-        last = self.bounds[1:] - 1  # each document's last token (empty documents repeat one)
-        labels[last[last >= 0]] = IGNORE
-        return labels
-
-    def digest(self, *settings: Any) -> str:
-        """A hash of the stream and ``settings``: the packed cache's key."""
-        h = hashlib.blake2b(digest_size=12)
-        for part in (self.ids, self.bounds):
-            h.update(np.ascontiguousarray(part).tobytes())
-        h.update(repr((_FORMAT, *settings)).encode())
-        return h.hexdigest()
+    @property
+    def total(self) -> int:
+        return int(self.ids.shape[0])
 
 
-def pack_row(stream: TokenStream, row: int, seq_len: int, document_mask: bool,
-             pad_id: int) -> dict[str, np.ndarray]:
-    """Row ``row`` of the packed stream: input_ids, labels, position_ids (S,) and doc_lens."""
-    lo, hi = row * seq_len, min((row + 1) * seq_len, stream.total)
-    pad = seq_len - (hi - lo)
-    input_ids = np.concatenate([stream.ids[lo:hi], np.full(pad, pad_id, np.int32)])  # (S,)
-    if document_mask:
-        labels = stream.next_in_doc[lo:hi]
-        inner = stream.bounds[(stream.bounds > lo) & (stream.bounds < hi)]
-        edges = np.unique(np.concatenate([[lo], inner, [hi]]))
-        doc_lens = np.diff(edges)
+@dataclass(frozen=True)
+class RowPlan:
+    """Which stream pieces make each row, and what happened to samples longer than a row."""
+
+    starts: np.ndarray
+    """(pieces,) int64 stream start of each piece."""
+    stops: np.ndarray
+    """(pieces,) int64 stream stop of each piece."""
+    offsets: np.ndarray
+    """(rows + 1,) int64: row r is pieces offsets[r]:offsets[r+1]."""
+    long: int = 0
+    """Samples longer than seq_len (split: continued in the next row; else truncated or left out)."""
+    left_out: int = 0
+    """Samples left out: too long under ``drop``, or no target token left after truncation."""
+    first_long: int = -1
+    """Index of the first sample longer than seq_len, -1 if none."""
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+
+def plan_rows(stream: TokenStream, seq_len: int, mode: str) -> RowPlan:
+    """Choose the pieces of every row (see the module docstring).
+
+    Args:
+        stream: the samples.
+        seq_len: tokens per row.
+        mode: ``split``, ``truncate_left``, ``truncate_right`` or ``drop``.
+
+    Raises:
+        DataError: the stream has no token, or every sample was left out.
+    """
+    if stream.total == 0:
+        raise DataError("the data yields no token to train on; check data.source and data.format")
+    lengths = np.diff(stream.bounds)
+    too_long = np.flatnonzero(lengths > seq_len)
+    first = int(too_long[0]) if too_long.size else -1
+    if mode == "split":
+        starts = np.arange(0, stream.total, seq_len, dtype=np.int64)
+        return RowPlan(starts, np.minimum(starts + seq_len, stream.total),
+                       np.arange(starts.size + 1, dtype=np.int64), int(too_long.size), 0, first)
+    if mode not in WHOLE_SAMPLE_MODES:
+        raise ValueError(f"unknown long_samples mode {mode!r}")
+    starts, stops = stream.bounds[:-1].copy(), stream.bounds[1:].copy()
+    if mode == "truncate_left":
+        starts[too_long] = stops[too_long] - seq_len
+    elif mode == "truncate_right":
+        stops[too_long] = starts[too_long] + seq_len
+    keep = np.ones(lengths.size, bool)
+    if mode == "drop":
+        keep[too_long] = False
     else:
-        labels = np.concatenate([stream.ids[lo + 1:hi], [IGNORE]]).astype(np.int32)
-        doc_lens = np.array([hi - lo])
-    labels = np.concatenate([labels, np.full(pad, IGNORE, np.int32)])  # (S,)
-    if pad and document_mask:
-        doc_lens = np.concatenate([doc_lens, [pad]])
-    elif pad:
-        doc_lens = np.array([seq_len])
-    starts = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)  # (S,) first index of own segment
-    position_ids = np.arange(seq_len) - starts  # (S,)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-            "doc_lens": doc_lens}
+        for s in too_long:
+            keep[s] = bool(np.any(stream.targets[starts[s]:stops[s]]))
+    kept = np.flatnonzero(keep)
+    if kept.size == 0:
+        raise DataError(f"every sample is longer than data.seq_len {seq_len} and data.long_samples "
+                        f"is {mode}, which leaves nothing to train on; raise data.seq_len or use "
+                        f"truncate_left / truncate_right")
+    rows = _best_fit(stops[kept] - starts[kept], seq_len)
+    order = np.lexsort((kept, rows))  # by row, then sample order
+    counts = np.bincount(rows, minlength=int(rows.max()) + 1)
+    return RowPlan(starts[kept][order], stops[kept][order],
+                   np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                   int(too_long.size), int(lengths.size - kept.size), first)
 
 
-def _pack_batch(batch: dict[str, list], stream: TokenStream, seq_len: int, document_mask: bool,
-                pad_id: int) -> dict[str, list]:
-    out: dict[str, list] = {name: [] for name in _ROWS}
-    for row in batch["row"]:
-        for name, value in pack_row(stream, int(row), seq_len, document_mask, pad_id).items():
-            out[name].append(value)
-    return out
+def _best_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Row number of each item under best-fit decreasing; rows numbered by their first item."""
+    free: list[tuple[int, int]] = []  # (free tokens, row), sorted
+    row_of = np.empty(lengths.size, dtype=np.int64)
+    n_rows = 0
+    for i in np.argsort(-lengths, kind="stable"):
+        need = int(lengths[i])
+        at = bisect.bisect_left(free, (need, -1))
+        if at < len(free):
+            room, row = free.pop(at)
+        else:
+            room, row, n_rows = capacity, n_rows, n_rows + 1
+        row_of[i] = row
+        if room - need:
+            bisect.insort(free, (room - need, row))
+    first_item = np.full(n_rows, lengths.size, dtype=np.int64)
+    np.minimum.at(first_item, row_of, np.arange(lengths.size))
+    renumber = np.empty(n_rows, dtype=np.int64)
+    renumber[np.argsort(first_item, kind="stable")] = np.arange(n_rows)
+    return renumber[row_of]
+
+
+class PackedRows:
+    """The packed rows of a token stream: ``len(rows)``, ``rows[r]`` / ``rows.row(r)``.
+
+    Args:
+        stream: the samples.
+        plan: the rows' pieces (`plan_rows`).
+        seq_len, document_mask, pad_id: the row length, whether samples are kept apart, and
+            the id written into padding.
+        info: what the preparation reports (format, counts, cache; see `lctrain.data.prepare`).
+    """
+
+    def __init__(self, stream: TokenStream, plan: RowPlan, *, seq_len: int, document_mask: bool,
+                 pad_id: int, info: dict[str, Any] | None = None) -> None:
+        self.stream, self.plan = stream, plan
+        self.seq_len, self.document_mask, self.pad_id = seq_len, document_mask, pad_id
+        self.info = dict(info or {})
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, r: int) -> dict[str, np.ndarray]:
+        return self.row(r)
+
+    def row(self, r: int) -> dict[str, np.ndarray]:
+        """Row ``r``: input_ids, labels, position_ids (S,) int64 and doc_lens."""
+        if not 0 <= r < len(self):
+            raise IndexError(f"row {r} of {len(self)}")
+        lo, hi = int(self.plan.offsets[r]), int(self.plan.offsets[r + 1])
+        spans = list(zip(self.plan.starts[lo:hi].tolist(), self.plan.stops[lo:hi].tolist()))
+        ids = np.concatenate([self.stream.ids[a:b] for a, b in spans]).astype(np.int64)  # (n,)
+        pad = self.seq_len - ids.size
+        if self.document_mask:
+            labels = np.concatenate([self._labels_within_samples(a, b) for a, b in spans])
+            doc_lens = [n for a, b in spans for n in self._segments(a, b)] + ([pad] if pad else [])
+        else:
+            flags = np.concatenate([self.stream.targets[a:b] for a, b in spans]).astype(bool)
+            labels = np.full(ids.size, IGNORE, dtype=np.int64)
+            labels[:-1] = np.where(flags[1:], ids[1:], IGNORE)
+            doc_lens = [self.seq_len]
+        doc_lens = np.asarray(doc_lens, dtype=np.int64)
+        starts = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)  # (S,) own segment's start
+        return {"input_ids": np.concatenate([ids, np.full(pad, self.pad_id, np.int64)]),
+                "labels": np.concatenate([labels, np.full(pad, IGNORE, np.int64)]),
+                "position_ids": np.arange(self.seq_len, dtype=np.int64) - starts,
+                "doc_lens": doc_lens}
+
+    def _labels_within_samples(self, a: int, b: int) -> np.ndarray:
+        """Labels of stream positions a..b-1: the next token of the same sample if a target."""
+        bounds, total = self.stream.bounds, self.stream.total
+        nxt = np.arange(a + 1, b + 1, dtype=np.int64)  # (n,)
+        sample_end = bounds[np.searchsorted(bounds, nxt - 1, side="right")]
+        at = np.minimum(nxt, total - 1)
+        ok = (nxt < sample_end) & self.stream.targets[at].astype(bool)
+        return np.where(ok, self.stream.ids[at], IGNORE).astype(np.int64)
+
+    def _segments(self, a: int, b: int) -> list[int]:
+        """Lengths of the sample pieces that make up stream span a..b."""
+        bounds = self.stream.bounds
+        inner = bounds[np.searchsorted(bounds, a, side="right"):np.searchsorted(bounds, b, side="left")]
+        return np.diff(np.concatenate([[a], inner, [b]])).tolist()
+
+
+def pack(samples: Sequence[Sequence[int]], *, seq_len: int, document_mask: bool, pad_id: int,
+         targets: Sequence[Sequence[bool]] | None = None, long_samples: str = "split") -> PackedRows:
+    """Pack in-memory samples (token id lists) into rows; see the module docstring.
+
+    Args:
+        samples: token ids of each sample.
+        seq_len, document_mask, pad_id: as `PackedRows`.
+        targets: per-token target flags of each sample (default: every token).
+        long_samples: ``split``, ``truncate_left``, ``truncate_right`` or ``drop``.
+
+    Raises:
+        DataError: the samples hold no token, or all are left out.
+    """
+    stream = TokenStream.from_samples(samples, targets)
+    return PackedRows(stream, plan_rows(stream, seq_len, long_samples), seq_len=seq_len,
+                      document_mask=document_mask, pad_id=pad_id)

@@ -2,7 +2,8 @@
 
 The byte tokenizer maps a text to its UTF-8 bytes (ids 0–255) and adds three specials: bos (256),
 eos (257) and pad (258), so ``vocab_size`` is 259. It works offline everywhere, which is what the
-embedded default recipe and the random-init recipes need.
+embedded default recipe and the random-init recipes need. It has a small chat format of its own
+(`ByteTokenizer.encode_chat`) for chat data.
 """
 from __future__ import annotations
 
@@ -42,6 +43,35 @@ class ByteTokenizer:
                 out.append(names[token])
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False
+                    ) -> tuple[list[int], list[bool]]:
+        """Token ids of a conversation in the byte tokenizer's own chat format, and which of
+        them are the assistant's (the tokens a chat fine-tune trains on).
+
+        The format: ``<bos>``, then per message ``<|ROLE|>`` + newline + content, ended by
+        ``<eos>`` for the assistant and by a newline for any other role; with
+        ``add_generation_prompt`` a final ``<|assistant|>`` + newline opens the reply. The
+        assistant's content and its ``<eos>`` are marked True, headers and other turns False.
+
+        Raises:
+            ValueError: a message is not a mapping with a string ``role`` and ``content``.
+        """
+        ids, assistant = [self.bos_token_id], [False]
+        for message in messages:
+            role, content = (message.get("role"), message.get("content")) if isinstance(
+                message, dict) else (None, None)
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise ValueError(f"a message needs a string role and content, got {message!r}")
+            header = self.encode(f"<|{role}|>\n", add_special_tokens=False)
+            body = self.encode(content, add_special_tokens=False)
+            end = [self.eos_token_id] if role == "assistant" else self.encode("\n", False)
+            ids += header + body + end
+            assistant += [False] * len(header) + [role == "assistant"] * (len(body) + len(end))
+        if add_generation_prompt:
+            header = self.encode("<|assistant|>\n", add_special_tokens=False)
+            ids, assistant = ids + header, assistant + [False] * len(header)
+        return ids, assistant
 
     def __len__(self) -> int:
         return self.vocab_size

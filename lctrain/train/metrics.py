@@ -110,9 +110,11 @@ class MetricsLog:
 class Progress:
     """Rank 0's display: a rich progress bar on a terminal, one plain line per log otherwise."""
 
-    def __init__(self, total_steps: int, start_step: int, *, enabled: bool) -> None:
+    def __init__(self, total_steps: int, start_step: int, *, enabled: bool,
+                 steps_per_epoch: float | None = None) -> None:
         self.enabled = enabled
         self.total = total_steps
+        self.steps_per_epoch = steps_per_epoch  # shows the epochs completed when set
         self._bar = None
         if enabled and sys.stdout.isatty():
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
@@ -128,6 +130,8 @@ class Progress:
         if not self.enabled:
             return
         info = _describe(record) if record else None
+        if info and self.steps_per_epoch:
+            info = f"epoch {step / self.steps_per_epoch:.2f}  {info}"
         if self._bar is not None:
             fields = {"info": info} if info else {}
             self._bar.update(self._task, completed=step, **fields)

@@ -182,6 +182,7 @@ def _train(cfg: RecipeConfig, pmesh: ParallelMesh, accelerator, precision: str,
     if pmesh.rank == 0:
         save_resolved(cfg, Path(cfg.train.output_dir) / "config.yaml")
     dataset = _build_data(cfg, pmesh)
+    cfg = _with_steps(cfg, pmesh, len(dataset))
     parts = _build_model(cfg, pmesh, accelerator.device, precision)
     trainer = _build_trainer(cfg, pmesh, parts, accelerator, resume_from)
     _run(cfg, pmesh, parts, trainer, dataset, resume_from is not None)
@@ -211,16 +212,34 @@ def _ensure_process_group(device: torch.device) -> str | None:
 
 
 def _build_data(cfg: RecipeConfig, pmesh: ParallelMesh):
-    """Tokenize and pack the data; rank 0 first, so a datasets cache is written once."""
-    from lctrain.data import build_packed_dataset, load_tokenizer
+    """The packed rows, prepared once per machine: its local rank 0 tokenizes and packs into the
+    data cache (with progress on rank 0) while the other ranks wait, then all memory-map it."""
+    from lctrain.data import load_tokenizer, prepare_data, rows_summary
 
-    if pmesh.rank != 0:
-        _barrier()
     tokenizer = load_tokenizer(cfg)
-    dataset = build_packed_dataset(cfg, tokenizer)
+    local_rank = int(os.environ.get("LOCAL_RANK", pmesh.rank))
+    rows = prepare_data(cfg.data, tokenizer, leader=local_rank == 0,
+                        show_progress=pmesh.rank == 0)
     if pmesh.rank == 0:
-        _barrier()
-    return dataset
+        print("\n".join(rows_summary(rows)), flush=True)
+    return rows
+
+
+def _rows_per_step(cfg: RecipeConfig, pmesh: ParallelMesh) -> int:
+    return pmesh.dp * cfg.train.batch_size * cfg.train.grad_accum
+
+
+def _with_steps(cfg: RecipeConfig, pmesh: ParallelMesh, rows: int) -> RecipeConfig:
+    """The recipe with ``train.max_steps`` resolved from train.epochs / train.max_steps and the
+    number of packed rows; rank 0 says how the steps relate to epochs."""
+    from lctrain.data import plan_steps, steps_summary
+
+    t, per_step = cfg.train, _rows_per_step(cfg, pmesh)
+    steps = plan_steps(rows=rows, rows_per_step=per_step, max_steps=t.max_steps, epochs=t.epochs)
+    if pmesh.rank == 0:
+        print("\n".join(steps_summary(rows=rows, rows_per_step=per_step, steps=steps,
+                                       max_steps=t.max_steps, epochs=t.epochs)), flush=True)
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps))
 
 
 @dataclasses.dataclass
@@ -313,7 +332,8 @@ def _run(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer, da
         print(_banner(cfg, pmesh, parts, trainer, len(dataset)), flush=True)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=main,
                          resume_step=trainer.step if resumed else None)
-    progress = Progress(t.max_steps, trainer.step, enabled=main)
+    progress = Progress(t.max_steps, trainer.step, enabled=main,
+                        steps_per_epoch=len(dataset) / _rows_per_step(cfg, pmesh))
 
     def save() -> Path:
         return save_checkpoint(out / "checkpoints", trainer.step, module=trainer.distributed.module,
@@ -357,7 +377,3 @@ def _banner(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer,
 def _layout(pmesh: ParallelMesh) -> dict:
     return {"dp": pmesh.dp, "cp": pmesh.cp}
 
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -1,0 +1,111 @@
+"""Data preparation happens once: a later run and the other ranks reuse the cache.
+
+The tokenizer used here is the real byte tokenizer that also records every text it is asked to
+encode, so "not re-tokenized" is asserted on what really happened, not on a flag.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from lctrain.config import load_recipe
+from lctrain.data import ByteTokenizer, plan_steps, prepare_data, steps_summary
+from lctrain.errors import DataError
+
+
+class RecordingTokenizer(ByteTokenizer):
+    """The byte tokenizer, keeping the texts it encoded."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.seen.append(text)
+        return super().encode(text, add_special_tokens)
+
+
+def _cfg(tmp_path, source, *sets, seq_len=64):
+    return load_recipe(None, [f"data.source={source}", f"data.cache_dir={tmp_path / 'cache'}",
+                              *sets], seq_len=seq_len).data
+
+
+def _rows_digest(rows):
+    return [tuple(rows[r]["input_ids"].tolist()) + tuple(rows[r]["labels"].tolist())
+            for r in range(len(rows))]
+
+
+def test_second_run_reuses_tokens_and_rows(tmp_path):
+    texts = [f"document {i}: " + "words " * (i % 13) for i in range(40)]
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    first_tok = RecordingTokenizer()
+    first = prepare_data(_cfg(tmp_path, src), first_tok)
+    assert first.info["built_tokens"] and first.info["built_rows"]
+    assert set(texts) <= set(first_tok.seen)
+    again_tok = RecordingTokenizer()
+    again = prepare_data(_cfg(tmp_path, src), again_tok)
+    assert not again.info["built_tokens"] and not again.info["built_rows"]
+    assert not set(texts) & set(again_tok.seen)  # nothing of the data was tokenized again
+    assert _rows_digest(again) == _rows_digest(first)
+    longer_tok = RecordingTokenizer()
+    longer = prepare_data(_cfg(tmp_path, src, seq_len=128), longer_tok)  # new rows, same tokens
+    assert not longer.info["built_tokens"] and longer.info["built_rows"]
+    assert not set(texts) & set(longer_tok.seen)
+    assert len(longer) == -(-first.info["tokens"] // 128)
+    stat = src.stat()  # the file changes: prepared again, from its new content
+    src.write_text("".join(json.dumps({"text": t.upper()}) + "\n" for t in texts))
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    changed_tok = RecordingTokenizer()
+    changed = prepare_data(_cfg(tmp_path, src), changed_tok)
+    assert changed.info["built_tokens"] and texts[5].upper() in changed_tok.seen
+    folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert len(folders) == 2 and not list((tmp_path / "cache").glob(".tmp-*"))
+
+
+def test_failed_preparation_leaves_no_cache(tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text(json.dumps({"text": "ok"}) + "\n" + "{broken\n")
+    with pytest.raises(DataError, match=r"d\.jsonl:2 is not valid JSON"):
+        prepare_data(_cfg(tmp_path, src), ByteTokenizer())
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []
+    src.write_text(json.dumps({"text": "ok"}) + "\n")
+    assert len(prepare_data(_cfg(tmp_path, src), ByteTokenizer())) == 1
+
+
+def follower_and_leader(rank, world, cfg):
+    """Rank 0 prepares, rank 1 waits for the cache; returns what each encoded and its rows."""
+    tok = RecordingTokenizer()
+    rows = prepare_data(cfg, tok, leader=rank == 0)
+    return tok.seen, _rows_digest(rows), rows.info["built_tokens"]
+
+
+def test_one_rank_prepares_the_others_wait(tmp_path):
+    from spawn import run_on_ranks
+
+    texts = [f"text number {i} " * 5 for i in range(30)]
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (seen0, rows0, built0), (seen1, rows1, built1) = run_on_ranks(
+        follower_and_leader, 2, _cfg(tmp_path, src))
+    assert built0 and not built1
+    assert set(texts) <= set(seen0) and not set(texts) & set(seen1)
+    assert rows0 == rows1
+
+
+def test_steps_from_epochs_and_max_steps():
+    assert plan_steps(rows=10, rows_per_step=4, max_steps=None, epochs=2) == 5
+    assert plan_steps(rows=10, rows_per_step=4, max_steps=3, epochs=2) == 3
+    assert plan_steps(rows=10, rows_per_step=4, max_steps=30, epochs=None) == 30
+    assert plan_steps(rows=10, rows_per_step=4, max_steps=None, epochs=None) == 3
+    assert plan_steps(rows=30, rows_per_step=1, max_steps=None, epochs=0.1) == 3
+    assert plan_steps(rows=1, rows_per_step=8, max_steps=None, epochs=1) == 1
+    lines = steps_summary(rows=1, rows_per_step=8, steps=4, max_steps=4, epochs=None)
+    assert lines[0].startswith("steps: 4 × 8 rows = 32.00 epochs of 1 rows (train.max_steps)")
+    assert lines[1].startswith("warning: the data makes 1 packed row but one step takes 8")
+    assert len(steps_summary(rows=16, rows_per_step=8, steps=4, max_steps=None, epochs=2)) == 1
+    assert "reached before train.epochs 3" in steps_summary(
+        rows=16, rows_per_step=8, steps=2, max_steps=2, epochs=3)[0]
+    assert np.isclose(plan_steps(rows=7, rows_per_step=2, max_steps=None, epochs=1) * 2 / 7, 8 / 7)

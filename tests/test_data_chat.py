@@ -1,0 +1,162 @@
+"""Chat records: assistant-only loss masks, token by token, against hand-built expectations.
+
+A real tokenizer is made offline: a small byte-level BPE trained here with `tokenizers`, wrapped
+as transformers' PreTrainedTokenizerFast, with a ChatML template — once plain (lctrain finds the
+assistant's tokens by rendering prefixes) and once with ``{% generation %}`` markers
+(transformers' own assistant masks). The expectation is built by tokenizing the conversation's
+pieces one by one and marking the assistant's by hand.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from lctrain.config import load_recipe
+from lctrain.data import IGNORE, ByteTokenizer, prepare_data
+from lctrain.data.chat import encode_chat
+from lctrain.errors import DataError
+
+CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+          "'<|im_end|>\\n' }}{%- endfor %}"
+          "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+CHATML_GENERATION = (
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- m['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{- '\\n' }}{%- else %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+WORDS = "the model reads long documents and answers questions about them quickly".split()
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A ~400-token byte-level BPE with ChatML specials, trained here (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(300)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                  "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+
+
+def _conversation(rng, turns):
+    messages = [{"role": "system", "content": "Answer briefly."}] if rng.random() < 0.5 else []
+    if rng.random() < 0.3:
+        messages.append({"role": "assistant", "content": "Hello, ask me anything."})
+    for _ in range(turns):
+        messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(5))})
+        messages.append({"role": "assistant",
+                         "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))})
+    return messages
+
+
+def _expected(tok, messages):
+    """ChatML tokenized piece by piece; the assistant's content and its <|im_end|> are True."""
+    ids, mask = [], []
+    for m in messages:
+        pieces = [(f"<|im_start|>{m['role']}\n", False)]
+        if m["role"] == "assistant":
+            pieces += [(m["content"] + "<|im_end|>", True), ("\n", False)]
+        else:
+            pieces += [(m["content"] + "<|im_end|>\n", False)]
+        for text, flag in pieces:
+            piece = tok(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            mask += [flag] * len(piece)
+    return ids, mask
+
+
+@pytest.mark.parametrize("template", ["prefix", "generation"])
+def test_chat_masks_match_a_hand_built_expectation(bpe, template):
+    bpe.chat_template = CHATML if template == "prefix" else CHATML_GENERATION
+    rng = random.Random(random.randrange(2**31))
+    for _ in range(12):
+        messages = _conversation(rng, rng.randint(1, 3))
+        ids, mask = encode_chat(bpe, messages, "test")
+        want_ids, want_mask = _expected(bpe, messages)
+        assert ids == bpe.apply_chat_template(messages, tokenize=True, return_dict=False)
+        assert ids == want_ids  # the pieces tokenize as the whole does (the split is clean)
+        assert mask == want_mask
+        im_end = bpe.convert_tokens_to_ids("<|im_end|>")
+        n_assistant = sum(m["role"] == "assistant" for m in messages)
+        assert sum(1 for i, f in zip(ids, mask) if f and i == im_end) == n_assistant
+
+
+def test_chat_labels_through_preparation(bpe, tmp_path):
+    bpe.chat_template = CHATML
+    rng = random.Random(random.randrange(2**31))
+    convs = [_conversation(rng, 2) for _ in range(6)]
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}",
+                             "data.long_samples=truncate_left"], seq_len=512)
+    rows = prepare_data(cfg.data, bpe)
+    assert rows.info["format"] == "chat" and len(rows) >= 1
+    samples = {}
+    for c in convs:
+        ids, mask = _expected(bpe, c)
+        labels = [ids[i + 1] if mask[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+        samples[tuple(ids)] = labels
+    found = 0
+    for r in range(len(rows)):
+        row = rows[r]
+        lo = 0
+        for n in row["doc_lens"].tolist():
+            key = tuple(row["input_ids"][lo:lo + n].tolist())
+            if key in samples:
+                assert row["labels"][lo:lo + n].tolist() == samples[key]
+                found += 1
+            lo += n
+    assert found == len(convs)
+
+
+def test_byte_tokenizer_chat_format_token_by_token():
+    tok = ByteTokenizer()
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "ok"},
+                {"role": "assistant", "content": "yes"}]
+    ids, mask = encode_chat(tok, messages, "test")
+    b = lambda text: list(text.encode())  # noqa: E731
+    want = ([256] + b("<|system|>\nBe terse.\n") + b("<|user|>\n2+2?\n") + b("<|assistant|>\n")
+            + b("4") + [257] + b("<|user|>\nok\n") + b("<|assistant|>\n") + b("yes") + [257])
+    assert ids == want
+    marked = [i for i, f in zip(ids, mask) if f]
+    assert marked == b("4") + [257] + b("yes") + [257]
+    first = want.index(ord("4"))
+    assert mask[first - 1] is False and mask[first] is True and mask[first + 1] is True
+    prompt, _ = tok.encode_chat(messages[:2], add_generation_prompt=True)
+    assert prompt == want[:first]  # the generation prompt opens the reply exactly
+
+
+def test_chat_errors(bpe, tmp_path):
+    bpe.chat_template = None
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
+                                            {"role": "assistant", "content": "b"}]}) + "\n")
+    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}"], seq_len=64)
+    with pytest.raises(DataError, match="has no chat template; use the tokenizer of a chat model"):
+        prepare_data(cfg.data, bpe)
+    # a template that renders earlier replies differently from the last one
+    bpe.chat_template = CHATML.replace("m['content']", "(m['content'] if loop.last else '...')")
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}]
+    with pytest.raises(DataError, match="here: the chat template renders the conversation up to "
+                                        "message 1 differently"):
+        encode_chat(bpe, messages, "here")
+    bpe.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(DataError, match=r"here: the chat template cannot render .*roles must alternate"):
+        encode_chat(bpe, messages, "here")
+    with pytest.raises(DataError, match="here: each message must be an object with a string role"):
+        encode_chat(ByteTokenizer(), [{"content": "no role"}], "here")
+    with pytest.raises(DataError, match="here: a message needs a string role and content"):
+        encode_chat(ByteTokenizer(), [{"role": "user", "content": ["parts"]}], "here")
