@@ -26,9 +26,9 @@ The "auto" rule (:func:`select_backend`), first one that is available and suppor
   Measured on an H200 at 64K, causal, bf16, fwd+bwd: cuDNN 547, our Triton 422, torch's
   flash op 327 TFLOP/s (the same order at 16K..128K; README "Local kernels").
 * CUDA, PARTIAL block with documents, fp16/bf16: docsplit > triton > reference. Cut at its
-  document boundaries, a packed block runs as dense cuDNN calls, which are faster per
-  visible pair than our Triton kernel's skipping of masked tiles (README "Packed
-  documents"); docsplit needs cudnn (it refuses the block otherwise, and triton runs it).
+  document boundaries (:mod:`lctrain_kernels.docsplit`), a packed block runs as dense cuDNN
+  calls, faster per visible pair than our Triton kernel's skipping of masked tiles; docsplit
+  needs cudnn (without it, it refuses the block and triton runs it).
 * CUDA, other PARTIAL blocks (offset diagonal without documents) or float32: triton >
   reference; only triton skips masked tiles, and the dense SDPA ops take no mask with lse.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
