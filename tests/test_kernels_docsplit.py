@@ -96,6 +96,7 @@ def test_plan_computes_every_visible_pair_once(min_dense, steps, share):
         for c in plan.dense:
             assert c.sq >= min_dense and c.sk >= min_dense
             assert c.sq == dense_rows(c.sq, min_dense, steps)  # on the ladder
+            assert c.sk == dense_rows(c.sk, min_dense, steps)
             got += piece_mask(sq, sk, c.q0, c.k0, c.n, c.sq, c.sk, c.causal)
         assert not (got.bool() & ~want).any(), (spec, sq, sk, plan)  # dense never unmasked
         for m in plan.masked:

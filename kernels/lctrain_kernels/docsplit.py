@@ -26,7 +26,9 @@ parts cover disjoint keys of the same rows; their results merge through the log-
   So a dense piece keeps only the largest row count of a fixed ladder that fits (multiples
   of 1/``shape_steps`` of the power of two below): at most ``shape_steps`` shapes per
   octave. The rows cut off (a document's last few) go to the masked kernel with all of
-  their keys; they are less than 1/``shape_steps`` of its rows.
+  their keys; they are less than 1/``shape_steps`` of its rows. A piece whose keys are
+  fewer than its rows (a FULL part, or keys that end inside the document) keeps a ladder
+  count of keys too; the keys cut off go to the masked kernel for the same rows.
 * **Masked calls.** Documents shorter than ``min_dense`` rows, and those cut-off rows, run
   on the masked kernel (Triton) with the block's own mask: consecutive ones share one call
   over the rows they span (the kernel skips the tiles outside each document). If the dense
@@ -214,11 +216,12 @@ def _plan_document(doc: tuple[Piece, ...], min_dense: int, shape_steps: int):
         return [], [], whole
     heads, merging = [], []
     for p in doc:
-        sk = min(m, p.sk) if p.causal else p.sk  # head rows of a triangle see m keys at most
-        if sk >= min_dense:
+        seen = min(m, p.sk) if p.causal else p.sk  # head rows of a triangle see m keys at most
+        sk = seen if seen == m else dense_rows(seen, min_dense, shape_steps)  # keys: on the ladder
+        if sk:
             heads.append(Piece(p.q0, p.k0, m, sk, p.causal))
-        else:
-            merging.append(MaskedCall(r0, r0 + m, p.k0, p.k0 + sk))
+        if sk < seen:  # keys left over: the masked kernel, merged into the same rows
+            merging.append(MaskedCall(r0, r0 + m, p.k0 + sk, p.k0 + seen))
     if not heads:
         return [], [], whole
     rest = MaskedCall(r0 + m, r0 + n, *keys) if m < n else None
