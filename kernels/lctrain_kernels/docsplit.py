@@ -9,7 +9,7 @@ FULL rectangle. With one, key ``j`` is visible to query ``i`` iff ``j <= i``, so
 
     query rows before ka see nothing       -> trim them:  qa' = max(qa, ka)
     keys after the last query are unseen   -> trim them:  kb' = min(kb, qb)
-    keys [ka, qa')  lie before every query -> FULL  rows [qa', qb) x keys [ka, qa')
+    keys before qa' are seen by every row  -> FULL  rows [qa', qb) x keys [ka, min(qa', kb'))
     keys [qa', kb') start with the queries -> CAUSAL rows [qa', qb) x keys [qa', kb')
                                               (row i sees key rows 0..i: top-left)
 
