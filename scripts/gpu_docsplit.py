@@ -161,4 +161,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if not torch.cuda.is_available():
+        sys.exit("scripts/gpu_docsplit.py needs a CUDA GPU.")
+    sys.exit(main())
