@@ -33,6 +33,7 @@ BACKENDS = {
     "flash_attn": "flash_attn.FlashAttnBackend",
     "triton": "triton.TritonBackend",
     "cpu_flash": "sdpa.CpuFlashBackend",
+    "docsplit": "docsplit.DocSplitBackend",
 }
 """Local attention backends: name -> ``module.Class`` under ``lctrain_kernels.backends`` that
 implements it (imported only when first asked for). "auto" picks among them."""

@@ -17,13 +17,20 @@ first asked for):
     flash_attn  the flash-attn package, if installed; CUDA, fp16/bf16, FULL/CAUSAL
     triton      lctrain's own Triton kernels; every relation (document masks skip tiles)
     cpu_flash   torch's CPU flash-attention op; CPU, FULL/CAUSAL (about 2x the reference)
+    docsplit    a block cut at its document boundaries: dense pieces on cudnn (cpu_flash on
+                a CPU), short documents and ragged ends on triton (reference on a CPU);
+                every relation (see lctrain_kernels.docsplit)
 
 The "auto" rule (:func:`select_backend`), first one that is available and supports the block:
 
 * CUDA, FULL or CAUSAL block, fp16/bf16: cudnn > triton > flash > flash_attn > reference,
   fastest first as measured on H100/H200 (``lctrain bench kernel``, README "Local kernels").
-* CUDA, PARTIAL block (offset diagonal, documents) or float32: triton > reference; only
-  triton skips masked tiles, the dense SDPA ops here cannot take a mask with log-sum-exp.
+* CUDA, PARTIAL block with documents, fp16/bf16: docsplit > triton > reference. Cut at its
+  document boundaries (:mod:`lctrain_kernels.docsplit`), a packed block runs as dense cuDNN
+  calls, faster per visible pair than our Triton kernel's skipping of masked tiles; docsplit
+  needs cudnn (without it, it refuses the block and triton runs it).
+* CUDA, other PARTIAL blocks (offset diagonal without documents) or float32: triton >
+  reference; only triton skips masked tiles, and the dense SDPA ops take no mask with lse.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
   takes a mask only as an additive tensor of the inputs' dtype, and the Triton interpreter is
   correct but orders of magnitude slower).
@@ -45,6 +52,7 @@ __all__ = ["Backend", "BackendUnavailable", "available_backends", "backend_names
            "check_backend_name", "get_backend", "select_backend"]
 
 _DENSE_CUDA_ORDER = ("cudnn", "triton", "flash", "flash_attn", "reference")
+_DOCUMENT_CUDA_ORDER = ("docsplit", "triton", "reference")
 _MASKED_CUDA_ORDER = ("triton", "reference")
 _DENSE_CPU_ORDER = ("cpu_flash", "reference")
 
@@ -106,12 +114,27 @@ def available_backends() -> list[str]:
     return names
 
 
-def _auto_order(q: torch.Tensor, relation: Relation) -> tuple[str, ...]:
+def auto_order(device_type: str, dtype: torch.dtype, relation: Relation,
+               documents: bool) -> tuple[str, ...]:
+    """The backends "auto" tries, in order, for a block (the rule of the module docstring).
+
+    Args:
+        device_type: the tensors' device type ("cuda", "cpu", ...).
+        dtype: the inputs' dtype.
+        relation: the block's relation (not EMPTY).
+        documents: whether the block's mask has document bounds.
+
+    Returns:
+        Backend names, best first; the first that loads and supports the block runs it.
+    """
     dense = relation in (Relation.FULL, Relation.CAUSAL)
-    if not q.is_cuda:
-        return _DENSE_CPU_ORDER if dense and q.device.type == "cpu" else ("reference",)
-    if dense and q.dtype in (torch.float16, torch.bfloat16):
+    if device_type != "cuda":
+        return _DENSE_CPU_ORDER if dense and device_type == "cpu" else ("reference",)
+    half = dtype in (torch.float16, torch.bfloat16)
+    if dense and half:
         return _DENSE_CUDA_ORDER
+    if relation is Relation.PARTIAL and documents and half:
+        return _DOCUMENT_CUDA_ORDER
     return _MASKED_CUDA_ORDER
 
 
@@ -139,7 +162,8 @@ def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation) -> Backend
         backend = get_backend(name)
     else:
         reasons = []
-        for candidate in _auto_order(q, relation):
+        order = auto_order(q.device.type, q.dtype, relation, spec.doc_bounds is not None)
+        for candidate in order:
             try:
                 backend = get_backend(candidate)
             except BackendUnavailable as exc:

@@ -1,0 +1,222 @@
+"""Packed-document mixes for the attention benchmarks: ``--documents SPEC`` as document lengths.
+
+A benchmark row of ``total`` tokens is cut into documents (the ``cu_seqlens`` of the attention)
+by one of these specs (sizes take k = 1024 and m = 1024², as ``--seq-len`` does):
+
+    8x8k                            8 documents of 8K; the lengths must fill the row exactly
+    20k,12k,9k,7k,5k,4k,3x2k,1k     listed lengths in order (``NxL`` repeats L); a last item
+                                    ``rest`` adds one document with whatever is left
+    lognormal:mean=12k              lengths drawn from a log-normal distribution until the row
+      [,sigma=1.0][,seed=0]         is full (the last one cut there, as packing does); ``median=``
+                                    may replace ``mean=``; sigma is the log-space deviation
+    lengths:PATH[@ROW]              a file of document lengths (integers, whitespace or comma
+                                    separated) laid end to end and cut into rows of ``total``;
+                                    row ROW (default 0)
+    data:PATH[@ROW]                 a data file as ``data.source`` takes it (.jsonl, .parquet,
+                                    .txt, ...), tokenized with the recipe's tokenizer (each
+                                    document ends in eos) and cut into rows as training packs
+                                    them; row ROW
+
+The work that counts is the attention inside each document only (shared/PERF.md's model):
+causal forward = 2·ΣL²·H·D, non-causal twice that, forward + backward 3.5× the forward.
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from lctrain.config import ConfigError, RecipeConfig, format_tokens, parse_size
+
+#: fwd+bwd FLOPs over forward FLOPs (backward = 2.5 x forward).
+FWD_BWD = 3.5
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Document lengths of one packed row.
+
+    Attributes:
+        lengths: tokens of each document, in order; they sum to the row's length.
+        spec: the spec they came from.
+    """
+
+    lengths: tuple[int, ...]
+    spec: str
+
+    @property
+    def total(self) -> int:
+        """Tokens of the row."""
+        return sum(self.lengths)
+
+    @property
+    def cu_seqlens(self) -> tuple[int, ...]:
+        """Document bounds ``(0, L0, L0 + L1, ..., total)``, as the attention takes them."""
+        bounds = [0]
+        for n in self.lengths:
+            bounds.append(bounds[-1] + n)
+        return tuple(bounds)
+
+    def forward_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
+        """Useful forward FLOPs: 4·H·D per visible pair, L²/2 pairs per causal document."""
+        pairs = sum(n * n for n in self.lengths) * (0.5 if causal else 1.0)
+        return 4.0 * pairs * heads * head_dim
+
+    def fwd_bwd_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
+        """Useful forward + backward FLOPs (backward = 2.5 x forward)."""
+        return FWD_BWD * self.forward_flops(heads, head_dim, causal)
+
+    def summary(self) -> str:
+        """One line such as ``10 documents of 1k..20k tokens, median 5k``."""
+        ordered = sorted(self.lengths)
+        mid = ordered[len(ordered) // 2]
+        return (f"{len(ordered)} document{'s' * (len(ordered) != 1)} of "
+                f"{format_tokens(ordered[0])}..{format_tokens(ordered[-1])} tokens, median "
+                f"{format_tokens(mid)}")
+
+
+def parse_documents(spec: str, total: int, *, recipe: RecipeConfig | None = None,
+                    tokenizer=None) -> Documents:
+    """The documents of a row of ``total`` tokens described by ``spec`` (module docstring).
+
+    Args:
+        spec: the ``--documents`` text.
+        total: tokens of the row (the benchmark's sequence length).
+        recipe: the recipe whose data settings (``text_field``) and tokenizer read a
+            ``data:`` spec; needed only for that form.
+        tokenizer: the recipe's tokenizer if already loaded (else loaded from ``recipe``).
+
+    Returns:
+        :class:`Documents` whose lengths sum to ``total``.
+
+    Raises:
+        ConfigError: the spec is malformed, its lengths do not fill ``total`` (or overflow
+            it), its file is missing, or a ``data:`` spec comes without a recipe.
+        DataError: a ``data:`` file cannot be read or tokenized.
+    """
+    text = spec.strip()
+    if total < 1:
+        raise ConfigError(f"--documents needs a positive sequence length, got {total}")
+    kind, _, rest = text.partition(":")
+    if kind == "lognormal":
+        lengths = _lognormal(rest, total, text)
+    elif kind in ("lengths", "data"):
+        path, row = _path_and_row(rest, text)
+        stream = _file_lengths(path, text) if kind == "lengths" else \
+            _data_lengths(path, recipe, tokenizer, text)
+        lengths = _cut(stream, total, row, text)
+    else:
+        lengths = _listed(text, total)
+    return Documents(tuple(lengths), text)
+
+
+def _listed(text: str, total: int) -> list[int]:
+    """``8x8k`` / ``20k,12k,3x2k,rest``: listed lengths that must fill ``total``."""
+    items = [item.strip() for item in text.split(",")]
+    rest = bool(items) and items[-1] == "rest"
+    lengths = []
+    for item in items[:-1] if rest else items:
+        count, times, size = item.rpartition("x")
+        if not size or (times and not (count.isdigit() and int(count) > 0)):
+            raise ConfigError(f"--documents item {item!r} of {text!r} is not a length; write "
+                              f"sizes such as 8k or 3x2k (N documents of L tokens), comma "
+                              f"separated, or lognormal:mean=12k, lengths:FILE, data:FILE")
+        lengths += [parse_size(size, what=f"--documents item {item!r}")] * int(count or 1)
+    used = sum(lengths)
+    if used > total or (used < total and not rest):
+        fix = "end the list with ,rest for one more document" if used < total else "shorten it"
+        raise ConfigError(f"--documents {text!r} holds {used} tokens but the sequence holds "
+                          f"{total}; make the lengths add up to {total} or {fix}")
+    return lengths + ([total - used] if used < total else [])
+
+
+def _options(text: str, spec: str, allowed: set[str]) -> dict[str, str]:
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in allowed or key in options:
+            raise ConfigError(f"--documents {spec!r}: {item!r} is not one of "
+                              f"{', '.join(sorted(allowed))} given once as key=value")
+        options[key] = value.strip()
+    return options
+
+
+def _lognormal(text: str, total: int, spec: str) -> list[int]:
+    """Log-normal lengths (mean or median, sigma, seed) drawn until ``total`` is full."""
+    options = _options(text, spec, {"mean", "median", "sigma", "seed"})
+    if ("mean" in options) == ("median" in options):
+        raise ConfigError(f"--documents {spec!r} needs exactly one of mean= or median=, such as "
+                          f"lognormal:mean=12k")
+    try:
+        sigma, seed = float(options.get("sigma", "1.0")), int(options.get("seed", "0"))
+    except ValueError:
+        raise ConfigError(f"--documents {spec!r}: sigma must be a number and seed a whole "
+                          f"number, such as lognormal:mean=12k,sigma=0.8,seed=1") from None
+    if not 0.0 < sigma <= 4.0:
+        raise ConfigError(f"--documents {spec!r}: sigma is {sigma} but must be in (0, 4]")
+    center = parse_size(options.get("mean") or options["median"], what=f"--documents {spec!r}")
+    mu = math.log(center) - (sigma * sigma / 2 if "mean" in options else 0.0)
+    rng, lengths, used = random.Random(seed), [], 0
+    while used < total:
+        n = min(max(1, round(rng.lognormvariate(mu, sigma))), total - used)
+        lengths.append(n)
+        used += n
+    return lengths
+
+
+def _path_and_row(text: str, spec: str) -> tuple[Path, int]:
+    match = re.fullmatch(r"(.+?)(?:@(\d+))?", text.strip())
+    if not text.strip() or match is None:
+        raise ConfigError(f"--documents {spec!r} names no file; write lengths:FILE or data:FILE, "
+                          f"optionally @ROW")
+    path = Path(match.group(1)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--documents {spec!r}: no file {str(path)!r}; check the path")
+    return path, int(match.group(2) or 0)
+
+
+def _file_lengths(path: Path, spec: str) -> list[int]:
+    """Whole positive numbers of a text file (whitespace or commas between them)."""
+    words = path.read_text().replace(",", " ").split()
+    if not words or not all(w.isdigit() and int(w) > 0 for w in words):
+        bad = next((w for w in words if not (w.isdigit() and int(w) > 0)), "nothing")
+        raise ConfigError(f"--documents {spec!r}: the file must hold positive whole numbers "
+                          f"(document lengths), found {bad!r}")
+    return [int(w) for w in words]
+
+
+def _data_lengths(path: Path, recipe, tokenizer, spec: str) -> list[int]:
+    """Token counts (with eos) of every document of a data file, tokenized as training does."""
+    if recipe is None:
+        raise ConfigError(f"--documents {spec!r} tokenizes the file with a recipe's tokenizer; "
+                          f"name the recipe, or give lengths:FILE instead")
+    import pyarrow.compute as pc
+
+    from lctrain.data import load_documents, load_tokenizer, tokenize
+
+    cfg = replace(recipe, data=replace(recipe.data, source=str(path)))
+    documents, column = load_documents(cfg.data)
+    tokens = tokenize(documents, tokenizer if tokenizer is not None else load_tokenizer(cfg),
+                      column, in_memory=True)
+    ids = tokens.with_format("arrow")[:].column("input_ids").combine_chunks()
+    return [int(n) for n in pc.list_value_length(ids).to_numpy(zero_copy_only=False) if n > 0]
+
+
+def _cut(stream: list[int], total: int, row: int, spec: str) -> list[int]:
+    """Lengths of the documents within ``[row·total, (row+1)·total)`` of a stream of them."""
+    lo, hi = row * total, (row + 1) * total
+    if sum(stream) < hi:
+        raise ConfigError(f"--documents {spec!r} holds {sum(stream)} tokens, fewer than the "
+                          f"{hi} that row {row} of {total} tokens needs; pick a smaller row or "
+                          f"sequence length")
+    out, start = [], 0
+    for n in stream:
+        a, b = max(start, lo), min(start + n, hi)
+        if a < b:
+            out.append(b - a)
+        start += n
+        if start >= hi:
+            break
+    return out

@@ -1,0 +1,95 @@
+"""--documents SPEC: equal documents, listed mixes, log-normal draws, length files and data files
+cut into rows as training packs them; the useful-FLOP count; one-sentence errors."""
+import json
+import statistics
+
+import pytest
+
+from lctrain.bench.documents import parse_documents
+from lctrain.config import ConfigError, load_recipe
+
+
+def test_equal_and_listed_documents_fill_the_row():
+    docs = parse_documents("8x8k", 65536)
+    assert docs.lengths == (8192,) * 8 and docs.total == 65536
+    assert docs.cu_seqlens == tuple(range(0, 65537, 8192))
+    mix = parse_documents("20k,12k,9k,7k,5k,4k,3x2k,1k", 65536)
+    assert mix.lengths == (20480, 12288, 9216, 7168, 5120, 4096, 2048, 2048, 2048, 1024)
+    assert parse_documents(" 4k, 2x1k, rest ", 10000).lengths == (4096, 1024, 1024, 3856)
+    assert parse_documents("3x100,rest", 300).lengths == (100, 100, 100)  # nothing left
+    assert mix.summary() == "10 documents of 1k..20k tokens, median 5k"
+
+
+@pytest.mark.parametrize("spec, total, words", [
+    ("8x8k", 131072, "holds 65536 tokens but the sequence holds 131072.*,rest"),
+    ("20k,50k", 65536, "holds 71680 tokens.*shorten it"),
+    ("8x8q", 65536, "is not a size"),
+    ("x8k", 65536, "item 'x8k' of 'x8k' is not a length"),
+    ("0x8k", 65536, "item '0x8k'"),
+    ("", 64, "item '' of '' is not a length"),
+])
+def test_bad_lists_say_what_to_write(spec, total, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_documents(spec, total)
+
+
+def test_lognormal_draws_are_reproducible_and_match_their_mean_or_median():
+    a = parse_documents("lognormal:mean=12k", 1 << 16)
+    b = parse_documents("lognormal:mean=12k", 1 << 16)
+    assert a == b and a.total == 1 << 16 and min(a.lengths) >= 1
+    assert parse_documents("lognormal:mean=12k,seed=1", 1 << 16) != a
+    big = parse_documents("lognormal:mean=2k,sigma=0.5,seed=7", 1 << 23)
+    assert abs(statistics.fmean(big.lengths[:-1]) / 2048 - 1) < 0.05
+    med = parse_documents("lognormal:median=1k,sigma=1.5", 1 << 23)
+    assert abs(statistics.median(med.lengths) / 1024 - 1) < 0.1
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("lognormal:mean=12k,median=4k", "exactly one of mean= or median="),
+    ("lognormal:sigma=1", "exactly one of mean= or median="),
+    ("lognormal:mean=12k,sigma=0", "sigma is 0.0 but must be in"),
+    ("lognormal:mean=12k,seed=x", "seed a whole number"),
+    ("lognormal:mean=12k,shape=2", "'shape=2' is not one of mean, median, seed, sigma"),
+    ("lognormal:mean=-3", "is not a size"),
+])
+def test_bad_lognormal_specs(spec, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_documents(spec, 4096)
+
+
+def test_length_files_are_laid_end_to_end_and_cut_into_rows(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("3000 5000\n2000,7000\n")
+    assert parse_documents(f"lengths:{path}", 4096).lengths == (3000, 1096)
+    assert parse_documents(f"lengths:{path}@1", 4096).lengths == (3904, 192)
+    assert parse_documents(f"lengths:{path}@3", 4096).lengths == (4096,)
+    with pytest.raises(ConfigError, match="holds 17000 tokens, fewer than the 20480 that row 4"):
+        parse_documents(f"lengths:{path}@4", 4096)
+    with pytest.raises(ConfigError, match="no file"):
+        parse_documents(f"lengths:{tmp_path}/none.txt", 4096)
+    path.write_text("3000 -5\n")
+    with pytest.raises(ConfigError, match="positive whole numbers .*found '-5'"):
+        parse_documents(f"lengths:{path}", 4096)
+
+
+def test_data_files_are_tokenized_with_the_recipe(tmp_path):
+    texts = ["a" * 300, "héllo " * 100, "b" * 1000]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    recipe = load_recipe(None)  # the byte tokenizer: bos + UTF-8 bytes + eos per document
+    sizes = [len(t.encode()) + 2 for t in texts]
+    docs = parse_documents(f"data:{path}", 1000, recipe=recipe)
+    assert docs.lengths == (sizes[0], 1000 - sizes[0])
+    assert parse_documents(f"data:{path}@1", 1000, recipe=recipe).lengths == \
+        (sizes[0] + sizes[1] - 1000, 2000 - sizes[0] - sizes[1])
+    with pytest.raises(ConfigError, match="tokenizes the file with a recipe's tokenizer"):
+        parse_documents(f"data:{path}", 1000)
+
+
+def test_useful_flops_count_only_pairs_inside_documents():
+    h, d = 32, 128
+    dense, eight = parse_documents("64k", 65536), parse_documents("8x8k", 65536)
+    assert dense.forward_flops(h, d) == 2 * 65536 ** 2 * h * d
+    assert eight.forward_flops(h, d) == dense.forward_flops(h, d) / 8
+    assert eight.forward_flops(h, d, causal=False) == 2 * eight.forward_flops(h, d)
+    assert eight.fwd_bwd_flops(h, d) == 3.5 * eight.forward_flops(h, d)
