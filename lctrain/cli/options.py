@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from lctrain.memory.presets import PRESETS
+
 
 class Policy(str, enum.Enum):
     """Activation checkpointing policies (``train.checkpointing``)."""
@@ -26,6 +28,18 @@ class DType(str, enum.Enum):
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
+
+
+class Format(str, enum.Enum):
+    """How a command prints its result on stdout."""
+
+    table = "table"
+    markdown = "markdown"
+    csv = "csv"
+    json = "json"
+
+
+_PRESETS = ", ".join(PRESETS)
 
 
 RecipeArg = Annotated[Optional[str], typer.Argument(
@@ -50,8 +64,11 @@ NprocOpt = Annotated[Optional[int], typer.Option(
     help="Processes to launch on this machine (default: one per GPU; on a CPU: parallel.cp).")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", metavar="NAME|PATH", show_default=False,
-    help="A model folder or hub name (or a preset the memory model knows) instead of a recipe.")]
-GpusOpt = Annotated[int, typer.Option("--gpus", min=1, metavar="N", help="Number of GPUs.")]
+    help=f"A preset ({_PRESETS}), a model folder or config.json, or a hub name (online) "
+         "instead of a recipe.")]
+GpusOpt = Annotated[Optional[int], typer.Option(
+    "--gpus", min=1, metavar="N", show_default=False,
+    help="Number of GPUs (default: the recipe's dp x cp, or 1 with --model).")]
 GpuMemoryOpt = Annotated[str, typer.Option(
     "--gpu-memory", metavar="SIZE", help="Memory per GPU: 80GiB, 80G (1024³ bytes) or 80GB (10⁹).")]
 HostMemoryOpt = Annotated[Optional[str], typer.Option(
@@ -66,24 +83,51 @@ CpOpt = Annotated[Optional[int], typer.Option(
 CheckpointingOpt = Annotated[Optional[Policy], typer.Option(
     "--checkpointing", show_default=False,
     help="Activation checkpointing policy (default: the recipe's train.checkpointing).")]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-SeqLensOpt = Annotated[str, typer.Option(
-    "--seq-len", metavar="SIZES", help="Comma-separated sequence lengths, e.g. 16k,32k,64k.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the same as --format json).")]
+SeqLensOpt = Annotated[Optional[str], typer.Option(
+    "--seq-len", metavar="SIZES", show_default=False,
+    help="Comma-separated sequence lengths, e.g. 16k,32k,64k (default: sizes that suit the "
+         "device; see the command's help).")]
 BackendsOpt = Annotated[Optional[str], typer.Option(
     "--backend", metavar="NAMES", show_default=False,
     help="Comma-separated local attention backends (triton, cudnn, flash, flash_attn, "
-         "reference); default: every one available.")]
+         "cpu_flash, reference) and peers (flex_attention); default: every fast backend "
+         "available.")]
 BackendOpt = Annotated[Optional[str], typer.Option(
     "--backend", metavar="NAME", show_default=False,
     help="Local attention backend inside the distributed attention (default: auto).")]
 SchedulesOpt = Annotated[str, typer.Option(
     "--schedule", metavar="NAMES", help="Comma-separated schedules: distflash, ring, zigzag.")]
-HeadsOpt = Annotated[int, typer.Option("--heads", min=1, help="Query heads.")]
+HeadsOpt = Annotated[Optional[int], typer.Option(
+    "--heads", min=1, metavar="N", show_default=False,
+    help="Query heads (default: 32 on a GPU, fewer on a CPU).")]
 KvHeadsOpt = Annotated[Optional[int], typer.Option(
-    "--kv-heads", min=1, show_default=False, help="Key/value heads (default: --heads).")]
-HeadDimOpt = Annotated[int, typer.Option("--head-dim", min=1, help="Head dimension.")]
-DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Data type of q, k, v.")]
+    "--kv-heads", min=1, metavar="N", show_default=False,
+    help="Key/value heads (default: --heads).")]
+HeadDimOpt = Annotated[Optional[int], typer.Option(
+    "--head-dim", min=1, metavar="N", show_default=False,
+    help="Head dimension (default: 128 on a GPU, smaller on a CPU).")]
+DTypeOpt = Annotated[Optional[DType], typer.Option(
+    "--dtype", show_default=False,
+    help="Data type of q, k, v (default: bfloat16 on a GPU, float32 on a CPU).")]
+RepeatsOpt = Annotated[int, typer.Option(
+    "--repeats", min=1, metavar="N", help="Timed iterations per measurement (the median is "
+                                          "reported).")]
+WarmupOpt = Annotated[int, typer.Option(
+    "--warmup", min=0, metavar="N", help="Untimed iterations before timing.")]
+ProfileOpt = Annotated[Optional[str], typer.Option(
+    "--profile", metavar="DIR", show_default=False,
+    help="Also profile each measurement: chrome traces into DIR, time per kernel category "
+         "in the table.")]
+FormatOpt = Annotated[Format, typer.Option(
+    "--format", help="Output on stdout: an aligned table (never cut, also in a pipe), "
+                     "Markdown, CSV or the result JSON.")]
+WideOpt = Annotated[bool, typer.Option(
+    "--wide", help="Show every column (times, spreads, errors, counts), not only the "
+                   "compact ones.")]
 JsonFileOpt = Annotated[Optional[str], typer.Option(
-    "--json", metavar="FILE", show_default=False, help="Also write the results as JSON to FILE.")]
+    "--json", metavar="FILE", show_default=False,
+    help="Also write the result JSON to FILE (read it back with lctrain bench report).")]
 PlotOpt = Annotated[Optional[str], typer.Option(
-    "--plot", metavar="FILE.png", show_default=False, help="Also plot the results to FILE.png.")]
+    "--plot", metavar="FILE.png", show_default=False,
+    help="Also plot the results to FILE.png (needs matplotlib; .pdf and .svg work too).")]

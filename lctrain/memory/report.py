@@ -1,10 +1,19 @@
-"""`MemoryEstimate`: the result of the memory model, as JSON and as a table."""
+"""`MemoryEstimate`: the result of the memory model, as JSON and as a table.
+
+:func:`estimate_table` renders the JSON form (``MemoryEstimate.to_json()``), so the command
+line shows exactly what ``--format json`` writes: one row per part of the per-GPU memory,
+the total against the GPU's memory, the pinned host memory of remat-offload, whether it fits
+and the longest sequence that does.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lctrain.config.sizes import format_bytes
+from lctrain.report.human import parameters, tokens
+from lctrain.report.table import Column, Table
+
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "other")
-_GIB = float(1 << 30)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,35 +66,50 @@ class MemoryEstimate:
             "details": dict(self.details), "fits": self.fits, "max_seq_len": self.max_seq_len,
         }
 
-    def table(self):
-        """A rich Table: one row per component with GiB and share of the total."""
-        from rich.table import Table
 
-        total = self.per_gpu_bytes["total"]
-        title = (f"{self.model} ({self.parameters_count / 1e9:.2f} B parameters): "
-                 f"{self.seq_len} tokens, {self.gpus} GPU(s), cp {self.cp}, {self.policy}")
-        table = Table(title=title, caption=self._caption())
-        table.add_column("per GPU")
-        table.add_column("GiB", justify="right")
-        table.add_column("share", justify="right")
-        for name in COMPONENTS:
-            value = self.per_gpu_bytes[name]
-            table.add_row(name, f"{value / _GIB:.2f}", f"{100 * value / total:.0f} %")
-        table.add_row("total", f"{total / _GIB:.2f}", "100 %", style="bold")
-        return table
+def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
+    """A table of ``MemoryEstimate.to_json()``: the parts, the total, the verdict.
 
-    def _caption(self) -> str:
-        phase = self.details.get("phase", "?")
-        text = f"peak at the {phase} phase; {self.details.get('tokens_per_gpu', '?')} tokens per GPU"
-        if self.details.get("host_offload"):
-            text += f"; {self.details['host_offload'] / _GIB:.1f} GiB pinned host memory per GPU"
-        if self.gpu_memory is None:
-            return text
-        verdict = "fits" if self.fits else "does NOT fit"
-        where = f"{self.gpu_memory / _GIB:.1f} GiB per GPU"
-        if self.host_memory is not None and self.details.get("host_offload"):
-            where += (f" and {self.host_memory / _GIB:.0f} GiB of host memory per machine "
-                      f"({self.details['host_offload_per_node'] / _GIB:.0f} GiB pinned)")
-        longest = (f"longest that fits: {self.max_seq_len} tokens" if self.max_seq_len
-                   else "no sequence length fits")
-        return f"{verdict} in {where}; {longest}; {text}"
+    Args:
+        estimate: the JSON form of an estimate.
+        gpu_memory: bytes per GPU (default: the estimate's own ``gpu_memory``).
+
+    Returns:
+        A two-column `lctrain.report.table.Table` (what, amount).
+    """
+    per_gpu = estimate.get("per_gpu_bytes") or {}
+    details = estimate.get("details") or {}
+    gpu_memory = gpu_memory or estimate.get("gpu_memory")
+    rows = [{"what": part, "bytes": per_gpu[part]} for part in
+            [*COMPONENTS, *(k for k in per_gpu if k not in (*COMPONENTS, "total"))] if part in per_gpu]
+    if "total" in per_gpu:
+        rows.append({"what": "total", "bytes": per_gpu["total"]})
+    if gpu_memory:
+        rows.append({"what": "GPU memory", "bytes": gpu_memory})
+    if details.get("host_offload"):
+        rows.append({"what": "pinned host memory per GPU", "bytes": details["host_offload"]})
+    if details.get("host_offload_per_node") and estimate.get("host_memory"):
+        rows.append({"what": "pinned host memory per machine",
+                     "bytes": details["host_offload_per_node"]})
+        rows.append({"what": "host memory per machine", "bytes": estimate["host_memory"]})
+    facts = []
+    if estimate.get("fits") is not None:
+        facts.append(("fits", "yes" if estimate["fits"] else "NO"))
+    if estimate.get("max_seq_len") is not None:
+        longest = int(estimate["max_seq_len"])
+        facts.append(("longest sequence that fits", tokens(longest) if longest else "none"))
+    if estimate.get("parameters_count") is not None:
+        facts.append(("parameters", parameters(int(estimate["parameters_count"]))))
+    if estimate.get("seq_len"):
+        facts.append(("sequence length", tokens(int(estimate["seq_len"]))))
+    for key in ("model", "gpus", "cp", "policy", "dtype", "master_dtype"):
+        if estimate.get(key) is not None:
+            facts.append((key.replace("_", " "), str(estimate[key])))
+    if details.get("phase"):
+        facts.append(("peak during", f"the {details['phase']} phase"))
+    for row in rows:
+        row["amount"] = format_bytes(row["bytes"])
+    rows += [{"what": what, "amount": value} for what, value in facts]
+    columns = [Column("what", "per GPU"), Column("amount", "amount", "figure"),
+               Column("bytes", "bytes", "number", compact=False)]
+    return Table(title="Estimated memory per GPU", columns=columns, rows=rows)

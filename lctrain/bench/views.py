@@ -1,0 +1,160 @@
+"""How each kind of bench result is shown: its columns, its title, its summary table.
+
+The bench prints :func:`table` — one row per measurement, in a compact set of columns that
+fits an 80-column terminal (``--wide`` adds the rest: times, spreads, errors, counts).
+``lctrain bench report`` also prints :func:`summary` — the measurements pivoted the way the
+README shows them (lengths down, variants across). Nothing here imports torch: result files
+are rendered on any machine.
+"""
+from __future__ import annotations
+
+from lctrain.bench.result import BenchResult
+from lctrain.report.human import tokens
+from lctrain.report.table import Column, Table
+from lctrain.report.versions import machine_label
+
+_STATUS = Column("status", "status", "status")
+_RATES = [Column("fwd_tflops", "fwd", "tflops"), Column("bwd_tflops", "bwd", "tflops"),
+          Column("total_tflops", "fwd+bwd", "tflops")]
+_TIMES = [Column("fwd_ms", "fwd", "ms", compact=False), Column("bwd_ms", "bwd", "ms", compact=False),
+          Column("total_ms_min", "fwd+bwd min", "ms", compact=False),
+          Column("total_ms_max", "fwd+bwd max", "ms", compact=False),
+          Column("repeats", "repeats", "number", compact=False)]
+_PROFILE = [Column(f"profile_{cat}_ms", label, "ms") for cat, label in (
+    ("wall", "wall"), ("attention", "attention"), ("communication", "comm."),
+    ("bookkeeping", "bookkeeping"), ("other", "other"))]
+
+COLUMNS = {
+    "kernel": [Column("backend", "backend"), Column("seq_len", "length", "tokens"), *_RATES,
+               Column("max_rel_err", "error", "sci"), _STATUS,
+               Column("relation", "mask", compact=False), *_TIMES,
+               Column("correct", "correct", "bool", compact=False), *_PROFILE],
+    "attention": [Column("variant", "variant"), Column("seq_len", "length", "tokens"), *_RATES,
+                  Column("vs_single", "vs 1 GPU", "ratio"), Column("balance", "balance", "number"),
+                  _STATUS, Column("gpus", "GPUs", "number", compact=False),
+                  Column("hidden_share", "hidden", "percent", compact=False), *_TIMES,
+                  Column("comm_only_ms", "comm. only", "ms", compact=False),
+                  Column("max_rel_err", "error", "sci", compact=False),
+                  Column("correct", "correct", "bool", compact=False), *_PROFILE],
+    "step": [Column("seq_len", "length", "tokens"), Column("variant", "variant"),
+             Column("step_time_s", "step", "seconds"),
+             Column("tokens_per_s", "tokens/s", "number"), Column("mfu", "MFU", "percent"),
+             Column("peak_gib", "peak", "number", "GiB"),
+             Column("model_peak_gib", "est.", "number", "GiB"), _STATUS,
+             Column("gpus", "GPUs", "number", compact=False),
+             Column("cp", "cp", "number", compact=False),
+             Column("schedule", "schedule", compact=False),
+             Column("policy", "checkpointing", compact=False),
+             Column("attn_fwd_per_step", "attn fwd", "number", "per step", compact=False),
+             Column("attn_fwd_expected", "expected", "number", compact=False),
+             Column("loss_first", "loss first", "loss", compact=False),
+             Column("loss_last", "loss last", "loss", compact=False)],
+    "tiles": [Column("kernel", "kernel"), Column("config", "tiles"),
+              Column("seq_len", "length", "tokens"), Column("ms", "time", "ms"),
+              Column("tflops", "rate", "tflops"), Column("max_rel_err", "error", "sci"), _STATUS],
+}
+
+
+_WHAT = {"kernel": "Attention kernels, one device, {rate}",
+         "attention": "Distributed attention, {rate} per GPU",
+         "step": "Training steps", "tiles": "Triton kernel tiles"}
+
+
+def describe(result: BenchResult) -> str:
+    """The machine and shape of a result in words, e.g. "2 × NVIDIA H200, bfloat16, 32 heads ×
+    128, causal"."""
+    meta = result.meta
+    parts = [machine_label(meta.get("machine") or {})]
+    if meta.get("dtype"):
+        parts.append(str(meta["dtype"]))
+    if meta.get("heads") and meta.get("head_dim"):
+        kv = meta.get("kv_heads")
+        gqa = f" ({kv} kv)" if kv and kv != meta["heads"] else ""
+        parts.append(f"{meta['heads']} heads{gqa} × {meta['head_dim']}")
+    if meta.get("causal", True) is not None and result.kind != "step":
+        parts.append("causal" if meta.get("causal", True) else "full")
+    if meta.get("documents"):
+        parts.append(f"{meta['documents']} documents")
+    return ", ".join(parts)
+
+
+def title(result: BenchResult) -> str:
+    """The table title: what, on which machine and shape."""
+    return f"{_WHAT[result.kind]} — {describe(result)}"
+
+
+def table(result: BenchResult) -> Table:
+    """The result's rows in its kind's columns (see the module docstring)."""
+    notes = []
+    if result.kind == "attention":
+        notes.append("length = total sequence; each GPU holds length / GPUs tokens; "
+                     "vs 1 GPU = rate over the single-GPU kernel's at the same length")
+    columns = list(COLUMNS[result.kind])
+    if result.kind == "step":
+        columns = _step_columns(result, columns)
+    return Table(title=title(result), columns=columns, rows=result.rows, notes=notes)
+
+
+def _step_columns(result: BenchResult, columns: list[Column]) -> list[Column]:
+    """Show schedule and checkpointing as compact columns when the rows differ in them."""
+    out = []
+    for column in columns:
+        if column.key in ("schedule", "policy"):
+            values = {row.get(column.key) for row in result.rows}
+            column = Column(column.key, column.label, column.kind, column.unit,
+                            compact=len(values) > 1)
+        out.append(column)
+    return out
+
+
+def summary(result: BenchResult) -> Table:
+    """The README form: lengths down, variants (or backends) across, fwd+bwd TFLOP/s.
+
+    Attention cells carry the ratio to one GPU in parentheses for lctrain's schedules; kernel
+    results add each backend's error column; step results are already one row each and keep
+    their compact table.
+    """
+    if result.kind == "step" or result.kind == "tiles":
+        return table(result)
+    series = "variant" if result.kind == "attention" else "backend"
+    names = list(dict.fromkeys(row[series] for row in result.rows if series in row))
+    lengths = sorted({row["seq_len"] for row in result.rows if "seq_len" in row})
+    cells = {(row.get(series), row.get("seq_len")): row for row in result.rows}
+    rows = []
+    for length in lengths:
+        line = {"seq_len": length}
+        for name in names:
+            line[name] = _summary_cell(cells.get((name, length)))
+        rows.append(line)
+    columns = [Column("seq_len", "length", "tokens")] + [Column(n, n) for n in names]
+    what = _WHAT[result.kind].split(",")[0]
+    unit = "fwd+bwd TFLOP/s" + (" per GPU" if result.kind == "attention" else "")
+    return Table(title=f"{what}, {unit} — {describe(result)}",
+                 columns=columns,
+                 rows=rows, notes=_summary_notes(result, names, series))
+
+
+def _summary_cell(row: dict | None) -> str | None:
+    from lctrain.report.human import ratio, significant
+
+    if row is None:
+        return None
+    if row.get("status") != "ok" or row.get("total_tflops") is None:
+        return "—"
+    text = significant(row["total_tflops"])
+    return f"{text} ({ratio(row['vs_single'])})" if row.get("vs_single") else text
+
+
+def _summary_notes(result: BenchResult, names: list[str], series: str) -> list[str]:
+    notes = []
+    for name in names:
+        rows = [r for r in result.rows if r.get(series) == name]
+        errors = [r["max_rel_err"] for r in rows if r.get("max_rel_err") is not None]
+        failed = sorted({r["status"] for r in rows if r.get("status") not in (None, "ok")})
+        if errors:
+            notes.append(f"{name}: error against float32 math {max(errors):.1e}")
+        for status in failed:
+            notes.append(f"{name}: {status}")
+    lengths = ", ".join(tokens(s) for s in sorted({r["seq_len"] for r in result.rows}))
+    notes.append(f"lengths: {lengths}; — = not measured (see the notes)")
+    return notes
