@@ -39,20 +39,21 @@ def test_quickstart_opens_the_readme_and_matches_ci():
     assert "\n## Measured\n" in README
 
 
-class _Result:
-    def table(self):
-        from rich.table import Table
+def _result(kind: str):
+    from lctrain.bench.result import BenchResult
 
-        return Table("result")
-
-    def to_json(self):
-        return {"rows": []}
-
-    def plot(self, path):
-        Path(path).write_text("png")
+    row = {"seq_len": 1024, "status": "ok", "total_tflops": 1.0, "backend": "x", "variant": "x",
+           "step_time_s": 1.0, "tokens_per_s": 1.0, "mfu": 0.1}
+    return BenchResult(kind=kind, title=kind, rows=[row])
 
 
 def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
+    """Record the library calls; the bench's result is a real (tiny) BenchResult, so the
+    output path (table, JSON, plot) runs for real."""
+    import lctrain.bench.attention
+    import lctrain.bench.kernel
+    import lctrain.bench.step
+
     calls: list[tuple[str, tuple, dict]] = []
 
     def recorder(name, result):
@@ -63,13 +64,13 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
 
     memory = types.SimpleNamespace(to_json=lambda: {"per_gpu_bytes": {"total": 1}, "fits": True})
     for module, attr, result in [("lctrain.train.runner", "finetune", 0),
-                                 ("lctrain.memory", "estimate_recipe", memory),
-                                 ("lctrain.bench.kernel", "run", _Result()),
-                                 ("lctrain.bench.attention", "run", _Result()),
-                                 ("lctrain.bench.step", "run", _Result())]:
+                                 ("lctrain.memory", "estimate_recipe", memory)]:
         fake = types.ModuleType(module)
         setattr(fake, attr, recorder(module, result))
         monkeypatch.setitem(sys.modules, module, fake)
+    for module, kind in [(lctrain.bench.kernel, "kernel"), (lctrain.bench.attention, "attention"),
+                         (lctrain.bench.step, "step")]:
+        monkeypatch.setattr(module, "run", recorder(module.__name__, _result(kind)))
     return calls
 
 

@@ -36,7 +36,7 @@ COLUMNS = {
                   Column("comm_only_ms", "comm. only", "ms", compact=False),
                   Column("max_rel_err", "error", "sci", compact=False),
                   Column("correct", "correct", "bool", compact=False), *_PROFILE],
-    "step": [Column("seq_len", "length", "tokens"), Column("variant", "variant"),
+    "step": [Column("seq_len", "length", "tokens"), Column("label", "variant"),
              Column("step_time_s", "step", "seconds"),
              Column("tokens_per_s", "tokens/s", "number"), Column("mfu", "MFU", "percent"),
              Column("peak_gib", "peak", "number", "GiB"),
@@ -89,22 +89,29 @@ def table(result: BenchResult) -> Table:
     if result.kind == "attention":
         notes.append("length = total sequence; each GPU holds length / GPUs tokens; "
                      "vs 1 GPU = rate over the single-GPU kernel's at the same length")
-    columns = list(COLUMNS[result.kind])
+    columns, rows = list(COLUMNS[result.kind]), result.rows
     if result.kind == "step":
-        columns = _step_columns(result, columns)
-    return Table(title=title(result), columns=columns, rows=result.rows, notes=notes)
+        columns, rows = _step_view(result, columns)
+    return Table(title=title(result), columns=columns, rows=rows, notes=notes)
 
 
-def _step_columns(result: BenchResult, columns: list[Column]) -> list[Column]:
-    """Show schedule and checkpointing as compact columns when the rows differ in them."""
+def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column], list[dict]]:
+    """Variants shown by their last key parts (``checkpointing=remat cp=4``); without variants,
+    schedule and checkpointing become compact columns where the rows differ in them."""
+    rows = [{**row, "label": " ".join(item.rsplit(".", 1)[-1] if "=" not in item else
+                                      item.split("=", 1)[0].rsplit(".", 1)[-1] + "=" +
+                                      item.split("=", 1)[1]
+                                      for item in str(row.get("variant") or "").split()) or None}
+            for row in result.rows]
+    labelled = any(row["label"] for row in rows)
     out = []
     for column in columns:
         if column.key in ("schedule", "policy"):
-            values = {row.get(column.key) for row in result.rows}
+            differ = len({row.get(column.key) for row in rows}) > 1
             column = Column(column.key, column.label, column.kind, column.unit,
-                            compact=len(values) > 1)
+                            compact=differ and not labelled)
         out.append(column)
-    return out
+    return out, rows
 
 
 def summary(result: BenchResult) -> Table:

@@ -187,7 +187,7 @@ def tiles(seq_len: SeqLensOpt = None,
 
 
 @app.command("report")
-def report(files: list[str] = typer.Argument(..., metavar="FILE...",
+def report(files: list[str] = typer.Argument(..., metavar="FILE",
                                              help="Result files written by lctrain bench --json."),
            rows: bool = typer.Option(False, "--rows", help="One row per measurement instead of "
                                                            "the summary (lengths down, variants "

@@ -81,7 +81,7 @@ CpOpt = Annotated[Optional[int], typer.Option(
     "--cp", min=1, metavar="N", show_default=False,
     help="Context-parallel degree (default: the recipe's parallel.cp).")]
 CheckpointingOpt = Annotated[Optional[Policy], typer.Option(
-    "--checkpointing", show_default=False,
+    "--checkpointing", metavar="none|full|remat|remat-offload", show_default=False,
     help="Activation checkpointing policy (default: the recipe's train.checkpointing).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the same as --format json).")]
 SeqLensOpt = Annotated[Optional[str], typer.Option(
@@ -108,7 +108,7 @@ HeadDimOpt = Annotated[Optional[int], typer.Option(
     "--head-dim", min=1, metavar="N", show_default=False,
     help="Head dimension (default: 128 on a GPU, smaller on a CPU).")]
 DTypeOpt = Annotated[Optional[DType], typer.Option(
-    "--dtype", show_default=False,
+    "--dtype", metavar="float32|float16|bfloat16", show_default=False,
     help="Data type of q, k, v (default: bfloat16 on a GPU, float32 on a CPU).")]
 RepeatsOpt = Annotated[int, typer.Option(
     "--repeats", min=1, metavar="N", help="Timed iterations per measurement (the median is "
@@ -120,7 +120,7 @@ ProfileOpt = Annotated[Optional[str], typer.Option(
     help="Also profile each measurement: chrome traces into DIR, time per kernel category "
          "in the table.")]
 FormatOpt = Annotated[Format, typer.Option(
-    "--format", help="Output on stdout: an aligned table (never cut, also in a pipe), "
+    "--format", metavar="table|markdown|csv|json", help="Output on stdout: an aligned table (never cut, also in a pipe), "
                      "Markdown, CSV or the result JSON.")]
 WideOpt = Annotated[bool, typer.Option(
     "--wide", help="Show every column (times, spreads, errors, counts), not only the "

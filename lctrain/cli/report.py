@@ -9,7 +9,7 @@ from lctrain.cli.common import user_errors
 from lctrain.cli.options import Format, FormatOpt, PlotOpt, WideOpt
 
 
-def report(runs: list[str] = typer.Argument(..., metavar="RUN_DIR...",
+def report(runs: list[str] = typer.Argument(..., metavar="RUN_DIR",
                                             help="Run folders (train.output_dir of lctrain "
                                                  "finetune)."),
            plot: PlotOpt = None, fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:

@@ -203,7 +203,8 @@ def _wrap(text: str, width: int | None) -> str:
         return text
     import textwrap
 
-    return "\n".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False))
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent="    ", break_long_words=False,
+                                   break_on_hyphens=False))
 
 
 def _widths(cells: _Cells) -> list[int]:
