@@ -9,7 +9,6 @@ are rendered on any machine.
 from __future__ import annotations
 
 from lctrain.bench.result import BenchResult
-from lctrain.report.human import tokens
 from lctrain.report.table import Column, Table
 from lctrain.report.versions import machine_label
 
@@ -124,7 +123,8 @@ def summary(result: BenchResult) -> Table:
     if result.kind == "step" or result.kind == "tiles":
         return table(result)
     series = "variant" if result.kind == "attention" else "backend"
-    names = list(dict.fromkeys(row[series] for row in result.rows if series in row))
+    measured = {row.get(series) for row in result.measured()}
+    names = [n for n in dict.fromkeys(row.get(series) for row in result.rows) if n in measured]
     lengths = sorted({row["seq_len"] for row in result.rows if "seq_len" in row})
     cells = {(row.get(series), row.get("seq_len")): row for row in result.rows}
     rows = []
@@ -133,7 +133,7 @@ def summary(result: BenchResult) -> Table:
         for name in names:
             line[name] = _summary_cell(cells.get((name, length)))
         rows.append(line)
-    columns = [Column("seq_len", "length", "tokens")] + [Column(n, n) for n in names]
+    columns = [Column("seq_len", "length", "tokens")] + [Column(n, n, "figure") for n in names]
     what = _WHAT[result.kind].split(",")[0]
     unit = "fwd+bwd TFLOP/s" + (" per GPU" if result.kind == "attention" else "")
     return Table(title=f"{what}, {unit} — {describe(result)}",
@@ -153,15 +153,21 @@ def _summary_cell(row: dict | None) -> str | None:
 
 
 def _summary_notes(result: BenchResult, names: list[str], series: str) -> list[str]:
-    notes = []
-    for name in names:
+    """Errors, balance and why a cell or a whole variant has no number."""
+    notes, balance = [], []
+    for name in dict.fromkeys(row.get(series) for row in result.rows):
         rows = [r for r in result.rows if r.get(series) == name]
         errors = [r["max_rel_err"] for r in rows if r.get("max_rel_err") is not None]
-        failed = sorted({r["status"] for r in rows if r.get("status") not in (None, "ok")})
         if errors:
-            notes.append(f"{name}: error against float32 math {max(errors):.1e}")
-        for status in failed:
-            notes.append(f"{name}: {status}")
-    lengths = ", ".join(tokens(s) for s in sorted({r["seq_len"] for r in result.rows}))
-    notes.append(f"lengths: {lengths}; — = not measured (see the notes)")
+            notes.append(f"{name}: largest error against float32 math {max(errors):.1e}")
+        balances = {r["balance"] for r in rows if r.get("balance") is not None}
+        if balances:
+            balance.append(f"{name} {'/'.join(f'{b:.2f}' for b in sorted(balances))}")
+        for status in sorted({r["status"] for r in rows if r.get("status") not in (None, "ok")}):
+            where = "" if name in names else " (column left out)"
+            notes.append(f"{name}{where}: {status}")
+    if balance:
+        notes.append("balance (max/mean causal work per GPU): " + ", ".join(balance))
+    if any(r.get("vs_single") for r in result.rows):
+        notes.append("(×) = rate over the one-GPU kernel's at the same total length")
     return notes
