@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lctrain.bench.result import BenchResult
-from lctrain.bench.views import describe
+from lctrain.bench.views import describe, short_variant
 from lctrain.errors import UserError
 from lctrain.report import plotting
 from lctrain.report.human import rate_unit
@@ -50,7 +50,7 @@ def _label(result: BenchResult, row: dict, key: str) -> str:
     if result.kind != "step":
         return str(row.get(key))
     if row.get(key):
-        return str(row[key])
+        return short_variant(row[key])
     return f"{row.get('schedule', '')} {row.get('policy', '')}".strip() or "recipe"
 
 
@@ -82,7 +82,7 @@ def plot(result: BenchResult, path: str | Path) -> Path:
         ax.plot(xs, ys, marker="o", linestyle="--" if reference else "-",
                 color="0.35" if reference else None, label=_legend(name))
     plotting.length_axis(ax, [x for points in lines.values() for x, _ in points])
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, 1.08 * max(y for points in lines.values() for _, y in points))
     return plotting.finish(fig, ax, path)
 
 

@@ -74,6 +74,9 @@ def describe(result: BenchResult) -> str:
         parts.append("causal" if meta.get("causal", True) else "full")
     if meta.get("documents"):
         parts.append(f"{meta['documents']} documents")
+    if result.kind == "step" and meta.get("model_dtype"):
+        compute = "bf16" if meta.get("mixed_precision") in ("bf16", "auto") else meta["model_dtype"]
+        parts.append(f"{meta['model_dtype']} weights, {compute} compute")
     return ", ".join(parts)
 
 
@@ -94,14 +97,20 @@ def table(result: BenchResult) -> Table:
     return Table(title=title(result), columns=columns, rows=rows, notes=notes)
 
 
+def short_variant(text: str | None) -> str:
+    """A variant's overrides by their last key part: "train.checkpointing=remat parallel.cp=4"
+    -> "checkpointing=remat cp=4"."""
+    items = []
+    for item in str(text or "").split():
+        key, eq, value = item.partition("=")
+        items.append(key.rsplit(".", 1)[-1] + eq + value)
+    return " ".join(items)
+
+
 def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column], list[dict]]:
     """Variants shown by their last key parts (``checkpointing=remat cp=4``); without variants,
     schedule and checkpointing become compact columns where the rows differ in them."""
-    rows = [{**row, "label": " ".join(item.rsplit(".", 1)[-1] if "=" not in item else
-                                      item.split("=", 1)[0].rsplit(".", 1)[-1] + "=" +
-                                      item.split("=", 1)[1]
-                                      for item in str(row.get("variant") or "").split()) or None}
-            for row in result.rows]
+    rows = [{**row, "label": short_variant(row.get("variant")) or None} for row in result.rows]
     labelled = any(row["label"] for row in rows)
     out = []
     for column in columns:
