@@ -88,7 +88,11 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = "distflash,ri
               peers: bool = typer.Option(
                   False, "--peers", help="Also run torch context_parallel (and ring-flash-attn "
                                          "when installed)."),
-              check_len: CheckLenOpt = None, repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
+              check_len: Optional[str] = typer.Option(
+                  None, "--check-len", metavar="SIZE", show_default=False,
+                  help="Total length of each schedule's correctness check against float32 "
+                       "math (default: 2k per rank, at most the shortest --seq-len)."),
+              repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
               min_time: float = typer.Option(
                   0.0, "--min-time", min=0.0, metavar="SECONDS",
                   help="Repeat short measurements until about this long (at most 50 times)."),
