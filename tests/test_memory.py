@@ -174,10 +174,10 @@ def test_policies_match_the_config():
 
 
 def test_table_renders():
-    from rich.console import Console
+    from lctrain.memory import estimate_table
+    from lctrain.report.table import render
 
-    console = Console(record=True, width=100)
-    console.print(estimate(load_architecture("llama-7b"), 65536, 8, 2, "remat",
-                           gpu_memory=80 * GIB).table())
-    text = console.export_text()
-    assert "activations" in text and "fits" in text
+    est = estimate(load_architecture("llama-7b"), 65536, 8, 2, "remat", gpu_memory=80 * GIB)
+    text = render(estimate_table(est.to_json()), "table", terminal=True, width=80)
+    assert "activations" in text and "fits" in text and "6.74 B" in text
+    assert max(len(line) for line in text.splitlines()) <= 80

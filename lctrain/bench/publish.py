@@ -2,8 +2,9 @@
 
 One :class:`Publisher` per command. It is made before the measurement starts, so a ``--plot``
 that could not be written (matplotlib missing, a bad file type, a bench with no plot) fails in
-one sentence before any time is spent. While the bench runs, :func:`say` prints its progress
-lines on stderr (stdout carries only the result, so ``--format csv|json`` can be piped).
+one sentence before any time is spent. While the bench runs, its ``progress``
+(`lctrain.report.output.say`) prints progress lines on stderr (stdout carries only the result,
+so ``--format csv|json`` can be piped).
 Then :meth:`Publisher.publish` prints the table in the chosen format on stdout, writes the
 JSON and the plot, says on stderr where they went, and fails (non-zero exit) when no row
 holds a measurement, after showing why.
@@ -16,12 +17,8 @@ from pathlib import Path
 
 from lctrain.bench.result import BenchResult
 from lctrain.errors import UserError
-from lctrain.report.table import FORMATS, render
-
-
-def say(line: str) -> None:
-    """Print one progress line on stderr, at once (module-level: it travels to spawned ranks)."""
-    print(line, file=sys.stderr, flush=True)
+from lctrain.report.output import emit, say, show
+from lctrain.report.table import FORMATS
 
 
 def command_line() -> str | None:
@@ -30,27 +27,6 @@ def command_line() -> str | None:
     if program in ("lctrain", "__main__.py"):
         return "lctrain " + shlex.join(sys.argv[1:])
     return None
-
-
-def emit(text: str) -> None:
-    """Write ``text`` to stdout (a table, CSV or JSON)."""
-    sys.stdout.write(text if text.endswith("\n") else text + "\n")
-    sys.stdout.flush()
-
-
-def terminal_width() -> int | None:
-    """The terminal's width when stdout is one, else None (a pipe or a file: no limit)."""
-    if not sys.stdout.isatty():
-        return None
-    import shutil
-
-    return shutil.get_terminal_size((80, 24)).columns
-
-
-def show(table, fmt: str, wide: bool) -> None:
-    """Print a `lctrain.report.table.Table` on stdout in ``fmt`` (table, markdown, csv)."""
-    width = terminal_width()
-    emit(render(table, fmt, wide=wide, terminal=width is not None, width=width))
 
 
 class Publisher:

@@ -125,9 +125,9 @@ def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column]
 def summary(result: BenchResult) -> Table:
     """The README form: lengths down, variants (or backends) across, fwd+bwd TFLOP/s.
 
-    Attention cells carry the ratio to one GPU in parentheses for lctrain's schedules; kernel
-    results add each backend's error column; step results are already one row each and keep
-    their compact table.
+    Attention cells carry the ratio to one GPU in parentheses; a variant with no measurement
+    at all is left out. The notes give each variant's largest error, the balance figures and
+    why a cell is empty (—). Step and tile results keep their compact table.
     """
     if result.kind == "step" or result.kind == "tiles":
         return table(result)
@@ -145,9 +145,8 @@ def summary(result: BenchResult) -> Table:
     columns = [Column("seq_len", "length", "tokens")] + [Column(n, n, "figure") for n in names]
     what = _WHAT[result.kind].split(",")[0]
     unit = "fwd+bwd TFLOP/s" + (" per GPU" if result.kind == "attention" else "")
-    return Table(title=f"{what}, {unit} — {describe(result)}",
-                 columns=columns,
-                 rows=rows, notes=_summary_notes(result, names, series))
+    return Table(title=f"{what}, {unit} — {describe(result)}", columns=columns, rows=rows,
+                 notes=_summary_notes(result, names, series))
 
 
 def _summary_cell(row: dict | None) -> str | None:

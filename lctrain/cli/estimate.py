@@ -64,7 +64,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
     if json_output or fmt == Format.json:
         typer.echo(json.dumps(payload, indent=2, default=str))
         return
-    from lctrain.bench.publish import show
+    from lctrain.report.output import show
     from lctrain.memory.report import estimate_table
 
     show(estimate_table(payload, memory), fmt.value, wide)

@@ -21,7 +21,7 @@ def report(runs: list[str] = typer.Argument(..., metavar="RUN_DIR",
       lctrain report runs/full runs/remat --plot losses.png
     """
     with user_errors():
-        from lctrain.bench.publish import say, show
+        from lctrain.report.output import say, show
         from lctrain.report.plotting import check_target
         from lctrain.report.runs import load_runs, plot_losses, row, summary
 

@@ -78,8 +78,8 @@ def _architecture_of_path(path: str) -> Architecture:
     except (OSError, ValueError) as exc:
         from lctrain.memory.presets import PRESETS
 
-        raise UserError(f"model {path!r} is not a preset ({', '.join(PRESETS)}), a config.json or "
-                        f"a model folder, and the hub did not give its config "
+        raise UserError(f"model {path!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                        f"config.json or a model folder, and the hub did not give its config "
                         f"({exc.__class__.__name__}: offline or an unknown name); pass one of "
                         "those") from None
     return from_config_dict(config, name=path)
