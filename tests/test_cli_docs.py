@@ -98,3 +98,21 @@ def test_readme_example_runs(line, monkeypatch, tmp_path):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert len(calls) == (0 if reads_files or args == ["--version"] else 1)
+
+
+PERFORMANCE = (REPO / "docs" / "performance.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "docs" / "performance").glob("*.json")))
+def test_published_tables_are_printed_from_their_result_files(name):
+    """Every result file's summary, as `lctrain bench report FILE --format markdown` prints it,
+    is the table published beside its name (the README repeats some; each row verbatim)."""
+    result = CliRunner().invoke(app, ["bench", "report", str(REPO / "docs" / "performance" / name),
+                                      "--format", "markdown"])
+    assert result.exit_code == 0, result.output
+    body = [line for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    assert body and name in PERFORMANCE
+    for line in body:
+        assert line in PERFORMANCE, line
+    if any(line in README for line in body):
+        assert all(line in README for line in body), name

@@ -130,7 +130,10 @@ def summary(result: BenchResult) -> Table:
     why a cell is empty (—). Step and tile results keep their compact table.
     """
     if result.kind == "step" or result.kind == "tiles":
-        return table(result)
+        whole = table(result)
+        if all(row.get("status") == "ok" for row in result.rows):  # nothing to say per row
+            whole.columns = [c for c in whole.columns if c.key != "status"]
+        return whole
     series = "variant" if result.kind == "attention" else "backend"
     measured = {row.get(series) for row in result.measured()}
     names = [n for n in dict.fromkeys(row.get(series) for row in result.rows) if n in measured]
