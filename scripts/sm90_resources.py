@@ -3,12 +3,12 @@
 
     python scripts/sm90_resources.py [fwd,dkdv,dq]     # ~1 minute per kernel on 2 cores
 
-No GPU needed: Triton compiles for a given target (``GPUTarget("cuda", 90, 32)``) and the
-cuobjdump shipped with Triton reads the cubin's resource usage. Use it to see whether a kernel
-change or tile adds register pressure before spending GPU time. The local Triton may differ
-from the GPU machine's (3.9 here, 3.6 there): the numbers are close (dQ 128x64: 206 registers
-with per-thread loads, 151 with TMA here; 206 and 161 measured on the H200), not equal.
-bf16, head dim 128, causal mask mode, each kernel with and without TMA.
+A developer tool, not part of the product. No GPU needed: Triton compiles for a given target
+(``GPUTarget("cuda", 90, 32)``) and the cuobjdump shipped with Triton reads the cubin's
+resource usage. Use it to see whether a kernel change or tile adds register pressure before
+spending GPU time; then time the candidates with ``lctrain bench tiles`` on a GPU. Another
+Triton version than the GPU machine's gives close, not equal, figures. bf16, head dim 128,
+causal mask mode, each kernel with and without TMA.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The CLI: thin commands, one library call each, and every user mistake as one sentence."""
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -26,33 +27,65 @@ def _fake_module(monkeypatch, name: str, **attributes) -> types.ModuleType:
     return module
 
 
-class FakeResult:
-    def __init__(self, rows):
-        self.rows = rows
+def _result(kind: str, rows=None):
+    from lctrain.bench.result import BenchResult
 
-    def table(self):
-        from rich.table import Table
+    rows = rows if rows is not None else [
+        {"seq_len": 1024, "backend": "a", "variant": "a", "status": "ok", "total_tflops": 1.0,
+         "step_time_s": 1.0, "tokens_per_s": 2.0}]
+    return BenchResult(kind=kind, title=kind, rows=rows)
 
-        table = Table("seq_len")
-        for row in self.rows:
-            table.add_row(str(row))
-        return table
 
-    def to_json(self):
-        return {"rows": self.rows}
+def _record(monkeypatch, kind: str, result=None) -> list:
+    """Replace lctrain.bench.<kind>.run by a recorder returning a real (tiny) result."""
+    module = importlib.import_module(f"lctrain.bench.{kind}")
+    calls = []
 
-    def plot(self, path):
-        open(path, "w").write("png")
+    def run(*args, **kwargs):
+        calls.append((args, kwargs))
+        return result if result is not None else _result(kind)
+
+    monkeypatch.setattr(module, "run", run)
+    return calls
 
 
 def test_help_lists_the_commands():
     result = _invoke("--help")
     assert result.exit_code == 0
-    for command in ("finetune", "estimate-memory", "bench"):
+    for command in ("finetune", "estimate-memory", "bench", "report"):
         assert command in result.stdout
     bench = _invoke("bench", "--help")
-    for command in ("kernel", "attention", "step"):
+    for command in ("kernel", "attention", "step", "tiles", "report"):
         assert command in bench.stdout
+
+
+@pytest.mark.parametrize("command", [[], ["finetune"], ["estimate-memory"], ["report"],
+                                     ["bench", "kernel"], ["bench", "attention"],
+                                     ["bench", "step"], ["bench", "tiles"], ["bench", "report"]])
+def test_help_shows_words_not_type_placeholders(command):
+    text = _invoke(*command, "--help").stdout
+    assert "Usage:" in text
+    for placeholder in ("<bool>", "<int", "<float", "INTEGER", "FLOAT"):
+        assert placeholder not in text, (command, placeholder)
+
+
+def test_estimate_memory_help_lists_the_presets():
+    from lctrain.memory import PRESETS
+
+    text = " ".join(_invoke("estimate-memory", "--help").stdout.split())
+    assert all(name in text for name in PRESETS)
+
+
+def test_version_names_lctrain_torch_triton_transformers():
+    import torch
+
+    result = _invoke("--version")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("lctrain ") and f"torch {torch.__version__}" in lines
+    assert any(line.startswith("triton ") for line in lines)
+    assert any(line.startswith("transformers ") for line in lines)
+    assert lines[-1].startswith("CUDA")
 
 
 def test_python_dash_m_lctrain_works():
@@ -74,6 +107,12 @@ def test_python_dash_m_lctrain_works():
     ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--host-memory", "12XB"],
     ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--set", "train.lr=1"],
     ["estimate-memory", "tiny", "--seq-len", "100k", "--cp", "3"],
+    ["estimate-memory", "--model", "no-such-org/no-such-model", "--seq-len", "1k"],
+    ["bench", "kernel", "--plot", "kernel.txt"],
+    ["bench", "step", "--variant", "train.lrr=1"],
+    ["bench", "tiles", "--tiles", "128x64"],
+    ["bench", "report", "no-such-file.json"],
+    ["report", "no-such-run"],
     ["bench", "kernel", "--seq-len", "16k,32q"],
     ["bench", "attention", "--seq-len", ","],
     ["bench", "step", "--set", "data.tokenizer=null"],
@@ -118,75 +157,130 @@ def test_finetune_user_error_raised_by_the_runner(monkeypatch):
 
 def test_backend_unavailable_is_a_user_error(monkeypatch):
     backends = pytest.importorskip("lctrain_kernels.backends")
+    import lctrain.bench.kernel
 
     def run(**kw):
         raise backends.BackendUnavailable("backend 'flash_attn' is not installed; pip install flash-attn")
 
-    _fake_module(monkeypatch, "lctrain.bench.kernel", run=run)
+    monkeypatch.setattr(lctrain.bench.kernel, "run", run)
     result = _invoke("bench", "kernel", "--backend", "flash_attn")
     assert result.exit_code == 1 and "flash_attn" in result.stderr and "Traceback" not in result.output
 
 
 def test_bench_kernel_runs_for_real_on_a_cpu(tmp_path):
-    """No fake module: the command line reaches the real bench (dtype given by name)."""
-    out = tmp_path / "kernel.json"
-    result = _invoke("bench", "kernel", "--seq-len", "48", "--check-len", "32", "--backend",
+    """No stand-in: the command line reaches the real bench (dtype given by name), says where it
+    wrote its files, and prints every number of the result in the (piped) table."""
+    pytest.importorskip("matplotlib")
+    out, plot = tmp_path / "kernel.json", tmp_path / "k.png"
+    result = _invoke("bench", "kernel", "--seq-len", "48,64", "--check-len", "32", "--backend",
                      "reference", "--heads", "2", "--head-dim", "16", "--dtype", "float32",
-                     "--json", str(out))
+                     "--json", str(out), "--plot", str(plot))
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    (row,) = report["rows"]
-    assert row["status"] == "ok" and row["correct"] and row["seq_len"] == 48
+    rows = report["rows"]
+    assert [r["seq_len"] for r in rows] == [48, 64] and all(r["status"] == "ok" for r in rows)
     assert report["meta"]["check_len"] == 32 and report["meta"]["dtype"] == "float32"
+    assert f"wrote the results to {out}" in result.stderr and f"wrote the plot to {plot}" in result.stderr
+    assert plot.stat().st_size > 10_000
+    assert "reference: error" in result.stderr  # progress goes to stderr, the table to stdout
+    assert "reference" in result.stdout and "Traceback" not in result.output
+    for line in ("fwd+bwd", "error", "status"):
+        assert line in result.stdout
+
+
+def test_every_row_failed_exits_nonzero_and_writes_no_plot(tmp_path):
+    """On a CPU cudnn cannot run: the table and the JSON say why, the exit code says it failed,
+    and no empty picture is left behind."""
+    pytest.importorskip("matplotlib")
+    out, plot = tmp_path / "r.json", tmp_path / "k.png"
+    result = _invoke("bench", "kernel", "--backend", "cudnn", "--seq-len", "64", "--heads", "2",
+                     "--head-dim", "8", "--json", str(out), "--plot", str(plot))
+    if "status" in result.stdout and result.exit_code == 0:
+        pytest.skip("cudnn runs here (a GPU machine)")
+    assert result.exit_code == 1 and "no measurement succeeded" in result.stderr
+    assert "needs a CUDA GPU" in result.stdout  # the status note, in full
+    assert json.loads(out.read_text())["rows"][0]["status"].startswith("the cudnn backend")
+    assert not plot.exists()
+
+
+def test_plot_problems_are_found_before_running(monkeypatch, tmp_path):
+    calls = _record(monkeypatch, "kernel")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    result = _invoke("bench", "kernel", "--plot", str(tmp_path / "k.png"))
+    assert result.exit_code == 1 and "needs matplotlib" in result.stderr and calls == []
+    result = _invoke("bench", "kernel", "--plot", str(tmp_path / "k.txt"))
+    assert result.exit_code == 1 and ".png" in result.stderr and calls == []
 
 
 def test_bad_check_len_is_one_sentence(monkeypatch):
-    _fake_module(monkeypatch, "lctrain.bench.kernel", run=lambda **kw: FakeResult([]))
+    _record(monkeypatch, "kernel")
     result = _invoke("bench", "kernel", "--check-len", "8q")
     assert result.exit_code != 0 and "--check-len" in result.stderr
     assert "Traceback" not in result.output
 
 
 def test_bugs_keep_their_traceback(monkeypatch):
+    import lctrain.bench.kernel
+
     def run(**kw):
         raise RuntimeError("a bug")
 
-    _fake_module(monkeypatch, "lctrain.bench.kernel", run=run)
+    monkeypatch.setattr(lctrain.bench.kernel, "run", run)
     result = _invoke("bench", "kernel")
     assert isinstance(result.exception, RuntimeError)
 
 
 def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
-    seen = {}
-
-    def recorder(kind):
-        def run(*args, **kwargs):
-            seen[kind] = (args, kwargs)
-            return FakeResult([1, 2])
-        return run
-
-    for kind in ("kernel", "attention", "step"):
-        _fake_module(monkeypatch, f"lctrain.bench.{kind}", run=recorder(kind))
-    out, plot = tmp_path / "k" / "r.json", tmp_path / "k.png"
+    seen = {kind: _record(monkeypatch, kind) for kind in ("kernel", "attention", "step")}
+    out = tmp_path / "k" / "r.json"
     result = _invoke("bench", "kernel", "--seq-len", "16k,32k", "--backend", "triton, flash",
                      "--heads", "8", "--head-dim", "64", "--dtype", "float16", "--json", str(out),
-                     "--plot", str(plot), "--check-len", "8k")
+                     "--check-len", "8k", "--repeats", "7", "--warmup", "3", "--full")
     assert result.exit_code == 0, result.output
-    assert seen["kernel"][1] == dict(seq_lens=[16384, 32768], backends=["triton", "flash"], heads=8,
-                                     head_dim=64, dtype="float16", causal=True, documents=None,
-                                     check_len=8192)
-    assert json.loads(out.read_text()) == {"rows": [1, 2]} and plot.read_text() == "png"
+    kwargs = seen["kernel"][0][1]
+    assert {k: v for k, v in kwargs.items() if k != "progress"} == dict(
+        seq_lens=[16384, 32768], backends=["triton", "flash"], heads=8, kv_heads=None,
+        head_dim=64, dtype="float16", causal=False, documents=None, repeats=7, warmup=3,
+        check_len=8192, profile_dir=None)
+    assert json.loads(out.read_text())["kind"] == "kernel"
     result = _invoke("bench", "attention", "--seq-len", "64k", "--schedule", "distflash,ring",
-                     "--nproc", "4", "--kv-heads", "8", "--overlap-ablation")
+                     "--nproc", "4", "--kv-heads", "8", "--overlap-ablation", "--repeats", "9",
+                     "--warmup", "1", "--check-len", "4k", "--single-max-len", "128k",
+                     "--time-budget", "480", "--min-time", "2", "--profile", str(tmp_path))
     assert result.exit_code == 0, result.output
-    kwargs = seen["attention"][1]
+    kwargs = seen["attention"][0][1]
     assert kwargs["seq_lens"] == [65536] and kwargs["schedules"] == ["distflash", "ring"]
     assert kwargs["nproc"] == 4 and kwargs["kv_heads"] == 8 and kwargs["overlap_ablation"] is True
-    result = _invoke("bench", "step", "llama-7b-64k", "--seq-len", "32k", "--steps", "3",
-                     "--warmup", "0")
+    assert (kwargs["repeats"], kwargs["warmup"], kwargs["check_len"]) == (9, 1, 4096)
+    assert (kwargs["single_max_len"], kwargs["time_budget_s"], kwargs["min_time_s"]) == (131072, 480, 2)
+    assert kwargs["profile_dir"] == str(tmp_path)
+    result = _invoke("bench", "step", "llama-7b-64k", "--seq-len", "32k,64k", "--steps", "3",
+                     "--warmup", "0", "--variant", "train.checkpointing=full",
+                     "--variant", "train.checkpointing=remat parallel.schedule=zigzag")
     assert result.exit_code == 0, result.output
-    (cfg,), kwargs = seen["step"]
-    assert cfg.data.seq_len == 32768 and kwargs == {"steps": 3, "nproc": None, "warmup": 0}
+    (configs,), kwargs = seen["step"][0]
+    assert [(label, c.data.seq_len, c.train.checkpointing, c.parallel.schedule)
+            for label, c in configs] == [
+        ("train.checkpointing=full", 32768, "full", "distflash"),
+        ("train.checkpointing=remat parallel.schedule=zigzag", 32768, "remat", "zigzag"),
+        ("train.checkpointing=full", 65536, "full", "distflash"),
+        ("train.checkpointing=remat parallel.schedule=zigzag", 65536, "remat", "zigzag")]
+    assert {k: v for k, v in kwargs.items() if k != "progress"} == {"steps": 3, "nproc": None,
+                                                                     "warmup": 0}
+
+
+def test_output_formats_on_stdout(monkeypatch):
+    rows = [{"backend": "triton", "seq_len": 65536, "status": "ok", "fwd_tflops": 501.3,
+             "bwd_tflops": 401.2, "total_tflops": 426.4, "max_rel_err": 0.0037}]
+    _record(monkeypatch, "kernel", _result("kernel", rows))
+    as_json = _invoke("bench", "kernel", "--format", "json")
+    assert json.loads(as_json.stdout)["rows"] == rows
+    as_csv = _invoke("bench", "kernel", "--format", "csv").stdout.splitlines()
+    assert as_csv[0].startswith("backend,seq_len") and as_csv[1].startswith("triton,65536")
+    markdown = _invoke("bench", "kernel", "--format", "markdown").stdout
+    assert "| triton | 64K | 501 | 401 | 426 | 3.7e-03 | ok |" in markdown
 
 
 def test_estimate_memory_renders_table_and_json(monkeypatch):
@@ -204,7 +298,8 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
                      "--gpu-memory", "80GiB", "--cp", "8", "--checkpointing", "remat-offload",
                      "--host-memory", "1TiB", "--gpus-per-node", "4")
     assert result.exit_code == 0, result.output
-    assert "activations" in result.stdout and "64.0 GiB" in result.stdout and "176k" in result.stdout
+    for text in ("activations", "64.0 GiB", "176K", "6.74 B", "NO"):
+        assert text in result.stdout, text
     cfg, kwargs = calls[-1]
     assert cfg.data.seq_len == 524288 and cfg.parallel.cp == 8
     assert kwargs == dict(model=None, seq_len=524288, gpus=8, gpu_memory=80 * 2**30, cp=8,
@@ -215,12 +310,15 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
     assert calls[-1] == (None, dict(model="meta-llama/Llama-2-7b-hf", seq_len=65536, gpus=1,
                                     gpu_memory=80 * 10**9, cp=None, policy=None,
                                     host_memory=None, gpus_per_node=None))
+    assert json.loads(_invoke("estimate-memory", "--format", "json").stdout) == payload
+    assert calls[-1][1]["gpus"] == 2  # the tiny recipe's cp = 2: its own GPU count
 
 
 def test_estimate_memory_with_the_real_memory_model():
-    memory = pytest.importorskip("lctrain.memory")
-    if not hasattr(memory, "estimate_recipe"):
-        pytest.skip("lctrain.memory.estimate_recipe not built yet")
     result = _invoke("estimate-memory", "llama-7b-64k", "--gpus", "8", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["per_gpu_bytes"]["total"] > 0
+    plain = _invoke("estimate-memory")  # no arguments: the tiny recipe on its own 2 GPUs
+    assert plain.exit_code == 0, plain.output
+    assert "125,760" in plain.stdout and "0.00 B" not in plain.stdout  # its parameter count
+    assert "fits" in plain.stdout and "yes" in plain.stdout

@@ -36,23 +36,24 @@ def test_quickstart_opens_the_readme_and_matches_ci():
         "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e . "
         "&& lctrain finetune", ci]
     assert README.index(first_block) < README.index("## ")
-    assert "\n## Measured\n" in README
+    assert "\n## Performance\n" in README
 
 
-class _Result:
-    def table(self):
-        from rich.table import Table
+def _result(kind: str):
+    from lctrain.bench.result import BenchResult
 
-        return Table("result")
-
-    def to_json(self):
-        return {"rows": []}
-
-    def plot(self, path):
-        Path(path).write_text("png")
+    row = {"seq_len": 1024, "status": "ok", "total_tflops": 1.0, "backend": "x", "variant": "x",
+           "step_time_s": 1.0, "tokens_per_s": 1.0, "mfu": 0.1}
+    return BenchResult(kind=kind, title=kind, rows=[row])
 
 
 def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
+    """Record the library calls; the bench's result is a real (tiny) BenchResult, so the
+    output path (table, JSON, plot) runs for real."""
+    import lctrain.bench.attention
+    import lctrain.bench.kernel
+    import lctrain.bench.step
+
     calls: list[tuple[str, tuple, dict]] = []
 
     def recorder(name, result):
@@ -63,13 +64,15 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
 
     memory = types.SimpleNamespace(to_json=lambda: {"per_gpu_bytes": {"total": 1}, "fits": True})
     for module, attr, result in [("lctrain.train.runner", "finetune", 0),
-                                 ("lctrain.memory", "estimate_recipe", memory),
-                                 ("lctrain.bench.kernel", "run", _Result()),
-                                 ("lctrain.bench.attention", "run", _Result()),
-                                 ("lctrain.bench.step", "run", _Result())]:
+                                 ("lctrain.memory", "estimate_recipe", memory)]:
         fake = types.ModuleType(module)
         setattr(fake, attr, recorder(module, result))
         monkeypatch.setitem(sys.modules, module, fake)
+    import lctrain.bench.tiles
+
+    for module, kind in [(lctrain.bench.kernel, "kernel"), (lctrain.bench.attention, "attention"),
+                         (lctrain.bench.step, "step"), (lctrain.bench.tiles, "tiles")]:
+        monkeypatch.setattr(module, "run", recorder(module.__name__, _result(kind)))
     return calls
 
 
@@ -78,7 +81,8 @@ EXAMPLES = [line for line in _code_lines()
 
 
 def test_the_readme_has_examples_of_every_command():
-    for command in ("finetune", "estimate-memory", "bench kernel", "bench attention", "bench step"):
+    for command in ("finetune", "estimate-memory", "bench kernel", "bench attention", "bench step",
+                    "bench tiles", "bench report"):
         assert any(line.startswith(f"lctrain {command}") for line in EXAMPLES), command
 
 
@@ -86,6 +90,29 @@ def test_the_readme_has_examples_of_every_command():
 def test_readme_example_runs(line, monkeypatch, tmp_path):
     calls = _stand_ins(monkeypatch)
     monkeypatch.chdir(tmp_path)  # outputs land here; recipes/x.yaml resolves to the shipped one
-    result = CliRunner().invoke(app, shlex.split(line)[1:])
+    args = shlex.split(line)[1:]
+    reads_files = args[:2] == ["bench", "report"]
+    if reads_files:  # the result files it reads, as a bench would have written them
+        for name in (a for a in args[2:] if a.endswith(".json")):
+            _result("attention").save(tmp_path / name)
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert len(calls) == 1
+    assert len(calls) == (0 if reads_files or args == ["--version"] else 1)
+
+
+PERFORMANCE = (REPO / "docs" / "performance.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "docs" / "performance").glob("*.json")))
+def test_published_tables_are_printed_from_their_result_files(name):
+    """Every result file's summary, as `lctrain bench report FILE --format markdown` prints it,
+    is the table published beside its name (the README repeats some; each row verbatim)."""
+    result = CliRunner().invoke(app, ["bench", "report", str(REPO / "docs" / "performance" / name),
+                                      "--format", "markdown"])
+    assert result.exit_code == 0, result.output
+    body = [line for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    assert body and name in PERFORMANCE
+    for line in body:
+        assert line in PERFORMANCE, line
+    if any(line in README for line in body):
+        assert all(line in README for line in body), name

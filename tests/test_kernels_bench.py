@@ -1,26 +1,58 @@
-"""lctrain.bench.kernel on a CPU at tiny sizes: rows, FLOP model, statuses, JSON, table, plot."""
+"""lctrain.bench.kernel on a CPU at tiny sizes: FLOP model, timing, statuses, profile, defaults."""
 import json
+import statistics
 
 import pytest
 import torch
 
-from lctrain.bench.kernel import doc_bounds, forward_flops, run
-from lctrain.bench.result import BenchResult
+from lctrain.bench.flops import attention_flops, rates
+from lctrain.bench.kernel import DEFAULTS, doc_bounds, run
+from lctrain.bench.result import from_dict
+from lctrain.bench.timing import measure, repeats_for
+from lctrain.errors import ConfigError
 
 
-def test_flop_model_matches_perf_md_and_counts_only_visible_document_pairs():
+def test_flop_model_is_the_documented_one_and_counts_only_visible_document_pairs():
     s, h, d = 1024, 32, 128
-    assert forward_flops(s, h, d, True, None) == 2 * s * s * h * d
-    assert forward_flops(s, h, d, False, None) == 4 * s * s * h * d
-    assert forward_flops(s, h, d, True, doc_bounds(s, 8)) == 2 * s * s * h * d / 8
+    assert attention_flops(s, h, d) == 2 * s * s * h * d
+    assert attention_flops(s, h, d, causal=False) == 4 * s * s * h * d
+    assert attention_flops(s, h, d, True, doc_bounds(s, 8)) == 2 * s * s * h * d / 8
+    fwd = attention_flops(s, h, d)
+    got = rates(fwd, 2.0, 5.0)
+    assert got["fwd_tflops"] == pytest.approx(fwd / 2e-3 / 1e12)
+    assert got["bwd_tflops"] == pytest.approx(2.5 * fwd / 5e-3 / 1e12)
+    assert got["total_tflops"] == pytest.approx(3.5 * fwd / 7e-3 / 1e12)
+    assert rates(fwd, 2.0, None) == {"fwd_tflops": pytest.approx(fwd / 2e-3 / 1e12)}
     assert doc_bounds(10, 3) == (0, 3, 7, 10)
-    with pytest.raises(ValueError, match="documents must be between 1"):
+    with pytest.raises(ConfigError, match="between 1 and the sequence length"):
         doc_bounds(4, 5)
 
 
+def test_timing_hands_the_forward_result_to_the_backward_and_counts_iterations():
+    calls = []
+
+    def fwd():
+        calls.append("f")
+        return len(calls)
+
+    def bwd(state):
+        calls.append(("b", state))
+
+    times = measure(fwd, bwd, device=torch.device("cpu"), repeats=3, warmup=2)
+    assert len(times.fwd) == len(times.bwd) == 3 and len(calls) == 10
+    assert all(c == ("b", i) for i, c in enumerate(calls, 0) if isinstance(c, tuple))
+    summary = times.summary()
+    assert summary["total_ms"] == statistics.median(times.total)
+    assert summary["total_ms_min"] <= summary["total_ms"] <= summary["total_ms_max"]
+    assert measure(fwd, None, device=torch.device("cpu"), repeats=2, warmup=0).bwd == []
+    assert repeats_for(10.0, 5, 0.0) == 5 and repeats_for(10.0, 5, 1.0) == 50
+    assert repeats_for(100.0, 5, 2.0) == 20 and repeats_for(1e6, 5, 2.0) == 5
+
+
 def test_cpu_run_measures_every_cpu_backend_and_checks_it():
+    lines = []
     result = run([32, 48], heads=2, head_dim=16, dtype=torch.float32, kv_heads=1, repeats=2,
-                 warmup=1, check_len=24)
+                 warmup=1, check_len=24, progress=lines.append)
     assert {r["backend"] for r in result.rows} == {"reference", "cpu_flash"}
     assert len(result.rows) == 4
     for row in result.rows:
@@ -28,41 +60,51 @@ def test_cpu_run_measures_every_cpu_backend_and_checks_it():
         assert row["max_rel_err"] < 1e-4
         assert row["fwd_ms_min"] <= row["fwd_ms"] <= row["fwd_ms_max"]
         assert row["total_tflops"] > 0 and row["relation"] == "causal"
-        flops = forward_flops(row["seq_len"], 2, 16, True, None)
+        flops = attention_flops(row["seq_len"], 2, 16)
         want = 3.5 * flops / (row["fwd_ms"] + row["bwd_ms"]) / 1e9
         assert row["total_tflops"] == pytest.approx(want)
     doc = json.loads(result.to_json())
-    assert doc["meta"]["device"] == "cpu" and len(doc["rows"]) == 4
-    assert result.table().row_count == 4
+    assert doc["lctrain_bench"] == 1 and doc["kind"] == "kernel"
+    assert doc["meta"]["device"] == "cpu" and doc["meta"]["machine"]["torch"] == torch.__version__
+    assert from_dict(doc).rows == result.rows
+    assert len(lines) == 6 and any("reference 48:" in line and "fwd+bwd" in line for line in lines)
 
 
-def test_documents_mode_and_backends_that_cannot_run_say_why():
-    result = run([64], backends=["reference", "cpu_flash", "cudnn", "nope"], heads=2,
-                 head_dim=8, dtype=torch.bfloat16, documents=8, repeats=2, warmup=0)
+def test_profile_writes_a_trace_and_splits_the_time_by_category(tmp_path):
+    (row,) = run([32], backends=["cpu_flash"], heads=2, head_dim=16, dtype=torch.float32,
+                 repeats=1, warmup=0, profile_dir=str(tmp_path)).rows
+    trace = json.loads(open(row["trace"]).read())  # chrome trace
+    assert row["trace"].startswith(str(tmp_path)) and trace["traceEvents"]
+    parts = [row[f"profile_{c}_ms"] for c in ("attention", "communication", "bookkeeping", "other")]
+    assert row["profile_wall_ms"] > 0 and all(p >= 0 for p in parts) and sum(parts) > 0
+    assert row["profile_attention_ms"] > 0  # the CPU flash op is named as attention
+
+
+def test_with_no_sizes_a_cpu_gets_small_defaults():
+    result = run(backends=["cpu_flash"], repeats=1, warmup=0)
+    cpu = DEFAULTS["cpu"]
+    assert [r["seq_len"] for r in result.rows] == cpu["seq_lens"]
+    assert result.meta["heads"] == cpu["heads"] and result.meta["dtype"] == "float32"
+    assert all(r["status"] == "ok" for r in result.rows)
+
+
+def test_documents_mode_and_subjects_that_cannot_run_say_why():
+    result = run([64], backends=["reference", "cpu_flash", "cudnn", "nope", "flex_attention"],
+                 heads=2, head_dim=8, dtype=torch.bfloat16, documents=8, repeats=2, warmup=0)
     rows = {r["backend"]: r for r in result.rows}
     assert rows["reference"]["status"] == "ok" and rows["reference"]["relation"] == "partial"
     assert rows["reference"]["correct"] is True
     assert "full or causal" in rows["cpu_flash"]["status"]
     assert "total_tflops" not in rows["cpu_flash"]
     assert "unknown attention backend 'nope'" in rows["nope"]["status"]
+    assert "flex_attention" in rows["nope"]["status"]
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in rows["cudnn"]["status"]
-
-
-def test_plot_writes_an_image(tmp_path):
-    pytest.importorskip("matplotlib")
-    result = BenchResult(title="t", rows=[{"backend": "a", "seq_len": 8, "total_tflops": 1.0},
-                                          {"backend": "a", "seq_len": 16, "total_tflops": 2.0},
-                                          {"backend": "b", "seq_len": 8, "status": "no"}],
-                         x="seq_len", y="total_tflops", series="backend")
-    path = result.plot(tmp_path / "k.png")
-    assert path.stat().st_size > 1000
-    with pytest.raises(ValueError, match="no x/y columns"):
-        BenchResult(title="plain").plot(tmp_path / "x.png")
+        assert "no CPU backward" in rows["flex_attention"]["status"]
 
 
 def test_bad_requests_are_rejected():
-    with pytest.raises(ValueError, match="multiple of kv_heads"):
+    with pytest.raises(ConfigError, match="multiple of --kv-heads"):
         run([16], heads=3, kv_heads=2)
-    with pytest.raises(ValueError, match="positive sequence length"):
-        run([], heads=2)
+    with pytest.raises(ConfigError, match="positive sequence lengths"):
+        run([0], heads=2)

@@ -165,3 +165,13 @@ def test_user_errors_are_one_sentence(kwargs, words):
     args = {"seq_len": 4096, "gpus": 4, "gpu_memory": 80 * GIB, **kwargs}
     with pytest.raises(UserError, match=words):
         estimate_recipe(None, **args)
+
+
+def test_table_renders():
+    from lctrain.memory import estimate_table
+    from lctrain.report.table import render
+
+    est = estimate(load_architecture("llama-7b"), 65536, 8, 2, "remat", gpu_memory=80 * GIB)
+    text = render(estimate_table(est.to_json()), "table", terminal=True, width=80)
+    assert "activations" in text and "fits" in text and "6.74 B" in text
+    assert max(len(line) for line in text.splitlines()) <= 80

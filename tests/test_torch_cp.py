@@ -1,7 +1,7 @@
 """The context_parallel peer schedule: torch's ring attention inside lctrain's training loop.
 
-Its attention only runs on CUDA (torch has no CPU sharding rule for SDPA); the GPU run of
-``scripts/gpu_e2e.sh`` compares its losses with distflash's. Here, over gloo: torch's
+Its attention only runs on CUDA (torch has no CPU sharding rule for SDPA); the GPU test
+``tests/test_gpu_runs.py`` compares its losses with distflash's. Here, over gloo: torch's
 head-tail sharding is lctrain's zigzag layout, torch's SDPA patch lives exactly as long as a
 session, and every misuse is one clear error.
 """

@@ -9,37 +9,49 @@
    every rank, warm-up, then the median of ``repeats``; the slowest rank's median is reported)
    for each schedule, distflash without overlap, the peers (torch context_parallel on cuDNN,
    ring-flash-attn if installed) and the single-GPU kernel at the same total length;
-3. reports per-GPU TFLOP/s with the FLOP model of shared/PERF.md (causal forward 2·S²·H·D for
-   the WHOLE sequence, divided by the number of GPUs; backward 2.5× forward), the ratio to the
-   single-GPU rate (``vs_single``), each schedule's balance figure (max/mean causal work per
-   rank) and, for distflash, the share of its communication hidden behind compute:
-   (t_no_overlap − t_overlap) / t_comm_only, where t_comm_only moves the same messages with no
-   compute at all.
+3. reports per-GPU TFLOP/s with the FLOP model of `lctrain.bench.flops` (causal forward
+   2·S²·H·D for the WHOLE sequence, divided by the number of GPUs; backward 2.5× forward), the
+   ratio to the single-GPU rate (``vs_single``), each schedule's balance figure (max/mean
+   causal work per rank) and, for distflash, the share of its communication hidden behind
+   compute: (t_no_overlap − t_overlap) / t_comm_only, where t_comm_only moves the same messages
+   with no compute at all.
 
-A ``time_budget_s`` skips (with that status) measurements whose estimated time would overrun.
+A ``time_budget_s`` skips (with that status) measurements whose estimated time would overrun;
+``min_time_s`` repeats short measurements until about that long; ``profile_dir`` profiles each
+of lctrain's schedules after timing it (`lctrain.bench.profile`: a chrome trace per rank and
+rank 0's time per kernel category). Rank 0 reports each step to ``progress`` as it happens.
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from lctrain.bench.attention_peers import PEERS, PeerUnavailable, Shape
-from lctrain.bench.kernel import forward_flops
+from lctrain.bench.profile import profile
+from lctrain.bench.flops import BACKWARD_FACTOR, MODEL, attention_flops, rates
 from lctrain.bench.result import BenchResult
+from lctrain.bench.timing import measure, repeats_for
+from lctrain.errors import ConfigError
+from lctrain.report.versions import environment
 from lctrain_kernels.distributed.comm import nccl_options
 from lctrain_kernels.vocabulary import SCHEDULES, check_schedule, check_seq_len
 
-_MAX_REPEATS = 50
+DEFAULTS = {  # per device type: what a run with no sizes measures
+    "cuda": {"seq_lens": (65536, 131072, 262144), "heads": 32, "head_dim": 128,
+             "dtype": "bfloat16"},
+    "cpu": {"seq_lens": (256, 512), "heads": 4, "head_dim": 32, "dtype": "float32"},
+}
+_ITERATION = 1 + BACKWARD_FACTOR  # forward + backward, in units of forward FLOPs
 
 
 @dataclass(frozen=True)
@@ -61,31 +73,8 @@ class BenchConfig:
     single_max_len: int
     time_budget_s: float | None
     min_time_s: float = 0.0
-
-
-def _timings(fwd, bwd, device: torch.device, repeats: int, warmup: int):
-    """Per-iteration forward and backward milliseconds (CUDA events, or the host clock)."""
-    for _ in range(warmup):
-        bwd(fwd())
-    if device.type != "cuda":
-        fw, bw = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            state = fwd()
-            t1 = time.perf_counter()
-            bwd(state)
-            fw.append((t1 - t0) * 1e3)
-            bw.append((time.perf_counter() - t1) * 1e3)
-        return fw, bw
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(repeats)]
-    for e0, e1, e2 in events:
-        e0.record()
-        state = fwd()
-        e1.record()
-        bwd(state)
-        e2.record()
-    torch.cuda.synchronize(device)
-    return [a.elapsed_time(b) for a, b, _ in events], [b.elapsed_time(c) for _, b, c in events]
+    profile_dir: str | None = None
+    progress: Callable[[str], None] | None = None
 
 
 class _Bench:
@@ -106,21 +95,22 @@ class _Bench:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def _say(self, line: str) -> None:
+        if self.rank == 0 and self.cfg.progress is not None:
+            self.cfg.progress(line)
+
     def _affordable(self, flops_per_gpu: float) -> bool:
         if self.cfg.time_budget_s is None:
             return True
-        est = (self.cfg.warmup + self.cfg.repeats) * 3.5 * flops_per_gpu / self.rate
+        est = (self.cfg.warmup + self.cfg.repeats) * _ITERATION * flops_per_gpu / self.rate
         return self._agree(time.perf_counter() - self.start + est <= self.cfg.time_budget_s)
 
     def _repeats(self, flops_per_gpu: float) -> int:
         """Timed iterations: at least ``repeats``, more until about ``min_time_s`` of timing
         (short lengths are noisy), at most 50. The estimate uses the last measured rate, which
         every rank holds alike (it comes from all-gathered timings), so ranks agree."""
-        c = self.cfg
-        if not c.min_time_s:
-            return c.repeats
-        per_iteration = 3.5 * flops_per_gpu / self.rate
-        return int(min(_MAX_REPEATS, max(c.repeats, math.ceil(c.min_time_s / per_iteration))))
+        estimate_ms = _ITERATION * flops_per_gpu / self.rate * 1e3
+        return repeats_for(estimate_ms, self.cfg.repeats, self.cfg.min_time_s)
 
     def _local(self, n: int, heads: int, seed: int) -> torch.Tensor:
         gen = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
@@ -151,21 +141,25 @@ class _Bench:
                                     1.0, c.backend, compute=False).run()
         bwd = lambda _: BackwardEngine(pruned_plan(schedule, "backward", geo), geo, exch, False, q, q,  # noqa: E731
                                        k, k, q, lse, 1.0, c.backend, compute=False).run()
-        fw, bw = _timings(fwd, bwd, self.device, c.repeats, 1)
-        return statistics.median(a + b for a, b in zip(fw, bw))
+        return measure(fwd, bwd, device=self.device, repeats=c.repeats, warmup=1).summary()["total_ms"]
 
-    def _time(self, make, flops_per_gpu: float, peer: bool) -> dict:
+    def _time(self, make, flops_per_gpu: float, peer: bool, trace: str | None) -> dict:
         """Time (fwd, bwd) from ``make()`` on every rank; the slowest rank's medians.
 
         A peer that fails (unavailable, unsupported shape) gives a status instead of a number;
         lctrain's own schedules are allowed to fail only for memory, anything else is a bug.
+        With ``trace`` (lctrain's schedules only) a profile follows the timing.
         """
-        status, fw, bw = "ok", [], []
+        status, fw, bw, prof = "ok", [], [], {}
         caught = Exception if peer else (PeerUnavailable, torch.cuda.OutOfMemoryError)
         repeats = self._repeats(flops_per_gpu)
         try:
             with make() as (fwd, bwd):
-                fw, bw = _timings(fwd, bwd, self.device, repeats, self.cfg.warmup)
+                times = measure(fwd, bwd, device=self.device, repeats=repeats, warmup=self.cfg.warmup)
+                fw, bw = times.fwd, times.bwd
+                if trace is not None:
+                    prof = profile(fwd, bwd, self.device, trace.format(rank=self.rank),
+                                   sync=lambda: dist.barrier(group=self.group))
         except caught as exc:
             status = f"{'' if isinstance(exc, PeerUnavailable) else type(exc).__name__ + ': '}{exc}"
             status = status.splitlines()[0][:200]
@@ -176,30 +170,27 @@ class _Bench:
         bad = [s for s, _, _ in per_rank if s != "ok"]
         if bad:
             return {"status": bad[0]}
+        totals = [[x + y for x, y in zip(xs, ys)] for _, xs, ys in per_rank]
         f = max(statistics.median(x) for _, x, _ in per_rank)
         b = max(statistics.median(y) for _, _, y in per_rank)
-        tot = max(statistics.median(x + y for x, y in zip(xs, ys)) for _, xs, ys in per_rank)
-        self.rate = 3.5 * flops_per_gpu / tot * 1e3
+        tot = max(statistics.median(t) for t in totals)
+        self.rate = _ITERATION * flops_per_gpu / tot * 1e3
         return {"fwd_ms": f, "bwd_ms": b, "total_ms": tot, "repeats": repeats,
-                "total_ms_min": min(min(x + y for x, y in zip(xs, ys)) for _, xs, ys in per_rank),
-                "total_ms_max": max(max(x + y for x, y in zip(xs, ys)) for _, xs, ys in per_rank),
-                "fwd_tflops": flops_per_gpu / f / 1e9, "bwd_tflops": 2.5 * flops_per_gpu / b / 1e9,
-                "total_tflops": 3.5 * flops_per_gpu / tot / 1e9, "status": "ok"}
+                "total_ms_min": min(map(min, totals)), "total_ms_max": max(map(max, totals)),
+                **rates(flops_per_gpu, f, b), **prof, "status": "ok"}
 
     def _single(self, seq_len: int) -> dict:
         """The single-device kernel at the same TOTAL length, on every GPU at once; rank 0's."""
         from lctrain.bench.kernel import run as kernel_run
 
         c = self.cfg
-        repeats = self._repeats(forward_flops(seq_len, c.heads, c.head_dim, True, None))
+        repeats = self._repeats(attention_flops(seq_len, c.heads, c.head_dim))
         res = kernel_run([seq_len], backends=[self.single_backend], heads=c.heads, head_dim=c.head_dim,
                          dtype=self.dtype, causal=True, kv_heads=c.kv_heads, repeats=repeats,
                          warmup=c.warmup, check_len=min(256, seq_len), device=self.device).rows[0]
-        keys = ("fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "total_tflops", "status")
+        keys = ("fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "total_tflops", "status")
         row = {key: res.get(key) for key in keys}
         row["repeats"] = repeats
-        if row.get("fwd_ms") is not None:
-            row["total_ms"] = row["fwd_ms"] + row["bwd_ms"]
         return self._agree(row)
 
     def variants(self) -> list[tuple[str, str | None, bool]]:
@@ -218,6 +209,10 @@ class _Bench:
         from lctrain.bench.attention_check import check_schedules
 
         checks = check_schedules(self.group, self.device, self.dtype, self.cfg, self.variants())
+        for name, check in checks.items():
+            self._say(f"{name}: error {check['max_rel_err']:.1e} at {self.cfg.check_len} tokens "
+                      f"(one device: {check['single_rel_err']:.1e}) — "
+                      f"{'correct' if check['correct'] else 'INCORRECT'}")
         rows = []
         for seq_len in self.cfg.seq_lens:
             rows += self._length(seq_len, checks)
@@ -228,27 +223,34 @@ class _Bench:
         from lctrain_kernels.distributed import make_schedule
 
         c = self.cfg
-        flops = forward_flops(seq_len, c.heads, c.head_dim, True, None)  # whole sequence
+        flops = attention_flops(seq_len, c.heads, c.head_dim)  # the whole sequence
         base = {"seq_len": seq_len, "gpus": self.world, "tokens_per_gpu": seq_len // self.world}
-        single = {"status": f"skipped: longer than single_max_len {c.single_max_len}"}
+        single = {"status": f"skipped: longer than the single-GPU limit {c.single_max_len}"}
         if seq_len <= c.single_max_len:
             single = self._single(seq_len) if self._affordable(flops) else {"status": "skipped: time budget"}
         rows = [{**base, "variant": f"single-gpu {self.single_backend}", "gpus": 1, **single}]
+        self._say(_progress_line(rows[0]))
         for name, what, overlap in self.variants():
             balance = make_schedule(self.world, what).balance() if what in SCHEDULES else None
             row = {**base, "variant": name, "balance": balance}
             if not self._affordable(flops / self.world * (balance or 1.0)):
                 rows.append({**row, "status": "skipped: time budget"})
+                self._say(_progress_line(rows[-1]))
                 continue
             if what in PEERS:
                 spec = Shape(seq_len, c.heads, c.kv_heads, c.head_dim, self.dtype, self.device)
                 make = lambda: PEERS[what](self.group, spec)  # noqa: E731
             else:
                 make = lambda: contextlib.nullcontext(self._ours(seq_len, what, overlap))  # noqa: E731
-            row.update(self._time(make, flops / self.world, what in PEERS), **checks.get(name, {}))
+            trace = None
+            if c.profile_dir is not None and what not in PEERS:
+                slug = name.replace(" (no overlap)", "-no-overlap")
+                trace = os.path.join(c.profile_dir, f"attention-{slug}-{seq_len}-rank{{rank}}.json")
+            row.update(self._time(make, flops / self.world, what in PEERS, trace), **checks.get(name, {}))
             if single.get("total_tflops") and row.get("total_tflops"):
                 row["vs_single"] = row["total_tflops"] / single["total_tflops"]
             rows.append(row)
+            self._say(_progress_line(row))
         return rows
 
     def _hidden_share(self, rows: list[dict], seq_len: int) -> None:
@@ -260,6 +262,17 @@ class _Bench:
         on["comm_only_ms"] = comm
         hidden = (off["total_ms"] - on["total_ms"]) / comm if comm > 0 else None
         on["hidden_share"] = None if hidden is None else min(1.0, max(0.0, hidden))
+
+
+def _progress_line(row: dict) -> str:
+    from lctrain.report.human import milliseconds, rate, ratio, tokens
+
+    head = f"{row['variant']} {tokens(row['seq_len'])}:"
+    if row.get("status") != "ok":
+        return f"{head} {row.get('status')}"
+    text = (f"{head} fwd {milliseconds(row['fwd_ms'])}, bwd {milliseconds(row['bwd_ms'])}, "
+            f"{rate(row['total_tflops'])} per GPU fwd+bwd")
+    return text + (f", {ratio(row['vs_single'])} one GPU" if row.get("vs_single") else "")
 
 
 def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:
@@ -286,19 +299,22 @@ def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def run(seq_lens: list[int], schedules: list[str] | None = None, nproc: int | None = None, heads: int = 32,
-        kv_heads: int | None = None, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-        overlap_ablation: bool = True, peers: bool = True, backend: str = "auto", *, repeats: int = 5,
-        warmup: int = 2, check_len: int | None = None, single_max_len: int = 262144,
-        time_budget_s: float | None = None, min_time_s: float = 0.0) -> BenchResult:
+def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, nproc: int | None = None,
+        heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
+        dtype: torch.dtype | str | None = None, overlap_ablation: bool = True, peers: bool = True,
+        backend: str = "auto", *, repeats: int = 5, warmup: int = 2, check_len: int | None = None,
+        single_max_len: int = 262144, time_budget_s: float | None = None, min_time_s: float = 0.0,
+        profile_dir: str | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark distributed attention on ``nproc`` ranks it launches itself.
 
     Args:
-        seq_lens: TOTAL sequence lengths (batch 1); each must split into 2·nproc chunks.
-        schedules: lctrain schedules to time (default all: distflash, ring, zigzag).
+        seq_lens: TOTAL sequence lengths (batch 1); each must split into 2·nproc chunks;
+            None = the device's defaults (``DEFAULTS``).
+        schedules: lctrain schedules to time (default all: distflash, zigzag, ring).
         nproc: ranks; default every CUDA GPU, or 2 CPU processes (gloo) without one.
-        heads, kv_heads, head_dim: attention shape (kv_heads default = heads).
-        dtype: input dtype.
+        heads, kv_heads, head_dim: attention shape (None: the device's defaults; kv_heads
+            default = heads).
+        dtype: input dtype or its name (None: bfloat16 on a GPU, float32 on a CPU).
         overlap_ablation: also time distflash with overlap=False (and the hidden share).
         peers: also time torch context_parallel and ring-flash-attn where they can run.
         backend: local attention backend of lctrain's schedules ("auto": cuDNN on a GPU).
@@ -309,40 +325,62 @@ def run(seq_lens: list[int], schedules: list[str] | None = None, nproc: int | No
         time_budget_s: skip measurements that would end later than this after the start.
         min_time_s: time more than ``repeats`` iterations where one is short, until about this
             many seconds per measurement (at most 50 iterations); 0 keeps ``repeats``.
+        profile_dir: profile each of lctrain's schedules after timing it; traces go here.
+        progress: called on rank 0 with one line per step; it travels to the spawned
+            processes, so it must be picklable (a module-level function).
 
     Returns:
-        A :class:`BenchResult`, one row per (seq_len, variant).
+        A :class:`BenchResult` of kind "attention", one row per (seq_len, variant).
 
     Raises:
-        ValueError: bad sizes or names (one sentence each).
+        ConfigError: bad sizes or names (one sentence each).
     """
     cuda = torch.cuda.is_available()
+    base = DEFAULTS["cuda" if cuda else "cpu"]
+    seq_lens = tuple(seq_lens or base["seq_lens"])
+    heads, head_dim = heads or base["heads"], head_dim or base["head_dim"]
+    dtype = str(dtype or base["dtype"]).replace("torch.", "")
     nproc = nproc or (torch.cuda.device_count() if cuda else 2)
     kv_heads = kv_heads or heads
     schedules = tuple(schedules or SCHEDULES)
-    for s in schedules:
-        check_schedule(s)
-    if heads % kv_heads:
-        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}).")
-    if cuda and nproc > torch.cuda.device_count():
-        raise ValueError(f"nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs.")
+    _check(seq_lens, schedules, nproc, heads, kv_heads, cuda)
     check_len = check_len or min(min(seq_lens), 2048 * nproc)
-    for s in (*seq_lens, check_len):
-        check_seq_len(s, nproc, "zigzag", ranks=f"{nproc} ranks")  # every schedule and peer
-    cfg = BenchConfig(tuple(seq_lens), schedules, heads, kv_heads, head_dim, str(dtype).replace("torch.", ""),
-                      overlap_ablation, peers, backend, repeats, warmup, check_len, single_max_len, time_budget_s,
-                      min_time_s)
+    _check_split(check_len, nproc, "--check-len")
+    cfg = BenchConfig(seq_lens, schedules, heads, kv_heads, head_dim, dtype, overlap_ablation, peers,
+                      backend, repeats, warmup, check_len, single_max_len, time_budget_s, min_time_s,
+                      profile_dir, progress)
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(_worker, args=(nproc, cfg, tmp), nprocs=nproc, join=True)
         with open(os.path.join(tmp, "rows.json")) as f:
             rows = json.load(f)
-    meta = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-            "nproc": nproc, **{k: v for k, v in asdict(cfg).items() if k != "seq_lens"},
-            "flop_model": "causal fwd 2*S^2*H*D of the whole sequence / GPUs; bwd 2.5x fwd"}
-    columns = ["seq_len", "variant", "gpus", "fwd_ms", "bwd_ms", "fwd_tflops", "bwd_tflops", "total_tflops",
-               "vs_single", "balance", "hidden_share", "max_rel_err", "correct", "status"]
-    return BenchResult(title=f"distributed attention ({nproc} ranks, per-GPU TFLOP/s)", rows=rows, meta=meta,
-                       columns=columns, x="seq_len", y="total_tflops", series="variant")
+    meta = {"machine": environment(), "nproc": nproc, "device": "cuda" if cuda else "cpu",
+            **{k: v for k, v in asdict(cfg).items() if k not in ("seq_lens", "progress")},
+            "flop_model": MODEL}
+    return BenchResult(kind="attention", title=f"distributed attention, {nproc} ranks",
+                       rows=rows, meta=meta)
 
 
-__all__ = ["BenchConfig", "run"]
+def _check(seq_lens, schedules, nproc, heads, kv_heads, cuda) -> None:
+    try:
+        for s in schedules:
+            check_schedule(s)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if heads % kv_heads:
+        raise ConfigError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
+    if cuda and nproc > torch.cuda.device_count():
+        raise ConfigError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs; "
+                          f"use at most {torch.cuda.device_count()}")
+    for s in seq_lens:
+        _check_split(s, nproc, "sequence length")
+
+
+def _check_split(length: int, nproc: int, what: str) -> None:
+    """Every schedule and peer must run it: the zigzag layout's 2·nproc chunks."""
+    try:
+        check_seq_len(length, nproc, "zigzag", what=what, ranks=f"{nproc} ranks")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+__all__ = ["BenchConfig", "DEFAULTS", "SCHEDULES", "run"]

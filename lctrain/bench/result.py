@@ -1,26 +1,33 @@
-"""BenchResult: what every ``lctrain bench ...`` run returns — rows, JSON, a table, a plot.
+"""The one result contract of every ``lctrain bench`` run: rows and meta, as JSON.
 
-A result is a list of flat dict rows (one per measured configuration) plus ``meta`` (machine,
-versions, fixed parameters). The CLI prints :meth:`BenchResult.table` last and writes
-:meth:`BenchResult.to_json` next to it; :meth:`BenchResult.plot` draws ``y`` against ``x`` with
-one line per ``series`` value when the producer named those columns.
+A result file is one JSON object::
+
+    {"lctrain_bench": 1,                 # version of this contract
+     "kind": "kernel" | "attention" | "step" | "tiles",
+     "title": "...",
+     "meta": {"machine": {...versions, CUDA, driver, GPUs, date...},   # lctrain.report.versions
+              "command": "lctrain bench ...",                          # as typed, when run by the CLI
+              "flop_model": "...", ...fixed parameters of the run...},
+     "rows": [{...one flat dict per measured configuration...}]}
+
+Row keys are plain: ``seq_len`` (tokens, total), ``*_ms`` (milliseconds, median), ``*_tflops``
+(TFLOP/s per GPU), ``max_rel_err``, ``correct``, ``status`` ("ok" or one sentence why there is
+no number). :mod:`lctrain.bench.views` says how each kind is shown; ``lctrain bench report``
+reads these files back (:func:`load`), merges several of one kind (:func:`merge`) and renders
+them.
 """
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lctrain.errors import UserError
 
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        return f"{value:.3g}" if abs(value) < 1 else f"{value:,.1f}"
-    return str(value)
+SCHEMA = 1
+KINDS = ("kernel", "attention", "step", "tiles")
+_OLD_TITLES = {"attention kernels": "kernel", "distributed attention": "attention",
+               "training step": "step"}  # files written before the contract named its kind
 
 
 @dataclass
@@ -28,97 +35,116 @@ class BenchResult:
     """Rows of one benchmark run.
 
     Attributes:
-        title: what was measured, e.g. "attention kernels".
-        rows: one flat dict per measured configuration (JSON-serialisable values).
-        meta: run-wide facts: device, versions, fixed parameters.
-        columns: the table's columns in order (default: every key, in first-seen order).
-        x: column for the plot's horizontal axis (None: no plot).
-        y: column for the plot's vertical axis.
-        series: column whose values each get one line in the plot.
+        kind: which bench made it (one of ``KINDS``).
+        title: what was measured, in words.
+        rows: one flat dict per measured configuration (JSON values only).
+        meta: run-wide facts: ``machine`` (see `lctrain.report.versions.environment`),
+            ``command``, the FLOP model and the fixed parameters.
     """
 
+    kind: str
     title: str
     rows: list[dict] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
-    columns: list[str] | None = None
-    x: str | None = None
-    y: str | None = None
-    series: str | None = None
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The whole result as a JSON document ``{"title", "meta", "rows"}``."""
-        return json.dumps({"title": self.title, "meta": self.meta, "rows": self.rows},
-                          indent=indent, default=str)
+        """The result as the JSON document described in the module docstring."""
+        return json.dumps({"lctrain_bench": SCHEMA, "kind": self.kind, "title": self.title,
+                           "meta": self.meta, "rows": self.rows}, indent=indent, default=str)
 
-    def _columns(self) -> list[str]:
-        if self.columns is not None:
-            return list(self.columns)
-        seen: dict[str, None] = {}
-        for row in self.rows:
-            seen.update(dict.fromkeys(row))
-        return list(seen)
+    def save(self, path: str | Path) -> Path:
+        """Write :meth:`to_json` to ``path`` (creating its folder); returns the path."""
+        target = Path(path).expanduser()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(self.to_json() + "\n", encoding="utf-8")
+        return target
+
+    def measured(self) -> list[dict]:
+        """The rows that carry a measurement (status "ok")."""
+        return [row for row in self.rows if row.get("status") == "ok"]
 
     def table(self):
-        """A ``rich.table.Table`` of the rows (floats rounded for reading; JSON keeps all)."""
-        from rich.table import Table
+        """The rows as a `lctrain.report.table.Table` in this kind's columns (compact ones by
+        default; render with ``wide=True`` for all)."""
+        from lctrain.bench.views import table
 
-        table = Table(title=self.title)
-        columns = self._columns()
-        if len(self.rows) == 1:  # one measurement reads best as a list of fields, in any width
-            table.add_column("field")
-            table.add_column("value", justify="right")
-            for name in columns:
-                table.add_row(name, _cell(self.rows[0].get(name)))
-            return table
-        for name in columns:
-            table.add_column(name, justify="left" if name in ("backend", "status") else "right")
-        for row in self.rows:
-            table.add_row(*(_cell(row.get(name)) for name in columns))
-        return table
+        return table(self)
 
-    def plot(self, path) -> Path:
-        """Draw ``y`` against ``x``, one line per ``series``, into an image file.
 
-        Args:
-            path: where to write the figure (format from the suffix, e.g. ``.png``).
+def from_dict(data, source: str = "result") -> BenchResult:
+    """A BenchResult from a parsed result file.
 
-        Returns:
-            The path written.
+    Args:
+        data: the parsed JSON.
+        source: how to name the file in errors.
 
-        Raises:
-            ValueError: if this result names no ``x`` / ``y`` columns to plot.
-            RuntimeError: if matplotlib is not installed.
-        """
-        if self.x is None or self.y is None:
-            raise ValueError(f"the {self.title!r} result has no x/y columns to plot.")
-        try:
-            import matplotlib
+    Raises:
+        UserError: not a bench result (no rows, unknown kind).
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise UserError(f"{source} is not an lctrain bench result (no list of rows); pass files "
+                        "written by lctrain bench --json")
+    kind = data.get("kind") or _OLD_TITLES.get(str(data.get("title", "")).split(" (")[0])
+    if kind not in KINDS:
+        raise UserError(f"{source} holds a result of unknown kind {kind!r}; lctrain bench "
+                        f"writes {', '.join(KINDS)}")
+    rows = [row for row in data["rows"] if isinstance(row, dict)]
+    return BenchResult(kind=kind, title=str(data.get("title") or kind), rows=rows,
+                       meta=dict(data.get("meta") or {}))
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as exc:
-            raise RuntimeError("plotting needs matplotlib, which is not installed; install "
-                               "lctrain[dev] or matplotlib.") from exc
-        lines: dict[str, list[tuple]] = {}
-        for row in self.rows:
-            if row.get(self.x) is None or row.get(self.y) is None:
-                continue
-            key = str(row.get(self.series, "")) if self.series else self.y
-            lines.setdefault(key, []).append((row[self.x], row[self.y]))
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for key, points in lines.items():
-            xs, ys = zip(*sorted(points))
-            ax.plot(xs, ys, marker="o", label=key)
-        if lines and all(isinstance(p[0], (int, float)) and p[0] > 0
-                         for pts in lines.values() for p in pts):
-            ax.set_xscale("log", base=2)
-        ax.set_xlabel(self.x)
-        ax.set_ylabel(self.y)
-        ax.set_title(self.title)
-        ax.grid(True, alpha=0.3)
-        if self.series:
-            ax.legend()
-        path = Path(path)
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-        plt.close(fig)
-        return path
+
+def load(path: str | Path) -> BenchResult:
+    """Read a result file.
+
+    Raises:
+        UserError: the file is missing, not JSON, or not a bench result.
+    """
+    target = Path(path).expanduser()
+    try:
+        text = target.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot read {target}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{target} is not JSON ({exc.msg} at line {exc.lineno}); pass files "
+                        "written by lctrain bench --json") from None
+    return from_dict(data, str(target))
+
+
+def merge(results: list[BenchResult]) -> BenchResult:
+    """One result from several runs of the same kind (e.g. one table measured in parts).
+
+    Meta entries equal in every part stay in meta; the others move into each row of their
+    part (a row's own value wins), so no fact is lost.
+
+    Raises:
+        UserError: no results, or results of different kinds.
+    """
+    if not results:
+        raise UserError("no results to merge; pass one or more result files")
+    kinds = sorted({r.kind for r in results})
+    if len(kinds) > 1:
+        raise UserError(f"cannot merge results of different kinds ({', '.join(kinds)}); "
+                        "merge files of one bench at a time")
+    if len(results) == 1:
+        return results[0]
+    common = _common([r.meta for r in results])
+    rows = []
+    for part in results:
+        extra = {k: v for k, v in part.meta.items() if k not in common
+                 and not isinstance(v, (dict, list))}
+        rows += [{**extra, **row} for row in part.rows]
+    return BenchResult(kind=kinds[0], title=results[0].title, rows=rows, meta=common)
+
+
+def _common(metas: list[dict]) -> dict:
+    """The entries every dict shares; nested dicts (``machine``) keep their shared entries."""
+    out = {}
+    for key, value in metas[0].items():
+        values = [m.get(key) for m in metas]
+        if all(isinstance(v, dict) for v in values):
+            out[key] = _common(values)
+        elif all(key in m and m[key] == value for m in metas):
+            out[key] = value
+    return out

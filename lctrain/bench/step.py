@@ -1,15 +1,16 @@
 """``lctrain bench step``: time whole training steps of a recipe through the real runner.
 
-The recipe runs unchanged through `lctrain.train.runner.finetune` (same model, data, parallel
-layout, checkpointing policy and loop as ``lctrain finetune``) for ``warmup + steps`` optimizer
-steps into a scratch output folder; the runner's ``metrics.jsonl`` is read back and the first
-``warmup`` steps (allocator growth, autotuning) are dropped. Reported, median over the timed
-steps:
+Each configuration (the recipe at one sequence length with one group of ``--set`` overrides,
+see :func:`configurations`) runs unchanged through `lctrain.train.runner.finetune` (same
+model, data, parallel layout, checkpointing policy and loop as ``lctrain finetune``) for
+``warmup + steps`` optimizer steps into a scratch output folder; the runner's
+``metrics.jsonl`` is read back and the first ``warmup`` steps (allocator growth, autotuning)
+are dropped. One row per configuration, median over the timed steps:
 
 - tokens/s of the whole job, and step time;
 - MFU as the runner logs it (``lctrain.train.metrics``): 6·N per token plus the attention FLOPs
-  of the documents actually trained on (7·Σ n²·H·D·L for causal documents of n tokens), over
-  GPUs × the GPU's dense bf16 peak (989 TFLOP/s for H100 and H200); recomputation is not
+  of the documents actually trained on (7·Σ n²·H·D·L for causal documents of n tokens, the
+  model of `lctrain.bench.flops`), over GPUs × the GPU's dense bf16 peak; recomputation is not
   counted as useful work;
 - peak memory, the largest of any rank (the CUDA allocator's peak; on a CPU the process's peak
   RSS) beside the memory model's prediction for the same recipe
@@ -18,61 +19,148 @@ steps:
 - attention forwards per optimizer step: the runner's ``attention_forward_calls`` (counted by
   `lctrain.parallel.checkpointing.AttentionCounter` on the run's first step, on every rank);
   beside the expected L (none, remat, remat-offload) or 2·L (full) per micro-step.
+
+A configuration that cannot run (out of memory, refused for host memory, a bad override) gives
+a row whose status says why; the others still run. The training runs' own output goes to
+stderr, so stdout carries only the result.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import shlex
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
 from lctrain.bench.result import BenchResult
-from lctrain.config import RecipeConfig
+from lctrain.config import RecipeConfig, load_recipe
 from lctrain.errors import UserError
+from lctrain.report.versions import environment
 
 _GIB = float(1 << 30)
 
 
-def run(cfg: RecipeConfig, steps: int, nproc: int | None = None, *, warmup: int = 1) -> BenchResult:
-    """Run ``warmup + steps`` training steps of ``cfg`` and report them.
+def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int | None],
+                   variants: list[str] | None = None) -> list[tuple[str, RecipeConfig]]:
+    """The recipe at every sequence length × every variant, resolved.
 
     Args:
-        cfg: the resolved recipe (its output_dir is only used to hold a scratch folder).
+        recipe: a recipe file or shipped name (None: the embedded tiny recipe).
+        overrides: ``--set`` overrides applied to every configuration.
+        seq_lens: sequence lengths (None in the list: the recipe's own).
+        variants: groups of extra overrides, each one text of space-separated ``key=value``
+            items (shell quoting allowed), e.g. ``"train.checkpointing=remat
+            parallel.schedule=zigzag"``; None or empty: one configuration per length.
+
+    Returns:
+        ``(label, config)`` pairs; the label is the variant's text ("" without variants).
+
+    Raises:
+        ConfigError: a bad recipe, override or length (one sentence).
+    """
+    groups = variants or [""]
+    out = []
+    for seq_len in seq_lens or [None]:
+        for group in groups:
+            extra = shlex.split(group)
+            out.append((group, load_recipe(recipe, [*overrides, *extra], seq_len=seq_len)))
+    return out
+
+
+def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
+        nproc: int | None = None, *, warmup: int = 1,
+        progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Run ``warmup + steps`` training steps of every configuration and report them.
+
+    Args:
+        configs: one resolved recipe, or ``(label, recipe)`` pairs (:func:`configurations`);
+            each recipe's output_dir only holds a scratch folder.
         steps: optimizer steps to time (≥ 1).
         nproc: processes (default as ``lctrain finetune``: all GPUs, or dp × cp on a CPU).
         warmup: untimed steps first.
+        progress: called with one line before and after each configuration.
 
     Returns:
-        A BenchResult with one row.
+        A BenchResult of kind "step" with one row per configuration.
 
     Raises:
-        UserError: steps < 1, or the training run failed (a user error, or a worker that died:
-            the launcher has already printed where its log is, a traceback would add nothing).
+        UserError: steps < 1 or warmup < 0.
     """
-    from lctrain.train.runner import default_nproc, finetune
-
     if steps < 1 or warmup < 0:
         raise UserError(f"bench step needs at least 1 timed step (got {steps}) and a warm-up "
                         f"of 0 or more (got {warmup})")
-    n = nproc if nproc is not None else default_nproc(cfg)
-    layers, predicted = _expectations(cfg, n)  # before the run: a bad model fails fast
+    if isinstance(configs, RecipeConfig):
+        configs = [("", configs)]
+    say = progress or (lambda line: None)
+    rows = []
+    for index, (label, cfg) in enumerate(configs, 1):
+        n = nproc if nproc is not None else _default_nproc(cfg)
+        head = f"configuration {index}/{len(configs)}: {cfg.data.seq_len} tokens" + (
+            f", {label}" if label else "")
+        say(f"{head}: {warmup} warm-up + {steps} timed steps on {n} processes")
+        row = {"variant": label, "seq_len": cfg.data.seq_len}
+        try:
+            row.update(_one(cfg, n, steps, warmup))
+        except UserError as exc:
+            row.update(status=str(exc))
+        except torch.cuda.OutOfMemoryError:
+            row.update(status=f"out of memory at {cfg.data.seq_len} tokens")
+        say(f"{head}: {_progress_line(row)}")
+        rows.append(row)
+    return BenchResult(kind="step", title="training steps", rows=rows,
+                       meta=_meta(configs[0][1], nproc, warmup, steps))
+
+
+def _default_nproc(cfg: RecipeConfig) -> int:
+    from lctrain.train.runner import default_nproc
+
+    return default_nproc(cfg)
+
+
+def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int) -> dict:
+    """One configuration's row fields (raises UserError when it cannot run)."""
+    from lctrain.train.runner import finetune
+
+    layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
     scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=_parent(cfg)))
     try:
-        bench_cfg = _bench_recipe(cfg, scratch, warmup + steps)
-        code = finetune(bench_cfg, nproc=n)
+        with _stdout_to_stderr():
+            code = finetune(_bench_recipe(cfg, scratch, warmup + steps), nproc=nproc)
         if code != 0:
             raise UserError(f"the benchmarked training run failed with exit code {code}; the "
                             f"workers' log named above says why")
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    row = _row(cfg, n, records, warmup, layers, predicted)
-    return BenchResult(title="training step", rows=[row], meta=_meta(cfg, n, warmup, steps),
-                       columns=list(row))
+    return _row(cfg, nproc, records, warmup, layers, predicted)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send this process's and its children's stdout to stderr for the duration."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (an embedding host): Python-level only
+        saved = None
+    try:
+        if saved is not None:
+            os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _parent(cfg: RecipeConfig) -> str:
@@ -91,7 +179,7 @@ def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int) -> Reci
 
 def _read_metrics(path: Path) -> list[dict]:
     if not path.exists():
-        raise RuntimeError(f"the training run wrote no metrics ({path} is missing)")
+        raise UserError(f"the training run wrote no metrics ({path} is missing)")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -103,7 +191,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     per_micro = 2 if cfg.train.checkpointing == "full" else 1
     cuda = torch.cuda.is_available()
     return {
-        "seq_len": cfg.data.seq_len, "gpus": nproc, "cp": cfg.parallel.cp,
+        "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,
         "policy": cfg.train.checkpointing, "steps": len(timed),
         "tokens_per_s": _median(timed, "tokens_per_s"),
         "step_time_s": _median(timed, "step_time_s"),
@@ -116,6 +204,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "attn_fwd_expected": layers * per_micro * cfg.train.grad_accum,
         "loss_first": records[0]["loss"] if records else None,
         "loss_last": records[-1]["loss"] if records else None,
+        "status": "ok",
     }
 
 
@@ -136,20 +225,26 @@ def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
                              "total": est.per_gpu_bytes["total"]}
 
 
-def _meta(cfg: RecipeConfig, nproc: int, warmup: int, steps: int) -> dict:
-    import transformers
+def _progress_line(row: dict) -> str:
+    from lctrain.report.human import percent, significant
 
+    if row.get("status") != "ok":
+        return str(row.get("status"))
+    text = (f"{significant(row['step_time_s'])} s/step, "
+            f"{significant(row['tokens_per_s'])} tokens/s, peak {significant(row['peak_gib'])} GiB")
+    return text + (f", MFU {percent(row['mfu'])}" if row.get("mfu") is not None else "")
+
+
+def _meta(cfg: RecipeConfig, nproc: int | None, warmup: int, steps: int) -> dict:
     from lctrain.train.metrics import peak_flops
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     peak = peak_flops(device)
     return {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "machine": environment(), "device": device.type,
         "peak_bf16_tflops": peak / 1e12 if peak else None,
-        "torch": torch.__version__, "transformers": transformers.__version__,
         "nproc": nproc, "warmup_steps": warmup, "timed_steps": steps,
-        "schedule": cfg.parallel.schedule, "attention_backend": cfg.parallel.attention_backend,
+        "attention_backend": cfg.parallel.attention_backend,
         "mixed_precision": cfg.train.mixed_precision, "model_dtype": cfg.model.dtype,
         "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum,
     }

@@ -2,7 +2,9 @@
 
     lctrain finetune [RECIPE] [--seq-len 256k] [--set a.b=c ...]
     lctrain estimate-memory [RECIPE] --seq-len 512k --gpus 8 --gpu-memory 80GiB
-    lctrain bench kernel|attention|step ...
+    lctrain bench kernel|attention|step|tiles|report ...
+    lctrain report RUN_DIR...
+    lctrain --version
 """
 from __future__ import annotations
 
@@ -11,15 +13,36 @@ import typer
 from lctrain.cli import bench
 from lctrain.cli.estimate import estimate_memory
 from lctrain.cli.finetune import finetune
+from lctrain.cli.report import report
 
 app = typer.Typer(
     name="lctrain", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-    rich_markup_mode="markdown",
+    rich_markup_mode=None,
     help="Fine-tune language models on very long contexts with DistFlashAttn (balanced, "
          "overlapped sequence-parallel attention).")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from lctrain.report.versions import describe, environment
+
+        typer.echo(describe(environment()))
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True,
+        help="Print the versions of lctrain, torch, triton, transformers and CUDA, and exit.")
+          ) -> None:
+    """Fine-tune language models on very long contexts with DistFlashAttn (balanced,
+    overlapped sequence-parallel attention)."""
+
+
 app.command("finetune")(finetune)
 app.command("estimate-memory")(estimate_memory)
 app.add_typer(bench.app, name="bench")
+app.command("report")(report)
 
 
 def main() -> None:

@@ -1,111 +1,215 @@
-"""``lctrain bench kernel|attention|step``: measure, compare, plot."""
+"""``lctrain bench kernel|attention|step|tiles|report``: measure, compare, plot, report."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
-from lctrain.cli.common import as_json, fail, split_names, user_errors, write_text
+from lctrain.cli.common import split_names, user_errors
 from lctrain.cli.options import (
     BackendOpt,
     BackendsOpt,
-    DType,
     DTypeOpt,
+    Format,
+    FormatOpt,
     HeadDimOpt,
     HeadsOpt,
     JsonFileOpt,
     KvHeadsOpt,
     NprocOpt,
     PlotOpt,
+    ProfileOpt,
     RecipeArg,
+    RepeatsOpt,
     SchedulesOpt,
-    SeqLenOpt,
     SeqLensOpt,
     SetOpt,
+    WarmupOpt,
+    WideOpt,
 )
 from lctrain.config import load_recipe, parse_size, parse_size_list
 from lctrain_kernels.vocabulary import SCHEDULES
 
-app = typer.Typer(help="Measure local attention kernels, the distributed attention and whole "
-                       "training steps.", no_args_is_help=True, add_completion=False,
-                  rich_markup_mode="markdown")
+app = typer.Typer(help="Measure local attention kernels, the distributed attention, whole "
+                       "training steps and kernel tiles; turn result files into tables.",
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+
+CheckLenOpt = Annotated[Optional[str], typer.Option(
+    "--check-len", metavar="SIZE", show_default=False,
+    help="Length of the correctness check against float32 math, e.g. 8k (default: 4k on a "
+         "GPU, 256 on a CPU; at most the shortest --seq-len).")]
+
+
+def _sizes(text: str | None) -> list[int] | None:
+    return None if text is None else parse_size_list(text, what="--seq-len")
+
+
+def _dtype(value) -> str | None:
+    return None if value is None else value.value
 
 
 @app.command("kernel")
-def kernel(seq_len: SeqLensOpt = "4k,8k,16k", backend: BackendsOpt = None, heads: HeadsOpt = 32,
-           head_dim: HeadDimOpt = 128, dtype: DTypeOpt = DType.bfloat16,
-           causal: bool = typer.Option(True, help="Causal mask."),
-           documents: int = typer.Option(0, min=0, help="Packed documents per sequence (0 = one)."),
-           check_len: str = typer.Option(
-               "256", metavar="SIZE", help="Sequence length of each backend's correctness check "
-               "against float32 math, e.g. 8k (at most the shortest --seq-len)."),
-           json_file: JsonFileOpt = None, plot: PlotOpt = None) -> None:
-    """Time one GPU's attention backends (forward + backward, TFLOP/s).
+def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: HeadsOpt = None,
+           kv_heads: KvHeadsOpt = None, head_dim: HeadDimOpt = None, dtype: DTypeOpt = None,
+           causal: bool = typer.Option(True, "--causal/--full", help="Causal or full attention."),
+           documents: int = typer.Option(0, min=0, metavar="N",
+                                         help="Packed documents per sequence (0 = one)."),
+           check_len: CheckLenOpt = None, repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
+           profile: ProfileOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
+           fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
+    """Time one device's attention backends (forward, backward, TFLOP/s).
 
-    Example: lctrain bench kernel --seq-len 16k,32k --backend triton,flash --plot kernel.png
+    With no sizes: 16k, 32k, 64k with 32 heads of 128 in bfloat16 on a GPU; 256 to 1k tokens
+    with 8 heads of 64 in float32 on a CPU (seconds).
+
+    \b
+    Example:
+      lctrain bench kernel --seq-len 16k,32k,64k --backend triton,cudnn --plot kernel.png
     """
     with user_errors():
-        seq_lens = parse_size_list(seq_len, what="--seq-len")
-        check = parse_size(check_len, what="--check-len")
         from lctrain.bench.kernel import run
+        from lctrain.bench.publish import Publisher
 
-        result = run(seq_lens=seq_lens, backends=split_names(backend), heads=heads,
-                     head_dim=head_dim, dtype=dtype.value, causal=causal,
-                     documents=documents or None, check_len=check)
-        publish(result, json_file, plot, "bench kernel")
+        out = Publisher("kernel", fmt.value, wide, json_file, plot)
+        check = None if check_len is None else parse_size(check_len, what="--check-len")
+        result = run(seq_lens=_sizes(seq_len), backends=split_names(backend), heads=heads,
+                     kv_heads=kv_heads, head_dim=head_dim, dtype=_dtype(dtype), causal=causal,
+                     documents=documents or None, repeats=repeats, warmup=warmup,
+                     check_len=check, profile_dir=profile, progress=out.progress)
+        out.publish(result)
 
 
 @app.command("attention")
-def attention(seq_len: SeqLensOpt = "16k,32k,64k", schedule: SchedulesOpt = ",".join(SCHEDULES),
-              nproc: NprocOpt = None, heads: HeadsOpt = 32, kv_heads: KvHeadsOpt = None,
-              head_dim: HeadDimOpt = 128, dtype: DTypeOpt = DType.bfloat16,
-              backend: BackendOpt = None,
+def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHEDULES),
+              nproc: NprocOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None,
+              head_dim: HeadDimOpt = None, dtype: DTypeOpt = None, backend: BackendOpt = None,
               overlap_ablation: bool = typer.Option(
-                  False, help="Also run every schedule without communication overlap."),
+                  False, "--overlap-ablation", help="Also run distflash without communication "
+                                                    "overlap (and the share hidden)."),
               peers: bool = typer.Option(
-                  False, help="Also run peer implementations (e.g. torch context_parallel)."),
-              json_file: JsonFileOpt = None, plot: PlotOpt = None) -> None:
-    """Time the distributed attention over NPROC ranks for each schedule (TFLOP/s, balance,
-    communication hidden behind compute).
+                  False, "--peers", help="Also run torch context_parallel (and ring-flash-attn "
+                                         "when installed)."),
+              check_len: Optional[str] = typer.Option(
+                  None, "--check-len", metavar="SIZE", show_default=False,
+                  help="Total length of each schedule's correctness check against float32 "
+                       "math (default: 2k per rank, at most the shortest --seq-len)."),
+              repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
+              min_time: float = typer.Option(
+                  0.0, "--min-time", min=0.0, metavar="SECONDS",
+                  help="Repeat short measurements until about this long (at most 50 times)."),
+              single_max_len: str = typer.Option(
+                  "256k", "--single-max-len", metavar="SIZE",
+                  help="Longest total length also timed on one GPU (the reference)."),
+              time_budget: Optional[float] = typer.Option(
+                  None, "--time-budget", min=1.0, metavar="SECONDS", show_default=False,
+                  help="Skip (and say so) the measurements that would end later than this."),
+              profile: ProfileOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
+              fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
+    """Time the distributed attention over NPROC ranks for each schedule (TFLOP/s per GPU, ratio
+    to one GPU, balance, communication hidden behind compute).
 
-    Example: lctrain bench attention --seq-len 64k,128k,256k --nproc 8 --plot attention.png
+    Lengths are TOTAL sequences, each rank holds length / NPROC tokens. With no sizes: 64k,
+    128k, 256k on every GPU; 256 and 512 tokens on 2 CPU processes.
+
+    \b
+    Example:
+      lctrain bench attention --seq-len 64k,128k,256k --peers --overlap-ablation --plot a.png
     """
     with user_errors():
-        seq_lens = parse_size_list(seq_len, what="--seq-len")
         from lctrain.bench.attention import run
+        from lctrain.bench.publish import Publisher
 
+        out = Publisher("attention", fmt.value, wide, json_file, plot)
         extra = {} if backend is None else {"backend": backend}
-        result = run(seq_lens=seq_lens, schedules=split_names(schedule), nproc=nproc, heads=heads,
-                     kv_heads=kv_heads or heads, head_dim=head_dim, dtype=dtype.value,
-                     overlap_ablation=overlap_ablation, peers=peers, **extra)
-        publish(result, json_file, plot, "bench attention")
+        check = None if check_len is None else parse_size(check_len, what="--check-len")
+        result = run(seq_lens=_sizes(seq_len), schedules=split_names(schedule), nproc=nproc,
+                     heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=_dtype(dtype),
+                     overlap_ablation=overlap_ablation, peers=peers, repeats=repeats,
+                     warmup=warmup, check_len=check, min_time_s=min_time,
+                     single_max_len=parse_size(single_max_len, what="--single-max-len"),
+                     time_budget_s=time_budget, profile_dir=profile, progress=out.progress,
+                     **extra)
+        out.publish(result)
 
 
 @app.command("step")
-def step(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetOpt = None,
-         steps: int = typer.Option(10, "--steps", min=1, help="Training steps to time."),
-         warmup: int = typer.Option(1, "--warmup", min=0,
+def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt = None,
+         variant: Optional[list[str]] = typer.Option(
+             None, "--variant", metavar="'KEY=VALUE ...'", show_default=False,
+             help="One configuration to time: space-separated overrides on top of --set "
+                  "(repeatable; one row per variant and length)."),
+         steps: int = typer.Option(10, "--steps", min=1, metavar="N", help="Steps to time."),
+         warmup: int = typer.Option(1, "--warmup", min=0, metavar="N",
                                     help="Untimed steps first (allocator growth, autotuning)."),
-         nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None) -> None:
-    """Time whole training steps of a recipe (tokens/s, MFU, peak memory).
+         nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
+         fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
+    """Time whole training steps of a recipe (tokens/s, MFU, peak memory against the
+    estimate), at one or more lengths and configurations.
 
-    Example: lctrain bench step llama-7b-64k --seq-len 64k --steps 5
+    \b
+    Example:
+      lctrain bench step llama-7b-64k --seq-len 32k,64k --steps 3 \\
+          --variant train.checkpointing=full --variant train.checkpointing=remat
     """
     with user_errors():
-        cfg = load_recipe(recipe, overrides or [], seq_len=seq_len)
-        from lctrain.bench.step import run
+        from lctrain.bench.publish import Publisher
+        from lctrain.bench.step import configurations, run
 
-        result = run(cfg, steps=steps, nproc=nproc, warmup=warmup)
-        publish(result, json_file, plot, "bench step")
+        out = Publisher("step", fmt.value, wide, json_file, plot)
+        configs = configurations(recipe, overrides or [], _sizes(seq_len) or [None], variant)
+        result = run(configs, steps=steps, nproc=nproc, warmup=warmup, progress=out.progress)
+        out.publish(result)
 
 
-def publish(result: Any, json_file: str | None, plot: str | None, command: str) -> None:
-    """Print the result's table; write its JSON and plot when asked."""
-    Console().print(result.table())
-    if json_file is not None:
-        write_text(json_file, as_json(result.to_json()))
-    if plot is not None:
-        if not callable(getattr(result, "plot", None)):
-            raise fail(f"lctrain {command} has nothing to plot; drop --plot")
-        result.plot(plot)
+@app.command("tiles")
+def tiles(seq_len: SeqLensOpt = None,
+          kernel: str = typer.Option("fwd,dkdv,dq", "--kernel", metavar="NAMES",
+                                     help="Kernels to sweep: fwd, dkdv, dq."),
+          points: Optional[str] = typer.Option(
+              None, "--tiles", metavar="LIST", show_default=False,
+              help="Comma-separated tiles BLOCK_MxBLOCK_NsSTAGESwWARPS, e.g. 128x64s3w8 "
+                   "(default: a wide sweep per kernel)."),
+          heads: HeadsOpt = None, head_dim: HeadDimOpt = None, dtype: DTypeOpt = None,
+          repeats: RepeatsOpt = 5, warmup: WarmupOpt = 1, json_file: JsonFileOpt = None,
+          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
+    """Time fixed tile configurations of lctrain's Triton kernels against the autotuned ones
+    (one GPU).
+
+    \b
+    Example:
+      lctrain bench tiles --seq-len 16k,64k --kernel dkdv --tiles 64x128s3w8,32x128s3w8
+    """
+    with user_errors():
+        from lctrain.bench.publish import Publisher
+        from lctrain.bench.tiles import parse_point, run
+
+        out = Publisher("tiles", fmt.value, wide, json_file)
+        chosen = None if points is None else [parse_point(p) for p in split_names(points)]
+        result = run(seq_lens=_sizes(seq_len), kernels=split_names(kernel), points=chosen,
+                     heads=heads, head_dim=head_dim, dtype=_dtype(dtype), repeats=repeats,
+                     warmup=warmup, progress=out.progress)
+        out.publish(result)
+
+
+@app.command("report")
+def report(files: list[str] = typer.Argument(..., metavar="FILE",
+                                             help="Result files written by lctrain bench --json."),
+           rows: bool = typer.Option(False, "--rows", help="One row per measurement instead of "
+                                                           "the summary (lengths down, variants "
+                                                           "across)."),
+           json_file: JsonFileOpt = None, plot: PlotOpt = None, fmt: FormatOpt = Format.table,
+           wide: WideOpt = False) -> None:
+    """Turn result files into the README's tables and plots; several files of one bench are
+    merged (e.g. one table measured in parts) and --json writes the merged result.
+
+    \b
+    Example:
+      lctrain bench report docs/performance/*-attention.json --format markdown --plot a.png
+    """
+    with user_errors():
+        from lctrain.bench.publish import Publisher
+        from lctrain.bench.result import load, merge
+
+        result = merge([load(path) for path in files])
+        out = Publisher(result.kind, fmt.value, wide, json_file, plot)
+        out.publish(result, summary=not rows, record_command=False)

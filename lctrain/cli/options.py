@@ -11,7 +11,9 @@ from typing import Annotated, Optional
 import typer
 
 from lctrain.config.schema import ATTENTION_BACKENDS, CHECKPOINTING_POLICIES
+from lctrain.memory.presets import PRESETS
 from lctrain_kernels.vocabulary import SCHEDULES
+
 
 Policy = enum.Enum("Policy", [(name.replace("-", "_"), name) for name in CHECKPOINTING_POLICIES],
                    type=str)
@@ -24,6 +26,18 @@ class DType(str, enum.Enum):
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
+
+
+class Format(str, enum.Enum):
+    """How a command prints its result on stdout."""
+
+    table = "table"
+    markdown = "markdown"
+    csv = "csv"
+    json = "json"
+
+
+_PRESETS = ", ".join(PRESETS)
 
 
 RecipeArg = Annotated[Optional[str], typer.Argument(
@@ -48,8 +62,11 @@ NprocOpt = Annotated[Optional[int], typer.Option(
     help="Processes to launch on this machine (default: one per GPU; on a CPU: parallel.cp).")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", metavar="NAME|PATH", show_default=False,
-    help="A model folder or hub name (or a preset the memory model knows) instead of a recipe.")]
-GpusOpt = Annotated[int, typer.Option("--gpus", min=1, metavar="N", help="Number of GPUs.")]
+    help=f"A preset ({_PRESETS}), a model folder or config.json, or a hub name (online) "
+         "instead of a recipe.")]
+GpusOpt = Annotated[Optional[int], typer.Option(
+    "--gpus", min=1, metavar="N", show_default=False,
+    help="Number of GPUs (default: the recipe's dp x cp, or 1 with --model).")]
 GpuMemoryOpt = Annotated[str, typer.Option(
     "--gpu-memory", metavar="SIZE", help="Memory per GPU: 80GiB, 80G (1024³ bytes) or 80GB (10⁹).")]
 HostMemoryOpt = Annotated[Optional[str], typer.Option(
@@ -62,26 +79,52 @@ CpOpt = Annotated[Optional[int], typer.Option(
     "--cp", min=1, metavar="N", show_default=False,
     help="Context-parallel degree (default: the recipe's parallel.cp).")]
 CheckpointingOpt = Annotated[Optional[Policy], typer.Option(
-    "--checkpointing", show_default=False,
+    "--checkpointing", metavar="none|full|remat|remat-offload", show_default=False,
     help="Activation checkpointing policy (default: the recipe's train.checkpointing).")]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
-SeqLensOpt = Annotated[str, typer.Option(
-    "--seq-len", metavar="SIZES", help="Comma-separated sequence lengths, e.g. 16k,32k,64k.")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the same as --format json).")]
+SeqLensOpt = Annotated[Optional[str], typer.Option(
+    "--seq-len", metavar="SIZES", show_default=False,
+    help="Comma-separated sequence lengths, e.g. 16k,32k,64k (default: sizes that suit the "
+         "device; see the command's help).")]
 BackendsOpt = Annotated[Optional[str], typer.Option(
     "--backend", metavar="NAMES", show_default=False,
-    help=f"Comma-separated local attention backends ({', '.join(ATTENTION_BACKENDS[1:])}); "
-         "default: every one available.")]
+    help=f"Comma-separated local attention backends ({', '.join(ATTENTION_BACKENDS[1:])}) "
+         "and peers (flex_attention); default: every fast backend available.")]
 BackendOpt = Annotated[Optional[str], typer.Option(
     "--backend", metavar="NAME", show_default=False,
     help="Local attention backend inside the distributed attention (default: auto).")]
 SchedulesOpt = Annotated[str, typer.Option(
     "--schedule", metavar="NAMES", help=f"Comma-separated schedules: {', '.join(SCHEDULES)}.")]
-HeadsOpt = Annotated[int, typer.Option("--heads", min=1, help="Query heads.")]
+HeadsOpt = Annotated[Optional[int], typer.Option(
+    "--heads", min=1, metavar="N", show_default=False,
+    help="Query heads (default: 32 on a GPU, fewer on a CPU).")]
 KvHeadsOpt = Annotated[Optional[int], typer.Option(
-    "--kv-heads", min=1, show_default=False, help="Key/value heads (default: --heads).")]
-HeadDimOpt = Annotated[int, typer.Option("--head-dim", min=1, help="Head dimension.")]
-DTypeOpt = Annotated[DType, typer.Option("--dtype", help="Data type of q, k, v.")]
+    "--kv-heads", min=1, metavar="N", show_default=False,
+    help="Key/value heads (default: --heads).")]
+HeadDimOpt = Annotated[Optional[int], typer.Option(
+    "--head-dim", min=1, metavar="N", show_default=False,
+    help="Head dimension (default: 128 on a GPU, smaller on a CPU).")]
+DTypeOpt = Annotated[Optional[DType], typer.Option(
+    "--dtype", metavar="float32|float16|bfloat16", show_default=False,
+    help="Data type of q, k, v (default: bfloat16 on a GPU, float32 on a CPU).")]
+RepeatsOpt = Annotated[int, typer.Option(
+    "--repeats", min=1, metavar="N", help="Timed iterations per measurement (the median is "
+                                          "reported).")]
+WarmupOpt = Annotated[int, typer.Option(
+    "--warmup", min=0, metavar="N", help="Untimed iterations before timing.")]
+ProfileOpt = Annotated[Optional[str], typer.Option(
+    "--profile", metavar="DIR", show_default=False,
+    help="Also profile each measurement: chrome traces into DIR, time per kernel category "
+         "in the table.")]
+FormatOpt = Annotated[Format, typer.Option(
+    "--format", metavar="table|markdown|csv|json", help="Output on stdout: an aligned table (never cut, also in a pipe), "
+                     "Markdown, CSV or the result JSON.")]
+WideOpt = Annotated[bool, typer.Option(
+    "--wide", help="Show every column (times, spreads, errors, counts), not only the "
+                   "compact ones.")]
 JsonFileOpt = Annotated[Optional[str], typer.Option(
-    "--json", metavar="FILE", show_default=False, help="Also write the results as JSON to FILE.")]
+    "--json", metavar="FILE", show_default=False,
+    help="Also write the result JSON to FILE (read it back with lctrain bench report).")]
 PlotOpt = Annotated[Optional[str], typer.Option(
-    "--plot", metavar="FILE.png", show_default=False, help="Also plot the results to FILE.png.")]
+    "--plot", metavar="FILE.png", show_default=False,
+    help="Also plot the results to FILE.png (needs matplotlib; .pdf and .svg work too).")]

@@ -4,6 +4,7 @@
     est = estimate_recipe(cfg, model=None, seq_len=256 * 1024, gpus=8, gpu_memory=80 << 30,
                           cp=None, policy=None)
     est.to_json()   # parameters_count, per_gpu_bytes{...,total}, fits, max_seq_len
+    estimate_table(est.to_json())   # a lctrain.report.table.Table
 
 Low level: ``estimate(load_architecture("llama-7b"), seq_len, gpus, cp, "remat", "bfloat16")``.
 """
@@ -12,7 +13,7 @@ from lctrain.memory.arch import Architecture, from_config_dict, load_architectur
 from lctrain.memory.estimate import HOST_USABLE, estimate, host_offload_fits, max_seq_len
 from lctrain.memory.presets import PRESETS
 from lctrain.memory.recipe import estimate_recipe, recipe_architecture
-from lctrain.memory.report import MemoryEstimate
+from lctrain.memory.report import MemoryEstimate, estimate_table
 
 __all__ = ["HOST_USABLE", "POLICIES", "PRESETS", "Architecture", "MemoryEstimate", "estimate", "estimate_recipe",
-           "from_config_dict", "host_offload_fits", "load_architecture", "max_seq_len", "recipe_architecture"]
+           "estimate_table", "from_config_dict", "host_offload_fits", "load_architecture", "max_seq_len", "recipe_architecture"]

@@ -50,14 +50,14 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
 
 
 def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:
-    """The architecture to estimate: ``model`` (preset, config.json, folder) if given, else the
-    recipe's model.config or model.path (a hub name is read through transformers).
+    """The architecture to estimate: ``model`` (preset, config.json, folder, or a hub name read
+    through transformers) if given, else the recipe's model.config or model.path.
 
     Raises:
         UserError: nothing to read an architecture from, or an unreadable config.
     """
     if model is not None:
-        return load_architecture(model)
+        return _architecture_of_path(model)
     if cfg is None:
         raise UserError("no model to estimate: pass a recipe or --model with a preset "
                         "(llama-7b, llama3-8b, mistral-7b, qwen2.5-7b) or a config.json")
@@ -77,6 +77,10 @@ def _architecture_of_path(path: str) -> Architecture:
 
         config = AutoConfig.from_pretrained(path).to_dict()
     except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the architecture of model {path!r} ({exc.__class__.__name__}); "
-                        "pass --model with a preset or a config.json path") from None
+        from lctrain.memory.presets import PRESETS
+
+        raise UserError(f"model {path!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                        f"config.json or a model folder, and the hub did not give its config "
+                        f"({exc.__class__.__name__}: offline or an unknown name); pass one of "
+                        "those") from None
     return from_config_dict(config, name=path)

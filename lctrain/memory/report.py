@@ -1,7 +1,19 @@
-"""`MemoryEstimate`: the result of the memory model, as JSON (the CLI renders it)."""
+"""`MemoryEstimate`: the result of the memory model, as JSON and as a table.
+
+:func:`estimate_table` renders the JSON form (``MemoryEstimate.to_json()``), so the command
+line shows exactly what ``--format json`` writes: one row per part of the per-GPU memory,
+the total against the GPU's memory, the pinned host memory of remat-offload, whether it fits
+and the longest sequence that does.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from lctrain.config.sizes import format_bytes
+from lctrain.report.human import parameters, tokens
+from lctrain.report.table import Column, Table
+
+COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,3 +65,51 @@ class MemoryEstimate:
             "per_gpu_bytes": dict(self.per_gpu_bytes),
             "details": dict(self.details), "fits": self.fits, "max_seq_len": self.max_seq_len,
         }
+
+
+def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
+    """A table of ``MemoryEstimate.to_json()``: the parts, the total, the verdict.
+
+    Args:
+        estimate: the JSON form of an estimate.
+        gpu_memory: bytes per GPU (default: the estimate's own ``gpu_memory``).
+
+    Returns:
+        A two-column `lctrain.report.table.Table` (what, amount).
+    """
+    per_gpu = estimate.get("per_gpu_bytes") or {}
+    details = estimate.get("details") or {}
+    gpu_memory = gpu_memory or estimate.get("gpu_memory")
+    rows = [{"what": part, "bytes": per_gpu[part]} for part in
+            [*COMPONENTS, *(k for k in per_gpu if k not in (*COMPONENTS, "total"))] if part in per_gpu]
+    if "total" in per_gpu:
+        rows.append({"what": "total", "bytes": per_gpu["total"]})
+    if gpu_memory:
+        rows.append({"what": "GPU memory", "bytes": gpu_memory})
+    if details.get("host_offload"):
+        rows.append({"what": "pinned host memory per GPU", "bytes": details["host_offload"]})
+    if details.get("host_offload_per_node") and estimate.get("host_memory"):
+        rows.append({"what": "pinned host memory per machine",
+                     "bytes": details["host_offload_per_node"]})
+        rows.append({"what": "host memory per machine", "bytes": estimate["host_memory"]})
+    facts = []
+    if estimate.get("fits") is not None:
+        facts.append(("fits", "yes" if estimate["fits"] else "NO"))
+    if estimate.get("max_seq_len") is not None:
+        longest = int(estimate["max_seq_len"])
+        facts.append(("longest sequence that fits", tokens(longest) if longest else "none"))
+    if estimate.get("parameters_count") is not None:
+        facts.append(("parameters", parameters(int(estimate["parameters_count"]))))
+    if estimate.get("seq_len"):
+        facts.append(("sequence length", tokens(int(estimate["seq_len"]))))
+    for key in ("model", "gpus", "cp", "policy", "dtype", "master_dtype"):
+        if estimate.get(key) is not None:
+            facts.append((key.replace("_", " "), str(estimate[key])))
+    if details.get("phase"):
+        facts.append(("peak during", f"the {details['phase']} phase"))
+    for row in rows:
+        row["amount"] = format_bytes(row["bytes"])
+    rows += [{"what": what, "amount": value} for what, value in facts]
+    columns = [Column("what", "per GPU"), Column("amount", "amount", "figure"),
+               Column("bytes", "bytes", "number", compact=False)]
+    return Table(title="Estimated memory per GPU", columns=columns, rows=rows)

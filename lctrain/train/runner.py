@@ -329,7 +329,10 @@ def _run(cfg: RecipeConfig, pmesh: ParallelMesh, parts: _ModelParts, trainer, da
 
     t, out, main = cfg.train, Path(cfg.train.output_dir), pmesh.rank == 0
     if main:
+        from lctrain.report.versions import record_run  # versions + one-time costs, environment.json
+
         print(_banner(cfg, pmesh, parts, trainer, len(dataset)), flush=True)
+        print(record_run(out, trainer.device.type, cfg.parallel.attention_backend), flush=True)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=main,
                          resume_step=trainer.step if resumed else None)
     progress = Progress(t.max_steps, trainer.step, enabled=main,

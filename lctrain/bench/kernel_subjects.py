@@ -1,0 +1,130 @@
+"""What ``lctrain bench kernel`` can time: lctrain's local backends and outside peers.
+
+Every subject is set up once per input and hands back two closures, timed exactly alike:
+
+    fwd() -> (out, lse)            out (B, S, Hq, D), lse (B, Hq, S) float32, natural log
+    bwd(state) -> (dq, dk, dv)     the gradients for a fixed upstream gradient ``do``
+
+* :class:`BackendSubject` — one of `lctrain_kernels.backends` (triton, cudnn, flash,
+  flash_attn, cpu_flash, reference): the backward is the flash-style one that takes the
+  forward's out and lse, as the distributed attention and training call it.
+* :class:`FlexAttention` — torch's ``flex_attention`` (compiled on a GPU, so its kernels are
+  Triton-generated too) with a causal or document block mask: a peer of lctrain's own Triton
+  kernels. It has no separate backward entry point, so its backward is autograd's over a graph
+  kept from one forward (``retain_graph``): the same work, without re-running the forward.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from lctrain_kernels.backends import BackendUnavailable, get_backend
+from lctrain_kernels.masks import MaskSpec, Relation
+
+Closures = tuple[Callable[[], Any], Callable[[Any], Any]]
+PEERS = ("flex_attention",)
+
+
+class BackendSubject:
+    """An lctrain attention backend, timed through its forward and backward entry points."""
+
+    def __init__(self, name: str):
+        self.backend = get_backend(name)  # BackendUnavailable: unknown or not installed
+        self.name = name
+
+    def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
+        """None if the backend can run this request, else one sentence why not."""
+        return self.backend.unsupported(q, k, v, spec, relation)
+
+    def closures(self, q, k, v, do, spec: MaskSpec, relation: Relation, scale: float) -> Closures:
+        """(fwd, bwd) on these inputs; the backward uses one forward's out and lse."""
+        backend = self.backend
+        out, lse = backend.forward(q, k, v, spec, relation, scale)
+
+        def fwd():
+            return backend.forward(q, k, v, spec, relation, scale)
+
+        def bwd(_state):
+            return backend.backward(do, q, k, v, out, lse, spec, relation, scale)
+
+        return fwd, bwd
+
+
+class FlexAttention:
+    """torch's flex_attention with a block mask (see the module docstring)."""
+
+    name = "flex_attention"
+
+    def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
+        """None if flex_attention can run this request here, else one sentence why not."""
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except ImportError:
+            return "this torch has no torch.nn.attention.flex_attention"
+        if q.device.type != "cuda":
+            return "flex_attention has no CPU backward in torch; run it on a GPU"
+        if spec.q_start != spec.k_start:
+            return "the flex_attention peer times square blocks only"
+        return None
+
+    def closures(self, q, k, v, do, spec: MaskSpec, relation: Relation, scale: float) -> Closures:
+        """(fwd, bwd): compiled flex_attention forward; autograd backward over a kept graph."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        seq_len = q.shape[1]
+        compiled = torch.compile(flex_attention, dynamic=False)
+        mask = create_block_mask(_mask_mod(spec, q.device), None, None, seq_len, seq_len,
+                                 device=q.device)
+        qh, kh, vh = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))  # (B, H, S, D)
+        doh = do.transpose(1, 2).contiguous()  # (B, Hq, S, D)
+        extra = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
+
+        def run(*inputs):
+            out, lse = compiled(*inputs, block_mask=mask, scale=scale, return_lse=True, **extra)
+            return out, lse
+
+        graph_out, _ = run(qh, kh, vh)
+
+        def fwd():
+            with torch.no_grad():
+                out, lse = run(qh, kh, vh)
+            return out.transpose(1, 2), lse  # (B, S, Hq, D), (B, Hq, S)
+
+        def bwd(_state):
+            grads = torch.autograd.grad(graph_out, (qh, kh, vh), doh, retain_graph=True)
+            return tuple(g.transpose(1, 2) for g in grads)
+
+        return fwd, bwd
+
+
+def _mask_mod(spec: MaskSpec, device: torch.device):
+    """flex_attention's mask function for a causal and/or document mask."""
+    causal = spec.causal
+    if spec.doc_bounds is None:
+        return (lambda b, h, qi, ki: ki <= qi) if causal else (lambda b, h, qi, ki: qi >= 0)
+    bounds = torch.tensor(spec.doc_bounds[1:-1], device=device)
+    doc = torch.bucketize(torch.arange(spec.doc_bounds[-1], device=device), bounds, right=True)
+
+    def mask(b, h, qi, ki):
+        same = doc[qi] == doc[ki]
+        return same & (ki <= qi) if causal else same
+
+    return mask
+
+
+def subject(name: str):
+    """The subject called ``name``: a peer, or an lctrain backend.
+
+    Raises:
+        BackendUnavailable: an unknown name or a backend that is not installed.
+    """
+    if name == "flex_attention":
+        return FlexAttention()
+    try:
+        return BackendSubject(name)
+    except BackendUnavailable as exc:
+        if not str(exc).startswith("unknown"):
+            raise
+        raise BackendUnavailable(f"{str(exc).rstrip('.')}, or the peer "
+                                 f"{' or '.join(PEERS)}.") from None

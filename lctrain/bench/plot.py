@@ -1,0 +1,92 @@
+"""``--plot`` of ``lctrain bench``: one picture per result, drawn for people.
+
+* kernel — fwd+bwd TFLOP/s against the sequence length, one line per backend;
+* attention — fwd+bwd TFLOP/s per GPU against the TOTAL sequence length, one line per
+  variant, the single-GPU kernel as a dashed reference;
+* step — MFU (or tokens/s where MFU is unknown, e.g. on a CPU) against the sequence length,
+  one line per configuration.
+
+Titles name the machine, dtype and shape; lengths are ticked 64K, 128K, ...; the legend sits
+beside the data. Tile sweeps have no plot (their table is the result). A result with no number
+to plot writes no file: that is an error, not an empty picture.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lctrain.bench.result import BenchResult
+from lctrain.bench.views import describe, short_variant
+from lctrain.errors import UserError
+from lctrain.report import plotting
+from lctrain.report.human import rate_unit
+
+PLOTTABLE = ("kernel", "attention", "step")
+
+
+def check(kind: str, path: str | Path) -> Path:
+    """Check, before running, that a result of ``kind`` can be plotted to ``path``.
+
+    Raises:
+        UserError: this kind has no plot, matplotlib is missing, or a bad file type.
+    """
+    if kind not in PLOTTABLE:
+        raise UserError(f"lctrain bench {kind} has no plot (its table is the result); drop --plot")
+    return plotting.check_target(path)
+
+
+def _series(result: BenchResult) -> tuple[str, str, str, float]:
+    """(series key, y key, y label, y scale) of a result."""
+    if result.kind == "step":
+        if any(row.get("mfu") is not None for row in result.measured()):
+            return "variant", "mfu", "MFU (%)", 100.0
+        return "variant", "tokens_per_s", "tokens/s", 1.0
+    unit, factor = rate_unit([r.get("total_tflops") for r in result.measured()])
+    per_gpu = " per GPU" if result.kind == "attention" else ""
+    key = "variant" if result.kind == "attention" else "backend"
+    return key, "total_tflops", f"{unit}{per_gpu} (fwd+bwd)", factor
+
+
+def _label(result: BenchResult, row: dict, key: str) -> str:
+    if result.kind != "step":
+        return str(row.get(key))
+    if row.get(key):
+        return short_variant(row[key])
+    return f"{row.get('schedule', '')} {row.get('policy', '')}".strip() or "recipe"
+
+
+def plot(result: BenchResult, path: str | Path) -> Path:
+    """Draw the result (see the module docstring) into ``path``.
+
+    Returns:
+        The file written.
+
+    Raises:
+        UserError: no row has a number to plot (nothing is written), or this kind has no plot.
+    """
+    check(result.kind, path)
+    key, y, ylabel, scale = _series(result)
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for row in result.measured():
+        if row.get(y) is not None and row.get("seq_len"):
+            lines.setdefault(_label(result, row, key), []).append((row["seq_len"], row[y] * scale))
+    if not lines:
+        raise UserError("no row of the result has a number to plot (every measurement failed or "
+                        "was skipped; the status column says why), so no plot was written")
+    what = {"kernel": "Attention kernels, one device", "attention": "Distributed attention",
+            "step": "Training steps"}[result.kind]
+    xlabel = "total sequence length" if result.kind == "attention" else "sequence length"
+    fig, ax = plotting.figure(f"{what} — {describe(result)}", xlabel, ylabel)
+    for name, points in lines.items():
+        xs, ys = zip(*sorted(points))
+        reference = name.startswith("single-gpu")
+        ax.plot(xs, ys, marker="o", linestyle="--" if reference else "-",
+                color="0.35" if reference else None, label=_legend(name))
+    plotting.length_axis(ax, [x for points in lines.values() for x, _ in points])
+    ax.set_ylim(0, 1.08 * max(y for points in lines.values() for _, y in points))
+    return plotting.finish(fig, ax, path)
+
+
+def _legend(name: str) -> str:
+    if name.startswith("single-gpu "):
+        return f"one GPU ({name.split(' ', 1)[1]}), reference"
+    return name

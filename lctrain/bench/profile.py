@@ -1,0 +1,96 @@
+"""Where the time of a measured iteration goes: ``--profile DIR`` of ``lctrain bench``.
+
+After a configuration has been timed, a few more iterations run under ``torch.profiler``; the
+timeline is written as a chrome trace (open it in Perfetto or chrome://tracing) and the device
+time of every kernel is summed by category:
+
+* attention — the attention kernels (cuDNN, flash, lctrain's Triton kernels);
+* communication — NCCL (or gloo) transfers;
+* bookkeeping — merges, sums, casts, copies and fills around them;
+* other — everything else.
+
+The wall time per iteration is reported beside it, so the share no kernel covers (launch gaps,
+waits for a peer) shows too. On a CPU the categories hold the operators' own CPU time.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+CATEGORIES = (  # first match wins; names are lower-cased kernel or operator names
+    ("attention", ("fmha", "cudnn", "flash", "attn_fwd", "attn_bwd", "sdpa", "attention")),
+    ("communication", ("nccl", "c10d", "gloo", "send", "recv")),
+    ("bookkeeping", ("elementwise", "copy", "merge", "combine", "fill", "cat", "reduce",
+                     "vectorized", "unrolled", "index", "add", "mul", "to_copy", "sum")),
+)
+ITERATIONS = 3
+
+
+def category(name: str) -> str:
+    """The category of a kernel or operator name (see the module docstring)."""
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None, device: torch.device,
+            trace: str | Path, sync: Callable[[], None] | None = None) -> dict:
+    """Run ``ITERATIONS`` iterations of ``bwd(fwd())`` under the profiler.
+
+    Args:
+        fwd, bwd: the iteration, as for `lctrain.bench.timing.measure`.
+        device: where it runs.
+        trace: the chrome trace file to write.
+        sync: waits for every rank (distributed runs), called before and after the
+            iterations; default: wait for this device only.
+
+    Returns:
+        Flat row fields: ``profile_wall_ms`` and ``profile_<category>_ms`` per iteration, and
+        ``trace`` (the file written).
+    """
+    def wait():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if sync is not None:
+            sync()
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    wait()
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(ITERATIONS):
+            state = fwd()
+            if bwd is not None:
+                bwd(state)
+        wait()
+        wall_ms = (time.perf_counter() - start) * 1e3 / ITERATIONS
+    path = Path(trace)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    by_category: dict[str, float] = defaultdict(float)
+    for name, ms in _self_times(prof, device).items():
+        by_category[category(name)] += ms / ITERATIONS
+    row = {"profile_wall_ms": wall_ms, "trace": str(path)}
+    for cat in ("attention", "communication", "bookkeeping", "other"):
+        row[f"profile_{cat}_ms"] = by_category.get(cat, 0.0)
+    return row
+
+
+def _self_times(prof, device: torch.device) -> dict[str, float]:
+    """Milliseconds of own time per kernel (GPU) or per operator (CPU), over all iterations."""
+    out: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if device.type == "cuda":
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue  # an operator: its kernels are listed on their own (no double count)
+            us = getattr(event, "self_device_time_total", 0)
+        else:
+            us = event.self_cpu_time_total
+        if us:
+            out[event.key] += us / 1e3
+    return out

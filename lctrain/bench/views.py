@@ -1,0 +1,184 @@
+"""How each kind of bench result is shown: its columns, its title, its summary table.
+
+The bench prints :func:`table` — one row per measurement, in a compact set of columns that
+fits an 80-column terminal (``--wide`` adds the rest: times, spreads, errors, counts).
+``lctrain bench report`` also prints :func:`summary` — the measurements pivoted the way the
+README shows them (lengths down, variants across). Nothing here imports torch: result files
+are rendered on any machine.
+"""
+from __future__ import annotations
+
+from lctrain.bench.result import BenchResult
+from lctrain.report.table import Column, Table
+from lctrain.report.versions import machine_label
+
+_STATUS = Column("status", "status", "status")
+_RATES = [Column("fwd_tflops", "fwd", "tflops"), Column("bwd_tflops", "bwd", "tflops"),
+          Column("total_tflops", "fwd+bwd", "tflops")]
+_TIMES = [Column("fwd_ms", "fwd", "ms", compact=False), Column("bwd_ms", "bwd", "ms", compact=False),
+          Column("total_ms_min", "fwd+bwd min", "ms", compact=False),
+          Column("total_ms_max", "fwd+bwd max", "ms", compact=False),
+          Column("repeats", "repeats", "number", compact=False)]
+_PROFILE = [Column(f"profile_{cat}_ms", label, "ms") for cat, label in (
+    ("wall", "wall"), ("attention", "attention"), ("communication", "comm."),
+    ("bookkeeping", "bookkeeping"), ("other", "other"))]
+
+COLUMNS = {
+    "kernel": [Column("backend", "backend"), Column("seq_len", "length", "tokens"), *_RATES,
+               Column("max_rel_err", "error", "sci"), _STATUS,
+               Column("relation", "mask", compact=False), *_TIMES,
+               Column("correct", "correct", "bool", compact=False), *_PROFILE],
+    "attention": [Column("variant", "variant"), Column("seq_len", "length", "tokens"), *_RATES,
+                  Column("vs_single", "vs 1 GPU", "ratio"), Column("balance", "balance", "number"),
+                  _STATUS, Column("gpus", "GPUs", "number", compact=False),
+                  Column("hidden_share", "hidden", "percent", compact=False), *_TIMES,
+                  Column("comm_only_ms", "comm. only", "ms", compact=False),
+                  Column("max_rel_err", "error", "sci", compact=False),
+                  Column("correct", "correct", "bool", compact=False), *_PROFILE],
+    "step": [Column("seq_len", "length", "tokens"), Column("label", "variant"),
+             Column("step_time_s", "step", "seconds"),
+             Column("tokens_per_s", "tokens/s", "number"), Column("mfu", "MFU", "percent"),
+             Column("peak_gib", "peak", "number", "GiB"),
+             Column("model_peak_gib", "est.", "number", "GiB"), _STATUS,
+             Column("gpus", "GPUs", "number", compact=False),
+             Column("cp", "cp", "number", compact=False),
+             Column("schedule", "schedule", compact=False),
+             Column("policy", "checkpointing", compact=False),
+             Column("attn_fwd_per_step", "attn fwd", "number", "per step", compact=False),
+             Column("attn_fwd_expected", "expected", "number", compact=False),
+             Column("loss_first", "loss first", "loss", compact=False),
+             Column("loss_last", "loss last", "loss", compact=False)],
+    "tiles": [Column("kernel", "kernel"), Column("config", "tiles"),
+              Column("seq_len", "length", "tokens"), Column("ms", "time", "ms"),
+              Column("tflops", "rate", "tflops"), Column("max_rel_err", "error", "sci"), _STATUS],
+}
+
+
+_WHAT = {"kernel": "Attention kernels, one device, {rate}",
+         "attention": "Distributed attention, {rate} per GPU",
+         "step": "Training steps", "tiles": "Triton kernel tiles"}
+
+
+def describe(result: BenchResult) -> str:
+    """The machine and shape of a result in words, e.g. "2 × NVIDIA H200, bfloat16, 32 heads ×
+    128, causal"."""
+    meta = result.meta
+    parts = [machine_label(meta.get("machine") or {})]
+    if meta.get("dtype"):
+        parts.append(str(meta["dtype"]))
+    if meta.get("heads") and meta.get("head_dim"):
+        kv = meta.get("kv_heads")
+        gqa = f" ({kv} kv)" if kv and kv != meta["heads"] else ""
+        parts.append(f"{meta['heads']} heads{gqa} × {meta['head_dim']}")
+    if meta.get("causal", True) is not None and result.kind != "step":
+        parts.append("causal" if meta.get("causal", True) else "full")
+    if meta.get("documents"):
+        parts.append(f"{meta['documents']} documents")
+    if result.kind == "step" and meta.get("model_dtype"):
+        compute = "bf16" if meta.get("mixed_precision") in ("bf16", "auto") else meta["model_dtype"]
+        parts.append(f"{meta['model_dtype']} weights, {compute} compute")
+    return ", ".join(parts)
+
+
+def title(result: BenchResult) -> str:
+    """The table title: what, on which machine and shape."""
+    return f"{_WHAT[result.kind]} — {describe(result)}"
+
+
+def table(result: BenchResult) -> Table:
+    """The result's rows in its kind's columns (see the module docstring)."""
+    notes = []
+    if result.kind == "attention":
+        notes.append("length = total sequence; each GPU holds length / GPUs tokens; "
+                     "vs 1 GPU = rate over the single-GPU kernel's at the same length")
+    columns, rows = list(COLUMNS[result.kind]), result.rows
+    if result.kind == "step":
+        columns, rows = _step_view(result, columns)
+    return Table(title=title(result), columns=columns, rows=rows, notes=notes)
+
+
+def short_variant(text: str | None) -> str:
+    """A variant's overrides by their last key part: "train.checkpointing=remat parallel.cp=4"
+    -> "checkpointing=remat cp=4"."""
+    items = []
+    for item in str(text or "").split():
+        key, eq, value = item.partition("=")
+        items.append(key.rsplit(".", 1)[-1] + eq + value)
+    return " ".join(items)
+
+
+def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column], list[dict]]:
+    """Variants shown by their last key parts (``checkpointing=remat cp=4``); without variants,
+    schedule and checkpointing become compact columns where the rows differ in them."""
+    rows = [{**row, "label": short_variant(row.get("variant")) or None} for row in result.rows]
+    labelled = any(row["label"] for row in rows)
+    out = []
+    for column in columns:
+        if column.key in ("schedule", "policy"):
+            differ = len({row.get(column.key) for row in rows}) > 1
+            column = Column(column.key, column.label, column.kind, column.unit,
+                            compact=differ and not labelled)
+        out.append(column)
+    return out, rows
+
+
+def summary(result: BenchResult) -> Table:
+    """The README form: lengths down, variants (or backends) across, fwd+bwd TFLOP/s.
+
+    Attention cells carry the ratio to one GPU in parentheses; a variant with no measurement
+    at all is left out. The notes give each variant's largest error, the balance figures and
+    why a cell is empty (—). Step and tile results keep their compact table.
+    """
+    if result.kind == "step" or result.kind == "tiles":
+        whole = table(result)
+        if all(row.get("status") == "ok" for row in result.rows):  # nothing to say per row
+            whole.columns = [c for c in whole.columns if c.key != "status"]
+        return whole
+    series = "variant" if result.kind == "attention" else "backend"
+    measured = {row.get(series) for row in result.measured()}
+    names = [n for n in dict.fromkeys(row.get(series) for row in result.rows) if n in measured]
+    lengths = sorted({row["seq_len"] for row in result.rows if "seq_len" in row})
+    cells = {(row.get(series), row.get("seq_len")): row for row in result.rows}
+    rows = []
+    for length in lengths:
+        line = {"seq_len": length}
+        for name in names:
+            line[name] = _summary_cell(cells.get((name, length)))
+        rows.append(line)
+    columns = [Column("seq_len", "length", "tokens")] + [Column(n, n, "figure") for n in names]
+    what = _WHAT[result.kind].split(",")[0]
+    unit = "fwd+bwd TFLOP/s" + (" per GPU" if result.kind == "attention" else "")
+    return Table(title=f"{what}, {unit} — {describe(result)}", columns=columns, rows=rows,
+                 notes=_summary_notes(result, names, series))
+
+
+def _summary_cell(row: dict | None) -> str | None:
+    from lctrain.report.human import ratio, significant
+
+    if row is None:
+        return None
+    if row.get("status") != "ok" or row.get("total_tflops") is None:
+        return "—"
+    text = significant(row["total_tflops"])
+    return f"{text} ({ratio(row['vs_single'])})" if row.get("vs_single") else text
+
+
+def _summary_notes(result: BenchResult, names: list[str], series: str) -> list[str]:
+    """Errors, balance and why a cell or a whole variant has no number."""
+    notes, balance = [], []
+    for name in dict.fromkeys(row.get(series) for row in result.rows):
+        rows = [r for r in result.rows if r.get(series) == name]
+        errors = [r["max_rel_err"] for r in rows if r.get("max_rel_err") is not None]
+        if errors:
+            notes.append(f"{name}: largest error against float32 math {max(errors):.1e}")
+        balances = {r["balance"] for r in rows if r.get("balance") is not None}
+        if balances:
+            balance.append(f"{name} {'/'.join(f'{b:.2f}' for b in sorted(balances))}")
+        for status in sorted({r["status"] for r in rows if r.get("status") not in (None, "ok")}):
+            where = "" if name in names else " (column left out)"
+            notes.append(f"{name}{where}: {status}")
+    if balance:
+        notes.append("balance (max/mean causal work per GPU): " + ", ".join(balance))
+    if any(r.get("vs_single") for r in result.rows):
+        notes.append("(×) = rate over the one-GPU kernel's at the same total length")
+    return notes

@@ -1,0 +1,124 @@
+"""Numbers as people read them: 64K tokens, 1.2 ms, 531 TFLOP/s, 6.74 B parameters.
+
+Every function takes the raw value a result stores (tokens, milliseconds, TFLOP/s, bytes) and
+returns text; none rounds away a digit that the magnitude shows (three significant digits, but
+never fewer than the integer part: 5,312 stays 5,312). Columns of one table share one unit,
+chosen from the column's values by :func:`time_unit` and :func:`rate_unit`, so that the unit
+can stand in the header and the cells stay short.
+"""
+from __future__ import annotations
+
+import math
+
+_K, _M = 1024, 1024 * 1024
+
+
+def significant(value: float, digits: int = 3) -> str:
+    """``value`` with ``digits`` significant digits and thousands separators.
+
+    531.2 -> "531", 5312.4 -> "5,312", 53.12 -> "53.1", 0.001234 -> "0.00123", 0 -> "0";
+    an int keeps every digit (12 -> "12").
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    if value == 0:
+        return "0"
+    if not math.isfinite(value):
+        return str(value)
+    magnitude = math.floor(math.log10(abs(value)))
+    decimals = max(0, digits - 1 - magnitude)
+    text = f"{value:,.{decimals}f}"
+    # rounding may carry into a new digit (9.996 -> "10.00"): drop the extra decimal
+    if decimals and len(text.replace(",", "").replace("-", "").replace(".", "").lstrip("0")) > digits:
+        text = f"{value:,.{decimals - 1}f}"
+    return text
+
+
+def tokens(count: int) -> str:
+    """A token count as typed on the command line: 65536 -> "64K", 1048576 -> "1M",
+    1000 -> "1,000" (never rounded: a count that is not whole K keeps every digit)."""
+    count = int(count)
+    if count and count % _M == 0:
+        return f"{count // _M}M"
+    if count and count % _K == 0:
+        return f"{count // _K}K"
+    return f"{count:,}"
+
+
+def parameters(count: int) -> str:
+    """A parameter count: 6738415616 -> "6.74 B", 1234567 -> "1.23 M", 52480 -> "52,480"."""
+    if count >= 1e9:
+        return f"{significant(count / 1e9)} B"
+    if count >= 1e6:
+        return f"{significant(count / 1e6)} M"
+    return f"{int(count):,}"
+
+
+def time_unit(milliseconds: list[float]) -> tuple[str, float]:
+    """(unit, factor from ms) that shows a column of durations best: µs, ms or s."""
+    finite = [abs(v) for v in milliseconds if v is not None and math.isfinite(v)]
+    if not finite:
+        return "ms", 1.0
+    largest = max(finite)
+    if largest < 1.0:
+        return "µs", 1e3
+    if min(finite) >= 1000.0:
+        return "s", 1e-3
+    return "ms", 1.0
+
+
+def duration(seconds: float) -> str:
+    """A wall time: 0.0123 -> "12.3 ms", 8.68 -> "8.68 s", 754 -> "12 min 34 s",
+    7384 -> "2 h 3 min"."""
+    if seconds < 1.0:
+        return f"{significant(seconds * 1e3)} ms"
+    if seconds < 60.0:
+        return f"{significant(seconds)} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
+def rate_unit(tflops: list[float]) -> tuple[str, float]:
+    """(unit, factor from TFLOP/s) for a column of FLOP rates: TFLOP/s, GFLOP/s or MFLOP/s."""
+    finite = [abs(v) for v in tflops if v is not None and math.isfinite(v)]
+    largest = max(finite, default=1.0)
+    if largest >= 1.0:
+        return "TFLOP/s", 1.0
+    if largest >= 1e-3:
+        return "GFLOP/s", 1e3
+    return "MFLOP/s", 1e6
+
+
+def rate(tflops: float) -> str:
+    """One FLOP rate with its own unit: 531.2 -> "531 TFLOP/s", 0.0123 -> "12.3 GFLOP/s"."""
+    unit, factor = rate_unit([tflops])
+    return f"{significant(tflops * factor)} {unit}"
+
+
+def milliseconds(ms: float) -> str:
+    """One duration given in ms with its own unit: 0.5 -> "500 µs", 31.2 -> "31.2 ms"."""
+    unit, factor = time_unit([ms])
+    return f"{significant(ms * factor)} {unit}"
+
+
+def ratio(value: float) -> str:
+    """A ratio to a reference: 0.9456 -> "0.946×"."""
+    return f"{significant(value)}×"
+
+
+def percent(fraction: float) -> str:
+    """A fraction as a percentage with one decimal: 0.4321 -> "43.2 %"."""
+    return f"{100 * fraction:.1f} %"
+
+
+def scientific(value: float) -> str:
+    """A small error figure: 0.0036732 -> "3.7e-03"."""
+    return f"{value:.1e}"
+
+
+def gib(count: float) -> str:
+    """Bytes as GiB with three significant digits: 67452000000 -> "62.8"."""
+    return significant(count / (1 << 30))

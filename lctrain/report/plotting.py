@@ -1,0 +1,80 @@
+"""Plots for people: matplotlib made ready (or one sentence why not), and readable axes.
+
+Every plot lctrain draws goes through here: :func:`check_target` runs BEFORE the work that
+produces the data (so a missing matplotlib or an unknown file type costs nothing), and
+:func:`figure` / :func:`finish` give every picture the same habits — a title that says what,
+where and in which shape, axes named in words with units, sequence lengths ticked as 64K,
+128K, ... on a log-2 axis, and a legend beside the data instead of on it.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from lctrain.errors import UserError
+from lctrain.report.human import tokens
+
+FILE_TYPES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def check_target(path: str | Path) -> Path:
+    """The plot file to write, checked before any work.
+
+    Raises:
+        UserError: matplotlib is not installed, or the file type is not one it writes.
+    """
+    target = Path(path).expanduser()
+    if target.suffix.lower() not in FILE_TYPES:
+        raise UserError(f"--plot {path}: the file name must end in one of "
+                        f"{', '.join(FILE_TYPES)}, e.g. attention.png")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--plot needs matplotlib, which is not installed here; pip install "
+                        "matplotlib, or drop --plot")
+    return target
+
+
+def figure(title: str, xlabel: str, ylabel: str):
+    """A new (figure, axes) with the house style.
+
+    Raises:
+        UserError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("plotting needs matplotlib, which is not installed here; pip install "
+                        "matplotlib") from None
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    ax.set_title(title, fontsize=11, loc="left")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def length_axis(ax, lengths: list[int]) -> None:
+    """A log-2 x axis ticked at the given sequence lengths, labelled 64K, 128K, ..."""
+    ticks = sorted(set(int(n) for n in lengths))
+    if ticks and ticks[0] > 0:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([tokens(n) for n in ticks])
+        ax.minorticks_off()
+        pad = 2 ** 0.25
+        ax.set_xlim(ticks[0] / pad, ticks[-1] * pad)
+
+
+def finish(fig, ax, path: str | Path, legend: bool = True) -> Path:
+    """Put the legend outside the data on the right, write the file, close the figure."""
+    import matplotlib.pyplot as plt
+
+    if legend and ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    return target

@@ -1,0 +1,174 @@
+"""``lctrain report RUN_DIR...``: what one or more training runs did, side by side.
+
+A run folder holds ``config.yaml`` (the resolved recipe) and ``metrics.jsonl`` (one record per
+logged step: loss, tokens/s, step time, MFU, peak memory; ``eval_loss`` where evaluated),
+maybe ``environment.json`` (versions and GPUs). The summary has one row per run:
+
+    run | the settings that differ between the runs | steps | final loss | best loss |
+    eval loss | tokens/s | MFU | peak memory | time
+
+tokens/s and MFU are medians over the logged steps (the first step, which pays one-time
+costs, is left out when there are others); peak memory is the largest logged; time is the sum
+of step times. :func:`plot_losses` draws the loss curves of the runs in one picture.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from lctrain.errors import UserError
+from lctrain.report.table import Column, Table
+
+_IGNORED = ("train.output_dir",)  # differs between any two runs, says nothing
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run folder, read.
+
+    Attributes:
+        name: how the run is labelled (the folder's name, or its path where names repeat).
+        folder: the folder.
+        settings: the resolved recipe as flat dotted keys.
+        records: the metrics records, in step order.
+        environment: environment.json's content, or None.
+    """
+
+    name: str
+    folder: Path
+    settings: dict
+    records: list[dict]
+    environment: dict | None
+
+
+def _flatten(data, prefix: str = "") -> dict:
+    out = {}
+    for key, value in (data or {}).items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def load_run(folder: str | Path, name: str | None = None) -> Run:
+    """Read a run folder.
+
+    Raises:
+        UserError: the folder, its metrics.jsonl or its config.yaml is missing or unreadable.
+    """
+    import yaml
+
+    path = Path(folder).expanduser()
+    metrics, config = path / "metrics.jsonl", path / "config.yaml"
+    if not path.is_dir():
+        raise UserError(f"run folder {path} does not exist; pass folders written by lctrain "
+                        "finetune (train.output_dir)")
+    for needed in (metrics, config):
+        if not needed.is_file():
+            raise UserError(f"{path} has no {needed.name}; pass folders written by lctrain "
+                            "finetune (train.output_dir)")
+    try:
+        records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()
+                   if line.strip()]
+        settings = _flatten(yaml.safe_load(config.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise UserError(f"cannot read the run in {path}: {exc.__class__.__name__}") from None
+    env_file = path / "environment.json"
+    env = json.loads(env_file.read_text(encoding="utf-8")) if env_file.is_file() else None
+    records.sort(key=lambda r: r.get("step", 0))
+    return Run(name or path.name, path, settings, records, env)
+
+
+def load_runs(folders: list[str]) -> list[Run]:
+    """Read several run folders, labelled by folder name (by path where names repeat)."""
+    paths = [Path(f).expanduser() for f in folders]
+    names = [p.resolve().name for p in paths]
+    return [load_run(p, name=str(p) if names.count(n) > 1 else n) for p, n in zip(paths, names)]
+
+
+def differing(runs: list[Run]) -> list[str]:
+    """The setting keys whose values are not the same in every run."""
+    keys = list(dict.fromkeys(k for run in runs for k in run.settings))
+    return [k for k in keys if k not in _IGNORED
+            and len({json.dumps(run.settings.get(k), default=str) for run in runs}) > 1]
+
+
+def _text(value) -> str | None:
+    return None if value is None else value if isinstance(value, str) else json.dumps(value)
+
+
+def _median(values: list) -> float | None:
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(numbers) if numbers else None
+
+
+def row(run: Run, keys: list[str] = ()) -> dict:
+    """The summary fields of one run (see the module docstring), with the settings ``keys``."""
+    recs = run.records
+    steady = recs[1:] if len(recs) > 1 else recs
+    losses = [r["loss"] for r in recs if isinstance(r.get("loss"), (int, float))]
+    evals = [r["eval_loss"] for r in recs if isinstance(r.get("eval_loss"), (int, float))]
+    seconds, previous = 0.0, 0
+    for r in recs:
+        if isinstance(r.get("step_time_s"), (int, float)):
+            seconds += r["step_time_s"] * max(1, r.get("step", previous + 1) - previous)
+        previous = r.get("step", previous + 1)
+    peaks = [r["peak_memory_bytes"] for r in recs if r.get("peak_memory_bytes")]
+    return {"run": run.name, **{k: _text(run.settings.get(k)) for k in keys},
+            "steps": recs[-1].get("step") if recs else 0,
+            "loss_final": losses[-1] if losses else None,
+            "loss_best": min(losses) if losses else None,
+            "eval_loss": evals[-1] if evals else None,
+            "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
+            "mfu": _median([r.get("mfu") for r in steady]),
+            "peak_bytes": max(peaks) if peaks else None,
+            "time_s": seconds if recs else None}
+
+
+def summary(runs: list[Run]) -> Table:
+    """The runs as a table: one row each, the differing settings as columns."""
+    keys = differing(runs)
+    columns = [Column("run", "run")]
+    columns += [Column(k, k.rsplit(".", 1)[-1]) for k in keys]
+    columns += [Column("steps", "steps", "number"), Column("loss_final", "final", "loss", "loss"),
+                Column("loss_best", "best", "loss", "loss"),
+                Column("eval_loss", "eval", "loss", "loss"),
+                Column("tokens_per_s", "tokens/s", "number"), Column("mfu", "MFU", "percent"),
+                Column("peak_bytes", "peak", "gib", "GiB"), Column("time_s", "time", "seconds")]
+    rows = [row(run, keys) for run in runs]
+    notes = [f"{k}: " + " | ".join(f"{r['run']} {r.get(k)}" for r in rows) for k in keys]
+    if len(runs) == 1:
+        s = runs[0].settings
+        notes.append(f"{s.get('model.path') or s.get('model.config.model_type', 'model')}, "
+                     f"seq_len {s.get('data.seq_len')}, cp {s.get('parallel.cp')}, "
+                     f"{s.get('parallel.schedule')}, {s.get('train.checkpointing')}")
+    return Table(title="Training runs", columns=columns, rows=rows, notes=notes)
+
+
+def plot_losses(runs: list[Run], path: str | Path) -> Path:
+    """Loss against step, one line per run (evaluation losses as dashed lines).
+
+    Raises:
+        UserError: no run logged a loss, or matplotlib is missing.
+    """
+    from lctrain.report import plotting
+
+    curves = [(run, [(r["step"], r["loss"]) for r in run.records
+                     if isinstance(r.get("loss"), (int, float))]) for run in runs]
+    if not any(points for _, points in curves):
+        raise UserError("no run logged a loss, so no plot was written")
+    names = ", ".join(run.name for run in runs)
+    fig, ax = plotting.figure(f"Training loss — {names}", "step", "loss (cross-entropy, nats)")
+    for run, points in curves:
+        if points:
+            line, = ax.plot(*zip(*points), label=run.name)
+            evals = [(r["step"], r["eval_loss"]) for r in run.records
+                     if isinstance(r.get("eval_loss"), (int, float))]
+            if evals:
+                ax.plot(*zip(*evals), linestyle="--", marker="o", color=line.get_color(),
+                        label=f"{run.name} (eval)")
+    return plotting.finish(fig, ax, path)

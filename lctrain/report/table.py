@@ -1,0 +1,277 @@
+"""Tables that fit: one model of a table, rendered for a terminal, a pipe, Markdown or CSV.
+
+A :class:`Table` is rows of raw values (what JSON keeps) plus :class:`Column` descriptions: the
+row key, a short label, and a *kind* that says how to show the value (a token count as 64K, a
+duration in the column's unit, a FLOP rate, a ratio, ...). Units go into the header (two header
+lines: label, unit), so the cells stay short; long status texts become numbered notes under
+the table instead of wide cells. Compact columns are shown by default; the others only with
+``wide``. A column that no row fills is left out.
+
+Formats (:func:`render`):
+
+* ``table`` — plain aligned text; on a terminal too narrow for it, printed in parts that each
+  fit (the naming columns repeated), never cutting or folding a value; anywhere else (a pipe,
+  a file, a CI log) with no width limit at all;
+* ``markdown`` — a pipe table, for documents and issue notes;
+* ``csv`` — every column (compact or not) with raw, unrounded values, keys as headers.
+
+JSON is the result's own (see `lctrain.bench.result.BenchResult.to_json`).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from lctrain.report import human
+
+FORMATS = ("table", "markdown", "csv", "json")
+_INLINE_STATUS = 16  # longer status texts become numbered notes under the table
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a table.
+
+    Attributes:
+        key: the row key holding the raw value.
+        label: the header's first line, e.g. "fwd".
+        kind: how values are shown: text, tokens (64K), ms, seconds, tflops, ratio (0.95×),
+            percent (a fraction shown as %), number (3 significant digits), sci (3.7e-03),
+            gib (bytes shown in GiB), bytes (each cell with its own unit), params (6.74 B),
+            loss (four decimals),
+            bool (yes/no), figure (text shown as given, right-aligned), status ("ok" or a
+            numbered note).
+        unit: the header's second line for kinds whose unit is fixed (e.g. "tokens/s");
+            ms, seconds and tflops pick theirs from the column's values.
+        compact: shown by default (else only with ``wide``).
+    """
+
+    key: str
+    label: str
+    kind: str = "text"
+    unit: str = ""
+    compact: bool = True
+
+
+@dataclass
+class Table:
+    """Rows of raw values and the columns to show them in.
+
+    Attributes:
+        title: printed above the table; a ``{rate}`` in it is replaced by the one FLOP-rate unit
+            of all ``tflops`` columns, whose headers then carry no unit line.
+        columns: the columns, in order.
+        rows: one dict per row, keyed by ``Column.key``.
+        notes: lines printed under the table (status notes are added when rendering).
+    """
+
+    title: str
+    columns: list[Column]
+    rows: list[dict]
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Cells:
+    title: str
+    headers: list[tuple[str, str]]  # (label, unit)
+    right: list[bool]
+    body: list[list[str]]
+    notes: list[str]
+
+
+def _present(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def visible_columns(table: Table, wide: bool = False) -> list[Column]:
+    """The columns to show: compact ones (all with ``wide``) that at least one row fills."""
+    return [c for c in table.columns if (c.compact or wide)
+            and any(_present(row.get(c.key)) for row in table.rows)]
+
+
+def _numbers(values: list) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _formatter(column: Column, values: list) -> tuple[str, Callable[[Any], str]]:
+    """(unit for the header, cell formatter) of one column."""
+    numbers = _numbers(values)
+    kind = column.kind
+    if kind in ("ms", "seconds"):
+        scale = 1e3 if kind == "seconds" else 1.0
+        unit, factor = human.time_unit([v * scale for v in numbers])
+        return unit, lambda v: human.significant(v * scale * factor)
+    if kind == "tflops":
+        unit, factor = human.rate_unit(numbers)
+        return unit, lambda v: human.significant(v * factor)
+    simple: dict[str, Callable[[Any], str]] = {
+        "tokens": human.tokens, "ratio": human.ratio, "number": human.significant,
+        "sci": human.scientific, "params": human.parameters, "gib": human.gib,
+        "percent": lambda v: f"{100 * v:.1f}", "bool": lambda v: "yes" if v else "no",
+        "loss": lambda v: f"{v:.4f}",
+    }
+    if kind == "bytes":
+        from lctrain.config import format_bytes
+
+        return column.unit, format_bytes
+    unit = "%" if kind == "percent" and not column.unit else column.unit
+    return unit, simple.get(kind, str)
+
+
+def _cells(table: Table, wide: bool) -> _Cells:
+    columns = visible_columns(table, wide)
+    notes: list[str] = []
+    headers, right, formatters = [], [], []
+    title, shared = table.title, "{rate}" in table.title
+    if shared:  # one FLOP-rate unit for the whole table, named in the title
+        rates = [row.get(c.key) for c in columns if c.kind == "tflops" for row in table.rows]
+        unit, factor = human.rate_unit(_numbers(rates))
+        title = title.replace("{rate}", unit)
+    for column in columns:
+        if shared and column.kind == "tflops":
+            unit, fmt = "", (lambda v, f=factor: human.significant(v * f))
+        else:
+            unit, fmt = _formatter(column, [row.get(column.key) for row in table.rows])
+        headers.append((column.label, unit))
+        right.append(column.kind not in ("text", "status"))
+        formatters.append(fmt)
+    body = []
+    for row in table.rows:
+        line = []
+        for column, fmt in zip(columns, formatters):
+            value = row.get(column.key)
+            if not _present(value):
+                line.append("-")
+            elif column.kind == "status":
+                line.append(_status_cell(str(value), notes))
+            else:
+                line.append(fmt(value))
+        body.append(line)
+    return _Cells(title, headers, right, body, [*(f"[{i + 1}] {n}" for i, n in enumerate(notes)),
+                                         *table.notes])
+
+
+def _status_cell(text: str, notes: list[str]) -> str:
+    if len(text) <= _INLINE_STATUS:
+        return text
+    if text not in notes:
+        notes.append(text)
+    return f"[{notes.index(text) + 1}]"
+
+
+def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bool = False,
+           width: int | None = None) -> str:
+    """The table as text.
+
+    Args:
+        table: what to render.
+        fmt: "table", "markdown" or "csv" (JSON belongs to the result, not the table).
+        wide: every column, not only the compact ones.
+        terminal: for ``table``: fit a terminal of ``width`` columns — a table wider than that
+            is printed in parts, each repeating the first two (naming) columns and holding as
+            many of the others as fit; no value is ever cut or folded. Otherwise plain
+            aligned text of any width.
+        width: the terminal's width (default 80).
+
+    Returns:
+        The text, ending with a newline.
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    if fmt == "csv":
+        return _csv(table)
+    cells = _cells(table, wide)
+    if fmt == "markdown":
+        return _markdown(cells.title, cells)
+    if fmt != "table":
+        raise ValueError(f"unknown table format {fmt!r}; choose from table, markdown, csv.")
+    limit = (width or 80) if terminal else None
+    out = [_wrap(cells.title, limit)] if cells.title else []
+    for part in _parts(cells, limit):
+        out.append(_grid(cells, part))
+    out += [_wrap(note, limit) for note in cells.notes]
+    return "\n".join(out) + "\n"
+
+
+def _wrap(text: str, width: int | None) -> str:
+    if width is None or len(text) <= width:
+        return text
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent="    ", break_long_words=False,
+                                   break_on_hyphens=False))
+
+
+def _widths(cells: _Cells) -> list[int]:
+    lines = [[label for label, _ in cells.headers], [unit for _, unit in cells.headers],
+             *cells.body]
+    return [max(len(line[i]) for line in lines) for i in range(len(cells.headers))]
+
+
+def _parts(cells: _Cells, width: int | None) -> list[list[int]]:
+    """Column indices of each part: all in one, or groups that fit ``width`` (2-space gaps)."""
+    widths = _widths(cells)
+    every = list(range(len(widths)))
+    if width is None or sum(widths) + 2 * (len(widths) - 1) <= width:
+        return [every]
+    keys = every[:2]
+    parts, current = [], list(keys)
+    used = sum(widths[i] + 2 for i in keys)
+    for i in every[2:]:
+        if len(current) > len(keys) and used + widths[i] > width:
+            parts.append(current)
+            current, used = list(keys), sum(widths[k] + 2 for k in keys)
+        current.append(i)
+        used += widths[i] + 2
+    parts.append(current)
+    return parts
+
+
+def _grid(cells: _Cells, columns: list[int]) -> str:
+    """Aligned text of the given columns: one or two header lines, a rule, the rows."""
+    widths = _widths(cells)
+    header_lines = [[cells.headers[i][0] for i in columns], [cells.headers[i][1] for i in columns]]
+    if not any(header_lines[1]):
+        header_lines.pop()
+    body = [[line[i] for i in columns] for line in cells.body]
+
+    def fmt_line(line):
+        parts = [text.rjust(widths[i]) if cells.right[i] else text.ljust(widths[i])
+                 for text, i in zip(line, columns)]
+        return "  ".join(parts).rstrip()
+
+    out = [fmt_line(line) for line in header_lines]
+    out.append("  ".join("-" * widths[i] for i in columns))
+    out += [fmt_line(line) for line in body]
+    return "\n".join(out)
+
+
+def _markdown(title: str, cells: _Cells) -> str:
+    def escape(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    heads = [escape(f"{label} ({unit})" if unit else label) for label, unit in cells.headers]
+    out = [f"**{escape(title)}**", ""] if title else []
+    out.append("| " + " | ".join(heads) + " |")
+    out.append("|" + "|".join("---:" if r else "---" for r in cells.right) + "|")
+    out += ["| " + " | ".join(escape(c) for c in line) + " |" for line in cells.body]
+    if cells.notes:
+        out += [""] + [f"{escape(note)}  " for note in cells.notes]
+    return "\n".join(out) + "\n"
+
+
+def _csv(table: Table) -> str:
+    keys = [c.key for c in table.columns]
+    for row in table.rows:
+        keys += [k for k in row if k not in keys and not isinstance(row[k], (dict, list))]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(keys)
+    for row in table.rows:
+        writer.writerow(["" if row.get(k) is None else row.get(k) for k in keys])
+    return buffer.getvalue()

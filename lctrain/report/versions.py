@@ -1,0 +1,135 @@
+"""What a number was measured with: package versions, CUDA, driver and GPUs.
+
+``lctrain --version`` prints :func:`describe` of :func:`environment`; every benchmark result
+carries the same dict in its ``meta["machine"]``, and every training run prints it in its
+banner and writes it to ``environment.json`` in the run folder (:func:`record_run`), so a
+figure can always be traced to the software and hardware that produced it.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import shutil
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+_PACKAGES = ("lctrain", "torch", "triton", "transformers", "accelerate", "datasets")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver version from nvidia-smi, or None without one."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
+
+
+def environment() -> dict:
+    """Versions and hardware of this machine.
+
+    Returns:
+        ``{"lctrain", "torch", "triton", "transformers", "accelerate", "datasets", "python",
+        "cuda", "driver", "gpus", "gpu", "date"}``; a package that is not installed, or CUDA
+        and the driver on a machine without a GPU, are None.
+    """
+    import torch
+
+    info: dict = {name: _version(name) for name in _PACKAGES}
+    info["torch"] = torch.__version__  # the build tag (+cu130, +cpu) matters
+    info["python"] = platform.python_version()
+    cuda = torch.cuda.is_available()
+    info["cuda"] = torch.version.cuda if cuda else None
+    info["driver"] = _driver() if cuda else None
+    info["gpus"] = torch.cuda.device_count() if cuda else 0
+    info["gpu"] = torch.cuda.get_device_name(0) if cuda else None
+    info["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    return info
+
+
+def machine_label(info: dict) -> str:
+    """A short name of the machine: "2 × NVIDIA H200", or "CPU"."""
+    if not info.get("gpu"):
+        return "CPU"
+    count = info.get("gpus") or 1
+    return f"{count} × {info['gpu']}" if count > 1 else str(info["gpu"])
+
+
+def describe(info: dict) -> str:
+    """``environment()`` as the lines ``lctrain --version`` prints."""
+    lines = [f"lctrain {info.get('lctrain') or 'unknown'}"]
+    for name in ("torch", "triton", "transformers", "accelerate", "datasets"):
+        lines.append(f"{name} {info.get(name) or 'not installed'}")
+    lines.append(f"python {info.get('python')}")
+    if info.get("gpu"):
+        lines.append(f"CUDA {info.get('cuda')}, driver {info.get('driver') or 'unknown'}, "
+                     f"{machine_label(info)}")
+    else:
+        lines.append("CUDA: no GPU visible")
+    return "\n".join(lines)
+
+
+def one_line(info: dict) -> str:
+    """``environment()`` in one line, for a run's banner."""
+    parts = [f"lctrain {info.get('lctrain')}", f"torch {info.get('torch')}",
+             f"triton {info.get('triton')}", f"transformers {info.get('transformers')}"]
+    if info.get("gpu"):
+        parts.append(f"CUDA {info.get('cuda')}, driver {info.get('driver') or 'unknown'}, "
+                     f"{machine_label(info)}")
+    return "; ".join(parts)
+
+
+def one_time_costs(device_type: str, attention_backend: str) -> list[str]:
+    """What the first training step spends once, to be named before it happens.
+
+    Args:
+        device_type: "cuda" or "cpu".
+        attention_backend: the recipe's parallel.attention_backend.
+
+    Returns:
+        Sentences (possibly none).
+    """
+    if device_type != "cuda":
+        return []
+    costs = []
+    if attention_backend in ("auto", "triton"):
+        costs.append("autotuning attention kernels for this shape — first step only")
+    costs.append("NCCL and cuDNN set-up — first step only")
+    return costs
+
+
+def record_run(output_dir: str | Path, device_type: str, attention_backend: str) -> str:
+    """Write ``environment.json`` into a run folder and return the banner's lines about it.
+
+    Called by rank 0 of a training run, next to the run's banner.
+
+    Args:
+        output_dir: the run folder (created if missing).
+        device_type: "cuda" or "cpu".
+        attention_backend: the recipe's parallel.attention_backend.
+
+    Returns:
+        Text to print: the versions in one line, then the one-time costs of the first step.
+    """
+    info = environment()
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "environment.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    lines = [one_line(info)]
+    costs = one_time_costs(device_type, attention_backend)
+    if costs:
+        lines.append("first step: " + "; ".join(costs))
+    return "\n".join(lines)

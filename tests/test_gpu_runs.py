@@ -1,0 +1,53 @@
+"""Whole training runs on the machine's GPUs (``pytest -m gpu``; skipped without one).
+
+The embedded tiny recipe on every GPU over NCCL, cp = the number of GPUs, as a user starts it
+(``python -m lctrain finetune``, which launches one process per GPU):
+
+* float32 with FSDP2 on and off: the same computation, so the same losses;
+* bf16 with torch's context_parallel ring as the schedule against distflash (two GPUs or more,
+  one causal sequence per row): the two attentions agree, so do their loss curves.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _losses(out: Path, *sets: str, steps: int = 8) -> list[float]:
+    gpus = torch.cuda.device_count()
+    args = [sys.executable, "-m", "lctrain", "finetune", "--max-steps", str(steps),
+            "--output-dir", str(out), "--set", f"parallel.cp={gpus}"]
+    for item in sets:
+        args += ["--set", item]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-1500:]
+    assert "lctrain " in run.stdout and "first step:" in run.stdout  # versions and one-time costs
+    assert (out / "environment.json").is_file()
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _max_rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+def test_fsdp_on_and_off_train_alike_on_every_gpu(tmp_path):
+    off = _losses(tmp_path / "off", "parallel.fsdp=off", "train.mixed_precision=no")
+    on = _losses(tmp_path / "on", "parallel.fsdp=on", "train.mixed_precision=no")
+    assert _max_rel(off, on) < 1e-3 and on[-1] < on[0]
+
+
+def test_context_parallel_schedule_trains_like_distflash(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("torch's context_parallel needs 2 GPUs or more here")
+    common = ("data.document_mask=false", "train.mixed_precision=bf16")
+    ours = _losses(tmp_path / "distflash", *common, steps=6)
+    peer = _losses(tmp_path / "cp", *common, "parallel.schedule=context_parallel", steps=6)
+    assert _max_rel(ours, peer) < 2e-2 and ours[-1] < ours[0]

@@ -1,0 +1,106 @@
+"""`lctrain report` on runs the test makes, what a run records about its machine, and
+`lctrain bench step` over several configurations (real training, one CPU process)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_recipe
+
+SMALL = {"data.seq_len": 128, "data.max_documents": 16, "train.warmup_steps": 1,
+         "train.loss_chunk_tokens": 48, "parallel.attention_backend": "reference",
+         "parallel.cp": 1, "checkpoint.enabled": "false"}
+
+
+def _overrides(**extra) -> list[str]:
+    return [f"{k}={v}" for k, v in {**SMALL, **extra}.items()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two short real runs that differ in learning rate and length, with their banners."""
+    from lctrain.train.runner import finetune
+
+    root = tmp_path_factory.mktemp("runs")
+    made = []
+    for name, extra in (("a", {"train.lr": 3e-3}), ("b", {"train.lr": 1e-3, "train.max_steps": 2})):
+        cfg = load_recipe(None, _overrides(**{"train.max_steps": 3, **extra}),
+                          output_dir=str(root / name))
+        assert finetune(cfg, nproc=1) == 0
+        made.append(root / name)
+    return made
+
+
+def _records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_writes_its_environment(runs):
+    import torch
+
+    env = json.loads((runs[0] / "environment.json").read_text())
+    assert env["torch"] == torch.__version__ and env["lctrain"] and env["python"]
+    assert env["gpus"] == torch.cuda.device_count()
+
+
+def test_report_summarises_runs_and_their_differences(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "loss.png"
+    result = CliRunner().invoke(app, ["report", str(runs[0]), str(runs[1]), "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("run "))
+    assert "lr" in lines[head] and "max_steps" in lines[head] and "seq_len" not in lines[head]
+    rows = {line.split()[0]: line.split() for line in lines[head + 3:head + 5]}
+    for folder in runs:
+        recs = _records(folder)
+        cells = rows[folder.name]
+        assert str(recs[-1]["step"]) in cells  # steps
+        assert f"{recs[-1]['loss']:.4f}" in cells  # final loss, 4 decimals
+        assert f"{min(r['loss'] for r in recs):.4f}" in cells  # best loss
+    assert "train.lr: a 0.003 | b 0.001" in result.stdout
+    assert plot.stat().st_size > 10_000 and "wrote the plot to" in result.stderr
+    as_json = json.loads(CliRunner().invoke(app, ["report", *map(str, runs), "--format", "json"]).stdout)
+    assert [r["run"] for r in as_json] == ["a", "b"] and as_json[1]["steps"] == 2
+    assert as_json[0]["train.lr"] == "0.003" and as_json[0]["tokens_per_s"] > 0
+
+
+def test_report_refuses_a_folder_that_is_not_a_run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 1 and "has no config.yaml" in result.stderr
+
+
+def test_bench_step_times_each_configuration_and_reports_the_one_that_fails(tmp_path):
+    from lctrain.bench.step import configurations, run
+
+    out, model = tmp_path / "out", tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')  # no sizes: cannot run
+    base = _overrides(**{"train.output_dir": str(out)})
+    configs = configurations(None, base, [128], ["train.checkpointing=full",
+                                                 f"model.path={model} model.config=null"])
+    lines = []
+    result = run(configs, steps=1, nproc=1, warmup=1, progress=lines.append)
+    ok, failed = result.rows
+    assert ok["variant"] == "train.checkpointing=full" and ok["status"] == "ok"
+    assert ok["policy"] == "full" and ok["steps"] == 1 and ok["tokens_per_s"] > 0
+    assert ok["seq_len"] == 128 and ok["attn_fwd_expected"] == 2 * 2  # 2 layers, full: twice
+    assert failed["status"] != "ok" and str(model) in failed["status"], failed
+    assert len(lines) == 4 and lines[1].startswith("configuration 1/2: 128 tokens")
+    assert list(out.iterdir()) == []  # scratch folders are removed
+
+
+def test_the_banner_names_versions_and_one_time_costs(tmp_path):
+    from lctrain.report.versions import one_time_costs, record_run
+
+    text = record_run(tmp_path / "run", "cpu", "auto")
+    assert text.startswith("lctrain ") and "torch " in text and "first step" not in text
+    assert (tmp_path / "run" / "environment.json").is_file()
+    costs = one_time_costs("cuda", "auto")
+    assert any("autotuning attention kernels for this shape — first step only" in c for c in costs)
+    assert not any("autotuning" in c for c in one_time_costs("cuda", "cudnn"))
