@@ -103,6 +103,9 @@ def memory_table(estimate: dict[str, Any], gpu_memory: int) -> Table:
         table.add_row("longest sequence that fits", _tokens(longest) if longest else "none")
     if "parameters_count" in estimate:
         table.add_row("parameter count", f"{estimate['parameters_count'] / 1e9:.2f} B")
+    if details.get("lora_rank"):
+        table.add_row("LoRA trainable", f"{details['trainable_parameters'] / 1e6:.1f} M "
+                                        f"(rank {details['lora_rank']})")
     if estimate.get("seq_len"):
         table.add_row("sequence length", _tokens(int(estimate["seq_len"])))
     shown = ("per_gpu_bytes", "fits", "max_seq_len", "parameters_count", "seq_len", "gpu_memory",

@@ -77,6 +77,9 @@ class MemoryEstimate:
     def _caption(self) -> str:
         phase = self.details.get("phase", "?")
         text = f"peak at the {phase} phase; {self.details.get('tokens_per_gpu', '?')} tokens per GPU"
+        if self.details.get("lora_rank"):
+            text += (f"; LoRA rank {self.details['lora_rank']}: "
+                     f"{self.details['trainable_parameters'] / 1e6:.1f} M trainable parameters")
         if self.details.get("host_offload"):
             text += f"; {self.details['host_offload'] / _GIB:.1f} GiB pinned host memory per GPU"
         if self.gpu_memory is None:
