@@ -3,6 +3,7 @@
     lctrain finetune [RECIPE] [--seq-len 256k] [--set a.b=c ...]
     lctrain estimate-memory [RECIPE] --seq-len 512k --gpus 8 --gpu-memory 80GiB
     lctrain bench kernel|attention|step ...
+    lctrain export RUN_DIR --output DIR [--step N] [--dtype bfloat16] [--merge]
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import typer
 
 from lctrain.cli import bench
 from lctrain.cli.estimate import estimate_memory
+from lctrain.cli.export import export
 from lctrain.cli.finetune import finetune
 
 app = typer.Typer(
@@ -20,6 +22,7 @@ app = typer.Typer(
 app.command("finetune")(finetune)
 app.command("estimate-memory")(estimate_memory)
 app.add_typer(bench.app, name="bench")
+app.command("export")(export)
 
 
 def main() -> None:
