@@ -2,14 +2,16 @@
 
 A run that used a transformers tokenizer (the model folder's, or ``data.tokenizer``) exports
 that tokenizer's files unchanged. lctrain's built-in byte tokenizer exists only inside lctrain,
-so an export of such a run carries an exact equivalent built with the ``tokenizers`` library and
+so an export of such a run carries an equivalent built with the ``tokenizers`` library and
 wrapped as a transformers ``PreTrainedTokenizerFast`` — loadable by ``AutoTokenizer`` with no
 lctrain installed:
 
 - text → its UTF-8 bytes → ids 0–255 (GPT-2's byte-to-character map turns each byte into one
   character, and a BPE model with those 256 characters as its vocabulary and no merges maps each
   character to the byte's value);
-- ``<bos>`` (256) before and ``<eos>`` (257) after every text, ``<pad>`` is 258;
+- ``<bos>`` (256) before every text, as Llama's tokenizers do, so a prompt can be continued;
+  ``<eos>`` is 257 and ``<pad>`` 258. A training document is the text and then ``<eos>``
+  (`lctrain.data.tokenizer.encode_documents` appends it): exactly the byte tokenizer's ids;
 - those three names in a text are bytes like any other, never the special ids
   (``split_special_tokens``), exactly as `lctrain.data.tokenizer.ByteTokenizer` treats them;
 - decoding joins the bytes and replaces invalid UTF-8 with U+FFFD.
@@ -40,7 +42,7 @@ def byte_to_char() -> dict[int, str]:
 
 
 def byte_tokenizer_fast():
-    """A transformers ``PreTrainedTokenizerFast`` that tokenizes exactly as ``ByteTokenizer``.
+    """A transformers ``PreTrainedTokenizerFast`` equivalent to ``ByteTokenizer`` (see above).
 
     Returns:
         The tokenizer (vocabulary 259: bytes, then ``<bos>``, ``<eos>``, ``<pad>``).
@@ -54,8 +56,8 @@ def byte_tokenizer_fast():
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     core.post_processor = processors.TemplateProcessing(
-        single="<bos> $A <eos>", pair="<bos> $A <eos> <bos> $B <eos>",
-        special_tokens=[("<bos>", BYTE_SPECIALS["<bos>"]), ("<eos>", BYTE_SPECIALS["<eos>"])])
+        single="<bos> $A", pair="<bos> $A <bos> $B",
+        special_tokens=[("<bos>", BYTE_SPECIALS["<bos>"])])
     return PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         split_special_tokens=True, clean_up_tokenization_spaces=False,
