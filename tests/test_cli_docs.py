@@ -62,8 +62,11 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
         return call
 
     memory = types.SimpleNamespace(to_json=lambda: {"per_gpu_bytes": {"total": 1}, "fits": True})
+    exported = types.SimpleNamespace(kind="full", step=1, dtype="float32", output="out",
+                                     files=("config.json",), base=None)
     for module, attr, result in [("lctrain.train.runner", "finetune", 0),
                                  ("lctrain.memory", "estimate_recipe", memory),
+                                 ("lctrain.export", "export_run", exported),
                                  ("lctrain.bench.kernel", "run", _Result()),
                                  ("lctrain.bench.attention", "run", _Result()),
                                  ("lctrain.bench.step", "run", _Result())]:
@@ -78,7 +81,8 @@ EXAMPLES = [line for line in _code_lines()
 
 
 def test_the_readme_has_examples_of_every_command():
-    for command in ("finetune", "estimate-memory", "bench kernel", "bench attention", "bench step"):
+    for command in ("finetune", "estimate-memory", "bench kernel", "bench attention", "bench step",
+                    "export"):
         assert any(line.startswith(f"lctrain {command}") for line in EXAMPLES), command
 
 
