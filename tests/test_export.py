@@ -58,57 +58,85 @@ def test_byte_tokenizer_export_tokenizes_as_lctrain(tmp_path):
     assert (exported.bos_token_id, exported.eos_token_id, exported.pad_token_id) == (256, 257, 258)
 
 
-def _tied_run(tmp_path: Path):
-    """A run folder whose checkpoint the real writer saved in this one process."""
+def _saved_run(tmp_path: Path, name: str, **sets):
+    """A run folder whose one-step checkpoint the real writer saved in this one process; returns
+    the trained model (a peft model for a LoRA recipe)."""
     from lctrain.model import load_model
+    from lctrain.model.lora import apply_lora
     from lctrain.train.checkpoint import save_checkpoint
     from lctrain.train.loop import CausalLMLoss
     from lctrain.train.optim import build_optimizer
 
-    cfg = _cfg(tmp_path / "tied", **{"model.config.tie_word_embeddings": "true",
-                                      "data.tokenizer": "bytes"})
-    save_resolved(cfg, tmp_path / "tied" / "config.yaml")
-    model = load_model(None, config=cfg.model.config, seed=1)
+    cfg = _cfg(tmp_path / name, **sets)
+    save_resolved(cfg, tmp_path / name / "config.yaml")
+    model = load_model(None, config=cfg.model.config, seed=cfg.train.seed)
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     module = CausalLMLoss(model, 64)
-    optimizer, scheduler = build_optimizer(module, lr=1e-3, weight_decay=0.0, warmup_steps=0,
+    optimizer, scheduler = build_optimizer(module, lr=1e-2, weight_decay=0.0, warmup_steps=0,
                                            total_steps=2, min_lr_ratio=0.1)
     ids = torch.randint(0, 259, (1, 16))
     module(ids, ids, torch.arange(16)[None]).backward()
     optimizer.step()  # an optimizer state the export must leave unread
-    save_checkpoint(tmp_path / "tied" / "checkpoints", 1, module=module, optimizer=optimizer,
+    save_checkpoint(tmp_path / name / "checkpoints", 1, module=module, optimizer=optimizer,
                     scheduler=scheduler, data_position=1, layout={"dp": 1, "cp": 1}, keep=1)
-    return model
+    model.set_attn_implementation("eager")
+    return model.eval()
 
 
 def test_tied_embeddings_export_and_shards(tmp_path):
-    from lctrain.export import export_run
-    from lctrain.export import write
+    from lctrain.export import export_run, write
     from lctrain.export.weights import trained_model
 
-    model = _tied_run(tmp_path)
+    model = _saved_run(tmp_path, "tied", **{"model.config.tie_word_embeddings": "true"})
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
     result = export_run(tmp_path / "tied", output=tmp_path / "out")
-    assert (result.kind, result.step, result.dtype) == ("full", 1, "float32")
-    assert result.tokenizer == "bytes"
+    assert (result.kind, result.step, result.dtype, result.tokenizer) == (
+        "full", 1, "float32", "bytes")
     ids = torch.randint(0, 259, (2, 24))
-    model.set_attn_implementation("eager")
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     torch.testing.assert_close(_reload_logits(tmp_path / "out", ids), expected,
                                rtol=1e-5, atol=1e-5)
 
-    rebuilt = trained_model(result_cfg := load_recipe(tmp_path / "tied" / "config.yaml"),
-                            tmp_path / "tied" / "checkpoints" / "step-00000001")
-    assert result_cfg.model.config["tie_word_embeddings"] is True
-    rebuilt.config.use_cache = True
-    rebuilt.save_pretrained(tmp_path / "sharded", max_shard_size="60KB")
+    cfg = load_recipe(tmp_path / "tied" / "config.yaml")
+    rebuilt = trained_model(cfg, tmp_path / "tied" / "checkpoints" / "step-00000001")
+    write.write_full(rebuilt, tmp_path / "sharded", torch.float32, max_shard_size="60KB")
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and all((tmp_path / "sharded" / s).stat().st_size < 200_000
                                    for s in shards)
     torch.testing.assert_close(_reload_logits(tmp_path / "sharded", ids), expected,
                                rtol=1e-5, atol=1e-5)
-    assert write.MAX_SHARD_SIZE == "5GB"
+
+
+def test_random_init_lora_exports_its_base_beside_the_adapter(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lctrain.export import export_run
+    from lctrain.model import load_model
+
+    model = _saved_run(tmp_path, "lora", **{"lora.rank": 4, "lora.trainable_modules": "[norm]"})
+    result = export_run(tmp_path / "lora", output=tmp_path / "adapter")
+    assert result.kind == "adapter"
+    assert result.base == str((tmp_path / "adapter" / "base").resolve())
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == result.base
+    cfg = load_recipe(tmp_path / "lora" / "config.yaml")
+    init = load_model(None, config=cfg.model.config, seed=cfg.train.seed)
+    saved = load_file(tmp_path / "adapter" / "base" / "model.safetensors")
+    for name, tensor in init.state_dict().items():  # the base is the frozen initial weights
+        assert torch.equal(saved[name], tensor), name
+    base = AutoModelForCausalLM.from_pretrained(result.base, attn_implementation="eager")
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids = torch.randint(0, 259, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert (tmp_path / "adapter" / "tokenizer.json").is_file()
+    assert (tmp_path / "adapter" / "base" / "tokenizer.json").is_file()
 
 
 def test_export_mistakes_are_one_sentence(tmp_path):

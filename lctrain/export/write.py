@@ -29,11 +29,12 @@ MAX_SHARD_SIZE = "5GB"
 """Largest safetensors shard (transformers' sharding; the Hugging Face Hub's usual size)."""
 
 
-def write_full(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
+def write_full(model: nn.Module, folder: Path, dtype: torch.dtype,
+               max_shard_size: str = MAX_SHARD_SIZE) -> None:
     """``save_pretrained`` of a plain transformers model in ``dtype``, ready for inference."""
     model.to(dtype)
     model.config.use_cache = True  # training switched the KV cache off; generation wants it
-    model.save_pretrained(str(folder), max_shard_size=MAX_SHARD_SIZE)
+    model.save_pretrained(str(folder), max_shard_size=max_shard_size)
 
 
 def write_merged(peft_model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
@@ -50,7 +51,9 @@ def write_adapter(peft_model: nn.Module, folder: Path, dtype: torch.dtype,
 
     peft_model.to(dtype)
     peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = base_name
-    peft_model.save_pretrained(str(folder))
+    # lctrain never resizes the vocabulary (embeddings trained in full travel as
+    # modules_to_save); "auto" would look the base model up, on the hub if it is not local
+    peft_model.save_pretrained(str(folder), save_embedding_layers=False)
 
 
 def write_base(base: nn.Module, weights: dict[str, torch.Tensor], folder: Path,
