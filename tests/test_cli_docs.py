@@ -63,8 +63,11 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
         return call
 
     memory = types.SimpleNamespace(to_json=lambda: {"per_gpu_bytes": {"total": 1}, "fits": True})
+    exported = types.SimpleNamespace(kind="full", step=1, dtype="float32", output="out",
+                                     files=("config.json",), base=None)
     for module, attr, result in [("lctrain.train.runner", "finetune", 0),
-                                 ("lctrain.memory", "estimate_recipe", memory)]:
+                                 ("lctrain.memory", "estimate_recipe", memory),
+                                 ("lctrain.export", "export_run", exported)]:
         fake = types.ModuleType(module)
         setattr(fake, attr, recorder(module, result))
         monkeypatch.setitem(sys.modules, module, fake)
@@ -82,7 +85,7 @@ EXAMPLES = [line for line in _code_lines()
 
 def test_the_readme_has_examples_of_every_command():
     for command in ("finetune", "estimate-memory", "bench kernel", "bench attention", "bench step",
-                    "bench tiles", "bench report"):
+                    "bench tiles", "bench report", "export"):
         assert any(line.startswith(f"lctrain {command}") for line in EXAMPLES), command
 
 

@@ -3,6 +3,7 @@
     lctrain finetune [RECIPE] [--seq-len 256k] [--set a.b=c ...]
     lctrain estimate-memory [RECIPE] --seq-len 512k --gpus 8 --gpu-memory 80GiB
     lctrain bench kernel|attention|step|tiles|report ...
+    lctrain export RUN_DIR --output DIR [--step N] [--dtype bfloat16] [--merge]
     lctrain report RUN_DIR...
     lctrain --version
 """
@@ -12,6 +13,7 @@ import typer
 
 from lctrain.cli import bench
 from lctrain.cli.estimate import estimate_memory
+from lctrain.cli.export import export
 from lctrain.cli.finetune import finetune
 from lctrain.cli.report import report
 
@@ -42,6 +44,7 @@ def _main(version: bool = typer.Option(
 app.command("finetune")(finetune)
 app.command("estimate-memory")(estimate_memory)
 app.add_typer(bench.app, name="bench")
+app.command("export")(export)
 app.command("report")(report)
 
 

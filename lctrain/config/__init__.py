@@ -4,13 +4,20 @@
     cfg.data.seq_len          # 131072
     save_resolved(cfg, "runs/x/config.yaml")
 """
-from lctrain.config.loader import build_recipe, load_recipe, parse_override, save_resolved
+from lctrain.config.loader import (
+    build_recipe,
+    load_recipe,
+    parse_override,
+    read_resolved,
+    save_resolved,
+)
 from lctrain.config.paths import DEFAULT_RECIPE, local_data, shipped_recipes
 from lctrain.config.schema import (
     BYTE_TOKENIZER_VOCAB,
     SCHEDULE_LAYOUTS,
     CheckpointConfig,
     DataConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     RecipeConfig,
@@ -21,7 +28,8 @@ from lctrain.errors import ConfigError
 
 __all__ = [
     "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE", "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError",
-    "DataConfig", "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "build_recipe",
-    "format_bytes", "format_tokens", "load_recipe", "local_data", "parse_memory", "parse_override",
-    "parse_size", "parse_size_list", "save_resolved", "shipped_recipes",
+    "DataConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig",
+    "build_recipe", "format_bytes", "format_tokens", "load_recipe", "local_data", "parse_memory",
+    "parse_override", "parse_size", "parse_size_list", "read_resolved", "save_resolved",
+    "shipped_recipes",
 ]

@@ -2,11 +2,12 @@
 
 Every config dataclass calls :func:`check_fields` first thing in ``__post_init__``. It compares
 each value with the field's annotation (``int``, ``float``, ``bool``, ``str``, ``dict``,
-``tuple[float, float]``, ``Literal[...]`` and ``X | None``), applies the few lossless conversions
-YAML needs (an int where a float is expected, a list for a tuple, ``"3e-3"`` which YAML reads as
-a string, a size such as ``"256k"`` for fields marked :data:`SIZE`, a memory size such as
-``"240GiB"`` for fields marked :data:`MEMORY`) and otherwise
-raises a one-sentence :class:`ConfigError` naming the key, the value and what is expected.
+``tuple[float, float]``, ``tuple[str, ...]``, ``Literal[...]`` and ``X | None``), applies the few
+lossless conversions YAML needs (an int where a float is expected, a list for a tuple, one string
+for a ``tuple[str, ...]`` of one, ``"3e-3"`` which YAML reads as a string, a size such as
+``"256k"`` for fields marked :data:`SIZE`, a memory size such as ``"240GiB"`` for fields marked
+:data:`MEMORY`) and otherwise raises a one-sentence :class:`ConfigError` naming the key, the
+value and what is expected.
 """
 from __future__ import annotations
 
@@ -133,6 +134,12 @@ _SCALARS = {int: _to_int, float: _to_float, bool: _to_bool, str: _to_str, dict: 
 
 
 def _coerce_tuple(key: str, args: tuple, value: Any) -> tuple:
+    if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
+        if isinstance(value, str):  # one name is a list of one
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise _fail(key, "a list", value)
+        return tuple(coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value))
     if not isinstance(value, (list, tuple)) or len(value) != len(args):
         raise _fail(key, f"a list of {len(args)} values", value)
     items = tuple(coerce(f"{key}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))

@@ -168,6 +168,23 @@ def save_resolved(cfg: RecipeConfig, path: str | os.PathLike) -> Path:
     return path
 
 
+def read_resolved(path: str | os.PathLike) -> RecipeConfig:
+    """Read a run's saved ``config.yaml`` (as `save_resolved` wrote it) back into a RecipeConfig.
+
+    Unlike `load_recipe`, the model path and data source are not checked for existence: the
+    run's data may be gone, and whoever needs the model reports a missing one.
+
+    Raises:
+        ConfigError: the file cannot be read or is not a valid recipe.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(f"cannot read {path} ({reason})") from None
+    return build_recipe(_parse_yaml(text, str(path)), str(path))
+
+
 def _parse_yaml(text: str, source: str) -> dict[str, Any]:
     try:
         raw = yaml.load(text, Loader=_Yaml12Loader)

@@ -1,7 +1,7 @@
 """The typed recipe: frozen, keyword-only dataclasses, one per YAML section.
 
-A recipe YAML has the sections ``model``, ``data``, ``parallel``, ``train`` and ``checkpoint``;
-each maps onto one dataclass below, field for field. Every field has a docstring, every value is
+A recipe YAML has the sections ``model``, ``data``, ``parallel``, ``train``, ``checkpoint`` and
+``lora``; each maps onto one dataclass below, field for field. Every field has a docstring, every value is
 checked in ``__post_init__`` (types by :mod:`lctrain.config.fields`, ranges and cross-field rules
 here), so a :class:`RecipeConfig` that exists is a valid one.
 """
@@ -225,11 +225,76 @@ class CheckpointConfig:
     """Keep the last K checkpoints, deleting older ones."""
     enabled: bool = True
     """False: never save (benchmarks, throw-away runs); --resume then has nothing to resume."""
+    export_final: bool = True
+    """At the end of training also write output_dir/final/, a Hugging Face folder of the last
+    checkpoint as ``lctrain export`` writes it (full weights; the adapter for a LoRA run).
+    Needs ``enabled``."""
 
     def __post_init__(self) -> None:
         check_fields(self, "checkpoint")
         require(self.every >= 0, "checkpoint.every", f"is {self.every} but must be ≥ 0 (0 = at the end)")
         require(self.keep >= 1, "checkpoint.keep", f"is {self.keep} but must be at least 1")
+
+
+LORA_ALL_LINEAR = "all-linear"
+"""``lora.target_modules`` value meaning every linear layer of the decoder layers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, through peft) instead of training every weight; rank 0 = off.
+
+    Module names match as in peft: a module matches a name when its qualified name is the name
+    or ends in ``.name`` (``q_proj`` matches every layer's query projection, ``norm`` only the
+    final norm). Names are checked against the model when it is built."""
+
+    rank: int = 0
+    """Rank r of every adapter (ΔW = B·A·alpha/r, A: r × in, B: out × r); 0 = LoRA off, every
+    weight trains (the other lora settings must then stay at their defaults)."""
+    alpha: float | None = None
+    """Scale numerator of the adapters' update; null = 2 × rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1)."""
+    target_modules: tuple[str, ...] = (LORA_ALL_LINEAR,)
+    """Linear layers that get adapters, by name (e.g. [q_proj, k_proj, v_proj, o_proj]);
+    ``all-linear`` = every linear layer of the decoder layers. The output head cannot be one."""
+    trainable_modules: tuple[str, ...] = ()
+    """Modules trained fully alongside the adapters, e.g. [embed_tokens, input_layernorm,
+    post_attention_layernorm, norm]: LongLoRA's trainable embeddings and norms, which context
+    extension with LoRA needs."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "lora")
+        require(self.rank >= 0, "lora.rank", f"is {self.rank} but must be ≥ 0 (0 = LoRA off)")
+        if self.rank == 0:
+            for f in dataclasses.fields(self):
+                require(f.name == "rank" or getattr(self, f.name) == f.default, f"lora.{f.name}",
+                        "is set but lora.rank is 0 (LoRA off); set lora.rank (e.g. 16) to train "
+                        "adapters, or leave the other lora settings at their defaults")
+        require(self.alpha is None or self.alpha > 0, "lora.alpha",
+                f"is {self.alpha} but must be positive (or null for 2 × rank)")
+        require(0 <= self.dropout < 1, "lora.dropout", f"is {self.dropout} but must be in [0, 1)")
+        require(len(self.target_modules) > 0, "lora.target_modules",
+                "is empty; name the linear layers to adapt, or use all-linear")
+        for key in ("target_modules", "trainable_modules"):
+            _check_module_names(f"lora.{key}", getattr(self, key))
+        require(LORA_ALL_LINEAR not in self.target_modules or len(self.target_modules) == 1,
+                "lora.target_modules", f"mixes {LORA_ALL_LINEAR} with other names; use "
+                f"{LORA_ALL_LINEAR} alone or list the layers")
+        for name in self.trainable_modules:
+            require(name not in self.target_modules, "lora.trainable_modules",
+                    f"names {name}, which lora.target_modules adapts too; a module is either "
+                    "adapted or fully trained")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether LoRA is on (rank > 0)."""
+        return self.rank > 0
+
+    @property
+    def scale_alpha(self) -> float:
+        """alpha, with null resolved to 2 × rank."""
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +311,8 @@ class RecipeConfig:
     """The train section."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """The checkpoint section."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The lora section (off unless lora.rank > 0)."""
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():
@@ -271,8 +338,15 @@ class RecipeConfig:
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
-             "train": TrainConfig, "checkpoint": CheckpointConfig}
+             "train": TrainConfig, "checkpoint": CheckpointConfig, "lora": LoraConfig}
 """The recipe's sections, in YAML order, and the dataclass each one becomes."""
+
+
+def _check_module_names(key: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        require(name != "" and name == name.strip() and " " not in name, key,
+                f"holds {name!r}, which is not a module name; write names such as q_proj")
+        require(names.count(name) == 1, key, f"names {name} twice")
 
 
 def _check_seq_len(cfg: RecipeConfig) -> None:

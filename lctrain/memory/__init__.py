@@ -11,9 +11,11 @@ Low level: ``estimate(load_architecture("llama-7b"), seq_len, gpus, cp, "remat",
 from lctrain.memory.activations import POLICIES
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
 from lctrain.memory.estimate import HOST_USABLE, estimate, host_offload_fits, max_seq_len
+from lctrain.memory.lora import LoraShape, lora_shape
 from lctrain.memory.presets import PRESETS
 from lctrain.memory.recipe import estimate_recipe, recipe_architecture
 from lctrain.memory.report import MemoryEstimate, estimate_table
 
-__all__ = ["HOST_USABLE", "POLICIES", "PRESETS", "Architecture", "MemoryEstimate", "estimate", "estimate_recipe",
-           "estimate_table", "from_config_dict", "host_offload_fits", "load_architecture", "max_seq_len", "recipe_architecture"]
+__all__ = ["HOST_USABLE", "POLICIES", "PRESETS", "Architecture", "LoraShape", "MemoryEstimate",
+           "estimate", "estimate_recipe", "estimate_table", "from_config_dict", "host_offload_fits",
+           "load_architecture", "lora_shape", "max_seq_len", "recipe_architecture"]

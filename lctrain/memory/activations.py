@@ -29,11 +29,16 @@ of the head).
 from __future__ import annotations
 
 from lctrain.config.schema import CHECKPOINTING_POLICIES as POLICIES
+from lctrain.memory import lora as lora_model
 from lctrain.memory.arch import Architecture
 
 
-def layer_saved(arch: Architecture, tokens: int, c: int) -> int:
-    """Bytes one decoder layer saves for its backward without checkpointing."""
+def layer_saved(arch: Architecture, tokens: int, c: int,
+                lora: lora_model.LoraShape | None = None) -> int:
+    """Bytes one decoder layer saves for its backward without checkpointing (a LoRA run's
+    frozen weights keep less: `lctrain.memory.lora.layer_saved`)."""
+    if lora is not None:
+        return lora_model.layer_saved(arch, tokens, c, lora)
     t, h = tokens, arch.hidden_size
     norms = 2 * ((4 + 2 * c) * t * h + 4 * t)
     qkv = c * t * (arch.q_width + 2 * arch.kv_width)
@@ -47,13 +52,15 @@ def remat_kept(arch: Architecture, tokens: int, c: int) -> int:
     return c * tokens * (arch.hidden_size + arch.q_width) + 4 * tokens * arch.num_heads
 
 
-def saved_activations(arch: Architecture, tokens: int, c: int, policy: str) -> int:
+def saved_activations(arch: Architecture, tokens: int, c: int, policy: str,
+                      lora: lora_model.LoraShape | None = None) -> int:
     """Bytes held on the GPU between the forward and the backward, all layers together
     (plus the final norm, whose output feeds the loss)."""
     layers = arch.num_layers
-    final_norm = (4 + 2 * c) * tokens * arch.hidden_size
+    frozen_norm = lora is not None and "norm" not in lora.trainable  # keeps no normalised value
+    final_norm = (4 + c * (1 + (not frozen_norm))) * tokens * arch.hidden_size
     if policy == "none":
-        return layers * layer_saved(arch, tokens, c) + final_norm
+        return layers * layer_saved(arch, tokens, c, lora) + final_norm
     if policy == "full":
         return layers * c * tokens * arch.hidden_size + final_norm
     if policy == "remat":
@@ -69,7 +76,8 @@ def host_offload(arch: Architecture, tokens: int, c: int, policy: str) -> int:
     return arch.num_layers * remat_kept(arch, tokens, c) if policy == "remat-offload" else 0
 
 
-def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int) -> int:
+def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int,
+                   lora: lora_model.LoraShape | None = None) -> int:
     """Peak bytes of one layer's backward beyond the saved activations.
 
     The MLP half runs first, with the whole recomputed layer alive (checkpointing) plus the
@@ -85,9 +93,9 @@ def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int
     if policy == "none":
         recomputed = 0
     elif policy == "full":
-        recomputed = layer_saved(arch, tokens, c)
+        recomputed = layer_saved(arch, tokens, c, lora)
     else:  # remat and remat-offload recompute all but the attention output and lse
-        recomputed = layer_saved(arch, tokens, c) - out_lse
+        recomputed = layer_saved(arch, tokens, c, lora) - out_lse
     mlp_phase = recomputed + residual_grads + 3 * c * t * arch.intermediate_size
     attn_recomputed = 0 if policy == "none" else norm + qkv + (out_lse if policy == "full" else 0)
     attn_phase = (attn_recomputed + attention_workspace(arch, tokens, c, cp) + residual_grads
@@ -115,11 +123,13 @@ def attention_workspace(arch: Architecture, tokens: int, c: int, cp: int) -> int
     return max(forward, backward)
 
 
-def loss_workspace(arch: Architecture, tokens: int, c: int, chunk_tokens: int) -> int:
+def loss_workspace(arch: Architecture, tokens: int, c: int, chunk_tokens: int,
+                   head_grad: bool = True) -> int:
     """Chunked cross-entropy (lctrain.train.loss): one chunk of logits in the compute dtype and in
     fp32 plus its gradient in the compute dtype, the head-weight gradient as an fp32
-    accumulator and one chunk's contribution, and the hidden-state gradient."""
+    accumulator and one chunk's contribution (not for a frozen head, ``head_grad`` False), and
+    the hidden-state gradient."""
     chunk = min(chunk_tokens, tokens)
     vh = arch.vocab_size * arch.hidden_size
     logits = chunk * arch.vocab_size * (c + 4 + c)
-    return logits + vh * (4 + c) + c * tokens * arch.hidden_size
+    return logits + vh * (4 + c) * head_grad + c * tokens * arch.hidden_size

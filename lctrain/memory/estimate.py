@@ -15,6 +15,11 @@ The step has two peaks, and the larger one is reported with the breakdown of tha
 2. optimizer: parameters, optimizer states, all gradients, and the foreach AdamW temporaries
    (one more parameter-sized buffer).
 
+A LoRA run (``lora``, `lctrain.memory.lora`) keeps the frozen base model's parameters plus its
+adapters and fully trained copies; gradients, optimizer states, FSDP2 gradient buffers and the
+AdamW temporaries exist for those trainable parameters only, the frozen output head needs no
+gradient in the loss, and the layers keep fewer activations.
+
 ``other`` gathers the transients of the peak plus allocator headroom: 5 % fragmentation (the
 caching allocator's reserved minus allocated) and 1 GiB for the CUDA context, NCCL and cuBLAS
 workspaces, which torch's allocator does not see. ``details["peak_allocated"]`` is the figure to
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from lctrain.errors import UserError
 from lctrain.memory import activations as act
 from lctrain.memory.arch import Architecture
+from lctrain.memory.lora import LoraShape, layer_trainable, root_trainable, trainable_parameters
 from lctrain.memory.report import MemoryEstimate
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -51,6 +57,7 @@ class Setup:
     grad_accum: int = 1
     fsdp: bool = True
     loss_chunk_tokens: int = 4096
+    lora: LoraShape | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in act.POLICIES:
@@ -69,22 +76,33 @@ class Setup:
         """How many ranks share each parameter (FSDP2 over all GPUs; 1 = replicated)."""
         return self.gpus if self.fsdp and self.gpus > 1 else 1
 
+    @property
+    def trainable_parameters(self) -> int:
+        """Parameters with gradients and optimizer state: all, or a LoRA run's adapters and
+        fully trained copies."""
+        if self.lora is None:
+            return self.arch.parameters()
+        return trainable_parameters(self.arch, self.lora)
+
 
 def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     """Per-GPU bytes at ``seq_len``: (per_gpu_bytes, details) as in `MemoryEstimate`."""
     arch, c, m = setup.arch, DTYPE_BYTES[setup.dtype], DTYPE_BYTES[setup.master_dtype]
     tokens = setup.batch_size * seq_len // setup.cp
-    params = -(-arch.parameters() * m // setup.shard)
-    grads_all, optimizer = params, 2 * params
+    lora, trainable = setup.lora, setup.trainable_parameters
+    params = -(-(arch.parameters() + (trainable if lora else 0)) * m // setup.shard)
+    grads_all = -(-trainable * m // setup.shard)  # only trainable weights have gradients ...
+    optimizer = 2 * grads_all  # ... and AdamW states
     gathered, layer_grads, root = _fsdp_buffers(setup, c)
-    saved = act.saved_activations(arch, tokens, c, setup.policy)
-    loss = act.loss_workspace(arch, tokens, c, setup.loss_chunk_tokens)
+    saved = act.saved_activations(arch, tokens, c, setup.policy, lora)
+    loss = act.loss_workspace(arch, tokens, c, setup.loss_chunk_tokens, head_grad=lora is None)
     attention = act.attention_workspace(arch, tokens, c, setup.cp)
-    layer_backward = act.layer_backward(arch, tokens, c, setup.policy, setup.cp) + layer_grads
+    layer_backward = act.layer_backward(arch, tokens, c, setup.policy, setup.cp,
+                                        lora) + layer_grads
     transient = root + gathered + max(loss, layer_backward + root)
     grads_now = grads_all if setup.grad_accum > 1 else 0
     activation_peak = params + optimizer + grads_now + saved + transient
-    optimizer_peak = params + optimizer + grads_all + params
+    optimizer_peak = params + optimizer + grads_all + grads_all  # + foreach temporaries
     if activation_peak >= optimizer_peak:
         phase, grads, other, peak = "activations", grads_now, transient, activation_peak
         saved_now = saved
@@ -99,7 +117,10 @@ def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
                "peak_allocated": peak, "headroom": headroom, "saved_activations": saved,
                "loss_workspace": loss, "attention_workspace": attention,
                "layer_backward": layer_backward, "fsdp_gathered": gathered + root,
-               "host_offload": act.host_offload(arch, tokens, c, setup.policy)}
+               "host_offload": act.host_offload(arch, tokens, c, setup.policy),
+               "trainable_parameters": trainable}
+    if lora is not None:
+        details["lora_rank"] = lora.rank
     return per_gpu, details
 
 
@@ -108,9 +129,14 @@ def _fsdp_buffers(setup: Setup, c: int) -> tuple[int, int, int]:
     its fp32 reduce-scatter input, the gathered root unit) in bytes; zeros when replicated."""
     if setup.shard == 1:
         return 0, 0, 0
-    layer = setup.arch.layer_parameters()
-    root = setup.arch.embedding_parameters() + setup.arch.hidden_size
-    return 2 * layer * c, layer * (c + 4), root * c
+    arch, lora = setup.arch, setup.lora
+    layer = arch.layer_parameters()
+    root = arch.embedding_parameters() + arch.hidden_size
+    if lora is None:
+        return 2 * layer * c, layer * (c + 4), root * c
+    layer_lora = layer_trainable(arch, lora)  # adapters and copies: the unit's only gradients
+    return (2 * (layer + layer_lora) * c, layer_lora * (c + 4),
+            (root + root_trainable(arch, lora)) * c)
 
 
 def max_seq_len(setup: Setup, gpu_memory: int, seq_chunks: int) -> int:
@@ -160,7 +186,8 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
              dtype: str = "bfloat16", *, master_dtype: str = "float32", batch_size: int = 1,
              grad_accum: int = 1, fsdp: bool = True, loss_chunk_tokens: int = 4096,
              gpu_memory: int | None = None, seq_chunks: int | None = None,
-             host_memory: int | None = None, gpus_per_node: int | None = None) -> MemoryEstimate:
+             host_memory: int | None = None, gpus_per_node: int | None = None,
+             lora: LoraShape | None = None) -> MemoryEstimate:
     """Estimate the per-GPU memory of training ``arch`` at ``seq_len`` tokens per sequence.
 
     Args:
@@ -181,6 +208,8 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
             ``max_seq_len`` also require remat-offload's pinned bytes of the machine's
             processes to fit in it (:func:`host_offload_fits`).
         gpus_per_node: GPU processes per machine (default: min(gpus, 8)).
+        lora: a LoRA run's adapters and fully trained modules (`lctrain.memory.lora_shape`);
+            None trains every weight.
 
     Returns:
         A `MemoryEstimate`.
@@ -191,7 +220,7 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
     """
     setup = Setup(arch=arch, gpus=gpus, cp=cp, policy=policy, dtype=dtype,
                   master_dtype=master_dtype, batch_size=batch_size, grad_accum=grad_accum,
-                  fsdp=fsdp, loss_chunk_tokens=loss_chunk_tokens)
+                  fsdp=fsdp, loss_chunk_tokens=loss_chunk_tokens, lora=lora)
     chunks = seq_chunks or cp
     if seq_len <= 0 or seq_len % chunks:
         raise UserError(f"sequence length {seq_len} must be a positive multiple of {chunks} (the "

@@ -5,6 +5,7 @@ from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
 from lctrain.errors import UserError
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
 from lctrain.memory.estimate import estimate
+from lctrain.memory.lora import lora_shape
 from lctrain.memory.report import MemoryEstimate
 from lctrain_kernels.vocabulary import seq_chunks
 
@@ -16,8 +17,8 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
     """Estimate the per-GPU memory of training a recipe (or a bare model with default settings).
 
     Args:
-        cfg: the recipe; None uses the recipe defaults (cp 1, distflash, FSDP2, fp32 master
-            weights with bf16 compute) around ``model``.
+        cfg: the recipe (its lora section included); None uses the recipe defaults (cp 1,
+            distflash, FSDP2, fp32 master weights with bf16 compute, no LoRA) around ``model``.
         model: a preset name (llama-7b, llama3-8b, mistral-7b, qwen2.5-7b), a config.json or a
             model folder; overrides the recipe's model.
         seq_len: tokens per sequence.
@@ -46,7 +47,8 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
                     grad_accum=train.grad_accum, fsdp=parallel.fsdp != "off",
                     loss_chunk_tokens=train.loss_chunk_tokens, gpu_memory=gpu_memory,
                     seq_chunks=seq_chunks(cp, parallel.layout),
-                    host_memory=host_memory, gpus_per_node=gpus_per_node)
+                    host_memory=host_memory, gpus_per_node=gpus_per_node,
+                    lora=lora_shape(cfg.lora) if cfg is not None else None)
 
 
 def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:

@@ -100,6 +100,9 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
         facts.append(("longest sequence that fits", tokens(longest) if longest else "none"))
     if estimate.get("parameters_count") is not None:
         facts.append(("parameters", parameters(int(estimate["parameters_count"]))))
+    if details.get("lora_rank"):
+        facts.append(("LoRA trainable", f"{parameters(int(details['trainable_parameters']))} "
+                                        f"(rank {details['lora_rank']})"))
     if estimate.get("seq_len"):
         facts.append(("sequence length", tokens(int(estimate["seq_len"]))))
     for key in ("model", "gpus", "cp", "policy", "dtype", "master_dtype"):

@@ -12,8 +12,10 @@ Layout under ``output_dir/checkpoints/``:
                               rank has finished writing, so a crash never leaves a checkpoint
                               that looks complete
 
-After each save the oldest complete checkpoints beyond ``keep`` are deleted. Every function here
-is collective: all ranks call it (it synchronises with barriers of the default group).
+After each save the oldest complete checkpoints beyond ``keep`` are deleted. Saving and loading
+are collective: all ranks call them (they synchronise with barriers of the default group).
+`read_model_weights` is not: it reads a checkpoint's model weights in one process, on the CPU,
+whatever the number of ranks that wrote it (``lctrain export``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,6 +136,84 @@ def find_resume_checkpoint(root: str | os.PathLike) -> Path:
         raise UserError(f"There is no checkpoint to resume from in {root}; run without --resume "
                         "to start fresh, or point train.output_dir at the earlier run.")
     return path
+
+
+def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[int, Path]:
+    """The complete checkpoint of ``step`` under ``root`` (the newest when None).
+
+    Returns:
+        (step, folder).
+
+    Raises:
+        UserError: there is no complete checkpoint, or none of ``step`` (the message lists the
+            steps there are).
+    """
+    found = list_checkpoints(root)
+    if not found:
+        raise UserError(f"There is no complete checkpoint in {root}; train with "
+                        "checkpoint.enabled true (a checkpoint is saved after the last step).")
+    if step is None:
+        return found[-1]
+    for saved, path in found:
+        if saved == step:
+            return saved, path
+    steps = ", ".join(str(s) for s, _ in found)
+    raise UserError(f"There is no checkpoint of step {step} in {root}; it holds step(s) {steps}.")
+
+
+def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read saved model weights on the CPU, in this process alone, without the optimizer state.
+
+    The checkpoint stores each weight under a prefix (the ``model`` entry, then the trained
+    module's own prefix, e.g. ``model.model.``) and, for FSDP2, in shards: only the requested
+    weights are read, assembled into whole tensors of their saved dtype. The prefix is found as
+    the one under which the most of ``names`` are stored.
+
+    Args:
+        path: a checkpoint folder (``.../checkpoints/step-XXXXXXXX``).
+        names: parameter and buffer names as in the model's ``state_dict()``.
+
+    Returns:
+        {name: tensor} for every name the checkpoint holds (names it lacks are left out).
+
+    Raises:
+        UserError: the folder is no readable checkpoint, or it holds none of ``names``.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except (OSError, ValueError, RuntimeError) as error:
+        raise UserError(f"The checkpoint {path} cannot be read ({type(error).__name__}); it may "
+                        "be incomplete or from another program.") from None
+    prefix = _weights_prefix(saved, names)
+    if prefix is None:
+        raise UserError(f"The checkpoint {path} holds none of the model's weights (for example "
+                        f"{names[0]}); its run's config.yaml describes another model.")
+    wanted = {}
+    for name in names:
+        meta = saved.get(prefix + name)
+        if isinstance(meta, TensorStorageMetadata):
+            wanted[prefix + name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(wanted, storage_reader=reader, no_dist=True)
+    return {key[len(prefix):]: tensor for key, tensor in wanted.items()}
+
+
+def _weights_prefix(saved, names: list[str]) -> str | None:
+    """The key prefix under which the most of ``names`` are stored (None if none is)."""
+    counts: dict[str, int] = {}
+    for name in names[:1] + names[-1:]:  # candidates from two names; every name then votes
+        for key in saved:
+            candidate = key[:len(key) - len(name)]
+            if key.endswith(name) and candidate.startswith("model.") and candidate.endswith("."):
+                counts.setdefault(candidate, 0)
+    for candidate in counts:
+        counts[candidate] = sum(candidate + name in saved for name in names)
+    best = max(counts, key=counts.get, default=None)
+    return best if best is not None and counts[best] > 0 else None
 
 
 def _rng_state() -> dict:

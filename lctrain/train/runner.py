@@ -186,6 +186,18 @@ def _train(cfg: RecipeConfig, pmesh: ParallelMesh, accelerator, precision: str,
     parts = _build_model(cfg, pmesh, accelerator.device, precision)
     trainer = _build_trainer(cfg, pmesh, parts, accelerator, resume_from)
     _run(cfg, pmesh, parts, trainer, dataset, resume_from is not None)
+    if pmesh.rank == 0 and cfg.checkpoint.enabled and cfg.checkpoint.export_final:
+        _export_final(cfg)  # output_dir/final/: the last checkpoint as a Hugging Face folder
+
+
+def _export_final(cfg: RecipeConfig) -> None:
+    """Write ``final/`` on rank 0 alone (CPU; the other ranks are done) and say where it is."""
+    from lctrain.export import export_final
+
+    result = export_final(cfg)
+    how = "PeftModel.from_pretrained" if result.kind == "adapter" else "from_pretrained"
+    print(f"exported the {result.kind} weights of step {result.step} to {result.output} "
+          f"(load with {how})", flush=True)
 
 
 def _precision(cfg: RecipeConfig, cuda: bool) -> str:
@@ -267,6 +279,10 @@ def _build_model(cfg: RecipeConfig, pmesh: ParallelMesh, device: torch.device,
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
     flops = FlopModel.for_model(model.config, n_params - (0 if tied else embed.numel()))
+    if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
+        from lctrain.model.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     apply_checkpointing(model, cfg.train.checkpointing)  # before FSDP2 wraps the layers
     strategy = _strategy(cfg, pmesh)
     module = CausalLMLoss(model, cfg.train.loss_chunk_tokens)

@@ -1,0 +1,125 @@
+"""LoRA in the memory model: what trains, and what a frozen weight no longer keeps.
+
+A LoRA run (`lctrain.model.lora`) trains, per targeted projection W (in × out), A (r × in) and
+B (out × r), and in full a copy of each module named in ``lora.trainable_modules`` (peft keeps
+the frozen original too). Only those trainable parameters have gradients, AdamW states, FSDP2
+gradient buffers and foreach temporaries; the frozen base model costs its parameters alone.
+
+Activations change too, because autograd keeps a tensor only for the gradients it must compute
+(checked against a real layer in the tests). In a decoder layer (notation of
+`lctrain.memory.activations`):
+
+- a frozen RMSNorm weight needs no normalised value (c·T·h less per norm);
+- an input feeding only frozen projections is not kept: the first norm's output (q, k, v), the
+  second's (gate, up), the down projection's input (c·T·I);
+- an adapter keeps its r-wide middle A·x (c·T·r), and its input x (shared with the projection);
+- with dropout > 0 each adapter draws its own mask and keeps the dropped input, (c + m)·T·in,
+  m = 1 byte for the GPU's boolean mask, and its x is then kept by nobody.
+
+Only the Llama family's module names are known here (``q_proj`` ... ``down_proj``,
+``embed_tokens``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lctrain.config.schema import LORA_ALL_LINEAR, LoraConfig
+from lctrain.errors import UserError
+from lctrain.memory.arch import Architecture
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a Llama-family decoder layer, as lora.target_modules names them."""
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+ROOT_MODULES = ("embed_tokens", "norm")
+MASK_BYTES = 1
+"""Bytes per element of a dropout mask on a GPU (a boolean)."""
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """A recipe's lora section in the memory model's terms.
+
+    Attributes:
+        rank: adapter rank r.
+        targets: adapted projections (names from :data:`PROJECTIONS`).
+        trainable: fully trained modules (projections, layer norms, embed_tokens, norm).
+        dropout: whether the adapters apply dropout to their input.
+    """
+
+    rank: int
+    targets: frozenset[str]
+    trainable: frozenset[str]
+    dropout: bool
+
+
+def lora_shape(lora: LoraConfig) -> LoraShape | None:
+    """The memory model's view of ``lora`` (None when LoRA is off).
+
+    Raises:
+        UserError: a module name this model does not know.
+    """
+    if not lora.enabled:
+        return None
+    targets = (PROJECTIONS if tuple(lora.target_modules) == (LORA_ALL_LINEAR,)
+               else lora.target_modules)
+    known = PROJECTIONS + LAYER_NORMS + ROOT_MODULES
+    for key, names, allowed in (("target_modules", targets, PROJECTIONS),
+                                ("trainable_modules", lora.trainable_modules, known)):
+        unknown = [n for n in names if n not in allowed]
+        if unknown:
+            raise UserError(f"lora.{key} names {unknown[0]}, which the memory model does not "
+                            f"know; it knows the Llama family's {', '.join(allowed)}")
+    return LoraShape(rank=lora.rank, targets=frozenset(targets),
+                     trainable=frozenset(lora.trainable_modules), dropout=lora.dropout > 0)
+
+
+def projection_shapes(arch: Architecture) -> dict[str, tuple[int, int, bool]]:
+    """(in, out, has bias) of each projection of one layer."""
+    h, q, kv, inter = arch.hidden_size, arch.q_width, arch.kv_width, arch.intermediate_size
+    return {"q_proj": (h, q, arch.qkv_bias), "k_proj": (h, kv, arch.qkv_bias),
+            "v_proj": (h, kv, arch.qkv_bias), "o_proj": (q, h, arch.o_bias),
+            "gate_proj": (h, inter, arch.mlp_bias), "up_proj": (h, inter, arch.mlp_bias),
+            "down_proj": (inter, h, arch.mlp_bias)}
+
+
+def layer_trainable(arch: Architecture, lora: LoraShape) -> int:
+    """Trainable parameters of one decoder layer: adapters plus fully trained copies."""
+    shapes = projection_shapes(arch)
+    adapters = sum(lora.rank * (shapes[n][0] + shapes[n][1]) for n in lora.targets)
+    copies = sum(i * o + o * bias for n, (i, o, bias) in shapes.items() if n in lora.trainable)
+    copies += arch.hidden_size * sum(n in lora.trainable for n in LAYER_NORMS)
+    return adapters + copies
+
+
+def root_trainable(arch: Architecture, lora: LoraShape) -> int:
+    """Trainable parameters outside the layers: copies of the embeddings and the final norm."""
+    embed = arch.vocab_size * arch.hidden_size if "embed_tokens" in lora.trainable else 0
+    return embed + (arch.hidden_size if "norm" in lora.trainable else 0)
+
+
+def trainable_parameters(arch: Architecture, lora: LoraShape) -> int:
+    """All trainable parameters of a LoRA run (they come on top of the frozen base model)."""
+    return arch.num_layers * layer_trainable(arch, lora) + root_trainable(arch, lora)
+
+
+def layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
+                mask_bytes: int = MASK_BYTES) -> int:
+    """Bytes one decoder layer saves for its backward in a LoRA run (no checkpointing); the
+    counterpart of `lctrain.memory.activations.layer_saved` (see the module docstring)."""
+    t, h, shapes = tokens, arch.hidden_size, projection_shapes(arch)
+
+    def kept(consumers: tuple[str, ...]) -> bool:  # does any consumer keep this input?
+        return any(n in lora.trainable or (n in lora.targets and not lora.dropout)
+                   for n in consumers)
+
+    norms = 2 * (4 * t * h + 4 * t)  # fp32 upcast and rsqrt: the input gradient needs them
+    for norm, consumers in zip(LAYER_NORMS, (PROJECTIONS[:3], PROJECTIONS[4:6])):
+        norms += c * t * h * ((norm in lora.trainable) + kept(consumers))
+    attention = c * t * (arch.q_width + 2 * arch.kv_width) + c * t * arch.q_width
+    attention += 4 * t * arch.num_heads
+    inter = arch.intermediate_size
+    mlp = 3 * c * t * inter + c * t * inter * kept(("down_proj",))
+    adapters = sum(c * t * lora.rank for _ in lora.targets)
+    if lora.dropout:
+        adapters += sum((c + mask_bytes) * t * shapes[n][0] for n in lora.targets)
+    return norms + attention + mlp + adapters
