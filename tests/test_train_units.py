@@ -55,6 +55,29 @@ def test_accelerate_must_not_shard_the_model_itself():
         check_accelerate_mode(mode)
 
 
+def test_a_lone_worker_process_is_a_one_rank_group_whose_accelerator_scales_nothing(
+        tmp_path, monkeypatch):
+    """accelerate reads its accumulation steps from the environment; the loop accumulates
+    itself, so the worker's accelerator must keep one step (no loss scaling) regardless."""
+    import torch
+    import torch.distributed as dist
+
+    from lctrain.train.launch import worker_process
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    assert not dist.is_initialized()
+    with worker_process(_tiny(tmp_path)) as accelerator:
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert accelerator.gradient_accumulation_steps == 1
+        assert accelerator.mixed_precision == "no" and accelerator.device.type == "cpu"
+        x = torch.randn(5, requires_grad=True)
+        plain = x.detach().clone().requires_grad_()
+        accelerator.backward((x * x).sum() / 3.0)
+        ((plain * plain).sum() / 3.0).backward()  # what the loop did before accelerate ran it
+        torch.testing.assert_close(x.grad, plain.grad, rtol=0, atol=0)
+    assert not dist.is_initialized()  # the group made for the block is gone
+
+
 def test_first_error_is_the_earliest(tmp_path):
     assert first_error(tmp_path) is None
     (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "time": 5.0, "message": "reset"}))

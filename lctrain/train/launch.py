@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, GradientAccumulationPlugin
 
 from lctrain.config import RecipeConfig, load_recipe, save_resolved
 from lctrain.errors import UserError
@@ -214,7 +214,10 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     """
     cuda = torch.cuda.is_available()
     own_group = not dist.is_initialized()
-    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed_precision(cfg, cuda))
+    # One accumulation step, whatever the environment says: the loop accumulates train.grad_accum
+    # micro-batches itself and accelerate must not scale their losses (lctrain.train.loop).
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed_precision(cfg, cuda),
+                              gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
     check_accelerate_mode(accelerator.distributed_type)
     store_dir = _ensure_process_group(accelerator.device)
     try:
