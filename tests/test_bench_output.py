@@ -16,7 +16,7 @@ import re
 import pytest
 
 from lctrain.bench.result import BenchResult, from_dict, load, merge
-from lctrain.bench.views import COLUMNS, summary
+from lctrain.bench.views import COLUMNS, summary, table
 from lctrain.errors import UserError
 from lctrain.report.table import render, visible_columns
 
@@ -130,9 +130,9 @@ def _check_cell(column, header: str, cell: str, value, notes: list[str]) -> None
 
 
 def _check_every_value(result: BenchResult, text: str, wide: bool) -> None:
-    table = result.table()
-    columns = visible_columns(table, wide)
-    rows = table.rows  # the result's rows, plus what the view derives (e.g. step labels)
+    shown = table(result)
+    columns = visible_columns(shown, wide)
+    rows = shown.rows  # the result's rows, plus what the view derives (e.g. step labels)
     notes, open_note = [], False  # numbered notes, their wrapped lines joined again
     for line in text.splitlines():
         if line.startswith("["):
@@ -163,12 +163,12 @@ def _check_every_value(result: BenchResult, text: str, wide: bool) -> None:
 @pytest.mark.parametrize("wide", [False, True])
 def test_tables_keep_every_value_at_80_columns_and_in_a_pipe(kind, wide):
     result = _result(kind)
-    table = result.table()
-    terminal = render(table, "table", wide=wide, terminal=True, width=80)
+    shown = table(result)
+    terminal = render(shown, "table", wide=wide, terminal=True, width=80)
     assert max(len(line) for line in terminal.splitlines()) <= 80
     _check_every_value(result, terminal, wide)
-    piped = render(table, "table", wide=wide)  # no terminal: no width limit, one grid
-    labels = {c.label for c in table.columns}
+    piped = render(shown, "table", wide=wide)  # no terminal: no width limit, one grid
+    labels = {c.label for c in shown.columns}
     assert len(_grids(piped, len(result.rows), labels)) == 1
     _check_every_value(result, piped, wide)
     if not wide:  # the compact default fits 80 columns in one piece
@@ -178,12 +178,12 @@ def test_tables_keep_every_value_at_80_columns_and_in_a_pipe(kind, wide):
 @pytest.mark.parametrize("kind", ["kernel", "attention", "step"])
 def test_markdown_csv_and_json_carry_the_rows(kind):
     result = _result(kind)
-    markdown = render(result.table(), "markdown", wide=True)
+    markdown = render(table(result), "markdown", wide=True)
     lines = [line for line in markdown.splitlines() if line.startswith("| ")]
     assert len(lines) == 1 + len(result.rows)
     assert all(line.count(" | ") == lines[0].count(" | ") for line in lines)
     assert any(result.rows[-1]["status"] in note for note in markdown.splitlines())
-    parsed = list(csv.DictReader(io.StringIO(render(result.table(), "csv"))))
+    parsed = list(csv.DictReader(io.StringIO(render(table(result), "csv"))))
     assert len(parsed) == len(result.rows)
     for row, back in zip(result.rows, parsed):
         for key, value in row.items():  # raw and unrounded

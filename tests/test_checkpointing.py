@@ -9,12 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lctrain_kernels
 from lctrain.errors import UserError
-from lctrain.parallel.checkpointing import (
-    POLICIES,
-    AttentionCounter,
-    apply_checkpointing,
-    find_decoder_layers,
-)
+from lctrain.model.structure import decoder_layer_slots
+from lctrain.parallel.checkpointing import POLICIES, AttentionCounter, apply_checkpointing
 
 LAYERS = 3
 DIST = "lctrain_test_dist"
@@ -77,10 +73,10 @@ def _step(model, ids, labels):
 
 def test_finds_the_decoder_layers(base_model):
     model = copy.deepcopy(base_model)
-    layers = find_decoder_layers(model)
+    layers = decoder_layer_slots(model)
     assert [c[i] for c, i in layers] == list(model.model.layers)
     assert apply_checkpointing(model, "remat") == LAYERS
-    assert len(find_decoder_layers(model)) == LAYERS  # wrapped layers are still found
+    assert len(decoder_layer_slots(model)) == LAYERS  # wrapped layers are still found
     assert apply_checkpointing(model, "none") == 0
     assert list(model.model.layers) == [c[i] for c, i in layers]  # unwrapped again
 

@@ -8,8 +8,6 @@ of the mean token loss computed on one process.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
@@ -40,22 +38,24 @@ def _grads_on_ranks(rank, world, batch):
 
 
 def _one_step_grads(world, batch, strategy):
-    from lctrain.parallel import build_mesh, distribute
+    from accelerate import Accelerator
+
     from lctrain.model.structure import decoder_layers
+    from lctrain.parallel import build_mesh, distribute
+    from lctrain.parallel.context import ContextParallel
     from lctrain.train.loop import Trainer
     from lctrain.train.optim import build_optimizer
 
-    model = load_model(None, config=TINY, seed=0)
-    module = CausalLMLoss(model, chunk_tokens=40)
     pmesh = build_mesh(cp=world, device_type="cpu")
+    cp = ContextParallel(pmesh, "distflash", "reference", device=torch.device("cpu"))
+    model = load_model(None, config=TINY, seed=0, attn_implementation=cp.attention)
+    module = CausalLMLoss(model, chunk_tokens=40)
     dist = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh,
                       strategy=strategy, param_dtype=None)
     optimizer, scheduler = build_optimizer(module, lr=1e-3, weight_decay=0.0, warmup_steps=0,
                                            total_steps=1, min_lr_ratio=0.1)
     trainer = Trainer(distributed=dist, optimizer=optimizer, scheduler=scheduler, pmesh=pmesh,
-                      device=torch.device("cpu"), layout="contiguous", schedule="distflash",
-                      backend="reference", grad_accum=1, max_grad_norm=0.0,
-                      autocast=contextlib.nullcontext)
+                      cp=cp, accelerator=Accelerator(cpu=True), grad_accum=1, max_grad_norm=0.0)
     stats = trainer.accumulate_gradients([batch])
     dist.sync_gradients()
     norm = dist.clip_grad_norm(None)

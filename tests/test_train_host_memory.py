@@ -1,5 +1,5 @@
-"""remat-offload's pinned host memory is checked before training starts (it used to end in the
-kernel's OOM killer mid-step: 384K tokens on 2 x H200 with 251 GiB of host memory)."""
+"""remat-offload's pinned host memory is checked before training starts (running out of it ends
+in the kernel's OOM killer mid-step, with no message)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,8 @@ import torch
 from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.memory import estimate_recipe
-from lctrain.train.runner import check_host_memory
+from lctrain.memory.host import check_host_memory
+from lctrain.train.launch import check_before_start
 
 GIB = 1 << 30
 
@@ -33,19 +34,22 @@ def test_too_little_host_memory_is_one_clear_error(cuda_machine):
     check_host_memory(cfg, local_processes=1, gpus=2, available=int(parked / 0.85))
 
 
-def test_only_remat_offload_on_gpus_is_checked(cuda_machine, monkeypatch):
+def test_only_remat_offload_on_gpus_is_checked(cuda_machine, monkeypatch, tmp_path):
     cfg = load_recipe("llama-7b-256k", ["train.checkpointing=remat"], seq_len="512k")
     check_host_memory(cfg, local_processes=8, gpus=8, available=1 * GIB)
-    cfg = load_recipe("llama-7b-256k", seq_len="512k")
+    cfg = load_recipe("llama-7b-256k", ["train.host_memory=1GiB"], seq_len="512k",
+                      output_dir=str(tmp_path))
+    with pytest.raises(UserError, match="only 1 GiB is available"):
+        check_before_start(cfg, nproc=8, resume=False)  # what the launcher checks on GPUs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    check_host_memory(cfg, local_processes=8, gpus=8, available=1 * GIB)
+    check_before_start(cfg, nproc=2, resume=False)  # a CPU run pins nothing
 
 
 def test_declared_host_memory_replaces_what_the_machine_reports(cuda_machine, monkeypatch):
     """VMs whose memory grows as it is used report too little: train.host_memory says how much."""
-    import lctrain.train.runner as runner
+    import lctrain.memory.host as host
 
-    monkeypatch.setattr(runner, "_available_host_bytes", lambda: 31 * GIB)
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 31 * GIB)
     cfg = load_recipe("llama-7b-256k", seq_len="384k")
     with pytest.raises(UserError, match="only 31 GiB is available.*train.host_memory"):
         check_host_memory(cfg, local_processes=2, gpus=2)

@@ -1,4 +1,4 @@
-"""Small pieces of the training path: schedule, mesh sizes, metrics log, launch errors."""
+"""Small pieces of the training path: schedule, mesh sizes, metrics log, launch checks and errors."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.parallel.mesh import build_mesh, check_parallel_sizes
 from lctrain.train import finetune
-from lctrain.train.launch import first_error
+from lctrain.train.launch import check_accelerate_mode, first_error
 from lctrain.train.metrics import MetricsLog
 from lctrain.train.optim import warmup_cosine
 
@@ -43,6 +43,39 @@ def test_metrics_log_truncates_fresh_and_trims_on_resume(tmp_path):
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
     MetricsLog(path, enabled=True, resume_step=None)
     assert path.read_text() == ""
+
+
+def test_accelerate_must_not_shard_the_model_itself():
+    from accelerate.utils import DistributedType
+
+    for mode in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        with pytest.raises(UserError, match=f"set up for {mode.value}.*shards the model itself"):
+            check_accelerate_mode(mode)
+    for mode in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        check_accelerate_mode(mode)
+
+
+def test_a_lone_worker_process_is_a_one_rank_group_whose_accelerator_scales_nothing(
+        tmp_path, monkeypatch):
+    """accelerate reads its accumulation steps from the environment; the loop accumulates
+    itself, so the worker's accelerator must keep one step (no loss scaling) regardless."""
+    import torch
+    import torch.distributed as dist
+
+    from lctrain.train.launch import worker_process
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    assert not dist.is_initialized()
+    with worker_process(_tiny(tmp_path)) as accelerator:
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert accelerator.gradient_accumulation_steps == 1
+        assert accelerator.mixed_precision == "no" and accelerator.device.type == "cpu"
+        x = torch.randn(5, requires_grad=True)
+        plain = x.detach().clone().requires_grad_()
+        accelerator.backward((x * x).sum() / 3.0)
+        ((plain * plain).sum() / 3.0).backward()  # what the loop did before accelerate ran it
+        torch.testing.assert_close(x.grad, plain.grad, rtol=0, atol=0)
+    assert not dist.is_initialized()  # the group made for the block is gone
 
 
 def test_first_error_is_the_earliest(tmp_path):

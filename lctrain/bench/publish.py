@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from lctrain.bench.result import BenchResult
+from lctrain.bench.views import summary as summary_of, table
 from lctrain.errors import UserError
 from lctrain.report.output import emit, say, show
 from lctrain.report.table import FORMATS
@@ -76,9 +77,8 @@ class Publisher:
         if self.fmt == "json":
             emit(result.to_json())
         else:
-            from lctrain.bench.views import summary as summary_of
 
-            show(summary_of(result) if summary else result.table(), self.fmt, self.wide)
+            show(summary_of(result) if summary else table(result), self.fmt, self.wide)
         if self.json_file is not None:
             say(f"wrote the results to {result.save(self.json_file)}")
         if not result.measured():

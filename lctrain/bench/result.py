@@ -63,13 +63,6 @@ class BenchResult:
         """The rows that carry a measurement (status "ok")."""
         return [row for row in self.rows if row.get("status") == "ok"]
 
-    def table(self):
-        """The rows as a `lctrain.report.table.Table` in this kind's columns (compact ones by
-        default; render with ``wide=True`` for all)."""
-        from lctrain.bench.views import table
-
-        return table(self)
-
 
 def from_dict(data, source: str = "result") -> BenchResult:
     """A BenchResult from a parsed result file.

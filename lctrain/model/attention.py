@@ -33,9 +33,9 @@ class CPContext:
         group: the context-parallel process group (None or size 1: local attention).
         cu_seqlens: document boundaries as GLOBAL positions (0, ..., seq_len), identical on every
             rank of the group, or None for one causal sequence per row.
-        schedule: distributed schedule kind ("distflash", "ring", "zigzag"), or
-            "context_parallel" for torch's own ring (`lctrain.parallel.torch_cp`, which must be
-            active around the call); the shards must be in that schedule's layout.
+        schedule: distributed schedule kind ("distflash", "ring", "zigzag"); the shards must be
+            in that schedule's layout. (torch's own ring, the ``context_parallel`` peer, runs
+            through its own attention function: `lctrain.parallel.torch_cp`.)
         backend: local attention backend name ("auto", "reference", "triton", ...).
     """
 
@@ -67,10 +67,9 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Raises:
         ValueError: attention dropout, a sliding window or an explicit attention mask was given.
     """
-    _check_supported(module, attention_mask, dropout)
     import lctrain_kernels
 
-    query, key, value = _one_dtype(query, key, value)
+    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout)
     q = query.transpose(1, 2)  # (B, S, Hq, D)
     k = key.transpose(1, 2)  # (B, S, Hkv, D)
     v = value.transpose(1, 2)  # (B, S, Hkv, D)
@@ -80,18 +79,24 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     elif ctx.group is None:
         out = lctrain_kernels.attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens,
                                         softmax_scale=scaling, backend=ctx.backend)
-    elif ctx.schedule == "context_parallel":  # torch's ring, the peer (lctrain.parallel.torch_cp)
-        from lctrain.parallel.torch_cp import ring_attention
-
-        if ctx.cu_seqlens is not None:
-            raise ValueError("the context_parallel schedule has no document mask; train with "
-                             "data.document_mask=false.")
-        out = ring_attention(query, key, value, scaling).transpose(1, 2)
     else:
         out = lctrain_kernels.dist_attention(q, k, v, group=ctx.group, causal=True,
                                              cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
                                              schedule=ctx.schedule, backend=ctx.backend)
     return out, None  # (B, S, Hq, D)
+
+
+def checked_inputs(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask: torch.Tensor | None,
+                   dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What every attention function lctrain registers does first: refuse what it cannot honour,
+    then bring q, k, v to the one dtype attention computes in.
+
+    Raises:
+        ValueError: attention dropout, a sliding window or an explicit attention mask was given.
+    """
+    _check_supported(module, attention_mask, dropout)
+    return _one_dtype(query, key, value)
 
 
 def _one_dtype(query: torch.Tensor, key: torch.Tensor,

@@ -20,11 +20,10 @@ Policies (the recipe's ``train.checkpointing``):
 - ``remat-offload``: ``remat`` whose kept tensors (layer inputs, attention outputs) wait in
   pinned host memory, copied out and back on a side stream (`lctrain.parallel.offload`).
 
-Decoder layers are found generically (`find_decoder_layers`): the blocks named by the model's
-``_no_split_modules`` (transformers' own list of the classes that must not be split), else the
-largest `nn.ModuleList` of identical modules. Each is wrapped in place with torch's
-``checkpoint_wrapper`` (parameter names gain ``_checkpoint_wrapped_module.``; ``state_dict()``
-and distributed checkpoint strip it). Apply it BEFORE FSDP2 so that FSDP2's all-gather hooks sit
+The decoder layers are those `lctrain.model.structure.decoder_layer_slots` finds (the same
+ones FSDP2 makes its units). Each is wrapped in place with torch's ``checkpoint_wrapper``
+(parameter names gain ``_checkpoint_wrapped_module.``; ``state_dict()`` and distributed
+checkpoint strip it). Apply it BEFORE FSDP2 so that FSDP2's all-gather hooks sit
 outside the recomputed region.
 """
 from __future__ import annotations
@@ -34,15 +33,13 @@ from collections import Counter
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lctrain.config.schema import CHECKPOINTING_POLICIES as POLICIES
 from lctrain.errors import UserError
+from lctrain.model.structure import decoder_layer_slots, unwrap_layer
 from lctrain.parallel.offload import Offloader
 
 ATTENTION_FORWARD_OPS = frozenset({
@@ -80,35 +77,6 @@ def remat_contexts():
     return create_selective_checkpoint_contexts(remat_policy)
 
 
-def find_decoder_layers(model: nn.Module) -> list[tuple[nn.ModuleList, int]]:
-    """The repeated decoder blocks of ``model`` as (container, index) pairs, in order.
-
-    Already wrapped blocks (checkpoint wrappers) count as the block they wrap.
-
-    Raises:
-        UserError: no list of repeated blocks found.
-    """
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if names:
-        found = [(lst, i) for lst in lists for i, child in enumerate(lst)
-                 if type(_unwrap(child)).__name__ in names]
-        if found:
-            return found
-    candidates = [lst for lst in lists
-                  if len({type(_unwrap(c)) for c in lst}) == 1
-                  and any(p.numel() for p in lst.parameters())]
-    if not candidates:
-        raise UserError(f"cannot find the decoder layers of {type(model).__name__}: it has no "
-                        "list of repeated blocks; checkpointing needs one")
-    best = max(candidates, key=lambda lst: sum(p.numel() for p in lst.parameters()))
-    return [(best, i) for i in range(len(best))]
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) else module
-
-
 def apply_checkpointing(model: nn.Module, policy: str, *, offload_min_bytes: int = 1 << 20) -> int:
     """Wrap every decoder layer of ``model`` (in place) for ``policy``.
 
@@ -131,10 +99,10 @@ def apply_checkpointing(model: nn.Module, policy: str, *, offload_min_bytes: int
         raise UserError(f"checkpointing policy {policy!r} is unknown; choose one of "
                         f"{', '.join(POLICIES)}")
     _hand_over_from_transformers(model, policy)
-    layers = find_decoder_layers(model)
+    layers = decoder_layer_slots(model)
     offloader = Offloader(offload_min_bytes) if policy == "remat-offload" else None
     for container, index in layers:
-        layer = _unwrap(container[index])
+        layer = unwrap_layer(container[index])
         container[index] = layer if policy == "none" else _wrap(layer, policy, offloader)
     return 0 if policy == "none" else len(layers)
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 
 class Distributed:
@@ -32,7 +33,8 @@ class Distributed:
         group: the all-ranks process group (None in a 1-process run without one).
     """
 
-    def __init__(self, module: nn.Module, strategy: str, group, *, post_scale: float = 1.0) -> None:
+    def __init__(self, module: nn.Module, strategy: str, group: dist.ProcessGroup | None, *,
+                 post_scale: float = 1.0) -> None:
         self.module = module
         self.strategy = strategy
         self.group = group
@@ -63,7 +65,7 @@ class Distributed:
         return total.float()
 
 
-def allreduce_gradients(params: Iterable[nn.Parameter], group) -> None:
+def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Sum the gradients of ``params`` over ``group``, one all-reduce per gradient dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
@@ -78,8 +80,8 @@ def allreduce_gradients(params: Iterable[nn.Parameter], group) -> None:
             offset += g.numel()
 
 
-def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh, strategy: str,
-               param_dtype: torch.dtype | None = torch.bfloat16,
+def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: DeviceMesh | None,
+               strategy: str, param_dtype: torch.dtype | None = torch.bfloat16,
                reshard_after_forward: bool = True) -> Distributed:
     """Apply FSDP2 or replication to ``module`` (in place).
 

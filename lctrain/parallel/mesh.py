@@ -52,18 +52,23 @@ class ParallelMesh:
         return self.dp_rank * self.cp + self.cp_rank
 
     @property
-    def cp_group(self):
+    def cp_group(self) -> dist.ProcessGroup | None:
         """Process group of this rank's sequence shards; None when cp == 1 (local attention)."""
         return self.mesh.get_group("cp") if self.mesh is not None and self.cp > 1 else None
 
     @property
-    def dp_group(self):
+    def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.get_group("dp") if self.mesh is not None and self.dp > 1 else None
 
     @property
-    def world_group(self):
+    def world_group(self) -> dist.ProcessGroup | None:
         """Group of all ranks, or None in a 1-process run without a process group."""
         return self.world_mesh.get_group() if self.world_mesh is not None else None
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (returns at once in a one-rank run)."""
+        if self.world_group is not None and self.world_size > 1:
+            dist.barrier(group=self.world_group)
 
 
 def check_parallel_sizes(world_size: int, cp: int, dp: int | None = None) -> tuple[int, int]:

@@ -5,16 +5,18 @@ and loop run, but each attention call goes through torch's
 ``torch.distributed.tensor.experimental.context_parallel`` (a ring over SDPA's cuDNN or flash
 kernel with head-tail load balancing) instead of `lctrain_kernels.dist_attention`:
 
-- the loop shards every micro-batch itself, in the zigzag layout (rank r holds chunks r and
-  2P−1−r of 2P), which is the order torch's head-tail load balancer expects;
+- `lctrain.parallel.context.ContextParallel` shards every micro-batch itself, in the zigzag
+  layout (rank r holds chunks r and 2P−1−r of 2P), the order torch's head-tail load balancer
+  expects, and enters this module's session around it;
 - `TorchContextParallel.session` keeps torch's context active around one micro-batch's forward
   AND backward (torch's SDPA backward must also see it), with SDPA limited to the kernels
   torch shards (cuDNN first — the local kernel lctrain's ``auto`` picks on Hopper — then flash,
   then memory-efficient for float32);
   the first session checks that torch's sharding of a probe of global positions equals ours;
-- inside, the "lctrain" attention function calls `ring_attention`, i.e. plain
-  ``F.scaled_dot_product_attention(..., is_causal=True)``, which torch has patched to run the
-  ring on this rank's shard.
+- the model runs this module's own attention function (`torch_cp_attention`, registered in
+  transformers' ``AttentionInterface`` as ``"lctrain_torch_cp"``), which calls `ring_attention`,
+  i.e. plain ``F.scaled_dot_product_attention(..., is_causal=True)``, which torch has patched
+  to run the ring on this rank's shard.
 
 torch shards SDPA only on CUDA (no CPU sharding rule), and its ring has no document mask, so
 the schedule needs GPUs and ``data.document_mask: false`` (the config checks the latter).
@@ -22,11 +24,20 @@ the schedule needs GPUs and ``data.document_mask: false`` (the config checks the
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.experimental import context_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lctrain.errors import UserError
+from lctrain.model.attention import checked_inputs
+from lctrain_kernels.distributed.layout import shard_indices
+
+ATTENTION_NAME = "lctrain_torch_cp"
+"""The ``attn_implementation`` name of `torch_cp_attention`."""
 
 _PLAIN_SDPA = F.scaled_dot_product_attention  # torch's context patches the module attribute
 
@@ -48,20 +59,17 @@ class TorchContextParallel:
         device: this rank's CUDA device.
     """
 
-    def __init__(self, cp_mesh, cp_rank: int, device: torch.device) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, cp_rank: int, device: torch.device) -> None:
         self.mesh, self.cp_rank, self.device = cp_mesh, cp_rank, device
         self.checked: set[int] = set()  # sequence lengths whose layout has been compared
 
     @contextlib.contextmanager
-    def session(self, seq_len: int):
+    def session(self, seq_len: int) -> Iterator[None]:
         """torch's context parallelism for one forward + backward of ``seq_len`` total tokens.
 
         Raises:
             RuntimeError: torch's head-tail sharding does not match lctrain's zigzag layout.
         """
-        from torch.distributed.tensor.experimental import context_parallel
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         probe = torch.arange(seq_len, device=self.device)[None]  # (1, S) global positions
         backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                     SDPBackend.EFFICIENT_ATTENTION]  # in this order: float32 only has the last
@@ -73,8 +81,6 @@ class TorchContextParallel:
             yield
 
     def _check_layout(self, torch_positions: torch.Tensor, seq_len: int) -> None:
-        from lctrain_kernels.distributed.layout import shard_indices
-
         ours = shard_indices(seq_len, self.mesh.size(), self.cp_rank, "zigzag")
         if not torch.equal(torch_positions.cpu(), ours):
             raise RuntimeError(f"torch's context_parallel shards a {seq_len}-token sequence "
@@ -102,3 +108,45 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            "context; the training loop must enter TorchContextParallel.session.")
     gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
     return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, **gqa)
+
+
+def torch_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, attention_mask: torch.Tensor | None,
+                       scaling: float | None = None, dropout: float = 0.0,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function of the peer schedule: torch's ring over the cp group.
+
+    Args:
+        module: the calling attention module (checked for unsupported features).
+        query: (B, Hq, S_local, D); key, value: (B, Hkv, S_local, D) — zigzag shards, RoPE
+            applied, heads not repeated.
+        attention_mask: must be None.
+        scaling: softmax scale (default 1/sqrt(D)).
+        dropout: must be 0.
+        **kwargs: ``cp_context`` (`lctrain.model.CPContext`), whose ``cu_seqlens`` must be None.
+
+    Returns:
+        (out (B, S_local, Hq, D), None).
+
+    Raises:
+        ValueError: a document mask, dropout, a sliding window or an attention mask was given.
+        RuntimeError: called outside `TorchContextParallel.session`.
+    """
+    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout)
+    ctx = kwargs.get("cp_context")
+    if ctx is not None and ctx.cu_seqlens is not None:
+        raise ValueError("the context_parallel schedule has no document mask; train with "
+                         "data.document_mask=false.")
+    return ring_attention(query, key, value, scaling).transpose(1, 2), None  # (B, S, Hq, D)
+
+
+def register_attention() -> str:
+    """Register `torch_cp_attention` in transformers' AttentionInterface (idempotent).
+
+    Returns:
+        The name to pass as ``attn_implementation``.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, torch_cp_attention)
+    return ATTENTION_NAME

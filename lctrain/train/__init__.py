@@ -1,4 +1,5 @@
-"""Training: the runner (the one composition root), the loop, loss, checkpoints and metrics.
+"""Training: where the ranks run (launch), what each runs (runner: parts → loop), the loop, loss,
+checkpoints and metrics.
 
     from lctrain.train import finetune
     exit_code = finetune(load_recipe("tiny"), resume=False, nproc=None)

@@ -216,6 +216,22 @@ def _weights_prefix(saved, names: list[str]) -> str | None:
     return best if best is not None and counts[best] > 0 else None
 
 
+def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
+    """The checkpoint a run starts from: the newest under ``root`` with ``resume``, else None.
+
+    Raises:
+        UserError: ``resume`` without a checkpoint, or a fresh run into an output folder that
+            holds checkpoints of an earlier run.
+    """
+    if resume:
+        return find_resume_checkpoint(root)
+    if list_checkpoints(root):
+        raise UserError(f"{Path(root).parent} already holds checkpoints of an earlier run; pass "
+                        "--resume to continue it, or choose another train.output_dir (or delete "
+                        "that one).")
+    return None
+
+
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

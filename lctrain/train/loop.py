@@ -3,12 +3,14 @@
 Per optimizer step, on every rank:
 
 1. take ``grad_accum`` micro-batches of this dp rank (global sequences, labels already shifted)
-   and cut each along the sequence for this cp rank, in the schedule's layout;
+   and cut each along the sequence for this cp rank, in the schedule's layout
+   (`lctrain.parallel.context.ContextParallel.shard`);
 2. count the label tokens of all of them and all-reduce the count over all dp × cp ranks —
    the ONE normaliser of the loss (one collective per step, no host synchronisation);
-3. for each micro-batch: forward of the decoder with global position ids and this rank's
-   `CPContext`, summed token cross-entropy through the output head in chunks
-   (`chunked_cross_entropy`), backward of ``loss_sum / global_count``;
+3. for each micro-batch, inside the schedule's session: forward of the decoder with global
+   position ids and this rank's `CPContext` (`ContextParallel.context`), summed token
+   cross-entropy through the output head in chunks (`chunked_cross_entropy`), backward of
+   ``loss_sum / global_count``;
 4. make gradients the sum over ranks (FSDP2 did it in the backward; replication all-reduces
    now), clip the global norm, step the optimizer and the learning-rate schedule.
 
@@ -18,7 +20,6 @@ one transfer of loss, count and gradient norm).
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -27,12 +28,18 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator
 from torch import nn
 
-from lctrain.data import PackedBatch, shard_batch
+from lctrain.data import PackedBatch
 from lctrain.model import CPContext
 from lctrain.model.structure import output_head
+from lctrain.parallel.checkpointing import AttentionCounter
+from lctrain.parallel.context import ContextParallel
+from lctrain.parallel.fsdp import Distributed
+from lctrain.parallel.mesh import ParallelMesh
 from lctrain.train.loss import chunked_cross_entropy
+from lctrain.train.metrics import FlopModel, peak_memory_bytes
 
 
 class CausalLMLoss(nn.Module):
@@ -74,22 +81,30 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 @dataclass
 class Trainer:
-    """Everything one rank needs to run optimizer steps (built by `lctrain.train.runner`)."""
+    """Everything one rank needs to run optimizer steps (built by `lctrain.train.runner`).
 
-    distributed: Any  # lctrain.parallel.fsdp.Distributed
+    accelerate runs each micro-batch: its forward under the accelerator's autocast (mixed
+    precision) and its backward through `Accelerator.backward`. The accumulation over
+    micro-batches and the loss normalisation stay here, because accelerate's own accumulation
+    divides each micro-batch's loss by the number of micro-batches — a mean of per-micro-batch
+    means — where the global label-token count is the one exact normaliser (module docstring);
+    so the accelerator is made with one accumulation step and scales nothing.
+    """
+
+    distributed: Distributed
     optimizer: torch.optim.Optimizer
-    scheduler: Any
-    pmesh: Any  # lctrain.parallel.mesh.ParallelMesh
-    device: torch.device
-    layout: str
-    schedule: str
-    backend: str
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    pmesh: ParallelMesh
+    cp: ContextParallel
+    accelerator: Accelerator
     grad_accum: int
     max_grad_norm: float
-    autocast: Callable[[], Any]
-    torch_cp: Any = None  # lctrain.parallel.torch_cp.TorchContextParallel for that peer schedule
     step: int = 0
     data_position: int = 0  # micro-batches consumed by this dp rank
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
 
     def train_step(self, micro: list[PackedBatch]) -> dict[str, Any]:
         """One optimizer step over ``micro`` (this dp rank's global micro-batches).
@@ -109,28 +124,20 @@ class Trainer:
         Each micro-batch's summed token loss is divided by the global label-token count of the
         whole step: the one place where the loss is normalised.
         """
-        shards = [shard_batch(b, cp_rank=self.pmesh.cp_rank, cp_size=self.pmesh.cp,
-                              layout=self.layout).to(self.device) for b in micro]
+        shards = [self.cp.shard(b) for b in micro]
         count = torch.stack([s.label_tokens() for s in shards]).sum().float()
         if self.pmesh.world_group is not None:
             dist.all_reduce(count, group=self.pmesh.world_group)  # global label tokens
         normaliser = count.clamp(min=1.0)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for s in shards:
-            ctx = CPContext(group=self.pmesh.cp_group, cu_seqlens=s.cu_seqlens,
-                            schedule=self.schedule, backend=self.backend)
-            with self._attention_session(s.input_ids.shape[1] * self.pmesh.cp):
-                with self.autocast():
+            with self.cp.session(s):
+                with self.accelerator.autocast():
                     loss = self.distributed.module(s.input_ids, s.labels, s.position_ids,
-                                                   cp_context=ctx)
-                (loss / normaliser).backward()
+                                                   cp_context=self.cp.context(s))
+                self.accelerator.backward(loss / normaliser)
             loss_sum += loss.detach()
         return {"loss_sum": loss_sum, "count": count}
-
-    def _attention_session(self, seq_len: int):
-        """What must be active around a micro-batch's forward and backward: torch's context
-        for the context_parallel peer, nothing for lctrain's own schedules."""
-        return self.torch_cp.session(seq_len) if self.torch_cp is not None else contextlib.nullcontext()
 
     def apply_gradients(self) -> dict[str, Any]:
         """Sum gradients over ranks, clip, step optimizer and schedule, clear gradients."""
@@ -156,8 +163,6 @@ class Trainer:
             (mean token loss over all ranks, gradient norm, attention units of all dp groups,
             the largest peak memory of any rank in bytes).
         """
-        from lctrain.train.metrics import peak_memory_bytes
-
         world = self.pmesh.world_size
         peaks = torch.zeros(world, dtype=torch.float64, device=self.device)  # one slot per rank:
         peaks[self.pmesh.rank] = float(peak_memory_bytes(self.device))    # the SUM is a gather
@@ -191,7 +196,7 @@ class LoopHooks:
     log_every: int
     checkpoint_every: int
     tokens_per_step: int
-    flops: Any  # lctrain.train.metrics.FlopModel
+    flops: FlopModel
     peak_flops: float | None
     log: Callable[[dict], None]
     progress: Callable[[int, dict | None], None]
@@ -218,8 +223,6 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
     Returns:
         The logged records (identical on every rank).
     """
-    from lctrain.parallel.checkpointing import AttentionCounter
-
     window, first_step = _Window(), trainer.step
     while trainer.step < hooks.max_steps:
         micro = list(islice(batches, trainer.grad_accum))

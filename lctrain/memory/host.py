@@ -1,0 +1,66 @@
+"""Host memory of one machine: does remat-offload's pinned memory fit before training starts?
+
+Under ``train.checkpointing: remat-offload`` every GPU process parks the memory model's
+``host_offload`` bytes (each layer's input and attention output) in page-locked host memory.
+Running out of it does not raise: the kernel's OOM killer ends the processes mid-step, with no
+message. So the launcher checks the machine's share first, with the rule that
+``lctrain estimate-memory --host-memory`` applies (`lctrain.memory.host_offload_fits`).
+Only GPU runs pin memory; the caller decides whether a run is one.
+"""
+from __future__ import annotations
+
+from lctrain.config import RecipeConfig
+from lctrain.errors import UserError
+from lctrain.memory.estimate import host_offload_fits
+from lctrain.memory.recipe import estimate_recipe
+
+_GIB = 1 << 30
+
+
+def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
+                      available: int | None = None) -> None:
+    """Fail before training if remat-offload would pin more host memory than this machine has.
+
+    Args:
+        cfg: the recipe (nothing is checked unless it uses remat-offload).
+        local_processes: GPU training processes on this machine.
+        gpus: GPUs in the whole job.
+        available: host bytes available (default: ``train.host_memory``, else MemAvailable
+            of /proc/meminfo; no check where that cannot be read).
+
+    Raises:
+        UserError: the parked activations of this machine's processes exceed the share of the
+            available host memory that may be pinned (`lctrain.memory.HOST_USABLE`).
+    """
+    if cfg.train.checkpointing != "remat-offload":
+        return
+    if available is None:
+        available = cfg.train.host_memory or available_host_bytes()
+    if not available:
+        return
+    try:
+        est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=gpus, gpu_memory=1 << 40)
+    except UserError:
+        return  # no readable architecture here: loading the model reports it
+    parked = est.details["host_offload"]
+    if not host_offload_fits(parked, local_processes, available):
+        raise UserError(
+            f"remat-offload at data.seq_len {cfg.data.seq_len} parks about "
+            f"{parked / _GIB:.0f} GiB of activations per GPU in pinned host memory, "
+            f"{parked * local_processes / _GIB:.0f} GiB for the {local_processes} processes on "
+            f"this machine, but only {available / _GIB:.0f} GiB is available; lower "
+            f"data.seq_len, raise parallel.cp over more machines, or use "
+            f"train.checkpointing=remat (or, where the machine has more than it reports, say "
+            f"how much with train.host_memory).")
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
