@@ -80,7 +80,8 @@ def test_overrides_and_flags():
 
 
 def test_switch_to_a_local_model_folder(tmp_path):
-    cfg = load_recipe(None, [f"model.path={tmp_path}", "model.config=null"])
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_recipe(None, [f"model.path={tmp_path}", "model.config=null", "data.tokenizer=null"])
     assert cfg.model.path == str(tmp_path) and cfg.model.config is None
 
 
@@ -97,8 +98,10 @@ def test_switch_to_a_local_model_folder(tmp_path):
     (["train=1"], ["whole section"]),
     (["train.lr.x=1"], ["single setting"]),
     (["data.seq_len=12x"], ["'12x'", "data.seq_len"]),
-    (["model.path=/no/such/folder", "model.config=null"], ["/no/such/folder", "does not exist"]),
-    (["model.path=/tmp"], ["exactly one"]),
+    (["model.path=/no/such/folder", "model.config=null", "data.tokenizer=null"],
+     ["/no/such/folder", "does not exist"]),
+    (["model.path=/tmp"], ["data.tokenizer is bytes", "data.tokenizer=null"]),
+    (["model.path=/tmp", "data.tokenizer=null"], ["/tmp", "without config.json"]),
     (["model.config={}"], ["model_type"]),
     (["data.tokenizer=null"], ["data.tokenizer", "bytes"]),
     (["model.config.vocab_size=100"], ["vocab_size", "259"]),

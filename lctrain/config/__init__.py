@@ -5,8 +5,16 @@
     save_resolved(cfg, "runs/x/config.yaml")
 """
 from lctrain.config.loader import build_recipe, load_recipe, parse_override, save_resolved
-from lctrain.config.paths import DEFAULT_RECIPE, local_data, shipped_recipes
+from lctrain.config.paths import (
+    DEFAULT_RECIPE,
+    is_placeholder,
+    local_data,
+    require_model_path,
+    shipped_recipes,
+)
 from lctrain.config.schema import (
+    BUILTIN_TOKENIZERS,
+    BYTE_PAIR_TOKENIZER_VOCAB,
     BYTE_TOKENIZER_VOCAB,
     SCHEDULE_LAYOUTS,
     CheckpointConfig,
@@ -20,8 +28,9 @@ from lctrain.config.sizes import format_bytes, format_tokens, parse_memory, pars
 from lctrain.errors import ConfigError
 
 __all__ = [
-    "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE", "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError",
-    "DataConfig", "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "build_recipe",
-    "format_bytes", "format_tokens", "load_recipe", "local_data", "parse_memory", "parse_override",
-    "parse_size", "parse_size_list", "save_resolved", "shipped_recipes",
+    "BUILTIN_TOKENIZERS", "BYTE_PAIR_TOKENIZER_VOCAB", "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE",
+    "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "build_recipe",
+    "format_bytes", "format_tokens", "is_placeholder", "load_recipe", "local_data", "parse_memory",
+    "parse_override", "parse_size", "parse_size_list", "require_model_path", "save_resolved",
+    "shipped_recipes",
 ]

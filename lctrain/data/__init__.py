@@ -8,10 +8,16 @@
 from lctrain.data.batches import PackedBatch, iter_batches, shard_batch
 from lctrain.data.packing import IGNORE, build_packed_dataset, pack, pack_row, tokenize
 from lctrain.data.sources import builtin_documents, load_documents
-from lctrain.data.tokenizer import ByteTokenizer, encode_documents, load_tokenizer, pad_token_id
+from lctrain.data.tokenizer import (
+    BytePairTokenizer,
+    ByteTokenizer,
+    encode_documents,
+    load_tokenizer,
+    pad_token_id,
+)
 
 __all__ = [
-    "IGNORE", "ByteTokenizer", "PackedBatch", "build_packed_dataset", "builtin_documents",
+    "IGNORE", "BytePairTokenizer", "ByteTokenizer", "PackedBatch", "build_packed_dataset", "builtin_documents",
     "encode_documents", "iter_batches", "load_documents", "load_tokenizer", "pack", "pack_row",
     "pad_token_id", "shard_batch", "tokenize",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -40,6 +41,11 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
         UserError: an invalid process layout, no checkpoint to resume from, a model or data
             source that cannot be read, ... (from this process or the first failing rank).
     """
+    from lctrain.model import check_model
+
+    warnings = check_model(cfg)  # before any process starts or any weight loads
+    for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if any(name in os.environ for name in _LAUNCHER_ENV):
         return run_worker(cfg, resume=resume)
     n = nproc if nproc is not None else default_nproc(cfg)
@@ -243,7 +249,8 @@ def _build_model(cfg: RecipeConfig, pmesh: ParallelMesh, device: torch.device,
 
     model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
                        dtype=getattr(torch, cfg.model.dtype), device=device,
-                       trust_remote_code=cfg.model.trust_remote_code)
+                       trust_remote_code=cfg.model.trust_remote_code,
+                       seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
     n_params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
