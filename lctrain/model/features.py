@@ -26,6 +26,10 @@ from lctrain.errors import ConfigError
 _ATTENTION_DROPOUT = re.compile(r"(att|attn|attention).*(drop)|drop.*(att|attn)")
 """Config keys of dropout on the attention weights, in every family's spelling."""
 
+_TRAINABLE_LAYERS = {"full_attention", "sliding_attention", "dense", "sparse", "moe"}
+"""``layer_types`` entries lctrain trains (sliding ones only while the window covers the row;
+the last three describe MLPs)."""
+
 _LOGIT_SCALES = ("logit_scale", "logits_scaling")
 """Config keys that rescale the output logits (Cohere, Granite), which lctrain's loss would skip."""
 
@@ -145,7 +149,7 @@ def _check_setting(key: str, value: Any) -> None:
 
 def _check_windows(config: Any, seq_len: int | None) -> None:
     kinds = set(getattr(config, "layer_types", None) or [])
-    other = sorted(kinds - {"full_attention", "sliding_attention"})
+    other = sorted(kinds - _TRAINABLE_LAYERS)
     if other:
         raise ConfigError(f"the model's layer_types include {', '.join(other)}, which lctrain's "
                           f"attention cannot compute; it trains full_attention layers (and "
