@@ -112,13 +112,13 @@ def fold_rope_spellings(fields: dict[str, Any], *, where: str) -> dict[str, Any]
 
 
 def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """The folder's config fields with ``overrides`` on top (both in the folded spelling).
+    """The folder's config fields with ``overrides`` on top (either in either RoPE spelling).
 
     Returns:
-        A new mapping; ``rope_parameters`` merged as the module docstring says.
+        A new mapping, RoPE in ``rope_parameters``, merged as the module docstring says.
     """
     merged = fold_rope_spellings(base, where="the model's config.json")
-    for key, value in overrides.items():
+    for key, value in fold_rope_spellings(overrides, where="model.config").items():
         if key == "rope_parameters" and isinstance(value, dict):
             merged[key] = _merge_rope(merged.get(key) or {}, value)
         else:
@@ -180,7 +180,7 @@ def _check_same_weights(base: Any, config: Any, keys: list[str], path: str) -> N
     def shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-        return {name: tuple(p.shape) for name, p in model.state_dict().items()}
+        return {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: once
 
     before, after = shapes(base), shapes(config)
     if before == after:
