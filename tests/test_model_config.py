@@ -18,7 +18,13 @@ import torch
 
 from lctrain.config import load_recipe
 from lctrain.errors import ConfigError, UserError
-from lctrain.model import check_model, check_model_config, load_model, register_attention, resolve_config
+from lctrain.model import (
+    check_model,
+    check_model_config,
+    load_model,
+    register_attention,
+    resolve_config,
+)
 from lctrain.model.hf_config import fold_rope_spellings, merge_overrides
 from model_folders import make_model_folder
 

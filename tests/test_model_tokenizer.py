@@ -76,7 +76,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused(folders, tmp_path):
 def test_placeholder_model_path_is_refused_where_its_tokenizer_is_needed():
     cfg = load_recipe(None, ["model.path=<folder of Qwen2.5-7B>", "model.config=null",
                              "data.tokenizer=null"])
-    with pytest.raises(ConfigError, match="placeholder '<folder of Qwen2.5-7B>'.*--set model.path="):
+    with pytest.raises(ConfigError, match="placeholder '<folder of Qwen2.5-7B>'.*--set model"):
         load_tokenizer(cfg)
 
 

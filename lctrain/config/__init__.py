@@ -29,7 +29,8 @@ from lctrain.errors import ConfigError
 
 __all__ = [
     "BUILTIN_TOKENIZERS", "BYTE_PAIR_TOKENIZER_VOCAB", "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE",
-    "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "build_recipe",
+    "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError", "DataConfig", "ModelConfig",
+    "ParallelConfig", "RecipeConfig", "TrainConfig", "build_recipe",
     "format_bytes", "format_tokens", "is_placeholder", "load_recipe", "local_data", "parse_memory",
     "parse_override", "parse_size", "parse_size_list", "require_model_path", "save_resolved",
     "shipped_recipes",

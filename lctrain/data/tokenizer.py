@@ -49,7 +49,7 @@ class ByteTokenizer:
         return [self.bos_token_id, *ids, self.eos_token_id] if add_special_tokens else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; specials are dropped (or shown as <bos>/<eos>/<pad>), bad UTF-8 replaced."""
+        """Text of ``ids``; specials dropped (or shown as <bos>/<eos>/<pad>), bad UTF-8 replaced."""
         names = {self.bos_token_id: "<bos>", self.eos_token_id: "<eos>", self.pad_token_id: "<pad>"}
         out, run = [], bytearray()
         for token in (int(i) for i in ids):

@@ -71,15 +71,15 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             shorter than the sequence, soft-capping, sinks, a bias, an explicit mask, ...);
             `lctrain.model.features` names the setting.
     """
-    ctx = kwargs.get("cp_context")
     check_attention_call(module, query, value, attention_mask, dropout, kwargs,
-                         _global_len(query.shape[2], ctx))
+                         _global_len(query.shape[2], kwargs.get("cp_context")))
     import lctrain_kernels
 
     query, key, value = _one_dtype(query, key, value)
     q = query.transpose(1, 2)  # (B, S, Hq, D)
     k = key.transpose(1, 2)  # (B, S, Hkv, D)
     v = value.transpose(1, 2)  # (B, S, Hkv, D)
+    ctx = kwargs.get("cp_context")
     if ctx is None:
         out = lctrain_kernels.attention(q, k, v, causal=True, softmax_scale=scaling)
     elif ctx.group is None:

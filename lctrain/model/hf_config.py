@@ -158,7 +158,7 @@ def _folder_config(source: str, shown: str, trust: bool) -> tuple[Any, dict[str,
         base = AutoConfig.from_pretrained(source, trust_remote_code=trust)
         raw, _ = type(base).get_config_dict(source)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise UserError(f"Could not read the config of model '{shown}' (offline, unknown hub "
                         f"name, or not a model folder): {first}; point model.path at a local "
                         f"folder holding config.json.") from None
@@ -192,3 +192,10 @@ def _check_same_weights(base: Any, config: Any, keys: list[str], path: str) -> N
                       f"may change RoPE, the context length, dropout or windows but not the "
                       f"architecture, so remove them (or set model.config=null)",
                       key="model.config")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message without its final period (to quote inside a
+    sentence), or the exception's type name when it has no message."""
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__

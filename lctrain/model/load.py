@@ -19,7 +19,7 @@ import torch
 from lctrain.errors import UserError
 from lctrain.model.attention import register_attention
 from lctrain.model.features import check_model_config
-from lctrain.model.hf_config import resolve_config
+from lctrain.model.hf_config import first_line, resolve_config
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 """How a model folder's weight files are named (safetensors, or the older pickled format)."""
@@ -127,6 +127,7 @@ def _from_pretrained(source: str, hf_config: Any, *, dtype, attn: str,
             local if os.path.isdir(local) else source, config=hf_config, dtype=dtype,
             attn_implementation=attn, trust_remote_code=trust)
     except OSError as exc:
-        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise UserError(f"Could not load model '{source}' (offline, unknown hub name, or not a "
                         f"model folder): {first}; use a local folder or model.config.") from None
+
