@@ -3,6 +3,7 @@
     from model_folders import make_model_folder, FAMILIES
     folder = make_model_folder(tmp_path, "llama3")          # weights + config.json + tokenizer
     folder = make_model_folder(tmp_path, "mistral", tokenizer=False, sliding_window=128)
+    folder = make_model_folder(tmp_path, "qwen2", weights=False)     # config + tokenizer only
 
 Each folder is what ``save_pretrained`` writes for a randomly initialised model of the family
 (hidden size 64, 2 layers, GQA where the family has it) and, unless ``tokenizer=False``, a real
@@ -71,14 +72,16 @@ SPECIALS: dict[str, dict[str, Any]] = {
 """Each family's special tokens and whether its tokenizer prepends bos to every text."""
 
 
-def make_model_folder(root: str | Path, family: str, *, tokenizer: bool = True, seed: int = 0,
-                      name: str | None = None, **config: Any) -> Path:
+def make_model_folder(root: str | Path, family: str, *, tokenizer: bool = True,
+                      weights: bool = True, seed: int = 0, name: str | None = None,
+                      **config: Any) -> Path:
     """Save a tiny random model of ``family`` (and its tokenizer) to ``root/name``.
 
     Args:
         root: parent folder.
         family: one of `FAMILIES`.
         tokenizer: also save the family's tokenizer.
+        weights: save the weights (False: config.json only, for tests that never load them).
         seed: seed of the random weights.
         name: folder name (default: the family).
         **config: transformers config fields to change (``sliding_window=128``, ...).
@@ -94,8 +97,11 @@ def make_model_folder(root: str | Path, family: str, *, tokenizer: bool = True, 
     model_type, pad = fields.pop("model_type"), fields.pop("vocab_pad", 0)
     fields.setdefault("vocab_size", TOKENIZER_VOCAB + pad)
     hf_config = AutoConfig.for_model(model_type, **_token_ids(family), **fields)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(hf_config).save_pretrained(folder)
+    if weights:
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(hf_config).save_pretrained(folder)
+    else:
+        hf_config.save_pretrained(folder)
     if tokenizer:
         build_tokenizer(family).save_pretrained(folder)
     return folder

@@ -55,8 +55,12 @@ def test_rope_spellings_fold_into_rope_parameters():
         "rope_parameters": {"rope_type": "linear", "factor": 2.0}}
     assert fold_rope_spellings({"rope_scaling": None}, where="w") == {
         "rope_parameters": {"rope_type": "default"}}
-    with pytest.raises(ConfigError, match="rope_theta twice.*keep rope_parameters"):
-        fold_rope_spellings({"rope_theta": 1.0, "rope_parameters": {"rope_theta": 2.0}}, where="w")
+    both = {"rope_theta": 1.0, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 2.0}}
+    with pytest.raises(ConfigError, match="rope_type twice.*keep rope_parameters"):
+        fold_rope_spellings(both, where="w")
+    assert fold_rope_spellings(both, where="w", strict=False) == {  # a config.json: as transformers
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 2.0}}
 
 
 def test_overrides_merge_rope_by_type():

@@ -16,7 +16,7 @@ TEXTS = ["The quick brown fox.", "Long contexts need exact attention — über a
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok-models")
-    return {f: make_model_folder(root, f) for f in FAMILIES}
+    return {f: make_model_folder(root, f, weights=False) for f in FAMILIES}
 
 
 def _cfg(folder, *sets, seq_len=64):
@@ -61,7 +61,7 @@ def test_byte_tokenizers_are_refused_with_a_model_path(folders):
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused(folders, tmp_path):
-    small = make_model_folder(tmp_path, "llama3", tokenizer=False, vocab_size=300)
+    small = make_model_folder(tmp_path, "llama3", tokenizer=False, weights=False, vocab_size=300)
     cfg = load_recipe(None, [f"model.path={small}", "model.config=null",
                              f"data.tokenizer={folders['llama3']}"])
     with pytest.raises(ConfigError, match="has 448 tokens but the model's vocab_size is 300"):

@@ -70,7 +70,7 @@ def resolve_config(path: str | None, overrides: dict[str, Any] | None, *,
                           key="model.config.model_type")
     merged = merge_overrides(raw, fields)
     config = _build(type(base), merged, where=f"model.config on top of {path}")
-    folded = fold_rope_spellings(raw, where="the model's config.json")
+    folded = fold_rope_spellings(raw, where="the model's config.json", strict=False)
     changed = sorted(k for k in merged if merged[k] != folded.get(k))
     structural = [k for k in changed if not _COMPUTE_ONLY.match(k)]
     if structural:
@@ -78,14 +78,16 @@ def resolve_config(path: str | None, overrides: dict[str, Any] | None, *,
     return config
 
 
-def fold_rope_spellings(fields: dict[str, Any], *, where: str) -> dict[str, Any]:
+def fold_rope_spellings(fields: dict[str, Any], *, where: str,
+                        strict: bool = True) -> dict[str, Any]:
     """``fields`` with ``rope_theta`` / ``rope_scaling`` folded into ``rope_parameters``.
 
     ``rope_scaling: null`` means unscaled RoPE (``rope_type: default``); a ``type`` key becomes
-    ``rope_type``.
+    ``rope_type``. Where both spellings set one key, ``rope_parameters`` wins (as transformers
+    reads a config.json), unless ``strict``.
 
     Raises:
-        ConfigError: two spellings give one setting different values.
+        ConfigError: ``strict`` and two spellings give one setting different values.
     """
     fields = dict(fields)
     has_scaling, has_theta = "rope_scaling" in fields, "rope_theta" in fields
@@ -102,7 +104,7 @@ def fold_rope_spellings(fields: dict[str, Any], *, where: str) -> dict[str, Any]
         rope["rope_theta"] = fields.pop("rope_theta")
     given = fields.get("rope_parameters") or {}
     for key, value in rope.items():
-        if key in given and given[key] != value:
+        if strict and key in given and given[key] != value:
             raise ConfigError(f"{where} sets RoPE's {key} twice, as {given[key]!r} in "
                               f"rope_parameters and as {value!r} in the older rope_scaling / "
                               f"rope_theta spelling; keep rope_parameters only",
@@ -117,7 +119,7 @@ def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     Returns:
         A new mapping, RoPE in ``rope_parameters``, merged as the module docstring says.
     """
-    merged = fold_rope_spellings(base, where="the model's config.json")
+    merged = fold_rope_spellings(base, where="the model's config.json", strict=False)
     for key, value in fold_rope_spellings(overrides, where="model.config").items():
         if key == "rope_parameters" and isinstance(value, dict):
             merged[key] = _merge_rope(merged.get(key) or {}, value)
