@@ -83,7 +83,8 @@ def test_bench_step_times_each_configuration_and_reports_the_one_that_fails(tmp_
     (model / "config.json").write_text('{"model_type": "llama"}')  # no sizes: cannot run
     base = _overrides(**{"train.output_dir": str(out)})
     configs = configurations(None, base, [128], ["train.checkpointing=full",
-                                                 f"model.path={model} model.config=null"])
+                                                 f"model.path={model} model.config=null "
+                                                 "data.tokenizer=null"])
     lines = []
     result = run(configs, steps=1, nproc=1, warmup=1, progress=lines.append)
     ok, failed = result.rows

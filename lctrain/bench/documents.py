@@ -192,17 +192,16 @@ def _data_lengths(path: Path, recipe, tokenizer, spec: str) -> list[int]:
     if recipe is None:
         raise ConfigError(f"--documents {spec!r} tokenizes the file with a recipe's tokenizer; "
                           f"name the recipe, or give lengths:FILE instead")
-    import pyarrow.compute as pc
+    from lctrain.data import Encoder, RecordReader, detect_format, load_tokenizer
 
-    from lctrain.data import load_documents, load_tokenizer, tokenize
-
-    cfg = replace(recipe, data=replace(recipe.data, source=str(path)))
-    documents, column = load_documents(cfg.data)
-    tokens = tokenize(documents, tokenizer if tokenizer is not None else load_tokenizer(cfg),
-                      column, in_memory=True)
-    ids = tokens.with_format("arrow")[:].column("input_ids").combine_chunks()
-    return [int(n) for n in pc.list_value_length(ids).to_numpy(zero_copy_only=False) if n > 0]
-
+    data = replace(recipe.data, source=str(path))
+    records = list(RecordReader(data))
+    if not records:
+        raise ConfigError(f"--documents {spec!r}: {path} holds no record")
+    fmt = data.format if data.format != "auto" else detect_format(records[0], data.text_field)[0]
+    encoder = Encoder(fmt, tokenizer if tokenizer is not None else
+                      load_tokenizer(replace(recipe, data=data)), data.text_field)
+    return [int(sample.ids.size) for sample in encoder.encode(records) if sample.ids.size]
 
 def _cut(stream: list[int], total: int, row: int, spec: str) -> list[int]:
     """Lengths of the documents within ``[row·total, (row+1)·total)`` of a stream of them."""

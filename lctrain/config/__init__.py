@@ -11,8 +11,16 @@ from lctrain.config.loader import (
     read_resolved,
     save_resolved,
 )
-from lctrain.config.paths import DEFAULT_RECIPE, local_data, shipped_recipes
+from lctrain.config.paths import (
+    DEFAULT_RECIPE,
+    is_placeholder,
+    local_data,
+    require_model_path,
+    shipped_recipes,
+)
 from lctrain.config.schema import (
+    BUILTIN_TOKENIZERS,
+    BYTE_PAIR_TOKENIZER_VOCAB,
     BYTE_TOKENIZER_VOCAB,
     SCHEDULE_LAYOUTS,
     CheckpointConfig,
@@ -27,9 +35,11 @@ from lctrain.config.sizes import format_bytes, format_tokens, parse_memory, pars
 from lctrain.errors import ConfigError
 
 __all__ = [
-    "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE", "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError",
-    "DataConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig",
-    "build_recipe", "format_bytes", "format_tokens", "load_recipe", "local_data", "parse_memory",
-    "parse_override", "parse_size", "parse_size_list", "read_resolved", "save_resolved",
+    "BUILTIN_TOKENIZERS", "BYTE_PAIR_TOKENIZER_VOCAB", "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE",
+    "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError", "DataConfig", "LoraConfig",
+    "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "build_recipe",
+    "format_bytes", "format_tokens", "is_placeholder", "load_recipe", "local_data", "parse_memory",
+    "parse_override", "parse_size", "parse_size_list", "read_resolved", "require_model_path",
+    "save_resolved",
     "shipped_recipes",
 ]

@@ -109,17 +109,51 @@ def local_data(source: str) -> LocalData | None:
     return LocalData(builder=builders.pop(), files=files)
 
 
+def is_placeholder(path: str | None) -> bool:
+    """True for a ``model.path`` still holding a recipe's placeholder, such as
+    ``<folder of Llama-3.1-8B>``: a value in angle brackets, which no real path or hub name is."""
+    return isinstance(path, str) and path.startswith("<") and path.endswith(">")
+
+
 def check_model_path(path: str | None) -> None:
-    """Raise ConfigError when ``model.path`` is neither an existing folder nor a hub name."""
-    if path is None:
+    """Raise ConfigError when ``model.path`` is neither a model folder nor a hub name.
+
+    A placeholder (see `is_placeholder`) passes here, so that a recipe for a real model can still
+    be read, printed and sized with ``estimate-memory --model``; anything that needs the model
+    itself calls `require_model_path`, which refuses it.
+    """
+    if path is None or is_placeholder(path):
         return
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise ConfigError(f"model.path {path!r} is a folder without config.json, so it is not "
+                              f"a Hugging Face model folder; point it at the folder holding "
+                              f"config.json and the *.safetensors weights", key="model.path")
         return
     if os.path.exists(expanded):
         raise ConfigError(f"model.path {path!r} is a file; point it at the model folder (the one "
                           f"holding config.json)", key="model.path")
     if not looks_like_hub_name(path):
         raise ConfigError(f"model.path {path!r} does not exist; point it at a local model folder "
-                          f"(with config.json) or a hub name such as meta-llama/Llama-2-7b-hf",
+                          f"(with config.json) or a hub name such as meta-llama/Llama-3.1-8B",
                           key="model.path")
+
+
+def require_model_path(path: str | None) -> str:
+    """``model.path`` for code that loads the model or its tokenizer.
+
+    Returns:
+        The path with ``~`` expanded for a local folder, or the hub name as given.
+
+    Raises:
+        ConfigError: the path is unset or still the recipe's placeholder, or not a model folder.
+    """
+    if path is None or is_placeholder(path):
+        shown = f"is still the placeholder {path!r}" if path else "is not set"
+        raise ConfigError(f"model.path {shown}: this recipe fine-tunes a pretrained model, so set "
+                          f"it to the model's folder (config.json, *.safetensors and tokenizer "
+                          f"files), e.g. --set model.path=/models/Llama-3.1-8B", key="model.path")
+    check_model_path(path)
+    expanded = os.path.expanduser(path)
+    return expanded if os.path.isdir(expanded) else path

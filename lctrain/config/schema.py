@@ -33,17 +33,31 @@ CHECKPOINTING_POLICIES = ("none", "full", "remat", "remat-offload")
 BYTE_TOKENIZER_VOCAB = 259
 """Vocabulary of the ``"bytes"`` tokenizer: 256 byte values + bos, eos, pad (see lctrain.data)."""
 
+BYTE_PAIR_TOKENIZER_VOCAB = 65795
+"""Vocabulary of the ``"byte-pairs"`` tokenizer: 65,536 byte pairs + 256 lone bytes + bos, eos,
+pad (see lctrain.data)."""
+
+BUILTIN_TOKENIZERS = {"bytes": BYTE_TOKENIZER_VOCAB, "byte-pairs": BYTE_PAIR_TOKENIZER_VOCAB}
+"""``data.tokenizer`` values that need no tokenizer files -> the vocabulary they need."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Which model to fine-tune: a pretrained one (``path``) or a random init (``config``)."""
+    """Which model to fine-tune: a pretrained one (``path``, with optional ``config`` overrides)
+    or a random init (``config`` alone)."""
 
     path: str | None = None
-    """Local model folder (with config.json and weights) or a hub name such as
-    ``meta-llama/Llama-2-7b-hf`` (hub only when online). Exactly one of path / config."""
+    """Local model folder (config.json, *.safetensors, tokenizer files) or a hub name such as
+    ``meta-llama/Llama-3.1-8B`` (hub only when online). Recipes for real models ship a
+    placeholder in angle brackets (``<folder of Llama-3.1-8B>``) that training refuses until it
+    is replaced."""
     config: dict | None = None
-    """A transformers config as a mapping (must include ``model_type``) for a randomly
-    initialised model. Exactly one of path / config."""
+    """Without ``path``: a whole transformers config (with ``model_type``) for a randomly
+    initialised model. With ``path``: overrides applied on top of the folder's config.json —
+    RoPE scaling, ``max_position_embeddings``, dropout, sliding window, ... — which may not change
+    the shapes of the folder's weights. RoPE is written as transformers 5 writes it,
+    ``rope_parameters: {rope_type, rope_theta, factor, ...}``; the older ``rope_theta`` and
+    ``rope_scaling`` keys are accepted too and folded into ``rope_parameters``."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Data type the model's parameters are created or loaded in."""
     trust_remote_code: bool = False
@@ -51,14 +65,20 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
-        if (self.path is None) == (self.config is None):
-            raise ConfigError("the recipe must set exactly one of model.path (a pretrained model) "
-                              "and model.config (a random init); set the other to null",
-                              key="model.path")
+        if self.path is None and self.config is None:
+            raise ConfigError("the recipe names no model; set model.path (a pretrained model "
+                              "folder) or model.config (a random init)", key="model.path")
         require(self.path != "", "model.path", "is empty; give a local folder or a hub name")
-        if self.config is not None:
-            require(isinstance(self.config.get("model_type"), str), "model.config",
-                    "must include model_type (e.g. model_type: llama)")
+        if self.path is None and not isinstance(self.config.get("model_type"), str):
+            raise ConfigError("model.path is not set and model.config has no model_type; set "
+                              "model.path to a pretrained model's folder, or give model.config a "
+                              "model_type (e.g. model_type: llama) to build a random init",
+                              key="model.config")
+
+    @property
+    def random_init(self) -> bool:
+        """True when the model is built from ``config`` with random weights (no ``path``)."""
+        return self.path is None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,8 +101,10 @@ class DataConfig:
     text_field: str = "text"
     """Field holding each document's text (the text format)."""
     tokenizer: str | None = None
-    """``bytes`` (byte-level, no download), a tokenizer folder or hub name, or null for the
-    tokenizer in model.path."""
+    """null (the default): the tokenizer stored in model.path. Otherwise a tokenizer folder or
+    hub name, or one of the tokenizers that need no files, for random-init models only:
+    ``bytes`` (UTF-8 bytes, 259 ids) or ``byte-pairs`` (two bytes a token, 65,795 ids: fills
+    most of a large vocabulary, as a benchmark twin of a real model should)."""
     seq_len: int = field(default=4096, metadata=SIZE)
     """Tokens per packed row (the context length trained on); accepts sizes such as 256k."""
     long_samples: Literal["auto", "split", "truncate_left", "truncate_right", "drop"] = "auto"
@@ -358,16 +380,23 @@ def _check_seq_len(cfg: RecipeConfig) -> None:
 
 
 def _check_tokenizer(cfg: RecipeConfig) -> None:
-    if cfg.model.config is None:
+    """A pretrained model reads its own tokenizer's ids; a random init has no tokenizer of its own."""
+    name = cfg.data.tokenizer
+    if not cfg.model.random_init:
+        if name in BUILTIN_TOKENIZERS:
+            raise ConfigError(f"data.tokenizer is {name} but model.path is set, and a pretrained "
+                              f"model understands only the ids of its own tokenizer; set "
+                              f"data.tokenizer=null (the tokenizer in model.path) or the folder "
+                              f"of a tokenizer that matches the model", key="data.tokenizer")
         return
-    if cfg.data.tokenizer is None:
+    if name is None:
         raise ConfigError("data.tokenizer is null (use the model's tokenizer) but model.config is a "
-                          "random init with no tokenizer; set data.tokenizer to bytes or a "
-                          "tokenizer folder", key="data.tokenizer")
-    vocab = cfg.model.config.get("vocab_size")
-    if cfg.data.tokenizer == "bytes" and isinstance(vocab, int) and vocab < BYTE_TOKENIZER_VOCAB:
-        raise ConfigError(f"model.config.vocab_size is {vocab} but the bytes tokenizer needs at "
-                          f"least {BYTE_TOKENIZER_VOCAB}; raise it", key="model.config.vocab_size")
+                          "random init with no tokenizer; set data.tokenizer to bytes, byte-pairs "
+                          "or a tokenizer folder", key="data.tokenizer")
+    need, vocab = BUILTIN_TOKENIZERS.get(name), cfg.model.config.get("vocab_size")
+    if need is not None and isinstance(vocab, int) and vocab < need:
+        raise ConfigError(f"model.config.vocab_size is {vocab} but the {name} tokenizer needs at "
+                          f"least {need}; raise it", key="model.config.vocab_size")
 
 
 def _plain(value):

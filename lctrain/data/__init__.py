@@ -15,10 +15,16 @@ from lctrain.data.formats import FORMATS, Encoder, Sample, detect_format
 from lctrain.data.packing import IGNORE, PackedRows, TokenStream, pack, plan_rows
 from lctrain.data.prepare import prepare_data, rows_summary, tokenizer_identity
 from lctrain.data.records import Record, RecordReader, builtin_documents
-from lctrain.data.tokenizer import ByteTokenizer, encode_documents, load_tokenizer, pad_token_id
+from lctrain.data.tokenizer import (
+    BytePairTokenizer,
+    ByteTokenizer,
+    encode_documents,
+    load_tokenizer,
+    pad_token_id,
+)
 
 __all__ = [
-    "FORMATS", "IGNORE", "ByteTokenizer", "Encoder", "PackedBatch", "PackedRows", "Record",
+    "FORMATS", "IGNORE", "BytePairTokenizer", "ByteTokenizer", "Encoder", "PackedBatch", "PackedRows", "Record",
     "RecordReader", "Sample", "TokenStream", "builtin_documents", "detect_format",
     "encode_documents", "iter_batches", "load_tokenizer", "pack", "pad_token_id", "plan_rows",
     "plan_steps", "prepare_data", "rows_summary", "shard_batch", "steps_summary",

@@ -1,16 +1,40 @@
-"""Tokenizers: a byte-level one that needs no download, or any transformers tokenizer.
+"""Tokenizers: the model's own, any transformers tokenizer, or a built-in one for random inits.
 
-The byte tokenizer maps a text to its UTF-8 bytes (ids 0–255) and adds three specials: bos (256),
-eos (257) and pad (258), so ``vocab_size`` is 259. It works offline everywhere, which is what the
-embedded default recipe and the random-init recipes need. It has a small chat format of its own
-(`ByteTokenizer.encode_chat`) for chat data.
+Which one (``data.tokenizer``):
+
+- null, the default: the tokenizer stored with ``model.path``, through ``AutoTokenizer``. A
+  pretrained model reads only its own tokenizer's ids, so the built-in ones are refused with a
+  model path (`lctrain.config` says so before anything runs);
+- a tokenizer folder or hub name: that tokenizer, whose vocabulary must fit the model's;
+- ``bytes``: UTF-8 bytes as ids 0–255, then bos 256, eos 257, pad 258 (259 ids). No files, no
+  download: the embedded tiny default;
+- ``byte-pairs``: two UTF-8 bytes a token (id 256·b0 + b1), a lone last byte as 65,536 + b, then
+  bos, eos, pad (65,795 ids). For random-init twins of real models in benchmarks: tokens carry
+  about as many bytes as a real tokenizer's, and the ids spread over a large vocabulary, so the
+  embedding and the output head see dense gradients as they would in a real run.
+
+Documents: each one becomes what the tokenizer's own ``add_special_tokens=True`` makes of it —
+the family's convention: Llama 2 and Mistral prepend ``<s>``, Llama 3 ``<|begin_of_text|>``,
+Qwen and GPT-2 nothing — followed by eos unless the tokenizer already ended it with eos (Llama
+3's ``<|end_of_text|>``, Qwen's ``<|endoftext|>``, ``</s>``): the end of every document is marked,
+as in the model's pretraining, even where the packed row continues with the next one.
+
+Both built-in tokenizers have a small chat format of their own (`ByteTokenizer.encode_chat`)
+for chat data.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from lctrain.config import BYTE_TOKENIZER_VOCAB, RecipeConfig
-from lctrain.errors import DataError
+import numpy as np
+
+from lctrain.config import (
+    BYTE_PAIR_TOKENIZER_VOCAB,
+    BYTE_TOKENIZER_VOCAB,
+    RecipeConfig,
+    require_model_path,
+)
+from lctrain.errors import ConfigError, DataError
 
 
 class ByteTokenizer:
@@ -23,20 +47,21 @@ class ByteTokenizer:
     vocab_size = BYTE_TOKENIZER_VOCAB
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``: ``[bos, *utf8_bytes, eos]`` (without bos/eos if asked)."""
-        ids = list(text.encode("utf-8"))
+        """Token ids of ``text``: ``[bos, *tokens, eos]`` (without bos/eos if asked)."""
+        ids = self._encode_bytes(text.encode("utf-8"))
         return [self.bos_token_id, *ids, self.eos_token_id] if add_special_tokens else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; specials are dropped (or shown as <bos>/<eos>/<pad>), bad UTF-8 replaced."""
+        """Text of ``ids``; specials dropped (or shown as <bos>/<eos>/<pad>), bad UTF-8 replaced."""
         names = {self.bos_token_id: "<bos>", self.eos_token_id: "<eos>", self.pad_token_id: "<pad>"}
         out, run = [], bytearray()
         for token in (int(i) for i in ids):
-            if token < 256:
-                run.append(token)
+            if token < self.bos_token_id:
+                run += self._token_bytes(token)
                 continue
             if token not in names:
-                raise ValueError(f"token id {token} is outside the byte vocabulary (0–{self.vocab_size - 1})")
+                raise ValueError(f"token id {token} is outside the {self.name_or_path} vocabulary "
+                                 f"(0–{self.vocab_size - 1})")
             out.append(run.decode("utf-8", errors="replace"))
             run = bytearray()
             if not skip_special_tokens:
@@ -73,37 +98,88 @@ class ByteTokenizer:
             ids, assistant = ids + header, assistant + [False] * len(header)
         return ids, assistant
 
+    def _encode_bytes(self, data: bytes) -> list[int]:
+        return list(data)
+
+    def _token_bytes(self, token: int) -> bytes:
+        return bytes((token,))
+
     def __len__(self) -> int:
         return self.vocab_size
 
     def __repr__(self) -> str:
-        return f"ByteTokenizer(vocab_size={self.vocab_size})"
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+class BytePairTokenizer(ByteTokenizer):
+    """Two UTF-8 bytes a token (id 256·b0 + b1); a lone last byte is 65,536 + b; then specials."""
+
+    name_or_path = "byte-pairs"
+    _LONE = 1 << 16
+    bos_token_id = _LONE + 256
+    eos_token_id = _LONE + 257
+    pad_token_id = _LONE + 258
+    vocab_size = BYTE_PAIR_TOKENIZER_VOCAB
+
+    def _encode_bytes(self, data: bytes) -> list[int]:
+        raw = np.frombuffer(data, dtype=np.uint8).astype(np.int64)  # (n,)
+        even = raw.shape[0] // 2 * 2
+        ids = raw[:even:2] * 256 + raw[1:even:2]  # (n // 2,)
+        tail = [self._LONE + int(raw[-1])] if raw.shape[0] % 2 else []
+        return [*ids.tolist(), *tail]
+
+    def _token_bytes(self, token: int) -> bytes:
+        return bytes((token - self._LONE,)) if token >= self._LONE else bytes(divmod(token, 256))
+
+
+BUILTIN = {"bytes": ByteTokenizer, "byte-pairs": BytePairTokenizer}
+"""The tokenizers that need no files, by ``data.tokenizer`` name (vocabularies as
+`lctrain.config.BUILTIN_TOKENIZERS` states them)."""
 
 
 def load_tokenizer(cfg: RecipeConfig) -> Any:
-    """The recipe's tokenizer: ByteTokenizer for ``bytes``, else a transformers AutoTokenizer.
-
-    ``data.tokenizer: null`` loads the tokenizer stored with ``model.path``.
+    """The recipe's tokenizer (see the module docstring), checked against the model's vocabulary.
 
     Raises:
+        ConfigError: model.path is unset or a placeholder where its tokenizer is wanted, or the
+            tokenizer has more ids than the model has embeddings.
         DataError: the tokenizer folder / hub name cannot be loaded (missing, or offline).
     """
     name = cfg.data.tokenizer
-    if name == "bytes":
-        return ByteTokenizer()
-    name = name or cfg.model.path
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    source = name or require_model_path(cfg.model.path)
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source,
+                                                  trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"could not load the tokenizer {name!r} ({reason}); point data.tokenizer "
-                        f"at a local tokenizer folder, or use data.tokenizer=bytes") from None
+        where = "the tokenizer" if name else "the tokenizer of model.path"
+        raise DataError(f"could not load {where} {source!r} ({reason}); point data.tokenizer at a "
+                        f"local tokenizer folder") from None
+    check_vocabulary(tokenizer, cfg)
+    return tokenizer
+
+
+def check_vocabulary(tokenizer: Any, cfg: RecipeConfig) -> None:
+    """Raise ConfigError when the tokenizer has ids the model has no embedding for."""
+    from lctrain.model.hf_config import resolve_config
+
+    model = cfg.model
+    config = resolve_config(model.path, model.config, trust_remote_code=model.trust_remote_code)
+    vocab = config.get_text_config().vocab_size
+    if len(tokenizer) > vocab:
+        shown = cfg.data.tokenizer or model.path
+        raise ConfigError(f"the tokenizer {shown!r} has {len(tokenizer)} tokens but the model's "
+                          f"vocab_size is {vocab}, so ids {vocab} and up have no embedding; use "
+                          f"the model's own tokenizer (data.tokenizer=null) or one that matches it",
+                          key="data.tokenizer")
 
 
 def encode_documents(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each document, ending in the tokenizer's eos (the packed boundary marker)."""
+    """Token ids of each document, as the module docstring says (ending in eos when it has one)."""
     if isinstance(tokenizer, ByteTokenizer):
         return [tokenizer.encode(text) for text in texts]
     ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"]

@@ -137,7 +137,8 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
         else:
             base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, is_bytes)
         tok.save_tokenizer(tokenizer, folder)
-    source = "bytes" if is_bytes else str(cfg.data.tokenizer or cfg.model.path)
+    source = ("bytes" if is_bytes else "none (byte-pairs has no transformers tokenizer)"
+              if tokenizer is None else str(cfg.data.tokenizer or cfg.model.path))
     return ExportResult(output=out, step=step, kind=kind, dtype=dtype, tokenizer=source,
                         base=base, files=write.listing(out))
 

@@ -68,22 +68,27 @@ def run_tokenizer(cfg: RecipeConfig) -> tuple[Any, bool]:
     """The tokenizer the run trained with, as a transformers tokenizer.
 
     Returns:
-        (tokenizer, whether it stands in for lctrain's byte tokenizer).
+        (tokenizer, whether it stands in for lctrain's byte tokenizer); the tokenizer is None
+        for ``byte-pairs``, the benchmark twins' tokenizer, which no transformers tokenizer
+        reproduces: such an export holds no tokenizer files.
 
     Raises:
         DataError: the run's tokenizer folder or hub name cannot be loaded any more.
     """
-    from lctrain.data.tokenizer import ByteTokenizer, load_tokenizer
+    from lctrain.data.tokenizer import BytePairTokenizer, ByteTokenizer, load_tokenizer
 
     tokenizer = load_tokenizer(cfg)
+    if isinstance(tokenizer, BytePairTokenizer):
+        return None, False
     if isinstance(tokenizer, ByteTokenizer):
         return byte_tokenizer_fast(), True
     return tokenizer, False
 
 
 def save_tokenizer(tokenizer: Any, folder: Path) -> None:
-    """Write ``tokenizer``'s files into ``folder``."""
-    tokenizer.save_pretrained(str(folder))
+    """Write ``tokenizer``'s files into ``folder`` (nothing for None: see `run_tokenizer`)."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
 
 
 def align_special_ids(model_config: Any, generation_config: Any | None) -> None:

@@ -61,7 +61,8 @@ def skeleton(cfg: RecipeConfig) -> nn.Module:
 
     model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
                        dtype=getattr(torch, cfg.model.dtype), device="meta",
-                       trust_remote_code=cfg.model.trust_remote_code)
+                       trust_remote_code=cfg.model.trust_remote_code,
+                       seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
     if cfg.lora.enabled:
         from lctrain.model.lora import apply_lora
 

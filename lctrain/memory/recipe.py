@@ -1,11 +1,13 @@
 """`estimate_recipe`: the memory model applied to a recipe (what ``lctrain estimate-memory`` calls)."""
 from __future__ import annotations
 
+from lctrain.config.paths import is_placeholder
 from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
 from lctrain.errors import UserError
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
 from lctrain.memory.estimate import estimate
 from lctrain.memory.lora import lora_shape
+from lctrain.memory.presets import PRESETS
 from lctrain.memory.report import MemoryEstimate
 from lctrain_kernels.vocabulary import seq_chunks
 
@@ -19,8 +21,8 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
     Args:
         cfg: the recipe (its lora section included); None uses the recipe defaults (cp 1,
             distflash, FSDP2, fp32 master weights with bf16 compute, no LoRA) around ``model``.
-        model: a preset name (llama-7b, llama3-8b, mistral-7b, qwen2.5-7b), a config.json or a
-            model folder; overrides the recipe's model.
+        model: a preset name (`lctrain.memory.presets`), a config.json or a model folder;
+            overrides the recipe's model.
         seq_len: tokens per sequence.
         gpus: GPUs in the job.
         gpu_memory: bytes per GPU.
@@ -52,19 +54,25 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
 
 
 def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:
-    """The architecture to estimate: ``model`` (preset, config.json, folder, or a hub name read
-    through transformers) if given, else the recipe's model.config or model.path.
+    """The architecture to estimate: ``model`` (preset, config.json, folder) if given, else the
+    recipe's model.path (a hub name is read through transformers; model.config overrides cannot
+    change its shapes) or its random-init model.config.
 
     Raises:
-        UserError: nothing to read an architecture from, or an unreadable config.
+        UserError: nothing to read an architecture from (model.path still a placeholder), or an
+            unreadable config.
     """
     if model is not None:
         return _architecture_of_path(model)
     if cfg is None:
         raise UserError("no model to estimate: pass a recipe or --model with a preset "
-                        "(llama-7b, llama3-8b, mistral-7b, qwen2.5-7b) or a config.json")
-    if cfg.model.config is not None:
+                        f"({', '.join(sorted(PRESETS))}) or a config.json")
+    if cfg.model.random_init:
         return from_config_dict(cfg.model.config, name=cfg.model.config.get("model_type"))
+    if is_placeholder(cfg.model.path):
+        raise UserError(f"model.path is still the placeholder {cfg.model.path!r}; set it with "
+                        f"--set model.path=FOLDER, or size the recipe with --model and a preset "
+                        f"({', '.join(sorted(PRESETS))})")
     return _architecture_of_path(cfg.model.path)
 
 

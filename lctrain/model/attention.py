@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lctrain.model.features import check_attention_call
+
 ATTENTION_NAME = "lctrain"
 
 
@@ -65,11 +67,14 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         (out (B, S_local, Hq, D), None).
 
     Raises:
-        ValueError: attention dropout, a sliding window or an explicit attention mask was given.
+        ConfigError: the call asks for more than exact causal attention (dropout, a window
+            shorter than the sequence, soft-capping, sinks, a bias, an explicit mask, ...);
+            `lctrain.model.features` names the setting.
     """
     import lctrain_kernels
 
-    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout)
+    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout,
+                                       kwargs)
     q = query.transpose(1, 2)  # (B, S, Hq, D)
     k = key.transpose(1, 2)  # (B, S, Hkv, D)
     v = value.transpose(1, 2)  # (B, S, Hkv, D)
@@ -87,15 +92,17 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def checked_inputs(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, attention_mask: torch.Tensor | None,
-                   dropout: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+                   kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What every attention function lctrain registers does first: refuse what it cannot honour,
     then bring q, k, v to the one dtype attention computes in.
 
     Raises:
-        ValueError: attention dropout, a sliding window or an explicit attention mask was given.
+        ConfigError: the call asks for more than exact causal attention
+            (`lctrain.model.features.check_attention_call` names the setting).
     """
-    _check_supported(module, attention_mask, dropout)
+    check_attention_call(module, query, value, attention_mask, dropout, kwargs,
+                         _global_len(query.shape[2], kwargs.get("cp_context")))
     return _one_dtype(query, key, value)
 
 
@@ -116,19 +123,13 @@ def _one_dtype(query: torch.Tensor, key: torch.Tensor,
     return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
-def _check_supported(module: torch.nn.Module, attention_mask, dropout: float) -> None:
-    if dropout:
-        raise ValueError(f"lctrain attention has no dropout but the model asks for {dropout}; "
-                         "set the model's attention_dropout to 0.")
-    window = getattr(module, "sliding_window", None)
-    if window:
-        raise ValueError(f"lctrain attention is full causal but this model uses a sliding window "
-                         f"of {window} tokens; disable it in the model config (sliding_window: null).")
-    if attention_mask is not None:
-        raise ValueError("lctrain attention builds its own causal/document mask; pass document "
-                         "boundaries as cp_context.cu_seqlens, not an attention_mask.")
-    if getattr(module, "is_causal", True) is False:
-        raise ValueError(f"lctrain attention is causal only, but {type(module).__name__} is not.")
+def _global_len(local_len: int, ctx: CPContext | None) -> int:
+    """Tokens of the whole sequence: every rank of the cp group holds ``local_len`` of them."""
+    if ctx is None or ctx.group is None:
+        return local_len
+    import torch.distributed as dist
+
+    return local_len * dist.get_world_size(ctx.group)
 
 
 def register_attention() -> str:

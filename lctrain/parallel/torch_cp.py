@@ -132,7 +132,8 @@ def torch_cp_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         ValueError: a document mask, dropout, a sliding window or an attention mask was given.
         RuntimeError: called outside `TorchContextParallel.session`.
     """
-    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout)
+    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout,
+                                       kwargs)
     ctx = kwargs.get("cp_context")
     if ctx is not None and ctx.cu_seqlens is not None:
         raise ValueError("the context_parallel schedule has no document mask; train with "

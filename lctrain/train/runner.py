@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from lctrain.config import RecipeConfig, save_resolved
 from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
                           rows_summary, steps_summary)
 from lctrain.export import export_final as write_final
-from lctrain.model import load_model
+from lctrain.model import check_model, load_model
 from lctrain.model.lora import apply_lora
 from lctrain.model.structure import decoder_layers
 from lctrain.parallel.checkpointing import apply_checkpointing
@@ -67,6 +68,9 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
         UserError: an invalid process layout, no checkpoint to resume from, a model or data
             source that cannot be read, ... (from this process or the first failing rank).
     """
+    warnings = check_model(cfg)  # before any process starts or any weight loads
+    for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     return launch.dispatch(cfg, run_worker, resume=resume, nproc=nproc)
 
 
@@ -174,7 +178,8 @@ def build_model(setup: RunSetup) -> ModelParts:
     model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
                        dtype=getattr(torch, cfg.model.dtype), device=accelerator.device,
                        attn_implementation=setup.cp.attention,
-                       trust_remote_code=cfg.model.trust_remote_code)
+                       trust_remote_code=cfg.model.trust_remote_code,
+                       seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
     n_params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
