@@ -1,6 +1,7 @@
-"""docsplit: a document-masked block cut into dense pieces, its call plan, and the backend
-against the float64 reference — locally, through the attention API, and through dist_attention
-on gloo (one spawn of three ranks, with a sub-group of two)."""
+"""docsplit: a document-masked block cut into dense pieces, its priced call plan, and the
+backend against the float64 reference — locally, through the attention API, and through
+dist_attention on gloo (one spawn of three ranks, with a sub-group of two)."""
+import math
 import random
 
 import pytest
@@ -12,8 +13,11 @@ from lctrain_kernels.backends import (BackendUnavailable, auto_order, available_
                                       get_backend, select_backend)
 from lctrain_kernels.backends.docsplit import DocSplitBackend
 from lctrain_kernels.distributed import make_schedule, shard
-from lctrain_kernels.docsplit import (MIN_DENSE, SHAPE_STEPS, DenseCall, MaskedCall, dense_rows,
+from lctrain_kernels.docsplit import (BATCH_STEPS, DenseCall, MaskedCall, batch_sizes,
+                                      call_ranges, dense_rows, ladder_down, ladder_up, layout,
                                       pieces, split_block)
+from lctrain_kernels.docsplit_cost import CPU_MODEL, GPU_MODEL, CostModel
+from lctrain_kernels.docsplit_docs import causal_pairs
 from lctrain_kernels.masks import MaskSpec, Relation, classify, dense_mask
 from lctrain_kernels.reference import reference_backward, reference_forward
 from spawn import run_on_ranks
@@ -37,7 +41,18 @@ SHAPES = {
     "zero_length_intersection": (MaskSpec(True, 50, 10, bounds_of(30, 25, 45)), 50, 30),
     "not_causal": (MaskSpec(False, 0, 16, bounds_of(23, 40, 17, 30)), 70, 80),
     "offset_without_docs": (MaskSpec(True, 48, 16, None), 40, 64),
+    "ragged_then_short": (MaskSpec(True, 0, 0, bounds_of(11, 20, 11, 5, 30, 11, 6, 9)), 103, 103),
 }
+
+# Prices that steer the plan to each way of running a document (with force_dense=True;
+# every price gives an exact plan, these make sure each path is taken):
+#: a call costs more than any copy: equal padded sizes are gathered into one call
+GATHER = CostModel(1.0, 1.0, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0)
+#: gathering is ruinous: ragged documents are padded up as views instead of cut down
+PAD = CostModel(1.0, 1.0, 1e9, 2.0, 1.0, 0.0, 0.0, 0.0)
+#: masked calls cost, dense calls and copies do not: short documents packed into one call
+PACK = CostModel(0.0, 1.0, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0)
+MODELS = {"cpu": CPU_MODEL, "gather": GATHER, "pad": PAD, "pack": PACK}
 
 
 def visible(spec: MaskSpec, sq: int, sk: int) -> torch.Tensor:
@@ -45,27 +60,34 @@ def visible(spec: MaskSpec, sq: int, sk: int) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool) if mask is None else mask
 
 
-def piece_mask(sq, sk, q0, k0, n, length_q, length_k, causal) -> torch.Tensor:
-    """Coverage counts (sq, sk) of ``n`` adjacent pieces."""
-    counts = torch.zeros(sq, sk, dtype=torch.int32)
-    tri = torch.ones(length_q, length_k, dtype=torch.bool)
-    if causal:
-        tri = tri.tril()
-    for i in range(n):
-        a, c = q0 + i * length_q, k0 + i * length_k
-        counts[a:a + length_q, c:c + length_k] += tri.int()
-    return counts
+def tri(rows: int, keys: int, causal: bool) -> torch.Tensor:
+    t = torch.ones(rows, keys, dtype=torch.int32)
+    return t.tril() if causal else t
 
 
 def random_block(rng: random.Random):
-    n = rng.randint(2, 70)
-    cuts = sorted(rng.sample(range(1, n), rng.randint(0, min(8, n - 1))))
+    n = rng.randint(2, 90)
+    cuts = sorted(rng.sample(range(1, n), rng.randint(0, min(12, n - 1))))
     bounds = tuple([0, *cuts, n]) if rng.random() < 0.85 else None
     q0, k0 = rng.randint(0, n - 1), rng.randint(0, n - 1)
-    if rng.random() < 0.3:
+    if rng.random() < 0.4:
         k0 = q0
     sq, sk = rng.randint(1, n - q0), rng.randint(1, n - k0)
     return MaskSpec(rng.random() < 0.8, q0, k0, bounds), sq, sk
+
+
+def random_model(rng: random.Random) -> CostModel:
+    price = lambda: rng.choice([0.0, 1e-3, 1e-2, 0.1, 1.0])  # noqa: E731
+    return CostModel(price(), price(), price(), rng.choice([1.0, 2.0, 4.0]), 1.0,
+                     rng.choice([0, 2, 10]), rng.choice([0, 3, 20]), rng.choice([0, 1, 5]))
+
+
+def lognormal_lengths(total: int, median: float, sigma: float, seed: int) -> list[int]:
+    rng, out = random.Random(seed), []
+    while sum(out) < total:
+        out.append(min(max(1, round(rng.lognormvariate(math.log(median), sigma))),
+                       total - sum(out)))
+    return out
 
 
 def test_pieces_cover_every_visible_pair_exactly_once():
@@ -76,7 +98,7 @@ def test_pieces_cover_every_visible_pair_exactly_once():
         ps = pieces(spec, sq, sk)
         for p in ps:
             assert p.sq > 0 and p.sk > 0 and p.q0 + p.sq <= sq and p.k0 + p.sk <= sk
-            got += piece_mask(sq, sk, p.q0, p.k0, 1, p.sq, p.sk, p.causal)
+            got[p.q0:p.q0 + p.sq, p.k0:p.k0 + p.sk] += tri(p.sq, p.sk, p.causal)
         want = visible(spec, sq, sk)
         assert torch.equal(got, want.int()), (spec, sq, sk, ps)
         assert sum(p.pairs for p in ps) == int(want.sum())
@@ -84,72 +106,136 @@ def test_pieces_cover_every_visible_pair_exactly_once():
             assert sum(not p.causal for p in ps) <= 1 and all(p.sk <= p.sq for p in ps if p.causal)
 
 
-@pytest.mark.parametrize("min_dense, steps, share", [(4, 4, 0.0), (8, 0, 0.0), (1, 32, 0.5),
-                                                     (16, 2, 0.3)])
-def test_plan_computes_every_visible_pair_once(min_dense, steps, share):
-    """Dense pieces plus masked rectangles (under the block's mask) count each pair once."""
+def test_causal_pairs_count_the_lower_triangle_in_any_window():
+    for r0, r1, c0, c1 in ((a, b, c, d) for a in range(6) for b in range(8) for c in range(6)
+                           for d in range(8)):
+        want = sum(1 for t in range(r0, r1) for j in range(c0, c1) if j <= t)
+        assert causal_pairs(r0, r1, c0, c1) == want, (r0, r1, c0, c1)
+
+
+def check_plan(spec, sq, sk, plan, min_dense, steps):
+    """Each visible pair computed exactly once by the plan's dense entries (real rows), masked
+    calls (under the block's mask) and packed documents; shapes on the ladders; views inside
+    the block; gathered and packed calls never share a row; free rows see nothing."""
+    want = visible(spec, sq, sk)
+    got = torch.zeros(sq, sk, dtype=torch.int32)
+    for c in plan.dense:
+        assert c.sq >= min_dense and c.sk >= min_dense and c.n in batch_sizes(c.n, BATCH_STEPS)
+        assert c.sq == ladder_down(c.sq, steps) and c.sk == ladder_down(c.sk, steps)
+        assert not c.padded or (c.causal and c.sq == c.sk)
+        for i in range(c.n):
+            if not c.gather:  # a view: the batch's rows lie inside the block
+                assert c.q0[i] + c.sq <= sq and c.k0[i] + c.sk <= sk
+            if c.n > 1 and not c.gather:  # adjacent and unpadded
+                assert (c.q0[i], c.k0[i], c.rows[i]) == (c.q0[0] + i * c.sq, c.k0[0] + i * c.sk, c.sq)
+            rows, keys = c.rows[i], c.keys(i)
+            got[c.q0[i]:c.q0[i] + rows, c.k0[i]:c.k0[i] + keys] += tri(rows, keys, c.causal)
+    assert not (got.bool() & ~want).any(), (spec, sq, sk, plan)  # dense never unmasked
+    for m in plan.masked:
+        got[m.q0:m.q1, m.k0:m.k1] += want[m.q0:m.q1, m.k0:m.k1].int()
+    if plan.packed is not None:
+        for a, b, n in zip(plan.packed.q0, plan.packed.k0, plan.packed.n):
+            got[a:a + n, b:b + n] += tri(n, n, spec.causal)
+    assert torch.equal(got, want.int()), (spec, sq, sk, plan)
+    assert plan.pairs == int(want.sum())
+    lay, ranges = layout(plan, sq, sk), call_ranges(plan)
+    alone = [i for i, c in enumerate(plan.dense) if c.gather]
+    alone += [len(ranges) - 1] if plan.packed is not None else []
+    assert not set(alone) & (lay.shared_q | lay.shared_k)
+    for a, b in lay.free_q:
+        assert not want[a:b].any()
+    for a, b in lay.free_k:
+        assert not want[:, a:b].any()
+    for i in lay.shared_q:  # shares a row with another call
+        assert any(a < d and c < b for a, b in ranges[i][0] for j, r in enumerate(ranges)
+                   if j != i for c, d in r[0])
+
+
+def test_plans_compute_every_visible_pair_once_under_any_prices():
     rng = random.Random(torch.randint(0, 2**31, ()).item())
-    for spec, sq, sk in [random_block(rng) for _ in range(150)] + list(SHAPES.values()):
-        plan = split_block(spec, sq, sk, min_dense, steps, share)
-        want = visible(spec, sq, sk)
-        got = torch.zeros(sq, sk, dtype=torch.int32)
-        for c in plan.dense:
-            assert c.sq >= min_dense and c.sk >= min_dense
-            assert c.sq == dense_rows(c.sq, min_dense, steps)  # on the ladder
-            assert c.sk == dense_rows(c.sk, min_dense, steps)
-            got += piece_mask(sq, sk, c.q0, c.k0, c.n, c.sq, c.sk, c.causal)
-        assert not (got.bool() & ~want).any(), (spec, sq, sk, plan)  # dense never unmasked
-        for m in plan.masked:
-            got[m.q0:m.q1, m.k0:m.k1] += want[m.q0:m.q1, m.k0:m.k1].int()
-        assert torch.equal(got, want.int()), (spec, sq, sk, plan)
-        assert plan.pairs == int(want.sum())
-        assert plan.dense_pairs >= share * plan.pairs or plan.masked == (MaskedCall(0, sq, 0, sk),)
+    cases = [random_block(rng) for _ in range(250)] + list(SHAPES.values()) * 6
+    for spec, sq, sk in cases:
+        model = random_model(rng) if rng.random() < 0.6 else rng.choice(list(MODELS.values()))
+        min_dense, steps, force = rng.choice([1, 2, 4, 8]), rng.choice([0, 1, 2, 4, 8]), rng.random() < 0.4
+        plan = split_block(spec, sq, sk, min_dense, steps, model, rng.choice([1, 64]), force)
+        check_plan(spec, sq, sk, plan, min_dense, steps)
+        if not force:  # the plan is never priced above one masked call for the block
+            assert plan.cost_us <= plan.masked_cost_us
 
 
-def test_plan_batches_equal_documents_and_leaves_short_ones_to_the_masked_kernel():
-    eight = MaskSpec(True, 0, 0, bounds_of(*[8192] * 8))
-    plan = split_block(eight, 65536, 65536)
-    assert plan == split_block(eight, 65536, 65536, MIN_DENSE, SHAPE_STEPS)
-    assert plan.dense == (DenseCall(0, 0, 8192, 8192, 8, True),) and plan.masked == ()
+def test_each_price_takes_its_path():
+    spec, sq, sk = SHAPES["ragged_then_short"]
+    plan = split_block(spec, sq, sk, 8, 2, GATHER, 64, True)
+    gathered = DenseCall(12, 12, True, (0, 31, 77, 94), (0, 31, 77, 94), (11, 11, 11, 9), True)
+    assert gathered in plan.dense  # the last one reads past the block: clamped
+    plan = split_block(spec, sq, sk, 8, 2, PAD, 64, True)
+    assert DenseCall(12, 12, True, (0,), (0,), (11,)) in plan.dense and plan.packed is None
+    plan = split_block(spec, sq, sk, 8, 2, PACK, 64, True)
+    assert plan.packed is not None and plan.packed.n == (5, 6) and plan.packed.q0 == (42, 88)
+    assert plan.packed.bounds == (0, 5, 11)
+    down = split_block(spec, sq, sk, 8, 2, CPU_MODEL, 64, True)
+    assert MaskedCall(27, 31, 11, 31) in down.masked  # 20 rows: 16 dense, 4 left over
+
+
+def test_plans_of_benchmark_mixes_under_the_gpu_prices():
+    """Equal neighbours share a view call; lengths on the ladder stay exact; many short ragged
+    documents run as one masked call unless forced; the ladders bound the shapes."""
+    s, work = 65536, 32 * 128
+    plan = split_block(MaskSpec(True, 0, 0, bounds_of(*[8192] * 8)), s, s, work=work)
+    assert plan.dense == (DenseCall(8192, 8192, True, tuple(range(0, s, 8192)),
+                                    tuple(range(0, s, 8192)), (8192,) * 8),)
+    assert plan.masked == () and plan.packed is None and layout(plan, s, s).whole
+    assert plan.cost_us < plan.masked_cost_us
+    for length in (512, 1024, 2048):
+        plan = split_block(MaskSpec(True, 0, 0, bounds_of(*[length] * (s // length))), s, s, work=work)
+        assert [(c.sq, c.n) for c in plan.dense] == [(length, s // length)] and not plan.masked
     mix = bounds_of(20480, 12288, 9216, 7168, 5120, 4096, 2048, 2048, 2048, 1024)
-    plan = split_block(MaskSpec(True, 0, 0, mix), 65536, 65536)
-    assert [(c.sq, c.n) for c in plan.dense] == [(20480, 1), (12288, 1), (9216, 1), (7168, 1),
-                                                 (5120, 1), (4096, 1), (2048, 3), (1024, 1)]
-    assert plan.masked == () and plan.dense_pairs == plan.pairs
-    # 8000 rows run 7936 dense; its last 64 rows join the short documents after it
-    plan = split_block(MaskSpec(True, 0, 0, bounds_of(8000, 500, 300, 4096)), 12896, 12896)
-    assert plan.dense == (DenseCall(0, 0, 7936, 7936, 1, True),
-                          DenseCall(8800, 8800, 4096, 4096, 1, True))
-    assert plan.masked == (MaskedCall(7936, 8800, 0, 8800),)
-    tiny = split_block(MaskSpec(True, 0, 0, bounds_of(*[500] * 8, 1200)), 5200, 5200)
-    assert tiny.dense == () and tiny.masked == (MaskedCall(0, 5200, 0, 5200),)  # mostly short
+    plan = split_block(MaskSpec(True, 0, 0, mix), s, s, work=work)
+    assert {c.sq for c in plan.dense} >= {20480, 12288, 9216, 7168, 5120, 4096, 2048}
+    assert not any(c.padded or c.gather for c in plan.dense) and plan.dense_pairs > 0.99 * plan.pairs
+    short = bounds_of(*lognormal_lengths(s, 1024, 0.6, 0))
+    plan = split_block(MaskSpec(True, 0, 0, short), s, s, work=work)
+    assert plan.dense == () and plan.masked == (MaskedCall(0, s, 0, s),)
+    forced = split_block(MaskSpec(True, 0, 0, short), s, s, work=work, force_dense=True)
+    assert forced.dense and forced.cost_us > plan.cost_us == plan.masked_cost_us
+    shapes = {(c.n, c.sq, c.sk) for c in forced.dense}
+    assert len({sq for _, sq, _ in shapes}) <= 8 * 3 + 1  # lengths of 256..4K: 8 per octave
 
 
-def test_dense_rows_follow_a_ladder_of_shape_steps_per_octave():
-    seen: dict[int, set] = {}
-    for n in list(range(1, 5000)) + list(range(5000, 300000, 97)):
-        m = dense_rows(n)
-        if n < MIN_DENSE:
-            assert m == 0
-            continue
-        step = (1 << (n.bit_length() - 1)) // SHAPE_STEPS
-        assert m % step == 0 and n - step < m <= n
-        seen.setdefault(n.bit_length(), set()).add(m)
-    assert all(len(values) <= SHAPE_STEPS + 1 for values in seen.values())
+def test_ladders():
+    for steps in (1, 2, 4, 8):
+        seen: dict[int, set] = {}
+        for n in list(range(1, 3000)) + list(range(3000, 300000, 97)):
+            down, up = ladder_down(n, steps), ladder_up(n, steps)
+            step = max(1, (1 << (n.bit_length() - 1)) // steps)
+            assert down % step == 0 and n - step < down <= n <= up < n + step
+            assert ladder_down(up, steps) == up == ladder_up(up, steps)  # on the ladder
+            seen.setdefault(n.bit_length(), set()).update({down})
+        assert all(len(values) <= steps for values in seen.values())
+    assert ladder_down(1100, 0) == ladder_up(1100, 0) == 1100
     assert dense_rows(1100, 1024, 0) == 1100 and dense_rows(1000, 1024, 0) == 0
+    assert dense_rows(1100, 1024, 8) == 1024 and dense_rows(300, 256, 8) == 288
+    for n in range(1, 200):
+        sizes = batch_sizes(n)
+        assert sum(sizes) == n and sizes == sorted(sizes, reverse=True)
+        assert len(sizes) <= 1 + math.log(n, 3) + 1e-9  # each batch leaves under a third
+        assert all(ladder_down(b, BATCH_STEPS) == b for b in sizes)
 
 
-def check_against_reference(backend, spec, sq, sk, dtype, tol, hq=4, hkv=2, batch=2, d=16):
+def check_against_reference(backend, spec, sq, sk, dtype, tol, hq=4, hkv=2, batch=2, d=16,
+                            lse_grad=False):
     q = torch.randn(batch, sq, hq, d, dtype=dtype)
     k, v = (torch.randn(batch, sk, hkv, d, dtype=dtype) for _ in range(2))
     do = torch.randn_like(q)
+    dlse = torch.randn(batch, hq, sq, dtype=dtype) if lse_grad else None
     rel, scale = classify(spec, sq, sk), d ** -0.5
     assert backend.unsupported(q, k, v, spec, rel) is None
     out, lse = backend.forward(q, k, v, spec, rel, scale)
-    grads = backend.backward(do, q, k, v, out, lse, spec, rel, scale)
+    grads = backend.backward(do, q, k, v, out, lse, spec, rel, scale, dlse)
     up = [t.double() for t in (q, k, v, do)]
     ref_out, ref_lse = reference_forward(*up[:3], spec, scale)
-    ref = reference_backward(up[3], *up[:3], ref_out, ref_lse, spec, scale)
+    ref = reference_backward(up[3], *up[:3], ref_out, ref_lse, spec, scale,
+                             dlse=None if dlse is None else dlse.double())
     assert torch.equal(lse.isinf(), ref_lse.isinf())  # rows that see nothing: -inf, out 0
     assert not out[lse.isinf().transpose(1, 2)].any()
     seen = ref_lse.isfinite()
@@ -162,7 +248,7 @@ def check_against_reference(backend, spec, sq, sk, dtype, tol, hq=4, hkv=2, batc
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_backend_matches_float64_reference_on_every_mask_shape(name):
     spec, sq, sk = SHAPES[name]
-    backend = DocSplitBackend(min_dense=8, shape_steps=4, min_dense_share=0.0)
+    backend = DocSplitBackend(min_dense=8, shape_steps=4)
     plan = backend.plan(torch.empty(1, sq, 1, 1), spec, sk)
     if name != "zero_length_intersection":  # every other shape has a document long enough
         assert plan.dense, plan
@@ -170,15 +256,36 @@ def test_backend_matches_float64_reference_on_every_mask_shape(name):
         check_against_reference(backend, spec, sq, sk, torch.float64, 1e-6, hkv=hkv, batch=batch)
 
 
+@pytest.mark.parametrize("model", ["gather", "pad", "pack"])
+def test_backend_matches_float64_reference_on_every_path(model):
+    """Gathered batches (rows clamped at the block's end), padded squares (borrowed rows with
+    lse = +inf in the backward), packed masked calls; with the lse's gradient, GQA, B = 2."""
+    taken = set()
+    for name, (spec, sq, sk) in SHAPES.items():
+        backend = DocSplitBackend(min_dense=4, shape_steps=2, model=MODELS[model], force_dense=True)
+        plan = backend.plan(torch.empty(2, sq, 4, 16), spec, sk)
+        taken |= {"gather" for c in plan.dense if c.gather} | {"pack" for _ in [plan.packed] if _}
+        taken |= {"pad" for c in plan.dense if c.padded and not c.gather}
+        check_against_reference(backend, spec, sq, sk, torch.float64, 1e-6, lse_grad=True)
+    assert model in taken
+
+
 def test_backend_with_triton_masked_calls():
-    """The Triton kernel (interpreter) on short documents, ragged ends and a FULL part, float32."""
-    backend = DocSplitBackend(masked="triton", min_dense=16, shape_steps=4, min_dense_share=0.0)
+    """The Triton kernel (interpreter) on short documents, ragged ends and a FULL part, and on
+    a packed call of gathered short documents, float32."""
+    backend = DocSplitBackend(masked="triton", min_dense=16, shape_steps=4)
     spec, sq, sk = MaskSpec(True, 16, 0, bounds_of(40, 7, 3, 22)), 56, 72
     plan = backend.plan(torch.empty(1, sq, 1, 1), spec, sk)
-    assert plan.dense == (DenseCall(0, 0, 24, 16, 1, False), DenseCall(0, 16, 24, 24, 1, True),
-                          DenseCall(34, 50, 20, 20, 1, True))
+    assert plan.dense == (DenseCall(24, 16, False, (0,), (0,), (24,)),
+                          DenseCall(24, 24, True, (0,), (16,), (24,)),
+                          DenseCall(20, 20, True, (34,), (50,), (20,)))
     assert plan.masked == (MaskedCall(24, 34, 40, 50), MaskedCall(54, 56, 50, 72))
     check_against_reference(backend, spec, sq, sk, torch.float32, 2e-4, batch=1)
+    backend = DocSplitBackend(masked="triton", min_dense=16, shape_steps=4, model=PACK,
+                              force_dense=True)
+    spec, sq, sk = MaskSpec(True, 0, 0, bounds_of(5, 40, 9, 32, 3)), 89, 89
+    assert backend.plan(torch.empty(1, sq, 1, 1), spec, sk).packed.n == (5, 9, 3)
+    check_against_reference(backend, spec, sq, sk, torch.float32, 2e-4, batch=1, lse_grad=True)
 
 
 def test_attention_api_by_name_with_autograd_and_lse_gradient():
