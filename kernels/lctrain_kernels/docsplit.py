@@ -359,7 +359,8 @@ def call_ranges(split: Split) -> list[tuple[list[tuple[int, int]], list[tuple[in
     out += [([(c.q0, c.q1)], [(c.k0, c.k1)]) for c in split.masked]
     if split.packed is not None:
         p = split.packed
-        out.append(([(a, a + n) for a, n in zip(p.q0, p.n)], [(a, a + n) for a, n in zip(p.k0, p.n)]))
+        out.append(([(a, a + n) for a, n in zip(p.q0, p.n)],
+                    [(a, a + n) for a, n in zip(p.k0, p.n)]))
     return out
 
 

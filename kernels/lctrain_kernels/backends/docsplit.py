@@ -190,7 +190,8 @@ class _Rows:
 
     def finish(self, free) -> tuple[torch.Tensor, ...]:
         """Combine the shared parts, fill the rows nobody computed; the result tensors."""
-        cuts = sorted({x for a, b, _ in self.parts for x in (a, b)} | {x for r in self.unset for x in r})
+        cuts = sorted({x for a, b, _ in self.parts for x in (a, b)}
+                      | {x for r in self.unset for x in r})
         for lo, hi in zip(cuts, cuts[1:]):
             covering = [self._narrow(ts, lo - a, hi - lo) for a, b, ts in self.parts
                         if a <= lo and hi <= b]
@@ -253,7 +254,8 @@ def _dense_forward(be, call: DenseCall, cid: int, q, k, v, scale: float, rows: _
         out, lse = be.forward(_batch(q, q0, n, call.sq), _batch(k, k0, n, call.sk),
                               _batch(v, k0, n, call.sk), piece, rel, scale)
         real = n * call.sq if n > 1 else call.rows[first]
-        rows.put(cid, q0, q0 + real, (_unbatch(out, b)[:, :real], _unbatch_lse(lse, b)[:, :, :real]))
+        rows.put(cid, q0, q0 + real,
+                 (_unbatch(out, b)[:, :real], _unbatch_lse(lse, b)[:, :, :real]))
 
 
 def _dense_backward(be, call: DenseCall, cid: int, g: _Grad, qrows: _Rows, krows: _Rows) -> None:
@@ -372,7 +374,8 @@ class DocSplitBackend:
             if rel is Relation.EMPTY:
                 rows.nothing(cid, r.start, r.stop)
                 continue
-            rows.put(cid, r.start, r.stop, masked.forward(q[:, r], k[:, c], v[:, c], sub, rel, scale))
+            rows.put(cid, r.start, r.stop,
+                     masked.forward(q[:, r], k[:, c], v[:, c], sub, rel, scale))
         if plan.packed is not None:
             _, sub, rel, iq, ik = _packed_mask(plan, spec, q.device)
             rows.scatter(iq, masked.forward(q.index_select(1, iq), k.index_select(1, ik),
