@@ -58,8 +58,8 @@ from lctrain_kernels.docsplit_docs import (Doc, Masked, MaskedCall, Option, Piec
 from lctrain_kernels.masks import MaskSpec
 
 __all__ = ["BATCH_STEPS", "MIN_DENSE", "MIN_DENSE_CPU", "SHAPE_STEPS", "DenseCall", "Layout",
-           "MaskedCall", "PackedCall", "Piece", "Split", "batch_sizes", "dense_rows",
-           "ladder_down", "ladder_up", "layout", "pieces", "split_block"]
+           "MaskedCall", "PackedCall", "Piece", "Split", "batch_sizes", "call_ranges",
+           "dense_rows", "ladder_down", "ladder_up", "layout", "pieces", "split_block"]
 
 #: dense pieces have at least this many query rows; shorter documents run masked.
 MIN_DENSE = 256
