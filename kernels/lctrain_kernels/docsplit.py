@@ -30,17 +30,19 @@ document what :mod:`lctrain_kernels.docsplit_cost` prices cheapest:
 * **dense, padded up** — a causal square of ``M = ladder_up(n)`` rows from the document's
   first row: rows ``n..M`` belong to the next document, but causal rows see only keys before
   them, so the first ``n`` rows are exact and the rest is dropped (the backward gives them
-  lse = +inf, so they move no gradient). One call, no remainder, ``M² - n²`` wasted pairs.
+  lse = +inf, so they move no gradient). One call, no remainder, about ``(M² - n²) / 2``
+  wasted pairs.
 * **dense, gathered** — padded-up squares of the same ``M`` anywhere in the block, copied
   into one ``(n, M, H, D)`` batch: one call for many documents, at the price of the copies.
 
-Adjacent documents of one exact ladder size always run as one batched view (``64x1k``). The
-batch of a dense call is itself on a ladder (1, 2, 3, 4, 6, 8, 12, ...), since cuDNN builds an
-execution plan per input SHAPE, far slower than running it, and every step of real data brings
-new lengths: the ladders keep the shapes few, so its cache fills within a few steps. Pieces
-that are not squares (the first document of a distributed block, a document whose keys end
-inside the block) run cut down in both dimensions, the keys cut off on the masked kernel for
-the same rows (merged through the lse).
+Documents shorter than ``min_dense`` always run masked. Adjacent documents of one exact
+ladder size that run dense share one batched view call (``64x1k``: one call), and are priced
+so. The batch of a dense call is itself on a ladder (1, 2, 3, 4, 6, 8, 12, ...), since cuDNN
+builds an execution plan per input SHAPE, far slower than running it, and every step of real
+data brings new lengths: the ladders keep the shapes few, so its cache fills within a few
+steps. Pieces that are not squares (the first document of a distributed block, a document
+whose keys end inside the block) run cut down in both dimensions, the keys cut off on the
+masked kernel for the same rows (merged through the lse).
 
 Finally the whole plan is priced against one masked call for the whole block, and the
 cheaper runs. Everything is host arithmetic on positions and ``doc_bounds`` (host ints),

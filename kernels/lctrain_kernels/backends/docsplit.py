@@ -27,198 +27,19 @@ back summed per group from the inner backends.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from lctrain_kernels.backends import BackendUnavailable, get_backend
-from lctrain_kernels.combine import merge_many_into, sum_into
+from lctrain_kernels.backends.docsplit_rows import (Keep, Rows, batch, batch_lse, gather,
+                                                    gather_index, gather_lse, packed_index,
+                                                    select, unbatch, unbatch_lse, view_runs)
 from lctrain_kernels.distributed.accumulate import lse_dtype
-from lctrain_kernels.docsplit import (MIN_DENSE, MIN_DENSE_CPU, SHAPE_STEPS, DenseCall,
-                                      PackedCall, Split, layout, split_block)
+from lctrain_kernels.docsplit import (MIN_DENSE, MIN_DENSE_CPU, SHAPE_STEPS, DenseCall, Split,
+                                      layout, split_block)
 from lctrain_kernels.docsplit_cost import CPU_MODEL, GPU_MODEL, CostModel
 from lctrain_kernels.masks import MaskSpec, Relation, classify
-
-_INF = float("inf")
-
-
-class _Index(NamedTuple):
-    """Device indices of a gathered call: rows read into the batch (clamped to the block),
-    positions of its real rows in the batch (None: all are real) and their block rows, for
-    queries and for keys; ``pad``: (n, sq) bool, the borrowed rows (None: none)."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    src_q: torch.Tensor | None
-    dst_q: torch.Tensor
-    src_k: torch.Tensor | None
-    dst_k: torch.Tensor
-    pad: torch.Tensor | None
-
-
-def _device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host index on ``device`` without stalling the host (pinned, asynchronous copy)."""
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
-
-
-@functools.lru_cache(maxsize=256)
-def _gather_index(call: DenseCall, sq: int, sk: int, device: torch.device) -> _Index:
-    """The indices of a gathered dense call (built once per call and device, then cached)."""
-    tq, tk = torch.arange(call.sq), torch.arange(call.sk)
-    q = torch.cat([(a + tq).clamp_(max=sq - 1) for a in call.q0])
-    k = torch.cat([(a + tk).clamp_(max=sk - 1) for a in call.k0])
-    real_q = torch.cat([tq < r for r in call.rows])  # (n*sq,)
-    real_k = torch.cat([tk < call.keys(i) for i in range(call.n)])
-    src_q, src_k = real_q.nonzero().flatten(), real_k.nonzero().flatten()
-    return _Index(_device(q, device), _device(k, device),
-                  _device(src_q, device) if call.padded else None, _device(q[src_q], device),
-                  _device(src_k, device) if call.padded else None, _device(k[src_k], device),
-                  _device(~real_q.view(call.n, call.sq), device) if call.padded else None)
-
-
-@functools.lru_cache(maxsize=64)
-def _packed_index(call: PackedCall, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block rows of the packed call's queries and keys, in packed order."""
-    q = torch.cat([torch.arange(a, a + n) for a, n in zip(call.q0, call.n)])
-    k = torch.cat([torch.arange(a, a + n) for a, n in zip(call.k0, call.n)])
-    return _device(q, device), _device(k, device)
-
-
-def _batch(x: torch.Tensor, start: int, n: int, length: int) -> torch.Tensor:
-    """Rows ``start ... start + n*length`` of x as a batch (B*n, length, ...): a view (the
-    caller checks :func:`_viewable`)."""
-    part = x[:, start:start + n * length]  # (B, n*length, ...)
-    return part if n == 1 else part.view(x.shape[0] * n, length, *x.shape[2:])
-
-
-def _batch_lse(lse: torch.Tensor, start: int, n: int, length: int, pad_from: int | None = None):
-    """The lse (B, H, S) of the same rows as (B*n, H, length); with ``pad_from``, a copy whose
-    rows from there on are +inf (a padded square's borrowed rows)."""
-    b, h, _ = lse.shape
-    part = lse[:, :, start:start + n * length]  # (B, H, n*length)
-    if n > 1:
-        return part.reshape(b, h, n, length).transpose(1, 2).reshape(b * n, h, length)
-    if pad_from is not None and pad_from < length:
-        part = part.clone()
-        part[:, :, pad_from:] = _INF
-    return part
-
-
-def _gather(x: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """Rows ``index`` of x (B, S, ...) as a batch (B*n, len(index)/n, ...)."""
-    g = x.index_select(1, index)  # (B, n*L, ...)
-    return g.view(x.shape[0] * n, -1, *x.shape[2:])
-
-
-def _gather_lse(lse: torch.Tensor, index: torch.Tensor, n: int, pad=None) -> torch.Tensor:
-    """Columns ``index`` of an lse (B, H, S) as (B*n, H, L); ``pad`` (n, L) rows set to +inf."""
-    b, h, _ = lse.shape
-    g = lse.index_select(2, index).view(b, h, n, -1)  # (B, H, n, L)
-    if pad is not None:
-        g = g.masked_fill(pad, _INF)
-    return g.transpose(1, 2).reshape(b * n, h, -1)
-
-
-def _unbatch(x: torch.Tensor, b: int) -> torch.Tensor:
-    """(B*n, L, ...) -> (B, n*L, ...)."""
-    return x.reshape(b, -1, *x.shape[2:])
-
-
-def _unbatch_lse(lse: torch.Tensor, b: int) -> torch.Tensor:
-    """(B*n, H, L) -> (B, H, n*L)."""
-    bn, h, length = lse.shape
-    return lse.reshape(b, bn // b, h, length).transpose(1, 2).reshape(b, h, -1)
-
-
-def _select(x: torch.Tensor, index: torch.Tensor | None, dim: int) -> torch.Tensor:
-    return x if index is None else x.index_select(dim, index)
-
-
-def _viewable(x: torch.Tensor, n: int, length: int) -> bool:
-    """Whether n adjacent pieces of ``length`` rows of x view as one batch (B = 1, or the
-    pieces hold all of x's rows)."""
-    return n == 1 or x.shape[0] == 1 or x.stride(0) == n * length * x.stride(1)
-
-
-def _view_runs(call: DenseCall, rows: list[torch.Tensor], keys: list[torch.Tensor]):
-    """(first entry, count) of each view call that runs ``call``: all its entries at once,
-    or (a batch that cannot be a view of every tensor, B > 1) one entry at a time."""
-    if (all(_viewable(t, call.n, call.sq) for t in rows)
-            and all(_viewable(t, call.n, call.sk) for t in keys)):
-        return [(0, call.n)]
-    return [(i, 1) for i in range(call.n)]
-
-
-class _Rows:
-    """The block's result tensors of one side (query rows: out and lse, or dq; key rows: dk
-    and dv), filled call by call: rows that one call computes are written at once; parts of
-    calls that share rows are kept and combined once in :meth:`finish`."""
-
-    def __init__(self, dsts: tuple[torch.Tensor, ...], dims: tuple[int, ...], shared, merge):
-        self.dsts, self.dims, self.shared, self.merge = dsts, dims, shared, merge
-        self.parts: list[tuple[int, int, tuple[torch.Tensor, ...]]] = []
-        self.unset: list[tuple[int, int]] = []  # rows of shared calls that saw nothing
-
-    def _narrow(self, tensors, a: int, n: int) -> list[torch.Tensor]:
-        return [t.narrow(dim, a, n) for t, dim in zip(tensors, self.dims)]
-
-    def put(self, call: int, a: int, b: int, parts: tuple[torch.Tensor, ...]) -> None:
-        """Call ``call``'s result for rows ``[a, b)``."""
-        if call in self.shared:
-            self.parts.append((a, b, parts))
-            return
-        for dst, src in zip(self._narrow(self.dsts, a, b - a), parts):
-            dst.copy_(src)
-
-    def nothing(self, call: int, a: int, b: int) -> None:
-        """Call ``call`` sees no pair in rows ``[a, b)`` (skipped)."""
-        if call in self.shared:
-            self.unset.append((a, b))
-        else:
-            self.identity(a, b)
-
-    def scatter(self, index: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> None:
-        """Rows ``index`` of a gathered call (never shared: the plan gathers whole documents)."""
-        for dst, dim, src in zip(self.dsts, self.dims, parts):
-            dst.index_copy_(dim, index, src.to(dst.dtype))
-
-    def identity(self, a: int, b: int) -> None:
-        """Rows ``[a, b)`` that no call computes: out 0 and lse -inf, or zero gradients."""
-        for i, t in enumerate(self._narrow(self.dsts, a, b - a)):
-            t.fill_(-_INF if self.merge and i == 1 else 0)
-
-    def finish(self, free) -> tuple[torch.Tensor, ...]:
-        """Combine the shared parts, fill the rows nobody computed; the result tensors."""
-        cuts = sorted({x for a, b, _ in self.parts for x in (a, b)}
-                      | {x for r in self.unset for x in r})
-        for lo, hi in zip(cuts, cuts[1:]):
-            covering = [self._narrow(ts, lo - a, hi - lo) for a, b, ts in self.parts
-                        if a <= lo and hi <= b]
-            target = self._narrow(self.dsts, lo, hi - lo)
-            if len(covering) == 1:
-                for d, s in zip(target, covering[0]):
-                    d.copy_(s)
-            elif covering and self.merge:
-                merge_many_into(target[0], target[1], [tuple(c) for c in covering])
-            elif covering:
-                for j, d in enumerate(target):
-                    sum_into(d, [c[j] for c in covering])
-            elif any(a <= lo and hi <= b for a, b in self.unset):
-                self.identity(lo, hi)
-        for a, b in free:
-            self.identity(a, b)
-        return self.dsts
-
-
-class _Keep:
-    """Takes the one result of a plan whose single view call computes the whole block."""
-
-    def __init__(self):
-        self.parts: tuple[torch.Tensor, ...] = ()
-
-    def put(self, call: int, a: int, b: int, parts: tuple[torch.Tensor, ...]) -> None:
-        self.parts = parts
 
 
 class _Grad(NamedTuple):
@@ -239,48 +60,48 @@ def _dense_mask(call: DenseCall) -> tuple[MaskSpec, Relation]:
     return piece, classify(piece, call.sq, call.sk)
 
 
-def _dense_forward(be, call: DenseCall, cid: int, q, k, v, scale: float, rows: _Rows) -> None:
+def _dense_forward(be, call: DenseCall, cid: int, q, k, v, scale: float, rows: Rows) -> None:
     """Run one dense call and hand its real rows to ``rows``."""
     (piece, rel), b = _dense_mask(call), q.shape[0]
     if call.gather:
-        ix = _gather_index(call, q.shape[1], k.shape[1], q.device)
-        out, lse = be.forward(_gather(q, ix.q, call.n), _gather(k, ix.k, call.n),
-                              _gather(v, ix.k, call.n), piece, rel, scale)
-        rows.scatter(ix.dst_q, (_select(_unbatch(out, b), ix.src_q, 1),
-                                _select(_unbatch_lse(lse, b), ix.src_q, 2)))
+        ix = gather_index(call, q.shape[1], k.shape[1], q.device)
+        out, lse = be.forward(gather(q, ix.q, call.n), gather(k, ix.k, call.n),
+                              gather(v, ix.k, call.n), piece, rel, scale)
+        rows.scatter(ix.dst_q, (select(unbatch(out, b), ix.src_q, 1),
+                                select(unbatch_lse(lse, b), ix.src_q, 2)))
         return
-    for first, n in _view_runs(call, [q], [k, v]):
+    for first, n in view_runs(call, [q], [k, v]):
         q0, k0 = call.q0[first], call.k0[first]
-        out, lse = be.forward(_batch(q, q0, n, call.sq), _batch(k, k0, n, call.sk),
-                              _batch(v, k0, n, call.sk), piece, rel, scale)
+        out, lse = be.forward(batch(q, q0, n, call.sq), batch(k, k0, n, call.sk),
+                              batch(v, k0, n, call.sk), piece, rel, scale)
         real = n * call.sq if n > 1 else call.rows[first]
         rows.put(cid, q0, q0 + real,
-                 (_unbatch(out, b)[:, :real], _unbatch_lse(lse, b)[:, :, :real]))
+                 (unbatch(out, b)[:, :real], unbatch_lse(lse, b)[:, :, :real]))
 
 
-def _dense_backward(be, call: DenseCall, cid: int, g: _Grad, qrows: _Rows, krows: _Rows) -> None:
+def _dense_backward(be, call: DenseCall, cid: int, g: _Grad, qrows: Rows, krows: Rows) -> None:
     """Run one dense call's backward and hand its real rows' gradients to ``qrows`` / ``krows``."""
     (piece, rel), b, n = _dense_mask(call), g.q.shape[0], call.n
     if call.gather:
-        ix = _gather_index(call, g.q.shape[1], g.k.shape[1], g.q.device)
-        grads = be.backward(_gather(g.do, ix.q, n), _gather(g.q, ix.q, n), _gather(g.k, ix.k, n),
-                            _gather(g.v, ix.k, n), _gather(g.out, ix.q, n),
-                            _gather_lse(g.lse, ix.q, n, ix.pad), piece, rel, g.scale,
-                            None if g.dlse is None else _gather_lse(g.dlse, ix.q, n))
-        qrows.scatter(ix.dst_q, (_select(_unbatch(grads[0], b), ix.src_q, 1),))
-        krows.scatter(ix.dst_k, tuple(_select(_unbatch(x, b), ix.src_k, 1) for x in grads[1:]))
+        ix = gather_index(call, g.q.shape[1], g.k.shape[1], g.q.device)
+        grads = be.backward(gather(g.do, ix.q, n), gather(g.q, ix.q, n), gather(g.k, ix.k, n),
+                            gather(g.v, ix.k, n), gather(g.out, ix.q, n),
+                            gather_lse(g.lse, ix.q, n, ix.pad), piece, rel, g.scale,
+                            None if g.dlse is None else gather_lse(g.dlse, ix.q, n))
+        qrows.scatter(ix.dst_q, (select(unbatch(grads[0], b), ix.src_q, 1),))
+        krows.scatter(ix.dst_k, tuple(select(unbatch(x, b), ix.src_k, 1) for x in grads[1:]))
         return
-    for first, n in _view_runs(call, [g.do, g.q, g.out], [g.k, g.v]):
+    for first, n in view_runs(call, [g.do, g.q, g.out], [g.k, g.v]):
         q0, k0, sq, sk = call.q0[first], call.k0[first], call.sq, call.sk
         pad = call.rows[first] if n == 1 else None
-        grads = be.backward(_batch(g.do, q0, n, sq), _batch(g.q, q0, n, sq),
-                            _batch(g.k, k0, n, sk), _batch(g.v, k0, n, sk),
-                            _batch(g.out, q0, n, sq), _batch_lse(g.lse, q0, n, sq, pad), piece,
-                            rel, g.scale, None if g.dlse is None else _batch_lse(g.dlse, q0, n, sq))
+        grads = be.backward(batch(g.do, q0, n, sq), batch(g.q, q0, n, sq),
+                            batch(g.k, k0, n, sk), batch(g.v, k0, n, sk),
+                            batch(g.out, q0, n, sq), batch_lse(g.lse, q0, n, sq, pad), piece,
+                            rel, g.scale, None if g.dlse is None else batch_lse(g.dlse, q0, n, sq))
         real_q = n * sq if n > 1 else call.rows[first]
         real_k = n * sk if n > 1 else call.keys(first)
-        qrows.put(cid, q0, q0 + real_q, (_unbatch(grads[0], b)[:, :real_q],))
-        krows.put(cid, k0, k0 + real_k, tuple(_unbatch(x, b)[:, :real_k] for x in grads[1:]))
+        qrows.put(cid, q0, q0 + real_q, (unbatch(grads[0], b)[:, :real_q],))
+        krows.put(cid, k0, k0 + real_k, tuple(unbatch(x, b)[:, :real_k] for x in grads[1:]))
 
 
 def _masked_blocks(plan: Split, spec: MaskSpec):
@@ -297,7 +118,7 @@ def _packed_mask(plan: Split, spec: MaskSpec, device):
     call = plan.packed
     sub, total = MaskSpec(spec.causal, 0, 0, call.bounds), sum(call.n)
     return (len(plan.dense) + len(plan.masked), sub, classify(sub, total, total),
-            *_packed_index(call, device))
+            *packed_index(call, device))
 
 
 class DocSplitBackend:
@@ -361,13 +182,13 @@ class DocSplitBackend:
         if not plan.dense:  # one masked call for the whole block
             return masked.forward(q, k, v, spec, relation, scale)
         lay, b = layout(plan, sq, sk), q.shape[0]
-        if lay.whole and len(_view_runs(plan.dense[0], [q], [k, v])) == 1:
-            keep = _Keep()
+        if lay.whole and len(view_runs(plan.dense[0], [q], [k, v])) == 1:
+            keep = Keep()
             _dense_forward(dense, plan.dense[0], 0, q, k, v, scale, keep)
             return keep.parts
         out = torch.empty_like(q)  # (B, Sq, Hq, D)
         lse = q.new_empty((b, q.shape[2], sq), dtype=lse_dtype(q.dtype))  # (B, Hq, Sq)
-        rows = _Rows((out, lse), (1, 2), lay.shared_q, True)
+        rows = Rows((out, lse), (1, 2), lay.shared_q, True)
         for cid, call in enumerate(plan.dense):
             _dense_forward(dense, call, cid, q, k, v, scale, rows)
         for cid, sub, rel, r, c in _masked_blocks(plan, spec):
@@ -390,12 +211,12 @@ class DocSplitBackend:
         if not plan.dense:
             return masked.backward(do, q, k, v, out, lse, spec, relation, scale, dlse)
         lay, g = layout(plan, sq, sk), _Grad(do, q, k, v, out, lse, dlse, scale)
-        if lay.whole and len(_view_runs(plan.dense[0], [do, q, out], [k, v])) == 1:
-            keep_q, keep_k = _Keep(), _Keep()
+        if lay.whole and len(view_runs(plan.dense[0], [do, q, out], [k, v])) == 1:
+            keep_q, keep_k = Keep(), Keep()
             _dense_backward(dense, plan.dense[0], 0, g, keep_q, keep_k)
             return keep_q.parts[0], *keep_k.parts
-        qrows = _Rows((torch.empty_like(q),), (1,), lay.shared_q, False)
-        krows = _Rows((torch.empty_like(k), torch.empty_like(v)), (1, 1), lay.shared_k, False)
+        qrows = Rows((torch.empty_like(q),), (1,), lay.shared_q, False)
+        krows = Rows((torch.empty_like(k), torch.empty_like(v)), (1, 1), lay.shared_k, False)
         for cid, call in enumerate(plan.dense):
             _dense_backward(dense, call, cid, g, qrows, krows)
         for cid, sub, rel, r, c in _masked_blocks(plan, spec):
