@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Packed documents on one CUDA GPU: docsplit's cost model calibrated, then docsplit against
-our Triton kernel and dense cuDNN (about 2-3 minutes on an H200).
+our Triton kernel and dense cuDNN (a few minutes on an H200).
 
     python scripts/gpu_docsplit.py          # writes $OUT/gpu_docsplit.json when $OUT is set
 
