@@ -1,155 +1,49 @@
-"""docsplit: a document-masked block cut into dense pieces, its call plan, and the backend
-against the float64 reference — locally, through the attention API, and through dist_attention
-on gloo (one spawn of three ranks, with a sub-group of two)."""
-import random
-
+"""docsplit's backend against the float64 reference on every mask shape and every path —
+locally, through the attention API, and through dist_attention on gloo (one spawn of three
+ranks, with a sub-group of two); on a GPU, bf16 cuDNN paths against float32 math."""
 import pytest
 import torch
 import torch.distributed as dist
 
+from docsplit_cases import GATHER, MODELS, PACK, PAD, SHAPES, bounds_of, lognormal_lengths
 from lctrain_kernels import attention_with_lse, dist_attention_with_lse
 from lctrain_kernels.backends import (BackendUnavailable, auto_order, available_backends,
                                       get_backend, select_backend)
 from lctrain_kernels.backends.docsplit import DocSplitBackend
 from lctrain_kernels.distributed import make_schedule, shard
-from lctrain_kernels.docsplit import (MIN_DENSE, SHAPE_STEPS, DenseCall, MaskedCall, dense_rows,
-                                      pieces, split_block)
-from lctrain_kernels.masks import MaskSpec, Relation, classify, dense_mask
+from lctrain_kernels.docsplit import DenseCall, MaskedCall
+from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.reference import reference_backward, reference_forward
 from spawn import run_on_ranks
 
 
-def bounds_of(*lengths: int) -> tuple[int, ...]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return tuple(out)
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Fresh "empty" tensors come filled with NaN: a row the backend forgets to write shows."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **kw: poison(new_empty(self, *a, **kw)))
 
 
-#: name -> (spec, sq, sk): every mask shape docsplit must cut right.
-SHAPES = {
-    "many_short": (MaskSpec(True, 0, 0, bounds_of(*([9, 5, 12, 3, 7] * 6), 44)), 150, 150),
-    "few_long_with_tails": (MaskSpec(True, 0, 0, bounds_of(70, 41, 33)), 144, 144),
-    "one_doc_over_the_block": (MaskSpec(True, 40, 0, bounds_of(300)), 56, 90),
-    "doc_crossing_chunks": (MaskSpec(True, 64, 0, bounds_of(20, 90, 50)), 64, 64),
-    "offset_keys_into_queries": (MaskSpec(True, 40, 24, bounds_of(30, 44, 6, 50)), 60, 64),
-    "keys_end_inside_a_doc": (MaskSpec(True, 0, 0, bounds_of(10, 60, 30)), 100, 45),
-    "zero_length_intersection": (MaskSpec(True, 50, 10, bounds_of(30, 25, 45)), 50, 30),
-    "not_causal": (MaskSpec(False, 0, 16, bounds_of(23, 40, 17, 30)), 70, 80),
-    "offset_without_docs": (MaskSpec(True, 48, 16, None), 40, 64),
-}
-
-
-def visible(spec: MaskSpec, sq: int, sk: int) -> torch.Tensor:
-    mask = dense_mask(spec, sq, sk)
-    return torch.ones(sq, sk, dtype=torch.bool) if mask is None else mask
-
-
-def piece_mask(sq, sk, q0, k0, n, length_q, length_k, causal) -> torch.Tensor:
-    """Coverage counts (sq, sk) of ``n`` adjacent pieces."""
-    counts = torch.zeros(sq, sk, dtype=torch.int32)
-    tri = torch.ones(length_q, length_k, dtype=torch.bool)
-    if causal:
-        tri = tri.tril()
-    for i in range(n):
-        a, c = q0 + i * length_q, k0 + i * length_k
-        counts[a:a + length_q, c:c + length_k] += tri.int()
-    return counts
-
-
-def random_block(rng: random.Random):
-    n = rng.randint(2, 70)
-    cuts = sorted(rng.sample(range(1, n), rng.randint(0, min(8, n - 1))))
-    bounds = tuple([0, *cuts, n]) if rng.random() < 0.85 else None
-    q0, k0 = rng.randint(0, n - 1), rng.randint(0, n - 1)
-    if rng.random() < 0.3:
-        k0 = q0
-    sq, sk = rng.randint(1, n - q0), rng.randint(1, n - k0)
-    return MaskSpec(rng.random() < 0.8, q0, k0, bounds), sq, sk
-
-
-def test_pieces_cover_every_visible_pair_exactly_once():
-    rng = random.Random(torch.randint(0, 2**31, ()).item())
-    cases = [random_block(rng) for _ in range(300)] + list(SHAPES.values())
-    for spec, sq, sk in cases:
-        got = torch.zeros(sq, sk, dtype=torch.int32)
-        ps = pieces(spec, sq, sk)
-        for p in ps:
-            assert p.sq > 0 and p.sk > 0 and p.q0 + p.sq <= sq and p.k0 + p.sk <= sk
-            got += piece_mask(sq, sk, p.q0, p.k0, 1, p.sq, p.sk, p.causal)
-        want = visible(spec, sq, sk)
-        assert torch.equal(got, want.int()), (spec, sq, sk, ps)
-        assert sum(p.pairs for p in ps) == int(want.sum())
-        if spec.causal:  # only the document of the first query has a FULL part
-            assert sum(not p.causal for p in ps) <= 1 and all(p.sk <= p.sq for p in ps if p.causal)
-
-
-@pytest.mark.parametrize("min_dense, steps, share", [(4, 4, 0.0), (8, 0, 0.0), (1, 32, 0.5),
-                                                     (16, 2, 0.3)])
-def test_plan_computes_every_visible_pair_once(min_dense, steps, share):
-    """Dense pieces plus masked rectangles (under the block's mask) count each pair once."""
-    rng = random.Random(torch.randint(0, 2**31, ()).item())
-    for spec, sq, sk in [random_block(rng) for _ in range(150)] + list(SHAPES.values()):
-        plan = split_block(spec, sq, sk, min_dense, steps, share)
-        want = visible(spec, sq, sk)
-        got = torch.zeros(sq, sk, dtype=torch.int32)
-        for c in plan.dense:
-            assert c.sq >= min_dense and c.sk >= min_dense
-            assert c.sq == dense_rows(c.sq, min_dense, steps)  # on the ladder
-            assert c.sk == dense_rows(c.sk, min_dense, steps)
-            got += piece_mask(sq, sk, c.q0, c.k0, c.n, c.sq, c.sk, c.causal)
-        assert not (got.bool() & ~want).any(), (spec, sq, sk, plan)  # dense never unmasked
-        for m in plan.masked:
-            got[m.q0:m.q1, m.k0:m.k1] += want[m.q0:m.q1, m.k0:m.k1].int()
-        assert torch.equal(got, want.int()), (spec, sq, sk, plan)
-        assert plan.pairs == int(want.sum())
-        assert plan.dense_pairs >= share * plan.pairs or plan.masked == (MaskedCall(0, sq, 0, sk),)
-
-
-def test_plan_batches_equal_documents_and_leaves_short_ones_to_the_masked_kernel():
-    eight = MaskSpec(True, 0, 0, bounds_of(*[8192] * 8))
-    plan = split_block(eight, 65536, 65536)
-    assert plan == split_block(eight, 65536, 65536, MIN_DENSE, SHAPE_STEPS)
-    assert plan.dense == (DenseCall(0, 0, 8192, 8192, 8, True),) and plan.masked == ()
-    mix = bounds_of(20480, 12288, 9216, 7168, 5120, 4096, 2048, 2048, 2048, 1024)
-    plan = split_block(MaskSpec(True, 0, 0, mix), 65536, 65536)
-    assert [(c.sq, c.n) for c in plan.dense] == [(20480, 1), (12288, 1), (9216, 1), (7168, 1),
-                                                 (5120, 1), (4096, 1), (2048, 3), (1024, 1)]
-    assert plan.masked == () and plan.dense_pairs == plan.pairs
-    # 8000 rows run 7936 dense; its last 64 rows join the short documents after it
-    plan = split_block(MaskSpec(True, 0, 0, bounds_of(8000, 500, 300, 4096)), 12896, 12896)
-    assert plan.dense == (DenseCall(0, 0, 7936, 7936, 1, True),
-                          DenseCall(8800, 8800, 4096, 4096, 1, True))
-    assert plan.masked == (MaskedCall(7936, 8800, 0, 8800),)
-    tiny = split_block(MaskSpec(True, 0, 0, bounds_of(*[500] * 8, 1200)), 5200, 5200)
-    assert tiny.dense == () and tiny.masked == (MaskedCall(0, 5200, 0, 5200),)  # mostly short
-
-
-def test_dense_rows_follow_a_ladder_of_shape_steps_per_octave():
-    seen: dict[int, set] = {}
-    for n in list(range(1, 5000)) + list(range(5000, 300000, 97)):
-        m = dense_rows(n)
-        if n < MIN_DENSE:
-            assert m == 0
-            continue
-        step = (1 << (n.bit_length() - 1)) // SHAPE_STEPS
-        assert m % step == 0 and n - step < m <= n
-        seen.setdefault(n.bit_length(), set()).add(m)
-    assert all(len(values) <= SHAPE_STEPS + 1 for values in seen.values())
-    assert dense_rows(1100, 1024, 0) == 1100 and dense_rows(1000, 1024, 0) == 0
-
-
-def check_against_reference(backend, spec, sq, sk, dtype, tol, hq=4, hkv=2, batch=2, d=16):
+def check_against_reference(backend, spec, sq, sk, dtype, tol, hq=4, hkv=2, batch=2, d=16,
+                            lse_grad=False):
     q = torch.randn(batch, sq, hq, d, dtype=dtype)
     k, v = (torch.randn(batch, sk, hkv, d, dtype=dtype) for _ in range(2))
     do = torch.randn_like(q)
+    dlse = torch.randn(batch, hq, sq, dtype=dtype) if lse_grad else None
     rel, scale = classify(spec, sq, sk), d ** -0.5
     assert backend.unsupported(q, k, v, spec, rel) is None
     out, lse = backend.forward(q, k, v, spec, rel, scale)
-    grads = backend.backward(do, q, k, v, out, lse, spec, rel, scale)
+    grads = backend.backward(do, q, k, v, out, lse, spec, rel, scale, dlse)
     up = [t.double() for t in (q, k, v, do)]
     ref_out, ref_lse = reference_forward(*up[:3], spec, scale)
-    ref = reference_backward(up[3], *up[:3], ref_out, ref_lse, spec, scale)
+    ref = reference_backward(up[3], *up[:3], ref_out, ref_lse, spec, scale,
+                             dlse=None if dlse is None else dlse.double())
     assert torch.equal(lse.isinf(), ref_lse.isinf())  # rows that see nothing: -inf, out 0
     assert not out[lse.isinf().transpose(1, 2)].any()
     seen = ref_lse.isfinite()
@@ -160,9 +54,9 @@ def check_against_reference(backend, spec, sq, sk, dtype, tol, hq=4, hkv=2, batc
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_backend_matches_float64_reference_on_every_mask_shape(name):
+def test_backend_matches_float64_reference_on_every_mask_shape(name, poisoned):
     spec, sq, sk = SHAPES[name]
-    backend = DocSplitBackend(min_dense=8, shape_steps=4, min_dense_share=0.0)
+    backend = DocSplitBackend(min_dense=8, shape_steps=4)
     plan = backend.plan(torch.empty(1, sq, 1, 1), spec, sk)
     if name != "zero_length_intersection":  # every other shape has a document long enough
         assert plan.dense, plan
@@ -170,15 +64,36 @@ def test_backend_matches_float64_reference_on_every_mask_shape(name):
         check_against_reference(backend, spec, sq, sk, torch.float64, 1e-6, hkv=hkv, batch=batch)
 
 
+@pytest.mark.parametrize("model", ["gather", "pad", "pack"])
+def test_backend_matches_float64_reference_on_every_path(model, poisoned):
+    """Gathered batches (rows clamped at the block's end), padded squares (borrowed rows with
+    lse = +inf in the backward), packed masked calls; with the lse's gradient, GQA, B = 2."""
+    taken = set()
+    for name, (spec, sq, sk) in SHAPES.items():
+        backend = DocSplitBackend(min_dense=4, shape_steps=2, model=MODELS[model], force_dense=True)
+        plan = backend.plan(torch.empty(2, sq, 4, 16), spec, sk)
+        taken |= {"gather" for c in plan.dense if c.gather} | {"pack" for _ in [plan.packed] if _}
+        taken |= {"pad" for c in plan.dense if c.padded and not c.gather}
+        check_against_reference(backend, spec, sq, sk, torch.float64, 1e-6, lse_grad=True)
+    assert model in taken
+
+
 def test_backend_with_triton_masked_calls():
-    """The Triton kernel (interpreter) on short documents, ragged ends and a FULL part, float32."""
-    backend = DocSplitBackend(masked="triton", min_dense=16, shape_steps=4, min_dense_share=0.0)
+    """The Triton kernel (interpreter) on short documents, ragged ends and a FULL part, and on
+    a packed call of gathered short documents, float32."""
+    backend = DocSplitBackend(masked="triton", min_dense=16, shape_steps=4)
     spec, sq, sk = MaskSpec(True, 16, 0, bounds_of(40, 7, 3, 22)), 56, 72
     plan = backend.plan(torch.empty(1, sq, 1, 1), spec, sk)
-    assert plan.dense == (DenseCall(0, 0, 24, 16, 1, False), DenseCall(0, 16, 24, 24, 1, True),
-                          DenseCall(34, 50, 20, 20, 1, True))
+    assert plan.dense == (DenseCall(24, 16, False, (0,), (0,), (24,)),
+                          DenseCall(24, 24, True, (0,), (16,), (24,)),
+                          DenseCall(20, 20, True, (34,), (50,), (20,)))
     assert plan.masked == (MaskedCall(24, 34, 40, 50), MaskedCall(54, 56, 50, 72))
     check_against_reference(backend, spec, sq, sk, torch.float32, 2e-4, batch=1)
+    backend = DocSplitBackend(masked="triton", min_dense=16, shape_steps=4, model=PACK,
+                              force_dense=True)
+    spec, sq, sk = MaskSpec(True, 0, 0, bounds_of(5, 40, 9, 32, 3)), 89, 89
+    assert backend.plan(torch.empty(1, sq, 1, 1), spec, sk).packed.n == (5, 9, 3)
+    check_against_reference(backend, spec, sq, sk, torch.float32, 2e-4, batch=1, lse_grad=True)
 
 
 def test_attention_api_by_name_with_autograd_and_lse_gradient():
@@ -280,20 +195,19 @@ def test_dist_attention_with_docsplit_at_two_and_three_ranks():
         assert not bad, bad
 
 
-def _gpu_errors(backend, q, k, v, do, spec) -> tuple[float, float]:
+def _gpu_errors(backend, block, ref) -> tuple[float, float]:
     """(forward, gradient) errors against float32 math on the upcast inputs: the largest
     |difference| of out (and of dq, dk, dv) over that tensor's largest |value|; lse absolute."""
+    q, k, v, do, spec = block
     sq, sk, scale = q.shape[1], k.shape[1], q.shape[-1] ** -0.5
     rel = classify(spec, sq, sk)
     out, lse = backend.forward(q, k, v, spec, rel, scale)
     grads = backend.backward(do, q, k, v, out, lse, spec, rel, scale)
-    up = [t.float() for t in (q, k, v, do)]
-    ref_out, ref_lse = reference_forward(*up[:3], spec, scale)
-    ref = reference_backward(up[3], *up[:3], ref_out, ref_lse, spec, scale)
+    ref_out, ref_lse, ref_grads = ref
     err = lambda a, b: ((a.float() - b).abs().max() / b.abs().max()).item()  # noqa: E731
     seen = ref_lse.isfinite()
     fwd = max(err(out, ref_out), (lse[seen] - ref_lse[seen]).abs().max().item())
-    return fwd, max(err(g, r) for g, r in zip(grads, ref))
+    return fwd, max(err(g, r) for g, r in zip(grads, ref_grads))
 
 
 @pytest.mark.gpu
@@ -301,8 +215,9 @@ def _gpu_errors(backend, q, k, v, do, spec) -> tuple[float, float]:
                                  "3001,77,5000,1500,300,rest", "lognormal:mean=3k,seed=2"])
 def test_gpu_docsplit_bf16_matches_float32_math_on_document_mixes(mix):
     """16K tokens, GQA 8/2, D = 128: the whole sequence, and its second half of queries against
-    all keys (a distributed block: a FULL and a CAUSAL part merge); docsplit errs at most twice
-    as much as our Triton kernel on the same inputs (or 1e-2 / 3e-2)."""
+    all keys (a distributed block: a FULL and a CAUSAL part merge). Every dense path on cuDNN —
+    views cut down, padded squares (borrowed rows with lse = +inf), gathered batches — errs at
+    most twice as much as our Triton kernel on the same inputs (or 1e-2 / 3e-2)."""
     from lctrain.bench.documents import parse_documents
 
     if "cudnn" not in available_backends():
@@ -310,11 +225,34 @@ def test_gpu_docsplit_bf16_matches_float32_math_on_document_mixes(mix):
     n, bounds = 16384, parse_documents(mix, 16384).cu_seqlens
     q, do = (torch.randn(1, n, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, n, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    docsplit, triton = get_backend("docsplit"), get_backend("triton")
+    triton = get_backend("triton")
+    paths = {name: DocSplitBackend(model=model, force_dense=True)
+             for name, model in (("gpu", None), ("gather", GATHER), ("pad", PAD))}
     for rows, spec in ((slice(0, n), MaskSpec(True, 0, 0, bounds)),
                        (slice(n // 2, n), MaskSpec(True, n // 2, 0, bounds))):
         block = (q[:, rows], k, v, do[:, rows], spec)
-        assert select_backend("auto", q[:, rows], k, v, spec, Relation.PARTIAL).name == "docsplit"
-        assert docsplit.plan(q[:, rows], spec, n).dense  # cuDNN runs part of it
-        got, base = _gpu_errors(docsplit, *block), _gpu_errors(triton, *block)
-        assert got[0] <= max(2 * base[0], 1e-2) and got[1] <= max(2 * base[1], 3e-2), (got, base)
+        up = [t.float() for t in block[:4]]
+        ref_out, ref_lse = reference_forward(*up[:3], spec, 128 ** -0.5)
+        ref = (ref_out, ref_lse, reference_backward(up[3], *up[:3], ref_out, ref_lse, spec,
+                                                    128 ** -0.5))
+        base = _gpu_errors(triton, block, ref)
+        for name, backend in paths.items():
+            assert backend.plan(block[0], spec, n).dense, name  # cuDNN runs part of it
+            got = _gpu_errors(backend, block, ref)
+            assert got[0] <= max(2 * base[0], 1e-2) and got[1] <= max(2 * base[1], 3e-2), \
+                (name, got, base)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_runs_docsplit_and_its_model_picks_the_masked_kernel_for_short_documents():
+    """auto picks docsplit for document-masked bf16 blocks; under the GPU prices its plan for
+    64K tokens of equal 8K documents is one dense call, for short ragged ones one masked call."""
+    if "cudnn" not in available_backends():
+        pytest.skip("docsplit runs its dense pieces on cuDNN, which this machine lacks")
+    s = 65536
+    q = torch.empty(1, s, 32, 128, device="cuda", dtype=torch.bfloat16)
+    eight = MaskSpec(True, 0, 0, bounds_of(*[8192] * 8))
+    chosen = select_backend("auto", q, q, q, eight, Relation.PARTIAL)
+    assert chosen.name == "docsplit" and len(chosen.plan(q, eight, s).dense) == 1
+    short = MaskSpec(True, 0, 0, bounds_of(*lognormal_lengths(s, 1024, 0.6, 0)))
+    assert chosen.plan(q, short, s).masked == (MaskedCall(0, s, 0, s),)

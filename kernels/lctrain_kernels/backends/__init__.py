@@ -27,8 +27,10 @@ The "auto" rule (:func:`select_backend`), first one that is available and suppor
   fastest first as measured on H100/H200 (``lctrain bench kernel``, README "Local kernels").
 * CUDA, PARTIAL block with documents, fp16/bf16: docsplit > triton > reference. Cut at its
   document boundaries (:mod:`lctrain_kernels.docsplit`), a packed block runs as dense cuDNN
-  calls, faster per visible pair than our Triton kernel's skipping of masked tiles; docsplit
-  needs cudnn (without it, it refuses the block and triton runs it).
+  calls, faster per visible pair than our Triton kernel's skipping of masked tiles; where its
+  cost model prices the calls above one Triton call for the whole block (many short ragged
+  documents), docsplit runs exactly that call. docsplit needs cudnn (without it, it refuses
+  the block and triton runs it).
 * CUDA, other PARTIAL blocks (offset diagonal without documents) or float32: triton >
   reference; only triton skips masked tiles, and the dense SDPA ops take no mask with lse.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
