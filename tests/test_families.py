@@ -151,7 +151,8 @@ def eager_losses(folder: Path, cfg, rows: int) -> tuple[float, float]:
     for batch in islice(iter_batches(dataset, batch_size=1, dp_rank=0, dp_size=1,
                                      seed=cfg.train.seed, start_step=0), rows):
         count += int((batch.labels != -100).sum())
-        for which, bounds in enumerate((batch.cu_seqlens, (0, SEQ))):
+        # a row that holds one piece of one document has no cu_seqlens
+        for which, bounds in enumerate((batch.cu_seqlens or (0, SEQ), (0, SEQ))):
             for start, stop in zip(bounds[:-1], bounds[1:]):
                 ids, labels = batch.input_ids[:, start:stop], batch.labels[:, start:stop]
                 with torch.no_grad():
