@@ -362,3 +362,26 @@ def test_document_rows_keep_every_value_and_their_mix_at_80_columns(kind, wide):
                     if (t["seq_len"], t["documents"]) == (ok["seq_len"], ok["documents"]))
         rate, share = re.fullmatch(r"([\d,.]+) \((\d+)%\)", line[ok["backend"]]).groups()
         assert float(share) == pytest.approx(100 * ok["of_dense"], abs=0.51)
+
+
+def test_plot_draws_one_line_per_backend_and_documents_mix(tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lctrain.bench.plot import plot
+
+    rows = [{"backend": b, "seq_len": n, "documents": d, "status": "ok",
+             "total_tflops": random.uniform(100, 600)}
+            for b in ("docsplit", "triton") for d in ("8x8k", "32x2k") for n in (32768, 65536)]
+    rows.append({"backend": "cudnn (dense)", "seq_len": 65536, "documents": None, "status": "ok",
+                 "total_tflops": 550.0})
+    captured = {}
+    real_savefig = plt.Figure.savefig
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: (
+        captured.setdefault("fig", fig), real_savefig(fig, *a, **k))[1])
+    plot(BenchResult(kind="kernel", title="k", rows=rows), tmp_path / "k.png")
+    lines = {line.get_label(): list(line.get_xdata()) for line in captured["fig"].axes[0].get_lines()}
+    assert lines == {"docsplit 8x8k": [32768, 65536], "docsplit 32x2k": [32768, 65536],
+                     "triton 8x8k": [32768, 65536], "triton 32x2k": [32768, 65536],
+                     "cudnn (dense)": [65536]}

@@ -109,6 +109,8 @@ def test_bad_requests_are_rejected():
         run([16], heads=3, kv_heads=2)
     with pytest.raises(ConfigError, match="positive sequence lengths"):
         run([0], heads=2)
+    with pytest.raises(ConfigError, match="--dense-reference cudnn is the dense rate.*--documents"):
+        run([16], heads=2, dense_reference="cudnn")
 
 
 def test_documents_rows_count_useful_flops_and_share_of_the_dense_reference():

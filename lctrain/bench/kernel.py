@@ -306,6 +306,9 @@ def _plan(seq_lens, backends, heads, head_dim, dtype, causal, documents, kv_head
         raise ConfigError("give positive sequence lengths and at least 1 repeat")
     check_len = min(check_len or base["check_len"], min(seq_lens))
     mixes = _mixes(documents, seq_lens, check_len, recipe)
+    if not mixes and dense_reference not in (None, "none", "auto"):
+        raise ConfigError(f"--dense-reference {dense_reference} is the dense rate packed "
+                          f"documents are compared with; add --documents SPEC, or leave it out")
     dense = None if dense_reference in (None, "none") or not mixes else dense_reference
     if dense == "auto":
         dense = "cudnn" if device.type == "cuda" else None
