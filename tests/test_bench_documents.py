@@ -93,3 +93,90 @@ def test_useful_flops_count_only_pairs_inside_documents():
     assert eight.forward_flops(h, d) == dense.forward_flops(h, d) / 8
     assert eight.forward_flops(h, d, causal=False) == 2 * eight.forward_flops(h, d)
     assert eight.fwd_bwd_flops(h, d) == 3.5 * eight.forward_flops(h, d)
+
+
+def _visible_pairs(bounds, causal: bool) -> float:
+    """Brute force: (query, key) pairs in one document; causal ones keep key < query and half
+    the diagonal (the model's "half of the n² pairs", as every published rate counts them)."""
+    doc = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) for _ in range(b - a)]
+    weight = {True: lambda q, k: 1.0 if k < q else 0.5 if k == q else 0.0,
+              False: lambda q, k: 1.0}[causal]
+    return sum(weight(q, k) for q in range(len(doc)) for k in range(len(doc)) if doc[q] == doc[k])
+
+
+@pytest.mark.parametrize("spec", ["5", "3x20,rest", "lognormal:mean=9,sigma=1.2,seed=3", "97"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_useful_flops_are_four_h_d_per_visible_pair_of_the_shared_model(spec, causal):
+    from lctrain.bench.flops import BACKWARD_FACTOR, attention_flops
+
+    docs = parse_documents(spec, 97)
+    h, d = 3, 16
+    pairs = _visible_pairs(docs.cu_seqlens, causal)
+    assert docs.forward_flops(h, d, causal) == 4 * h * d * pairs
+    assert docs.forward_flops(h, d, causal) == attention_flops(97, h, d, causal, docs.cu_seqlens)
+    assert docs.fwd_bwd_flops(h, d, causal) == (1 + BACKWARD_FACTOR) * 4 * h * d * pairs
+
+
+def test_a_bare_count_means_equal_documents_and_each_length_gets_its_own_row(tmp_path):
+    from lctrain.bench.documents import parse_each
+
+    assert parse_documents("3", 10).lengths == (3, 4, 3)
+    assert parse_documents(" 8 ", 65536).summary() == "8 documents of 8k tokens"
+    path = tmp_path / "lengths.txt"
+    path.write_text("3000 5000 2000 7000")
+    each = parse_each(f"lengths:{path}", [4096, 8192])
+    assert each[4096] == parse_documents(f"lengths:{path}", 4096)
+    assert each[8192].lengths == (3000, 5000, 192)
+    assert parse_each(4, [8, 12]) == {8: parse_documents("4", 8), 12: parse_documents("4", 12)}
+    with pytest.raises(ConfigError, match="--documents 0 asks for 0 documents.* 1 to 64"):
+        parse_documents("0", 64)
+    with pytest.raises(ConfigError, match="needs a positive sequence length, got 0"):
+        parse_each("8x8k", [65536, 0])
+
+
+def test_scaled_documents_keep_the_mix_and_fold_what_shrinks_to_nothing():
+    mix = parse_documents("20k,12k,9k,7k,5k,4k,3x2k,1k,rest", 65536)
+    small = mix.scaled(4096)
+    assert small.total == 4096 and small.lengths == tuple(n // 16 for n in mix.lengths)
+    assert small.spec == "20k,12k,9k,7k,5k,4k,3x2k,1k,rest scaled to 4096"
+    assert mix.scaled(65536) is mix
+    tiny = parse_documents("1,1,1,5,56", 64).scaled(8)  # bounds 0,0,0,0,1,8: two left
+    assert tiny.lengths == (1, 7) and tiny.total == 8
+    for total in (5, 31, 100):
+        drawn = parse_documents("lognormal:mean=7", 211).scaled(total)
+        assert drawn.total == total and min(drawn.lengths) >= 1
+
+
+def test_bench_commands_take_documents_and_refuse_bad_specs_in_one_sentence(tmp_path):
+    from typer.testing import CliRunner
+
+    from lctrain.bench.result import load
+    from lctrain.cli import app
+
+    texts = ["x" * 40, "y" * 10, "z" * 100]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "kernel.json"
+    common = ["--heads", "1", "--head-dim", "8", "--dtype", "float32", "--repeats", "1",
+              "--warmup", "0"]
+    result = CliRunner().invoke(app, ["bench", "kernel", "--seq-len", "64,128", "--backend",
+                                      "reference", "--documents", f"data:{data}", "--recipe",
+                                      "tiny", "--dense-reference", "cpu_flash", "--json", str(out),
+                                      *common])
+    assert result.exit_code == 0, result.output
+    rows = {(r["backend"], r["seq_len"]): r for r in load(out).rows}
+    for seq_len in (64, 128):  # bos + bytes + eos per document, cut into rows
+        docs = parse_documents(f"data:{data}", seq_len, recipe=load_recipe("tiny"))
+        assert rows[("reference", seq_len)]["mix"] == docs.summary()
+        assert f"documents data:{data} at {seq_len}: {docs.summary()}" in result.stdout
+        assert rows[("reference", seq_len)]["of_dense"] > 0
+    for command, spec, words in [
+            ("kernel", "8x8q", "is not a size"),
+            ("kernel", f"data:{data}", "add --recipe RECIPE, or give lengths:FILE"),
+            ("kernel", "200", "asks for 200 documents but a sequence of 64 tokens"),
+            ("attention", "3x30", "holds 90 tokens but the sequence holds 64")]:
+        bad = CliRunner().invoke(app, ["bench", command, "--seq-len", "64", "--documents", spec,
+                                       *common])
+        assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
+        (line,) = bad.stderr.splitlines()
+        assert line.startswith("error: --documents") and words in line, line

@@ -3,9 +3,11 @@
 * our Triton kernels err at most twice as much as torch's own bf16 flash kernel against float32
   math at 8K tokens of Llama-7B's attention (32 heads of 128);
 * the flex_attention peer computes the same attention (causal and packed documents);
-* ``lctrain bench kernel`` through a pipe prints every number it measured;
+* ``lctrain bench kernel`` through a pipe prints every number it measured; with packed
+  documents its rows carry the share of cuDNN's dense rate;
 * a tile sweep point is timed and checked;
-* ``lctrain bench attention`` on two GPUs: every schedule correct, a profile per rank.
+* ``lctrain bench attention`` on two GPUs: every schedule correct, a profile per rank; with
+  packed documents too (the single-GPU row through docsplit).
 """
 from __future__ import annotations
 
@@ -20,14 +22,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _check(name: str, seq_len: int, documents=None, heads=32, head_dim=128) -> float:
+    from lctrain.bench.documents import parse_documents
     from lctrain.bench.kernel import check_correctness
     from lctrain.bench.kernel_subjects import subject
     from lctrain_kernels.backends import BackendUnavailable
 
+    bounds = None if documents is None else parse_documents(str(documents), seq_len).cu_seqlens
     try:
         what = subject(name)
         return check_correctness(what, seq_len, heads, heads, head_dim, torch.bfloat16,
-                                 torch.device("cuda"), True, documents)
+                                 torch.device("cuda"), True, bounds)
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
 
@@ -58,6 +62,24 @@ def test_bench_kernel_through_a_pipe_prints_every_number(tmp_path):
         assert "…" not in line and len(line.split()) >= 6, line  # every column, nothing cut
 
 
+def test_bench_kernel_with_documents_shares_the_dense_rate(tmp_path):
+    out = tmp_path / "d.json"
+    run = subprocess.run([sys.executable, "-m", "lctrain", "bench", "kernel", "--seq-len", "16k",
+                          "--documents", "4k,3k,2x2k,1k,rest", "--backend", "docsplit,triton,cudnn",
+                          "--check-len", "4k", "--json", str(out)],
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["cudnn (dense)"]["status"] == "ok" and rows["cudnn (dense)"]["relation"] == "causal"
+    for name in ("docsplit", "triton"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["correct"] is True, row
+        assert row["of_dense"] == pytest.approx(row["total_tflops"] / rows["cudnn (dense)"]["total_tflops"])
+        assert row["documents"] == "7 documents of 1k..4k tokens, median 2k"
+    assert "document" in rows["cudnn"]["status"]  # cudnn refuses document blocks and says so
+    assert "documents at 16K: 7 documents" in run.stdout
+
+
 def test_a_tile_sweep_point_is_timed_and_checked():
     from lctrain.bench.tiles import run
 
@@ -80,3 +102,9 @@ def test_bench_attention_on_two_gpus_is_correct_and_profiles_each_rank(tmp_path)
     assert rows["distflash"]["vs_single"] > 0.3
     traces = {p.name for p in tmp_path.iterdir()}
     assert {"attention-distflash-16384-rank0.json", "attention-distflash-16384-rank1.json"} <= traces
+    packed = run([16384], ["distflash"], nproc=2, overlap_ablation=False, repeats=2, warmup=1,
+                 check_len=4096, documents="lognormal:mean=3k")
+    rows = {r["variant"]: r for r in packed.rows}
+    assert rows["distflash"]["status"] == "ok" and rows["distflash"]["correct"] is True
+    assert rows["single-gpu docsplit"]["status"] == "ok" and rows["distflash"]["vs_single"] > 0.3
+    assert "no document mask" in rows["context_parallel"]["status"]

@@ -18,6 +18,7 @@ import pytest
 from lctrain.bench.result import BenchResult, from_dict, load, merge
 from lctrain.bench.views import COLUMNS, summary, table
 from lctrain.errors import UserError
+from lctrain.report.human import tokens
 from lctrain.report.table import render, visible_columns
 
 _TIME = {"µs": 1e-3, "ms": 1.0, "s": 1e3}
@@ -317,3 +318,70 @@ def test_tile_sweep_checks_each_point_against_the_autotuned_kernels():
         assert rows[(kernel, "16x7s1w4")]["status"] != "ok"  # 7 is no power of two
     with pytest.raises(UserError, match="BLOCK_MxBLOCK_N"):
         parse_point("128x64")
+
+
+@pytest.mark.parametrize("kind", ["kernel", "attention"])
+@pytest.mark.parametrize("wide", [False, True])
+def test_document_rows_keep_every_value_and_their_mix_at_80_columns(kind, wide):
+    """The mix of each spec and length is too long for a column: the notes carry it; several
+    specs get a numbered mix column; "of dense" is a column of the kernel table and a
+    percentage in its summary cells."""
+    result = _result(kind)
+    rng = random.Random()
+    specs = ["lognormal:mean=12k", "20k,12k,9k,7k,5k,4k,3x2k,1k,rest"][:2 if kind == "kernel" else 1]
+    mixes = {}
+    for i, row in enumerate(result.rows):
+        spec = specs[i % len(specs)]
+        mixes.setdefault((spec, row["seq_len"]), f"{rng.randrange(2, 99)} documents of 1k..20k "
+                                                 f"tokens, median {rng.randrange(2, 19)}k")
+        row.update(documents=spec, mix=mixes[(spec, row["seq_len"])])
+        if kind == "kernel" and row.get("total_tflops"):
+            row.update(of_dense=rng.uniform(0.3, 1.1), of_dense_fwd=rng.uniform(0.3, 1.1),
+                       of_dense_bwd=rng.uniform(0.3, 1.1))
+    result.rows[0]["documents"] = None  # a dense reference row
+    for key in ("mix", "of_dense", "of_dense_fwd", "of_dense_bwd"):
+        result.rows[0].pop(key, None)
+    result.meta.update(documents=specs if kind == "kernel" else specs[0], dense_reference="cudnn")
+    shown = table(result)
+    text = render(shown, "table", wide=wide, terminal=True, width=80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    _check_every_value(result, text, wide)
+    joined = " ".join(line.strip() for line in text.splitlines())  # notes wrap at 80
+    for (spec, length), mix in mixes.items():
+        if any(r.get("mix") == mix for r in result.rows):
+            assert f"documents {spec} at {tokens(length)}: {mix}" in joined
+    assert "useful FLOPs" in joined
+    assert ("2 document mixes" if kind == "kernel" else "documents lognormal:mean=12k") in joined
+    if not wide:
+        labels = {c.label for c in shown.columns}
+        assert len(_grids(text, len(result.rows), labels)) == 1  # compact: one piece
+    if kind == "kernel":
+        assert "of dense (%) = useful rate over cudnn's rate" in joined
+        ok = next(r for r in result.rows if r.get("of_dense") and r["documents"])
+        line = next(t for t in summary(result).rows
+                    if (t["seq_len"], t["documents"]) == (ok["seq_len"], ok["documents"]))
+        rate, share = re.fullmatch(r"([\d,.]+) \((\d+)%\)", line[ok["backend"]]).groups()
+        assert float(share) == pytest.approx(100 * ok["of_dense"], abs=0.51)
+
+
+def test_plot_draws_one_line_per_backend_and_documents_mix(tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lctrain.bench.plot import plot
+
+    rows = [{"backend": b, "seq_len": n, "documents": d, "status": "ok",
+             "total_tflops": random.uniform(100, 600)}
+            for b in ("docsplit", "triton") for d in ("8x8k", "32x2k") for n in (32768, 65536)]
+    rows.append({"backend": "cudnn (dense)", "seq_len": 65536, "documents": None, "status": "ok",
+                 "total_tflops": 550.0})
+    captured = {}
+    real_savefig = plt.Figure.savefig
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: (
+        captured.setdefault("fig", fig), real_savefig(fig, *a, **k))[1])
+    plot(BenchResult(kind="kernel", title="k", rows=rows), tmp_path / "k.png")
+    lines = {line.get_label(): list(line.get_xdata()) for line in captured["fig"].axes[0].get_lines()}
+    assert lines == {"docsplit 8x8k": [32768, 65536], "docsplit 32x2k": [32768, 65536],
+                     "triton 8x8k": [32768, 65536], "triton 32x2k": [32768, 65536],
+                     "cudnn (dense)": [65536]}

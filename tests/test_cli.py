@@ -242,8 +242,8 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
     kwargs = seen["kernel"][0][1]
     assert {k: v for k, v in kwargs.items() if k != "progress"} == dict(
         seq_lens=[16384, 32768], backends=["triton", "flash"], heads=8, kv_heads=None,
-        head_dim=64, dtype="float16", causal=False, documents=None, repeats=7, warmup=3,
-        check_len=8192, profile_dir=None)
+        head_dim=64, dtype="float16", causal=False, documents=None, recipe=None,
+        dense_reference="auto", repeats=7, warmup=3, check_len=8192, profile_dir=None)
     assert json.loads(out.read_text())["kind"] == "kernel"
     result = _invoke("bench", "attention", "--seq-len", "64k", "--schedule", "distflash,ring",
                      "--nproc", "4", "--kv-heads", "8", "--overlap-ablation", "--repeats", "9",

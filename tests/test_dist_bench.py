@@ -72,3 +72,30 @@ def test_bench_rejects_lengths_the_layouts_cannot_split():
         run([32], nproc=2, check_len=6)
     with pytest.raises(ConfigError, match="unknown schedule"):
         run([32], schedules=["tree"], nproc=2)
+
+
+def test_packed_documents_reach_every_variant_and_count_useful_flops():
+    """Documents crossing the chunk boundaries of 2 ranks: the check runs the mix scaled to its
+    length, rates count only the pairs inside documents, peers say they take no document mask."""
+    from lctrain.bench.documents import parse_documents
+
+    result = run([64], ["distflash"], nproc=2, heads=2, kv_heads=1, head_dim=8, dtype=torch.float32,
+                 repeats=2, warmup=1, check_len=32, documents="3x20,rest")
+    rows = {r["variant"]: r for r in result.rows}
+    docs = parse_documents("3x20,rest", 64)
+    assert set(rows) == {"single-gpu reference", "distflash", "distflash (no overlap)",
+                         "context_parallel", "ring_flash_attn"}
+    assert all((r["documents"], r["mix"]) == ("3x20,rest", docs.summary()) for r in rows.values())
+    for name in ("distflash", "distflash (no overlap)"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["correct"] is True and row["max_rel_err"] < 1e-4
+        per_gpu = docs.fwd_bwd_flops(2, 8) / 2  # useful FLOPs of the whole sequence, per GPU
+        assert row["total_tflops"] == pytest.approx(per_gpu / (row["fwd_ms"] + row["bwd_ms"]) / 1e9)
+    single = rows["single-gpu reference"]
+    assert single["total_tflops"] == pytest.approx(
+        docs.fwd_bwd_flops(2, 8) / (single["fwd_ms"] + single["bwd_ms"]) / 1e9)
+    assert 0.0 <= rows["distflash"]["hidden_share"] <= 1.0
+    for peer in ("context_parallel", "ring_flash_attn"):
+        assert "takes no document mask" in rows[peer]["status"]
+    assert result.meta["documents"] == "3x20,rest"
+    assert result.meta["check_documents"] == "4 documents of 2..10 tokens, median 10"

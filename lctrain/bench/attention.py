@@ -16,6 +16,12 @@
    compute: (t_no_overlap − t_overlap) / t_comm_only, where t_comm_only moves the same messages
    with no compute at all.
 
+With ``documents`` (a ``--documents`` spec, `lctrain.bench.documents`) every length is packed
+documents: lctrain's schedules get their bounds, the FLOPs count only the pairs inside documents
+(useful FLOPs), the single-GPU row runs the same documents through "auto" (docsplit on a GPU),
+the correctness check runs the mix of the shortest length scaled to the check length, and the
+peers, which take no document mask, say so instead of timing dense work.
+
 A ``time_budget_s`` skips (with that status) measurements whose estimated time would overrun;
 ``min_time_s`` repeats short measurements until about that long; ``profile_dir`` profiles each
 of lctrain's schedules after timing it (`lctrain.bench.profile`: a chrome trace per rank and
@@ -37,13 +43,16 @@ import torch
 import torch.distributed as dist
 
 from lctrain.bench.attention_peers import PEERS, PeerUnavailable, Shape
+from lctrain.bench.documents import Documents, parse_each
 from lctrain.bench.profile import profile
 from lctrain.bench.flops import BACKWARD_FACTOR, MODEL, attention_flops, rates
 from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure, repeats_for
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
+from lctrain_kernels.backends import BackendUnavailable, auto_order, get_backend
 from lctrain_kernels.distributed.comm import nccl_options
+from lctrain_kernels.masks import Relation
 from lctrain_kernels.vocabulary import SCHEDULES, check_schedule, check_seq_len
 
 DEFAULTS = {  # per device type: what a run with no sizes measures
@@ -52,6 +61,7 @@ DEFAULTS = {  # per device type: what a run with no sizes measures
     "cpu": {"seq_lens": (256, 512), "heads": 4, "head_dim": 32, "dtype": "float32"},
 }
 _ITERATION = 1 + BACKWARD_FACTOR  # forward + backward, in units of forward FLOPs
+_NOT_META = ("seq_lens", "progress", "documents", "check_documents")  # meta says them in words
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,12 @@ class BenchConfig:
     min_time_s: float = 0.0
     profile_dir: str | None = None
     progress: Callable[[str], None] | None = None
+    documents: dict[int, Documents] | None = None  # per total length
+    check_documents: Documents | None = None  # the mix scaled to check_len
+
+    def bounds(self, seq_len: int) -> tuple[int, ...] | None:
+        """Document bounds of the sequence of ``seq_len`` tokens (None: one sequence)."""
+        return None if self.documents is None else self.documents[seq_len].cu_seqlens
 
 
 class _Bench:
@@ -86,8 +102,8 @@ class _Bench:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dtype = getattr(torch, cfg.dtype)
         self.start, self.rate = time.perf_counter(), 250e12 if device.type == "cuda" else 1e9
-        self.single_backend = "cudnn" if device.type == "cuda" and cfg.backend == "auto" else (
-            "reference" if cfg.backend == "auto" else cfg.backend)
+        self.single_backend = _single_backend(cfg.backend, device, self.dtype,
+                                              cfg.documents is not None)
 
     def _agree(self, value):
         """Rank 0's value on every rank (decisions must match, or the ranks would hang)."""
@@ -121,7 +137,8 @@ class _Bench:
         """(fwd, bwd) closures of lctrain's op on random local rows."""
         n, c = seq_len // self.world, self.cfg
         q, k, v, do = (self._local(n, h, s) for s, h in enumerate((c.heads, c.kv_heads, c.kv_heads, c.heads)))
-        opts = (self.group.group_name, True, [], c.head_dim ** -0.5, schedule, c.backend, overlap)
+        bounds = list(c.bounds(seq_len) or [])
+        opts = (self.group.group_name, True, bounds, c.head_dim ** -0.5, schedule, c.backend, overlap)
         fwd = lambda: torch.ops.lctrain.dist_attention(q, k, v, *opts)  # noqa: E731
         bwd = lambda o: torch.ops.lctrain.dist_attention_backward(do, q, k, v, o[0], o[1], *opts)  # noqa: E731
         return fwd, bwd
@@ -135,7 +152,8 @@ class _Bench:
         n, c = seq_len // self.world, self.cfg
         q, k = self._local(n, c.heads, 0), self._local(n, c.kv_heads, 1)
         lse = torch.zeros((1, c.heads, n), dtype=torch.float32, device=self.device)
-        geo = Geometry(seq_len, self.world, make_schedule(self.world, schedule).layout, True, None)
+        geo = Geometry(seq_len, self.world, make_schedule(self.world, schedule).layout, True,
+                       c.bounds(seq_len))
         exch = Exchanger(self.group)
         fwd = lambda: ForwardEngine(pruned_plan(schedule, "forward", geo), geo, exch, False, q, k, k,  # noqa: E731
                                     1.0, c.backend, compute=False).run()
@@ -184,10 +202,12 @@ class _Bench:
         from lctrain.bench.kernel import run as kernel_run
 
         c = self.cfg
-        repeats = self._repeats(attention_flops(seq_len, c.heads, c.head_dim))
+        repeats = self._repeats(attention_flops(seq_len, c.heads, c.head_dim, True, c.bounds(seq_len)))
+        docs = None if c.documents is None else {seq_len: c.documents[seq_len]}
         res = kernel_run([seq_len], backends=[self.single_backend], heads=c.heads, head_dim=c.head_dim,
-                         dtype=self.dtype, causal=True, kv_heads=c.kv_heads, repeats=repeats,
-                         warmup=c.warmup, check_len=min(256, seq_len), device=self.device).rows[0]
+                         dtype=self.dtype, causal=True, documents=docs, kv_heads=c.kv_heads,
+                         dense_reference=None, repeats=repeats, warmup=c.warmup,
+                         check_len=min(256, seq_len), device=self.device).rows[0]
         keys = ("fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "total_tflops", "status")
         row = {key: res.get(key) for key in keys}
         row["repeats"] = repeats
@@ -223,8 +243,10 @@ class _Bench:
         from lctrain_kernels.distributed import make_schedule
 
         c = self.cfg
-        flops = attention_flops(seq_len, c.heads, c.head_dim)  # the whole sequence
+        flops = attention_flops(seq_len, c.heads, c.head_dim, True, c.bounds(seq_len))  # all of it
         base = {"seq_len": seq_len, "gpus": self.world, "tokens_per_gpu": seq_len // self.world}
+        if c.documents is not None:
+            base.update(documents=c.documents[seq_len].spec, mix=c.documents[seq_len].summary())
         single = {"status": f"skipped: longer than the single-GPU limit {c.single_max_len}"}
         if seq_len <= c.single_max_len:
             single = self._single(seq_len) if self._affordable(flops) else {"status": "skipped: time budget"}
@@ -233,6 +255,11 @@ class _Bench:
         for name, what, overlap in self.variants():
             balance = make_schedule(self.world, what).balance() if what in SCHEDULES else None
             row = {**base, "variant": name, "balance": balance}
+            if what in PEERS and c.documents is not None:
+                rows.append({**row, "status": f"{what} takes no document mask (it would attend "
+                                              f"across the documents), so it is not timed"})
+                self._say(_progress_line(rows[-1]))
+                continue
             if not self._affordable(flops / self.world * (balance or 1.0)):
                 rows.append({**row, "status": "skipped: time budget"})
                 self._say(_progress_line(rows[-1]))
@@ -302,7 +329,8 @@ def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:
 def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, nproc: int | None = None,
         heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
         dtype: torch.dtype | str | None = None, overlap_ablation: bool = True, peers: bool = True,
-        backend: str = "auto", *, repeats: int = 5, warmup: int = 2, check_len: int | None = None,
+        backend: str = "auto", *, documents: str | int | None = None, recipe=None,
+        repeats: int = 5, warmup: int = 2, check_len: int | None = None,
         single_max_len: int = 262144, time_budget_s: float | None = None, min_time_s: float = 0.0,
         profile_dir: str | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark distributed attention on ``nproc`` ranks it launches itself.
@@ -318,6 +346,9 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
         overlap_ablation: also time distflash with overlap=False (and the hidden share).
         peers: also time torch context_parallel and ring-flash-attn where they can run.
         backend: local attention backend of lctrain's schedules ("auto": cuDNN on a GPU).
+        documents: a ``--documents`` spec (`lctrain.bench.documents`; an int N = N equal
+            documents), parsed at each total length; None = one causal sequence.
+        recipe: the recipe whose tokenizer reads a ``data:FILE`` spec.
         repeats: timed iterations per measurement (median reported; ≥ 5 for figures).
         warmup: untimed iterations first.
         check_len: total length of the correctness check (default min(seq_lens, 2048·nproc)).
@@ -333,7 +364,7 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
         A :class:`BenchResult` of kind "attention", one row per (seq_len, variant).
 
     Raises:
-        ConfigError: bad sizes or names (one sentence each).
+        ConfigError: bad sizes, names or documents spec (one sentence each).
     """
     cuda = torch.cuda.is_available()
     base = DEFAULTS["cuda" if cuda else "cpu"]
@@ -346,18 +377,39 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
     _check(seq_lens, schedules, nproc, heads, kv_heads, cuda)
     check_len = check_len or min(min(seq_lens), 2048 * nproc)
     _check_split(check_len, nproc, "--check-len")
+    docs = None if documents is None else parse_each(documents, seq_lens, recipe=recipe)
     cfg = BenchConfig(seq_lens, schedules, heads, kv_heads, head_dim, dtype, overlap_ablation, peers,
                       backend, repeats, warmup, check_len, single_max_len, time_budget_s, min_time_s,
-                      profile_dir, progress)
+                      profile_dir, progress, docs,
+                      None if docs is None else docs[min(seq_lens)].scaled(check_len))
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(_worker, args=(nproc, cfg, tmp), nprocs=nproc, join=True)
         with open(os.path.join(tmp, "rows.json")) as f:
             rows = json.load(f)
     meta = {"machine": environment(), "nproc": nproc, "device": "cuda" if cuda else "cpu",
-            **{k: v for k, v in asdict(cfg).items() if k not in ("seq_lens", "progress")},
-            "flop_model": MODEL}
+            **{k: v for k, v in asdict(cfg).items() if k not in _NOT_META}, "flop_model": MODEL}
+    if docs is not None:
+        meta.update(documents=docs[seq_lens[0]].spec, check_documents=cfg.check_documents.summary())
     return BenchResult(kind="attention", title=f"distributed attention, {nproc} ranks",
                        rows=rows, meta=meta)
+
+
+def _single_backend(backend: str, device: torch.device, dtype: torch.dtype, documents: bool) -> str:
+    """The backend of the single-GPU row: the named one; for "auto", cudnn on a GPU (reference
+    on a CPU), or with documents what "auto" runs for a whole packed sequence (docsplit on a
+    GPU), the first of its order that loads here."""
+    if backend != "auto":
+        return backend
+    if not documents:
+        return "cudnn" if device.type == "cuda" else "reference"
+    order = auto_order(device.type, dtype, Relation.PARTIAL, True)
+    for name in order:
+        try:
+            get_backend(name)
+        except BackendUnavailable:
+            continue
+        return name
+    return order[-1]  # the reference: it runs anywhere
 
 
 def _check(seq_lens, schedules, nproc, heads, kv_heads, cuda) -> None:

@@ -5,7 +5,9 @@ reference (output and all three gradients) on the whole sequence, and the single
 kernel's error against it in the benchmark's dtype. Each schedule then runs distributed on the
 same inputs; its error is the largest relative error (max |diff| / max |ref|) of out, dq, dk,
 dv over all ranks. A schedule is correct when it errs at most twice as much as the
-single-device kernel (or at most 1e-4, the float32 rounding floor).
+single-device kernel (or at most 1e-4, the float32 rounding floor). With packed documents,
+the reference, the single-device kernel and every schedule run the bench's mix scaled to the
+check length (``cfg.check_documents``).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def check_schedules(group, device: torch.device, dtype: torch.dtype, cfg, varian
         group: the process group of the bench.
         device: this rank's device.
         dtype: the benchmark's dtype.
-        cfg: the bench config (check_len, heads, kv_heads, head_dim, backend).
+        cfg: the bench config (check_len, check_documents, heads, kv_heads, head_dim, backend).
         variants: ``(row name, schedule or peer, overlap)`` triples; peers are not checked.
 
     Returns:
@@ -48,9 +50,11 @@ def check_schedules(group, device: torch.device, dtype: torch.dtype, cfg, varian
     s, d = cfg.check_len, cfg.head_dim
     shapes = [(1, s, cfg.heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.heads, d)]
     q, k, v, do = (torch.randn(sh, generator=gen).to(device) for sh in shapes)  # float32, (1, S, H, D)
-    ref = _grads(lambda *x: attention_with_lse(*x, backend="reference")[0], (q, k, v), do)
+    cu = None if cfg.check_documents is None else list(cfg.check_documents.cu_seqlens)
+    ref = _grads(lambda *x: attention_with_lse(*x, cu_seqlens=cu, backend="reference")[0], (q, k, v), do)
     low = [t.to(dtype) for t in (q, k, v, do)]
-    single = _grads(lambda *x: attention_with_lse(*x, backend=cfg.backend)[0], low[:3], low[3])
+    single = _grads(lambda *x: attention_with_lse(*x, cu_seqlens=cu, backend=cfg.backend)[0],
+                    low[:3], low[3])
     single_err = max(_rel(a, b) for a, b in zip(single, ref))
     results = {}
     world = dist.get_world_size(group)
@@ -59,8 +63,8 @@ def check_schedules(group, device: torch.device, dtype: torch.dtype, cfg, varian
             continue
         layout = make_schedule(world, what).layout
         loc = [shard(t, group, layout) for t in low]
-        got = _grads(lambda *x: dist_attention(*x, group=group, schedule=what, backend=cfg.backend,
-                                               overlap=overlap), loc[:3], loc[3])
+        got = _grads(lambda *x: dist_attention(*x, group=group, cu_seqlens=cu, schedule=what,
+                                               backend=cfg.backend, overlap=overlap), loc[:3], loc[3])
         err = torch.tensor(max(_rel(a, shard(b, group, layout)) for a, b in zip(got, ref)), device=device)
         dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
         err = float(err)

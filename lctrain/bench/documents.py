@@ -3,6 +3,8 @@
 A benchmark row of ``total`` tokens is cut into documents (the ``cu_seqlens`` of the attention)
 by one of these specs (sizes take k = 1024 and m = 1024², as ``--seq-len`` does):
 
+    8                               8 documents of (nearly) equal length: a bare whole number
+                                    counts documents, a size (8k) is a length
     8x8k                            8 documents of 8K; the lengths must fill the row exactly
     20k,12k,9k,7k,5k,4k,3x2k,1k     listed lengths in order (``NxL`` repeats L); a last item
                                     ``rest`` adds one document with whatever is left
@@ -17,8 +19,11 @@ by one of these specs (sizes take k = 1024 and m = 1024², as ``--seq-len`` does
                                     document ends in eos) and cut into rows as training packs
                                     them; row ROW
 
-The work that counts is the attention inside each document only (shared/PERF.md's model):
-causal forward = 2·ΣL²·H·D, non-causal twice that, forward + backward 3.5× the forward.
+The work that counts is the attention inside each document only: the FLOP model of
+`lctrain.bench.flops` over the documents' bounds (causal forward = 2·ΣL²·H·D, non-causal twice
+that, backward 2.5× the forward). A benchmark of several lengths parses the spec once per
+length (:func:`parse_each`, which reads a file once); its correctness check at a shorter length
+runs the same mix scaled down (:meth:`Documents.scaled`).
 """
 from __future__ import annotations
 
@@ -28,10 +33,8 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lctrain.bench.flops import BACKWARD_FACTOR, attention_flops
 from lctrain.config import ConfigError, RecipeConfig, format_tokens, parse_size
-
-#: fwd+bwd FLOPs over forward FLOPs (backward = 2.5 x forward).
-FWD_BWD = 3.5
 
 
 @dataclass(frozen=True)
@@ -60,21 +63,41 @@ class Documents:
         return tuple(bounds)
 
     def forward_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
-        """Useful forward FLOPs: 4·H·D per visible pair, L²/2 pairs per causal document."""
-        pairs = sum(n * n for n in self.lengths) * (0.5 if causal else 1.0)
-        return 4.0 * pairs * heads * head_dim
+        """Useful forward FLOPs: `lctrain.bench.flops.attention_flops` over these bounds."""
+        return attention_flops(self.total, heads, head_dim, causal, self.cu_seqlens)
 
     def fwd_bwd_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
-        """Useful forward + backward FLOPs (backward = 2.5 x forward)."""
-        return FWD_BWD * self.forward_flops(heads, head_dim, causal)
+        """Useful forward + backward FLOPs (the backward is ``BACKWARD_FACTOR`` x forward)."""
+        return (1 + BACKWARD_FACTOR) * self.forward_flops(heads, head_dim, causal)
 
     def summary(self) -> str:
-        """One line such as ``10 documents of 1k..20k tokens, median 5k``."""
+        """One line such as ``10 documents of 1k..20k tokens, median 5k``, or ``8 documents of
+        8k tokens`` when they are all alike."""
         ordered = sorted(self.lengths)
         mid = ordered[len(ordered) // 2]
-        return (f"{len(ordered)} document{'s' * (len(ordered) != 1)} of "
-                f"{format_tokens(ordered[0])}..{format_tokens(ordered[-1])} tokens, median "
-                f"{format_tokens(mid)}")
+        count = f"{len(ordered)} document{'s' * (len(ordered) != 1)} of "
+        if ordered[0] == ordered[-1]:
+            return f"{count}{format_tokens(mid)} tokens"
+        return (f"{count}{format_tokens(ordered[0])}..{format_tokens(ordered[-1])} tokens, "
+                f"median {format_tokens(mid)}")
+
+    def scaled(self, total: int) -> Documents:
+        """The same mix over ``total`` tokens: every bound scaled by ``total / self.total`` and
+        rounded; a document that shrinks to nothing joins the next one (a shorter check of a
+        long row keeps the row's shape, not its lengths).
+
+        Args:
+            total: tokens of the scaled row (at most :attr:`total`).
+
+        Returns:
+            :class:`Documents` over ``total`` tokens, spec ``"SPEC scaled to TOTAL"``.
+        """
+        if total == self.total:
+            return self
+        bounds = [round(b * total / self.total) for b in self.cu_seqlens]
+        kept = [b for a, b in zip(bounds, bounds[1:]) if b > a]
+        lengths = [b - a for a, b in zip([0] + kept, kept)]
+        return Documents(tuple(lengths), f"{self.spec} scaled to {total}")
 
 
 def parse_documents(spec: str, total: int, *, recipe: RecipeConfig | None = None,
@@ -96,20 +119,50 @@ def parse_documents(spec: str, total: int, *, recipe: RecipeConfig | None = None
             it), its file is missing, or a ``data:`` spec comes without a recipe.
         DataError: a ``data:`` file cannot be read or tokenized.
     """
-    text = spec.strip()
-    if total < 1:
-        raise ConfigError(f"--documents needs a positive sequence length, got {total}")
+    return parse_each(spec, [total], recipe=recipe, tokenizer=tokenizer)[total]
+
+
+def parse_each(spec: str | int, totals, *, recipe: RecipeConfig | None = None,
+               tokenizer=None) -> dict[int, Documents]:
+    """:func:`parse_documents` for each of several row lengths; a file is read once.
+
+    Args:
+        spec: the ``--documents`` text (an int N: N equal documents).
+        totals: row lengths (the benchmark's sequence lengths).
+        recipe, tokenizer: as for :func:`parse_documents`.
+
+    Returns:
+        ``{total: Documents}`` for every length.
+
+    Raises:
+        ConfigError, DataError: as :func:`parse_documents`, for the first length that fails.
+    """
+    text = str(spec).strip()
+    if min(totals, default=1) < 1:
+        raise ConfigError(f"--documents needs a positive sequence length, got {min(totals)}")
     kind, _, rest = text.partition(":")
     if kind == "lognormal":
-        lengths = _lognormal(rest, total, text)
+        make = lambda total: _lognormal(rest, total, text)  # noqa: E731
     elif kind in ("lengths", "data"):
         path, row = _path_and_row(rest, text)
         stream = _file_lengths(path, text) if kind == "lengths" else \
             _data_lengths(path, recipe, tokenizer, text)
-        lengths = _cut(stream, total, row, text)
+        make = lambda total: _cut(stream, total, row, text)  # noqa: E731
+    elif text.isdigit():
+        make = lambda total: _equal(int(text), total)  # noqa: E731
     else:
-        lengths = _listed(text, total)
-    return Documents(tuple(lengths), text)
+        make = lambda total: _listed(text, total)  # noqa: E731
+    return {total: Documents(tuple(make(total)), text) for total in totals}
+
+
+def _equal(count: int, total: int) -> list[int]:
+    """``count`` documents of (nearly) equal length filling ``total``."""
+    if not 1 <= count <= total:
+        raise ConfigError(f"--documents {count} asks for {count} documents but a sequence of "
+                          f"{total} tokens holds 1 to {total}; give a count in that range, or "
+                          f"lengths such as 8x8k")
+    bounds = [round(i * total / count) for i in range(count + 1)]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def _listed(text: str, total: int) -> list[int]:
@@ -191,7 +244,7 @@ def _data_lengths(path: Path, recipe, tokenizer, spec: str) -> list[int]:
     """Token counts (with eos) of every document of a data file, tokenized as training does."""
     if recipe is None:
         raise ConfigError(f"--documents {spec!r} tokenizes the file with a recipe's tokenizer; "
-                          f"name the recipe, or give lengths:FILE instead")
+                          f"add --recipe RECIPE, or give lengths:FILE instead")
     from lctrain.data import Encoder, RecordReader, detect_format, load_tokenizer
 
     data = replace(recipe.data, source=str(path))
@@ -202,6 +255,7 @@ def _data_lengths(path: Path, recipe, tokenizer, spec: str) -> list[int]:
     encoder = Encoder(fmt, tokenizer if tokenizer is not None else
                       load_tokenizer(replace(recipe, data=data)), data.text_field)
     return [int(sample.ids.size) for sample in encoder.encode(records) if sample.ids.size]
+
 
 def _cut(stream: list[int], total: int, row: int, spec: str) -> list[int]:
     """Lengths of the documents within ``[row·total, (row+1)·total)`` of a stream of them."""

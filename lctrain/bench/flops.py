@@ -7,7 +7,8 @@ Attention costs 4·H·D floating-point operations per visible (query, key) pair 
     backward         = 2.5 × forward   (five products against the forward's two)
     forward+backward = 3.5 × forward   (7·S²·H·D causal)
 
-With packed documents only the pairs inside each document count, Σ n² instead of S²: a kernel
+With packed documents only the pairs inside each document count, Σ n² instead of S² (the
+"useful" FLOPs; `lctrain.bench.documents.Documents` counts through this model): a kernel
 that skips the empty tiles shows it as a higher rate, one that does not, as a lower one. For
 the distributed attention S is the TOTAL sequence and the figure is divided by the number of
 GPUs ("TFLOP/s per GPU"), so a perfect split of the work matches the one-GPU rate.

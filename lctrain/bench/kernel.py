@@ -7,17 +7,29 @@ timed by `lctrain.bench.timing.measure` (warm-up, then the median of ``repeats``
 under the FLOP model of `lctrain.bench.flops`. With ``profile_dir`` a few more iterations run
 under the profiler (`lctrain.bench.profile`).
 
+With ``documents`` (one or more ``--documents`` specs, `lctrain.bench.documents`) every
+sequence is packed documents, each spec a mix of its own: the spec is parsed at each length,
+rates count only the pairs inside documents (the useful FLOPs), each row carries its spec
+(``documents``) and the mix's summary at its length (``mix``), and the correctness check runs
+the mix of the shortest length scaled to the check length
+(:meth:`~lctrain.bench.documents.Documents.scaled`). A dense reference (cuDNN on a GPU by
+default) is timed once per length without documents, and every document row gets ``of_dense``:
+its useful rate over the reference's dense rate — how close packed documents come to the speed
+of one dense causal sequence.
+
 With no sizes given, the defaults fit the device: Llama-7B's attention (32 heads of 128) at
 16K-64K in bf16 on a GPU; 8 heads of 64 at 256-1K tokens in float32 on a CPU, which finishes
 in seconds.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 
+from lctrain.bench.documents import Documents, parse_each
 from lctrain.bench.flops import MODEL, attention_flops, rates
 from lctrain.bench.kernel_subjects import subject
 from lctrain.bench.profile import profile
@@ -32,6 +44,7 @@ from lctrain_kernels.reference import reference_backward, reference_forward
 #: largest relative error accepted by the correctness check, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 _CPU_DEFAULT = ("reference", "cpu_flash")  # triton on a CPU is the (slow) interpreter
+_CPU_DOCUMENTS = ("reference", "docsplit")  # cpu_flash refuses document masks
 DEFAULTS = {  # per device type: what a run with no sizes measures
     "cuda": {"seq_lens": [16384, 32768, 65536], "heads": 32, "head_dim": 128,
              "dtype": "bfloat16", "check_len": 4096},
@@ -40,14 +53,28 @@ DEFAULTS = {  # per device type: what a run with no sizes measures
 }
 
 
-def doc_bounds(seq_len: int, documents: int | None) -> tuple[int, ...] | None:
-    """Boundaries of ``documents`` packed documents of (nearly) equal length."""
-    if not documents:
-        return None
-    if not 1 <= documents <= seq_len:
-        raise ConfigError(f"--documents must be between 1 and the sequence length {seq_len}, "
-                        f"got {documents}")
-    return tuple(round(i * seq_len / documents) for i in range(documents + 1))
+@dataclass(frozen=True)
+class _Mix:
+    """One ``--documents`` spec: its documents at each length and at the check length."""
+
+    index: int
+    spec: str
+    at: Mapping[int, Documents]
+    check: Documents
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every subject of one run is measured on."""
+
+    seq_lens: list[int]
+    params: dict  # heads, kv_heads, head_dim, dtype, device, causal
+    mixes: list[_Mix]  # empty: one sequence, no documents
+    check_len: int
+    repeats: int
+    warmup: int
+    profile_dir: str | None
+    say: Callable[[str], None]
 
 
 def _inputs(seq_len, heads, kv_heads, head_dim, dtype, device):
@@ -58,10 +85,10 @@ def _inputs(seq_len, heads, kv_heads, head_dim, dtype, device):
             torch.randn(shape_q, dtype=dtype, device=device))  # dO
 
 
-def _setup(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal, documents):
+def _setup(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal, bounds):
     """(inputs, spec, relation, scale, closures or the reason it cannot run)."""
     q, k, v, do = _inputs(seq_len, heads, kv_heads, head_dim, dtype, device)
-    spec = MaskSpec(causal, doc_bounds=doc_bounds(seq_len, documents))
+    spec = MaskSpec(causal, doc_bounds=bounds)
     rel, scale = classify(spec, seq_len, seq_len), head_dim ** -0.5
     reason = what.unsupported(q, k, v, spec, rel)
     closures = None if reason else what.closures(q, k, v, do, spec, rel, scale)
@@ -69,11 +96,12 @@ def _setup(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal, docu
 
 
 def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal,
-                      documents) -> float:
+                      bounds=None) -> float:
     """Worst relative error of out, lse, dq, dk, dv against the float32 reference.
 
     Args:
         what: a subject (`lctrain.bench.kernel_subjects.subject`) or a bare backend.
+        bounds: document bounds ``(0, ..., seq_len)``, or None for one sequence.
 
     Raises:
         BackendUnavailable: if it cannot run this request (with its reason).
@@ -81,7 +109,7 @@ def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, c
     if not hasattr(what, "closures"):
         what = subject(what.name)
     inputs, spec, _, scale, made = _setup(what, seq_len, heads, kv_heads, head_dim, dtype,
-                                          device, causal, documents)
+                                          device, causal, bounds)
     if isinstance(made, str):
         raise BackendUnavailable(made)
     fwd, bwd = made
@@ -98,8 +126,8 @@ def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, c
     return max(errors)
 
 
-def _measure(what, seq_len, params, repeats, warmup, trace) -> dict:
-    _, spec, rel, _, made = _setup(what, seq_len, **params)
+def _measure(what, seq_len, params, bounds, repeats, warmup, trace) -> dict:
+    _, spec, rel, _, made = _setup(what, seq_len, **params, bounds=bounds)
     if isinstance(made, str):
         return {"relation": rel.value, "status": made}
     fwd, bwd = made
@@ -108,67 +136,100 @@ def _measure(what, seq_len, params, repeats, warmup, trace) -> dict:
            "fwd_ms_min": min(times.fwd), "fwd_ms_max": max(times.fwd),
            "bwd_ms_min": min(times.bwd), "bwd_ms_max": max(times.bwd)}
     flops = attention_flops(seq_len, params["heads"], params["head_dim"], params["causal"],
-                            spec.doc_bounds)
+                            spec.doc_bounds)  # useful FLOPs: only the pairs inside documents
     row.update(rates(flops, row["fwd_ms"], row["bwd_ms"]), status="ok")
     if trace is not None:
         row.update(profile(fwd, bwd, params["device"], trace))
     return row
 
 
-def default_backends(device: torch.device) -> list[str]:
-    """CPU: reference and cpu_flash. CUDA: the fast ones (the reference is the oracle of the
-    correctness check already, and minutes per length at 64K+; name it to time it)."""
+def default_backends(device: torch.device, documents: bool = False) -> list[str]:
+    """CPU: reference and cpu_flash (docsplit instead of cpu_flash with documents). CUDA: the
+    fast ones (the reference is the oracle of the correctness check already, and minutes per
+    length at 64K+; name it to time it)."""
     names = available_backends()
     if device.type != "cuda":
-        return [n for n in names if n in _CPU_DEFAULT]
+        return [n for n in names if n in (_CPU_DOCUMENTS if documents else _CPU_DEFAULT)]
     return [n for n in names if n not in ("cpu_flash", "reference")]
 
 
-def _run_subject(name, seq_lens, params, check_len, repeats, warmup, profile_dir, say) -> list[dict]:
-    base = {"backend": name}
+def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = None,
+                 label: str | None = None) -> list[dict]:
+    """Check, then time ``name`` at every length: packed as ``mix``, or one sequence (None).
+
+    ``dense`` maps a length to the dense reference's row there (for ``of_dense``); ``label``
+    names the rows (default ``name``).
+    """
+    base = {"backend": label or name}
+    if plan.mixes:  # rows of a documents run say which mix they ran (None: the dense reference)
+        base["documents"] = None if mix is None else mix.spec
+    head = base["backend"] + ("" if mix is None else f" {mix.spec}")
     try:
         what = subject(name)
-        err = check_correctness(what, check_len, **params)
+        err = check_correctness(what, plan.check_len, **plan.params,
+                                bounds=None if mix is None else mix.check.cu_seqlens)
     except BackendUnavailable as exc:
-        say(f"{name}: {exc}")
-        return [{**base, "seq_len": s, "status": str(exc)} for s in seq_lens]
+        plan.say(f"{head}: {exc}")
+        return [{**base, "seq_len": s, "status": str(exc)} for s in plan.seq_lens]
     except RuntimeError as exc:  # a kernel error: report it and time the other backends
         status = f"failed its correctness run ({type(exc).__name__}: {str(exc).splitlines()[0]})"
-        say(f"{name}: {status}")
-        return [{**base, "seq_len": s, "status": status} for s in seq_lens]
-    correct = err <= TOLERANCE.get(params["dtype"], 4e-2)
-    say(f"{name}: error {err:.1e} against float32 math at {check_len} tokens"
-        f"{'' if correct else ' — ABOVE the tolerance'}")
+        plan.say(f"{head}: {status}")
+        return [{**base, "seq_len": s, "status": status} for s in plan.seq_lens]
+    correct = err <= TOLERANCE.get(plan.params["dtype"], 4e-2)
+    plan.say(f"{head}: error {err:.1e} against float32 math at {plan.check_len} "
+             f"tokens{'' if correct else ' — ABOVE the tolerance'}")
     rows = []
-    for seq_len in seq_lens:
+    for seq_len in plan.seq_lens:
         row = {**base, "seq_len": seq_len, "max_rel_err": err, "correct": correct}
-        trace = None if profile_dir is None else Path(profile_dir) / f"kernel-{name}-{seq_len}.json"
+        bounds = None if mix is None else mix.at[seq_len].cu_seqlens
+        if mix is not None:
+            row["mix"] = mix.at[seq_len].summary()
+        trace = None
+        if plan.profile_dir is not None:
+            slug = name if not plan.mixes else f"{name}-dense" if mix is None else \
+                f"{name}-mix{mix.index}"
+            trace = Path(plan.profile_dir) / f"kernel-{slug}-{seq_len}.json"
         try:
-            row.update(_measure(what, seq_len, params, repeats, warmup, trace))
+            row.update(_measure(what, seq_len, plan.params, bounds, plan.repeats, plan.warmup,
+                                trace))
         except torch.cuda.OutOfMemoryError:
             row["status"] = f"out of memory at {seq_len} tokens"
-        if params["device"].type == "cuda":
+        if plan.params["device"].type == "cuda":
             torch.cuda.empty_cache()
-        say(_progress_line(row))
+        row.update(_of_dense(row, (dense or {}).get(seq_len)))
+        plan.say(_progress_line(row))
         rows.append(row)
     return rows
 
 
-def _progress_line(row: dict) -> str:
-    from lctrain.report.human import milliseconds, rate, tokens
+def _of_dense(row: dict, dense: dict | None) -> dict:
+    """``of_dense`` (fwd+bwd), ``of_dense_fwd`` and ``of_dense_bwd``: the row's useful rates over
+    the dense reference's at the same length, where both were measured."""
+    if dense is None or row.get("status") != "ok" or dense.get("status") != "ok":
+        return {}
+    return {key: row[rate] / dense[rate] for key, rate in (
+        ("of_dense", "total_tflops"), ("of_dense_fwd", "fwd_tflops"),
+        ("of_dense_bwd", "bwd_tflops")) if row.get(rate) and dense.get(rate)}
 
-    head = f"{row['backend']} {tokens(row['seq_len'])}:"
+
+def _progress_line(row: dict) -> str:
+    from lctrain.report.human import milliseconds, percent, rate, tokens
+
+    spec = f" {row['documents']}" if row.get("documents") else ""
+    head = f"{row['backend']}{spec} {tokens(row['seq_len'])}:"
     if row.get("status") != "ok":
         return f"{head} {row.get('status')}"
-    return (f"{head} fwd {milliseconds(row['fwd_ms'])}, bwd {milliseconds(row['bwd_ms'])}, "
+    text = (f"{head} fwd {milliseconds(row['fwd_ms'])}, bwd {milliseconds(row['bwd_ms'])}, "
             f"{rate(row['total_tflops'])} fwd+bwd")
+    return text + (f", {percent(row['of_dense'])} of dense" if row.get("of_dense") else "")
 
 
 def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
         heads: int | None = None, head_dim: int | None = None,
         dtype: torch.dtype | str | None = None, causal: bool = True,
-        documents: int | None = None, kv_heads: int | None = None, *, repeats: int = 5,
-        warmup: int = 2, check_len: int | None = None, device=None,
+        documents: str | int | Sequence[str | int] | Mapping[int, Documents] | None = None,
+        kv_heads: int | None = None, *, recipe=None, dense_reference: str | None = "auto",
+        repeats: int = 5, warmup: int = 2, check_len: int | None = None, device=None,
         profile_dir: str | None = None,
         progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark the local attention backends (forward, backward, total TFLOP/s).
@@ -176,12 +237,20 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
     Args:
         seq_lens: sequence lengths to time (batch 1); None = the device's defaults.
         backends: backend or peer names; None = every available fast backend (CUDA: cudnn,
-            flash, flash_attn, triton as installed; CPU: reference, cpu_flash).
+            flash, flash_attn, triton, docsplit as installed; CPU: reference and cpu_flash,
+            or docsplit instead of cpu_flash with documents).
         heads, head_dim, dtype: the shape and input dtype (or its name); None = the
             device's defaults (``DEFAULTS``).
         causal: causal attention (else full).
-        documents: pack this many equal documents per sequence (document mask), or None.
+        documents: pack every sequence into documents: a ``--documents`` spec
+            (`lctrain.bench.documents`; an int N = N equal documents) or several (each timed
+            as a mix of its own), parsed at each length; or one mix already parsed for each
+            length; None = one sequence.
         kv_heads: key/value heads (GQA); None = ``heads``.
+        recipe: the recipe whose tokenizer reads a ``data:FILE`` spec.
+        dense_reference: with documents, the backend also timed WITHOUT documents at each
+            length, the denominator of ``of_dense``: "auto" = cudnn on a GPU (none on a
+            CPU); None or "none" = no reference.
         repeats: timed runs per measurement (>= 5 for reported figures).
         warmup: untimed runs before timing.
         check_len: sequence length of the correctness check (default: the device's, at most
@@ -191,13 +260,39 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
         progress: called with one line per step (check, measurement) while running.
 
     Returns:
-        A :class:`BenchResult` of kind "kernel", one row per (backend, seq_len); rows of
-        backends that cannot run the request carry the reason in ``status``.
+        A :class:`BenchResult` of kind "kernel", one row per (backend, seq_len[, mix]), the
+        dense reference's first (backend "NAME (dense)"); rows of backends that cannot run
+        the request carry the reason in ``status``.
 
     Raises:
-        ConfigError: impossible sizes (heads not divisible, too many documents, ...).
+        ConfigError: impossible sizes (heads not divisible, a bad documents spec, ...).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    plan, names, dense = _plan(seq_lens, backends, heads, head_dim, dtype, causal, documents,
+                               kv_heads, recipe, dense_reference, repeats, warmup, check_len,
+                               device, profile_dir, progress)
+    rows = []
+    if dense is not None:
+        rows += _run_subject(plan, dense, None, label=f"{dense} (dense)")
+    dense_rows = {row["seq_len"]: row for row in rows}
+    for mix in plan.mixes or [None]:
+        for name in names:
+            rows += _run_subject(plan, name, mix, dense=dense_rows)
+    p = plan.params
+    meta = {"machine": environment(), "dtype": str(p["dtype"]).replace("torch.", ""),
+            "heads": p["heads"], "kv_heads": p["kv_heads"], "head_dim": p["head_dim"],
+            "causal": causal, "repeats": repeats, "warmup": warmup,
+            "check_len": plan.check_len, "device": device.type, "flop_model": MODEL}
+    if plan.mixes:
+        meta.update(documents=[mix.spec for mix in plan.mixes], dense_reference=dense,
+                    check_documents=[mix.check.summary() for mix in plan.mixes])
+    return BenchResult(kind="kernel", title="attention kernels, one device", rows=rows,
+                       meta=meta)
+
+
+def _plan(seq_lens, backends, heads, head_dim, dtype, causal, documents, kv_heads, recipe,
+          dense_reference, repeats, warmup, check_len, device, profile_dir, progress):
+    """(plan, backend names, dense reference or None) of a run, checked; see :func:`run`."""
     base = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     seq_lens = list(seq_lens or base["seq_lens"])
     heads, head_dim = heads or base["heads"], head_dim or base["head_dim"]
@@ -210,20 +305,33 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
     if min(seq_lens) < 1 or repeats < 1:
         raise ConfigError("give positive sequence lengths and at least 1 repeat")
     check_len = min(check_len or base["check_len"], min(seq_lens))
-    doc_bounds(check_len, documents)  # validates documents early
+    mixes = _mixes(documents, seq_lens, check_len, recipe)
+    if not mixes and dense_reference not in (None, "none", "auto"):
+        raise ConfigError(f"--dense-reference {dense_reference} is the dense rate packed "
+                          f"documents are compared with; add --documents SPEC, or leave it out")
+    dense = None if dense_reference in (None, "none") or not mixes else dense_reference
+    if dense == "auto":
+        dense = "cudnn" if device.type == "cuda" else None
     params = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                  device=device, causal=causal, documents=documents)
-    names = list(backends) if backends else default_backends(device)
-    say = progress or (lambda line: None)
-    rows = []
-    for name in names:
-        rows += _run_subject(name, seq_lens, params, check_len, repeats, warmup, profile_dir, say)
-    meta = {"machine": environment(), "dtype": str(dtype).replace("torch.", ""), "heads": heads,
-            "kv_heads": kv_heads, "head_dim": head_dim, "causal": causal, "documents": documents,
-            "repeats": repeats, "warmup": warmup, "check_len": check_len, "device": device.type,
-            "flop_model": MODEL}
-    return BenchResult(kind="kernel", title="attention kernels, one device", rows=rows,
-                       meta=meta)
+                  device=device, causal=causal)
+    plan = _Plan(seq_lens, params, mixes, check_len, repeats, warmup, profile_dir,
+                 progress or (lambda line: None))
+    names = list(backends) if backends else default_backends(device, bool(mixes))
+    return plan, names, dense
 
 
-__all__ = ["DEFAULTS", "TOLERANCE", "check_correctness", "default_backends", "doc_bounds", "run"]
+def _mixes(documents, seq_lens: list[int], check_len: int, recipe) -> list[_Mix]:
+    """Every mix of ``documents`` (see :func:`run`), parsed at every length."""
+    if documents is None:
+        return []
+    if isinstance(documents, Mapping):
+        parsed = [dict(documents)]
+    else:
+        specs = [documents] if isinstance(documents, (str, int)) else list(documents)
+        parsed = [parse_each(spec, seq_lens, recipe=recipe) for spec in specs]
+    short = min(seq_lens)
+    return [_Mix(i, at[short].spec, at, at[short].scaled(check_len))
+            for i, at in enumerate(parsed, 1)]
+
+
+__all__ = ["DEFAULTS", "TOLERANCE", "check_correctness", "default_backends", "run"]

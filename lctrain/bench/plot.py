@@ -1,6 +1,7 @@
 """``--plot`` of ``lctrain bench``: one picture per result, drawn for people.
 
-* kernel — fwd+bwd TFLOP/s against the sequence length, one line per backend;
+* kernel — fwd+bwd TFLOP/s against the sequence length, one line per backend (and documents
+  mix);
 * attention — fwd+bwd TFLOP/s per GPU against the TOTAL sequence length, one line per
   variant, the single-GPU kernel as a dashed reference;
 * step — MFU (or tokens/s where MFU is unknown, e.g. on a CPU) against the sequence length,
@@ -47,8 +48,8 @@ def _series(result: BenchResult) -> tuple[str, str, str, float]:
 
 
 def _label(result: BenchResult, row: dict, key: str) -> str:
-    if result.kind != "step":
-        return str(row.get(key))
+    if result.kind != "step":  # rows of document mixes: one line per backend and mix
+        return str(row.get(key)) + (f" {row['documents']}" if row.get("documents") else "")
     if row.get(key):
         return short_variant(row[key])
     return f"{row.get('schedule', '')} {row.get('policy', '')}".strip() or "recipe"

@@ -4,7 +4,9 @@ The bench prints :func:`table` — one row per measurement, in a compact set of 
 fits an 80-column terminal (``--wide`` adds the rest: times, spreads, errors, counts).
 ``lctrain bench report`` also prints :func:`summary` — the measurements pivoted the way the
 README shows them (lengths down, variants across). Nothing here imports torch: result files
-are rendered on any machine.
+are rendered on any machine. Rows of packed documents carry their spec (``documents``) and the
+mix's summary at their length (``mix``), too long for a column: the notes say them, once per
+spec and length; with several specs a ``mix`` column numbers them (the summary spells them).
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ _PROFILE = [Column(f"profile_{cat}_ms", label, "ms") for cat, label in (
 
 COLUMNS = {
     "kernel": [Column("backend", "backend"), Column("seq_len", "length", "tokens"), *_RATES,
-               Column("max_rel_err", "error", "sci"), _STATUS,
+               Column("of_dense", "of dense", "percent"), Column("max_rel_err", "error", "sci"),
+               _STATUS, Column("of_dense_fwd", "fwd of dense", "percent", compact=False),
+               Column("of_dense_bwd", "bwd of dense", "percent", compact=False),
                Column("relation", "mask", compact=False), *_TIMES,
                Column("correct", "correct", "bool", compact=False), *_PROFILE],
     "attention": [Column("variant", "variant"), Column("seq_len", "length", "tokens"), *_RATES,
@@ -72,8 +76,12 @@ def describe(result: BenchResult) -> str:
         parts.append(f"{meta['heads']} heads{gqa} × {meta['head_dim']}")
     if meta.get("causal", True) is not None and result.kind != "step":
         parts.append("causal" if meta.get("causal", True) else "full")
-    if meta.get("documents"):
-        parts.append(f"{meta['documents']} documents")
+    docs = meta.get("documents")  # specs, one spec, or a count (files of older versions)
+    specs = [str(d) for d in docs] if isinstance(docs, list) else [str(docs)] if docs else []
+    if len(specs) > 1:
+        parts.append(f"{len(specs)} document mixes")
+    elif specs:
+        parts.append(f"{specs[0]} documents" if specs[0].isdigit() else f"documents {specs[0]}")
     if result.kind == "step" and meta.get("model_dtype"):
         compute = "bf16" if meta.get("mixed_precision") in ("bf16", "auto") else meta["model_dtype"]
         parts.append(f"{meta['model_dtype']} weights, {compute} compute")
@@ -87,14 +95,47 @@ def title(result: BenchResult) -> str:
 
 def table(result: BenchResult) -> Table:
     """The result's rows in its kind's columns (see the module docstring)."""
-    notes = []
+    notes = _document_notes(result)
     if result.kind == "attention":
         notes.append("length = total sequence; each GPU holds length / GPUs tokens; "
                      "vs 1 GPU = rate over the single-GPU kernel's at the same length")
     columns, rows = list(COLUMNS[result.kind]), result.rows
     if result.kind == "step":
         columns, rows = _step_view(result, columns)
+    specs = _specs(result)
+    if len(specs) > 1:  # rows of several mixes: number them (the notes say which is which)
+        rows = [{**row, "mix_no": specs.index(row["documents"]) + 1
+                 if row.get("documents") is not None else None} for row in rows]
+        columns.insert(2, Column("mix_no", "mix", "number"))
     return Table(title=title(result), columns=columns, rows=rows, notes=notes)
+
+
+def _specs(result: BenchResult) -> list[str]:
+    """The documents specs the rows ran, in order of appearance."""
+    return list(dict.fromkeys(row["documents"] for row in result.rows
+                              if row.get("documents") is not None))
+
+
+def _document_notes(result: BenchResult) -> list[str]:
+    """The documents of each spec and length, and what "of dense" means."""
+    from lctrain.report.human import tokens
+
+    specs, mixes = _specs(result), {}
+    for row in result.rows:
+        if row.get("documents") is not None and row.get("seq_len") is not None:
+            mixes.setdefault((specs.index(row["documents"]), row["seq_len"]), row.get("mix"))
+    notes = [f"{f'mix {k + 1}: ' if len(specs) > 1 else ''}documents {specs[k]} at "
+             f"{tokens(length)}: {mix}" for (k, length), mix in sorted(mixes.items())]
+    if mixes:
+        notes.append("rates count useful FLOPs only (the pairs inside documents)")
+    if mixes and result.kind == "attention":
+        notes.append("balance = the schedule's figure for one causal sequence, not for these "
+                     "documents")
+    if any(row.get("of_dense") for row in result.rows):
+        reference = result.meta.get("dense_reference") or "the dense reference"
+        notes.append(f"of dense (%) = useful rate over {reference}'s rate on one dense "
+                     f"sequence of the same length")
+    return notes
 
 
 def short_variant(text: str | None) -> str:
@@ -125,9 +166,12 @@ def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column]
 def summary(result: BenchResult) -> Table:
     """The README form: lengths down, variants (or backends) across, fwd+bwd TFLOP/s.
 
-    Attention cells carry the ratio to one GPU in parentheses; a variant with no measurement
-    at all is left out. The notes give each variant's largest error, the balance figures and
-    why a cell is empty (—). Step and tile results keep their compact table.
+    Attention cells carry the ratio to one GPU in parentheses, document cells with a dense
+    reference their share of its rate ("of dense", %); a variant with no measurement at all is
+    left out. Rows of packed documents give one line per length and spec, the dense reference
+    (rows without a spec) in each line of its length. The notes give each variant's largest
+    error, the balance figures and why a cell is empty (—). Step and tile results keep their
+    compact table.
     """
     if result.kind == "step" or result.kind == "tiles":
         whole = table(result)
@@ -138,14 +182,21 @@ def summary(result: BenchResult) -> Table:
     measured = {row.get(series) for row in result.measured()}
     names = [n for n in dict.fromkeys(row.get(series) for row in result.rows) if n in measured]
     lengths = sorted({row["seq_len"] for row in result.rows if "seq_len" in row})
-    cells = {(row.get(series), row.get("seq_len")): row for row in result.rows}
-    rows = []
+    cells = {(row.get(series), row.get("seq_len"), row.get("documents")): row
+             for row in result.rows}
+    specs, rows = _specs(result), []
     for length in lengths:
-        line = {"seq_len": length}
-        for name in names:
-            line[name] = _summary_cell(cells.get((name, length)))
-        rows.append(line)
-    columns = [Column("seq_len", "length", "tokens")] + [Column(n, n, "figure") for n in names]
+        for spec in specs or [None]:
+            if spec is not None and not any((n, length, spec) in cells for n in names):
+                continue
+            line = {"seq_len": length, "documents": spec}
+            for name in names:
+                line[name] = _summary_cell(cells.get((name, length, spec))
+                                           or cells.get((name, length, None)))
+            rows.append(line)
+    columns = [Column("seq_len", "length", "tokens")]
+    columns += [Column("documents", "documents")] if specs else []
+    columns += [Column(n, n, "figure") for n in names]
     what = _WHAT[result.kind].split(",")[0]
     unit = "fwd+bwd TFLOP/s" + (" per GPU" if result.kind == "attention" else "")
     return Table(title=f"{what}, {unit} — {describe(result)}", columns=columns, rows=rows,
@@ -160,12 +211,14 @@ def _summary_cell(row: dict | None) -> str | None:
     if row.get("status") != "ok" or row.get("total_tflops") is None:
         return "—"
     text = significant(row["total_tflops"])
+    if row.get("of_dense"):
+        return f"{text} ({100 * row['of_dense']:.0f}%)"
     return f"{text} ({ratio(row['vs_single'])})" if row.get("vs_single") else text
 
 
 def _summary_notes(result: BenchResult, names: list[str], series: str) -> list[str]:
-    """Errors, balance and why a cell or a whole variant has no number."""
-    notes, balance = [], []
+    """Documents, errors, balance and why a cell or a whole variant has no number."""
+    notes, balance = _document_notes(result), []
     for name in dict.fromkeys(row.get(series) for row in result.rows):
         rows = [r for r in result.rows if r.get(series) == name]
         errors = [r["max_rel_err"] for r in rows if r.get("max_rel_err") is not None]

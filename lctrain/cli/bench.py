@@ -9,6 +9,9 @@ from lctrain.cli.common import split_names, user_errors
 from lctrain.cli.options import (
     BackendOpt,
     BackendsOpt,
+    DocumentMixesOpt,
+    DocumentsOpt,
+    DocumentsRecipeOpt,
     DTypeOpt,
     Format,
     FormatOpt,
@@ -48,12 +51,21 @@ def _dtype(value) -> str | None:
     return None if value is None else value.value
 
 
+def _recipe(name: str | None):
+    """The --recipe of a --documents data:FILE spec, loaded (None without one)."""
+    return None if name is None else load_recipe(name)
+
+
 @app.command("kernel")
 def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: HeadsOpt = None,
            kv_heads: KvHeadsOpt = None, head_dim: HeadDimOpt = None, dtype: DTypeOpt = None,
            causal: bool = typer.Option(True, "--causal/--full", help="Causal or full attention."),
-           documents: int = typer.Option(0, min=0, metavar="N",
-                                         help="Packed documents per sequence (0 = one)."),
+           documents: DocumentMixesOpt = None, recipe: DocumentsRecipeOpt = None,
+           dense_reference: str = typer.Option(
+               "auto", "--dense-reference", metavar="NAME",
+               help="With --documents, the backend also timed without documents at each "
+                    "length; rows get 'of dense', their useful rate over its rate (auto: "
+                    "cudnn on a GPU, none on a CPU; none: skip)."),
            check_len: CheckLenOpt = None, repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
            profile: ProfileOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
            fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
@@ -62,9 +74,15 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
     With no sizes: 16k, 32k, 64k with 32 heads of 128 in bfloat16 on a GPU; 256 to 1k tokens
     with 8 heads of 64 in float32 on a CPU (seconds).
 
+    With --documents (repeatable) every length is packed documents, rates count useful FLOPs,
+    the correctness check runs each mix scaled to --check-len and --dense-reference says how
+    close each comes to one dense sequence.
+
     \b
-    Example:
+    Examples:
       lctrain bench kernel --seq-len 16k,32k,64k --backend triton,cudnn --plot kernel.png
+      lctrain bench kernel --seq-len 64k --documents 8x8k --documents 32x2k \\
+          --backend docsplit,triton --check-len 8k
     """
     with user_errors():
         from lctrain.bench.kernel import run
@@ -74,8 +92,9 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
         check = None if check_len is None else parse_size(check_len, what="--check-len")
         result = run(seq_lens=_sizes(seq_len), backends=split_names(backend), heads=heads,
                      kv_heads=kv_heads, head_dim=head_dim, dtype=_dtype(dtype), causal=causal,
-                     documents=documents or None, repeats=repeats, warmup=warmup,
-                     check_len=check, profile_dir=profile, progress=out.progress)
+                     documents=documents, recipe=_recipe(recipe), dense_reference=dense_reference,
+                     repeats=repeats, warmup=warmup, check_len=check, profile_dir=profile,
+                     progress=out.progress)
         out.publish(result)
 
 
@@ -83,6 +102,7 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
 def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHEDULES),
               nproc: NprocOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None,
               head_dim: HeadDimOpt = None, dtype: DTypeOpt = None, backend: BackendOpt = None,
+              documents: DocumentsOpt = None, recipe: DocumentsRecipeOpt = None,
               overlap_ablation: bool = typer.Option(
                   False, "--overlap-ablation", help="Also run distflash without communication "
                                                     "overlap (and the share hidden)."),
@@ -111,9 +131,13 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
     Lengths are TOTAL sequences, each rank holds length / NPROC tokens. With no sizes: 64k,
     128k, 256k on every GPU; 256 and 512 tokens on 2 CPU processes.
 
+    With --documents every length is packed documents (the same on every schedule, the
+    single-GPU kernel and the correctness check, scaled to --check-len there).
+
     \b
-    Example:
+    Examples:
       lctrain bench attention --seq-len 64k,128k,256k --peers --overlap-ablation --plot a.png
+      lctrain bench attention --seq-len 128k --documents lognormal:mean=16k
     """
     with user_errors():
         from lctrain.bench.attention import run
@@ -124,6 +148,7 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
         check = None if check_len is None else parse_size(check_len, what="--check-len")
         result = run(seq_lens=_sizes(seq_len), schedules=split_names(schedule), nproc=nproc,
                      heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=_dtype(dtype),
+                     documents=documents, recipe=_recipe(recipe),
                      overlap_ablation=overlap_ablation, peers=peers, repeats=repeats,
                      warmup=warmup, check_len=check, min_time_s=min_time,
                      single_max_len=parse_size(single_max_len, what="--single-max-len"),

@@ -112,6 +112,17 @@ RepeatsOpt = Annotated[int, typer.Option(
                                           "reported).")]
 WarmupOpt = Annotated[int, typer.Option(
     "--warmup", min=0, metavar="N", help="Untimed iterations before timing.")]
+_DOCUMENTS_HELP = ("Pack each sequence into documents (document mask; rates count only the pairs "
+                   "inside documents): 8 (equal ones), 8x8k, 20k,12k,3x2k,rest, lognormal:mean=12k"
+                   "[,sigma=1,seed=0], lengths:FILE[@ROW] or data:FILE[@ROW] (needs --recipe).")
+DocumentsOpt = Annotated[Optional[str], typer.Option(
+    "--documents", metavar="SPEC", show_default=False, help=_DOCUMENTS_HELP)]
+DocumentMixesOpt = Annotated[Optional[list[str]], typer.Option(
+    "--documents", metavar="SPEC", show_default=False,
+    help=_DOCUMENTS_HELP + " Repeatable: each spec is a mix of its own, side by side.")]
+DocumentsRecipeOpt = Annotated[Optional[str], typer.Option(
+    "--recipe", metavar="RECIPE", show_default=False,
+    help="Recipe whose tokenizer and data settings read a --documents data:FILE spec.")]
 ProfileOpt = Annotated[Optional[str], typer.Option(
     "--profile", metavar="DIR", show_default=False,
     help="Also profile each measurement: chrome traces into DIR, time per kernel category "
