@@ -204,6 +204,19 @@ def test_the_watchdog_names_the_late_ranks(tmp_path):
     beats = read_heartbeats(tmp_path)
     assert sorted(beats) == [0, 1, 2] and beats[1]["completed"] == 6
     assert beats[0]["pid"] == os.getpid()
+    hangs.clear()  # two ranks in the same collective that never completes
+    pair = [Watchdog(tmp_path / "pair", rank=r, world_size=2, timeout=1.0, on_hang=hangs.append)
+            for r in range(2)]
+    with pair[0], pair[1]:
+        for watch in pair:
+            watch.enter("the metrics all-reduce", 3)
+        deadline = time.time() + 20
+        while len(hangs) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+    assert sorted(hangs)[0] == (
+        "rank 0 waited 1 s in the metrics all-reduce of step 3 (train.collective_timeout is 1 s); "
+        "every rank is alive and waiting in the same operation, so a collective never completes "
+        "(the ranks disagree on what to run).")
 
 
 def test_non_finite_settings_are_refused():

@@ -7,9 +7,9 @@ gloo timeout, when it finally comes, names no rank. So each rank keeps a heartbe
 - the training loop marks where its main thread is (`Watchdog.enter`: the operation and the step;
   an attribute write, no I/O, no synchronisation);
 - a daemon thread writes ``output_dir/.launch/ranks/rank{R}.json`` — pid, host, the steps
-  completed, the operation and the wall time — whenever that changes and at least every
-  ``beat`` seconds, from its own thread (the thread runs while the main thread waits in a
-  collective: torch releases the GIL there);
+  completed, the operation and the wall time — within milliseconds of a completed step and at
+  least every ``beat`` seconds, from its own thread (the thread runs while the main thread waits
+  in a collective: torch releases the GIL there);
 - when this rank has been in one operation for longer than ``train.collective_timeout``, the
   thread reads every rank's file and reports, in one sentence, the operation, the step and the
   ranks that did not arrive: those whose heartbeat stopped (a stopped or dead process) and
@@ -86,9 +86,9 @@ class Watchdog:
 
     # main thread -------------------------------------------------------------------------
     def enter(self, operation: str, step: int) -> None:
-        """The main thread now runs (or waits in) ``operation`` of ``step``."""
+        """The main thread now runs (or waits in) ``operation`` of ``step`` (an attribute write:
+        the file says so at the next beat)."""
         self._mark = _Mark(operation, step, self._mark.completed, time.monotonic())
-        self._changed.set()
 
     def completed(self, step: int) -> None:
         """``step`` steps are done (the files say so within a few milliseconds)."""
@@ -118,7 +118,7 @@ class Watchdog:
         last_write = last_tick = time.monotonic()
         while not self._done.is_set():
             self._changed.wait(timeout=min(self.beat, max(self.timeout / 4, 0.05)))
-            changed = self._changed.is_set()
+            changed = self._changed.is_set()  # a completed step, or the end
             self._changed.clear()
             now = time.monotonic()
             if now - last_tick > 3 * self.beat:  # this whole process was paused: restart clocks
