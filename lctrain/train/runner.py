@@ -348,7 +348,8 @@ def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> s
 def _summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by: int) -> str:
     t, out = setup.cfg.train, setup.cfg.train.output_dir
     if stopped_by:
-        return (f"stopped by {signal_name(stopped_by)} after step {trainer.step} of {t.max_steps}; "
+        when = f"after step {trainer.step}" if history else f"before step {trainer.step + 1}"
+        return (f"stopped by {signal_name(stopped_by)} {when} of {t.max_steps}; "
                 f"{launch.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}")
     if not history:
         return (f"nothing to do: the run is already at step {trainer.step} of {t.max_steps}; "
