@@ -3,9 +3,11 @@
 - the output-folder lock: one run per folder, released by a holder's death (kill -9);
 - stop signals: the first sets the flag, a second ends the process at once, a launcher's request
   carries its signal, an inherited "ignore" (nohup) is respected;
-- the launcher's supervisor: a second signal kills the agent and its children at once;
-- the failure report's order of witnesses; the hang watchdog's sentence;
-- non-finite settings refused; the schedule wound back for skipped steps.
+- the launcher's supervisor: its first signal reaches every rank as a request carrying the
+  signal, a second kills the agent and its ranks at once;
+- the failure report's order of witnesses; the hang watchdog's sentences;
+- non-finite settings refused; the schedule wound back and the weights kept for skipped steps;
+  weights that are not finite never saved.
 """
 from __future__ import annotations
 
