@@ -37,7 +37,8 @@ def _python(code: str, **kwargs) -> subprocess.Popen:
 def test_one_run_per_output_folder_and_a_dead_holder_frees_it(tmp_path):
     holder = _python(f"from lctrain.train.lifetime import RunLock\n"
                      f"import sys, time\nRunLock({str(tmp_path)!r}).acquire()\n"
-                     f"print('held', flush=True)\ntime.sleep(60)", stdout=subprocess.PIPE, text=True)
+                     f"print('held', flush=True)\ntime.sleep(60)",
+                     stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(UserError) as error:
         RunLock(tmp_path).acquire()

@@ -4,9 +4,10 @@ through torch.distributed.run):
     python -m lctrain.train --config RECIPE.yaml [--error-dir DIR] [--resume]
 
 The rank ties its life to the launcher's and installs its stop-signal handlers first, before
-the heavy imports (`lctrain.train.lifetime`, `lctrain.train.stopping`). It ends with ``os._exit`` once its streams are flushed: everything
-it writes (checkpoints, metrics, error records) is closed by then, and the interpreter's
-teardown of torch, transformers and the rest costs seconds of CPU for nothing.
+the heavy imports (`lctrain.train.lifetime`, `lctrain.train.stopping`). It ends with
+``os._exit`` once its streams are flushed: everything it writes (checkpoints, metrics, error
+records) is closed by then, and the interpreter's teardown of torch, transformers and the rest
+costs seconds of CPU for nothing.
 """
 import functools
 import os

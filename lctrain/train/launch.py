@@ -254,9 +254,9 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
 
     The process group is the caller's when one exists (tests); otherwise accelerate makes it
     from the launcher's environment with `group_timeout`, or — a lone process — a one-rank group
-    is made here. A group made for the block is destroyed at its end. Under a launcher on GPUs, remat-offload's
-    host memory is checked for this machine's processes. The recipe, not the launcher, decides
-    mixed precision and sharding.
+    is made here. A group made for the block is destroyed at its end. Under a launcher on GPUs,
+    remat-offload's host memory is checked for this machine's processes. The recipe, not the
+    launcher, decides mixed precision and sharding.
 
     Yields:
         The `Accelerator`: device, mixed precision (``train.mixed_precision``) and autocast.
