@@ -10,7 +10,8 @@ from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.parallel.mesh import build_mesh, check_parallel_sizes
 from lctrain.train import finetune
-from lctrain.train.launch import check_accelerate_mode, first_error
+from lctrain.train.failures import first_error
+from lctrain.train.launch import check_accelerate_mode
 from lctrain.train.metrics import MetricsLog
 from lctrain.train.optim import warmup_cosine
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -100,16 +101,21 @@ def _to_int(key: str, value: Any, unit: str | None) -> int:
 
 
 def _to_float(key: str, value: Any, unit: str | None) -> float:
+    number = None
     if isinstance(value, float):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
+        number = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
-    raise _fail(key, "a number", value)
+    if number is None:
+        raise _fail(key, "a number", value)
+    if not math.isfinite(number):  # .inf / .nan (or "inf", "nan") would train on nonsense
+        raise ConfigError(f"{key} is {value!r} but must be a finite number", key=key)
+    return number
 
 
 def _to_bool(key: str, value: Any, unit: str | None) -> bool:

@@ -211,6 +211,13 @@ class TrainConfig:
     """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once)."""
     log_every: int = 1
     """Log metrics every N optimizer steps."""
+    collective_timeout: float = 1800.0
+    """Seconds a rank may wait in one operation of a step (a collective, a checkpoint save)
+    before the run is stopped with the operation and the ranks that did not arrive named (a
+    stopped, frozen or dead rank); long enough for the slowest step and save."""
+    max_nonfinite_steps: int = 5
+    """Steps in a row whose loss or gradient norm is not finite (their updates are skipped)
+    after which the run stops with an error."""
     output_dir: str = "runs/lctrain"
     """Folder for config.yaml, metrics.jsonl and checkpoints/."""
 
@@ -235,6 +242,10 @@ class TrainConfig:
         require(self.output_dir != "", "train.output_dir", "is empty; name a folder")
         require(self.host_memory is None or self.host_memory > 0, "train.host_memory",
                 f"is {self.host_memory} but must be positive (or null to read /proc/meminfo)")
+        require(self.collective_timeout >= 1, "train.collective_timeout",
+                f"is {self.collective_timeout} but must be at least 1 (seconds)")
+        require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps",
+                f"is {self.max_nonfinite_steps} but must be at least 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +262,9 @@ class CheckpointConfig:
     """At the end of training also write output_dir/final/, a Hugging Face folder of the last
     checkpoint as ``lctrain export`` writes it (full weights; the adapter for a LoRA run).
     Needs ``enabled``."""
+    on_signal: bool = True
+    """When SIGTERM, SIGINT (Ctrl-C) or SIGHUP stops the run, save a checkpoint of the last
+    completed step before exiting (needs ``enabled``)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "checkpoint")

@@ -13,6 +13,7 @@ share NVLink). Three groups come out of it:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -98,13 +99,16 @@ def check_parallel_sizes(world_size: int, cp: int, dp: int | None = None) -> tup
     return resolved_dp, cp
 
 
-def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu") -> ParallelMesh:
+def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu",
+               timeout: timedelta | None = None) -> ParallelMesh:
     """Build the dp × cp mesh over the default process group.
 
     Args:
         cp: context-parallel size.
         dp: data-parallel size (None: world size // cp).
         device_type: "cuda" (NCCL) or "cpu" (gloo).
+        timeout: the timeout of the dp and cp groups (None: torch's default, which a new group
+            takes whatever the default group's is); give the default group's.
 
     Returns:
         A `ParallelMesh`. Without an initialised process group (a plain 1-process run) the
@@ -119,10 +123,8 @@ def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu") -> P
                             device_type=device_type)
     world = dist.get_world_size()
     dp, cp = check_parallel_sizes(world, cp, dp)
-    # The cp group carries the attention's transfers: high-priority NCCL streams
-    # (lctrain_kernels.distributed.comm.nccl_options).
-    override = {"cp": ("nccl", nccl_options())} if device_type == "cuda" and cp > 1 else None
-    mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"), backend_override=override)
+    mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"),
+                            backend_override=_group_options(device_type, dp, cp, timeout) or None)
     world_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("world",))
     if cp > 1:
         # NCCL makes a communicator lazily at a group's first operation; the attention's first
@@ -132,6 +134,25 @@ def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu") -> P
     return ParallelMesh(dp=dp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
                         cp_rank=mesh.get_local_rank("cp"), mesh=mesh, world_mesh=world_mesh,
                         device_type=device_type)
+
+
+def _group_options(device_type: str, dp: int, cp: int, timeout: timedelta | None) -> dict:
+    """DeviceMesh backend overrides: the cp group carries the attention's transfers on
+    high-priority NCCL streams (lctrain_kernels.distributed.comm.nccl_options); with a timeout,
+    every group that is not the default one (a dimension spanning all ranks reuses it) gets it."""
+    cuda = device_type == "cuda"
+    options = {}
+    if cuda and cp > 1:
+        options["cp"] = ("nccl", nccl_options(timeout))
+    if timeout is None:
+        return options
+    for name, size in (("dp", dp), ("cp", cp)):
+        if name in options or size == dp * cp:
+            continue
+        group = dist.ProcessGroupNCCL.Options() if cuda else dist.ProcessGroupGloo._Options()
+        group._timeout = timeout
+        options[name] = ("nccl" if cuda else "gloo", group)
+    return options
 
 
 def _group_device(device_type: str) -> torch.device:

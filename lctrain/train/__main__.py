@@ -2,11 +2,27 @@
 through torch.distributed.run):
 
     python -m lctrain.train --config RECIPE.yaml [--error-dir DIR] [--resume]
+
+The rank ties its life to the launcher's and installs its stop-signal handlers first, before
+the heavy imports (`lctrain.train.lifetime`, `lctrain.train.stopping`). It ends with
+``os._exit`` once its streams are flushed: everything it writes (checkpoints, metrics, error
+records) is closed by then, and the interpreter's teardown of torch, transformers and the rest
+costs seconds of CPU for nothing.
 """
+import functools
+import os
 import sys
 
-from lctrain.train.launch import worker_main
-from lctrain.train.runner import run_worker
+from lctrain.train.lifetime import die_with_launcher
+from lctrain.train.stopping import StopRequest
 
 if __name__ == "__main__":
-    sys.exit(worker_main(run_worker))
+    die_with_launcher(levels=2)
+    stop = StopRequest().__enter__()  # for the life of the process
+    from lctrain.train.launch import worker_main
+    from lctrain.train.runner import run_worker
+
+    code = worker_main(functools.partial(run_worker, stop=stop))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

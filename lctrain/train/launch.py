@@ -8,52 +8,70 @@
   layout, schedule on this device, remat-offload's host memory, the output folder), one process
   runs the worker here and several are started through torch.distributed.run:
 
-      python -m torch.distributed.run --standalone --nproc-per-node N \\
-          -m lctrain.train --config output_dir/.launch/recipe.yaml --error-dir ... [--resume]
+      python -m lctrain.train.agent output_dir/.launch/failures.json --standalone \\
+          --nproc-per-node N -m lctrain.train --config output_dir/.launch/recipe.yaml \\
+          --error-dir output_dir/.launch/errors [--resume]
 
-  Rank 0's progress goes straight to this terminal (stdout is inherited); the workers' stderr
-  (library warnings, torchrun's own reports) goes to ``output_dir/.launch/workers.log``. When a
-  rank fails it records its exception in the error folder; the parent then reports the FIRST
-  failure in time — the real cause, not the "connection reset" that other ranks see next — as
-  a `UserError` (one sentence) or, for a bug, as that rank's traceback.
+  (`lctrain.train.agent` runs torch.distributed.run with these arguments in its own session,
+  dies with this process and writes how each failed rank ended). Rank 0's progress goes straight to
+  this terminal (stdout is inherited); the workers' stderr (library warnings, torchrun's own
+  reports) goes to ``output_dir/.launch/workers.log``. While the ranks run, this process
+  watches them (`Supervisor`): a stop signal (SIGTERM, SIGINT, SIGHUP) is passed to every rank,
+  which stop together after their current step (`lctrain.train.stopping`); a second one kills
+  them at once; once a rank has recorded a failure and exited, the others get
+  `KILL_GRACE_S` seconds, then SIGKILL (a stopped or stuck rank never ends by itself). Then it
+  reports the cause (`lctrain.train.failures.explain`): a rank's one-sentence error, the rank
+  killed by a signal and the step, a hang and the ranks that did not arrive — with where the
+  last checkpoint is and the command that resumes — or a bug's traceback.
+
+One run owns its output folder (`lctrain.train.lifetime.RunLock`): a second run into it stops
+with a sentence naming the other run's pid; the lock dies with its holder.
 
 In every worker process `worker_process` makes the process a rank: accelerate's `Accelerator`
-reads the launcher's environment, joins the process group (gloo on CPU, NCCL on GPUs), picks the
-device and sets mixed precision; a lone process gets a one-rank group, so that every code path
-(mesh, counts, DCP checkpoints) is the same. `worker_main` is the body of ``python -m
-lctrain.train``.
+reads the launcher's environment, joins the process group (gloo on CPU, NCCL on GPUs) with the
+recipe's collective timeout (`group_timeout`), picks the device and sets mixed precision; a
+lone process gets a one-rank group, so that every code path (mesh, counts, DCP checkpoints) is
+the same. On GPUs torch's NCCL flight recorder is on and dumps each rank's last collectives to
+``output_dir/.launch/nccl_trace_rank_R`` when a collective times out. `worker_main` is the body
+of ``python -m lctrain.train``.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradientAccumulationPlugin
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
 from lctrain.config import RecipeConfig, load_recipe, save_resolved
 from lctrain.errors import UserError
 from lctrain.memory.host import check_host_memory
 from lctrain.parallel.context import check_runnable
 from lctrain.parallel.mesh import check_parallel_sizes
-from lctrain.train.checkpoint import resume_point
+from lctrain.train.checkpoint import list_checkpoints, resume_point
+from lctrain.train.failures import record_error
+from lctrain.train.lifetime import LAUNCHER_PID_ENV, RunLock, die_with_parent
+from lctrain.train.stopping import resume_command
+from lctrain.train.supervisor import Supervisor, report
+from lctrain.train.watchdog import heartbeat_dir
 
 USER_ERROR_EXIT = 2
 WORKER_MODULE = "lctrain.train"
 """What each self-launched process runs (``python -m lctrain.train``: `worker_main`)."""
+AGENT_MODULE = "lctrain.train.agent"
+"""The launcher's child that runs torch.distributed.run (`lctrain.train.agent`)."""
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK")
 
 
@@ -73,15 +91,21 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
         nproc: processes to run (default `default_nproc`); ignored under a launcher.
 
     Raises:
-        UserError: a check before start failed, or the first failing rank's UserError.
+        UserError: the output folder is in use by another run, a check before start failed,
+            the first failing rank's UserError, or a rank that died or hung.
     """
     if under_launcher():
-        return worker(cfg, resume=resume)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's child: die with it
+            die_with_parent()
+        owner = os.environ.get("RANK", "0") == "0"  # rank 0 holds the output folder
+        with RunLock(cfg.train.output_dir) if owner else contextlib.nullcontext():
+            return worker(cfg, resume=resume)
     n = nproc if nproc is not None else default_nproc(cfg)
-    check_before_start(cfg, nproc=n, resume=resume)
-    if n == 1:
-        return worker(cfg, resume=resume)
-    return spawn_workers(cfg, nproc=n, resume=resume)
+    with RunLock(cfg.train.output_dir):
+        check_before_start(cfg, nproc=n, resume=resume)
+        if n == 1:
+            return worker(cfg, resume=resume)
+        return spawn_workers(cfg, nproc=n, resume=resume)
 
 
 def under_launcher() -> bool:
@@ -112,69 +136,98 @@ def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool) -> None:
     resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
 
 
+def launch_dir(cfg: RecipeConfig) -> Path:
+    """``output_dir/.launch``: the self-launch's recipe copy, logs, error records, heartbeats."""
+    return Path(cfg.train.output_dir) / ".launch"
+
+
 def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
-    """Run ``nproc`` local ranks through torch.distributed.run; returns 0 on success.
+    """Run ``nproc`` local ranks through torch.distributed.run, watched until they end.
+
+    Returns:
+        0 on success, 128 + the signal when a stop signal ended the run, 1 for a bug in a rank
+        (its traceback is printed).
 
     Raises:
-        UserError: the first failing rank failed with a UserError (its message).
+        UserError: the first failing rank's UserError, a rank killed by a signal, or a hang —
+            each one sentence with the last checkpoint and the command that resumes.
     """
-    launch_dir = Path(cfg.train.output_dir) / ".launch"
-    errors = launch_dir / "errors"
-    shutil.rmtree(errors, ignore_errors=True)
+    folder = launch_dir(cfg)
+    errors, failures, log = folder / "errors", folder / "failures.json", folder / "workers.log"
+    for stale in (errors, heartbeat_dir(cfg.train.output_dir)):
+        shutil.rmtree(stale, ignore_errors=True)
     errors.mkdir(parents=True)
-    recipe = save_resolved(cfg, launch_dir / "recipe.yaml")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    for stale in (failures, folder / "stop"):
+        stale.unlink(missing_ok=True)
+    recipe = save_resolved(cfg, folder / "recipe.yaml")
+    cmd = [sys.executable, "-m", AGENT_MODULE, str(failures), "--standalone",
            f"--nproc-per-node={nproc}", "-m", WORKER_MODULE,
            "--config", str(recipe), "--error-dir", str(errors)]
     if resume:
         cmd.append("--resume")
-    log = launch_dir / "workers.log"
+    save = " and save a checkpoint" if cfg.checkpoint.enabled and cfg.checkpoint.on_signal else ""
+    text = (f"the ranks finish their current step{save}, then stop; send the signal again to "
+            "stop at once.")
     with log.open("w") as stderr:
-        code = subprocess.run(cmd, env=_worker_env(nproc), stderr=stderr, check=False).returncode
-    if code == 0:
-        return 0
-    first = first_error(errors)
-    if first is None:
-        tail = log.read_text(errors="replace").strip().splitlines()[-15:]
-        print("\n".join(tail), file=sys.stderr)
-        print(f"training failed (exit code {code}); the workers' log is {log}", file=sys.stderr)
-        return code or 1
-    if first["user"]:
-        raise UserError(first["message"])
-    print(f"rank {first['rank']} failed:\n{first['traceback']}", file=sys.stderr)
-    print(f"(the workers' log is {log})", file=sys.stderr)
-    return code or 1
+        agent = subprocess.Popen(cmd, env=_worker_env(nproc), stderr=stderr,
+                                 start_new_session=True)
+        supervisor = Supervisor(agent, folder, on_signal_text=text,
+                                record_wait=_nccl_wait(cfg) + 30.0)
+        code = supervisor.wait()
+    if code is not None:
+        print(f"lctrain: stopped at once; {checkpoint_hint(cfg, nproc)}.", file=sys.stderr)
+        return code
+    return report(supervisor, launch_dir=folder, failures=failures, log=log,
+                  checkpoint_hint=checkpoint_hint(cfg, nproc))
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env[LAUNCHER_PID_ENV] = str(os.getpid())  # the agent and the ranks die with this process
     return env
 
 
-def first_error(error_dir: str | os.PathLike) -> dict | None:
-    """The earliest recorded rank failure in ``error_dir``, or None if no rank recorded one."""
-    records = []
-    for path in Path(error_dir).glob("rank*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return min(records, key=lambda r: r["time"]) if records else None
+def checkpoint_hint(cfg: RecipeConfig, nproc: int) -> str:
+    """Where the newest complete checkpoint of the run is and the command that resumes it."""
+    found = list_checkpoints(Path(cfg.train.output_dir) / "checkpoints")
+    if not found:
+        why = ("checkpoint.enabled is false" if not cfg.checkpoint.enabled
+               else "none was saved yet")
+        return f"there is no checkpoint to resume from ({why})"
+    step, path = found[-1]
+    flag = nproc if nproc != default_nproc(cfg) else None
+    return (f"the last complete checkpoint is {path} (step {step}); resume with: "
+            f"{resume_command(cfg.train.output_dir, nproc=flag)}")
 
 
-def record_error(error_dir: str | os.PathLike | None, exc: BaseException) -> None:
-    """Write this rank's failure as ``rank{R}.json`` (atomically) for the parent to report."""
-    if error_dir is None:
-        return
-    rank = int(os.environ.get("RANK", "0"))
-    record = {"rank": rank, "time": time.time(), "user": isinstance(exc, UserError),
-              "message": str(exc) or type(exc).__name__,
-              "traceback": "".join(traceback.format_exception(exc))}
-    path = Path(error_dir) / f"rank{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+def group_timeout(cfg: RecipeConfig) -> timedelta:
+    """The process groups' timeout: ``train.collective_timeout`` plus a margin, so that the
+    watchdog (`lctrain.train.watchdog`), which names the late ranks, speaks first; on NCCL
+    torch's own timeout then dumps the flight recorder."""
+    seconds = cfg.train.collective_timeout
+    return timedelta(seconds=seconds + max(10.0, seconds / 10))
+
+
+def _nccl_wait(cfg: RecipeConfig) -> float:
+    """Seconds from a hang report until torch's NCCL timeout has dumped and aborted."""
+    return group_timeout(cfg).total_seconds() - cfg.train.collective_timeout + 30.0
+
+
+def hang_handler(cfg: RecipeConfig, device_type: str) -> Callable[[str], None]:
+    """What a rank's watchdog does on a hang (`lctrain.train.watchdog`): record the report for
+    the launcher, print it, and end the process. On NCCL it first waits for torch's own timeout
+    (`group_timeout`), which dumps the flight recorder and aborts the process itself."""
+    errors = launch_dir(cfg) / "errors"
+    wait = _nccl_wait(cfg) if device_type == "cuda" else 0.0
+
+    def on_hang(message: str) -> None:
+        record_error(errors, kind="hang", message=message)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        time.sleep(wait)
+        os._exit(1)
+
+    return on_hang
 
 
 def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
@@ -200,10 +253,10 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     """This process as one rank of the run, for the duration of the block.
 
     The process group is the caller's when one exists (tests); otherwise accelerate makes it
-    from the launcher's environment, or — a lone process — a one-rank group is made here. A
-    group made for the block is destroyed at its end. Under a launcher on GPUs, remat-offload's
-    host memory is checked for this machine's processes. The recipe, not the launcher, decides
-    mixed precision and sharding.
+    from the launcher's environment with `group_timeout`, or — a lone process — a one-rank group
+    is made here. A group made for the block is destroyed at its end. Under a launcher on GPUs,
+    remat-offload's host memory is checked for this machine's processes. The recipe, not the
+    launcher, decides mixed precision and sharding.
 
     Yields:
         The `Accelerator`: device, mixed precision (``train.mixed_precision``) and autocast.
@@ -214,12 +267,18 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     """
     cuda = torch.cuda.is_available()
     own_group = not dist.is_initialized()
+    if cuda:
+        nccl_flight_recorder(launch_dir(cfg))
+    timeout = group_timeout(cfg)
+    if timeout == timedelta(seconds=600):  # accelerate drops a timeout equal to its default
+        timeout += timedelta(seconds=1)
     # One accumulation step, whatever the environment says: the loop accumulates train.grad_accum
     # micro-batches itself and accelerate must not scale their losses (lctrain.train.loop).
     accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed_precision(cfg, cuda),
-                              gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
+                              gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
     check_accelerate_mode(accelerator.distributed_type)
-    store_dir = _ensure_process_group(accelerator.device)
+    store_dir = _ensure_process_group(accelerator.device, timeout)
     try:
         if "LOCAL_WORLD_SIZE" in os.environ and accelerator.device.type == "cuda":
             check_host_memory(cfg, local_processes=int(os.environ["LOCAL_WORLD_SIZE"]),
@@ -254,7 +313,16 @@ def mixed_precision(cfg: RecipeConfig, cuda: bool) -> str:
     return wanted
 
 
-def _ensure_process_group(device: torch.device) -> str | None:
+def nccl_flight_recorder(folder: Path) -> None:
+    """Turn on torch's NCCL flight recorder (the last collectives of each rank, in memory) and
+    its dump on a timeout into ``folder/nccl_trace_rank_R``, unless the environment already
+    says otherwise. Read when the NCCL process groups are made, so call this before."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / "nccl_trace_rank_"))
+
+
+def _ensure_process_group(device: torch.device, timeout: timedelta) -> str | None:
     """Make a one-rank group when none exists (a lone process, not under a launcher).
 
     Returns:
@@ -265,5 +333,5 @@ def _ensure_process_group(device: torch.device) -> str | None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     store_dir = tempfile.mkdtemp(prefix="lctrain-pg-")
     dist.init_process_group(backend, init_method=f"file://{os.path.join(store_dir, 'store')}",
-                            rank=0, world_size=1)
+                            rank=0, world_size=1, timeout=timeout)
     return store_dir

@@ -12,11 +12,16 @@ Per optimizer step, on every rank:
    cross-entropy through the output head in chunks (`chunked_cross_entropy`), backward of
    ``loss_sum / global_count``;
 4. make gradients the sum over ranks (FSDP2 did it in the backward; replication all-reduces
-   now), clip the global norm, step the optimizer and the learning-rate schedule.
+   now), clip the global norm, step the optimizer and the learning-rate schedule — unless the
+   loss or the norm is not finite: then fused AdamW skips the whole update on the device
+   (`lctrain.train.nonfinite`).
 
 So the gradient is exactly that of the mean token loss over the global batch, whatever dp, cp,
 batch size and accumulation. Only log steps synchronise with the host (one small all-reduce and
-one transfer of loss, count and gradient norm).
+one transfer of loss, count, gradient norm and the skipped-step counters); checkpoint saves
+settle the counters too. At every step boundary the ranks agree on whether a stop signal came
+(`lctrain.train.stopping`: one all-reduce of one integer on the host), and the main thread marks
+where it is for the hang watchdog (`lctrain.train.watchdog`: an attribute write).
 """
 from __future__ import annotations
 
@@ -40,6 +45,23 @@ from lctrain.parallel.fsdp import Distributed
 from lctrain.parallel.mesh import ParallelMesh
 from lctrain.train.loss import chunked_cross_entropy
 from lctrain.train.metrics import FlopModel, peak_memory_bytes
+from lctrain.train.nonfinite import Diverged, NonFiniteSteps, Settled, poison_if_nonfinite
+
+OPERATIONS = {
+    "stop": "the stop-signal check (an all-reduce at the step boundary)",
+    "count": "the label-token all-reduce",
+    "compute": "the forward and backward (attention exchanges, parameter gathers, gradient "
+               "reduce-scatters)",
+    "sync": "the gradient all-reduce",
+    "update": "the gradient-norm reduction and the optimizer step",
+    "log": "the metrics all-reduce",
+    "save": "the checkpoint save",
+}
+"""What the main thread runs in each part of a step, as the hang watchdog names it."""
+
+
+def _nothing(*args) -> None:
+    """The default of the hooks that only watch or tell (nobody listens)."""
 
 
 class CausalLMLoss(nn.Module):
@@ -101,6 +123,10 @@ class Trainer:
     max_grad_norm: float
     step: int = 0
     data_position: int = 0  # micro-batches consumed by this dp rank
+    mark: Callable[[str, int], None] = _nothing  # (OPERATIONS key, step) for the watchdog
+
+    def __post_init__(self) -> None:
+        self.nonfinite = NonFiniteSteps(self.device)
 
     @property
     def device(self) -> torch.device:
@@ -126,32 +152,65 @@ class Trainer:
         """
         shards = [self.cp.shard(b) for b in micro]
         count = torch.stack([s.label_tokens() for s in shards]).sum().float()
+        self.mark("count", self.step + 1)
         if self.pmesh.world_group is not None:
             dist.all_reduce(count, group=self.pmesh.world_group)  # global label tokens
         normaliser = count.clamp(min=1.0)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.mark("compute", self.step + 1)
         for s in shards:
             with self.cp.session(s):
                 with self.accelerator.autocast():
                     loss = self.distributed.module(s.input_ids, s.labels, s.position_ids,
                                                    cp_context=self.cp.context(s))
-                self.accelerator.backward(loss / normaliser)
+                # a non-finite loss makes NaN gradients, so the global norm flags the step
+                self.accelerator.backward(poison_if_nonfinite(loss) / normaliser)
             loss_sum += loss.detach()
         return {"loss_sum": loss_sum, "count": count}
 
     def apply_gradients(self) -> dict[str, Any]:
-        """Sum gradients over ranks, clip, step optimizer and schedule, clear gradients."""
+        """Sum gradients over ranks, clip, step optimizer and schedule, clear gradients.
+
+        A step whose global gradient norm is not finite (the same number on every rank) is
+        skipped on the device: fused AdamW's ``found_inf`` leaves parameters, moments and step
+        counts as they were (`lctrain.train.nonfinite`); no host synchronisation.
+        """
+        self.mark("sync", self.step + 1)
         self.distributed.sync_gradients()
+        self.mark("update", self.step + 1)
         grad_norm = self.distributed.clip_grad_norm(self.max_grad_norm or None)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (a host float)
-        self.optimizer.step()
-        self.scheduler.step()
+        bad = ~torch.isfinite(grad_norm)
+        self.optimizer.found_inf = bad.float()  # read by fused AdamW's step
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        self.scheduler.step()  # wound back at the next sync if the step was skipped
         self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite.count(bad)
         self.step += 1
         return {"grad_norm": grad_norm, "lr": lr}
 
+    def settle(self, fetched: list[float] | None = None) -> Settled:
+        """Read the skipped-step counters (one host transfer unless ``fetched`` already holds
+        them) and wind the schedule back for the skipped steps."""
+        if fetched is None:
+            fetched = self.nonfinite.counters().tolist()
+        return self.nonfinite.settle(fetched, self.scheduler)
+
+    def weights_finite(self) -> bool:
+        """Whether every parameter of every rank is finite (a collective, one host transfer)."""
+        bad = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self.distributed.module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            bad += (~torch.isfinite(local.detach())).sum()
+        if self.pmesh.world_group is not None:
+            dist.all_reduce(bad, group=self.pmesh.world_group)
+        return bad.item() == 0
+
     def reduce_for_log(self, stats: dict[str, Any],
-                       attn_units: int) -> tuple[float, float, float, int]:
+                       attn_units: int) -> tuple[float, float, float, int, Settled]:
         """Global figures of a step: ONE all-reduce and ONE host transfer.
 
         Args:
@@ -161,7 +220,7 @@ class Trainer:
 
         Returns:
             (mean token loss over all ranks, gradient norm, attention units of all dp groups,
-            the largest peak memory of any rank in bytes).
+            the largest peak memory of any rank in bytes, the skipped steps settled).
         """
         world = self.pmesh.world_size
         peaks = torch.zeros(world, dtype=torch.float64, device=self.device)  # one slot per rank:
@@ -171,11 +230,14 @@ class Trainer:
                                         device=self.device), peaks])
         if self.pmesh.world_group is not None:
             dist.all_reduce(local, group=self.pmesh.world_group)
-        already_global = torch.stack([stats["count"], stats["grad_norm"].float()]).double()
+        already_global = torch.cat([torch.stack([stats["count"], stats["grad_norm"].float()]),
+                                    self.nonfinite.counters()]).double()
         values = torch.cat([local, already_global]).tolist()
-        loss_sum, units, count, norm = values[0], values[1], values[-2], values[-1]
+        loss_sum, units, count, norm = values[0], values[1], values[-5], values[-4]
         peak = int(max(values[2:2 + world]))
-        return loss_sum / max(count, 1.0), norm, units / self.pmesh.cp, peak  # cp ranks share rows
+        settled = self.settle(values[-3:])
+        return (loss_sum / max(count, 1.0), norm, units / self.pmesh.cp, peak,  # cp ranks share
+                settled)
 
 
 def attention_units(micro: list[PackedBatch]) -> int:
@@ -188,9 +250,23 @@ def attention_units(micro: list[PackedBatch]) -> int:
     return total
 
 
+def _no_stop() -> int:
+    return 0
+
+
 @dataclass
 class LoopHooks:
-    """What happens around the steps: logging, checkpointing (see `run_loop`)."""
+    """What happens around the steps: logging, checkpointing, stopping (see `run_loop`).
+
+    Attributes:
+        stop: the agreed stop signal of all ranks (0: go on); a collective, called by every
+            rank at every step boundary (`lctrain.train.stopping.StopRequest.agree`).
+        save_on_stop: save a checkpoint when a stop signal ends the run.
+        max_nonfinite_steps: non-finite steps in a row that end the run (`Diverged`).
+        notice: says something to the user (rank 0 prints it; skipped steps).
+        mark, completed: the watchdog's `enter` (operation, step) and `completed` (step).
+        stopped_by: set by `run_loop`: the signal that stopped the run (0: none).
+    """
 
     max_steps: int
     log_every: int
@@ -201,7 +277,14 @@ class LoopHooks:
     log: Callable[[dict], None]
     progress: Callable[[int, dict | None], None]
     save: Callable[[], Path] | None  # None: never save
+    stop: Callable[[], int] = _no_stop
+    save_on_stop: bool = False
+    max_nonfinite_steps: int | None = None
+    notice: Callable[[str], None] = _nothing
+    mark: Callable[[str, int], None] = _nothing
+    completed: Callable[[int], None] = _nothing
     history: list[dict] = field(default_factory=list)
+    stopped_by: int = 0
 
 
 @dataclass
@@ -212,41 +295,88 @@ class _Window:
     steps: int = 0
     attn_units: int = 0
     attn_calls: int | None = None  # attention forwards counted in the run's first step
+    stats: dict | None = None  # the last step's train_step figures
 
 
 def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks) -> list[dict]:
-    """Run optimizer steps from ``trainer.step`` to ``hooks.max_steps``.
+    """Run optimizer steps from ``trainer.step`` to ``hooks.max_steps``, or until a stop signal.
 
-    Logs every ``log_every`` steps and at the last one; saves a checkpoint every
-    ``checkpoint_every`` steps (0: only at the end) and always after the last step.
+    Logs every ``log_every`` steps, at the last one and at a stop; saves a checkpoint every
+    ``checkpoint_every`` steps (0: only at the end), always after the last step, and at a stop
+    when ``save_on_stop``. Every checkpoint is of applied updates only: the skipped-step
+    counters are settled first (`Trainer.settle`).
 
     Returns:
         The logged records (identical on every rank).
+
+    Raises:
+        Diverged: ``max_nonfinite_steps`` steps in a row had a non-finite loss or gradient norm.
     """
-    window, first_step = _Window(), trainer.step
+    window, first_step, saved = _Window(), trainer.step, trainer.step
     while trainer.step < hooks.max_steps:
+        hooks.mark("stop", trainer.step + 1)
+        hooks.stopped_by = hooks.stop()
+        if hooks.stopped_by:
+            break
         micro = list(islice(batches, trainer.grad_accum))
         if trainer.step == first_step:  # count once: proves remat runs attention once per layer
             with AttentionCounter() as counter:
-                stats = trainer.train_step(micro)
+                window.stats = trainer.train_step(micro)
             window.attn_calls = counter.total
         else:
-            stats = trainer.train_step(micro)
+            window.stats = trainer.train_step(micro)
         window.steps += 1
         window.attn_units += attention_units(micro)
         step, record = trainer.step, None
         if step % hooks.log_every == 0 or step == hooks.max_steps:
-            loss, grad_norm, units, peak = trainer.reduce_for_log(stats, window.attn_units)  # syncs
-            record = _record(trainer, hooks, window, loss, grad_norm, stats["lr"], units, peak)
-            hooks.history.append(record)
-            hooks.log(record)
-            window = _Window()
+            record, window = _log(trainer, hooks, window), _Window()
         hooks.progress(step, record)
+        hooks.completed(step)
         if hooks.save is not None and (step == hooks.max_steps or (
                 hooks.checkpoint_every and step % hooks.checkpoint_every == 0)):
-            hooks.save()
-            window = _Window()
+            saved, window = _save(trainer, hooks), _Window()
+    if hooks.stopped_by:
+        if window.steps:
+            hooks.progress(trainer.step, _log(trainer, hooks, window))
+        if hooks.save is not None and hooks.save_on_stop and saved != trainer.step:
+            _save(trainer, hooks)
     return hooks.history
+
+
+def _log(trainer: Trainer, hooks: LoopHooks, window: _Window) -> dict:
+    """Reduce, record and write the figures of the steps in ``window`` (a host sync)."""
+    hooks.mark("log", trainer.step)
+    loss, grad_norm, units, peak, settled = trainer.reduce_for_log(window.stats,
+                                                                   window.attn_units)
+    record = _record(trainer, hooks, window, loss, grad_norm, window.stats["lr"], units, peak)
+    if settled.new:
+        record["skipped_steps"] = settled.new
+    hooks.history.append(record)
+    hooks.log(record)
+    _check_settled(trainer, hooks, settled, window.steps)
+    return record
+
+
+def _save(trainer: Trainer, hooks: LoopHooks) -> int:
+    """Settle the skipped steps, then save a checkpoint; returns the step saved."""
+    hooks.mark("save", trainer.step)
+    _check_settled(trainer, hooks, trainer.settle(), 1)
+    hooks.save()
+    return trainer.step
+
+
+def _check_settled(trainer: Trainer, hooks: LoopHooks, settled: Settled, window: int) -> None:
+    """Say which steps were skipped; raise `Diverged` at ``max_nonfinite_steps`` in a row."""
+    limit = hooks.max_nonfinite_steps
+    if settled.new:
+        where = (f"step {trainer.step}" if window == 1
+                 else f"steps {trainer.step - window + 1}-{trainer.step}")
+        hooks.notice(f"{where}: {settled.new} step(s) with a non-finite loss or gradient norm; "
+                     "their updates were skipped (weights, optimizer and learning-rate schedule "
+                     f"unchanged), {settled.run} in a row now"
+                     + (f" (the run stops at {limit})" if limit else ""))
+    if limit and settled.longest >= limit:
+        raise Diverged(trainer.step, settled.longest, limit)
 
 
 def _record(trainer: Trainer, hooks: LoopHooks, window: _Window, loss: float, grad_norm: float,

@@ -16,8 +16,13 @@ feature extends in one place:
                                → FSDP2 or replication (`ModelParts`)
     → build_trainer            AdamW + warm-up/cosine; restored from a checkpoint on --resume
     → train                    banner, versions (environment.json), `LoopHooks` (metrics.jsonl,
-                               progress, `save`), the loop, the summary line
+                               progress, `save`, the stop check, the watchdog's marks), the loop
+                               inside the hang watchdog, the summary line
     → export_final             rank 0 writes output_dir/final/ as a Hugging Face folder
+
+Around all of it, a stop signal (SIGTERM, SIGINT, SIGHUP) only sets a flag (`StopRequest`);
+the ranks agree on it at each step boundary, save when ``checkpoint.on_signal`` asks, rank 0
+says where the last checkpoint is and how to resume, and every rank returns 128 + the signal.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from accelerate.utils import set_seed
 from torch import nn
 
 from lctrain.config import RecipeConfig, save_resolved
+from lctrain.errors import UserError
 from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
                           rows_summary, steps_summary)
 from lctrain.export import export_final as write_final
@@ -47,12 +53,16 @@ from lctrain.report.versions import record_run
 from lctrain.train import launch
 from lctrain.train.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from lctrain.train.launch import default_nproc
-from lctrain.train.loop import CausalLMLoss, LoopHooks, Trainer, run_loop
+from lctrain.train.lifetime import signal_name
+from lctrain.train.loop import OPERATIONS, CausalLMLoss, LoopHooks, Trainer, run_loop
 from lctrain.train.metrics import FlopModel, MetricsLog, Progress, peak_flops
+from lctrain.train.nonfinite import Diverged
 from lctrain.train.optim import build_optimizer
+from lctrain.train.stopping import StopRequest, control_group, stop_exit_code
+from lctrain.train.watchdog import Watchdog, heartbeat_dir
 
 __all__ = ["ModelParts", "RunSetup", "build_data", "build_model", "build_trainer", "default_nproc",
-           "export_final", "finetune", "run_worker", "save", "train"]
+           "export_final", "finetune", "loop_hooks", "run_worker", "save", "train"]
 
 
 def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None) -> int:
@@ -83,12 +93,16 @@ class RunSetup:
         pmesh: the dp × cp mesh and this rank's place in it.
         cp: how this rank holds and attends over its part of every sequence.
         accelerator: device, mixed precision, autocast and backward.
+        stop: the stop-signal flag of this process.
+        control: the gloo group the ranks agree on it over (None: one rank).
     """
 
     cfg: RecipeConfig
     pmesh: ParallelMesh
     cp: ContextParallel
     accelerator: Accelerator
+    stop: StopRequest = dataclasses.field(default_factory=StopRequest)
+    control: object = None
 
     @property
     def main(self) -> bool:
@@ -96,24 +110,32 @@ class RunSetup:
         return self.pmesh.rank == 0
 
 
-def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
-    """Run this rank's part of the training (every rank calls it); returns 0.
+def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | None = None) -> int:
+    """Run this rank's part of the training (every rank calls it).
 
     The process group is the caller's when one exists (tests), else made here
-    (`lctrain.train.launch.worker_process`).
+    (`lctrain.train.launch.worker_process`). ``stop`` is the process's stop-signal flag when the
+    caller installed it already (a self-launched rank does, first thing), else one is installed
+    for the call.
+
+    Returns:
+        0, or 128 + the signal when a stop signal ended the run early.
 
     Raises:
         UserError: no checkpoint to resume from, a schedule this device cannot run, a model or
-            data source that cannot be read, ...
+            data source that cannot be read, a run whose loss stayed non-finite, ...
     """
     resume_from = resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
-    with launch.worker_process(cfg) as accelerator:
-        device = accelerator.device
-        pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None, device_type=device.type)
+    with stop or StopRequest() as stop, launch.worker_process(cfg) as accelerator:
+        stop.request_file = launch.launch_dir(cfg) / "stop"
+        device, timeout = accelerator.device, launch.group_timeout(cfg)
+        pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None, device_type=device.type,
+                           timeout=timeout)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
         cp = ContextParallel(pmesh, cfg.parallel.schedule, cfg.parallel.attention_backend,
                              device=device)
-        setup = RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator)
+        setup = RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator, stop=stop,
+                         control=control_group(pmesh.world_group, device.type, timeout))
         set_seed(cfg.train.seed)
         if setup.main:
             save_resolved(cfg, Path(cfg.train.output_dir) / "config.yaml")
@@ -121,7 +143,11 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
         setup = dataclasses.replace(setup, cfg=_with_steps(setup, len(dataset)))
         parts = build_model(setup)
         trainer = build_trainer(setup, parts, resume_from)
-        train(setup, parts, trainer, dataset, resumed=resume_from is not None)
+        signum = train(setup, parts, trainer, dataset, resumed=resume_from is not None)
+        if signum:
+            stop.ignore()  # the run is over: a late signal (e.g. torchrun's) must not cut the exit
+            pmesh.barrier()
+            return stop_exit_code(signum)
         cfg = setup.cfg
         if setup.main and cfg.checkpoint.enabled and cfg.checkpoint.export_final:
             export_final(cfg)
@@ -224,8 +250,15 @@ def save(setup: RunSetup, trainer: Trainer) -> Path:
 
     Returns:
         The checkpoint folder.
+
+    Raises:
+        UserError: a weight is not finite: nothing is saved and no older checkpoint is deleted.
     """
     cfg = setup.cfg
+    if not trainer.weights_finite():
+        raise UserError(f"the model's weights are not finite after step {trainer.step}, so no "
+                        f"checkpoint was saved and none was deleted; "
+                        f"{launch.checkpoint_hint(cfg, setup.pmesh.world_size)}.")
     return save_checkpoint(Path(cfg.train.output_dir) / "checkpoints", trainer.step,
                            module=trainer.distributed.module, optimizer=trainer.optimizer,
                            scheduler=trainer.scheduler, data_position=trainer.data_position,
@@ -233,8 +266,16 @@ def save(setup: RunSetup, trainer: Trainer) -> Path:
 
 
 def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedRows, *,
-          resumed: bool) -> None:
-    """Announce the run, run the loop with metrics, progress and checkpoints, summarise."""
+          resumed: bool) -> int:
+    """Announce the run, run the loop with metrics, progress, checkpoints and the hang watchdog,
+    summarise.
+
+    Returns:
+        The signal that stopped the run early (0: it ran to the end).
+
+    Raises:
+        UserError: ``train.max_nonfinite_steps`` steps in a row were not finite.
+    """
     cfg, pmesh = setup.cfg, setup.pmesh
     t, out = cfg.train, Path(cfg.train.output_dir)
     if setup.main:
@@ -244,21 +285,57 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
                          resume_step=trainer.step if resumed else None)
     progress = Progress(t.max_steps, trainer.step, enabled=setup.main,
                         steps_per_epoch=len(dataset) / _rows_per_step(setup))
-    hooks = LoopHooks(max_steps=t.max_steps, log_every=t.log_every,
-                      checkpoint_every=cfg.checkpoint.every,
-                      tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
-                      flops=parts.flops, peak_flops=peak_flops(trainer.device),
-                      log=metrics.write, progress=progress.update,
-                      save=functools.partial(save, setup, trainer) if cfg.checkpoint.enabled
-                      else None)
+    watch = Watchdog(heartbeat_dir(out), rank=pmesh.rank, world_size=pmesh.world_size,
+                     timeout=t.collective_timeout,
+                     on_hang=launch.hang_handler(cfg, trainer.device.type))
+    hooks = loop_hooks(setup, parts, trainer, watch, log=metrics.write, progress=progress.update)
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
                            dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
     try:
-        history = run_loop(trainer, batches, hooks)
+        with watch:
+            history = run_loop(trainer, batches, hooks)
+            watch.idle()
+    except Diverged as exc:
+        raise UserError(f"{exc}: their updates were skipped and the run stopped (a learning rate "
+                        f"too high for this model, train.lr, is the usual cause); "
+                        f"{launch.checkpoint_hint(cfg, pmesh.world_size)}.") from None
     finally:
         progress.close()
     if setup.main:
-        print(_summary(setup, trainer, history), flush=True)
+        print(_summary(setup, trainer, history, hooks.stopped_by), flush=True)
+    return hooks.stopped_by
+
+
+def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watchdog, *,
+               log, progress) -> LoopHooks:
+    """What the loop does around the steps: ``log`` each record, show ``progress``, save
+    checkpoints, agree on stop signals, mark for ``watch`` (the trainer's marks too)."""
+    cfg, pmesh, t = setup.cfg, setup.pmesh, setup.cfg.train
+    trainer.mark = mark = functools.partial(_mark, watch)
+    return LoopHooks(max_steps=t.max_steps, log_every=t.log_every,
+                     checkpoint_every=cfg.checkpoint.every,
+                     tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
+                     flops=parts.flops, peak_flops=peak_flops(trainer.device), log=log,
+                     progress=progress,
+                     save=functools.partial(save, setup, trainer) if cfg.checkpoint.enabled
+                     else None,
+                     stop=functools.partial(setup.stop.agree, setup.control),
+                     save_on_stop=cfg.checkpoint.on_signal,
+                     max_nonfinite_steps=t.max_nonfinite_steps, notice=_notice(setup),
+                     mark=mark, completed=watch.completed)
+
+
+def _mark(watch: Watchdog, operation: str, step: int) -> None:
+    watch.enter(OPERATIONS[operation], step)
+
+
+def _notice(setup: RunSetup):
+    """What rank 0 says about skipped steps (on stdout, with the progress: a self-launched
+    rank's stderr goes to the workers' log); the others stay quiet."""
+    def notice(text: str) -> None:
+        if setup.main:
+            print(f"lctrain: {text}", flush=True)
+    return notice
 
 
 def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> str:
@@ -273,8 +350,12 @@ def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> s
             f"{pmesh.dp * t.batch_size * t.grad_accum} sequence(s){start}")
 
 
-def _summary(setup: RunSetup, trainer: Trainer, history: list[dict]) -> str:
+def _summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by: int) -> str:
     t, out = setup.cfg.train, setup.cfg.train.output_dir
+    if stopped_by:
+        when = f"after step {trainer.step}" if history else f"before step {trainer.step + 1}"
+        return (f"stopped by {signal_name(stopped_by)} {when} of {t.max_steps}; "
+                f"{launch.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}")
     if not history:
         return (f"nothing to do: the run is already at step {trainer.step} of {t.max_steps}; "
                 "raise train.max_steps (--max-steps) to train further.")

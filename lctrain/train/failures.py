@@ -1,0 +1,143 @@
+"""Why a self-launched run failed, in one report: the rank, what happened to it, the step.
+
+Three witnesses, read by the launcher once torch.distributed.run has ended:
+
+- error records (``output_dir/.launch/errors/rank{R}.json``): a rank that raised writes its
+  exception (`record_error`); the watchdog writes its hang report the same way (kind "hang");
+- the supervisor's ``failures.json``: each failed rank's pid and exit code as torch.distributed.run
+  saw them — a negative code is the signal that killed the process, which no record can tell,
+  since a killed process writes nothing;
+- the heartbeats (`lctrain.train.watchdog`): the steps each rank completed.
+
+`explain` weighs them. The ranks that see a peer die report a secondary error ("connection
+reset by peer", a failed collective, a hang report naming the dead rank), so the order is: the
+earliest user error (it names its own cause); else a rank that recorded nothing and was killed
+by a signal that lctrain did not send and that is no stop request (a rank that recorded its
+failure and was then aborted is explained by its record); else the earliest hang report; else
+the earliest exception (with its traceback); else a rank ended by a stop signal (a second
+request ends a rank at once); else a run stopped on request (every failed rank exited with
+128 + a stop signal).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from lctrain.errors import UserError
+from lctrain.train.lifetime import describe_death
+from lctrain.train.stopping import stopped_by
+
+
+def record_error(error_dir: str | os.PathLike | None, exc: BaseException | None = None, *,
+                 kind: str | None = None, message: str | None = None) -> None:
+    """Write this rank's failure as ``rank{R}.json`` (atomically) for the launcher to report.
+
+    Args:
+        error_dir: the folder (None, or a folder that does not exist — no lctrain launcher —:
+            nothing is done).
+        exc: the exception (kind "user" for a UserError, else "bug" with its traceback).
+        kind, message: a failure that is no exception (kind "hang" and its report).
+    """
+    if error_dir is None or not Path(error_dir).is_dir():
+        return
+    rank = int(os.environ.get("RANK", "0"))  # the launcher's rank number for this process
+    if exc is not None:
+        kind = kind or ("user" if isinstance(exc, UserError) else "bug")
+        message = message or str(exc) or type(exc).__name__
+    record = {"rank": rank, "pid": os.getpid(), "time": time.time(), "kind": kind,
+              "user": kind in ("user", "hang"), "message": message,
+              "traceback": "".join(traceback.format_exception(exc)) if exc is not None else ""}
+    path = Path(error_dir) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def read_records(error_dir: str | os.PathLike) -> list[dict]:
+    """Every readable error record in ``error_dir``, earliest first."""
+    records = []
+    for path in Path(error_dir).glob("rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda r: r["time"])
+
+
+def first_error(error_dir: str | os.PathLike) -> dict | None:
+    """The earliest recorded rank failure in ``error_dir``, or None if no rank recorded one."""
+    records = read_records(error_dir)
+    return records[0] if records else None
+
+
+def read_failures(path: str | os.PathLike) -> dict[int, dict]:
+    """The supervisor's ``failures.json``: {rank: {"pid", "exitcode"}} ({} when absent)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {int(rank): failure for rank, failure in data.items()}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the launcher reports.
+
+    Attributes:
+        kind: "user" (a rank's one-sentence error), "signal" (a rank was killed), "hang" (a
+            watchdog's report), "bug" (an exception, reported with its traceback), "stopped"
+            (a stop signal; rank 0 has said where to resume) or "unknown".
+        message: the sentence (or the traceback, for "bug").
+        exit_code: the launcher's exit code for "stopped"; 1 otherwise.
+    """
+
+    kind: str
+    message: str
+    exit_code: int = 1
+
+
+def explain(records: list[dict], failures: dict[int, dict], *, killed: set[int],
+            last_step: int | None) -> Outcome:
+    """Weigh the witnesses of a failed run (see the module docstring).
+
+    Args:
+        records: `read_records` of the error folder.
+        failures: `read_failures` of the supervisor's file.
+        killed: pids the launcher killed itself (not a cause).
+        last_step: the last step the job completed (from the heartbeats), if known.
+    """
+    by_kind: dict[str, list[dict]] = {}
+    for record in records:  # earliest first
+        by_kind.setdefault(record.get("kind") or ("user" if record.get("user") else "bug"),
+                           []).append(record)
+    recorded = {record["rank"] for record in records}
+    deaths = sorted((rank, -f["exitcode"]) for rank, f in failures.items()
+                    if f.get("exitcode", 0) < 0 and f.get("pid") not in killed
+                    and rank not in recorded)
+    by_stop = [(rank, sig) for rank, sig in deaths if stopped_by(128 + sig) is not None]
+    by_fault = [(rank, sig) for rank, sig in deaths if (rank, sig) not in by_stop]
+    if "user" in by_kind:
+        return Outcome("user", by_kind["user"][0]["message"])
+    if by_fault:
+        return Outcome("signal", _death(*by_fault[0], failures, last_step))
+    if "hang" in by_kind:
+        return Outcome("hang", by_kind["hang"][0]["message"])
+    if "bug" in by_kind:
+        record = by_kind["bug"][0]
+        return Outcome("bug", f"rank {record['rank']} failed:\n{record['traceback']}")
+    if by_stop:
+        return Outcome("signal", _death(*by_stop[0], failures, last_step))
+    stops = {stopped_by(f.get("exitcode", 0)) for f in failures.values()}
+    if failures and None not in stops:
+        return Outcome("stopped", "", exit_code=128 + max(stops))
+    return Outcome("unknown", "")
+
+
+def _death(rank: int, signum: int, failures: dict[int, dict], last_step: int | None) -> str:
+    when = (f" after step {last_step}, the last step the job completed"
+            if last_step is not None else "")
+    return f"rank {rank} (pid {failures[rank].get('pid')}) {describe_death(signum)}{when}"

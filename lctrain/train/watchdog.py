@@ -1,0 +1,176 @@
+"""Hang detection: every rank says what it waits in; a rank that waits too long names who is late.
+
+A stopped process (``kill -STOP``, a machine that froze, a rank swapping to death) or a
+collective that some rank never joins leaves the others waiting inside a collective, where a
+gloo timeout, when it finally comes, names no rank. So each rank keeps a heartbeat:
+
+- the training loop marks where its main thread is (`Watchdog.enter`: the operation and the step;
+  an attribute write, no I/O, no synchronisation);
+- a daemon thread writes ``output_dir/.launch/ranks/rank{R}.json`` — pid, host, the steps
+  completed, the operation and the wall time — within milliseconds of a completed step and at
+  least every ``beat`` seconds, from its own thread (the thread runs while the main thread waits
+  in a collective: torch releases the GIL there);
+- when this rank has been in one operation for longer than ``train.collective_timeout``, the
+  thread reads every rank's file and reports, in one sentence, the operation, the step and the
+  ranks that did not arrive: those whose heartbeat stopped (a stopped or dead process) and
+  those still busy elsewhere. Then it ends the process (`Watchdog` ``on_hang``).
+
+Only the training steps are watched (from the first `enter` to `idle`): data preparation and
+model loading wait for no one in a collective. A pause of the whole process (a stopped
+terminal job, a suspended machine) is not counted: a tick that comes far too late restarts the
+clock. On NCCL, torch's own timeout (the process group's, set a little longer) adds the flight
+recorder's dump of the last collectives of every rank (`lctrain.train.launch`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+def heartbeat_dir(output_dir: str | os.PathLike) -> Path:
+    """Where the ranks of the run in ``output_dir`` write their heartbeats."""
+    return Path(output_dir) / ".launch" / "ranks"
+
+
+def read_heartbeats(folder: str | os.PathLike, world_size: int | None = None) -> dict[int, dict]:
+    """The heartbeat of every rank that wrote one: {rank: record}."""
+    found = {}
+    for path in Path(folder).glob("rank*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if world_size is None or record.get("rank", -1) < world_size:
+            found[int(record["rank"])] = record
+    return found
+
+
+@dataclass
+class _Mark:
+    """Where the main thread is: the operation (None: not watched), its step, since when."""
+
+    operation: str | None = None
+    step: int = 0  # the step being run (completed steps + 1)
+    completed: int = 0
+    since: float = 0.0  # time.monotonic() at entry
+
+
+class Watchdog:
+    """One rank's heartbeat and hang detector (see the module docstring).
+
+    Args:
+        folder: the heartbeat folder (`heartbeat_dir`), shared by all ranks.
+        rank, world_size: this rank and the number of ranks.
+        timeout: seconds one operation may last before the ranks that did not arrive are named.
+        on_hang: called (from the watchdog thread) with the one-sentence report; it should
+            end the process.
+    """
+
+    def __init__(self, folder: str | os.PathLike, *, rank: int, world_size: int, timeout: float,
+                 on_hang: Callable[[str], None]) -> None:
+        self.folder = Path(folder)
+        self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
+        self.on_hang = on_hang
+        self.beat = min(max(self.timeout / 10, 0.5), 30.0)  # heartbeat period, seconds
+        self.stale = 3 * self.beat  # no heartbeat for this long: the rank is not running
+        self._mark = _Mark()
+        self._changed = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # main thread -------------------------------------------------------------------------
+    def enter(self, operation: str, step: int) -> None:
+        """The main thread now runs (or waits in) ``operation`` of ``step`` (an attribute write:
+        the file says so at the next beat)."""
+        self._mark = _Mark(operation, step, self._mark.completed, time.monotonic())
+
+    def completed(self, step: int) -> None:
+        """``step`` steps are done (the files say so within a few milliseconds)."""
+        self._mark = _Mark(None, step + 1, step, time.monotonic())
+        self._changed.set()
+
+    def idle(self) -> None:
+        """Stop watching (the loop is over); the heartbeat goes on."""
+        self._mark = _Mark(None, self._mark.step, self._mark.completed, time.monotonic())
+        self._changed.set()
+
+    def __enter__(self) -> Watchdog:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._write(time.monotonic())
+        self._thread = threading.Thread(target=self._run, name="lctrain-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._changed.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    # watchdog thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        last_write = last_tick = time.monotonic()
+        while not self._done.is_set():
+            self._changed.wait(timeout=min(self.beat, max(self.timeout / 4, 0.05)))
+            changed = self._changed.is_set()  # a completed step, or the end
+            self._changed.clear()
+            now = time.monotonic()
+            if now - last_tick > 3 * self.beat:  # this whole process was paused: restart clocks
+                self._mark.since += now - last_tick
+            last_tick = now
+            if changed or now - last_write >= self.beat:
+                self._write(now)
+                last_write = now
+            mark = self._mark
+            if mark.operation is not None and now - mark.since > self.timeout:
+                self.on_hang(self.report(mark, now - mark.since))
+                return
+
+    def _write(self, now: float) -> None:
+        mark = self._mark
+        record = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                  "completed": mark.completed, "step": mark.step, "operation": mark.operation,
+                  "for_s": round(now - mark.since, 3), "time": time.time()}
+        path = self.folder / f"rank{self.rank}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a heartbeat is best effort: a full disk must not end the run from here
+
+    def report(self, mark: _Mark, waited: float) -> str:
+        """The sentence naming the operation this rank waits in and the ranks that are late."""
+        beats = read_heartbeats(self.folder, self.world_size)
+        now = time.time()
+        late = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            beat = beats.get(rank)
+            if beat is None:
+                late.append(f"rank {rank} (no heartbeat at all: it never reached training)")
+            elif now - beat["time"] > self.stale:
+                late.append(f"rank {rank} (pid {beat['pid']} on {beat['host']}: no heartbeat for "
+                            f"{now - beat['time']:.0f} s, so it is stopped, frozen or dead; last "
+                            f"seen {_where(beat)})")
+            elif (beat["step"], beat["operation"]) != (mark.step, mark.operation):
+                late.append(f"rank {rank} (alive, but still {_where(beat)})")
+        head = (f"rank {self.rank} waited {waited:.0f} s in {mark.operation} of step {mark.step} "
+                f"(train.collective_timeout is {self.timeout:g} s)")
+        if late:
+            return f"{head}; these ranks did not arrive: {'; '.join(late)}."
+        return (f"{head}; every rank is alive and waiting in the same operation, so a collective "
+                "never completes (the ranks disagree on what to run).")
+
+
+def _where(beat: dict) -> str:
+    if beat.get("operation") is None:
+        return f"between steps, after step {beat['completed']}"
+    return f"in {beat['operation']} of step {beat['step']}"
