@@ -11,7 +11,8 @@ from lctrain.config.loader import (
     read_resolved,
     save_resolved,
 )
-from lctrain.config.paths import DEFAULT_RECIPE, local_data, shipped_recipes
+from lctrain.config.paths import DEFAULT_RECIPE, absolute_paths, local_data, shipped_recipes
+from lctrain.config.resume import RESUMABLE, check_run_folder, load_resumed
 from lctrain.config.schema import (
     BYTE_TOKENIZER_VOCAB,
     SCHEDULE_LAYOUTS,
@@ -27,7 +28,8 @@ from lctrain.config.sizes import format_bytes, format_tokens, parse_memory, pars
 from lctrain.errors import ConfigError
 
 __all__ = [
-    "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE", "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError",
+    "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE", "RESUMABLE", "SCHEDULE_LAYOUTS", "absolute_paths",
+    "check_run_folder", "load_resumed", "CheckpointConfig", "ConfigError",
     "DataConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig",
     "build_recipe", "format_bytes", "format_tokens", "load_recipe", "local_data", "parse_memory",
     "parse_override", "parse_size", "parse_size_list", "read_resolved", "save_resolved",

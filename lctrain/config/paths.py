@@ -9,10 +9,15 @@ import glob
 import importlib.resources
 import os
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lctrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lctrain.config.schema import RecipeConfig
 
 DEFAULT_RECIPE = "tiny.yaml"
 """The embedded recipe `lctrain finetune` runs when no recipe is given."""
@@ -123,3 +128,27 @@ def check_model_path(path: str | None) -> None:
         raise ConfigError(f"model.path {path!r} does not exist; point it at a local model folder "
                           f"(with config.json) or a hub name such as meta-llama/Llama-2-7b-hf",
                           key="model.path")
+
+
+def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
+    """The recipe with its local paths absolute (``~`` expanded): model.path and
+    data.tokenizer when they are local folders, data.source when it is local files (a glob
+    stays a glob), data.cache_dir and train.output_dir. Hub names and ``builtin`` / ``bytes``
+    stay as they are."""
+    def local(path: str | None) -> str | None:
+        if path is None or not os.path.exists(os.path.expanduser(path)):
+            return path
+        return os.path.abspath(os.path.expanduser(path))
+
+    def folder(path: str | None) -> str | None:
+        return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+    source = cfg.data.source
+    if local_data(source) is not None:
+        source = os.path.abspath(os.path.expanduser(source))
+    tokenizer = cfg.data.tokenizer if cfg.data.tokenizer == "bytes" else local(cfg.data.tokenizer)
+    data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer,
+                               cache_dir=folder(cfg.data.cache_dir))
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=local(cfg.model.path)), data=data,
+        train=dataclasses.replace(cfg.train, output_dir=folder(cfg.train.output_dir)))

@@ -229,6 +229,9 @@ class CheckpointConfig:
     """At the end of training also write output_dir/final/, a Hugging Face folder of the last
     checkpoint as ``lctrain export`` writes it (full weights; the adapter for a LoRA run).
     Needs ``enabled``."""
+    asynchronous: Literal["auto", "on", "off"] = "auto"
+    """Write checkpoints in the background while training goes on (a host copy of the state
+    is taken first; at most one save in flight); auto = on for GPU runs, off on the CPU."""
 
     def __post_init__(self) -> None:
         check_fields(self, "checkpoint")

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradientAccumulationPlugin
 
-from lctrain.config import RecipeConfig, load_recipe, save_resolved
+from lctrain.config import RecipeConfig, check_run_folder, load_recipe, save_resolved
 from lctrain.errors import UserError
 from lctrain.memory.host import check_host_memory
 from lctrain.parallel.context import check_runnable
@@ -100,11 +100,13 @@ def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool) -> None:
     """What can fail before any process starts, on a machine running ``nproc`` of them.
 
     Raises:
-        UserError: dp × cp does not fit ``nproc``, the schedule cannot run on this device,
+        UserError: the output folder holds another run (or, on resume, a change the run
+            cannot take), dp × cp does not fit ``nproc``, the schedule cannot run on this device,
             remat-offload would pin more host memory than the machine has, ``resume`` without a
             checkpoint, or a fresh run into a folder that holds checkpoints.
     """
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_run_folder(cfg, resume=resume)
     check_parallel_sizes(nproc, cfg.parallel.cp, cfg.parallel.dp or None)
     check_runnable(cfg.parallel.schedule, cfg.parallel.cp, device_type)
     if device_type == "cuda":  # only GPU runs pin host memory
