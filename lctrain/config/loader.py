@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import yaml
 
 from lctrain.config.fields import suggest
-from lctrain.config.paths import absolute_paths, check_model_path, local_data, read_recipe_text
+from lctrain.config.paths import (absolute_paths, check_model_path, local_data,
+                                  ordinary_permissions, read_recipe_text)
 from lctrain.config.schema import _SECTIONS, RecipeConfig
 from lctrain.config.sizes import parse_size
 from lctrain.errors import ConfigError
@@ -27,6 +28,24 @@ class _Yaml12Loader(yaml.SafeLoader):
     only true/false are booleans (1.1 also turns on/off/yes/no into booleans)."""
 
 
+def _unique_keys(loader: _Yaml12Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """A mapping whose keys must be unique: YAML says so, and a repeated setting would
+    otherwise let the last one win without a word."""
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key!r} appears twice (lines {seen[key]} and {line}); "
+                "keep one", key_node.start_mark)
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Yaml12Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys)
 _Yaml12Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
@@ -193,6 +212,9 @@ def save_resolved(cfg: RecipeConfig, path: str | os.PathLike) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    ordinary_permissions(tmp)
     os.replace(tmp, path)
     return path
 
@@ -207,11 +229,23 @@ def read_resolved(path: str | os.PathLike) -> RecipeConfig:
         ConfigError: the file cannot be read or is not a valid recipe.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = decode_text(Path(path).read_bytes(), str(path))
     except OSError as error:
         reason = error.strerror or type(error).__name__
         raise ConfigError(f"cannot read {path} ({reason})") from None
     return build_recipe(parse_yaml(text, str(path)), str(path))
+
+
+def decode_text(data: bytes, source: str) -> str:
+    """``data`` as UTF-8 text (a byte-order mark allowed), or a ConfigError naming the place of
+    the first byte that is not."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ConfigError(f"{source} is not UTF-8 text (byte {data[error.start]:#04x} at line "
+                          f"{line}, column {column}); save it as UTF-8") from None
 
 
 def parse_yaml(text: str, source: str) -> dict[str, Any]:

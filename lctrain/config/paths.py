@@ -51,7 +51,13 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
         return shipped[DEFAULT_RECIPE], f"the embedded recipe {DEFAULT_RECIPE}"
     file = Path(path).expanduser()
     if file.is_file():
-        return file.read_text(encoding="utf-8"), str(path)
+        from lctrain.config.loader import decode_text
+
+        try:
+            return decode_text(file.read_bytes(), str(path)), str(path)
+        except OSError as error:
+            raise ConfigError(f"recipe file {str(path)!r} cannot be read "
+                              f"({error.strerror or type(error).__name__})") from None
     name = file.name if file.name.endswith(".yaml") else f"{file.name}.yaml"
     if name in shipped and file.parent in (Path("."), Path("recipes")):
         return shipped[name], f"the shipped recipe {name}"
@@ -115,11 +121,13 @@ def local_data(source: str) -> LocalData | None:
 
 
 def check_model_path(path: str | None) -> None:
-    """Raise ConfigError when ``model.path`` is neither an existing folder nor a hub name."""
+    """Raise ConfigError when ``model.path`` is neither a model folder (with a readable
+    config.json whose sizes can build a model) nor a hub name."""
     if path is None:
         return
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
+        _check_model_folder(Path(expanded), path)
         return
     if os.path.exists(expanded):
         raise ConfigError(f"model.path {path!r} is a file; point it at the model folder (the one "
@@ -128,6 +136,32 @@ def check_model_path(path: str | None) -> None:
         raise ConfigError(f"model.path {path!r} does not exist; point it at a local model folder "
                           f"(with config.json) or a hub name such as meta-llama/Llama-2-7b-hf",
                           key="model.path")
+
+
+def _check_model_folder(folder: Path, path: str) -> None:
+    import json
+
+    from lctrain.config.schema import check_model_shapes
+
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"model.path {path!r} has no config.json; point it at a model folder "
+                          "(config.json, weights, tokenizer)", key="model.path")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file} is not UTF-8 text; the model folder is damaged",
+                          key="model.path") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{file}:{error.lineno} is not valid JSON ({error.msg} at column "
+                          f"{error.colno}); the model folder is damaged", key="model.path") from None
+    except OSError as error:
+        raise ConfigError(f"{file} cannot be read ({error.strerror or type(error).__name__})",
+                          key="model.path") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ConfigError(f"{file} has no model_type; it is not a transformers model config",
+                          key="model.path")
+    check_model_shapes(config, str(file))
 
 
 def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
@@ -152,3 +186,11 @@ def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, path=local(cfg.model.path)), data=data,
         train=dataclasses.replace(cfg.train, output_dir=folder(cfg.train.output_dir)))
+
+
+def ordinary_permissions(path: str | os.PathLike) -> None:
+    """Give a file the permissions a plain ``open()`` would have (0666 less the umask): files
+    made by ``tempfile.mkstemp`` or safetensors are private (0600) otherwise."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

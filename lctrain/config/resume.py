@@ -16,11 +16,12 @@ to ``output_dir/config.yaml`` when it starts. From then on:
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from lctrain.config.loader import (apply_overrides, build_checked, load_recipe, parse_yaml,
-                                   read_resolved)
+from lctrain.config.loader import (apply_overrides, build_checked, decode_text, load_recipe,
+                                   parse_yaml, read_resolved)
 from lctrain.config.schema import RecipeConfig
 from lctrain.errors import ConfigError
 
@@ -95,10 +96,12 @@ def check_run_folder(cfg: RecipeConfig, *, resume: bool) -> list[tuple[str, Any,
         On resume, the settings it changes; else [].
 
     Raises:
-        ConfigError: resume without a saved recipe, a change that is not allowed, or a fresh
-            run into a folder that holds another run.
+        ConfigError: the folder cannot be written (no permission, a full disk), resume
+            without a saved recipe, a change that is not allowed, or a fresh run into a folder
+            that holds another run.
     """
     out = Path(cfg.train.output_dir)
+    check_writable(out)
     saved_file = out / "config.yaml"
     if resume:
         return resume_changes(_saved(saved_file, resume=True), cfg, saved_file)
@@ -111,6 +114,29 @@ def check_run_folder(cfg: RecipeConfig, *, resume: bool) -> list[tuple[str, Any,
                           f"run {new!r}); choose another --output-dir, resume that run with "
                           "--resume, or delete the folder", key=key)
     return []
+
+
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write (and flush) a few bytes in it.
+
+    Raises:
+        ConfigError: it cannot be created or written, with the system's reason ("Permission
+            denied", "No space left on device", "Read-only file system", ...).
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".lctrain-probe-")
+        try:
+            os.write(fd, b"lctrain\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(f"train.output_dir {folder} cannot be written ({reason}); choose a "
+                          "folder you may write to, on a disk with free space",
+                          key="train.output_dir") from None
 
 
 def load_resumed(recipe: str | os.PathLike | None, overrides: Iterable[str] = (), *,
@@ -140,7 +166,7 @@ def load_resumed(recipe: str | os.PathLike | None, overrides: Iterable[str] = ()
         output_dir = cfg.train.output_dir
     saved_file = Path(output_dir).expanduser() / "config.yaml"
     saved = _saved(saved_file, resume=True)
-    raw = parse_yaml(saved_file.read_text(encoding="utf-8"), str(saved_file))
+    raw = parse_yaml(decode_text(saved_file.read_bytes(), str(saved_file)), str(saved_file))
     origins = apply_overrides(raw, overrides, seq_len=seq_len, output_dir=output_dir,
                               max_steps=max_steps)
     cfg = build_checked(raw, str(saved_file), origins)

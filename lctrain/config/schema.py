@@ -59,6 +59,7 @@ class ModelConfig:
         if self.config is not None:
             require(isinstance(self.config.get("model_type"), str), "model.config",
                     "must include model_type (e.g. model_type: llama)")
+            check_model_shapes(self.config, "model.config")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,7 +154,7 @@ class TrainConfig:
     """The optimisation loop."""
 
     seed: int = 0
-    """Seed for model init, data order and everything random."""
+    """Seed for model init, data order and everything random (0 to 2³² − 1)."""
     max_steps: int | None = None
     """Optimizer steps to run; null = as many as train.epochs gives. With both set, the run
     stops at whichever comes first."""
@@ -202,6 +203,8 @@ class TrainConfig:
         require(self.epochs is None or self.epochs > 0, "train.epochs",
                 f"is {self.epochs} but must be positive (or null to train by max_steps)")
         require(self.warmup_steps >= 0, "train.warmup_steps", f"is {self.warmup_steps} but must be ≥ 0")
+        require(0 <= self.seed < 2**32, "train.seed",
+                f"is {self.seed} but must be between 0 and {2**32 - 1} (numpy's seed range)")
         require(self.lr > 0, "train.lr", f"is {self.lr} but must be positive")
         require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
                 f"is {self.min_lr_ratio} but must be between 0 and 1")
@@ -343,6 +346,42 @@ class RecipeConfig:
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
              "train": TrainConfig, "checkpoint": CheckpointConfig, "lora": LoraConfig}
 """The recipe's sections, in YAML order, and the dataclass each one becomes."""
+
+
+MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+"""transformers config fields that are sizes: positive whole numbers when given."""
+
+
+def check_model_shapes(config: dict, where: str) -> None:
+    """Refuse a transformers config whose sizes cannot build a model (before any process
+    starts): a size that is not a positive whole number, query heads not divisible by the
+    key/value heads, or (without head_dim) a hidden size not divisible by the heads.
+
+    Args:
+        config: the config's fields (``model.config`` or a folder's config.json).
+        where: how to name it, e.g. ``model.config`` or ``/models/x/config.json``.
+
+    Raises:
+        ConfigError: naming the field, its value and the rule.
+    """
+    fields = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for name in MODEL_SIZES:
+        value = fields.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value <= 0):
+            raise ConfigError(f"{where}: {name} is {value!r} but must be a positive whole "
+                              "number", key=f"model.config.{name}")
+    heads, kv = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads {heads} is not divisible by "
+                          f"num_key_value_heads {kv}; use a divisor of {heads}",
+                          key="model.config.num_attention_heads")
+    hidden = fields.get("hidden_size")
+    if hidden and heads and fields.get("head_dim") is None and hidden % heads:
+        raise ConfigError(f"{where}: hidden_size {hidden} is not divisible by "
+                          f"num_attention_heads {heads} (the head width); choose heads that "
+                          f"divide {hidden}, or set head_dim", key="model.config.num_attention_heads")
 
 
 def _check_module_names(key: str, names: tuple[str, ...]) -> None:

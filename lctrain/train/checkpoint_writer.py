@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from lctrain.config.paths import ordinary_permissions
 from lctrain.errors import UserError
 from lctrain.train.checkpoint import FORMAT, list_checkpoints, root_cause
 from lctrain.train.safe_load import check_tensors_only, fsync_dir, fsync_tree
@@ -228,6 +229,7 @@ def _write_rng(path: Path) -> None:
         tensors["cuda"] = torch.cuda.get_rng_state()
     save_file(tensors, str(path), metadata={"python_version": str(version),
                                             "python_gauss": json.dumps(gauss)})
+    ordinary_permissions(path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -156,6 +156,9 @@ def _with_steps(setup: RunSetup, rows: int) -> RecipeConfig:
     if setup.main:
         print("\n".join(steps_summary(rows=rows, rows_per_step=per_step, steps=steps,
                                        max_steps=t.max_steps, epochs=t.epochs)), flush=True)
+        if t.warmup_steps > steps:
+            print(f"warning: train.warmup_steps {t.warmup_steps} is longer than the run ({steps} "
+                  "steps): the learning rate never reaches train.lr", flush=True)
     return dataclasses.replace(setup.cfg, train=dataclasses.replace(t, max_steps=steps))
 
 
