@@ -81,7 +81,8 @@ def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     model_state, optim_state = get_state_dict(module, optimizer)
     state = {"model": model_state, "optim": {"state": optim_state["state"]}}
     try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
     except CheckpointException as error:
         raise _load_error(path, error) from None
     optim_state = {"state": state["optim"]["state"], "param_groups": optim_state["param_groups"]}
@@ -234,7 +235,7 @@ def _read_rng(path: Path) -> None:
                  json.loads(meta["python_gauss"]))
         random.setstate(state)
         torch.set_rng_state(tensors["torch"])
-    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as error:
+    except Exception as error:  # noqa: BLE001 - safetensors' own errors, missing keys, shapes
         raise UserError(f"{path} is not an RNG state lctrain wrote ({type(error).__name__}); "
                         "the checkpoint is damaged") from None
     if "cuda" in tensors and torch.cuda.is_available():

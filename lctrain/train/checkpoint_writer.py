@@ -98,7 +98,8 @@ class Checkpointer:
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         if not self._use_async(state):
             _run_write(step, tmp, lambda: dcp.save(state, storage_writer=writer,
-                                                   process_group=self.group))
+                                                   process_group=self.group,
+                                                   no_dist=self.group is None))
             if self.rank == 0:
                 _run_write(step, tmp, lambda: publish(tmp, final, keep=self.keep))
             _barrier(self.group)
@@ -106,7 +107,7 @@ class Checkpointer:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # the step's updates are in memory
         response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
-                                  async_stager=self._stager)
+                                  async_stager=self._stager, no_dist=self.group is None)
         self._pending = _Pending(step, tmp, final, response.staging_completion,
                                  response.upload_completion)
         self._pending.watch(self.rank == 0, self.keep)
