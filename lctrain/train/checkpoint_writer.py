@@ -88,27 +88,28 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(self.module, self.optimizer)
         state = {"model": model_state, "optim": {"state": optim_state["state"]}}
         check_tensors_only(state)
+        size = state_bytes(state)
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             _write_rng(tmp / f"rng-rank{self.rank}.safetensors")
             if self.rank == 0:
                 _write_json(tmp / "trainer.json", {"format": FORMAT, **trainer_state})
         except OSError as error:
-            raise _write_error(step, tmp, error) from None
+            raise _write_error(step, tmp, error, size) from None
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
-        if not self._use_async(state):
+        if not self._use_async(size):
             _run_write(step, tmp, lambda: dcp.save(state, storage_writer=writer,
                                                    process_group=self.group,
-                                                   no_dist=self.group is None))
+                                                   no_dist=self.group is None), size)
             if self.rank == 0:
-                _run_write(step, tmp, lambda: publish(tmp, final, keep=self.keep))
+                _run_write(step, tmp, lambda: publish(tmp, final, keep=self.keep), size)
             _barrier(self.group)
             return final
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # the step's updates are in memory
         response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                   async_stager=self._stager, no_dist=self.group is None)
-        self._pending = _Pending(step, tmp, final, response.staging_completion,
+        self._pending = _Pending(step, tmp, final, size, response.staging_completion,
                                  response.upload_completion)
         self._pending.watch(self.rank == 0, self.keep)
         return final
@@ -127,7 +128,7 @@ class Checkpointer:
             return None
         pending.finished.wait()
         if pending.error is not None:
-            raise _write_error(pending.step, pending.tmp, pending.error)
+            raise _write_error(pending.step, pending.tmp, pending.error, pending.size)
         return pending.final
 
     def close(self) -> Path | None:
@@ -146,7 +147,7 @@ class Checkpointer:
                 self._stager.close()
                 self._stager = None
 
-    def _use_async(self, state: dict) -> bool:
+    def _use_async(self, size: int) -> bool:
         """Whether this save goes to the background; on the first, build the stager and the
         optimizer hook, or — where the host copy would not fit in memory — say so and stay
         synchronous (all ranks agree)."""
@@ -155,7 +156,7 @@ class Checkpointer:
         if self._stager is not None:
             return True
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        fits = torch.tensor([int(_host_copy_fits(state, self.local_processes))])
+        fits = torch.tensor([int(_host_copy_fits(size, self.local_processes))])
         if self.group is not None:
             dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group)
         if not fits.item():
@@ -181,8 +182,10 @@ class Checkpointer:
 class _Pending:
     """A save in flight: its futures, and what rank 0 does when DCP has finished writing."""
 
-    def __init__(self, step: int, tmp: Path, final: Path, staged: Future, upload: Future):
-        self.step, self.tmp, self.final, self.staged, self.upload = step, tmp, final, staged, upload
+    def __init__(self, step: int, tmp: Path, final: Path, size: int, staged: Future,
+                 upload: Future):
+        self.step, self.tmp, self.final, self.size = step, tmp, final, size
+        self.staged, self.upload = staged, upload
         self.error: BaseException | None = None
         self.finished = threading.Event()
 
@@ -238,13 +241,9 @@ def _write_rng(path: Path) -> None:
         os.close(fd)
 
 
-def _host_copy_fits(state: dict, processes: int) -> bool:
-    """Whether this machine can hold a host copy of the ``state`` of each of its ``processes``
-    (counted as this process's) in half its available memory."""
-    from lctrain.memory.host import available_host_bytes
-
-    total = 0
-    stack = [state]
+def state_bytes(state: dict) -> int:
+    """Bytes of this rank's tensors in ``state`` (its shards, for DTensors)."""
+    total, stack = 0, [state]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
@@ -252,20 +251,37 @@ def _host_copy_fits(state: dict, processes: int) -> bool:
         else:
             local = item.to_local() if hasattr(item, "to_local") else item
             total += local.numel() * local.element_size()
+    return total
+
+
+def _host_copy_fits(size: int, processes: int) -> bool:
+    """Whether this machine can hold a host copy of ``size`` bytes for each of its
+    ``processes`` in half its available memory."""
+    from lctrain.memory.host import available_host_bytes
+
     available = available_host_bytes()
-    return available is None or total * processes <= available // 2
+    return available is None or size * processes <= available // 2
 
 
-def _run_write(step: int, tmp: Path, write) -> None:
+def _run_write(step: int, tmp: Path, write, size: int) -> None:
     try:
         write()
     except (OSError, CheckpointException) as error:
-        raise _write_error(step, tmp, error) from None
+        raise _write_error(step, tmp, error, size) from None
 
 
-def _write_error(step: int, tmp: Path, error: BaseException) -> UserError:
-    """One sentence for a failed checkpoint write, with the operating system's reason."""
+def _write_error(step: int, tmp: Path, error: BaseException, size: int) -> UserError:
+    """One sentence for a failed checkpoint write of about ``size`` bytes per rank, with the
+    operating system's reason. A full disk does not always surface as one: torch's writer
+    reports a short write ("unexpected pos"), so the free space is looked at too."""
     reason = root_cause(error)
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = None
+    if "No space left" not in reason and free is not None and free < size:
+        reason = (f"No space left on device: this rank's part needs about {size / 2**20:.1f} "
+                  f"MiB and {free / 2**20:.1f} MiB are free; {reason}")
     return UserError(f"Writing the checkpoint of step {step} to {tmp} failed ({reason}); the "
                      f"previous complete checkpoint in {tmp.parent} is untouched — free space "
                      "or fix the folder's permissions, then resume with --resume.")

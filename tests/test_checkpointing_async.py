@@ -1,0 +1,71 @@
+"""Checkpoints written in the background (one process): the state saved is the state of the
+step that asked for it, even though the optimizer goes on at once (its step waits for the
+host copy); at most one save is in flight (the next save waits for the previous one to be
+written and published); the end of the run waits for the last; and the background saves give
+the same checkpoint, bit for bit, as synchronous ones."""
+from __future__ import annotations
+
+import torch
+
+from lctrain.train.checkpoint import list_checkpoints, load_checkpoint
+from lctrain.train.checkpoint_writer import Checkpointer
+
+
+def _model():
+    torch.manual_seed(7)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    return module, torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+
+def _step(module, optimizer, step: int) -> None:
+    for p in module.parameters():
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+    optimizer.step()
+
+
+def _snapshot(module, optimizer) -> list[torch.Tensor]:
+    out = []
+    for p in module.parameters():
+        state = optimizer.state[p]
+        out += [p.detach().clone(), *(state[k].clone() for k in sorted(state))]
+    return out
+
+
+def _state(step: int) -> dict:
+    return {"step": step, "rows_consumed": step, "tokens_consumed": step, "seq_len": 1,
+            "rows_per_step": 1, "layout": {"dp": 1, "cp": 1, "world_size": 1},
+            "lr_plan": {"warmup_steps": 0, "total_steps": 9, "min_lr_ratio": 0.1,
+                        "anchor_step": None, "anchor_value": None}}
+
+
+def _loaded(path) -> list[torch.Tensor]:
+    module, optimizer = _model()
+    load_checkpoint(path, module=module, optimizer=optimizer)
+    return _snapshot(module, optimizer)
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_background_saves_hold_their_steps_state(tmp_path):
+    snapshots = {}
+    for background in (True, False):
+        module, optimizer = _model()
+        saver = Checkpointer(tmp_path / str(background), module=module, optimizer=optimizer,
+                             keep=3, asynchronous=background)
+        for step in (1, 2, 3):
+            _step(module, optimizer, step)
+            snapshots[background, step] = _snapshot(module, optimizer)
+            saver.save(step, _state(step))
+            if background and step == 2:  # saving 2 waited for 1: written and published
+                assert [s for s, _ in list_checkpoints(tmp_path / "True")] == [1]
+            _step(module, optimizer, 10 + step)  # training goes on while step's save runs
+        assert saver.close() == (tmp_path / str(background) / "step-00000003" if background
+                                 else None)
+    for background in (True, False):
+        saved = list_checkpoints(tmp_path / str(background))
+        assert [s for s, _ in saved] == [1, 2, 3]
+        for step, path in saved:
+            assert _equal(_loaded(path), snapshots[background, step]), (background, step)
+    assert all(_equal(snapshots[True, s], snapshots[False, s]) for s in (1, 2, 3))
