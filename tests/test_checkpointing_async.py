@@ -13,14 +13,18 @@ from lctrain.train.checkpoint_writer import Checkpointer
 
 def _model():
     torch.manual_seed(7)
-    module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    module = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512))
     return module, torch.optim.AdamW(module.parameters(), lr=1e-2)
 
 
 def _step(module, optimizer, step: int) -> None:
+    _grads(module, step)
+    optimizer.step()
+
+
+def _grads(module, step: int) -> None:
     for p in module.parameters():
         p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
-    optimizer.step()
 
 
 def _snapshot(module, optimizer) -> list[torch.Tensor]:
@@ -57,10 +61,11 @@ def test_background_saves_hold_their_steps_state(tmp_path):
         for step in (1, 2, 3):
             _step(module, optimizer, step)
             snapshots[background, step] = _snapshot(module, optimizer)
+            _grads(module, 10 + step)
             saver.save(step, _state(step))
+            optimizer.step()  # at once: training goes on while the save runs
             if background and step == 2:  # saving 2 waited for 1: written and published
                 assert [s for s, _ in list_checkpoints(tmp_path / "True")] == [1]
-            _step(module, optimizer, 10 + step)  # training goes on while step's save runs
         assert saver.close() == (tmp_path / str(background) / "step-00000003" if background
                                  else None)
     for background in (True, False):
