@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import yaml
 
 from lctrain.config.fields import suggest
-from lctrain.config.paths import (absolute_paths, check_model_path, local_data,
+from lctrain.config.paths import (absolute_paths, check_model_path, decode_text, local_data,
                                   ordinary_permissions, read_recipe_text)
 from lctrain.config.schema import _SECTIONS, RecipeConfig
 from lctrain.config.sizes import parse_size
@@ -234,18 +234,6 @@ def read_resolved(path: str | os.PathLike) -> RecipeConfig:
         reason = error.strerror or type(error).__name__
         raise ConfigError(f"cannot read {path} ({reason})") from None
     return build_recipe(parse_yaml(text, str(path)), str(path))
-
-
-def decode_text(data: bytes, source: str) -> str:
-    """``data`` as UTF-8 text (a byte-order mark allowed), or a ConfigError naming the place of
-    the first byte that is not."""
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
-        raise ConfigError(f"{source} is not UTF-8 text (byte {data[error.start]:#04x} at line "
-                          f"{line}, column {column}); save it as UTF-8") from None
 
 
 def parse_yaml(text: str, source: str) -> dict[str, Any]:

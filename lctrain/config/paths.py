@@ -51,8 +51,6 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
         return shipped[DEFAULT_RECIPE], f"the embedded recipe {DEFAULT_RECIPE}"
     file = Path(path).expanduser()
     if file.is_file():
-        from lctrain.config.loader import decode_text
-
         try:
             return decode_text(file.read_bytes(), str(path)), str(path)
         except OSError as error:
@@ -67,6 +65,18 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
     names = ", ".join(sorted(n.removesuffix(".yaml") for n in shipped))
     raise ConfigError(f"recipe file {str(path)!r} does not exist; give a YAML file or one of the "
                       f"shipped recipes ({names})")
+
+
+def decode_text(data: bytes, source: str) -> str:
+    """``data`` as UTF-8 text (a byte-order mark allowed), or a ConfigError naming the place of
+    the first byte that is not."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ConfigError(f"{source} is not UTF-8 text (byte {data[error.start]:#04x} at line "
+                          f"{line}, column {column}); save it as UTF-8") from None
 
 
 def looks_like_hub_name(name: str) -> bool:

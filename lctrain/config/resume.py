@@ -20,8 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from lctrain.config.loader import (apply_overrides, build_checked, decode_text, load_recipe,
-                                   parse_yaml, read_resolved)
+from lctrain.config.loader import (apply_overrides, build_checked, load_recipe, parse_yaml,
+                                   read_resolved)
+from lctrain.config.paths import decode_text
 from lctrain.config.schema import RecipeConfig
 from lctrain.errors import ConfigError
 

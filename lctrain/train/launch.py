@@ -52,7 +52,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradientAccumulationPlugin
 
 from lctrain.config import RecipeConfig, check_run_folder, save_resolved
-from lctrain.config.loader import build_checked, decode_text, parse_yaml
+from lctrain.config.loader import build_checked, parse_yaml
+from lctrain.config.paths import decode_text
 from lctrain.errors import UserError, as_user_error
 from lctrain.memory.host import check_cpu_memory, check_host_memory
 from lctrain.parallel.context import check_runnable
