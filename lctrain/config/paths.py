@@ -151,7 +151,7 @@ def check_model_path(path: str | None) -> None:
 def _check_model_folder(folder: Path, path: str) -> None:
     import json
 
-    from lctrain.config.schema import check_model_shapes
+    from lctrain.config.model_shapes import check_model_shapes
 
     file = folder / "config.json"
     if not file.is_file():
