@@ -7,6 +7,8 @@ other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
+import errno
+
 
 class UserError(Exception):
     """A mistake the user can fix; ``str(error)`` is the whole message."""
@@ -26,3 +28,36 @@ class ConfigError(UserError, ValueError):
 
 class DataError(UserError):
     """The training data cannot be found, read or packed."""
+
+
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space on that disk",
+                       errno.EACCES: "fix its permissions", errno.EPERM: "fix its permissions",
+                       errno.EROFS: "choose a writable disk"}
+"""Operating-system errors that are the machine's state, not a bug -> the fix to suggest."""
+
+
+def environment_error(error: BaseException) -> UserError | None:
+    """A full disk, a missing permission or a read-only file system met while reading or
+    writing a file, as one sentence naming the file ("No space left on device" included);
+    None for any other error."""
+    if not isinstance(error, OSError) or error.errno not in _ENVIRONMENT_ERRNOS:
+        return None
+    where = f" ({error.filename})" if error.filename else ""
+    return UserError(f"{error.strerror or type(error).__name__}{where}; "
+                     f"{_ENVIRONMENT_ERRNOS[error.errno]}, or choose another train.output_dir.")
+
+
+def as_user_error(error: BaseException) -> UserError | None:
+    """``error`` as the one-sentence mistake it is — a UserError, a full disk or missing
+    permission (`environment_error`), an attention backend this machine lacks (the kernels'
+    ``BackendUnavailable``: lctrain_kernels does not depend on lctrain) — or None for a bug."""
+    if isinstance(error, UserError):
+        return error
+    found = environment_error(error)
+    if found is not None:
+        return found
+    try:
+        from lctrain_kernels.backends import BackendUnavailable
+    except ImportError:
+        return None
+    return UserError(str(error)) if isinstance(error, BackendUnavailable) else None

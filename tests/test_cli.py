@@ -1,6 +1,7 @@
 """The CLI: thin commands, one library call each, and every user mistake as one sentence."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from lctrain.cli import app
+from lctrain.config import save_resolved
 from lctrain.errors import DataError
 
 runner = CliRunner()
@@ -138,11 +140,17 @@ def test_finetune_hands_the_resolved_recipe_to_the_runner(monkeypatch, tmp_path)
     _fake_module(monkeypatch, "lctrain.train.runner",
                  finetune=lambda cfg, *, resume=False, nproc=None: calls.append((cfg, resume, nproc)) or 3)
     result = _invoke("finetune", "--seq-len", "1k", "--set", "train.lr=1e-4", "--output-dir",
-                     str(tmp_path), "--max-steps", "5", "--resume", "--nproc", "2")
+                     str(tmp_path), "--max-steps", "5", "--nproc", "2")
     assert result.exit_code == 3, result.output
     (cfg, resume, nproc), = calls
     assert cfg.data.seq_len == 1024 and cfg.train.lr == 1e-4 and cfg.train.max_steps == 5
-    assert cfg.train.output_dir == str(tmp_path) and resume is True and nproc == 2
+    assert cfg.train.output_dir == str(tmp_path) and resume is False and nproc == 2
+    save_resolved(cfg, tmp_path / "config.yaml")  # what the run wrote: --resume starts from it
+    result = _invoke("finetune", "--output-dir", str(tmp_path), "--max-steps", "9", "--resume")
+    assert result.exit_code == 3, result.output
+    (resumed, resume, nproc) = calls[1]
+    assert resumed == dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=9))
+    assert resume is True and nproc is None
 
 
 def test_finetune_user_error_raised_by_the_runner(monkeypatch):

@@ -98,6 +98,11 @@ def test_readme_example_runs(line, monkeypatch, tmp_path):
     if reads_files:  # the result files it reads, as a bench would have written them
         for name in (a for a in args[2:] if a.endswith(".json")):
             _result("attention").save(tmp_path / name)
+    if "--resume" in args:  # the run it continues, as `lctrain finetune` left it
+        from lctrain.config import load_recipe, save_resolved
+
+        out = args[args.index("--output-dir") + 1]
+        save_resolved(load_recipe(None, output_dir=out), tmp_path / out / "config.yaml")
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert len(calls) == (0 if reads_files or args == ["--version"] else 1)

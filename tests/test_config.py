@@ -81,7 +81,7 @@ def test_overrides_and_flags():
 
 
 def test_switch_to_a_local_model_folder(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
     cfg = load_recipe(None, [f"model.path={tmp_path}", "model.config=null", "data.tokenizer=null"])
     assert cfg.model.path == str(tmp_path) and cfg.model.config is None
 

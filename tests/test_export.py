@@ -63,7 +63,7 @@ def _saved_run(tmp_path: Path, name: str, **sets):
     the trained model (a peft model for a LoRA recipe)."""
     from lctrain.model import load_model
     from lctrain.model.lora import apply_lora
-    from lctrain.train.checkpoint import save_checkpoint
+    from lctrain.train.checkpoint_writer import Checkpointer
     from lctrain.train.loop import CausalLMLoss
     from lctrain.train.optim import build_optimizer
 
@@ -78,8 +78,12 @@ def _saved_run(tmp_path: Path, name: str, **sets):
     ids = torch.randint(0, 259, (1, 16))
     module(ids, ids, torch.arange(16)[None]).backward()
     optimizer.step()  # an optimizer state the export must leave unread
-    save_checkpoint(tmp_path / name / "checkpoints", 1, module=module, optimizer=optimizer,
-                    scheduler=scheduler, data_position=1, layout={"dp": 1, "cp": 1}, keep=1)
+    saver = Checkpointer(tmp_path / name / "checkpoints", module=module, optimizer=optimizer,
+                         keep=1, asynchronous=False)
+    saver.save(1, {"step": 1, "rows_consumed": 1, "tokens_consumed": 16, "seq_len": 16,
+                   "rows_per_step": 1, "layout": {"dp": 1, "cp": 1, "world_size": 1},
+                   "lr_plan": scheduler.lr_lambdas[0].to_json()})
+    saver.close()
     model.set_attn_implementation("eager")
     return model.eval()
 

@@ -73,6 +73,8 @@ def _train_all(rank, world, full, lora, resumed, ids):
     if rank == 0:
         src = Path(lora.train.output_dir) / "checkpoints" / "step-00000002"
         shutil.copytree(src, Path(resumed.train.output_dir) / "checkpoints" / src.name)
+        shutil.copy(Path(lora.train.output_dir) / "config.yaml",  # the run's own recipe
+                    Path(resumed.train.output_dir) / "config.yaml")
     dist.barrier()
     run_worker(resumed, resume=True)
     logits = {(cfg.train.output_dir, step): training_logits(

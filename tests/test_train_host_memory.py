@@ -42,7 +42,8 @@ def test_only_remat_offload_on_gpus_is_checked(cuda_machine, monkeypatch, tmp_pa
     with pytest.raises(UserError, match="only 1 GiB is available"):
         check_before_start(cfg, nproc=8, resume=False)  # what the launcher checks on GPUs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    check_before_start(cfg, nproc=2, resume=False)  # a CPU run pins nothing
+    with pytest.raises(UserError, match="this CPU run needs about"):  # it pins nothing, but the
+        check_before_start(cfg, nproc=2, resume=False)  # whole training state is host memory
 
 
 def test_declared_host_memory_replaces_what_the_machine_reports(cuda_machine, monkeypatch):

@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -63,11 +62,13 @@ def test_cp2_dp2_and_fsdp_losses_agree(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
         assert c["loss"] == pytest.approx(a["loss"], rel=1e-3)
         assert c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
-    saved = json.loads((tmp_path / "cp2" / "checkpoints" / "step-00000003" / "meta.json").read_text())
-    assert saved == {"step": 3, "data_position": 6, "layout": {"dp": 1, "cp": 2}}
-    resolved = load_recipe(tmp_path / "cp2" / "config.yaml")  # dp resolved, the rest as given
-    assert resolved.parallel.dp == 1
-    assert dataclasses.replace(resolved, parallel=cfgs[0].parallel) == cfgs[0]
+    saved = json.loads((tmp_path / "cp2" / "checkpoints" / "step-00000003" / "trainer.json")
+                       .read_text())
+    assert {k: saved[k] for k in ("step", "rows_consumed", "tokens_consumed", "rows_per_step",
+                                  "layout")} == {
+        "step": 3, "rows_consumed": 6, "tokens_consumed": 6 * 128, "rows_per_step": 2,
+        "layout": {"dp": 1, "cp": 2, "world_size": 2}}
+    assert load_recipe(tmp_path / "cp2" / "config.yaml") == cfgs[0]  # the recipe as given
 
 
 def _straight_then_resume(rank, world, straight, resumed):
@@ -80,6 +81,7 @@ def _straight_then_resume(rank, world, straight, resumed):
         src = Path(straight.train.output_dir) / "checkpoints"
         dst = Path(resumed.train.output_dir) / "checkpoints"
         shutil.copytree(src / "step-00000003", dst / "step-00000003")
+        shutil.copy(src.parent / "config.yaml", dst.parent / "config.yaml")  # the run's recipe
         (dst / ".tmp-step-00000009").mkdir()  # a save that crashed half-way
     dist.barrier()
     run_worker(resumed, resume=True)

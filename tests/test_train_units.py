@@ -94,7 +94,7 @@ def _tiny(tmp_path, *sets):
 def test_launch_errors_before_any_process(tmp_path):
     with pytest.raises(UserError, match="world size 3 is not divisible by parallel.cp = 2"):
         finetune(_tiny(tmp_path), nproc=3)
-    with pytest.raises(UserError, match="no checkpoint to resume from"):
+    with pytest.raises(UserError, match="there is no run to resume"):
         finetune(_tiny(tmp_path), resume=True)
     (tmp_path / "run" / "checkpoints" / "step-00000001").mkdir(parents=True)
     with pytest.raises(UserError, match="already holds checkpoints"):

@@ -76,7 +76,7 @@ def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int 
 
 
 def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
-        nproc: int | None = None, *, warmup: int = 1,
+        nproc: int | None = None, *, warmup: int = 1, save_every: int = 0,
         progress: Callable[[str], None] | None = None) -> BenchResult:
     """Run ``warmup + steps`` training steps of every configuration and report them.
 
@@ -86,17 +86,21 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         steps: optimizer steps to time (≥ 1).
         nproc: processes (default as ``lctrain finetune``: all GPUs, or dp × cp on a CPU).
         warmup: untimed steps first.
+        save_every: also checkpoint every N steps (0: never), as ``checkpoint.asynchronous``
+            says (in the background or not): the steps are then timed with saves in flight,
+            and ``checkpoint_s`` is how long the loop waited for each save.
         progress: called with one line before and after each configuration.
 
     Returns:
         A BenchResult of kind "step" with one row per configuration.
 
     Raises:
-        UserError: steps < 1 or warmup < 0.
+        UserError: steps < 1, warmup < 0 or save_every < 0.
     """
-    if steps < 1 or warmup < 0:
-        raise UserError(f"bench step needs at least 1 timed step (got {steps}) and a warm-up "
-                        f"of 0 or more (got {warmup})")
+    if steps < 1 or warmup < 0 or save_every < 0:
+        raise UserError(f"bench step needs at least 1 timed step (got {steps}), a warm-up of 0 "
+                        f"or more (got {warmup}) and a save interval of 0 or more (got "
+                        f"{save_every})")
     if isinstance(configs, RecipeConfig):
         configs = [("", configs)]
     say = progress or (lambda line: None)
@@ -108,7 +112,7 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         say(f"{head}: {warmup} warm-up + {steps} timed steps on {n} processes")
         row = {"variant": label, "seq_len": cfg.data.seq_len}
         try:
-            row.update(_one(cfg, n, steps, warmup))
+            row.update(_one(cfg, n, steps, warmup, save_every))
         except UserError as exc:
             row.update(status=str(exc))
         except torch.cuda.OutOfMemoryError:
@@ -116,7 +120,7 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         say(f"{head}: {_progress_line(row)}")
         rows.append(row)
     return BenchResult(kind="step", title="training steps", rows=rows,
-                       meta=_meta(configs[0][1], nproc, warmup, steps))
+                       meta=_meta(configs[0][1], nproc, warmup, steps, save_every))
 
 
 def _default_nproc(cfg: RecipeConfig) -> int:
@@ -125,7 +129,7 @@ def _default_nproc(cfg: RecipeConfig) -> int:
     return default_nproc(cfg)
 
 
-def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int) -> dict:
+def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int) -> dict:
     """One configuration's row fields (raises UserError when it cannot run)."""
     from lctrain.train.runner import finetune
 
@@ -133,14 +137,17 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int) -> dict:
     scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=_parent(cfg)))
     try:
         with _stdout_to_stderr():
-            code = finetune(_bench_recipe(cfg, scratch, warmup + steps), nproc=nproc)
+            code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
+                            nproc=nproc)
         if code != 0:
             raise UserError(f"the benchmarked training run failed with exit code {code}; the "
                             f"workers' log named above says why")
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _row(cfg, nproc, records, warmup, layers, predicted)
+    return _row(cfg, nproc, records, warmup, layers, predicted) | {
+        "save_every": save_every, "checkpoint_s": _median(
+            [r for r in records if r["step"] > warmup and "checkpoint_s" in r], "checkpoint_s")}
 
 
 @contextlib.contextmanager
@@ -169,11 +176,14 @@ def _parent(cfg: RecipeConfig) -> str:
     return str(parent)
 
 
-def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int) -> RecipeConfig:
-    """The recipe with the step count, a per-step log and a scratch output folder."""
+def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,
+                  save_every: int = 0) -> RecipeConfig:
+    """The recipe with the step count, a per-step log, a scratch output folder and
+    checkpoints only every ``save_every`` steps (none when 0; never a final export)."""
     train = dataclasses.replace(cfg.train, max_steps=total_steps, epochs=None, log_every=1,
                                 output_dir=str(output_dir))
-    checkpoint = dataclasses.replace(cfg.checkpoint, enabled=False)
+    checkpoint = dataclasses.replace(cfg.checkpoint, enabled=save_every > 0, every=save_every,
+                                     keep=1, export_final=False)
     return dataclasses.replace(cfg, train=train, checkpoint=checkpoint)
 
 
@@ -235,7 +245,8 @@ def _progress_line(row: dict) -> str:
     return text + (f", MFU {percent(row['mfu'])}" if row.get("mfu") is not None else "")
 
 
-def _meta(cfg: RecipeConfig, nproc: int | None, warmup: int, steps: int) -> dict:
+def _meta(cfg: RecipeConfig, nproc: int | None, warmup: int, steps: int,
+          save_every: int) -> dict:
     from lctrain.train.metrics import peak_flops
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -243,7 +254,7 @@ def _meta(cfg: RecipeConfig, nproc: int | None, warmup: int, steps: int) -> dict
     return {
         "machine": environment(), "device": device.type,
         "peak_bf16_tflops": peak / 1e12 if peak else None,
-        "nproc": nproc, "warmup_steps": warmup, "timed_steps": steps,
+        "nproc": nproc, "warmup_steps": warmup, "timed_steps": steps, "save_every": save_every,
         "attention_backend": cfg.parallel.attention_backend,
         "mixed_precision": cfg.train.mixed_precision, "model_dtype": cfg.model.dtype,
         "batch_size": cfg.train.batch_size, "grad_accum": cfg.train.grad_accum,

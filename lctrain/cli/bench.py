@@ -166,6 +166,10 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
          steps: int = typer.Option(10, "--steps", min=1, metavar="N", help="Steps to time."),
          warmup: int = typer.Option(1, "--warmup", min=0, metavar="N",
                                     help="Untimed steps first (allocator growth, autotuning)."),
+         save_every: int = typer.Option(
+             0, "--save-every", min=0, metavar="N",
+             help="Also write a checkpoint every N steps (checkpoint.asynchronous: in the "
+                  "background or not), to time steps with a save in flight; 0: none."),
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory against the
@@ -175,6 +179,8 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
     Example:
       lctrain bench step llama-7b-64k --seq-len 32k,64k --steps 3 \\
           --variant train.checkpointing=full --variant train.checkpointing=remat
+      lctrain bench step llama-7b-64k --steps 6 --save-every 2 \\
+          --variant checkpoint.asynchronous=on --variant checkpoint.asynchronous=off
     """
     with user_errors():
         from lctrain.bench.publish import Publisher
@@ -182,7 +188,8 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
 
         out = Publisher("step", fmt.value, wide, json_file, plot)
         configs = configurations(recipe, overrides or [], _sizes(seq_len) or [None], variant)
-        result = run(configs, steps=steps, nproc=nproc, warmup=warmup, progress=out.progress)
+        result = run(configs, steps=steps, nproc=nproc, warmup=warmup, save_every=save_every,
+                     progress=out.progress)
         out.publish(result)
 
 

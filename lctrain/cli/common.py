@@ -8,22 +8,15 @@ from typing import Any, Iterator
 
 import typer
 
-from lctrain.errors import UserError
+from lctrain.errors import as_user_error
 
 USER_ERROR_EXIT = 1
 """Exit code of a user mistake (bad recipe, size, path, ...)."""
 
 
 def is_user_error(error: BaseException) -> bool:
-    """True for mistakes the user can fix: UserError, and the kernels' BackendUnavailable
-    (lctrain_kernels must not depend on lctrain, so it has its own exception)."""
-    if isinstance(error, UserError):
-        return True
-    try:
-        from lctrain_kernels.backends import BackendUnavailable
-    except ImportError:
-        return False
-    return isinstance(error, BackendUnavailable)
+    """True for mistakes the user can fix (`lctrain.errors.as_user_error`)."""
+    return as_user_error(error) is not None
 
 
 def fail(message: str, code: int = USER_ERROR_EXIT) -> typer.Exit:
@@ -39,9 +32,10 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except Exception as error:  # noqa: BLE001 - filtered right below
-        if not is_user_error(error):
+        mistake = as_user_error(error)
+        if mistake is None:
             raise
-        raise fail(str(error)) from None
+        raise fail(str(mistake)) from None
 
 
 def as_json(payload: Any) -> str:

@@ -13,7 +13,7 @@ from lctrain.cli.options import (
     SeqLenOpt,
     SetOpt,
 )
-from lctrain.config import load_recipe
+from lctrain.config import load_recipe, load_resumed
 
 
 def finetune(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetOpt = None,
@@ -23,17 +23,22 @@ def finetune(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: Set
 
     Launches one process per GPU (or parallel.cp CPU processes) unless already started by
     torchrun / accelerate launch, and writes config.yaml, metrics.jsonl and checkpoints/ to the
-    output folder.
+    output folder. With --resume the run continues from its newest checkpoint with the recipe
+    saved in its folder; --set and a recipe may change only its length, intervals, process
+    layout and memory settings.
 
     Examples:
 
         lctrain finetune
 
         lctrain finetune llama-7b-256k --seq-len 256k --set train.lr=1e-5
+
+        lctrain finetune --output-dir runs/tiny --resume --max-steps 40
     """
     with user_errors():
-        cfg = load_recipe(recipe, overrides or [], seq_len=seq_len, output_dir=output_dir,
-                          max_steps=max_steps)
+        load = load_resumed if resume else load_recipe  # resume: the run's own config.yaml
+        cfg = load(recipe, overrides or [], seq_len=seq_len, output_dir=output_dir,
+                   max_steps=max_steps)
         from lctrain.train.runner import finetune as run
 
         code = run(cfg, resume=resume, nproc=nproc)

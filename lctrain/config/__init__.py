@@ -13,11 +13,13 @@ from lctrain.config.loader import (
 )
 from lctrain.config.paths import (
     DEFAULT_RECIPE,
+    absolute_paths,
     is_placeholder,
     local_data,
     require_model_path,
     shipped_recipes,
 )
+from lctrain.config.resume import RESUMABLE, check_run_folder, load_resumed
 from lctrain.config.schema import (
     BUILTIN_TOKENIZERS,
     BYTE_PAIR_TOKENIZER_VOCAB,
@@ -36,10 +38,10 @@ from lctrain.errors import ConfigError
 
 __all__ = [
     "BUILTIN_TOKENIZERS", "BYTE_PAIR_TOKENIZER_VOCAB", "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE",
-    "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError", "DataConfig", "LoraConfig",
-    "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "build_recipe",
-    "format_bytes", "format_tokens", "is_placeholder", "load_recipe", "local_data", "parse_memory",
-    "parse_override", "parse_size", "parse_size_list", "read_resolved", "require_model_path",
-    "save_resolved",
+    "RESUMABLE", "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError", "DataConfig", "LoraConfig",
+    "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "absolute_paths",
+    "build_recipe", "check_run_folder", "format_bytes", "format_tokens", "is_placeholder",
+    "load_recipe", "load_resumed", "local_data", "parse_memory", "parse_override", "parse_size",
+    "parse_size_list", "read_resolved", "require_model_path", "save_resolved",
     "shipped_recipes",
 ]

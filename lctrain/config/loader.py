@@ -17,7 +17,8 @@ from typing import Any, Iterable
 import yaml
 
 from lctrain.config.fields import suggest
-from lctrain.config.paths import check_model_path, local_data, read_recipe_text
+from lctrain.config.paths import (absolute_paths, check_model_path, decode_text, local_data,
+                                  ordinary_permissions, read_recipe_text)
 from lctrain.config.schema import _SECTIONS, RecipeConfig
 from lctrain.config.sizes import parse_size
 from lctrain.errors import ConfigError
@@ -27,6 +28,24 @@ class _Yaml12Loader(yaml.SafeLoader):
     only true/false are booleans (1.1 also turns on/off/yes/no into booleans)."""
 
 
+def _unique_keys(loader: _Yaml12Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """A mapping whose keys must be unique: YAML says so, and a repeated setting would
+    otherwise let the last one win without a word."""
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key!r} appears twice (lines {seen[key]} and {line}); "
+                "keep one", key_node.start_mark)
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Yaml12Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys)
 _Yaml12Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
@@ -63,8 +82,26 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
             model path / data source that does not exist; the message names the source.
     """
     text, source = read_recipe_text(path)
-    raw = _parse_yaml(text, source)
+    raw = parse_yaml(text, source)
+    origins = apply_overrides(raw, overrides, seq_len=seq_len, output_dir=output_dir,
+                              max_steps=max_steps)
+    return build_checked(raw, source, origins)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str] = (), *,
+                    seq_len: int | str | None = None, output_dir: str | None = None,
+                    max_steps: int | None = None) -> dict[str, str]:
+    """Apply ``--set`` overrides and the command's flags to plain recipe data, in place.
+
+    Returns:
+        {dotted key: where its value came from} for the loader's messages.
+
+    Raises:
+        ConfigError: a malformed override or a key the schema lacks.
+    """
     origins: dict[str, str] = {}
+    if not isinstance(raw, dict):  # build_recipe says so, naming the file
+        return origins
     for item in overrides:
         key, value = parse_override(item)
         set_key(raw, key, value, where=f"--set {item}")
@@ -75,6 +112,17 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         if value is not None:
             set_key(raw, key, value, where=f"--{key.split('.')[1].replace('_', '-')}")
             origins[key] = f"from --{key.split('.')[1].replace('_', '-')} {value}"
+    return origins
+
+
+def build_checked(raw: dict[str, Any], source: str, origins: dict[str, str]) -> RecipeConfig:
+    """`build_recipe`, then the model path and data source must exist; local paths become
+    absolute (a run's saved recipe names the same files from any folder). A keyed error says
+    where its value came from (``origins``, else ``source``).
+
+    Raises:
+        ConfigError: as `build_recipe`, or a missing model path / data source.
+    """
     try:
         cfg = build_recipe(raw, source)
         check_model_path(cfg.model.path)
@@ -83,7 +131,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         origin = _origin(error.key, origins, source)
         named = origin.split(" ", 1)[1] in str(error)  # the message already says where
         raise ConfigError(str(error) if named else f"{error} ({origin})", key=error.key) from None
-    return cfg
+    return absolute_paths(cfg)
 
 
 def build_recipe(raw: dict[str, Any], source: str = "the recipe") -> RecipeConfig:
@@ -164,6 +212,9 @@ def save_resolved(cfg: RecipeConfig, path: str | os.PathLike) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    ordinary_permissions(tmp)
     os.replace(tmp, path)
     return path
 
@@ -178,14 +229,14 @@ def read_resolved(path: str | os.PathLike) -> RecipeConfig:
         ConfigError: the file cannot be read or is not a valid recipe.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = decode_text(Path(path).read_bytes(), str(path))
     except OSError as error:
         reason = error.strerror or type(error).__name__
         raise ConfigError(f"cannot read {path} ({reason})") from None
-    return build_recipe(_parse_yaml(text, str(path)), str(path))
+    return build_recipe(parse_yaml(text, str(path)), str(path))
 
 
-def _parse_yaml(text: str, source: str) -> dict[str, Any]:
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
     try:
         raw = yaml.load(text, Loader=_Yaml12Loader)
     except yaml.YAMLError as error:

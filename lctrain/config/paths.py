@@ -9,10 +9,15 @@ import glob
 import importlib.resources
 import os
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lctrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lctrain.config.schema import RecipeConfig
 
 DEFAULT_RECIPE = "tiny.yaml"
 """The embedded recipe `lctrain finetune` runs when no recipe is given."""
@@ -46,7 +51,11 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
         return shipped[DEFAULT_RECIPE], f"the embedded recipe {DEFAULT_RECIPE}"
     file = Path(path).expanduser()
     if file.is_file():
-        return file.read_text(encoding="utf-8"), str(path)
+        try:
+            return decode_text(file.read_bytes(), str(path)), str(path)
+        except OSError as error:
+            raise ConfigError(f"recipe file {str(path)!r} cannot be read "
+                              f"({error.strerror or type(error).__name__})") from None
     name = file.name if file.name.endswith(".yaml") else f"{file.name}.yaml"
     if name in shipped and file.parent in (Path("."), Path("recipes")):
         return shipped[name], f"the shipped recipe {name}"
@@ -56,6 +65,18 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
     names = ", ".join(sorted(n.removesuffix(".yaml") for n in shipped))
     raise ConfigError(f"recipe file {str(path)!r} does not exist; give a YAML file or one of the "
                       f"shipped recipes ({names})")
+
+
+def decode_text(data: bytes, source: str) -> str:
+    """``data`` as UTF-8 text (a byte-order mark allowed), or a ConfigError naming the place of
+    the first byte that is not."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ConfigError(f"{source} is not UTF-8 text (byte {data[error.start]:#04x} at line "
+                          f"{line}, column {column}); save it as UTF-8") from None
 
 
 def looks_like_hub_name(name: str) -> bool:
@@ -116,7 +137,8 @@ def is_placeholder(path: str | None) -> bool:
 
 
 def check_model_path(path: str | None) -> None:
-    """Raise ConfigError when ``model.path`` is neither a model folder nor a hub name.
+    """Raise ConfigError when ``model.path`` is neither a model folder (with a readable
+    config.json whose sizes can build a model) nor a hub name.
 
     A placeholder (see `is_placeholder`) passes here, so that a recipe for a real model can still
     be read, printed and sized with ``estimate-memory --model``; anything that needs the model
@@ -126,10 +148,7 @@ def check_model_path(path: str | None) -> None:
         return
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
-        if not os.path.isfile(os.path.join(expanded, "config.json")):
-            raise ConfigError(f"model.path {path!r} is a folder without config.json, so it is not "
-                              f"a Hugging Face model folder; point it at the folder holding "
-                              f"config.json and the *.safetensors weights", key="model.path")
+        _check_model_folder(Path(expanded), path)
         return
     if os.path.exists(expanded):
         raise ConfigError(f"model.path {path!r} is a file; point it at the model folder (the one "
@@ -157,3 +176,61 @@ def require_model_path(path: str | None) -> str:
     check_model_path(path)
     expanded = os.path.expanduser(path)
     return expanded if os.path.isdir(expanded) else path
+
+
+def _check_model_folder(folder: Path, path: str) -> None:
+    import json
+
+    from lctrain.config.model_shapes import check_model_shapes
+
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"model.path {path!r} has no config.json; point it at a model folder "
+                          "(config.json, weights, tokenizer)", key="model.path")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file} is not UTF-8 text; the model folder is damaged",
+                          key="model.path") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{file}:{error.lineno} is not valid JSON ({error.msg} at column "
+                          f"{error.colno}); the model folder is damaged", key="model.path") from None
+    except OSError as error:
+        raise ConfigError(f"{file} cannot be read ({error.strerror or type(error).__name__})",
+                          key="model.path") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ConfigError(f"{file} has no model_type; it is not a transformers model config",
+                          key="model.path")
+    check_model_shapes(config, str(file))
+
+
+def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
+    """The recipe with its local paths absolute (``~`` expanded): model.path and
+    data.tokenizer when they are local folders, data.source when it is local files (a glob
+    stays a glob), data.cache_dir and train.output_dir. Hub names and ``builtin`` / ``bytes``
+    stay as they are."""
+    def local(path: str | None) -> str | None:
+        if path is None or not os.path.exists(os.path.expanduser(path)):
+            return path
+        return os.path.abspath(os.path.expanduser(path))
+
+    def folder(path: str | None) -> str | None:
+        return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+    source = cfg.data.source
+    if local_data(source) is not None:
+        source = os.path.abspath(os.path.expanduser(source))
+    tokenizer = cfg.data.tokenizer if cfg.data.tokenizer == "bytes" else local(cfg.data.tokenizer)
+    data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer,
+                               cache_dir=folder(cfg.data.cache_dir))
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=local(cfg.model.path)), data=data,
+        train=dataclasses.replace(cfg.train, output_dir=folder(cfg.train.output_dir)))
+
+
+def ordinary_permissions(path: str | os.PathLike) -> None:
+    """Give a file the permissions a plain ``open()`` would have (0666 less the umask): files
+    made by ``tempfile.mkstemp`` or safetensors are private (0600) otherwise."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lctrain.config.fields import MEMORY, SIZE, check_fields, require
+from lctrain.config.model_shapes import check_model_shapes
 from lctrain.errors import ConfigError
 from lctrain_kernels.vocabulary import (BACKENDS, SCHEDULES, check_seq_len, schedule_layout,
                                         seq_chunks)
@@ -74,6 +75,8 @@ class ModelConfig:
                               "model.path to a pretrained model's folder, or give model.config a "
                               "model_type (e.g. model_type: llama) to build a random init",
                               key="model.config")
+        if self.config is not None:
+            check_model_shapes(self.config, "model.config")
 
     @property
     def random_init(self) -> bool:
@@ -175,7 +178,7 @@ class TrainConfig:
     """The optimisation loop."""
 
     seed: int = 0
-    """Seed for model init, data order and everything random."""
+    """Seed for model init, data order and everything random (0 to 2³² − 1)."""
     max_steps: int | None = None
     """Optimizer steps to run; null = as many as train.epochs gives. With both set, the run
     stops at whichever comes first."""
@@ -231,6 +234,8 @@ class TrainConfig:
         require(self.epochs is None or self.epochs > 0, "train.epochs",
                 f"is {self.epochs} but must be positive (or null to train by max_steps)")
         require(self.warmup_steps >= 0, "train.warmup_steps", f"is {self.warmup_steps} but must be ≥ 0")
+        require(0 <= self.seed < 2**32, "train.seed",
+                f"is {self.seed} but must be between 0 and {2**32 - 1} (numpy's seed range)")
         require(self.lr > 0, "train.lr", f"is {self.lr} but must be positive")
         require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
                 f"is {self.min_lr_ratio} but must be between 0 and 1")
@@ -265,6 +270,9 @@ class CheckpointConfig:
     on_signal: bool = True
     """When SIGTERM, SIGINT (Ctrl-C) or SIGHUP stops the run, save a checkpoint of the last
     completed step before exiting (needs ``enabled``)."""
+    asynchronous: Literal["auto", "on", "off"] = "auto"
+    """Write checkpoints in the background while training goes on (a host copy of the state
+    is taken first; at most one save in flight); auto = on for GPU runs, off on the CPU."""
 
     def __post_init__(self) -> None:
         check_fields(self, "checkpoint")

@@ -91,7 +91,11 @@ class RecordReader:
             return
         read = {"json": self._json, "parquet": self._parquet, "text": self._text}[self.local.builder]
         for path in self.local.files:
-            yield from read(path)
+            try:
+                yield from read(path)
+            except OSError as error:  # unreadable: a permission, a device or network error
+                raise DataError(f"could not read {path} ({error.strerror or _first_line(error)});"
+                                " check the file and its permissions") from None
 
     def _json(self, path: str) -> Iterator[Record]:
         if path.lower().endswith(".json"):

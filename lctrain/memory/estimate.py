@@ -225,6 +225,9 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
     if seq_len <= 0 or seq_len % chunks:
         raise UserError(f"sequence length {seq_len} must be a positive multiple of {chunks} (the "
                         f"layout cuts each sequence into {chunks} equal chunks)")
+    if gpus_per_node is not None and gpus_per_node > gpus:
+        raise UserError(f"--gpus-per-node {gpus_per_node} is more than the {gpus} GPUs of the "
+                        f"job (--gpus); give at most {gpus} GPUs per machine")
     per_gpu, details = breakdown(setup, seq_len)
     fits = None if gpu_memory is None else per_gpu["total"] <= gpu_memory
     longest = None if gpu_memory is None else max_seq_len(setup, gpu_memory, chunks)

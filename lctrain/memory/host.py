@@ -1,4 +1,5 @@
-"""Host memory of one machine: does remat-offload's pinned memory fit before training starts?
+"""Host memory of one machine: does remat-offload's pinned memory fit before training starts,
+and does a CPU run's model fit at all?
 
 Under ``train.checkpointing: remat-offload`` every GPU process parks the memory model's
 ``host_offload`` bytes (each layer's input and attention output) in page-locked host memory.
@@ -52,6 +53,53 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
             f"data.seq_len, raise parallel.cp over more machines, or use "
             f"train.checkpointing=remat (or, where the machine has more than it reports, say "
             f"how much with train.host_memory).")
+
+
+def check_cpu_memory(cfg: RecipeConfig, *, processes: int, available: int | None = None) -> None:
+    """Fail before loading when a CPU run cannot fit in this machine's memory.
+
+    Each CPU process holds the model's weights, their gradients and AdamW's two states in
+    ``model.dtype`` — four copies of the trainable weights, one of the frozen ones (FSDP2
+    divides them over the processes) — and the activations of its share of a sequence, which
+    the memory model (`lctrain.memory.estimate`) gives for ``data.seq_len``.
+
+    Args:
+        cfg: the recipe.
+        processes: CPU processes of the run on this machine.
+        available: host bytes available (default: ``train.host_memory``, else MemAvailable;
+            no check where unknown).
+
+    Raises:
+        UserError: the run needs more than the available memory.
+    """
+    from lctrain.memory.lora import lora_shape, trainable_parameters
+    from lctrain.memory.recipe import recipe_architecture
+
+    if available is None:
+        available = cfg.train.host_memory or available_host_bytes()
+    if not available:
+        return
+    try:
+        arch = recipe_architecture(cfg)
+        est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=processes, gpu_memory=1 << 60)
+    except UserError:
+        return  # no readable architecture here: loading the model reports it
+    params = arch.parameters()
+    lora = lora_shape(cfg.lora)
+    trainable = params if lora is None else trainable_parameters(arch, lora)
+    state = (params + 3 * trainable) * (2 if cfg.model.dtype == "bfloat16" else 4)
+    if cfg.parallel.fsdp == "on":
+        state //= processes
+    per_process = state + est.per_gpu_bytes["activations"]  # "other" is a GPU's workspaces
+    if per_process * processes > available:
+        raise UserError(
+            f"at data.seq_len {cfg.data.seq_len} this CPU run needs about "
+            f"{per_process / _GIB:.1f} GiB per process for the {params:,}-parameter "
+            f"model's weights, gradients, AdamW states and activations, "
+            f"{per_process * processes / _GIB:.1f} GiB for its {processes} process"
+            f"{'es' * (processes != 1)}, but this "
+            f"machine has {available / _GIB:.1f} GiB available; lower data.seq_len, choose a "
+            "smaller model, or train on GPUs.")
 
 
 def available_host_bytes() -> int | None:

@@ -1,7 +1,8 @@
 """One rank of a self-launched run (`lctrain.train.launch.spawn_workers` starts N of them
 through torch.distributed.run):
 
-    python -m lctrain.train --config RECIPE.yaml [--error-dir DIR] [--resume]
+    python -m lctrain.train --config RECIPE.yaml [--config-sha256 HEX] [--error-dir DIR]
+        [--store FILE] [--resume]
 
 The rank ties its life to the launcher's and installs its stop-signal handlers first, before
 the heavy imports (`lctrain.train.lifetime`, `lctrain.train.stopping`). It ends with

@@ -1,21 +1,27 @@
-"""Atomic training checkpoints with torch.distributed.checkpoint (DCP), and exact resume.
+"""Training checkpoints: what a checkpoint folder holds, finding one, and loading it into any
+process layout. Writing them (atomic publish, in the background) is `checkpoint_writer`.
 
 Layout under ``output_dir/checkpoints/``:
 
     step-00000100/            a complete checkpoint (only complete ones carry this name)
-        .metadata, *.distcp   model + optimizer state, written by every rank through DCP
-                              (FSDP2 shards and replicated tensors alike; DCP de-duplicates)
-        trainer.pt            scheduler state, step, data position, dp/cp layout (rank 0)
-        rng-rank{r}.pt        torch / CUDA / Python RNG states of rank r
-        meta.json             the step and data position, for people
-    .tmp-step-00000200/       a save in progress; renamed to step-00000200 only once every
-                              rank has finished writing, so a crash never leaves a checkpoint
-                              that looks complete
+        .metadata, *.distcp   model + optimizer state (tensors only), written by every rank
+                              through DCP (FSDP2 shards and replicated tensors alike)
+        trainer.json          step, data position (rows and tokens consumed over all ranks),
+                              global batch, process layout, learning-rate plan (rank 0)
+        rng-rank{r}.safetensors  torch / CUDA / Python RNG states of rank r
+    .tmp-step-00000200/       a save in progress (never read; cleared by the next run)
+    .del-step-00000050/       an old checkpoint being deleted (never read; cleared likewise)
 
-After each save the oldest complete checkpoints beyond ``keep`` are deleted. Saving and loading
-are collective: all ranks call them (they synchronise with barriers of the default group).
-`read_model_weights` is not: it reads a checkpoint's model weights in one process, on the CPU,
-whatever the number of ranks that wrote it (``lctrain export``).
+**Elastic resume.** DCP stores global tensors with their shard coordinates, so `load_checkpoint`
+reads them into whatever sharding the resumed run has (FSDP2 over another number of ranks, or
+replicated). The data position is global — packed rows consumed by all dp ranks together — so
+any dp × cp layout with the same global batch continues the stream exactly. A rank the writing
+run did not have keeps its seeded RNG state (training draws no random numbers after the model
+is built: the data order is a function of the seed and the position).
+
+**Nothing is unpickled** (`lctrain.train.safe_load`). `read_model_weights` reads model weights
+in one process on the CPU, whatever the number of ranks that wrote them (``lctrain export``).
+Loading is collective (every rank calls `load_checkpoint`); `read_model_weights` is not.
 """
 from __future__ import annotations
 
@@ -23,18 +29,23 @@ import json
 import os
 import random
 import re
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lctrain.errors import UserError
+from lctrain.train.safe_load import SafeLoadPlanner, SafeReader
 
 _NAME = re.compile(r"^step-(\d{8})$")
+FORMAT = 2
+"""Version of what a checkpoint folder holds (``trainer.json``'s ``format``)."""
+_STATE_KEYS = {"format": int, "step": int, "rows_consumed": int, "tokens_consumed": int,
+               "seq_len": int, "rows_per_step": int, "layout": dict, "lr_plan": dict}
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -53,76 +64,61 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, *, module, optimizer, scheduler,
-                    data_position: int, layout: dict, keep: int) -> Path:
-    """Write a checkpoint of ``step`` atomically, then keep only the newest ``keep``.
-
-    Args:
-        root: the checkpoints folder (created if missing).
-        step: optimizer steps completed.
-        module: the trained module (FSDP2-sharded or replicated).
-        optimizer, scheduler: their states are saved with the model.
-        data_position: micro-batches this dp rank has consumed (identical on all ranks).
-        layout: {"dp": ..., "cp": ...} of the run, checked when resuming.
-        keep: complete checkpoints to keep (≥ 1).
+def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
+    """Restore model, optimizer and this rank's RNG states from ``path`` into the current
+    sharding (any dp × cp layout, FSDP2 or replicated).
 
     Returns:
-        The final checkpoint folder.
-    """
-    root = Path(root)
-    rank = _rank()
-    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step-*"):
-            shutil.rmtree(stale)
-        tmp.mkdir()
-    _barrier()
-    model_state, optim_state = get_state_dict(module, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
-    if rank == 0:
-        trainer = {"step": step, "data_position": data_position, "layout": dict(layout),
-                   "scheduler": scheduler.state_dict()}
-        torch.save(trainer, tmp / "trainer.pt")
-        (tmp / "meta.json").write_text(json.dumps(
-            {"step": step, "data_position": data_position, "layout": dict(layout)}) + "\n")
-    _barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for _, old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
-    _barrier()
-    return final
-
-
-def load_checkpoint(path: str | os.PathLike, *, module, optimizer, scheduler,
-                    layout: dict) -> dict:
-    """Restore model, optimizer, scheduler and this rank's RNG states from ``path``.
-
-    Returns:
-        {"step": int, "data_position": int}.
+        trainer.json's content (step, rows_consumed, tokens_consumed, seq_len, rows_per_step,
+        layout, lr_plan).
 
     Raises:
-        UserError: the checkpoint was written with a different dp/cp layout.
+        UserError: the checkpoint is damaged, altered, from an older lctrain, or holds other
+            weights than the model.
     """
     path = Path(path)
-    trainer = torch.load(path / "trainer.pt", weights_only=False)
-    if trainer["layout"] != dict(layout):
-        raise UserError(f"The checkpoint {path} was written with {trainer['layout']} but this run "
-                        f"has {dict(layout)}; resume with the same number of processes and "
-                        "parallel.cp.")
+    trainer = read_trainer_state(path)
     model_state, optim_state = get_state_dict(module, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    state = {"model": model_state, "optim": {"state": optim_state["state"]}}
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
+    except CheckpointException as error:
+        raise _load_error(path, error) from None
+    optim_state = {"state": state["optim"]["state"], "param_groups": optim_state["param_groups"]}
     set_state_dict(module, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    scheduler.load_state_dict(trainer["scheduler"])
-    _set_rng_state(torch.load(path / f"rng-rank{_rank()}.pt", weights_only=False))
-    _barrier()
-    return {"step": int(trainer["step"]), "data_position": int(trainer["data_position"])}
+                   optim_state_dict=optim_state)
+    rng = path / f"rng-rank{_rank()}.safetensors"
+    if rng.exists():  # a rank the writing run did not have keeps its seeded state
+        _read_rng(rng)
+    _barrier(None)
+    return trainer
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict:
+    """A checkpoint's ``trainer.json``, checked.
+
+    Raises:
+        UserError: missing (an older lctrain's checkpoint, or not a checkpoint) or malformed.
+    """
+    path = Path(path)
+    file = path / "trainer.json"
+    if not file.exists():
+        older = " (trainer.pt: written by an older lctrain, whose pickled files are not " \
+                "loaded)" if (path / "trainer.pt").exists() else ""
+        raise UserError(f"The checkpoint {path} has no trainer.json{older}; resume from a "
+                        "checkpoint of this lctrain, or start a fresh run.")
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise UserError(f"{file} cannot be read ({type(error).__name__}); the checkpoint is "
+                        "damaged") from None
+    bad = [k for k, kind in _STATE_KEYS.items()
+           if not isinstance(state, dict) or not isinstance(state.get(k), kind)]
+    if bad or state["format"] != FORMAT:
+        raise UserError(f"{file} is not a trainer state of this lctrain (format {FORMAT}; "
+                        f"missing or wrong: {', '.join(bad) or 'format'}).")
+    return state
 
 
 def find_resume_checkpoint(root: str | os.PathLike) -> Path:
@@ -181,12 +177,8 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(path))
-    try:
-        saved = reader.read_metadata().state_dict_metadata
-    except (OSError, ValueError, RuntimeError) as error:
-        raise UserError(f"The checkpoint {path} cannot be read ({type(error).__name__}); it may "
-                        "be incomplete or from another program.") from None
+    reader = SafeReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
     prefix = _weights_prefix(saved, names)
     if prefix is None:
         raise UserError(f"The checkpoint {path} holds none of the model's weights (for example "
@@ -198,7 +190,7 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
             wanted[prefix + name] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(wanted, storage_reader=reader, no_dist=True)
+        dcp.load(wanted, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return {key[len(prefix):]: tensor for key, tensor in wanted.items()}
 
 
@@ -232,24 +224,66 @@ def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
     return None
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def _read_rng(path: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        state = (int(meta["python_version"]), tuple(int(w) for w in tensors["python"].tolist()),
+                 json.loads(meta["python_gauss"]))
+        random.setstate(state)
+        torch.set_rng_state(tensors["torch"])
+    except Exception as error:  # noqa: BLE001 - safetensors' own errors, missing keys, shapes
+        raise UserError(f"{path} is not an RNG state lctrain wrote ({type(error).__name__}); "
+                        "the checkpoint is damaged") from None
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _load_error(path: Path, error: BaseException) -> UserError:
+    inner = _user_error_inside(error)
+    if inner is not None:
+        return inner
+    return UserError(f"The checkpoint {path} cannot be loaded into this model "
+                     f"({root_cause(error)}); it was written for another model or LoRA "
+                     "setting, or it is damaged.")
+
+
+def root_cause(error: BaseException) -> str:
+    """The reason inside ``error``: the first operating-system error (DCP wraps each rank's
+    exception in a CheckpointException), else the innermost exception's first line."""
+    chain, todo = [], [error]
+    while todo:
+        item = todo.pop(0)
+        if isinstance(item, OSError) and item.strerror:
+            return item.strerror
+        chain.append(item)
+        failures = getattr(item, "failures", None) or {}
+        todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend(e for e in (item.__cause__, item.__context__) if e is not None)
+    lines = str(chain[-1]).strip().splitlines()
+    return lines[0][:300] if lines else type(chain[-1]).__name__
+
+
+def _user_error_inside(error: BaseException) -> UserError | None:
+    """A UserError that DCP wrapped (e.g. `SafeLoadPlanner` refusing a pickled entry)."""
+    todo = [error]
+    while todo:
+        item = todo.pop(0)
+        if isinstance(item, UserError):
+            return item
+        failures = getattr(item, "failures", None) or {}
+        todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend(e for e in (item.__cause__, item.__context__) if e is not None)
+    return None
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group) -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)

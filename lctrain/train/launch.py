@@ -8,9 +8,13 @@
   layout, schedule on this device, remat-offload's host memory, the output folder), one process
   runs the worker here and several are started through torch.distributed.run:
 
-      python -m lctrain.train.agent output_dir/.launch/failures.json --standalone \\
-          --nproc-per-node N -m lctrain.train --config output_dir/.launch/recipe.yaml \\
-          --error-dir output_dir/.launch/errors [--resume]
+      python -m lctrain.train.agent output_dir/.launch/failures.json --nnodes 1 \\
+          --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint PRIVATE/rendezvous \\
+          --rdzv-conf store_type=file -m lctrain.train --config PRIVATE/recipe.yaml \\
+          --config-sha256 ... --error-dir output_dir/.launch/errors --store PRIVATE/store [--resume]
+
+  where PRIVATE is a temporary folder of this user's alone (`spawn_workers`): nothing listens
+  on a network port, and no worker reads a file that another process could swap.
 
   (`lctrain.train.agent` runs torch.distributed.run with these arguments in its own session,
   dies with this process and writes how each failed rank ended). Rank 0's progress goes straight to
@@ -39,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,9 +61,11 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
-from lctrain.config import RecipeConfig, load_recipe, save_resolved
-from lctrain.errors import UserError
-from lctrain.memory.host import check_host_memory
+from lctrain.config import RecipeConfig, check_run_folder, save_resolved
+from lctrain.config.loader import build_checked, parse_yaml
+from lctrain.config.paths import decode_text
+from lctrain.errors import UserError, as_user_error
+from lctrain.memory.host import check_cpu_memory, check_host_memory
 from lctrain.parallel.context import check_runnable
 from lctrain.parallel.mesh import check_parallel_sizes
 from lctrain.train.checkpoint import list_checkpoints, resume_point
@@ -124,15 +132,20 @@ def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool) -> None:
     """What can fail before any process starts, on a machine running ``nproc`` of them.
 
     Raises:
-        UserError: dp × cp does not fit ``nproc``, the schedule cannot run on this device,
-            remat-offload would pin more host memory than the machine has, ``resume`` without a
+        UserError: the output folder holds another run (or, on resume, a change the run
+            cannot take), dp × cp does not fit ``nproc``, the schedule cannot run on this device,
+            remat-offload would pin more host memory than the machine has, a CPU run's model
+            would not fit in its memory, ``resume`` without a
             checkpoint, or a fresh run into a folder that holds checkpoints.
     """
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_run_folder(cfg, resume=resume)
     check_parallel_sizes(nproc, cfg.parallel.cp, cfg.parallel.dp or None)
     check_runnable(cfg.parallel.schedule, cfg.parallel.cp, device_type)
     if device_type == "cuda":  # only GPU runs pin host memory
         check_host_memory(cfg, local_processes=nproc, gpus=nproc)
+    else:  # a CPU run holds the whole training state in host memory
+        check_cpu_memory(cfg, processes=nproc)
     resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
 
 
@@ -148,6 +161,12 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
         0 on success, 128 + the signal when a stop signal ended the run, 1 for a bug in a rank
         (its traceback is printed).
 
+    What the workers need from the launcher lives in a private temporary folder (readable by
+    this user only, removed at the end): the resolved recipe, whose SHA-256 each worker checks
+    before using it, and the rendezvous and process-group file stores (so nothing listens on a
+    network port: see `rendezvous_args`). Error records, heartbeats and the stop request are in
+    `launch_dir`, where the ranks' watchdogs and the supervisor meet.
+
     Raises:
         UserError: the first failing rank's UserError, a rank killed by a signal, or a hang —
             each one sentence with the last checkpoint and the command that resumes.
@@ -159,21 +178,24 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
     errors.mkdir(parents=True)
     for stale in (failures, folder / "stop"):
         stale.unlink(missing_ok=True)
-    recipe = save_resolved(cfg, folder / "recipe.yaml")
-    cmd = [sys.executable, "-m", AGENT_MODULE, str(failures), "--standalone",
-           f"--nproc-per-node={nproc}", "-m", WORKER_MODULE,
-           "--config", str(recipe), "--error-dir", str(errors)]
-    if resume:
-        cmd.append("--resume")
     save = " and save a checkpoint" if cfg.checkpoint.enabled and cfg.checkpoint.on_signal else ""
     text = (f"the ranks finish their current step{save}, then stop; send the signal again to "
             "stop at once.")
-    with log.open("w") as stderr:
-        agent = subprocess.Popen(cmd, env=_worker_env(nproc), stderr=stderr,
-                                 start_new_session=True)
-        supervisor = Supervisor(agent, folder, on_signal_text=text,
-                                record_wait=_nccl_wait(cfg) + 30.0)
-        code = supervisor.wait()
+    with tempfile.TemporaryDirectory(prefix="lctrain-launch-") as private:
+        private = Path(private)
+        recipe, digest = write_recipe(cfg, private / "recipe.yaml")
+        cmd = [sys.executable, "-m", AGENT_MODULE, str(failures),
+               *rendezvous_args(private, nproc), "-m", WORKER_MODULE, "--config", str(recipe),
+               "--config-sha256", digest, "--error-dir", str(errors),
+               "--store", str(private / "store")]
+        if resume:
+            cmd.append("--resume")
+        with log.open("w") as stderr:
+            agent = subprocess.Popen(cmd, env=_worker_env(nproc), stderr=stderr,
+                                     start_new_session=True)
+            supervisor = Supervisor(agent, folder, on_signal_text=text,
+                                    record_wait=_nccl_wait(cfg) + 30.0)
+            code = supervisor.wait()
     if code is not None:
         print(f"lctrain: stopped at once; {checkpoint_hint(cfg, nproc)}.", file=sys.stderr)
         return code
@@ -181,11 +203,58 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
                   checkpoint_hint=checkpoint_hint(cfg, nproc))
 
 
+def rendezvous_args(private: Path, nproc: int) -> list[str]:
+    """torch.distributed.run's arguments for one machine with nothing on a network port.
+
+    ``--standalone`` starts a TCP store that listens on every interface (whatever host name it
+    is given). Instead the rendezvous uses a file store in ``private``, `_worker_env` stops
+    the agent from starting a TCP store for the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
+    and points gloo and NCCL at the loopback interface, and each worker joins its process group
+    through another file store (`worker_main`'s ``--store``).
+    """
+    return ["--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={private / 'rendezvous'}", "--rdzv-conf=store_type=file",
+            f"--rdzv-id=lctrain-{os.getpid()}-{time.time_ns()}"]
+
+
+def write_recipe(cfg: RecipeConfig, path: Path) -> tuple[Path, str]:
+    """Save the resolved recipe for the workers; returns (path, SHA-256 of its bytes)."""
+    save_resolved(cfg, path)
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_recipe(path: str, sha256: str | None) -> RecipeConfig:
+    """The recipe the launcher wrote, read once and checked against its SHA-256.
+
+    Raises:
+        UserError: the file changed since the launcher wrote it, or is not a valid recipe.
+    """
+    data = Path(path).read_bytes()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise UserError(f"the recipe {path} changed after the launcher wrote it; start the run "
+                        "again (and let nothing else write to that folder).")
+    return build_checked(parse_yaml(decode_text(data, path), path), path, {})
+
+
 def _worker_env(nproc: int) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env[LAUNCHER_PID_ENV] = str(os.getpid())  # the agent and the ranks die with this process
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    loopback = _loopback_interface()
+    if loopback is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
     return env
+
+
+def _loopback_interface() -> str | None:
+    """The loopback network interface's name (lo on Linux, lo0 on macOS), or None."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
 
 
 def checkpoint_hint(cfg: RecipeConfig, nproc: int) -> str:
@@ -231,21 +300,43 @@ def hang_handler(cfg: RecipeConfig, device_type: str) -> Callable[[str], None]:
 
 
 def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
-    """A self-launched rank: load the recipe, run ``worker``, record a failure for the parent."""
+    """A self-launched rank: read the recipe, join the process group, run ``worker``, record a
+    failure for the parent."""
     parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
     parser.add_argument("--config", required=True, help="resolved recipe YAML")
+    parser.add_argument("--config-sha256", default=None, help="the recipe file's SHA-256")
     parser.add_argument("--error-dir", default=None, help="where a failing rank records why")
+    parser.add_argument("--store", default=None, help="file store of the process group")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
     try:
-        return worker(load_recipe(args.config), resume=args.resume)
-    except UserError as exc:
-        record_error(args.error_dir, exc)
-        print(f"error: {exc}", file=sys.stderr)
-        return USER_ERROR_EXIT
+        cfg = read_recipe(args.config, args.config_sha256)
+        if args.store is not None:
+            _init_group_from_file(args.store, cfg)
+        return worker(cfg, resume=args.resume)
     except BaseException as exc:
-        record_error(args.error_dir, exc)
-        raise
+        user = as_user_error(exc)
+        record_error(args.error_dir, user or exc)
+        if user is None:
+            raise
+        print(f"error: {user}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    finally:
+        if args.store is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _init_group_from_file(store: str, cfg: RecipeConfig) -> None:
+    """Join the launcher's process group through the file store ``store`` (rank and world
+    size from torch.distributed.run's environment), with the recipe's `group_timeout` and, on
+    GPUs, the NCCL flight recorder on."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        nccl_flight_recorder(launch_dir(cfg))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=group_timeout(cfg))
 
 
 @contextlib.contextmanager

@@ -292,6 +292,7 @@ class _Window:
     """The steps since the last log (or save, which is not training time)."""
 
     start: float = field(default_factory=time.perf_counter)
+    saving: float = 0.0  # seconds the loop was held by the save before this window
     steps: int = 0
     attn_units: int = 0
     attn_calls: int | None = None  # attention forwards counted in the run's first step
@@ -334,7 +335,9 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
         hooks.completed(step)
         if hooks.save is not None and (step == hooks.max_steps or (
                 hooks.checkpoint_every and step % hooks.checkpoint_every == 0)):
-            saved, window = _save(trainer, hooks), _Window()
+            held = time.perf_counter()
+            saved = _save(trainer, hooks)
+            window = _Window(saving=time.perf_counter() - held)
     if hooks.stopped_by:
         if window.steps:
             hooks.progress(trainer.step, _log(trainer, hooks, window))
@@ -395,4 +398,6 @@ def _record(trainer: Trainer, hooks: LoopHooks, window: _Window, loss: float, gr
               "mfu": mfu}
     if window.attn_calls is not None:
         record["attention_forward_calls"] = window.attn_calls
+    if window.saving:  # the loop waited this long for a save (its copy, or the one before)
+        record["checkpoint_s"] = window.saving
     return record

@@ -5,7 +5,10 @@ The learning rate of step s (counting optimizer steps from 0) is
     lr · (s + 1) / warmup                                  for s < warmup
     lr · (r + (1 − r) · ½ · (1 + cos(π · t)))             afterwards, t = (s − warmup) / (total − warmup)
 
-where r = min_lr_ratio. Weight decay applies to matrices only (not to norms or biases).
+where r = min_lr_ratio. A run resumed with another total length continues from the rate it
+had reached: after the resume step s₀ the decay is r + (m₀ − r) · ½ · (1 + cos(π · t)) with
+t = (s − s₀) / (total − s₀), m₀ the multiplier at s₀ (`LrPlan.resumed`), so the rate never jumps.
+Weight decay applies to matrices only (not to norms or biases).
 
 AdamW is torch's fused implementation (one kernel per group of tensors, on GPUs and CPUs): it
 is the fastest, and it takes ``found_inf``, with which the loop skips a non-finite step on the
@@ -13,40 +16,95 @@ device (`lctrain.train.nonfinite`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
-def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
-    """The learning-rate multiplier of step s, for `torch.optim.lr_scheduler.LambdaLR`.
+@dataclass(frozen=True)
+class LrPlan:
+    """The learning-rate multiplier of every step (callable, for `LambdaLR`): linear warm-up,
+    then a cosine decay to ``min_lr_ratio`` at ``total_steps``.
 
-    A plain function (a closure), so the scheduler's state_dict keeps only its position: a
-    resumed run follows the schedule of ITS recipe (e.g. a larger max_steps), not the old one.
+    A run resumed with another length (``--max-steps``) does not jump to where the new cosine
+    would be at the resume step: `resumed` anchors the rest of the decay at the rate reached
+    there, so the rate is continuous and still reaches the floor at the new end.
     """
-    warmup, total, floor = max(0, warmup_steps), max(1, total_steps), min_lr_ratio
 
-    def multiplier(step: int) -> float:
-        if step < warmup:
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+    anchor_step: int | None = None
+    """Where a re-planned decay starts (None: the plain warm-up/cosine)."""
+    anchor_value: float | None = None
+    """The multiplier at ``anchor_step``, from which the re-planned decay falls."""
+
+    def __call__(self, step: int) -> float:
+        warmup, floor = max(0, self.warmup_steps), self.min_lr_ratio
+        if self.anchor_step is not None and step >= self.anchor_step:
+            start, top = self.anchor_step, self.anchor_value
+        elif step < warmup:
             return (step + 1) / warmup
-        t = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+        else:
+            start, top = warmup, 1.0
+        t = min(1.0, (step - start) / max(1, self.total_steps - start))
+        return floor + (top - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
 
-    return multiplier
+    def resumed(self, step: int, total_steps: int) -> LrPlan:
+        """The plan of a run that resumes at ``step`` and now ends at ``total_steps``."""
+        if total_steps == self.total_steps:
+            return self
+        if step < self.warmup_steps and self.anchor_step is None:  # the warm-up is unchanged
+            return dataclasses.replace(self, total_steps=total_steps)
+        return dataclasses.replace(self, total_steps=total_steps, anchor_step=step,
+                                   anchor_value=self(step))
+
+    def to_json(self) -> dict:
+        """The plan as JSON data (a checkpoint's trainer.json keeps it)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> LrPlan:
+        """The plan `to_json` wrote.
+
+        Raises:
+            ValueError: not such a plan.
+        """
+        try:
+            plan = cls(**data)
+        except TypeError as error:
+            raise ValueError(f"not a learning-rate plan: {error}") from None
+        ints = (plan.warmup_steps, plan.total_steps)
+        if not all(isinstance(v, int) for v in ints) or not isinstance(plan.min_lr_ratio, float):
+            raise ValueError(f"not a learning-rate plan: {data}")
+        return plan
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> LrPlan:
+    """The learning-rate multiplier of step s, for `torch.optim.lr_scheduler.LambdaLR`."""
+    return LrPlan(max(0, warmup_steps), max(1, total_steps), min_lr_ratio)
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    warmup_steps: int, total_steps: int, min_lr_ratio: float
+                    warmup_steps: int, total_steps: int, min_lr_ratio: float,
+                    start_step: int = 0, resumed: LrPlan | None = None
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters plus its warm-up/cosine scheduler.
 
     Call this AFTER FSDP2 has been applied, so the optimizer holds the sharded parameters.
 
+    Args:
+        start_step: optimizer steps already taken (a resumed run): the scheduler starts there.
+        resumed: the plan the resumed run followed (its checkpoint's); re-planned to
+            ``total_steps`` without a jump (`LrPlan.resumed`).
+
     Returns:
-        (optimizer, scheduler); step the scheduler once per optimizer step.
+        (optimizer, scheduler); step the scheduler once per optimizer step. The scheduler's
+        ``lr_lambdas[0]`` is the `LrPlan`.
     """
     decay, no_decay = [], []
     for p in model.parameters():
@@ -56,6 +114,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
               {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
                                   fused=True)
-    schedule = warmup_cosine(warmup_steps, total_steps, min_lr_ratio)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    plan = (warmup_cosine(warmup_steps, total_steps, min_lr_ratio) if resumed is None
+            else resumed.resumed(start_step, total_steps))
+    for group in optimizer.param_groups:  # LambdaLR's resume point needs each base rate
+        group["initial_lr"] = lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, plan, last_epoch=start_step - 1)
     return optimizer, scheduler

@@ -38,6 +38,7 @@ from accelerate.utils import set_seed
 from torch import nn
 
 from lctrain.config import RecipeConfig, save_resolved
+from lctrain.config.resume import check_run_folder, describe_changes
 from lctrain.errors import UserError
 from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
                           rows_summary, steps_summary)
@@ -51,18 +52,20 @@ from lctrain.parallel.fsdp import Distributed, distribute
 from lctrain.parallel.mesh import ParallelMesh, build_mesh
 from lctrain.report.versions import record_run
 from lctrain.train import launch
-from lctrain.train.checkpoint import load_checkpoint, resume_point, save_checkpoint
+from lctrain.train.checkpoint import load_checkpoint, read_trainer_state, resume_point
+from lctrain.train.checkpoint_writer import Checkpointer
 from lctrain.train.launch import default_nproc
 from lctrain.train.lifetime import signal_name
 from lctrain.train.loop import OPERATIONS, CausalLMLoss, LoopHooks, Trainer, run_loop
 from lctrain.train.metrics import FlopModel, MetricsLog, Progress, peak_flops
 from lctrain.train.nonfinite import Diverged
-from lctrain.train.optim import build_optimizer
+from lctrain.train.optim import LrPlan, build_optimizer
 from lctrain.train.stopping import StopRequest, control_group, stop_exit_code
 from lctrain.train.watchdog import Watchdog, heartbeat_dir
 
-__all__ = ["ModelParts", "RunSetup", "build_data", "build_model", "build_trainer", "default_nproc",
-           "export_final", "finetune", "loop_hooks", "run_worker", "save", "train"]
+__all__ = ["ModelParts", "RunSetup", "build_data", "build_model", "build_trainer",
+           "check_continuation", "default_nproc", "export_final", "finetune", "loop_hooks",
+           "make_checkpointer", "run_worker", "save", "train", "trainer_state"]
 
 
 def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None) -> int:
@@ -125,20 +128,24 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
         UserError: no checkpoint to resume from, a schedule this device cannot run, a model or
             data source that cannot be read, a run whose loss stayed non-finite, ...
     """
-    resume_from = resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
+    out = Path(cfg.train.output_dir)
+    changes = check_run_folder(cfg, resume=resume)
+    resume_from = resume_point(out / "checkpoints", resume)
     with stop or StopRequest() as stop, launch.worker_process(cfg) as accelerator:
         stop.request_file = launch.launch_dir(cfg) / "stop"
         device, timeout = accelerator.device, launch.group_timeout(cfg)
         pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None, device_type=device.type,
                            timeout=timeout)
+        if pmesh.rank == 0:  # the recipe as given (dp, steps: resolved per launch, below)
+            save_resolved(cfg, out / "config.yaml")
+            if changes:
+                print(describe_changes(changes), flush=True)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
         cp = ContextParallel(pmesh, cfg.parallel.schedule, cfg.parallel.attention_backend,
                              device=device)
         setup = RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator, stop=stop,
                          control=control_group(pmesh.world_group, device.type, timeout))
         set_seed(cfg.train.seed)
-        if setup.main:
-            save_resolved(cfg, Path(cfg.train.output_dir) / "config.yaml")
         dataset = build_data(setup)
         setup = dataclasses.replace(setup, cfg=_with_steps(setup, len(dataset)))
         parts = build_model(setup)
@@ -178,6 +185,9 @@ def _with_steps(setup: RunSetup, rows: int) -> RecipeConfig:
     if setup.main:
         print("\n".join(steps_summary(rows=rows, rows_per_step=per_step, steps=steps,
                                        max_steps=t.max_steps, epochs=t.epochs)), flush=True)
+        if t.warmup_steps > steps:
+            print(f"warning: train.warmup_steps {t.warmup_steps} is longer than the run ({steps} "
+                  "steps): the learning rate never reaches train.lr", flush=True)
     return dataclasses.replace(setup.cfg, train=dataclasses.replace(t, max_steps=steps))
 
 
@@ -229,40 +239,104 @@ def _strategy(setup: RunSetup) -> str:
 
 
 def build_trainer(setup: RunSetup, parts: ModelParts, resume_from: Path | None) -> Trainer:
-    """Optimizer, schedule and the Trainer; restored from ``resume_from`` when given."""
+    """Optimizer, schedule and the Trainer; restored from ``resume_from`` when given (into this
+    run's sharding and layout, the learning-rate plan re-planned to this run's length).
+
+    Raises:
+        UserError: the checkpoint cannot continue in this run (another global batch or
+            sequence length, another model, a damaged checkpoint).
+    """
     t = setup.cfg.train
+    saved = read_trainer_state(resume_from) if resume_from is not None else None
+    if saved is not None:
+        check_continuation(saved, setup, resume_from)
+    start = saved["step"] if saved is not None else 0
     optimizer, scheduler = build_optimizer(
         parts.distributed.module, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas),
-        warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+        warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio,
+        start_step=start, resumed=None if saved is None else _saved_plan(saved, resume_from))
     trainer = Trainer(distributed=parts.distributed, optimizer=optimizer, scheduler=scheduler,
                       pmesh=setup.pmesh, cp=setup.cp, accelerator=setup.accelerator,
                       grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm)
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, module=parts.distributed.module,
-                                optimizer=optimizer, scheduler=scheduler,
-                                layout=_checkpoint_layout(setup.pmesh))
-        trainer.step, trainer.data_position = state["step"], state["data_position"]
+    if saved is not None:
+        load_checkpoint(resume_from, module=parts.distributed.module, optimizer=optimizer)
+        trainer.step = start
+        trainer.data_position = saved["rows_consumed"] // (setup.pmesh.dp * t.batch_size)
     return trainer
 
 
-def save(setup: RunSetup, trainer: Trainer) -> Path:
-    """Checkpoint the trainer's state now (collective: every rank calls it).
+def check_continuation(saved: dict, setup: RunSetup, path: Path) -> None:
+    """Refuse a checkpoint whose data stream this run cannot continue exactly: the position
+    is in packed rows of ``data.seq_len`` tokens, taken a global batch at a time.
+
+    Raises:
+        UserError: another sequence length, or another global batch (the message names the
+            train.grad_accum that keeps it).
+    """
+    cfg, dp = setup.cfg, setup.pmesh.dp
+    t = cfg.train
+    if saved["seq_len"] != cfg.data.seq_len:
+        raise UserError(f"The checkpoint {path} was trained at data.seq_len {saved['seq_len']} "
+                        f"but this run has {cfg.data.seq_len}; resume with the run's seq_len.")
+    rows = _rows_per_step(setup)
+    if saved["rows_per_step"] != rows:
+        per_micro = dp * t.batch_size
+        keep = saved["rows_per_step"] / per_micro
+        fix = (f"set train.grad_accum={int(keep)} to keep it" if keep == int(keep) else
+               "choose train.batch_size and train.grad_accum so that dp × batch_size × "
+               "grad_accum equals it")
+        raise UserError(f"The checkpoint {path} took {saved['rows_per_step']} rows per step but "
+                        f"this run takes {rows} (dp {dp} × batch_size {t.batch_size} × "
+                        f"grad_accum {t.grad_accum}); {fix}.")
+
+
+def _saved_plan(saved: dict, path: Path) -> LrPlan:
+    try:
+        return LrPlan.from_json(saved["lr_plan"])
+    except ValueError as error:
+        raise UserError(f"{path / 'trainer.json'} holds no valid learning-rate plan "
+                        f"({error}); the checkpoint is damaged.") from None
+
+
+def trainer_state(setup: RunSetup, trainer: Trainer) -> dict:
+    """What a checkpoint's trainer.json holds: the step, the data position over all ranks
+    (rows and tokens), the global batch, the layout that wrote it, the learning-rate plan."""
+    pmesh, seq_len = setup.pmesh, setup.cfg.data.seq_len
+    rows = trainer.data_position * pmesh.dp * setup.cfg.train.batch_size
+    return {"step": trainer.step, "rows_consumed": rows, "tokens_consumed": rows * seq_len,
+            "seq_len": seq_len, "rows_per_step": _rows_per_step(setup),
+            "layout": {"dp": pmesh.dp, "cp": pmesh.cp, "world_size": pmesh.world_size},
+            "lr_plan": trainer.scheduler.lr_lambdas[0].to_json()}
+
+
+def save(setup: RunSetup, trainer: Trainer, checkpointer: Checkpointer) -> Path:
+    """Checkpoint the trainer's state now (collective: every rank calls it); in the background
+    when the checkpointer is asynchronous.
 
     Returns:
-        The checkpoint folder.
+        The checkpoint folder (published once written).
 
     Raises:
         UserError: a weight is not finite: nothing is saved and no older checkpoint is deleted.
     """
-    cfg = setup.cfg
     if not trainer.weights_finite():
         raise UserError(f"the model's weights are not finite after step {trainer.step}, so no "
                         f"checkpoint was saved and none was deleted; "
-                        f"{launch.checkpoint_hint(cfg, setup.pmesh.world_size)}.")
-    return save_checkpoint(Path(cfg.train.output_dir) / "checkpoints", trainer.step,
-                           module=trainer.distributed.module, optimizer=trainer.optimizer,
-                           scheduler=trainer.scheduler, data_position=trainer.data_position,
-                           layout=_checkpoint_layout(setup.pmesh), keep=cfg.checkpoint.keep)
+                        f"{launch.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}.")
+    return checkpointer.save(trainer.step, trainer_state(setup, trainer))
+
+
+def make_checkpointer(setup: RunSetup, trainer: Trainer) -> Checkpointer | None:
+    """The run's checkpointer (collective), or None when checkpoints are off."""
+    ckpt = setup.cfg.checkpoint
+    if not ckpt.enabled:
+        return None
+    background = ckpt.asynchronous == "on" or (ckpt.asynchronous == "auto"
+                                               and trainer.device.type == "cuda")
+    return Checkpointer(Path(setup.cfg.train.output_dir) / "checkpoints",
+                        module=trainer.distributed.module, optimizer=trainer.optimizer,
+                        keep=ckpt.keep, asynchronous=background,
+                        local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedRows, *,
@@ -281,6 +355,7 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
     if setup.main:
         print(banner(setup, parts, trainer, len(dataset)), flush=True)
         print(record_run(out, trainer.device.type, cfg.parallel.attention_backend), flush=True)
+    checkpointer = make_checkpointer(setup, trainer)
     metrics = MetricsLog(out / "metrics.jsonl", enabled=setup.main,
                          resume_step=trainer.step if resumed else None)
     progress = Progress(t.max_steps, trainer.step, enabled=setup.main,
@@ -288,7 +363,8 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
     watch = Watchdog(heartbeat_dir(out), rank=pmesh.rank, world_size=pmesh.world_size,
                      timeout=t.collective_timeout,
                      on_hang=launch.hang_handler(cfg, trainer.device.type))
-    hooks = loop_hooks(setup, parts, trainer, watch, log=metrics.write, progress=progress.update)
+    hooks = loop_hooks(setup, parts, trainer, watch, checkpointer, log=metrics.write,
+                       progress=progress.update)
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
                            dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
     try:
@@ -301,13 +377,15 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
                         f"{launch.checkpoint_hint(cfg, pmesh.world_size)}.") from None
     finally:
         progress.close()
+    if checkpointer is not None:
+        checkpointer.close()  # the last save is published before the run ends
     if setup.main:
         print(_summary(setup, trainer, history, hooks.stopped_by), flush=True)
     return hooks.stopped_by
 
 
-def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watchdog, *,
-               log, progress) -> LoopHooks:
+def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watchdog,
+               checkpointer: Checkpointer | None, *, log, progress) -> LoopHooks:
     """What the loop does around the steps: ``log`` each record, show ``progress``, save
     checkpoints, agree on stop signals, mark for ``watch`` (the trainer's marks too)."""
     cfg, pmesh, t = setup.cfg, setup.pmesh, setup.cfg.train
@@ -317,8 +395,8 @@ def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watc
                      tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
                      flops=parts.flops, peak_flops=peak_flops(trainer.device), log=log,
                      progress=progress,
-                     save=functools.partial(save, setup, trainer) if cfg.checkpoint.enabled
-                     else None,
+                     save=functools.partial(save, setup, trainer, checkpointer)
+                     if checkpointer is not None else None,
                      stop=functools.partial(setup.stop.agree, setup.control),
                      save_on_stop=cfg.checkpoint.on_signal,
                      max_nonfinite_steps=t.max_nonfinite_steps, notice=_notice(setup),
@@ -342,7 +420,9 @@ def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> s
     """The line rank 0 prints before the first step: model, data, ranks, steps."""
     cfg, pmesh = setup.cfg, setup.pmesh
     t = cfg.train
-    start = f", resuming at step {trainer.step}" if trainer.step else ""
+    used = trainer.data_position * pmesh.dp * t.batch_size
+    start = (f", resuming at step {trainer.step} after {used} rows = {used * cfg.data.seq_len} "
+             "tokens of the data stream" if trainer.step else "")
     return (f"lctrain finetune: {parts.n_params / 1e6:.2f}M parameters, seq_len "
             f"{cfg.data.seq_len}, {rows} packed rows; {pmesh.world_size} x "
             f"{pmesh.device_type} (dp {pmesh.dp} x cp {pmesh.cp}, {cfg.parallel.schedule}, "
@@ -372,8 +452,3 @@ def export_final(cfg: RecipeConfig) -> None:
     how = "PeftModel.from_pretrained" if result.kind == "adapter" else "from_pretrained"
     print(f"exported the {result.kind} weights of step {result.step} to {result.output} "
           f"(load with {how})", flush=True)
-
-
-def _checkpoint_layout(pmesh: ParallelMesh) -> dict:
-    """The process layout a checkpoint records and a resumed run must match."""
-    return {"dp": pmesh.dp, "cp": pmesh.cp}

@@ -1,0 +1,190 @@
+"""A run's folder belongs to one run: what ``--resume`` may change, and what it takes from it.
+
+A run writes its recipe, as given (all defaults and overrides applied, local paths absolute),
+to ``output_dir/config.yaml`` when it starts. From then on:
+
+- a fresh run into that folder is refused unless its recipe is the same (a run that had not
+  yet saved a checkpoint may be started again) — a folder never mixes two runs;
+- ``lctrain finetune --output-dir R --resume`` takes ``R/config.yaml`` as the recipe
+  (`load_resumed`); a recipe named on the command line and the command's ``--set`` / flags
+  override it. Only the settings in `RESUMABLE` — how long, how often, on how many processes,
+  how memory is traded — may differ from the run's; any other difference is refused with a
+  sentence naming the setting and both values (`resume_changes`);
+- the resumed run updates config.yaml with the settings it changed (it is the same run), and
+  says which ones.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+from lctrain.config.loader import (apply_overrides, build_checked, load_recipe, parse_yaml,
+                                   read_resolved)
+from lctrain.config.paths import decode_text
+from lctrain.config.schema import RecipeConfig
+from lctrain.errors import ConfigError
+
+RESUMABLE = (
+    "train.max_steps", "train.epochs", "train.log_every",
+    "train.batch_size", "train.grad_accum",
+    "train.checkpointing", "train.host_memory", "train.loss_chunk_tokens",
+    "parallel.cp", "parallel.dp", "parallel.schedule", "parallel.attention_backend",
+    "parallel.fsdp",
+    "data.cache_dir",
+    "checkpoint.every", "checkpoint.keep", "checkpoint.enabled", "checkpoint.export_final",
+    "checkpoint.asynchronous",
+)
+"""Settings a resumed run may change: the run's length (the learning-rate decay is re-planned
+from the rate reached, `lctrain.train.optim.LrPlan.resumed`), logging and checkpoint intervals,
+the process layout and the memory trade-offs (the checkpoint is resharded; batch_size and
+grad_accum may change as long as dp × batch_size × grad_accum — the global batch — stays, which
+the runner checks against the checkpoint). Everything else — the model, the data and its
+packing, the seed, the optimizer's settings, LoRA — defines what is trained and must stay."""
+
+_IGNORED = ("train.output_dir",)
+"""Where the folder is: a moved run folder is still its run."""
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as {dotted key: leaf} (lists and tuples are leaves, as lists)."""
+    if isinstance(data, dict) and (data or not prefix):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): list(data) if isinstance(data, tuple) else data}
+
+
+def differences(saved: RecipeConfig, new: RecipeConfig) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, new value) for every setting that differs, in recipe order."""
+    a, b = flatten(saved.to_dict()), flatten(new.to_dict())
+    keys = list(a) + [k for k in b if k not in a]
+    return [(k, a.get(k), b.get(k)) for k in keys
+            if k not in _IGNORED and a.get(k) != b.get(k)]
+
+
+def resume_changes(saved: RecipeConfig, new: RecipeConfig,
+                   source: str | os.PathLike) -> list[tuple[str, Any, Any]]:
+    """The settings ``new`` changes in the run whose recipe (``source``) is ``saved``.
+
+    Raises:
+        ConfigError: a setting outside `RESUMABLE` differs (the first one, both values).
+    """
+    changes = differences(saved, new)
+    for key, old, value in changes:
+        if key not in RESUMABLE:
+            raise ConfigError(
+                f"--resume cannot change {key}: the run in {Path(source).parent} has {old!r} "
+                f"({source}) but this command gives {value!r}; drop that change, or start a new "
+                "run in another --output-dir (on resume only the run's length, logging and "
+                "checkpoint intervals, the process layout and memory settings may change)",
+                key=key)
+    return changes
+
+
+def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
+    """The line a resumed run prints: which settings it changed."""
+    parts = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changes)
+    return f"resuming with changed settings: {parts}"
+
+
+def check_run_folder(cfg: RecipeConfig, *, resume: bool) -> list[tuple[str, Any, Any]]:
+    """Check that ``cfg`` may run in its output folder (see the module docstring).
+
+    Returns:
+        On resume, the settings it changes; else [].
+
+    Raises:
+        ConfigError: the folder cannot be written (no permission, a full disk), resume
+            without a saved recipe, a change that is not allowed, or a fresh run into a folder
+            that holds another run.
+    """
+    out = Path(cfg.train.output_dir)
+    check_writable(out)
+    saved_file = out / "config.yaml"
+    if resume:
+        return resume_changes(_saved(saved_file, resume=True), cfg, saved_file)
+    if not saved_file.exists():
+        return []
+    changed = differences(_saved(saved_file, resume=False), cfg)
+    if changed:
+        key, old, new = changed[0]
+        raise ConfigError(f"{out} holds another run ({saved_file} has {key} = {old!r}, this "
+                          f"run {new!r}); choose another --output-dir, resume that run with "
+                          "--resume, or delete the folder", key=key)
+    return []
+
+
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write (and flush) a few bytes in it.
+
+    Raises:
+        ConfigError: it cannot be created or written, with the system's reason ("Permission
+            denied", "No space left on device", "Read-only file system", ...).
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".lctrain-probe-")
+        try:
+            os.write(fd, b"lctrain\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(f"train.output_dir {folder} cannot be written ({reason}); choose a "
+                          "folder you may write to, on a disk with free space",
+                          key="train.output_dir") from None
+
+
+def load_resumed(recipe: str | os.PathLike | None, overrides: Iterable[str] = (), *,
+                 seq_len: int | str | None = None, output_dir: str | None = None,
+                 max_steps: int | None = None) -> RecipeConfig:
+    """The recipe ``lctrain finetune --resume`` continues with: the run's own config.yaml,
+    then the recipe named on the command line (if any), then the overrides.
+
+    Args:
+        recipe: a recipe file or shipped name whose settings override the run's; None: the run's
+            recipe alone (the folder comes from ``output_dir``, else the default recipe's).
+        overrides, seq_len, output_dir, max_steps: as in `lctrain.config.load_recipe`.
+
+    Returns:
+        The checked recipe (only `RESUMABLE` settings differ from the run's).
+
+    Raises:
+        ConfigError: no run in the folder, a bad override, or a change that is not allowed.
+    """
+    overrides = list(overrides)
+    if recipe is not None or output_dir is None:
+        cfg = load_recipe(recipe, overrides, seq_len=seq_len, output_dir=output_dir,
+                          max_steps=max_steps)
+        if recipe is not None:
+            check_run_folder(cfg, resume=True)
+            return cfg
+        output_dir = cfg.train.output_dir
+    saved_file = Path(output_dir).expanduser() / "config.yaml"
+    saved = _saved(saved_file, resume=True)
+    raw = parse_yaml(decode_text(saved_file.read_bytes(), str(saved_file)), str(saved_file))
+    origins = apply_overrides(raw, overrides, seq_len=seq_len, output_dir=output_dir,
+                              max_steps=max_steps)
+    cfg = build_checked(raw, str(saved_file), origins)
+    resume_changes(saved, cfg, saved_file)
+    return cfg
+
+
+def _saved(path: Path, *, resume: bool) -> RecipeConfig | None:
+    if not path.exists():
+        if resume:
+            raise ConfigError(f"there is no run to resume in {path.parent} (it has no "
+                              "config.yaml); give the run's folder with --output-dir, or start "
+                              "it without --resume")
+        return None
+    try:
+        return read_resolved(path)
+    except ConfigError as error:
+        raise ConfigError(f"{path} is not a run's recipe ({error}); give another --output-dir "
+                          "or delete that folder") from None
+

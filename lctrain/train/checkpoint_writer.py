@@ -1,0 +1,296 @@
+"""Writing training checkpoints: atomically, and in the background while training goes on.
+
+**Atomic publish.** Every rank writes into ``checkpoints/.tmp-step-N`` (DCP shards, this rank's
+RNG state; rank 0 also trainer.json), each file flushed to disk (fsync). Only when every rank's
+write has completed — DCP's closing collective gathers every rank's result on rank 0 before it
+writes ``.metadata`` — does rank 0 flush the folder and rename it to ``step-N`` (one atomic
+rename), then flush the parent folder. A crash or kill at any moment leaves either the complete
+checkpoint or a ``.tmp-`` folder, which no reader picks and the next run clears. Old checkpoints
+beyond ``keep`` are renamed to ``.del-`` (atomic) before they are deleted, so no half-deleted
+folder ever carries a checkpoint's name.
+
+**In the background** (``asynchronous``): DCP's ``async_save`` copies the state to host memory
+(pinned on GPUs; on a side stream while the next step computes) and writes it from a thread,
+over a gloo group of the checkpointer's own, so the training's collectives never interleave
+with the checkpoint's. An optimizer step-pre-hook waits for the copy before any weight changes.
+At most one save is in flight: the next save, and `Checkpointer.close` at the end of the run,
+wait for the previous one; rank 0 publishes from the writing thread as soon as DCP has
+finished. A failed write (a full disk, say) is reported at the next save or at the end. Where a
+host copy of the state would not fit in half the machine's available memory, saves stay
+synchronous and rank 0 says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from lctrain.config.paths import ordinary_permissions
+from lctrain.errors import UserError
+from lctrain.train.checkpoint import FORMAT, list_checkpoints, root_cause
+from lctrain.train.safe_load import check_tensors_only, fsync_dir, fsync_tree
+
+
+class Checkpointer:
+    """Saves one run's checkpoints (collective: every rank makes one and calls its methods).
+
+    Args:
+        root: the checkpoints folder (created if missing; stale ``.tmp-`` / ``.del-`` folders
+            of an earlier, killed run are removed).
+        module, optimizer: what is saved (FSDP2-sharded or replicated).
+        keep: complete checkpoints to keep (≥ 1).
+        asynchronous: write in the background (see the module docstring).
+        local_processes: training processes on this machine (they share its host memory).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, module, optimizer, keep: int,
+                 asynchronous: bool, local_processes: int = 1) -> None:
+        self.root, self.module, self.optimizer, self.keep = Path(root), module, optimizer, keep
+        self.asynchronous, self.local_processes = asynchronous, local_processes
+        self.rank = _rank()
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._stager = None
+        self._pending: _Pending | None = None
+        self._hook = None
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in [*self.root.glob(".tmp-step-*"), *self.root.glob(".del-step-*")]:
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier(self.group)
+
+    def save(self, step: int, trainer_state: dict) -> Path:
+        """Checkpoint the module and optimizer now, with ``trainer_state`` as trainer.json.
+
+        Returns at once when asynchronous (after the previous save has finished), else once
+        the checkpoint is published.
+
+        Returns:
+            The folder the checkpoint is (or will be) published as.
+
+        Raises:
+            UserError: this or the previous write failed (e.g. "No space left on device").
+        """
+        self.wait()
+        final, tmp = self.root / f"step-{step:08d}", self.root / f".tmp-step-{step:08d}"
+        if final.exists():  # this step is saved already (same step, same state)
+            return final
+        model_state, optim_state = get_state_dict(self.module, self.optimizer)
+        state = {"model": model_state, "optim": {"state": optim_state["state"]}}
+        check_tensors_only(state)
+        size = state_bytes(state)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            _write_rng(tmp / f"rng-rank{self.rank}.safetensors")
+            if self.rank == 0:
+                _write_json(tmp / "trainer.json", {"format": FORMAT, **trainer_state})
+        except OSError as error:
+            raise _write_error(step, tmp, error, size) from None
+        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        if not self._use_async(size):
+            _run_write(step, tmp, lambda: dcp.save(state, storage_writer=writer,
+                                                   process_group=self.group,
+                                                   no_dist=self.group is None), size)
+            if self.rank == 0:
+                _run_write(step, tmp, lambda: publish(tmp, final, keep=self.keep), size)
+            _barrier(self.group)
+            return final
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()  # the step's updates are in memory
+        response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                  async_stager=self._stager, no_dist=self.group is None)
+        self._pending = _Pending(step, tmp, final, size, response.staging_completion,
+                                 response.upload_completion)
+        self._pending.watch(self.rank == 0, self.keep)
+        return final
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight (if any) to be written and published.
+
+        Returns:
+            Its folder, or None when none was in flight.
+
+        Raises:
+            UserError: its write failed.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.finished.wait()
+        if pending.error is not None:
+            raise _write_error(pending.step, pending.tmp, pending.error, pending.size)
+        return pending.final
+
+    def close(self) -> Path | None:
+        """Wait for the last save, then release the staging memory (every rank, at the end).
+
+        Returns:
+            The folder of the save that was in flight, or None.
+        """
+        try:
+            return self.wait()
+        finally:
+            _barrier(self.group)
+            if self._hook is not None:
+                self._hook.remove()
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _use_async(self, size: int) -> bool:
+        """Whether this save goes to the background; on the first, build the stager and the
+        optimizer hook, or — where the host copy would not fit in memory — say so and stay
+        synchronous (all ranks agree)."""
+        if not self.asynchronous:
+            return False
+        if self._stager is not None:
+            return True
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        fits = torch.tensor([int(_host_copy_fits(size, self.local_processes))])
+        if self.group is not None:
+            dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group)
+        if not fits.item():
+            self.asynchronous = False
+            if self.rank == 0:
+                print("checkpoints are written synchronously: a host copy of the training "
+                      "state would not fit in the available host memory", flush=True)
+            return False
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+            use_non_blocking_copy=cuda))
+        self._hook = self.optimizer.register_step_pre_hook(self._before_update)
+        return True
+
+    def _before_update(self, optimizer, args, kwargs) -> None:
+        """Optimizer step-pre-hook: the weights may change only once the copy is taken."""
+        if self._pending is not None:
+            self._pending.staged.result()
+
+
+class _Pending:
+    """A save in flight: its futures, and what rank 0 does when DCP has finished writing."""
+
+    def __init__(self, step: int, tmp: Path, final: Path, size: int, staged: Future,
+                 upload: Future):
+        self.step, self.tmp, self.final, self.size = step, tmp, final, size
+        self.staged, self.upload = staged, upload
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def watch(self, publisher: bool, keep: int) -> None:
+        def done(future: Future) -> None:  # runs in DCP's writing thread
+            try:
+                future.result()
+                if publisher:
+                    publish(self.tmp, self.final, keep=keep)
+            except BaseException as error:  # noqa: BLE001 - reported by Checkpointer.wait
+                self.error = error
+            finally:
+                self.finished.set()
+
+        self.upload.add_done_callback(done)
+
+
+def publish(tmp: Path, final: Path, *, keep: int) -> None:
+    """Flush ``tmp`` to disk, rename it to ``final`` (atomic), then retire checkpoints beyond
+    the newest ``keep`` (renamed to ``.del-``, then deleted)."""
+    fsync_tree(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    for step, old in list_checkpoints(final.parent)[:-keep]:
+        doomed = old.with_name(f".del-step-{step:08d}")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(data, indent=1) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_rng(path: Path) -> None:
+    """This rank's RNG states as safetensors: torch's (and CUDA's) byte states, Python's
+    Mersenne Twister words; Python's version and Gaussian carry-over in the metadata."""
+    from safetensors.torch import save_file
+
+    version, words, gauss = random.getstate()
+    tensors = {"torch": torch.get_rng_state(), "python": torch.tensor(words, dtype=torch.int64)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    save_file(tensors, str(path), metadata={"python_version": str(version),
+                                            "python_gauss": json.dumps(gauss)})
+    ordinary_permissions(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def state_bytes(state: dict) -> int:
+    """Bytes of this rank's tensors in ``state`` (its shards, for DTensors)."""
+    total, stack = 0, [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        else:
+            local = item.to_local() if hasattr(item, "to_local") else item
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _host_copy_fits(size: int, processes: int) -> bool:
+    """Whether this machine can hold a host copy of ``size`` bytes for each of its
+    ``processes`` in half its available memory."""
+    from lctrain.memory.host import available_host_bytes
+
+    available = available_host_bytes()
+    return available is None or size * processes <= available // 2
+
+
+def _run_write(step: int, tmp: Path, write, size: int) -> None:
+    try:
+        write()
+    except (OSError, CheckpointException) as error:
+        raise _write_error(step, tmp, error, size) from None
+
+
+def _write_error(step: int, tmp: Path, error: BaseException, size: int) -> UserError:
+    """One sentence for a failed checkpoint write of about ``size`` bytes per rank, with the
+    operating system's reason. A full disk does not always surface as one: torch's writer
+    reports a short write ("unexpected pos"), so the free space is looked at too."""
+    reason = root_cause(error)
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = None
+    if "No space left" not in reason and free is not None and free < size:
+        reason = (f"No space left on device: this rank's part needs about {size / 2**20:.1f} "
+                  f"MiB and {free / 2**20:.1f} MiB are free; {reason}")
+    return UserError(f"Writing the checkpoint of step {step} to {tmp} failed ({reason}); the "
+                     f"previous complete checkpoint in {tmp.parent} is untouched — free space "
+                     "or fix the folder's permissions, then resume with --resume.")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier(group) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=group)

@@ -1,0 +1,147 @@
+"""Reading checkpoint files without running code that a file could carry.
+
+Python's pickle runs whatever callable a file names, so a tampered file in a run folder would
+execute on ``--resume`` or ``lctrain export``. lctrain therefore never unpickles checkpoint
+content:
+
+- its own files are JSON (``trainer.json``) and safetensors (``rng-rank{r}.safetensors``);
+- DCP's tensor data is read by torch with ``torch.load(weights_only=True)`` (torch's own
+  restricted unpickler: tensors, storages and plain containers only);
+- DCP's non-tensor entries ("bytes" items, read with ``torch.load(weights_only=False)``) are
+  never written (`check_tensors_only`) and never read (`SafeLoadPlanner` refuses them);
+- DCP's ``.metadata`` is a pickle of its dataclasses (`torch.distributed.checkpoint.metadata`).
+  `SafeReader` reads it with `MetadataUnpickler`, which resolves only the names such a file
+  holds: DCP's metadata and file-system storage classes, ``torch.Size``, dtypes, layouts
+  (``torch.serialization._get_layout``, a lookup by name), DCP's memory-format enum and
+  ``pathlib`` paths. Any other name — ``os.system``, ``builtins.eval``, a class with a
+  harmful ``__setstate__`` — is refused, so a tampered file is an error, never a call.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from lctrain.errors import UserError
+
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+"""module -> names that a DCP ``.metadata`` file may resolve (plus torch's dtypes)."""
+
+
+class UnsafeCheckpoint(UserError):
+    """A checkpoint file names something that loading it would run."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the names of `_METADATA_CLASSES` and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _METADATA_CLASSES.get(module, ())
+        if name in allowed:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpoint(f"refusing to load {module}.{name}")
+
+
+def load_metadata(data: bytes, where: str) -> Any:
+    """DCP metadata from the bytes of a ``.metadata`` file, through `MetadataUnpickler`.
+
+    Raises:
+        UnsafeCheckpoint: the file names something outside DCP's metadata classes.
+        UserError: the file is not a readable pickle.
+    """
+    try:
+        return MetadataUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpoint as error:
+        raise UnsafeCheckpoint(f"{where} is not a checkpoint's metadata as lctrain writes it "
+                               f"({error}); it was altered or comes from another program, and "
+                               "lctrain does not load it") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+            IndexError, KeyError) as error:
+        raise UserError(f"{where} cannot be read ({type(error).__name__}); the checkpoint is "
+                        "damaged or incomplete") from None
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with the metadata read by `load_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as error:
+            raise UserError(f"{path} cannot be read ({error.strerror or type(error).__name__}); "
+                            "the checkpoint is incomplete or not lctrain's") from None
+        metadata = load_metadata(data, str(path))
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        if not isinstance(metadata, Metadata):
+            raise UserError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, refusing non-tensor ("bytes") entries: DCP reads those with
+    ``torch.load(weights_only=False)``, i.e. plain pickle."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise UnsafeCheckpoint(f"the checkpoint entry {read_item.dest_index.fqn} is a pickled "
+                               "object, which lctrain never writes and does not load")
+
+
+def check_tensors_only(state: Any, prefix: str = "") -> None:
+    """Refuse (as a bug) a state to save that holds anything but tensors in nested dicts: DCP
+    would pickle it, and `SafeLoadPlanner` would then refuse to read it back.
+
+    Raises:
+        TypeError: a leaf that is not a tensor.
+    """
+    if isinstance(state, dict):
+        for key, value in state.items():
+            check_tensors_only(value, f"{prefix}{key}.")
+    elif not isinstance(state, torch.Tensor):
+        raise TypeError(f"checkpoint entry {prefix.rstrip('.')} is a {type(state).__name__}; "
+                        "only tensors are saved")
+
+
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """Flush every file under ``folder`` and the folders themselves to stable storage."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries (new names, renames) to stable storage."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a folder; the files are synced
+        pass
+    finally:
+        os.close(fd)
