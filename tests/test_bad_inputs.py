@@ -56,7 +56,8 @@ def _src(name):
 
 
 def _model(name):
-    return lambda f: [*RUN, "--set", "model.config=null", "--set", f"model.path={f[name]}"]
+    return lambda f: [*RUN, "--set", "model.config=null", "--set", f"model.path={f[name]}",
+                      "--set", "data.tokenizer=null"]
 
 
 CASES = [  # (id, command from the files, words of the one sentence)

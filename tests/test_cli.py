@@ -275,8 +275,8 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
         ("train.checkpointing=remat parallel.schedule=zigzag", 32768, "remat", "zigzag"),
         ("train.checkpointing=full", 65536, "full", "distflash"),
         ("train.checkpointing=remat parallel.schedule=zigzag", 65536, "remat", "zigzag")]
-    assert {k: v for k, v in kwargs.items() if k != "progress"} == {"steps": 3, "nproc": None,
-                                                                     "warmup": 0}
+    assert {k: v for k, v in kwargs.items() if k != "progress"} == {
+        "steps": 3, "nproc": None, "warmup": 0, "save_every": 0}
 
 
 def test_output_formats_on_stdout(monkeypatch):

@@ -102,7 +102,7 @@ def test_switch_to_a_local_model_folder(tmp_path):
     (["model.path=/no/such/folder", "model.config=null", "data.tokenizer=null"],
      ["/no/such/folder", "does not exist"]),
     (["model.path=/tmp"], ["data.tokenizer is bytes", "data.tokenizer=null"]),
-    (["model.path=/tmp", "data.tokenizer=null"], ["/tmp", "without config.json"]),
+    (["model.path=/tmp", "data.tokenizer=null"], ["/tmp", "has no config.json"]),
     (["model.config={}"], ["model_type"]),
     (["data.tokenizer=null"], ["data.tokenizer", "bytes"]),
     (["model.config.vocab_size=100"], ["vocab_size", "259"]),

@@ -28,16 +28,18 @@ from lctrain.errors import ConfigError
 
 RESUMABLE = (
     "train.max_steps", "train.epochs", "train.log_every",
+    "train.collective_timeout", "train.max_nonfinite_steps",
     "train.batch_size", "train.grad_accum",
     "train.checkpointing", "train.host_memory", "train.loss_chunk_tokens",
     "parallel.cp", "parallel.dp", "parallel.schedule", "parallel.attention_backend",
     "parallel.fsdp",
     "data.cache_dir",
     "checkpoint.every", "checkpoint.keep", "checkpoint.enabled", "checkpoint.export_final",
-    "checkpoint.asynchronous",
+    "checkpoint.asynchronous", "checkpoint.on_signal",
 )
 """Settings a resumed run may change: the run's length (the learning-rate decay is re-planned
 from the rate reached, `lctrain.train.optim.LrPlan.resumed`), logging and checkpoint intervals,
+how faults are handled (timeouts, non-finite steps, saving on a stop signal),
 the process layout and the memory trade-offs (the checkpoint is resharded; batch_size and
 grad_accum may change as long as dp × batch_size × grad_accum — the global batch — stays, which
 the runner checks against the checkpoint). Everything else — the model, the data and its

@@ -63,6 +63,7 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitPr
 
 from lctrain.config import RecipeConfig, check_run_folder, save_resolved
 from lctrain.config.loader import build_checked, parse_yaml
+from lctrain.config.resume import check_writable
 from lctrain.config.paths import decode_text
 from lctrain.errors import UserError, as_user_error
 from lctrain.memory.host import check_cpu_memory, check_host_memory
@@ -109,6 +110,7 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
         with RunLock(cfg.train.output_dir) if owner else contextlib.nullcontext():
             return worker(cfg, resume=resume)
     n = nproc if nproc is not None else default_nproc(cfg)
+    check_writable(Path(cfg.train.output_dir))  # said plainly, before the lock file goes in
     with RunLock(cfg.train.output_dir):
         check_before_start(cfg, nproc=n, resume=resume)
         if n == 1:
