@@ -79,6 +79,8 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
         cfg = build_recipe(raw, source)
         check_model_path(cfg.model.path)
         local_data(cfg.data.source)
+        if cfg.data.eval_source is not None:
+            local_data(cfg.data.eval_source, what="data.eval_source")
     except ConfigError as error:
         origin = _origin(error.key, origins, source)
         named = origin.split(" ", 1)[1] in str(error)  # the message already says where
