@@ -63,7 +63,8 @@ class Worker(Protocol):
     def __call__(self, cfg: RecipeConfig, *, resume: bool = False) -> int: ...
 
 
-def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | None) -> int:
+def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | None,
+             module: str = WORKER_MODULE, args: tuple[str, ...] = ()) -> int:
     """Run ``worker`` on every rank the recipe needs; returns the exit code (0 on success).
 
     Args:
@@ -71,6 +72,9 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
         worker: what each rank runs.
         resume: continue from the newest checkpoint.
         nproc: processes to run (default `default_nproc`); ignored under a launcher.
+        module, args: what self-launched ranks run, ``python -m MODULE --config ... ARGS``
+            (a module whose main runs ``worker``: `lctrain.train`, or `lctrain.eval`, whose
+            ARGS name what to evaluate).
 
     Raises:
         UserError: a check before start failed, or the first failing rank's UserError.
@@ -81,7 +85,7 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
     check_before_start(cfg, nproc=n, resume=resume)
     if n == 1:
         return worker(cfg, resume=resume)
-    return spawn_workers(cfg, nproc=n, resume=resume)
+    return spawn_workers(cfg, nproc=n, resume=resume, module=module, args=args)
 
 
 def under_launcher() -> bool:
@@ -112,8 +116,10 @@ def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool) -> None:
     resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
 
 
-def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
-    """Run ``nproc`` local ranks through torch.distributed.run; returns 0 on success.
+def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = WORKER_MODULE,
+                  args: tuple[str, ...] = ()) -> int:
+    """Run ``nproc`` local ranks of ``python -m MODULE`` through torch.distributed.run; returns 0
+    on success (``args`` go after the module's ``--config`` and ``--error-dir``).
 
     Raises:
         UserError: the first failing rank failed with a UserError (its message).
@@ -124,8 +130,8 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
     errors.mkdir(parents=True)
     recipe = save_resolved(cfg, launch_dir / "recipe.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", WORKER_MODULE,
-           "--config", str(recipe), "--error-dir", str(errors)]
+           f"--nproc-per-node={nproc}", "-m", module,
+           "--config", str(recipe), "--error-dir", str(errors), *args]
     if resume:
         cmd.append("--resume")
     log = launch_dir / "workers.log"

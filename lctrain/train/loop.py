@@ -190,7 +190,7 @@ def attention_units(micro: list[PackedBatch]) -> int:
 
 @dataclass
 class LoopHooks:
-    """What happens around the steps: logging, checkpointing (see `run_loop`)."""
+    """What happens around the steps: logging, validation, checkpointing (see `run_loop`)."""
 
     max_steps: int
     log_every: int
@@ -202,6 +202,8 @@ class LoopHooks:
     progress: Callable[[int, dict | None], None]
     save: Callable[[], Path] | None  # None: never save
     history: list[dict] = field(default_factory=list)
+    evaluate: Callable[[], float] | None = None  # validation loss (collective); None: none
+    eval_every: int = 0  # validate every N steps (0: only after the last)
 
 
 @dataclass
@@ -217,8 +219,10 @@ class _Window:
 def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks) -> list[dict]:
     """Run optimizer steps from ``trainer.step`` to ``hooks.max_steps``.
 
-    Logs every ``log_every`` steps and at the last one; saves a checkpoint every
-    ``checkpoint_every`` steps (0: only at the end) and always after the last step.
+    Logs every ``log_every`` steps and at the last one; with ``evaluate``, computes the
+    validation loss every ``eval_every`` steps and after the last, into that step's record
+    (a validation step is always logged; its time is not training time); saves a checkpoint
+    every ``checkpoint_every`` steps (0: only at the end) and always after the last step.
 
     Returns:
         The logged records (identical on every rank).
@@ -235,9 +239,14 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
         window.steps += 1
         window.attn_units += attention_units(micro)
         step, record = trainer.step, None
-        if step % hooks.log_every == 0 or step == hooks.max_steps:
+        validate = hooks.evaluate is not None and (step == hooks.max_steps or (
+            hooks.eval_every and step % hooks.eval_every == 0))
+        if step % hooks.log_every == 0 or step == hooks.max_steps or validate:
             loss, grad_norm, units, peak = trainer.reduce_for_log(stats, window.attn_units)  # syncs
             record = _record(trainer, hooks, window, loss, grad_norm, stats["lr"], units, peak)
+            if validate:
+                start = time.perf_counter()
+                record.update(eval_loss=hooks.evaluate(), eval_time_s=time.perf_counter() - start)
             hooks.history.append(record)
             hooks.log(record)
             window = _Window()

@@ -11,12 +11,15 @@ feature extends in one place:
     → build_data               tokenize and pack once per machine into the data cache
                                (its local rank 0 prepares, the others wait and memory-map it);
                                train.epochs / train.max_steps resolved against its rows
+    → build_eval_data          the validation rows (data.eval_source / data.eval_fraction),
+                               prepared the same way; None without validation data
     → build_model              the model with the schedule's attention → LoRA adapters when
                                the recipe asks → checkpointing policy
                                → FSDP2 or replication (`ModelParts`)
     → build_trainer            AdamW + warm-up/cosine; restored from a checkpoint on --resume
-    → train                    banner, versions (environment.json), `LoopHooks` (metrics.jsonl,
-                               progress, `save`), the loop, the summary line
+    → train                    banner, versions (environment.json), `LoopHooks` (metrics.jsonl
+                               and TensorBoard, progress, validation, `save`), the loop, the
+                               summary line
     → export_final             rank 0 writes output_dir/final/ as a Hugging Face folder
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataclasses
 import functools
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -34,6 +38,7 @@ from torch import nn
 from lctrain.config import RecipeConfig, save_resolved
 from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
                           rows_summary, steps_summary)
+from lctrain.eval.forward import validation_loss
 from lctrain.export import export_final as write_final
 from lctrain.model import load_model
 from lctrain.model.lora import apply_lora
@@ -47,11 +52,13 @@ from lctrain.train import launch
 from lctrain.train.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from lctrain.train.launch import default_nproc
 from lctrain.train.loop import CausalLMLoss, LoopHooks, Trainer, run_loop
-from lctrain.train.metrics import FlopModel, MetricsLog, Progress, peak_flops
+from lctrain.train.metrics import FlopModel, Progress, peak_flops
 from lctrain.train.optim import build_optimizer
+from lctrain.train.tracking import Tracking, check_report_to
 
-__all__ = ["ModelParts", "RunSetup", "build_data", "build_model", "build_trainer", "default_nproc",
-           "export_final", "finetune", "run_worker", "save", "train"]
+__all__ = ["ModelParts", "RunSetup", "build_data", "build_eval_data", "build_model",
+           "build_trainer", "default_nproc", "export_final", "finetune", "run_worker", "save",
+           "train"]
 
 
 def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None) -> int:
@@ -67,6 +74,7 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
         UserError: an invalid process layout, no checkpoint to resume from, a model or data
             source that cannot be read, ... (from this process or the first failing rank).
     """
+    check_report_to(cfg)
     return launch.dispatch(cfg, run_worker, resume=resume, nproc=nproc)
 
 
@@ -114,10 +122,11 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
         if setup.main:
             save_resolved(cfg, Path(cfg.train.output_dir) / "config.yaml")
         dataset = build_data(setup)
+        eval_rows = build_eval_data(setup)
         setup = dataclasses.replace(setup, cfg=_with_steps(setup, len(dataset)))
         parts = build_model(setup)
         trainer = build_trainer(setup, parts, resume_from)
-        train(setup, parts, trainer, dataset, resumed=resume_from is not None)
+        train(setup, parts, trainer, dataset, resumed=resume_from is not None, eval_rows=eval_rows)
         cfg = setup.cfg
         if setup.main and cfg.checkpoint.enabled and cfg.checkpoint.export_final:
             export_final(cfg)
@@ -131,6 +140,20 @@ def build_data(setup: RunSetup) -> PackedRows:
     local_rank = int(os.environ.get("LOCAL_RANK", setup.pmesh.rank))
     rows = prepare_data(setup.cfg.data, tokenizer, leader=local_rank == 0,
                         show_progress=setup.main)
+    if setup.main:
+        print("\n".join(rows_summary(rows)), flush=True)
+    return rows
+
+
+def build_eval_data(setup: RunSetup) -> PackedRows | None:
+    """The validation rows (data.eval_source, or the documents data.eval_fraction holds out),
+    prepared as `build_data` prepares the training rows; None without validation data."""
+    if not setup.cfg.data.has_eval:
+        return None
+    tokenizer = load_tokenizer(setup.cfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", setup.pmesh.rank))
+    rows = prepare_data(setup.cfg.data, tokenizer, leader=local_rank == 0,
+                        show_progress=setup.main, part="eval")
     if setup.main:
         print("\n".join(rows_summary(rows)), flush=True)
     return rows
@@ -168,8 +191,16 @@ class ModelParts:
     n_params: int
 
 
-def build_model(setup: RunSetup) -> ModelParts:
-    """Model with the schedule's attention, checkpointing policy, then FSDP2 or replication."""
+def build_model(setup: RunSetup, *,
+                root: Callable[[nn.Module, int], nn.Module] = CausalLMLoss) -> ModelParts:
+    """Model with the schedule's attention, checkpointing policy, then FSDP2 or replication.
+
+    Args:
+        setup: the rank's run.
+        root: what wraps the causal LM as the module the loop calls, given the model and
+            ``train.loss_chunk_tokens``: `CausalLMLoss` (the summed loss) for training,
+            `lctrain.eval.model.EvalModel` for an evaluation.
+    """
     cfg, accelerator = setup.cfg, setup.accelerator
     model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
                        dtype=getattr(torch, cfg.model.dtype), device=accelerator.device,
@@ -182,7 +213,7 @@ def build_model(setup: RunSetup) -> ModelParts:
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     apply_checkpointing(model, cfg.train.checkpointing)  # before FSDP2 wraps the layers
-    module = CausalLMLoss(model, cfg.train.loss_chunk_tokens)
+    module = root(model, cfg.train.loss_chunk_tokens)
     bf16 = accelerator.mixed_precision == "bf16"
     distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
                              strategy=_strategy(setup), param_dtype=torch.bfloat16 if bf16 else None)
@@ -228,15 +259,15 @@ def save(setup: RunSetup, trainer: Trainer) -> Path:
 
 
 def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedRows, *,
-          resumed: bool) -> None:
-    """Announce the run, run the loop with metrics, progress and checkpoints, summarise."""
+          resumed: bool, eval_rows: PackedRows | None = None) -> None:
+    """Announce the run, run the loop with metrics, progress, validation on ``eval_rows``
+    and checkpoints, summarise."""
     cfg, pmesh = setup.cfg, setup.pmesh
     t, out = cfg.train, Path(cfg.train.output_dir)
     if setup.main:
         print(banner(setup, parts, trainer, len(dataset)), flush=True)
         print(record_run(out, trainer.device.type, cfg.parallel.attention_backend), flush=True)
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=setup.main,
-                         resume_step=trainer.step if resumed else None)
+    metrics = Tracking(cfg, enabled=setup.main, resume_step=trainer.step if resumed else None)
     progress = Progress(t.max_steps, trainer.step, enabled=setup.main,
                         steps_per_epoch=len(dataset) / _rows_per_step(setup))
     hooks = LoopHooks(max_steps=t.max_steps, log_every=t.log_every,
@@ -245,13 +276,17 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
                       flops=parts.flops, peak_flops=peak_flops(trainer.device),
                       log=metrics.write, progress=progress.update,
                       save=functools.partial(save, setup, trainer) if cfg.checkpoint.enabled
-                      else None)
+                      else None, eval_every=t.eval_every,
+                      evaluate=None if eval_rows is None else functools.partial(
+                          validation_loss, trainer.distributed.module, eval_rows, cp=setup.cp,
+                          pmesh=pmesh, accelerator=setup.accelerator, batch_size=t.batch_size))
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
                            dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
     try:
         history = run_loop(trainer, batches, hooks)
     finally:
         progress.close()
+        metrics.close()
     if setup.main:
         print(_summary(setup, trainer, history), flush=True)
 
@@ -276,8 +311,10 @@ def _summary(setup: RunSetup, trainer: Trainer, history: list[dict]) -> str:
     saved = ("metrics, config and checkpoints" if setup.cfg.checkpoint.enabled
              else "metrics and config")
     first, last = history[0], history[-1]
+    evaluated = (f", eval loss {last['eval_loss']:.4f}"
+                 if isinstance(last.get("eval_loss"), float) else "")
     return (f"done: step {last['step']}/{t.max_steps}, loss {first['loss']:.4f} -> "
-            f"{last['loss']:.4f}; {saved} in {Path(out)}")
+            f"{last['loss']:.4f}{evaluated}; {saved} in {Path(out)}")
 
 
 def export_final(cfg: RecipeConfig) -> None:
