@@ -1,15 +1,18 @@
 """Evaluation end to end on gloo ranks, against plain transformers on one process.
 
 - validation during training: the eval loss at cp = 2 equals the one at cp = 1 (dp = 2, whose
-  ranks split the validation rows unevenly) and equals a hand computation — plain transformers
-  (eager attention, one document at a time) on the exported final weights over the held-out
-  rows; the TensorBoard files hold the logged scalars (read back with EventAccumulator);
-- the distributed prefill (cp = 2, distflash and zigzag layouts) gives the next-token logits
-  of a single-process forward, and every decoding step (keys and values left on their ranks,
-  partial attentions merged) the logits of a single-process forward over prompt + answer;
+  ranks split the validation rows) and equals a hand computation — plain transformers (eager
+  attention, one document at a time) on the exported final weights over the held-out rows;
+  the TensorBoard files hold the logged scalars (read back with EventAccumulator); ``lctrain
+  eval`` of the run folder (its checkpoint through DCP) gives that loss again;
+- the distributed prefill (cp = 2, distflash and zigzag layouts, plain and under FSDP2) gives
+  the next-token logits of a single-process forward, and every decoding step (keys and values
+  left on their ranks, partial attentions merged) the logits of a single-process forward over
+  prompt + answer;
 - ``lctrain eval --task ppl`` as the 2 ranks of a launched job (as under torchrun; zigzag:
-  every rank holds two far-apart pieces of each row) equals transformers' eager loss bucket by
-  bucket (fp32, 1e-5); one rank self-launched through ``python -m lctrain.eval`` runs too;
+  every rank holds two far-apart pieces of each row; FSDP2) equals transformers' eager loss
+  bucket by bucket (fp32, 1e-5); one rank self-launched through ``python -m lctrain.eval``
+  runs too;
 - ``lctrain eval --task passkey`` runs end to end: prompts, needles, answers, table, JSON, plot.
 """
 from __future__ import annotations
@@ -93,11 +96,14 @@ def model_folder(tmp_path_factory):
 
 # ---------------------------------------------------------------- two gloo ranks, one spawn
 
-def _on_two_ranks(rank, world, cfgs, folder, prompt, steps, ppl_args):
+def _on_two_ranks(rank, world, cfgs, folder, prompt, steps, cli_runs):
     """Everything these tests need from two ranks: training runs with validation, the
-    distributed prefill and decoding of one prompt, and ``lctrain eval --task ppl`` as a rank
-    of a launched job (as under torchrun)."""
+    distributed prefill and decoding of one prompt (plain, then under FSDP2), and ``lctrain
+    eval`` commands as the ranks of a launched job (as under torchrun)."""
     import os
+
+    from lctrain.model.structure import decoder_layers
+    from lctrain.parallel.fsdp import distribute
 
     from accelerate import Accelerator
 
@@ -120,14 +126,20 @@ def _on_two_ranks(rank, world, cfgs, folder, prompt, steps, ppl_args):
     module = EvalModel(model, chunk_tokens=64).eval()
     decoded = {}
     for schedule in ("distflash", "zigzag"):
+        if schedule == "zigzag":  # the same weights, sharded: every forward gathers them
+            module = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh,
+                                strategy="fsdp", param_dtype=None).module
         cp = ContextParallel(pmesh, schedule, "reference", device=torch.device("cpu"))
         tokens, logits = generate(module, prompt, steps, cp=cp, accelerator=accelerator,
                                   keep_logits=True)
         decoded[schedule] = (tokens, [x.tolist() for x in logits])  # no tensor crosses processes
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world))  # what torchrun sets: lctrain eval joins
-    result = runner.invoke(app, ppl_args)
-    return runs, decoded, (result.exit_code, result.stdout)
+    outputs = []
+    for args in cli_runs:
+        result = runner.invoke(app, args)
+        outputs.append((result.exit_code, result.stdout))
+    return runs, decoded, outputs
 
 
 @pytest.fixture(scope="module")
@@ -155,15 +167,19 @@ def two_ranks(tmp_path_factory, model_folder):
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     prompt = torch.randint(0, 256, (96,), generator=gen).tolist()
     ppl_data, ppl_json = _texts(tmp / "eval.jsonl", 10, rng, longest=500), tmp / "ppl.json"
-    ppl_args = ["eval", str(model_folder), "--task", "ppl", "--cp", "2", "--seq-len", "256",
-                "--bucket", "48", "--data", str(ppl_data), "--set", "parallel.schedule=zigzag",
-                "--set", "parallel.attention_backend=reference", "--json", str(ppl_json),
-                "--format", "csv"]
-    (runs, decoded, ppl), (_, decoded_1, ppl_1) = run_on_ranks(
-        _on_two_ranks, 2, cfgs, model_folder, prompt, 5, ppl_args)
+    cli_runs = [
+        ["eval", str(model_folder), "--task", "ppl", "--cp", "2", "--seq-len", "256",
+         "--bucket", "48", "--data", str(ppl_data), "--set", "parallel.schedule=zigzag",
+         "--set", "parallel.attention_backend=reference", "--set", "parallel.fsdp=on",
+         "--json", str(ppl_json), "--format", "csv"],
+        # the cp = 2 run's checkpoint, on its own validation rows and settings
+        ["eval", cfgs[0].train.output_dir, "--json", str(tmp / "run.json")]]
+    (runs, decoded, cli), (_, decoded_1, cli_1) = run_on_ranks(
+        _on_two_ranks, 2, cfgs, model_folder, prompt, 5, cli_runs)
     return {"cfgs": cfgs, "runs": runs, "decoded": decoded, "decoded_1": decoded_1,
-            "prompt": prompt, "steps": 5, "ppl": ppl, "ppl_other_rank": ppl_1,
-            "ppl_data": ppl_data, "ppl_json": ppl_json}
+            "prompt": prompt, "steps": 5, "ppl": cli[0], "ppl_other_rank": cli_1[0],
+            "ppl_data": ppl_data, "ppl_json": ppl_json, "run_eval": cli[1],
+            "run_json": tmp / "run.json"}
 
 
 @pytest.mark.slow
@@ -200,6 +216,14 @@ def test_validation_loss_is_exact_across_layouts_and_tracked(two_ranks):
     peaks = [e.value for e in events.Scalars("perf/peak_memory_gib")]
     assert peaks == pytest.approx([r["peak_memory_bytes"] / 2**30 for r in a], rel=1e-6)
     assert not list(Path(two_ranks["cfgs"][1].train.output_dir).glob("events.out.tfevents.*"))
+    # lctrain eval on the run folder: its checkpoint, its validation rows, the same loss
+    code, output = two_ranks["run_eval"]
+    assert code == 0, output
+    result = json.loads(two_ranks["run_json"].read_text())
+    assert result["meta"]["step"] == 3 and result["meta"]["data_part"] == "eval"
+    total = {r["bucket"]: r for r in result["rows"]}["all"]
+    assert total["loss"] == pytest.approx(a[-1]["eval_loss"], rel=1e-5)
+    assert total["tokens"] == sum(int((rows[r]["labels"] != -100).sum()) for r in range(len(rows)))
 
 
 def test_missing_tensorboard_is_one_sentence(monkeypatch):
@@ -333,3 +357,21 @@ def test_eval_mistakes_are_one_sentence(tmp_path, model_folder):
         assert result.exit_code != 0, args
         assert message in result.output, (args, result.output)
         assert "Traceback" not in result.output
+
+
+def test_progress_line_shows_eval_loss_and_eta(capsys):
+    import time
+
+    from lctrain.train.metrics import Progress
+
+    record = {"loss": 2.5, "tokens_per_s": 1000.0, "step_time_s": 0.05, "lr": 1e-3, "mfu": None}
+    progress = Progress(10, 0, enabled=True)
+    time.sleep(0.05)
+    progress.update(4, {**record, "eval_loss": 2.25})
+    progress.update(10, record)
+    first, last = capsys.readouterr().out.splitlines()
+    assert first.startswith("step 4/10") and "eval loss 2.2500" in first
+    value, unit = first.split("ETA ")[1].split()[:2]  # 6 steps left at the pace of 4 so far
+    seconds = float(value) / (1e3 if unit == "ms" else 1.0)
+    assert unit in ("ms", "s") and 1.5 * 0.05 <= seconds < 10
+    assert "ETA" not in last and "eval loss" not in last  # done; not evaluated at this step

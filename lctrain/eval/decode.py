@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lctrain.model.attention import checked_inputs, lctrain_attention
+from lctrain.model.attention import lctrain_attention
 
 ATTENTION_NAME = "lctrain_eval"
 """The attention function (``attn_implementation``) of models that `lctrain eval` builds."""
@@ -65,7 +65,8 @@ class KVShards:
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """Attention of new tokens' queries over every key of the sequence so far.
+        """Attention of a new token's query over every key of the sequence so far, computed in
+        the dtype the prompt's keys were kept in (the prefill's compute dtype).
 
         Args:
             module: the attention module (which layer's keys to use).
@@ -80,25 +81,30 @@ class KVShards:
         from lctrain_kernels.combine import merge_many_into
         from lctrain_kernels.masks import MaskSpec
 
+        keys, values = self.prompt[module]  # (B, Hkv, S_local, D)
+        query, key, value = query.to(keys.dtype), key.to(keys.dtype), value.to(keys.dtype)
         old = self.tail.get(module)
         tail = (key, value) if old is None else (torch.cat([old[0], key], dim=2),
                                                  torch.cat([old[1], value], dim=2))
         self.tail[module] = tail
-        keys, values = self.prompt[module]  # (B, Hkv, S_local, D)
-        if self.owns_tail:
-            keys, values = torch.cat([keys, tail[0]], dim=2), torch.cat([values, tail[1]], dim=2)
         q = query.transpose(1, 2)  # (B, 1, Hq, D)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
-        # every key precedes the query: one full (unmasked) block, in float32 math
-        out, lse = block_forward(q, keys.transpose(1, 2), values.transpose(1, 2),
-                                 MaskSpec(causal=False), scale=scale, backend="reference")
+        # every key precedes the query: full (unmasked) blocks, in float32 math
+        held = [(keys, values)] + ([tail] if self.owns_tail else [])
+        parts = [block_forward(q, k.transpose(1, 2), v.transpose(1, 2), MaskSpec(causal=False),
+                               scale=scale, backend="reference") for k, v in held]
+        # (B, 1, Hq, D), float32 while other ranks' parts are still to come: one rounding
+        out = torch.empty(q.shape, device=q.device,
+                          dtype=q.dtype if self.size == 1 else torch.float32)
+        lse = torch.empty_like(parts[0][1])  # (B, Hq, 1)
+        merge_many_into(out, lse, parts)
         if self.size == 1:
             return out
         outs = [torch.empty_like(out) for _ in range(self.size)]  # (B, 1, Hq, D) each
         lses = [torch.empty_like(lse) for _ in range(self.size)]  # (B, Hq, 1) each
         dist.all_gather(outs, out.contiguous(), group=self.group)
         dist.all_gather(lses, lse.contiguous(), group=self.group)
-        merged, merged_lse = torch.empty_like(out), torch.empty_like(lse)
+        merged, merged_lse = torch.empty_like(q), torch.empty_like(lse)
         merge_many_into(merged, merged_lse, list(zip(outs, lses)))
         return merged
 
@@ -119,14 +125,13 @@ def eval_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         (out (B, S_local, Hq, D), None).
     """
     kv: KVShards | None = kwargs.get("lctrain_kv")
-    if kv is None:
-        return lctrain_attention(module, query, key, value, attention_mask, scaling, dropout,
-                                 **kwargs)
-    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout)
-    if kv.decoding:
+    if kv is not None and kv.decoding:  # the prefill already checked what this layer asks for
         return kv.attend(module, query, key, value, scaling), None
-    kv.record(module, key, value)
-    return lctrain_attention(module, query, key, value, None, scaling, dropout, **kwargs)
+    out, _ = lctrain_attention(module, query, key, value, attention_mask, scaling, dropout,
+                               **kwargs)
+    if kv is not None:  # kept in the dtype attention computed in (out's)
+        kv.record(module, key.to(out.dtype), value.to(out.dtype))
+    return out, None
 
 
 def register_eval_attention() -> str:

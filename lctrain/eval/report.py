@@ -55,7 +55,8 @@ def describe(result: EvalResult) -> list[str]:
         lines.append(f"overall {right} of {total} right; {m.get('generated_tokens')} tokens "
                      "generated per prompt")
     if m.get("seconds") is not None:
-        rate = (f", {significant(m['tokens_per_s'])} tokens/s"
+        rate = (f", {significant(m['tokens_per_s'])} tokens/s, "
+                f"{significant(m['seconds_per_row'])} s per row and cp group"
                 if m.get("tokens_per_s") else "")
         peak = (f", peak memory {gib(m['peak_memory_bytes'])} GiB per rank (largest)"
                 if m.get("peak_memory_bytes") else "")

@@ -131,7 +131,7 @@ def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest
         rows, meta = task(setup, parts, request)
         peak = _peak_over_ranks(pmesh, device)
         if setup.main:
-            meta.update(_meta(setup, parts, request, load_s, peak))
+            meta = {**_meta(setup, parts, request, load_s, peak), **meta}  # the task's peak wins
             result = EvalResult(task=request.task, title=_title(request, setup), rows=rows,
                                 meta=meta)
             result.save(request.result_file)

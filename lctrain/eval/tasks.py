@@ -77,7 +77,8 @@ def run_ppl(setup, parts, request) -> tuple[list[dict], dict]:
     meta = {"rows": count, "rows_available": len(rows), "data_source": rows.info["source"],
             "data_part": request.part, "bucket": width, "seconds": seconds,
             "document_mask": cfg.data.document_mask,
-            "tokens_per_s": count * seq_len / seconds if seconds > 0 else None}
+            "tokens_per_s": count * seq_len / seconds if seconds > 0 else None,
+            "seconds_per_row": seconds * pmesh.dp / count}
     return out, meta
 
 
@@ -138,7 +139,8 @@ def run_passkey(setup, parts, request) -> tuple[list[dict], dict]:
         row["seconds"] = sum(o["seconds"] for o in mine_cases) / len(mine_cases)
         row["peak_memory_bytes"] = max(o["peak_memory_bytes"] for o in mine_cases)
     meta = {"cases": len(cases), "generated_tokens": steps,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start,
+            "peak_memory_bytes": max(row["peak_memory_bytes"] for row in rows)}
     return rows, meta
 
 
