@@ -17,8 +17,8 @@ group would need the whole sequence's attention on one GPU for every generated t
   each rank attends the new query to the keys it holds — its prompt shard, and on cp rank 0
   also the tokens generated so far (one copy of them, so that no key counts twice) — giving a
   partial output and its log-sum-exp; the parts are all-gathered over the cp group (a few KiB)
-  and merged through their lse (`lctrain_kernels.combine`), which is exactly attention over
-  all keys. Every rank then holds the same hidden state and the same logits; cp rank 0's
+  and merged through their lse in float32 (`lctrain_kernels.combine.merge`), which is exactly
+  attention over all keys. Every rank then holds the same hidden state and the same logits; cp rank 0's
   greedy choice is broadcast so the ranks cannot drift apart.
 
 The model is built with the attention function registered here (``lctrain_eval``): without a
@@ -78,7 +78,6 @@ class KVShards:
             (B, 1, Hq, D) the attention output, identical on every rank of the group.
         """
         from lctrain_kernels.blocks import block_forward
-        from lctrain_kernels.combine import merge_many_into
         from lctrain_kernels.masks import MaskSpec
 
         keys, values = self.prompt[module]  # (B, Hkv, S_local, D)
@@ -91,22 +90,27 @@ class KVShards:
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         # every key precedes the query: full (unmasked) blocks, in float32 math
         held = [(keys, values)] + ([tail] if self.owns_tail else [])
-        parts = [block_forward(q, k.transpose(1, 2), v.transpose(1, 2), MaskSpec(causal=False),
-                               scale=scale, backend="reference") for k, v in held]
-        # (B, 1, Hq, D), float32 while other ranks' parts are still to come: one rounding
-        out = torch.empty(q.shape, device=q.device,
-                          dtype=q.dtype if self.size == 1 else torch.float32)
-        lse = torch.empty_like(parts[0][1])  # (B, Hq, 1)
-        merge_many_into(out, lse, parts)
-        if self.size == 1:
-            return out
-        outs = [torch.empty_like(out) for _ in range(self.size)]  # (B, 1, Hq, D) each
-        lses = [torch.empty_like(lse) for _ in range(self.size)]  # (B, Hq, 1) each
-        dist.all_gather(outs, out.contiguous(), group=self.group)
-        dist.all_gather(lses, lse.contiguous(), group=self.group)
-        merged, merged_lse = torch.empty_like(q), torch.empty_like(lse)
-        merge_many_into(merged, merged_lse, list(zip(outs, lses)))
-        return merged
+        out, lse = _merged([block_forward(q, k.transpose(1, 2), v.transpose(1, 2),
+                                          MaskSpec(causal=False), scale=scale,
+                                          backend="reference") for k, v in held])
+        if self.size > 1:
+            outs = [torch.empty_like(out) for _ in range(self.size)]  # (B, 1, Hq, D) each
+            lses = [torch.empty_like(lse) for _ in range(self.size)]  # (B, Hq, 1) each
+            dist.all_gather(outs, out.contiguous(), group=self.group)
+            dist.all_gather(lses, lse.contiguous(), group=self.group)
+            out, lse = _merged(list(zip(outs, lses)))
+        return out.to(q.dtype)
+
+
+def _merged(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attentions of the same query over disjoint keys, combined through their lse in
+    float32 (`lctrain_kernels.combine.merge`; tiny tensors, plain torch ops)."""
+    from lctrain_kernels.combine import merge
+
+    out, lse = parts[0][0].float(), parts[0][1].float()
+    for other, other_lse in parts[1:]:
+        out, lse = merge(out, lse, other, other_lse)
+    return out, lse
 
 
 def eval_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
