@@ -351,6 +351,12 @@ def test_eval_mistakes_are_one_sentence(tmp_path, model_folder):
         (["eval", str(model_folder), "--task", "passkey", "--lengths", "64"], "too short"),
         (["eval", str(model_folder), "--plot", str(tmp_path / "p.txt")], "must end in one of"),
         (["eval", "tiny", "--set", "parallel.schedule=context_parallel"], "context_parallel"),
+        (["eval", "tiny", "--task", "ppl", "--trials", "3"], "--trials is a setting of --task "
+                                                             "passkey"),
+        (["eval", "tiny", "--task", "passkey", "--bucket", "4k"], "--bucket is a setting of "
+                                                                 "--task ppl"),
+        (["eval", "tiny", "--task", "passkey", "--seq-len", "1k", "--lengths", "2k"],
+         "--seq-len and --lengths both"),
     ]
     for args, message in cases:
         result = runner.invoke(app, args)

@@ -46,10 +46,11 @@ DepthsOpt = Annotated[Optional[str], typer.Option(
     "--depths", metavar="LIST", show_default=False,
     help="passkey: where the number is hidden, as shares of the filler (default: "
          "0,0.25,0.5,0.75,1).")]
-TrialsOpt = Annotated[int, typer.Option(
-    "--trials", min=1, metavar="N", help="passkey: prompts (random numbers) per length and "
-                                         "depth.")]
-SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="passkey: seed of the numbers.")]
+TrialsOpt = Annotated[Optional[int], typer.Option(
+    "--trials", min=1, metavar="N", show_default=False,
+    help="passkey: prompts (random numbers) per length and depth (default: 1).")]
+SeedOpt = Annotated[Optional[int], typer.Option(
+    "--seed", metavar="N", show_default=False, help="passkey: seed of the numbers (default: 0).")]
 EvalJsonOpt = Annotated[Optional[str], typer.Option(
     "--json", metavar="FILE", show_default=False,
     help="Also write the result JSON (rows, settings, time, peak memory) to FILE.")]
@@ -58,8 +59,8 @@ EvalJsonOpt = Annotated[Optional[str], typer.Option(
 def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt = None,
                  seq_len: SeqLenOpt = None, cp: CpOpt = None, data: DataOpt = None,
                  bucket: BucketOpt = None, max_rows: MaxRowsOpt = None,
-                 lengths: LengthsOpt = None, depths: DepthsOpt = None, trials: TrialsOpt = 1,
-                 seed: SeedOpt = 0, overrides: SetOpt = None, nproc: NprocOpt = None,
+                 lengths: LengthsOpt = None, depths: DepthsOpt = None, trials: TrialsOpt = None,
+                 seed: SeedOpt = None, overrides: SetOpt = None, nproc: NprocOpt = None,
                  json_file: EvalJsonOpt = None, plot: PlotOpt = None,
                  fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Evaluate a model at long context, forward only, on all local GPUs (cp from --cp or the

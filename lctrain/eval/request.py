@@ -80,15 +80,24 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
             cp: int | None = None, data: str | None = None, overrides: list[str] = (),
             bucket: int | None = None, max_rows: int | None = None,
             lengths: list[int] | None = None, depths: list[float] | None = None,
-            trials: int = 1, seed: int = 0) -> tuple[RecipeConfig, EvalRequest]:
-    """The recipe and request of ``lctrain eval TARGET`` (see the module docstring).
+            trials: int | None = None, seed: int | None = None
+            ) -> tuple[RecipeConfig, EvalRequest]:
+    """The recipe and request of ``lctrain eval TARGET`` (see the module docstring); None
+    means not given.
 
     Raises:
         UserError: a target that is none of the three, ``--step`` for a target that is not a
-            run, no checkpoint (of that step), a bad override, length, depth or data source.
+            run, no checkpoint (of that step), a bad override, length, depth or data source,
+            or an option of the other task.
     """
     if task not in ("ppl", "passkey"):
         raise UserError(f"--task {task!r} is not one of ppl, passkey")
+    _check_task_options(task, {"--bucket": bucket, "--max-rows": max_rows, "--data": data},
+                        {"--lengths": lengths, "--depths": depths, "--trials": trials,
+                         "--seed": seed})
+    if task == "passkey" and seq_len is not None and lengths:
+        raise UserError("--seq-len and --lengths both give the passkey length; give --lengths "
+                        "alone (several lengths) or --seq-len alone (one)")
     raw, kind, source = _target_recipe(target)
     checkpoint = None
     if step is not None and kind != "run":
@@ -119,6 +128,7 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
                             "0,0.25,0.5,0.75,1")
     if bucket is not None and bucket < 1:
         raise UserError(f"--bucket {bucket} must be at least 1 token")
+    trials, seed = (1 if trials is None else trials), (0 if seed is None else seed)
     if trials < 1:
         raise UserError(f"--trials {trials} must be at least 1")
     request = EvalRequest(
@@ -127,6 +137,16 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
         bucket=bucket or math.ceil(cfg.data.seq_len / DEFAULT_BUCKETS), lengths=tuple(lengths),
         depths=depths, trials=trials, seed=seed)
     return cfg, request
+
+
+def _check_task_options(task: str, ppl: dict, passkey: dict) -> None:
+    """Refuse options of the other task (they would be ignored)."""
+    other = passkey if task == "ppl" else ppl
+    for name, value in other.items():
+        if value is not None:
+            owner = "passkey" if task == "ppl" else "ppl"
+            raise UserError(f"{name} is a setting of --task {owner}, not of --task {task}; drop "
+                            f"it or use --task {owner}")
 
 
 def _target_recipe(target: str) -> tuple[dict, str, str]:
