@@ -105,15 +105,12 @@ class DataConfig:
     rank 0), reused by the other ranks and by later runs with the same source files, tokenizer
     and settings; null = ``$XDG_CACHE_HOME/lctrain/data`` (``~/.cache/lctrain/data``)."""
     eval_source: str | None = None
-    """Validation data (a source like data.source, read, formatted and packed with the same
-    settings); its mean token loss is logged as eval_loss. At most one of eval_source and
-    eval_fraction."""
+    """Validation data, a source like data.source prepared with the same settings (logged as
+    eval_loss); or use eval_fraction, not both."""
     eval_fraction: float = 0.0
-    """Share of data.source's documents (records) held out for validation instead of trained
-    on, chosen at random by data.eval_seed before packing; 0 = none."""
+    """Share of data.source's documents held out for validation, chosen by eval_seed; 0 = none."""
     eval_seed: int = 0
-    """Seed of the documents data.eval_fraction holds out (the same seed holds out the same
-    documents in every run)."""
+    """Seed of the documents eval_fraction holds out (the same in every run)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
@@ -124,8 +121,7 @@ class DataConfig:
         if self.max_documents is not None:
             require(self.max_documents >= 1, "data.max_documents",
                     f"is {self.max_documents} but must be at least 1 (or null for all)")
-        require(self.eval_source is None or self.eval_source.strip() != "", "data.eval_source",
-                "is empty; give a file, builtin or a hub name (or null for none)")
+        require(self.eval_source != "", "data.eval_source", "is empty; give a file or null")
         require(0 <= self.eval_fraction < 1, "data.eval_fraction",
                 f"is {self.eval_fraction} but must be in [0, 1) (0 = hold out nothing)")
         require(self.eval_source is None or self.eval_fraction == 0, "data.eval_fraction",
@@ -246,12 +242,10 @@ class TrainConfig:
                 f"is {self.host_memory} but must be positive (or null to read /proc/meminfo)")
         require(self.eval_every >= 0, "train.eval_every",
                 f"is {self.eval_every} but must be ≥ 0 (0 = after the last step only)")
-        require(len(self.report_to) > 0, "train.report_to",
-                f"is empty; list one or both of {', '.join(REPORT_TO)}")
+        require(len(self.report_to) > 0, "train.report_to", "is empty; list jsonl and/or tensorboard")
         for i, name in enumerate(self.report_to):
-            require(name in REPORT_TO, f"train.report_to[{i}]",
-                    f"is {name!r} but must be one of {', '.join(REPORT_TO)}"
-                    f"{suggest(name, REPORT_TO)}")
+            require(name in REPORT_TO, f"train.report_to[{i}]", f"is {name!r} but must be jsonl or "
+                    f"tensorboard{suggest(name, REPORT_TO)}")
             require(self.report_to.count(name) == 1, "train.report_to", f"names {name} twice")
 
 

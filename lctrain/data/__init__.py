@@ -21,8 +21,8 @@ from lctrain.data.split import PARTS, held_out, part_samples
 from lctrain.data.tokenizer import ByteTokenizer, encode_documents, load_tokenizer, pad_token_id
 
 __all__ = [
-    "FORMATS", "IGNORE", "PARTS", "ByteTokenizer", "Encoder", "PackedBatch", "PackedRows", "Record",
-    "RecordReader", "Sample", "TokenStream", "builtin_documents", "detect_format",
+    "FORMATS", "IGNORE", "PARTS", "ByteTokenizer", "Encoder", "PackedBatch", "PackedRows",
+    "Record", "RecordReader", "Sample", "TokenStream", "builtin_documents", "detect_format",
     "encode_documents", "eval_batches", "held_out", "iter_batches", "load_tokenizer", "pack",
     "pad_token_id", "part_samples", "plan_rows",
     "plan_steps", "prepare_data", "rows_summary", "shard_batch", "steps_summary",

@@ -301,7 +301,8 @@ def _long_text(rows: PackedRows) -> str:
     extra = (f" ({plan.left_out:,} kept no target token and were left out)"
              if plan.left_out and info["long_samples"] != "drop" else "")
     return (f"long samples: {plan.long:,} longer than {rows.seq_len:,} tokens {what}{extra} "
-            f"(longest {info.get('part_longest', info['longest']):,}; first at {where}; data.long_samples)")
+            f"(longest {info.get('part_longest', info['longest']):,}; first at {where}; "
+            f"data.long_samples)")
 
 
 def _where(folder: Path, index: int) -> str:

@@ -18,8 +18,8 @@ group would need the whole sequence's attention on one GPU for every generated t
   also the tokens generated so far (one copy of them, so that no key counts twice) — giving a
   partial output and its log-sum-exp; the parts are all-gathered over the cp group (a few KiB)
   and merged through their lse in float32 (`lctrain_kernels.combine.merge`), which is exactly
-  attention over all keys. Every rank then holds the same hidden state and the same logits; cp rank 0's
-  greedy choice is broadcast so the ranks cannot drift apart.
+  attention over all keys. Every rank then holds the same hidden state and the same logits;
+  cp rank 0's greedy choice is broadcast so the ranks cannot drift apart.
 
 The model is built with the attention function registered here (``lctrain_eval``): without a
 ``lctrain_kv`` keyword in the call it IS the "lctrain" attention (`lctrain.model.attention`),

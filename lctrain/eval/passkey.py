@@ -16,9 +16,9 @@ tokenizer's leading specials in front), so its length is exact: the filler is a 
 endlessly repeated sentences that ends with a whole sentence (only its first one may be cut).
 The needle goes at the sentence boundary of the filler at or before ``depth`` × the filler's
 tokens (depth 0: right after the introduction; 1: right before the question), and
-`PasskeyPrompt` records where it landed in tokens. The model then decodes greedily a few tokens (`lctrain.eval.decode`: the
-prompt runs distributed over the cp ranks); the answer is the first run of digits in what it
-wrote, and it is right when it equals the passkey.
+`PasskeyPrompt` records where it landed in tokens. The model then decodes a few tokens greedily
+(`lctrain.eval.decode`: the prompt runs distributed over the cp ranks); the answer is the first
+run of digits in what it wrote, and it is right when it equals the passkey.
 """
 from __future__ import annotations
 

@@ -72,7 +72,8 @@ def run_ppl(setup, parts, request) -> tuple[list[dict], dict]:
     out = []
     for b in range(buckets):
         lo, hi = b * width, min((b + 1) * width, seq_len)
-        out.append(_ppl_row(f"{token_text(lo)}–{token_text(hi)}", lo, hi, sums[0][b], sums[1][b]))
+        name = f"{token_text(lo)}–{token_text(hi)}"
+        out.append(_ppl_row(name, lo, hi, sums[0][b], sums[1][b]))
     out.append(_ppl_row("all", 0, seq_len, sum(sums[0]), sum(sums[1])))
     meta = {"rows": count, "rows_available": len(rows), "data_source": rows.info["source"],
             "data_part": request.part, "bucket": width, "seconds": seconds,

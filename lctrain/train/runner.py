@@ -126,7 +126,8 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
         setup = dataclasses.replace(setup, cfg=_with_steps(setup, len(dataset)))
         parts = build_model(setup)
         trainer = build_trainer(setup, parts, resume_from)
-        train(setup, parts, trainer, dataset, resumed=resume_from is not None, eval_rows=eval_rows)
+        train(setup, parts, trainer, dataset, resumed=resume_from is not None,
+              eval_rows=eval_rows)
         cfg = setup.cfg
         if setup.main and cfg.checkpoint.enabled and cfg.checkpoint.export_final:
             export_final(cfg)

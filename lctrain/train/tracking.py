@@ -29,7 +29,7 @@ from lctrain.train.metrics import MetricsLog
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
            "eval_loss": "eval/loss", "tokens_per_s": "perf/tokens_per_s",
            "step_time_s": "perf/step_time_s", "mfu": "perf/mfu"}
-"""metrics.jsonl key -> TensorBoard tag (peak memory is written in GiB as perf/peak_memory_gib)."""
+"""metrics.jsonl key -> TensorBoard tag (peak memory goes in GiB, as perf/peak_memory_gib)."""
 
 _EVENTS = "events.out.tfevents.*"
 
