@@ -47,6 +47,17 @@ def _result(kind: str):
     return BenchResult(kind=kind, title=kind, rows=[row])
 
 
+def _eval_result(task: str):
+    from lctrain.eval.result import EvalResult
+
+    rows = ([{"bucket": "0–4K", "start": 0, "stop": 4096, "tokens": 9, "loss": 2.0, "ppl": 7.4},
+             {"bucket": "all", "start": 0, "stop": 4096, "tokens": 9, "loss": 2.0, "ppl": 7.4}]
+            if task == "ppl" else
+            [{"seq_len": 1024, "depth": 0.5, "needle_position": 500, "accuracy": 1.0,
+              "correct": 1, "trials": 1, "passkey": "12345", "answer": "12345."}])
+    return EvalResult(task=task, title=task, rows=rows, meta={"seq_len": 4096})
+
+
 def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
     """Record the library calls; the bench's result is a real (tiny) BenchResult, so the
     output path (table, JSON, plot) runs for real."""
@@ -72,7 +83,14 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
         setattr(fake, attr, recorder(module, result))
         monkeypatch.setitem(sys.modules, module, fake)
     import lctrain.bench.tiles
+    import lctrain.eval.request
 
+    monkeypatch.setattr(lctrain.eval.request, "resolve",  # the target need not exist here
+                        lambda target, *, task, **_: (None, types.SimpleNamespace(task=task)))
+    fake = types.ModuleType("lctrain.eval.run")
+    fake.evaluate = lambda cfg, request, **kw: recorder("lctrain.eval.run", _eval_result(
+        request.task))(cfg, request, **kw)
+    monkeypatch.setitem(sys.modules, "lctrain.eval.run", fake)
     for module, kind in [(lctrain.bench.kernel, "kernel"), (lctrain.bench.attention, "attention"),
                          (lctrain.bench.step, "step"), (lctrain.bench.tiles, "tiles")]:
         monkeypatch.setattr(module, "run", recorder(module.__name__, _result(kind)))
@@ -85,7 +103,7 @@ EXAMPLES = [line for line in _code_lines()
 
 def test_the_readme_has_examples_of_every_command():
     for command in ("finetune", "estimate-memory", "bench kernel", "bench attention", "bench step",
-                    "bench tiles", "bench report", "export"):
+                    "bench tiles", "bench report", "export", "eval"):
         assert any(line.startswith(f"lctrain {command}") for line in EXAMPLES), command
 
 

@@ -178,13 +178,15 @@ def _parent(cfg: RecipeConfig) -> str:
 
 def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,
                   save_every: int = 0) -> RecipeConfig:
-    """The recipe with the step count, a per-step log, a scratch output folder and
-    checkpoints only every ``save_every`` steps (none when 0; never a final export)."""
+    """The recipe with the step count, a per-step log (metrics.jsonl only), no validation, a
+    scratch output folder and checkpoints only every ``save_every`` steps (none when 0; never a
+    final export)."""
     train = dataclasses.replace(cfg.train, max_steps=total_steps, epochs=None, log_every=1,
-                                output_dir=str(output_dir))
+                                output_dir=str(output_dir), eval_every=0, report_to=("jsonl",))
+    data = dataclasses.replace(cfg.data, eval_source=None, eval_fraction=0.0)
     checkpoint = dataclasses.replace(cfg.checkpoint, enabled=save_every > 0, every=save_every,
                                      keep=1, export_final=False)
-    return dataclasses.replace(cfg, train=train, checkpoint=checkpoint)
+    return dataclasses.replace(cfg, data=data, train=train, checkpoint=checkpoint)
 
 
 def _read_metrics(path: Path) -> list[dict]:

@@ -4,6 +4,7 @@
     lctrain estimate-memory [RECIPE] --seq-len 512k --gpus 8 --gpu-memory 80GiB
     lctrain bench kernel|attention|step|tiles|report ...
     lctrain export RUN_DIR --output DIR [--step N] [--dtype bfloat16] [--merge]
+    lctrain eval TARGET --task ppl|passkey [--seq-len 128k] [--cp N] [--lengths 32k,64k] ...
     lctrain report RUN_DIR...
     lctrain --version
 """
@@ -13,6 +14,7 @@ import typer
 
 from lctrain.cli import bench
 from lctrain.cli.estimate import estimate_memory
+from lctrain.cli.eval import eval_command
 from lctrain.cli.export import export
 from lctrain.cli.finetune import finetune
 from lctrain.cli.report import report
@@ -45,6 +47,7 @@ app.command("finetune")(finetune)
 app.command("estimate-memory")(estimate_memory)
 app.add_typer(bench.app, name="bench")
 app.command("export")(export)
+app.command("eval")(eval_command)
 app.command("report")(report)
 
 

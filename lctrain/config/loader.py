@@ -127,6 +127,8 @@ def build_checked(raw: dict[str, Any], source: str, origins: dict[str, str]) -> 
         cfg = build_recipe(raw, source)
         check_model_path(cfg.model.path)
         local_data(cfg.data.source)
+        if cfg.data.eval_source is not None:
+            local_data(cfg.data.eval_source, what="data.eval_source")
     except ConfigError as error:
         origin = _origin(error.key, origins, source)
         named = origin.split(" ", 1)[1] in str(error)  # the message already says where

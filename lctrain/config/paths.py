@@ -94,8 +94,9 @@ class LocalData:
     """Matching files, sorted."""
 
 
-def local_data(source: str) -> LocalData | None:
-    """Resolve ``data.source`` to local files, or None for ``builtin`` and hub names.
+def local_data(source: str, *, what: str = "data.source") -> LocalData | None:
+    """Resolve ``data.source`` (or the setting named ``what``) to local files, or None for
+    ``builtin`` and hub names.
 
     Raises:
         ConfigError: the source looks local (a suffix, a glob, a path that exists) but matches
@@ -109,23 +110,23 @@ def local_data(source: str) -> LocalData | None:
     if not (is_pattern or suffix in DATA_BUILDERS or os.path.exists(expanded)):
         if looks_like_hub_name(source):
             return None
-        raise ConfigError(f"data.source {source!r} is neither builtin, an existing file nor a hub "
+        raise ConfigError(f"{what} {source!r} is neither builtin, an existing file nor a hub "
                           f"name; give a .txt/.jsonl/.json/.parquet file or glob")
     if os.path.isdir(expanded):
-        raise ConfigError(f"data.source {source!r} is a folder; give a file or a glob such as "
+        raise ConfigError(f"{what} {source!r} is a folder; give a file or a glob such as "
                           f"{os.path.join(source, '*.jsonl')}")
     files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
     if not files:
-        raise ConfigError(f"data.source {source!r} matches no file; check the path (relative "
+        raise ConfigError(f"{what} {source!r} matches no file; check the path (relative "
                           f"paths start from {os.getcwd()})")
     suffixes = {Path(f).suffix.lower() for f in files}
     unknown = suffixes - set(DATA_BUILDERS)
     if unknown:
-        raise ConfigError(f"data.source {source!r} matches files ending in {sorted(unknown)}; "
+        raise ConfigError(f"{what} {source!r} matches files ending in {sorted(unknown)}; "
                           f"lctrain reads .txt, .jsonl, .json and .parquet")
     builders = {DATA_BUILDERS[s] for s in suffixes}
     if len(builders) > 1:
-        raise ConfigError(f"data.source {source!r} mixes file kinds {sorted(suffixes)}; "
+        raise ConfigError(f"{what} {source!r} mixes file kinds {sorted(suffixes)}; "
                           f"use a glob that matches one kind")
     return LocalData(builder=builders.pop(), files=files)
 

@@ -28,7 +28,8 @@ from lctrain.errors import ConfigError
 
 RESUMABLE = (
     "train.max_steps", "train.epochs", "train.log_every",
-    "train.collective_timeout", "train.max_nonfinite_steps",
+    "train.collective_timeout", "train.max_nonfinite_steps", "train.eval_every",
+    "train.report_to",
     "train.batch_size", "train.grad_accum",
     "train.checkpointing", "train.host_memory", "train.loss_chunk_tokens",
     "parallel.cp", "parallel.dp", "parallel.schedule", "parallel.attention_backend",

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lctrain.config.fields import MEMORY, SIZE, check_fields, require
+from lctrain.config.fields import MEMORY, SIZE, check_fields, require, suggest
 from lctrain.config.model_shapes import check_model_shapes
 from lctrain.errors import ConfigError
 from lctrain_kernels.vocabulary import (BACKENDS, SCHEDULES, check_seq_len, schedule_layout,
@@ -30,6 +30,9 @@ ATTENTION_BACKENDS = ("auto", *BACKENDS)
 CHECKPOINTING_POLICIES = ("none", "full", "remat", "remat-offload")
 """Activation checkpointing policies (``train.checkpointing``), implemented by
 `lctrain.parallel.checkpointing` and modelled by `lctrain.memory`."""
+
+REPORT_TO = ("jsonl", "tensorboard")
+"""Where a run's metrics go (``train.report_to``): metrics.jsonl, TensorBoard event files."""
 
 BYTE_TOKENIZER_VOCAB = 259
 """Vocabulary of the ``"bytes"`` tokenizer: 256 byte values + bos, eos, pad (see lctrain.data)."""
@@ -126,6 +129,13 @@ class DataConfig:
     """Folder of the prepared-data cache: tokenized and packed once per machine (by its local
     rank 0), reused by the other ranks and by later runs with the same source files, tokenizer
     and settings; null = ``$XDG_CACHE_HOME/lctrain/data`` (``~/.cache/lctrain/data``)."""
+    eval_source: str | None = None
+    """Validation data, a source like data.source prepared with the same settings (logged as
+    eval_loss); or use eval_fraction, not both."""
+    eval_fraction: float = 0.0
+    """Share of data.source's documents held out for validation, chosen by eval_seed; 0 = none."""
+    eval_seed: int = 0
+    """Seed of the documents eval_fraction holds out (the same in every run)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
@@ -136,6 +146,17 @@ class DataConfig:
         if self.max_documents is not None:
             require(self.max_documents >= 1, "data.max_documents",
                     f"is {self.max_documents} but must be at least 1 (or null for all)")
+        require(self.eval_source != "", "data.eval_source", "is empty; give a file or null")
+        require(0 <= self.eval_fraction < 1, "data.eval_fraction",
+                f"is {self.eval_fraction} but must be in [0, 1) (0 = hold out nothing)")
+        require(self.eval_source is None or self.eval_fraction == 0, "data.eval_fraction",
+                f"is {self.eval_fraction} but data.eval_source is set too; validate on one: set "
+                "data.eval_fraction=0 or data.eval_source=null")
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether validation data is set (data.eval_source or data.eval_fraction)."""
+        return self.eval_source is not None or self.eval_fraction > 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +242,12 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     """Steps in a row whose loss or gradient norm is not finite (their updates are skipped)
     after which the run stops with an error."""
+    eval_every: int = 0
+    """Compute the validation loss (data.eval_source / data.eval_fraction) every N optimizer
+    steps and after the last; 0 = only after the last."""
+    report_to: tuple[str, ...] = REPORT_TO
+    """Where metrics go, from rank 0: ``jsonl`` (output_dir/metrics.jsonl) and/or
+    ``tensorboard`` (event files beside it, for ``tensorboard --logdir``)."""
     output_dir: str = "runs/lctrain"
     """Folder for config.yaml, metrics.jsonl and checkpoints/."""
 
@@ -251,6 +278,13 @@ class TrainConfig:
                 f"is {self.collective_timeout} but must be at least 1 (seconds)")
         require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps",
                 f"is {self.max_nonfinite_steps} but must be at least 1")
+        require(self.eval_every >= 0, "train.eval_every",
+                f"is {self.eval_every} but must be ≥ 0 (0 = after the last step only)")
+        require(len(self.report_to) > 0, "train.report_to", "is empty; list jsonl and/or tensorboard")
+        for i, name in enumerate(self.report_to):
+            require(name in REPORT_TO, f"train.report_to[{i}]", f"is {name!r} but must be jsonl or "
+                    f"tensorboard{suggest(name, REPORT_TO)}")
+            require(self.report_to.count(name) == 1, "train.report_to", f"names {name} twice")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,6 +404,11 @@ class RecipeConfig:
                 f"(attention takes one set of document boundaries per step); use "
                 f"train.grad_accum={self.train.batch_size * self.train.grad_accum} instead or set "
                 f"data.document_mask=false", key="train.batch_size")
+        if self.train.eval_every and not self.data.has_eval:
+            raise ConfigError(
+                f"train.eval_every is {self.train.eval_every} but there is no validation data; "
+                "set data.eval_source or data.eval_fraction, or train.eval_every=0",
+                key="train.eval_every")
         if self.parallel.schedule == "context_parallel" and self.data.document_mask:
             raise ConfigError(
                 "parallel.schedule context_parallel (torch's ring attention) has no document "

@@ -83,6 +83,39 @@ def iter_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
         step += 1
 
 
+def eval_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
+                 limit: int | None = None) -> Iterator[PackedBatch]:
+    """This dp rank's batches of an evaluation: every row once over all dp ranks, in order.
+
+    Batch k of dp rank d holds rows ``(k × dp_size + d) × batch_size + i``. Every dp rank
+    yields the same number of batches, ceil(rows / (dp_size × batch_size)), because the
+    forwards of all ranks run in step (FSDP2 gathers parameters over all of them); a slot past
+    the last row holds row 0 with every label masked, which adds nothing to any sum.
+
+    Args:
+        ds: packed rows.
+        batch_size: rows per batch.
+        dp_rank, dp_size: this rank's data-parallel index and the number of dp groups.
+        limit: evaluate only the first ``limit`` rows (None = all).
+
+    Raises:
+        DataError: no rows.
+    """
+    n_rows = len(ds) if limit is None else min(limit, len(ds))
+    if n_rows == 0:
+        raise DataError("the evaluation data has no rows; check its source")
+    per_step = dp_size * batch_size
+    for step in range(-(-n_rows // per_step)):
+        first = (step * dp_size + dp_rank) * batch_size
+        rows = [ds.row(r) if r < n_rows else _masked(ds.row(0))
+                for r in range(first, first + batch_size)]
+        yield _collate(rows)
+
+
+def _masked(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {**row, "labels": np.full_like(row["labels"], -100)}
+
+
 def plan_steps(*, rows: int, rows_per_step: int, max_steps: int | None,
                epochs: float | None) -> int:
     """Optimizer steps of a run: ``max_steps``, the steps of ``epochs`` passes over ``rows``

@@ -119,7 +119,7 @@ class Encoder:
         if fmt == "chat":
             check_chat_tokenizer(tokenizer)
         if fmt == "prompt_completion":
-            self._prefix = _leading_specials(tokenizer)
+            self._prefix = leading_specials(tokenizer)
 
     def encode(self, records: Sequence[Record]) -> list[Sample]:
         """The samples of ``records`` (a batch, so fast tokenizers run batched); records with
@@ -166,8 +166,8 @@ class Encoder:
             return []
         eos = self.tokenizer.eos_token_id
         samples = []
-        for p, c, where in zip(_plain(self.tokenizer, prompts), _plain(self.tokenizer, completions),
-                               wheres):
+        for p, c, where in zip(plain_ids(self.tokenizer, prompts),
+                               plain_ids(self.tokenizer, completions), wheres):
             head, tail = self._prefix + p, c + ([] if eos is None else [eos])
             samples.append(Sample(_ids(head + tail), np.array([False] * len(head) + [True] * len(tail)),
                                   where))
@@ -249,14 +249,14 @@ def _ids(values: Sequence[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int32)
 
 
-def _plain(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+def plain_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Token ids of each text with no special token added."""
     if isinstance(tokenizer, ByteTokenizer):
         return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def _leading_specials(tokenizer: Any) -> list[int]:
+def leading_specials(tokenizer: Any) -> list[int]:
     """The special ids the tokenizer puts before a text (bos for most), found by encoding a
     probe with and without special tokens."""
     if isinstance(tokenizer, ByteTokenizer):

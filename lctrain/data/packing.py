@@ -90,38 +90,49 @@ class RowPlan:
         return int(self.offsets.shape[0] - 1)
 
 
-def plan_rows(stream: TokenStream, seq_len: int, mode: str) -> RowPlan:
+def plan_rows(stream: TokenStream, seq_len: int, mode: str,
+              samples: np.ndarray | None = None) -> RowPlan:
     """Choose the pieces of every row (see the module docstring).
 
     Args:
         stream: the samples.
         seq_len: tokens per row.
         mode: ``split``, ``truncate_left``, ``truncate_right`` or ``drop``.
+        samples: sorted indices of the samples to pack (a training or validation part, see
+            `lctrain.data.split`); None = all. Under ``split`` the chosen samples lie end to
+            end in their order, so a row may hold pieces of samples that are not neighbours in
+            the stream.
 
     Raises:
-        DataError: the stream has no token, or every sample was left out.
+        DataError: the stream (or the chosen part) has no token, or every sample was left out.
     """
-    if stream.total == 0:
+    chosen = np.arange(stream.bounds.size - 1) if samples is None else np.asarray(samples,
+                                                                                 np.int64)
+    lengths = np.diff(stream.bounds)[chosen]
+    if int(lengths.sum()) == 0:
         raise DataError("the data yields no token to train on; check data.source and data.format")
-    lengths = np.diff(stream.bounds)
-    too_long = np.flatnonzero(lengths > seq_len)
+    too_long = chosen[lengths > seq_len]
     first = int(too_long[0]) if too_long.size else -1
-    if mode == "split":
+    if mode == "split" and samples is None:  # the whole stream: one piece per row
         starts = np.arange(0, stream.total, seq_len, dtype=np.int64)
         return RowPlan(starts, np.minimum(starts + seq_len, stream.total),
                        np.arange(starts.size + 1, dtype=np.int64), int(too_long.size), 0, first)
+    if mode == "split":
+        starts, stops, offsets = _split_pieces(stream.bounds, chosen, seq_len)
+        return RowPlan(starts, stops, offsets, int(too_long.size), 0, first)
     if mode not in WHOLE_SAMPLE_MODES:
         raise ValueError(f"unknown long_samples mode {mode!r}")
-    starts, stops = stream.bounds[:-1].copy(), stream.bounds[1:].copy()
+    starts, stops = stream.bounds[chosen].copy(), stream.bounds[chosen + 1].copy()
+    long_at = np.flatnonzero(lengths > seq_len)
     if mode == "truncate_left":
-        starts[too_long] = stops[too_long] - seq_len
+        starts[long_at] = stops[long_at] - seq_len
     elif mode == "truncate_right":
-        stops[too_long] = starts[too_long] + seq_len
-    keep = np.ones(lengths.size, bool)
+        stops[long_at] = starts[long_at] + seq_len
+    keep = np.ones(chosen.size, bool)
     if mode == "drop":
-        keep[too_long] = False
+        keep[long_at] = False
     else:
-        for s in too_long:
+        for s in long_at:
             keep[s] = bool(np.any(stream.targets[starts[s]:stops[s]]))
     kept = np.flatnonzero(keep)
     if kept.size == 0:
@@ -133,7 +144,27 @@ def plan_rows(stream: TokenStream, seq_len: int, mode: str) -> RowPlan:
     counts = np.bincount(rows, minlength=int(rows.max()) + 1)
     return RowPlan(starts[kept][order], stops[kept][order],
                    np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-                   int(too_long.size), int(lengths.size - kept.size), first)
+                   int(too_long.size), int(chosen.size - kept.size), first)
+
+
+def _split_pieces(bounds: np.ndarray, chosen: np.ndarray,
+                  seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, stops, offsets) of ``split`` rows over the chosen samples laid end to end: a
+    piece ends at every sample end and every multiple of seq_len of the joined tokens."""
+    lengths = bounds[chosen + 1] - bounds[chosen]
+    joined = np.concatenate([[0], np.cumsum(lengths)])  # sample starts in the joined tokens
+    total = int(joined[-1])
+    cuts = np.union1d(joined, np.arange(0, total, seq_len, dtype=np.int64))
+    cuts = cuts[cuts < total]  # (pieces,) joined start of each piece
+    ends = np.append(cuts[1:], total)
+    sample = np.searchsorted(joined, cuts, side="right") - 1  # which chosen sample holds it
+    keep = ends > cuts  # empty samples make empty pieces
+    cuts, ends, sample = cuts[keep], ends[keep], sample[keep]
+    starts = bounds[chosen[sample]] + (cuts - joined[sample])
+    rows = cuts // seq_len
+    counts = np.bincount(rows, minlength=int(rows.max()) + 1)
+    return (starts.astype(np.int64), (starts + ends - cuts).astype(np.int64),
+            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
 
 
 def _best_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:

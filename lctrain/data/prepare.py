@@ -14,6 +14,7 @@ same way.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -28,6 +29,7 @@ from lctrain.data import cache
 from lctrain.data.formats import Encoder, Skips, detect_format
 from lctrain.data.packing import PackedRows, RowPlan, TokenStream, plan_rows
 from lctrain.data.records import Record, RecordReader, source_identity
+from lctrain.data.split import part_samples
 from lctrain.data.tokenizer import ByteTokenizer, pad_token_id
 from lctrain.errors import DataError
 
@@ -36,7 +38,7 @@ _BATCH = 512
 
 
 def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
-                 show_progress: bool = False) -> PackedRows:
+                 show_progress: bool = False, part: str = "train") -> PackedRows:
     """The packed rows of ``data``, from the cache or prepared into it.
 
     Args:
@@ -45,13 +47,26 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
         leader: this process builds what the cache lacks; the others wait for it. Exactly one
             process per machine (and cache folder) should be the leader.
         show_progress: print what is being prepared and how far it has got (rank 0).
+        part: ``train`` — data.source without the documents data.eval_fraction holds out (all
+            of it when that is 0); ``eval`` — the validation rows: data.eval_source prepared
+            with the same settings, or the held-out documents (`lctrain.data.split`).
 
     Returns:
         PackedRows whose ``info`` says what was found (see `rows_summary`).
 
     Raises:
-        DataError: unreadable source, bad record, no token to train on, unwritable cache.
+        DataError: unreadable source, bad record, no token to train on, unwritable cache, no
+            validation data for ``eval``, or an eval_fraction that holds out none or all.
     """
+    if part == "eval" and data.eval_source is not None:
+        own = dataclasses.replace(data, source=data.eval_source, eval_source=None,
+                                  max_documents=None)
+        rows = prepare_data(own, tokenizer, leader=leader, show_progress=show_progress)
+        rows.info["part"] = "eval"
+        return rows
+    if part == "eval" and data.eval_fraction == 0:
+        raise DataError("there is no validation data; set data.eval_source (a file) or "
+                        "data.eval_fraction (a share of data.source's documents)")
     root = Path(data.cache_dir).expanduser() if data.cache_dir else cache.default_cache_dir()
     folder = root / cache.digest(["tokens", source_identity(data), tokenizer_identity(tokenizer),
                                   data.format, data.text_field, data.max_documents])
@@ -64,22 +79,45 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
                                                                      show_progress))
                 built["tokens"] = True
             meta = _meta(folder)
-            rows_file = _rows_file(folder, data, meta)
+            samples = part_samples(data, part, meta["samples"])
+            rows_file = _rows_file(folder, data, meta, part if samples is not None else None)
             if not rows_file.exists():
                 stream = _open_stream(folder, meta)
                 cache.write_file(rows_file, lambda tmp: _save_plan(
-                    tmp, plan_rows(stream, data.seq_len, _mode(data, meta))))
+                    tmp, plan_rows(stream, data.seq_len, _mode(data, meta), samples)))
                 built["rows"] = True
     else:
         cache.wait_for(folder / "meta.json")
         meta = _meta(folder)
-        rows_file = _rows_file(folder, data, meta)
+        samples = part_samples(data, part, meta["samples"])
+        rows_file = _rows_file(folder, data, meta, part if samples is not None else None)
         cache.wait_for(rows_file)
+    stream = _open_stream(folder, meta)
     info = {**meta, "cache": str(folder), "built_tokens": built["tokens"],
             "built_rows": built["rows"], "seconds": time.perf_counter() - start,
-            "long_samples": _mode(data, meta), "source": data.source}
-    return PackedRows(_open_stream(folder, meta), _load_plan(rows_file), seq_len=data.seq_len,
+            "long_samples": _mode(data, meta), "source": data.source, "part": part,
+            **_part_counts(stream, data, part, samples)}
+    return PackedRows(stream, _load_plan(rows_file), seq_len=data.seq_len,
                       document_mask=data.document_mask, pad_id=pad_token_id(tokenizer), info=info)
+
+
+def _part_counts(stream: TokenStream, data: DataConfig, part: str,
+                 samples: np.ndarray | None) -> dict:
+    """What a part of the source holds: its documents, tokens and target tokens, and how many
+    documents were held out (nothing when the part is the whole source)."""
+    if samples is None:
+        return {}
+    held = samples if part == "eval" else np.setdiff1d(np.arange(stream.bounds.size - 1), samples)
+    tokens = sum(int(stream.bounds[i + 1] - stream.bounds[i]) for i in held)
+    targets = sum(int(stream.targets[stream.bounds[i]:stream.bounds[i + 1]].sum()) for i in held)
+    total_tokens, total_targets = stream.total, int(np.count_nonzero(stream.targets))
+    if part == "train":
+        tokens, targets = total_tokens - tokens, total_targets - targets
+    longest = int(np.diff(stream.bounds)[samples].max())
+    return {"part_samples": int(samples.size), "part_tokens": tokens, "part_targets": targets,
+            "part_longest": longest,
+            "held_out": int(held.size), "eval_fraction": data.eval_fraction,
+            "eval_seed": data.eval_seed}
 
 
 def tokenizer_identity(tokenizer: Any) -> list:
@@ -105,8 +143,13 @@ def _mode(data: DataConfig, meta: dict) -> str:
     return "drop" if masked else "split"
 
 
-def _rows_file(folder: Path, data: DataConfig, meta: dict) -> Path:
-    return folder / f"rows-{cache.digest(['rows', data.seq_len, _mode(data, meta)])}.npz"
+def _rows_file(folder: Path, data: DataConfig, meta: dict, part: str | None) -> Path:
+    """The row plan's file: one per seq_len and packing mode, and per part of the source when
+    documents are held out (part None: the whole source, as always)."""
+    key = ["rows", data.seq_len, _mode(data, meta)]
+    if part is not None:
+        key += [part, data.eval_fraction, data.eval_seed]
+    return folder / f"rows-{cache.digest(key)}.npz"
 
 
 def _meta(folder: Path) -> dict:
@@ -220,11 +263,19 @@ def rows_summary(rows: PackedRows) -> list[str]:
     """Lines for the run's banner: the data's format (and how it was found), samples, tokens,
     targets, skipped records, long samples, rows, padding, and the cache."""
     info, plan, seq_len = rows.info, rows.plan, rows.seq_len
-    targets = info["target_tokens"]
+    samples = info.get("part_samples", info["samples"])
+    tokens = info.get("part_tokens", info["tokens"])
+    targets = info.get("part_targets", info["target_tokens"])
     skipped = Skips(info["skipped"]).describe()
-    lines = [f"data: {info['source']}, format {info['format']} ({info['format_reason']}); "
-             f"{info['samples']:,} samples, {info['tokens']:,} tokens, {targets:,} trained on "
-             f"({100 * targets / info['tokens']:.0f} %)" + (f"; {skipped}" if skipped else "")]
+    what = "validation data" if info.get("part") == "eval" else "data"
+    lines = [f"{what}: {info['source']}, format {info['format']} ({info['format_reason']}); "
+             f"{samples:,} samples, {tokens:,} tokens, {targets:,} "
+             f"{'scored' if what != 'data' else 'trained on'} "
+             f"({100 * targets / max(tokens, 1):.0f} %)" + (f"; {skipped}" if skipped else "")]
+    if "held_out" in info:
+        lines.append(f"held out for validation: {info['held_out']:,} of {info['samples']:,} "
+                     f"documents (data.eval_fraction {info['eval_fraction']:g}, data.eval_seed "
+                     f"{info['eval_seed']}), never trained on")
     real = int((plan.stops - plan.starts).sum())
     lines.append(f"rows: {len(rows):,} × {seq_len:,} tokens, {_mode_text(info['long_samples'])}, "
                  f"{100 * (1 - real / (len(rows) * seq_len)):.1f} % padding")
@@ -250,7 +301,8 @@ def _long_text(rows: PackedRows) -> str:
     extra = (f" ({plan.left_out:,} kept no target token and were left out)"
              if plan.left_out and info["long_samples"] != "drop" else "")
     return (f"long samples: {plan.long:,} longer than {rows.seq_len:,} tokens {what}{extra} "
-            f"(longest {info['longest']:,}; first at {where}; data.long_samples)")
+            f"(longest {info.get('part_longest', info['longest']):,}; first at {where}; "
+            f"data.long_samples)")
 
 
 def _where(folder: Path, index: int) -> str:

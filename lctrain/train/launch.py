@@ -90,7 +90,8 @@ class Worker(Protocol):
     def __call__(self, cfg: RecipeConfig, *, resume: bool = False) -> int: ...
 
 
-def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | None) -> int:
+def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | None,
+             module: str = WORKER_MODULE, args: tuple[str, ...] = ()) -> int:
     """Run ``worker`` on every rank the recipe needs; returns the exit code (0 on success).
 
     Args:
@@ -98,6 +99,9 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
         worker: what each rank runs.
         resume: continue from the newest checkpoint.
         nproc: processes to run (default `default_nproc`); ignored under a launcher.
+        module, args: what self-launched ranks run, ``python -m MODULE --config ... ARGS``
+            (a module whose main runs ``worker``: `lctrain.train`, or `lctrain.eval`, whose
+            ARGS name what to evaluate).
 
     Raises:
         UserError: the output folder is in use by another run, a check before start failed,
@@ -115,7 +119,7 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
         check_before_start(cfg, nproc=n, resume=resume)
         if n == 1:
             return worker(cfg, resume=resume)
-        return spawn_workers(cfg, nproc=n, resume=resume)
+        return spawn_workers(cfg, nproc=n, resume=resume, module=module, args=args)
 
 
 def under_launcher() -> bool:
@@ -156,8 +160,10 @@ def launch_dir(cfg: RecipeConfig) -> Path:
     return Path(cfg.train.output_dir) / ".launch"
 
 
-def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
-    """Run ``nproc`` local ranks through torch.distributed.run, watched until they end.
+def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = WORKER_MODULE,
+                  args: tuple[str, ...] = ()) -> int:
+    """Run ``nproc`` local ranks of ``python -m MODULE`` through torch.distributed.run, watched
+    until they end (``args`` go after the module's ``--config``, ``--error-dir`` and ``--store``).
 
     Returns:
         0 on success, 128 + the signal when a stop signal ended the run, 1 for a bug in a rank
@@ -187,9 +193,9 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool) -> int:
         private = Path(private)
         recipe, digest = write_recipe(cfg, private / "recipe.yaml")
         cmd = [sys.executable, "-m", AGENT_MODULE, str(failures),
-               *rendezvous_args(private, nproc), "-m", WORKER_MODULE, "--config", str(recipe),
+               *rendezvous_args(private, nproc), "-m", module, "--config", str(recipe),
                "--config-sha256", digest, "--error-dir", str(errors),
-               "--store", str(private / "store")]
+               "--store", str(private / "store"), *args]
         if resume:
             cmd.append("--resume")
         with log.open("w") as stderr:

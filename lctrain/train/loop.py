@@ -56,6 +56,7 @@ OPERATIONS = {
     "update": "the gradient-norm reduction and the optimizer step",
     "log": "the metrics all-reduce",
     "save": "the checkpoint save",
+    "eval": "the validation loss (forward passes over the held-out rows and their all-reduce)",
 }
 """What the main thread runs in each part of a step, as the hang watchdog names it."""
 
@@ -256,7 +257,8 @@ def _no_stop() -> int:
 
 @dataclass
 class LoopHooks:
-    """What happens around the steps: logging, checkpointing, stopping (see `run_loop`).
+    """What happens around the steps: logging, validation, checkpointing, stopping (see
+    `run_loop`).
 
     Attributes:
         stop: the agreed stop signal of all ranks (0: go on); a collective, called by every
@@ -265,6 +267,8 @@ class LoopHooks:
         max_nonfinite_steps: non-finite steps in a row that end the run (`Diverged`).
         notice: says something to the user (rank 0 prints it; skipped steps).
         mark, completed: the watchdog's `enter` (operation, step) and `completed` (step).
+        evaluate: the validation loss (a collective); None: no validation.
+        eval_every: validate every N steps (0: only after the last).
         stopped_by: set by `run_loop`: the signal that stopped the run (0: none).
     """
 
@@ -285,6 +289,8 @@ class LoopHooks:
     completed: Callable[[int], None] = _nothing
     history: list[dict] = field(default_factory=list)
     stopped_by: int = 0
+    evaluate: Callable[[], float] | None = None  # validation loss (collective); None: none
+    eval_every: int = 0  # validate every N steps (0: only after the last)
 
 
 @dataclass
@@ -302,9 +308,11 @@ class _Window:
 def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks) -> list[dict]:
     """Run optimizer steps from ``trainer.step`` to ``hooks.max_steps``, or until a stop signal.
 
-    Logs every ``log_every`` steps, at the last one and at a stop; saves a checkpoint every
-    ``checkpoint_every`` steps (0: only at the end), always after the last step, and at a stop
-    when ``save_on_stop``. Every checkpoint is of applied updates only: the skipped-step
+    Logs every ``log_every`` steps, at the last one and at a stop; with ``evaluate``, computes
+    the validation loss every ``eval_every`` steps and after the last, into that step's record
+    (a validation step is always logged; its time is not training time); saves a checkpoint
+    every ``checkpoint_every`` steps (0: only at the end), always after the last step, and at a
+    stop when ``save_on_stop``. Every checkpoint is of applied updates only: the skipped-step
     counters are settled first (`Trainer.settle`).
 
     Returns:
@@ -329,8 +337,10 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
         window.steps += 1
         window.attn_units += attention_units(micro)
         step, record = trainer.step, None
-        if step % hooks.log_every == 0 or step == hooks.max_steps:
-            record, window = _log(trainer, hooks, window), _Window()
+        validate = hooks.evaluate is not None and (step == hooks.max_steps or (
+            hooks.eval_every and step % hooks.eval_every == 0))
+        if step % hooks.log_every == 0 or step == hooks.max_steps or validate:
+            record, window = _log(trainer, hooks, window, validate=validate), _Window()
         hooks.progress(step, record)
         hooks.completed(step)
         if hooks.save is not None and (step == hooks.max_steps or (
@@ -346,12 +356,17 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
     return hooks.history
 
 
-def _log(trainer: Trainer, hooks: LoopHooks, window: _Window) -> dict:
-    """Reduce, record and write the figures of the steps in ``window`` (a host sync)."""
+def _log(trainer: Trainer, hooks: LoopHooks, window: _Window, *, validate: bool = False) -> dict:
+    """Reduce, record and write the figures of the steps in ``window`` (a host sync), with the
+    validation loss when ``validate``."""
     hooks.mark("log", trainer.step)
     loss, grad_norm, units, peak, settled = trainer.reduce_for_log(window.stats,
                                                                    window.attn_units)
     record = _record(trainer, hooks, window, loss, grad_norm, window.stats["lr"], units, peak)
+    if validate:
+        hooks.mark("eval", trainer.step)
+        start = time.perf_counter()
+        record.update(eval_loss=hooks.evaluate(), eval_time_s=time.perf_counter() - start)
     if settled.new:
         record["skipped_steps"] = settled.new
     hooks.history.append(record)

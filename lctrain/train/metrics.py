@@ -5,6 +5,9 @@ Every logged step appends one JSON object to ``output_dir/metrics.jsonl``:
     {"step", "loss", "tokens", "tokens_per_s", "step_time_s", "lr", "grad_norm",
      "peak_memory_bytes", "mfu"}
 
+and, at the steps where the validation loss is computed (``train.eval_every`` and the last),
+``"eval_loss"`` (mean token loss over every validation row, in nats) and ``"eval_time_s"``.
+
 ``tokens`` counts all tokens of the step over all ranks (dp · batch · grad_accum · seq_len);
 ``step_time_s`` is the mean wall time of the steps since the previous log; ``peak_memory_bytes``
 is the CUDA allocator's peak on a GPU, the process's peak resident memory on a CPU; ``mfu`` is
@@ -20,10 +23,13 @@ import math
 import os
 import resource
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from lctrain.report.human import duration
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity), matched in order against the
 # device name (so the PCIe / NVL variants come before the SXM names they contain).
@@ -108,13 +114,15 @@ class MetricsLog:
 
 
 class Progress:
-    """Rank 0's display: a rich progress bar on a terminal, one plain line per log otherwise."""
+    """Rank 0's display: a rich progress bar on a terminal (with the time remaining), one plain
+    line per log otherwise (with an ETA); the validation loss where it was computed."""
 
     def __init__(self, total_steps: int, start_step: int, *, enabled: bool,
                  steps_per_epoch: float | None = None) -> None:
         self.enabled = enabled
         self.total = total_steps
         self.steps_per_epoch = steps_per_epoch  # shows the epochs completed when set
+        self._start, self._start_step = time.perf_counter(), start_step
         self._bar = None
         if enabled and sys.stdout.isatty():
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
@@ -136,7 +144,16 @@ class Progress:
             fields = {"info": info} if info else {}
             self._bar.update(self._task, completed=step, **fields)
         elif info:
-            print(f"step {step}/{self.total}  {info}", flush=True)
+            print(f"step {step}/{self.total}  {info}{self._eta(step)}", flush=True)
+
+    def _eta(self, step: int) -> str:
+        """``  ETA 3 min 12 s``: the steps left at the mean pace since the start (empty at the
+        end, or before a step is done)."""
+        done = step - self._start_step
+        if done <= 0 or step >= self.total:
+            return ""
+        left = (self.total - step) * (time.perf_counter() - self._start) / done
+        return f"  ETA {duration(left)}"
 
     def close(self) -> None:
         if self._bar is not None:
@@ -148,4 +165,6 @@ def _describe(record: dict) -> str:
             f"{record['step_time_s']:.3f} s/step  lr {record['lr']:.2e}")
     if record.get("mfu") is not None:
         text += f"  MFU {100 * record['mfu']:.1f}%"
+    if record.get("eval_loss") is not None:
+        text += f"  eval loss {record['eval_loss']:.4f}"
     return text

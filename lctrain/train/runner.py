@@ -11,13 +11,15 @@ feature extends in one place:
     → build_data               tokenize and pack once per machine into the data cache
                                (its local rank 0 prepares, the others wait and memory-map it);
                                train.epochs / train.max_steps resolved against its rows
+    → build_eval_data          the validation rows (data.eval_source / data.eval_fraction),
+                               prepared the same way; None without validation data
     → build_model              the model with the schedule's attention → LoRA adapters when
                                the recipe asks → checkpointing policy
                                → FSDP2 or replication (`ModelParts`)
     → build_trainer            AdamW + warm-up/cosine; restored from a checkpoint on --resume
-    → train                    banner, versions (environment.json), `LoopHooks` (metrics.jsonl,
-                               progress, `save`, the stop check, the watchdog's marks), the loop
-                               inside the hang watchdog, the summary line
+    → train                    banner, versions (environment.json), `LoopHooks` (metrics.jsonl
+                               and TensorBoard, progress, validation, `save`, the stop check, the
+                               watchdog's marks), the loop inside the hang watchdog, the summary
     → export_final             rank 0 writes output_dir/final/ as a Hugging Face folder
 
 Around all of it, a stop signal (SIGTERM, SIGINT, SIGHUP) only sets a flag (`StopRequest`);
@@ -31,6 +33,7 @@ import functools
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -42,6 +45,7 @@ from lctrain.config.resume import check_run_folder, describe_changes
 from lctrain.errors import UserError
 from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
                           rows_summary, steps_summary)
+from lctrain.eval.forward import validation_loss
 from lctrain.export import export_final as write_final
 from lctrain.model import check_model, load_model
 from lctrain.model.lora import apply_lora
@@ -57,13 +61,14 @@ from lctrain.train.checkpoint_writer import Checkpointer
 from lctrain.train.launch import default_nproc
 from lctrain.train.lifetime import signal_name
 from lctrain.train.loop import OPERATIONS, CausalLMLoss, LoopHooks, Trainer, run_loop
-from lctrain.train.metrics import FlopModel, MetricsLog, Progress, peak_flops
+from lctrain.train.metrics import FlopModel, Progress, peak_flops
 from lctrain.train.nonfinite import Diverged
 from lctrain.train.optim import LrPlan, build_optimizer
 from lctrain.train.stopping import StopRequest, control_group, stop_exit_code
+from lctrain.train.tracking import Tracking, check_report_to
 from lctrain.train.watchdog import Watchdog, heartbeat_dir
 
-__all__ = ["ModelParts", "RunSetup", "build_data", "build_model", "build_trainer",
+__all__ = ["ModelParts", "RunSetup", "build_data", "build_eval_data", "build_model", "build_trainer",
            "check_continuation", "default_nproc", "export_final", "finetune", "loop_hooks",
            "make_checkpointer", "run_worker", "save", "train", "trainer_state"]
 
@@ -81,6 +86,7 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
         UserError: an invalid process layout, no checkpoint to resume from, a model or data
             source that cannot be read, ... (from this process or the first failing rank).
     """
+    check_report_to(cfg)
     warnings = check_model(cfg)  # before any process starts or any weight loads
     for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -147,10 +153,12 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
                          control=control_group(pmesh.world_group, device.type, timeout))
         set_seed(cfg.train.seed)
         dataset = build_data(setup)
+        eval_rows = build_eval_data(setup)
         setup = dataclasses.replace(setup, cfg=_with_steps(setup, len(dataset)))
         parts = build_model(setup)
         trainer = build_trainer(setup, parts, resume_from)
-        signum = train(setup, parts, trainer, dataset, resumed=resume_from is not None)
+        signum = train(setup, parts, trainer, dataset, resumed=resume_from is not None,
+                       eval_rows=eval_rows)
         if signum:
             stop.ignore()  # the run is over: a late signal (e.g. torchrun's) must not cut the exit
             pmesh.barrier()
@@ -168,6 +176,20 @@ def build_data(setup: RunSetup) -> PackedRows:
     local_rank = int(os.environ.get("LOCAL_RANK", setup.pmesh.rank))
     rows = prepare_data(setup.cfg.data, tokenizer, leader=local_rank == 0,
                         show_progress=setup.main)
+    if setup.main:
+        print("\n".join(rows_summary(rows)), flush=True)
+    return rows
+
+
+def build_eval_data(setup: RunSetup) -> PackedRows | None:
+    """The validation rows (data.eval_source, or the documents data.eval_fraction holds out),
+    prepared as `build_data` prepares the training rows; None without validation data."""
+    if not setup.cfg.data.has_eval:
+        return None
+    tokenizer = load_tokenizer(setup.cfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", setup.pmesh.rank))
+    rows = prepare_data(setup.cfg.data, tokenizer, leader=local_rank == 0,
+                        show_progress=setup.main, part="eval")
     if setup.main:
         print("\n".join(rows_summary(rows)), flush=True)
     return rows
@@ -208,8 +230,16 @@ class ModelParts:
     n_params: int
 
 
-def build_model(setup: RunSetup) -> ModelParts:
-    """Model with the schedule's attention, checkpointing policy, then FSDP2 or replication."""
+def build_model(setup: RunSetup, *,
+                root: Callable[[nn.Module, int], nn.Module] = CausalLMLoss) -> ModelParts:
+    """Model with the schedule's attention, checkpointing policy, then FSDP2 or replication.
+
+    Args:
+        setup: the rank's run.
+        root: what wraps the causal LM as the module the loop calls, given the model and
+            ``train.loss_chunk_tokens``: `CausalLMLoss` (the summed loss) for training,
+            `lctrain.eval.model.EvalModel` for an evaluation.
+    """
     cfg, accelerator = setup.cfg, setup.accelerator
     model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
                        dtype=getattr(torch, cfg.model.dtype), device=accelerator.device,
@@ -223,7 +253,7 @@ def build_model(setup: RunSetup) -> ModelParts:
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     apply_checkpointing(model, cfg.train.checkpointing)  # before FSDP2 wraps the layers
-    module = CausalLMLoss(model, cfg.train.loss_chunk_tokens)
+    module = root(model, cfg.train.loss_chunk_tokens)
     bf16 = accelerator.mixed_precision == "bf16"
     distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
                              strategy=_strategy(setup), param_dtype=torch.bfloat16 if bf16 else None)
@@ -340,9 +370,9 @@ def make_checkpointer(setup: RunSetup, trainer: Trainer) -> Checkpointer | None:
 
 
 def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedRows, *,
-          resumed: bool) -> int:
-    """Announce the run, run the loop with metrics, progress, checkpoints and the hang watchdog,
-    summarise.
+          resumed: bool, eval_rows: PackedRows | None = None) -> int:
+    """Announce the run, run the loop with metrics, progress, validation on ``eval_rows``,
+    checkpoints and the hang watchdog, summarise.
 
     Returns:
         The signal that stopped the run early (0: it ran to the end).
@@ -356,15 +386,14 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
         print(banner(setup, parts, trainer, len(dataset)), flush=True)
         print(record_run(out, trainer.device.type, cfg.parallel.attention_backend), flush=True)
     checkpointer = make_checkpointer(setup, trainer)
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=setup.main,
-                         resume_step=trainer.step if resumed else None)
+    metrics = Tracking(cfg, enabled=setup.main, resume_step=trainer.step if resumed else None)
     progress = Progress(t.max_steps, trainer.step, enabled=setup.main,
                         steps_per_epoch=len(dataset) / _rows_per_step(setup))
     watch = Watchdog(heartbeat_dir(out), rank=pmesh.rank, world_size=pmesh.world_size,
                      timeout=t.collective_timeout,
                      on_hang=launch.hang_handler(cfg, trainer.device.type))
     hooks = loop_hooks(setup, parts, trainer, watch, checkpointer, log=metrics.write,
-                       progress=progress.update)
+                       progress=progress.update, eval_rows=eval_rows)
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
                            dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
     try:
@@ -377,6 +406,7 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
                         f"{launch.checkpoint_hint(cfg, pmesh.world_size)}.") from None
     finally:
         progress.close()
+        metrics.close()
     if checkpointer is not None:
         checkpointer.close()  # the last save is published before the run ends
     if setup.main:
@@ -385,10 +415,15 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
 
 
 def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watchdog,
-               checkpointer: Checkpointer | None, *, log, progress) -> LoopHooks:
-    """What the loop does around the steps: ``log`` each record, show ``progress``, save
-    checkpoints, agree on stop signals, mark for ``watch`` (the trainer's marks too)."""
+               checkpointer: Checkpointer | None, *, log, progress,
+               eval_rows: PackedRows | None = None) -> LoopHooks:
+    """What the loop does around the steps: ``log`` each record, show ``progress``, validate
+    on ``eval_rows``, save checkpoints, agree on stop signals, mark for ``watch`` (the
+    trainer's marks too)."""
     cfg, pmesh, t = setup.cfg, setup.pmesh, setup.cfg.train
+    evaluate = None if eval_rows is None else functools.partial(
+        validation_loss, trainer.distributed.module, eval_rows, cp=setup.cp, pmesh=pmesh,
+        accelerator=setup.accelerator, batch_size=t.batch_size)
     trainer.mark = mark = functools.partial(_mark, watch)
     return LoopHooks(max_steps=t.max_steps, log_every=t.log_every,
                      checkpoint_every=cfg.checkpoint.every,
@@ -400,7 +435,8 @@ def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watc
                      stop=functools.partial(setup.stop.agree, setup.control),
                      save_on_stop=cfg.checkpoint.on_signal,
                      max_nonfinite_steps=t.max_nonfinite_steps, notice=_notice(setup),
-                     mark=mark, completed=watch.completed)
+                     mark=mark, completed=watch.completed, evaluate=evaluate,
+                     eval_every=t.eval_every)
 
 
 def _mark(watch: Watchdog, operation: str, step: int) -> None:
@@ -442,8 +478,10 @@ def _summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by:
     saved = ("metrics, config and checkpoints" if setup.cfg.checkpoint.enabled
              else "metrics and config")
     first, last = history[0], history[-1]
+    evaluated = (f", eval loss {last['eval_loss']:.4f}"
+                 if isinstance(last.get("eval_loss"), float) else "")
     return (f"done: step {last['step']}/{t.max_steps}, loss {first['loss']:.4f} -> "
-            f"{last['loss']:.4f}; {saved} in {Path(out)}")
+            f"{last['loss']:.4f}{evaluated}; {saved} in {Path(out)}")
 
 
 def export_final(cfg: RecipeConfig) -> None:

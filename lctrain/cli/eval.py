@@ -1,0 +1,119 @@
+"""``lctrain eval TARGET --task ppl|passkey``: evaluate a run, a model folder or a recipe's model
+on all local GPUs, through the training's distributed attention."""
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Optional
+
+import typer
+
+from lctrain.cli.common import split_names, user_errors
+from lctrain.cli.options import (CpOpt, Format, FormatOpt, NprocOpt, PlotOpt, SeqLenOpt, SetOpt,
+                                 WideOpt)
+
+
+class Task(str, enum.Enum):
+    """What ``lctrain eval`` measures."""
+
+    ppl = "ppl"
+    passkey = "passkey"
+
+
+TargetArg = Annotated[str, typer.Argument(
+    metavar="TARGET", show_default=False,
+    help="A run folder (its newest checkpoint, or --step), a model folder (lctrain export or "
+         "any transformers model), or a recipe (the model it starts from).")]
+TaskOpt = Annotated[Task, typer.Option(
+    "--task", help="ppl: loss and perplexity by position; passkey: retrieval of a number "
+                   "hidden in long filler text.")]
+EvalStepOpt = Annotated[Optional[int], typer.Option(
+    "--step", min=0, metavar="N", show_default=False,
+    help="A run's checkpoint of step N (default: the newest).")]
+DataOpt = Annotated[Optional[str], typer.Option(
+    "--data", metavar="SOURCE", show_default=False,
+    help="ppl data: a .jsonl/.json/.parquet/.txt file or glob, builtin, or a hub dataset "
+         "(default: the run's validation data, else its training data).")]
+BucketOpt = Annotated[Optional[str], typer.Option(
+    "--bucket", metavar="SIZE", show_default=False,
+    help="ppl: positions per bucket, e.g. 4k (default: 1/16 of the length).")]
+MaxRowsOpt = Annotated[Optional[int], typer.Option(
+    "--max-rows", min=1, metavar="N", show_default=False,
+    help="ppl: evaluate only the first N rows (default: all).")]
+LengthsOpt = Annotated[Optional[str], typer.Option(
+    "--lengths", metavar="SIZES", show_default=False,
+    help="passkey: prompt lengths in tokens, e.g. 32k,64k (default: --seq-len or the run's).")]
+DepthsOpt = Annotated[Optional[str], typer.Option(
+    "--depths", metavar="LIST", show_default=False,
+    help="passkey: where the number is hidden, as shares of the filler (default: "
+         "0,0.25,0.5,0.75,1).")]
+TrialsOpt = Annotated[Optional[int], typer.Option(
+    "--trials", min=1, metavar="N", show_default=False,
+    help="passkey: prompts (random numbers) per length and depth (default: 1).")]
+SeedOpt = Annotated[Optional[int], typer.Option(
+    "--seed", metavar="N", show_default=False, help="passkey: seed of the numbers (default: 0).")]
+EvalJsonOpt = Annotated[Optional[str], typer.Option(
+    "--json", metavar="FILE", show_default=False,
+    help="Also write the result JSON (rows, settings, time, peak memory) to FILE.")]
+
+
+def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt = None,
+                 seq_len: SeqLenOpt = None, cp: CpOpt = None, data: DataOpt = None,
+                 bucket: BucketOpt = None, max_rows: MaxRowsOpt = None,
+                 lengths: LengthsOpt = None, depths: DepthsOpt = None, trials: TrialsOpt = None,
+                 seed: SeedOpt = None, overrides: SetOpt = None, nproc: NprocOpt = None,
+                 json_file: EvalJsonOpt = None, plot: PlotOpt = None,
+                 fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
+    """Evaluate a model at long context, forward only, on all local GPUs (cp from --cp or the
+    recipe; gloo processes on a CPU).
+
+    \b
+    Examples:
+      lctrain eval runs/tiny --task ppl --plot ppl.png
+      lctrain eval runs/llama-7b-64k --step 200 --task ppl --seq-len 128k --bucket 8k
+      lctrain eval exported/tiny --task passkey --lengths 4k,8k --trials 3 --plot passkey.png
+    """
+    with user_errors():
+        from lctrain.config import parse_size, parse_size_list
+        from lctrain.eval.report import check_plot, plot as draw, table
+        from lctrain.eval.request import resolve
+        from lctrain.eval.run import evaluate
+        from lctrain.report.output import emit, say, show
+
+        if plot is not None:
+            check_plot(plot)
+        cfg, request = resolve(
+            target, task=task.value, step=step, seq_len=None if seq_len is None else parse_size(
+                seq_len, what="--seq-len"), cp=cp, data=data, overrides=overrides or [],
+            bucket=None if bucket is None else parse_size(bucket, what="--bucket"),
+            max_rows=max_rows, trials=trials, seed=seed,
+            lengths=None if lengths is None else parse_size_list(lengths, what="--lengths"),
+            depths=None if depths is None else _depths(depths))
+        result = evaluate(cfg, request, nproc=nproc)
+        if result is None:  # another rank of a torchrun job: rank 0 shows the result
+            return
+        from lctrain.bench.publish import command_line
+
+        result.meta.setdefault("command", command_line())
+        if fmt == Format.json:
+            emit(result.to_json())
+        else:
+            show(table(result), fmt.value, wide)
+        if json_file is not None:
+            say(f"wrote the result to {result.save(json_file)}")
+        if plot is not None:
+            say(f"wrote the plot to {draw(result, plot)}")
+
+
+def _depths(text: str) -> list[float]:
+    from lctrain.errors import UserError
+
+    values = []
+    for item in split_names(text) or []:
+        try:
+            values.append(float(item))
+        except ValueError:
+            raise UserError(f"--depths {text!r}: {item!r} is not a number; give shares such as "
+                            "0,0.25,0.5,0.75,1") from None
+    if not values:
+        raise UserError(f"--depths {text!r} holds no depth; give shares such as 0,0.5,1")
+    return values

@@ -1,0 +1,166 @@
+"""The passkey retrieval test: a number hidden in filler text, asked for at the end.
+
+A prompt of exactly ``length`` tokens (the form of Mohtashami & Jaggi's landmark-attention test,
+used since by LongLoRA, YaRN and others)::
+
+    <bos> There is an important info hidden inside a lot of irrelevant text. Find it and
+    memorize it. I will quiz you about the important information there.
+    The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.
+    The grass is green. ...            <- filler, repeated to fill the length
+    The pass key is 71432. Remember it. 71432 is the pass key.     <- the needle, at a depth
+    ... The grass is green. The sky is blue.
+    What is the pass key? The pass key is
+
+The prompt is assembled from token ids (each piece tokenized once, without special tokens, the
+tokenizer's leading specials in front), so its length is exact: the filler is a window of the
+endlessly repeated sentences that ends with a whole sentence (only its first one may be cut).
+The needle goes at the sentence boundary of the filler at or before ``depth`` × the filler's
+tokens (depth 0: right after the introduction; 1: right before the question), and
+`PasskeyPrompt` records where it landed in tokens. The model then decodes a few tokens greedily
+(`lctrain.eval.decode`: the prompt runs distributed over the cp ranks); the answer is the first
+run of digits in what it wrote, and it is right when it equals the passkey.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from lctrain.data.formats import leading_specials, plain_ids
+from lctrain.errors import UserError
+
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about the important information there.")
+FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+          "There and back again.")
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+
+_DIGITS = re.compile(r"\d+")
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    """One test prompt.
+
+    Attributes:
+        ids: the prompt's token ids (exactly the length asked for).
+        passkey: the number hidden in it, as text.
+        depth: the depth asked for (0 = start of the filler, 1 = its end).
+        needle_start, needle_stop: the needle's token span in ``ids``.
+        filler_start, filler_tokens: where the filler (with the needle taken out) starts, and
+            its length in tokens; the needle sits ``needle_start - filler_start`` tokens into it.
+    """
+
+    ids: list[int]
+    passkey: str
+    depth: float
+    needle_start: int
+    needle_stop: int
+    filler_start: int
+    filler_tokens: int
+
+    @property
+    def placed_depth(self) -> float:
+        """Where the needle landed, as a share of the filler before it."""
+        return (self.needle_start - self.filler_start) / max(self.filler_tokens, 1)
+
+
+def passkey_prompt(tokenizer: Any, length: int, depth: float, passkey: str) -> PasskeyPrompt:
+    """The test prompt of ``length`` tokens with ``passkey`` hidden at ``depth``.
+
+    Raises:
+        UserError: ``length`` is too short for the introduction, needle and question, or
+            ``depth`` is outside [0, 1].
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise UserError(f"passkey depth {depth:g} is outside [0, 1]; give depths such as "
+                        f"0,0.25,0.5,0.75,1")
+    lead = leading_specials(tokenizer)
+    intro, needle, question = plain_ids(tokenizer, [INTRO, " " + NEEDLE.format(key=passkey),
+                                                    " " + QUESTION])
+    sentences = plain_ids(tokenizer, [" " + s for s in FILLER])
+    head = len(lead) + len(intro)
+    room = length - head - len(needle) - len(question)
+    if room < 0:
+        raise UserError(f"a passkey prompt of {length} tokens is too short: its introduction, "
+                        f"needle and question alone take {length - room}; give longer --lengths")
+    filler: list[int] = []
+    ends = []  # where each whole sentence ends
+    while len(filler) < room:
+        filler += sentences[len(ends) % len(sentences)]
+        ends.append(len(filler))
+    drop = len(filler) - room  # a window of the endless filler: cut at its start
+    filler = filler[drop:]
+    bounds = [0] + [end - drop for end in ends if end > drop]
+    cut = max(b for b in bounds if b <= round(depth * room))
+    ids = lead + intro + filler[:cut] + needle + filler[cut:] + question
+    return PasskeyPrompt(ids=ids, passkey=passkey, depth=depth, needle_start=head + cut,
+                         needle_stop=head + cut + len(needle), filler_start=head,
+                         filler_tokens=room)
+
+
+def answer_tokens(tokenizer: Any, passkey: str) -> int:
+    """Tokens to generate for ``passkey``: those of " <passkey>." and one more."""
+    return len(plain_ids(tokenizer, [f" {passkey}."])[0]) + 1
+
+
+def parse_answer(text: str) -> str | None:
+    """The number the model answered: the first run of digits in ``text`` (None if none)."""
+    found = _DIGITS.search(text)
+    return found.group(0) if found else None
+
+
+def _printable(text: str) -> str:
+    """``text`` for a table cell: stripped, control characters shown as "·"."""
+    return "".join(c if c.isprintable() else "·" for c in text.strip())
+
+
+def decode_text(tokenizer: Any, ids: list[int]) -> str:
+    """``ids`` as text, special tokens left out."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class PasskeyCase:
+    """One (length, depth, trial) of a passkey run, with its random passkey."""
+
+    length: int
+    depth: float
+    trial: int
+    passkey: str
+
+
+def passkey_cases(lengths: list[int], depths: list[float], trials: int,
+                  seed: int) -> list[PasskeyCase]:
+    """Every case of a run, in order, each with a 5-digit passkey drawn from ``seed`` (the same
+    list on every rank)."""
+    rng = random.Random(seed)
+    return [PasskeyCase(length, depth, trial, str(rng.randint(10000, 99999)))
+            for length in lengths for depth in depths for trial in range(trials)]
+
+
+def summarize(cases: list[PasskeyCase], outcomes: list[dict]) -> list[dict]:
+    """Result rows, one per (length, depth): accuracy over the trials and the first answer.
+
+    Args:
+        cases: the run's cases.
+        outcomes: per case, {"answer": text, "needle_start": int, "placed_depth": float}.
+    """
+    rows: dict[tuple[int, float], dict] = {}
+    for case, outcome in zip(cases, outcomes):
+        got = parse_answer(outcome["answer"])
+        sample = {"passkey": case.passkey, "answer": outcome["answer"], "parsed": got,
+                  "correct": got == case.passkey, "needle_start": outcome["needle_start"]}
+        row = rows.setdefault((case.length, case.depth), {
+            "seq_len": case.length, "depth": case.depth,
+            "needle_position": outcome["needle_start"], "placed_depth": outcome["placed_depth"],
+            "passkey": case.passkey, "answer": _printable(outcome["answer"]), "trials": 0,
+            "correct": 0, "samples": []})
+        row["trials"] += 1
+        row["correct"] += int(sample["correct"])
+        row["samples"].append(sample)
+    for row in rows.values():
+        row["accuracy"] = row["correct"] / row["trials"]
+    return list(rows.values())

@@ -1,0 +1,138 @@
+"""How an evaluation's result is shown: a table for people, and a plot.
+
+* ppl — one row per position bucket: positions, target tokens scored, mean loss, perplexity;
+  the last row is over every position. Plot: perplexity against position (bucket middles).
+* passkey — one row per (length, depth): where the needle went, accuracy over the trials, the
+  expected number and the first trial's answer. Plot: accuracy as a length × depth heatmap.
+
+Tables are `lctrain.report.table.Table` (compact at any width, markdown, csv); plots go through
+`lctrain.report.plotting` (a bad target fails before any work: `check_plot`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lctrain.errors import UserError
+from lctrain.eval.result import EvalResult
+from lctrain.report import plotting
+from lctrain.report.human import gib, parameters, significant, tokens
+from lctrain.report.table import Column, Table
+
+COLUMNS = {
+    "ppl": [Column("bucket", "positions"), Column("tokens", "scored", "number", "tokens"),
+            Column("loss", "loss", "loss", "nats"), Column("ppl", "perplexity", "number"),
+            Column("start", "from", "number", compact=False),
+            Column("stop", "to", "number", compact=False)],
+    "passkey": [Column("seq_len", "length", "tokens"), Column("depth", "depth", "percent"),
+                Column("needle_position", "needle at", "number", "token"),
+                Column("accuracy", "accuracy", "percent"), Column("passkey", "expected"),
+                Column("answer", "answer (1st)"),
+                Column("trials", "trials", "number", compact=False),
+                Column("placed_depth", "placed", "percent", compact=False),
+                Column("seconds", "time", "seconds", compact=False),
+                Column("peak_memory_bytes", "peak", "gib", "GiB", compact=False)],
+}
+
+
+def describe(result: EvalResult) -> list[str]:
+    """Lines under the table: what ran, where, how long and how much memory it took."""
+    m = result.meta
+    lines = []
+    if m.get("parameters"):
+        lines.append(f"{parameters(m['parameters'])} parameters, {m.get('model_dtype')} weights, "
+                     f"{'bf16' if m.get('mixed_precision') == 'bf16' else m.get('model_dtype')} "
+                     f"compute; dp {m.get('dp')} × cp {m.get('cp')}, {m.get('schedule')}, "
+                     f"{m.get('strategy')}")
+    if result.task == "ppl" and m.get("rows") is not None:
+        part = " (its validation data)" if m.get("data_part") == "eval" else ""
+        lines.append(f"data: {m.get('data_source')}{part}, {m['rows']:,} of "
+                     f"{m.get('rows_available', m['rows']):,} rows × {tokens(m['seq_len'])} "
+                     f"tokens, buckets of {tokens(m['bucket'])} positions (position = place in "
+                     f"the {_context(result)})")
+    if result.task == "passkey" and result.rows:
+        right = sum(r["correct"] for r in result.rows)
+        total = sum(r["trials"] for r in result.rows)
+        lines.append(f"overall {right} of {total} right; {m.get('generated_tokens')} tokens "
+                     "generated per prompt")
+    if m.get("seconds") is not None:
+        rate = (f", {significant(m['tokens_per_s'])} tokens/s, "
+                f"{significant(m['seconds_per_row'])} s per row and cp group"
+                if m.get("tokens_per_s") else "")
+        peak = (f", peak memory {gib(m['peak_memory_bytes'])} GiB per rank (largest)"
+                if m.get("peak_memory_bytes") else "")
+        lines.append(f"{significant(m['seconds'])} s{rate}{peak}; model built and loaded in "
+                     f"{significant(m.get('load_seconds') or 0)} s")
+    return lines
+
+
+def _context(result: EvalResult) -> str:
+    """What a ppl position counts from: the document (document_mask) or the row."""
+    return "document" if result.meta.get("document_mask", True) else "row"
+
+
+def table(result: EvalResult) -> Table:
+    """The result's rows in its task's columns, with `describe`'s lines as notes."""
+    return Table(title=result.title, columns=list(COLUMNS[result.task]), rows=result.rows,
+                 notes=describe(result))
+
+
+def check_plot(path: str | Path) -> Path:
+    """Check a ``--plot`` target before any work.
+
+    Raises:
+        UserError: matplotlib missing, or a file type it does not write.
+    """
+    return plotting.check_target(path)
+
+
+def plot(result: EvalResult, path: str | Path) -> Path:
+    """Draw the result into ``path`` (see the module docstring).
+
+    Raises:
+        UserError: nothing to plot (no bucket with a scored token), or matplotlib missing.
+    """
+    if result.task == "ppl":
+        return _plot_ppl(result, path)
+    return _plot_passkey(result, path)
+
+
+def _plot_ppl(result: EvalResult, path: str | Path) -> Path:
+    points = [((r["start"] + r["stop"]) / 2, r["ppl"]) for r in result.rows
+              if r.get("bucket") != "all" and r.get("ppl") is not None]
+    if not points:
+        raise UserError("no position bucket has a scored token, so no plot was written")
+    fig, ax = plotting.figure(result.title, f"position in the {_context(result)} (tokens)",
+                              "perplexity (exp of the mean token loss)")
+    xs, ys = zip(*points)
+    ax.plot(xs, ys, marker="o")
+    ax.set_xlim(0, result.meta.get("seq_len") or max(xs) * 2)
+    ticks = [r["start"] for r in result.rows if r.get("bucket") != "all"]
+    step = max(1, len(ticks) // 8)
+    ax.set_xticks(ticks[::step])
+    ax.set_xticklabels([tokens(t) for t in ticks[::step]])
+    if max(ys) / max(min(ys), 1e-9) > 20:
+        ax.set_yscale("log")
+    return plotting.finish(fig, ax, path, legend=False)
+
+
+def _plot_passkey(result: EvalResult, path: str | Path) -> Path:
+    lengths = sorted({r["seq_len"] for r in result.rows})
+    depths = sorted({r["depth"] for r in result.rows})
+    if not lengths:
+        raise UserError("the passkey result has no row, so no plot was written")
+    cells = {(r["seq_len"], r["depth"]): r["accuracy"] for r in result.rows}
+    grid = [[cells.get((n, d), float("nan")) for n in lengths] for d in depths]
+    fig, ax = plotting.figure(result.title, "prompt length (tokens)",
+                              "needle depth (share of the filler before it)")
+    image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="upper")
+    ax.grid(False)
+    ax.set_xticks(range(len(lengths)))
+    ax.set_xticklabels([tokens(n) for n in lengths])
+    ax.set_yticks(range(len(depths)))
+    ax.set_yticklabels([f"{100 * d:g}%" for d in depths])
+    for y, row in enumerate(grid):
+        for x, value in enumerate(row):
+            if value == value:  # not NaN
+                ax.text(x, y, f"{100 * value:.0f}%", ha="center", va="center", fontsize=9)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    return plotting.finish(fig, ax, path, legend=False)

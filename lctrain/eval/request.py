@@ -1,0 +1,212 @@
+"""What ``lctrain eval`` is asked: the target, the task, and the recipe it runs under.
+
+A target is one of
+
+- a **run folder** (``train.output_dir`` of ``lctrain finetune``: config.yaml, checkpoints/) —
+  its model as the run built it (model.config or model.path, LoRA), with the weights of its
+  newest checkpoint (or ``--step N``), its tokenizer, data, cp and precision;
+- a **model folder** (config.json: an ``lctrain export`` or any transformers model) — the
+  folder's model and tokenizer, the built-in corpus unless ``--data`` says, cp = the local GPUs
+  (1 on a CPU), mixed precision auto;
+- a **recipe** (a YAML file or a shipped name) — the model the recipe starts from (its
+  model.path, or its seeded random init).
+
+`resolve` turns the command's options into the recipe the evaluation's ranks run under (no
+checkpointing, no checkpoint saving, the evaluated length as ``data.seq_len``, ``--set``
+overrides on top) and an `EvalRequest` that travels to every rank. Nothing here imports
+torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from lctrain.config import (ParallelConfig, RecipeConfig, build_recipe, load_recipe, local_data,
+                            read_resolved)
+from lctrain.config.loader import parse_override, set_key
+from lctrain.config.paths import check_model_path
+from lctrain.errors import ConfigError, UserError
+from lctrain_kernels.vocabulary import check_seq_len
+
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEFAULT_BUCKETS = 16
+"""Position buckets of a perplexity run when ``--bucket`` is not given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalRequest:
+    """What every rank of an evaluation needs besides the recipe (JSON-serialisable).
+
+    Attributes:
+        task: ``ppl`` or ``passkey``.
+        target: the target as given; kind: ``run``, ``model`` or ``recipe``.
+        checkpoint, step: the run's checkpoint folder and its step (runs only).
+        part: ppl data: ``eval`` (the run's validation data) or ``train`` (the whole source).
+        max_rows: ppl: evaluate only the first N rows (None: all).
+        bucket: ppl: positions per bucket.
+        lengths, depths, trials, seed: passkey: prompt lengths, needle depths, trials per
+            (length, depth) and the seed of the passkeys.
+        result_file: where rank 0 writes the `lctrain.eval.result.EvalResult`.
+    """
+
+    task: str
+    target: str
+    kind: str
+    checkpoint: str | None = None
+    step: int | None = None
+    part: str = "train"
+    max_rows: int | None = None
+    bucket: int = 1
+    lengths: tuple[int, ...] = ()
+    depths: tuple[float, ...] = DEFAULT_DEPTHS
+    trials: int = 1
+    seed: int = 0
+    result_file: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EvalRequest:
+        fields = json.loads(text)
+        for key in ("lengths", "depths"):
+            fields[key] = tuple(fields[key])
+        return cls(**fields)
+
+
+def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | None = None,
+            cp: int | None = None, data: str | None = None, overrides: list[str] = (),
+            bucket: int | None = None, max_rows: int | None = None,
+            lengths: list[int] | None = None, depths: list[float] | None = None,
+            trials: int | None = None, seed: int | None = None
+            ) -> tuple[RecipeConfig, EvalRequest]:
+    """The recipe and request of ``lctrain eval TARGET`` (see the module docstring); None
+    means not given.
+
+    Raises:
+        UserError: a target that is none of the three, ``--step`` for a target that is not a
+            run, no checkpoint (of that step), a bad override, length, depth or data source,
+            or an option of the other task.
+    """
+    if task not in ("ppl", "passkey"):
+        raise UserError(f"--task {task!r} is not one of ppl, passkey")
+    _check_task_options(task, {"--bucket": bucket, "--max-rows": max_rows, "--data": data},
+                        {"--lengths": lengths, "--depths": depths, "--trials": trials,
+                         "--seed": seed})
+    if task == "passkey" and seq_len is not None and lengths:
+        raise UserError("--seq-len and --lengths both give the passkey length; give --lengths "
+                        "alone (several lengths) or --seq-len alone (one)")
+    raw, kind, source = _target_recipe(target)
+    checkpoint = None
+    if step is not None and kind != "run":
+        raise UserError(f"--step {step} needs a run folder, but {target} is a {kind}; drop "
+                        "--step")
+    if kind == "run":
+        from lctrain.train.checkpoint import find_checkpoint
+
+        step, path = find_checkpoint(Path(target).expanduser() / "checkpoints", step)
+        checkpoint = str(path)
+    for item in overrides:
+        key, value = parse_override(item)
+        set_key(raw, key, value, where=f"--set {item}")
+    has_eval = bool(raw.get("data", {}).get("eval_source")) or \
+        float(raw.get("data", {}).get("eval_fraction") or 0) > 0
+    lengths = list(lengths or [])
+    _settle(raw, task=task, seq_len=seq_len, cp=cp, data=data, lengths=lengths, kind=kind)
+    parallel = ParallelConfig(**raw["parallel"])
+    for length in lengths:  # before the recipe, which would name the longest data.seq_len
+        _check_length(parallel, length)
+    cfg = _build(raw, source, task)
+    if task == "passkey" and not lengths:
+        lengths = [cfg.data.seq_len]
+    depths = tuple(DEFAULT_DEPTHS if depths is None else depths)
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise UserError(f"--depths holds {depth:g}, outside [0, 1]; give depths such as "
+                            "0,0.25,0.5,0.75,1")
+    if bucket is not None and bucket < 1:
+        raise UserError(f"--bucket {bucket} must be at least 1 token")
+    trials, seed = (1 if trials is None else trials), (0 if seed is None else seed)
+    if trials < 1:
+        raise UserError(f"--trials {trials} must be at least 1")
+    request = EvalRequest(
+        task=task, target=str(target), kind=kind, checkpoint=checkpoint, step=step,
+        part="eval" if has_eval and data is None else "train", max_rows=max_rows,
+        bucket=bucket or math.ceil(cfg.data.seq_len / DEFAULT_BUCKETS), lengths=tuple(lengths),
+        depths=depths, trials=trials, seed=seed)
+    return cfg, request
+
+
+def _check_task_options(task: str, ppl: dict, passkey: dict) -> None:
+    """Refuse options of the other task (they would be ignored)."""
+    other = passkey if task == "ppl" else ppl
+    for name, value in other.items():
+        if value is not None:
+            owner = "passkey" if task == "ppl" else "ppl"
+            raise UserError(f"{name} is a setting of --task {owner}, not of --task {task}; drop "
+                            f"it or use --task {owner}")
+
+
+def _target_recipe(target: str) -> tuple[dict, str, str]:
+    """(the target's recipe as plain data, its kind, how to name it in errors)."""
+    path = Path(target).expanduser()
+    if path.is_dir() and (path / "config.yaml").is_file():
+        return read_resolved(path / "config.yaml").to_dict(), "run", str(path / "config.yaml")
+    if path.is_dir() and (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists():
+            raise UserError(f"{target} holds a LoRA adapter, not a whole model; evaluate the "
+                            "run folder, or export it with --merge and evaluate that")
+        cuda = _gpus()
+        return ({"model": {"path": str(path)}, "data": {"tokenizer": None},
+                 "parallel": {"cp": max(cuda, 1)}, "train": {"mixed_precision": "auto"}},
+                "model", str(path))
+    if path.is_dir():
+        raise UserError(f"{target} is a folder with neither config.yaml (a run folder) nor "
+                        "config.json (a model folder); pass one of those, or a recipe")
+    return load_recipe(target).to_dict(), "recipe", str(target)
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: str | None,
+            lengths: list[int], kind: str) -> None:
+    """The settings every evaluation runs under, on top of the target's and --set's."""
+    sections = {name: raw.setdefault(name, {}) for name in ("data", "parallel", "train",
+                                                           "checkpoint")}
+    if seq_len is not None:
+        sections["data"]["seq_len"] = seq_len
+    if task == "passkey" and lengths:
+        sections["data"]["seq_len"] = max(lengths)
+    if cp is not None:
+        sections["parallel"]["cp"] = cp
+    sections["parallel"]["dp"] = 0
+    if data is not None:
+        sections["data"].update(source=data, eval_source=None, eval_fraction=0.0)
+    sections["train"].update(checkpointing="none", eval_every=0, report_to=["jsonl"])
+    sections["checkpoint"].update(enabled=False)
+
+
+def _build(raw: dict, source: str, task: str) -> RecipeConfig:
+    cfg = build_recipe(raw, source)
+    check_model_path(cfg.model.path)
+    if task == "ppl":  # passkey prompts are generated: the data may be gone
+        local_data(cfg.data.source)
+    if cfg.parallel.schedule == "context_parallel":
+        raise ConfigError("lctrain eval runs lctrain's own schedules, but parallel.schedule is "
+                          "context_parallel (torch's ring, a training peer); add --set "
+                          "parallel.schedule=distflash", key="parallel.schedule")
+    return cfg
+
+
+def _check_length(parallel: ParallelConfig, length: int) -> None:
+    try:
+        check_seq_len(length, parallel.cp, parallel.layout, what="passkey length",
+                      ranks="--cp")
+    except ValueError as error:
+        raise UserError(str(error)) from None
