@@ -131,10 +131,16 @@ class ParallelConfig:
     fsdp: Literal["auto", "on", "off"] = "auto"
     """Shard parameters, gradients and optimizer state (FSDP2) over all ranks; auto = on when
     there is more than one rank."""
+    head_groups: int = 1
+    """Run the attention heads in this many groups, one after the other (a divisor of the
+    model's key/value heads): the attention's buffers (received keys/values, float32
+    accumulators, gradients) shrink by that factor; same results (lctrain's schedules)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "parallel")
         require(self.cp >= 1, "parallel.cp", f"is {self.cp} but must be at least 1")
+        require(self.head_groups >= 1, "parallel.head_groups",
+                f"is {self.head_groups} but must be at least 1")
         require(self.dp >= 0, "parallel.dp", f"is {self.dp} but must be 0 (auto) or more")
 
     @property
@@ -187,6 +193,10 @@ class TrainConfig:
     of /proc/meminfo, which reads too low on virtual machines whose memory grows as it is used."""
     loss_chunk_tokens: int = field(default=4096, metadata=SIZE)
     """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once)."""
+    tile_tokens: int = field(default=0, metadata=SIZE)
+    """Run each decoder layer's MLP and norms over the local tokens in tiles of this many
+    (recomputed per tile in the backward), so their working memory stops growing with the
+    tokens per GPU; 0 = untiled. Same results; one more MLP forward per step."""
     log_every: int = 1
     """Log metrics every N optimizer steps."""
     output_dir: str = "runs/lctrain"
@@ -197,6 +207,8 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "loss_chunk_tokens", "log_every"):
             value = getattr(self, name)
             require(value >= 1, f"train.{name}", f"is {value} but must be at least 1")
+        require(self.tile_tokens >= 0, "train.tile_tokens",
+                f"is {self.tile_tokens} but must be 0 (untiled) or a number of tokens per tile")
         require(self.max_steps is None or self.max_steps >= 1, "train.max_steps",
                 f"is {self.max_steps} but must be at least 1 (or null to train by epochs)")
         require(self.epochs is None or self.epochs > 0, "train.epochs",
@@ -326,6 +338,11 @@ class RecipeConfig:
                 f"(attention takes one set of document boundaries per step); use "
                 f"train.grad_accum={self.train.batch_size * self.train.grad_accum} instead or set "
                 f"data.document_mask=false", key="train.batch_size")
+        if self.parallel.schedule == "context_parallel" and self.parallel.head_groups != 1:
+            raise ConfigError(
+                f"parallel.head_groups is {self.parallel.head_groups} but torch's ring attention "
+                "(parallel.schedule context_parallel) runs all heads at once; set "
+                "parallel.head_groups=1", key="parallel.head_groups")
         if self.parallel.schedule == "context_parallel" and self.data.document_mask:
             raise ConfigError(
                 "parallel.schedule context_parallel (torch's ring attention) has no document "

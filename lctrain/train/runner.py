@@ -41,6 +41,7 @@ from lctrain.model.structure import decoder_layers
 from lctrain.parallel.checkpointing import apply_checkpointing
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed, distribute
+from lctrain.parallel.tiling import apply_tiling
 from lctrain.parallel.mesh import ParallelMesh, build_mesh
 from lctrain.report.versions import record_run
 from lctrain.train import launch
@@ -108,7 +109,7 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False) -> int:
         pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None, device_type=device.type)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
         cp = ContextParallel(pmesh, cfg.parallel.schedule, cfg.parallel.attention_backend,
-                             device=device)
+                             device=device, head_groups=cfg.parallel.head_groups)
         setup = RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator)
         set_seed(cfg.train.seed)
         if setup.main:
@@ -181,6 +182,8 @@ def build_model(setup: RunSetup) -> ModelParts:
     flops = FlopModel.for_model(model.config, n_params - (0 if tied else embed.numel()))
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
+    setup.cp.check_model(model.config)
+    apply_tiling(model, cfg.train.tile_tokens)  # the adapters inside the tiles
     apply_checkpointing(model, cfg.train.checkpointing)  # before FSDP2 wraps the layers
     module = CausalLMLoss(model, cfg.train.loss_chunk_tokens)
     bf16 = accelerator.mixed_precision == "bf16"
