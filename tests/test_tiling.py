@@ -49,7 +49,7 @@ def test_tiled_layers_match_untiled_in_float64(base_model, policy):
     untiled = copy.deepcopy(base_model)
     ref_loss, ref_grads = _step(untiled, seed)
     tiled = copy.deepcopy(base_model)
-    assert apply_tiling(tiled, 16) == 2 * 3  # mlp and both norms of each layer
+    assert apply_tiling(tiled, 16) == 2 * 3 + 1  # mlp and both norms of each layer, final norm
     apply_checkpointing(tiled, policy, offload_min_bytes=0)
     loss, grads = _step(tiled, seed)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
@@ -67,9 +67,11 @@ def test_names_state_dict_and_unwrapping(base_model):
     assert not isinstance(layer.self_attn, TiledModule)
     assert list(model.state_dict()) == keys  # as distributed checkpoints name them too
     model.load_state_dict(base_model.state_dict())
-    assert apply_tiling(model, 32) == 6 and model.model.layers[0].mlp.tile_tokens == 32
+    assert apply_tiling(model, 32) == 7 and model.model.layers[0].mlp.tile_tokens == 32
+    assert isinstance(model.model.norm, TiledModule)
     assert apply_tiling(model, 0) == 0
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
 
 
 def test_short_inputs_run_untiled_and_no_grad_runs_tiled(base_model):

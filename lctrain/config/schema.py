@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lctrain.config.fields import MEMORY, SIZE, check_fields, require
+from lctrain.config.tiers import parse_layer_policies
 from lctrain.errors import ConfigError
 from lctrain_kernels.vocabulary import (BACKENDS, SCHEDULES, check_seq_len, schedule_layout,
                                         seq_chunks)
@@ -29,6 +30,13 @@ ATTENTION_BACKENDS = ("auto", *BACKENDS)
 CHECKPOINTING_POLICIES = ("none", "full", "remat", "remat-offload")
 """Activation checkpointing policies (``train.checkpointing``), implemented by
 `lctrain.parallel.checkpointing` and modelled by `lctrain.memory`."""
+
+CHECKPOINTING_CHOICES = (*CHECKPOINTING_POLICIES, "auto")
+"""``train.checkpointing`` values: a policy for every layer, or ``auto`` — a policy per layer
+(`lctrain.config.tiers`), chosen by the memory model or given as ``train.layer_policies``."""
+
+STATE_OFFLOADS = ("none", "optimizer", "all")
+"""``train.state_offload`` values: what of the training state lives in host memory."""
 
 BYTE_TOKENIZER_VOCAB = 259
 """Vocabulary of the ``"bytes"`` tokenizer: 256 byte values + bos, eos, pad (see lctrain.data)."""
@@ -184,10 +192,24 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 = no clipping."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """Compute dtype: bf16 autocast / FSDP2 bf16 params, no, or auto (bf16 on GPUs that have it)."""
-    checkpointing: Literal[CHECKPOINTING_POLICIES] = "none"
+    checkpointing: Literal[CHECKPOINTING_CHOICES] = "none"
     """Activation checkpointing per decoder layer: none, full (recompute everything), remat
-    (recompute all but the distributed attention, whose output and LSE are kept) or
-    remat-offload (remat with saved activations in host memory)."""
+    (recompute all but the distributed attention, whose output and LSE are kept),
+    remat-offload (remat with saved activations in host memory), or auto: each layer its own
+    of remat / remat-offload / full / full-offload, GPU first, then host memory, then
+    recompute — chosen at start by the memory model, or given by train.layer_policies."""
+    layer_policies: str | None = None
+    """With checkpointing auto: the layers' policies in forward order as POLICY=COUNT runs,
+    e.g. full-offload=4,remat-offload=16,remat=12 (counts add up to the layers); null = the
+    memory model chooses for this GPU and host memory."""
+    state_offload: Literal[STATE_OFFLOADS] = "none"
+    """Where parameters, gradients and AdamW states live: none (the GPU), optimizer (AdamW's
+    two states in pinned host memory, streamed through the GPU for the update), all
+    (parameters, gradients and states in host memory through FSDP2's CPU offload; the update
+    runs on the CPU)."""
+    planned: str | None = None
+    """What the settings were planned for (``lctrain estimate-memory --plan`` writes it into
+    its --set line); the training banner repeats it."""
     host_memory: int | None = field(default=None, metadata=MEMORY)
     """Host memory per machine that remat-offload may pin, e.g. 240GiB; null = MemAvailable
     of /proc/meminfo, which reads too low on virtual machines whose memory grows as it is used."""
@@ -207,6 +229,11 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "loss_chunk_tokens", "log_every"):
             value = getattr(self, name)
             require(value >= 1, f"train.{name}", f"is {value} but must be at least 1")
+        if self.layer_policies is not None:
+            parse_layer_policies(self.layer_policies)
+            require(self.checkpointing == "auto", "train.layer_policies",
+                    f"is set but train.checkpointing is {self.checkpointing}; set "
+                    "train.checkpointing=auto to give each layer its policy")
         require(self.tile_tokens >= 0, "train.tile_tokens",
                 f"is {self.tile_tokens} but must be 0 (untiled) or a number of tokens per tile")
         require(self.max_steps is None or self.max_steps >= 1, "train.max_steps",

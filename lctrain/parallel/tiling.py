@@ -21,7 +21,7 @@ of the tiled modules per step.
     apply_tiling(model, tile_tokens=8192)   # after LoRA, before checkpointing and FSDP2
 
 Applied from outside, like the checkpointing policies: each decoder layer's children named in
-:data:`TILED_CHILDREN` are wrapped in place in a `TiledModule` (a torch ``ActivationWrapper``,
+:data:`TILED_CHILDREN`, and the decoder's final norm, are wrapped in place in a `TiledModule` (a torch ``ActivationWrapper``,
 so parameter names, ``state_dict()`` and distributed checkpoints read as without it). The
 layer's own forward is untouched: the residual adds around the wrapped modules save nothing.
 """
@@ -94,14 +94,21 @@ def apply_tiling(model: nn.Module, tile_tokens: int) -> int:
         if tile_tokens and not isinstance(getattr(layer, "mlp", None), nn.Module):
             raise UserError(f"train.tile_tokens tiles each decoder layer's mlp, but "
                             f"{type(layer).__name__} has no mlp module; set train.tile_tokens=0")
-        for name in TILED_CHILDREN:
-            child = getattr(layer, name, None)
-            if not isinstance(child, nn.Module):
-                continue
-            inner = child._checkpoint_wrapped_module if isinstance(child, TiledModule) else child
-            setattr(layer, name, TiledModule(inner, tile_tokens) if tile_tokens else inner)
-            wrapped += bool(tile_tokens)
+        wrapped += sum(_tile_child(layer, name, tile_tokens) for name in TILED_CHILDREN)
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):  # the final norm, whose output feeds the loss
+        wrapped += _tile_child(get_decoder(), "norm", tile_tokens)
     return wrapped
+
+
+def _tile_child(parent: nn.Module, name: str, tile_tokens: int) -> bool:
+    """(Re)wrap ``parent.<name>`` in tiles of ``tile_tokens`` (0: unwrap); whether it was wrapped."""
+    child = getattr(parent, name, None)
+    if not isinstance(child, nn.Module):
+        return False
+    inner = child._checkpoint_wrapped_module if isinstance(child, TiledModule) else child
+    setattr(parent, name, TiledModule(inner, tile_tokens) if tile_tokens else inner)
+    return bool(tile_tokens)
 
 
 class _TiledApply(torch.autograd.Function):
