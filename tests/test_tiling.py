@@ -7,7 +7,7 @@ import torch
 
 import lctrain_kernels
 from lctrain.errors import UserError
-from lctrain.parallel.checkpointing import POLICIES, apply_checkpointing
+from lctrain.parallel.checkpointing import apply_checkpointing
 from lctrain.parallel.tiling import TiledModule, apply_tiling
 
 ATTN = "lctrain_test_tiling"
@@ -43,7 +43,7 @@ def _step(model, seed):
                            for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", ["none", "remat"])  # with the others: test_tiling_tiers
 def test_tiled_layers_match_untiled_in_float64(base_model, policy):
     seed = int(torch.randint(0, 1 << 30, ()))
     untiled = copy.deepcopy(base_model)

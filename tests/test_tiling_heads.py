@@ -32,8 +32,7 @@ def _run(fn, q, k, v, g, gl, **kwargs):
     return [out.detach(), lse.detach(), *(t.grad for t in leaves)]
 
 
-@pytest.mark.parametrize("hq, hkv, groups, bounds", [(4, 2, 2, None), (6, 6, 3, (0, 7, 20, 31)),
-                                                     (8, 4, 4, (0, 16, 31))])
+@pytest.mark.parametrize("hq, hkv, groups, bounds", [(4, 2, 2, None), (6, 6, 3, (0, 7, 20, 31))])
 def test_local_head_groups_match_float64_reference(hq, hkv, groups, bounds):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     q, k, v, g, gl = _inputs(gen, 2, 31, hq, hkv)

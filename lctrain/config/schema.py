@@ -365,6 +365,11 @@ class RecipeConfig:
                 f"(attention takes one set of document boundaries per step); use "
                 f"train.grad_accum={self.train.batch_size * self.train.grad_accum} instead or set "
                 f"data.document_mask=false", key="train.batch_size")
+        if self.train.state_offload == "all" and self.parallel.fsdp == "off":
+            raise ConfigError(
+                "train.state_offload is all, which keeps the state on the host through FSDP2's "
+                "CPU offload, but parallel.fsdp is off; set parallel.fsdp=auto (or on), or "
+                "train.state_offload=optimizer", key="train.state_offload")
         if self.parallel.schedule == "context_parallel" and self.parallel.head_groups != 1:
             raise ConfigError(
                 f"parallel.head_groups is {self.parallel.head_groups} but torch's ring attention "

@@ -1,7 +1,7 @@
 """Host offload of what rematerialization keeps between a layer's forward and its backward.
 
 Under the ``remat`` policy each decoder layer keeps two kinds of tensors on the GPU until its
-backward: the layer's INPUT (saved by non-reentrant checkpointing through autograd's saved-tensor
+backward (under ``full`` only the first): the layer's INPUT (saved by non-reentrant checkpointing through autograd's saved-tensor
 mechanism) and the attention op's (out, lse) (kept by selective checkpointing's cache). The
 ``remat-offload`` policy moves both to host memory as soon as the layer's forward is done with
 them, and brings them back ahead of use:
@@ -12,7 +12,9 @@ them, and brings them back ahead of use:
   (``untyped_storage().resize_(0)``: the cache keeps its tensor objects, now empty);
 - backward: when a layer's recompute starts (its input is unpacked), its own copies are awaited
   and the copies of the layer BEFORE it (the next one the backward reaches) are started, so
-  every transfer but the first overlaps a layer's backward.
+  every transfer but the first overlaps a layer's backward. In a run that keeps the last
+  layers on the GPU (``auto``), their recompute starts the first offloaded layer's copies
+  (`Offloader.prefetch_newest`), so that one overlaps too.
 
 On a GPU all copies run on one side stream, ordered with events, into pinned host buffers;
 ``record_stream`` keeps the caching allocator from reusing a block before its copy is done. The
@@ -255,10 +257,25 @@ class Offloader:
         return stash
 
     def contexts(self, stash: LayerStash, make_contexts, saved):
-        """(forward, recompute) contexts: selective checkpointing's, plus recording and
-        parking in the forward and waiting for the copies in the recompute."""
+        """(forward, recompute) contexts: checkpointing's own (``make_contexts``: selective
+        checkpointing's for remat, none for full), plus recording the outputs of the ops that
+        ``saved`` names and parking them in the forward, and waiting for the copies in the
+        recompute."""
         forward_mode, recompute_mode = make_contexts()
         return _forward_context(stash, forward_mode, saved), _recompute_context(stash, recompute_mode)
+
+    def prefetching_contexts(self, make_contexts):
+        """(forward, recompute) contexts of a layer that keeps its tensors on the GPU in a run
+        with offloaded layers: its recompute starts bringing back the newest stash (the first
+        offloaded layer the backward will reach), which no unpack would start in time."""
+        forward_mode, recompute_mode = make_contexts()
+        return forward_mode, _prefetch_context(self, recompute_mode)
+
+    def prefetch_newest(self) -> None:
+        """Start the copies back of the most recently created stash (idempotent)."""
+        newest = self._last() if self._last is not None else None
+        if newest is not None:
+            newest.fetch()
 
 
 @contextlib.contextmanager
@@ -271,6 +288,13 @@ def _forward_context(stash: LayerStash, forward_mode, saved):
 @contextlib.contextmanager
 def _recompute_context(stash: LayerStash, recompute_mode):
     stash.wait()
+    with recompute_mode:
+        yield
+
+
+@contextlib.contextmanager
+def _prefetch_context(offloader: Offloader, recompute_mode):
+    offloader.prefetch_newest()
     with recompute_mode:
         yield
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lctrain.parallel.host_optim import HostAdamW
+
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
     """The learning-rate multiplier of step s, for `torch.optim.lr_scheduler.LambdaLR`.
@@ -35,11 +37,13 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> C
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    warmup_steps: int, total_steps: int, min_lr_ratio: float
+                    warmup_steps: int, total_steps: int, min_lr_ratio: float,
+                    host_states: bool = False
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters plus its warm-up/cosine scheduler.
 
     Call this AFTER FSDP2 has been applied, so the optimizer holds the sharded parameters.
+    ``host_states``: AdamW's states in pinned host memory (`lctrain.parallel.host_optim`).
 
     Returns:
         (optimizer, scheduler); step the scheduler once per optimizer step.
@@ -50,7 +54,8 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    adamw = HostAdamW if host_states else torch.optim.AdamW
+    optimizer = adamw([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
     schedule = warmup_cosine(warmup_steps, total_steps, min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return optimizer, scheduler

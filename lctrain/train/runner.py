@@ -32,9 +32,12 @@ from accelerate.utils import set_seed
 from torch import nn
 
 from lctrain.config import RecipeConfig, save_resolved
+from lctrain.config.tiers import format_layer_policies, per_layer
 from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
                           rows_summary, steps_summary)
 from lctrain.export import export_final as write_final
+from lctrain.memory.host import available_host_bytes
+from lctrain.memory.recipe import layer_policies_for
 from lctrain.model import load_model
 from lctrain.model.lora import apply_lora
 from lctrain.model.structure import decoder_layers
@@ -161,12 +164,14 @@ class ModelParts:
         distributed: the `CausalLMLoss` around it, spread over the ranks.
         flops: its FLOP model (for MFU).
         n_params: its parameter count.
+        layer_policies: the layers' checkpointing policies of an ``auto`` run (runs text).
     """
 
     model: nn.Module
     distributed: Distributed
     flops: FlopModel
     n_params: int
+    layer_policies: str | None = None
 
 
 def build_model(setup: RunSetup) -> ModelParts:
@@ -184,18 +189,37 @@ def build_model(setup: RunSetup) -> ModelParts:
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     setup.cp.check_model(model.config)
     apply_tiling(model, cfg.train.tile_tokens)  # the adapters inside the tiles
-    apply_checkpointing(model, cfg.train.checkpointing)  # before FSDP2 wraps the layers
+    runs = _layer_policies(setup) if cfg.train.checkpointing == "auto" else None
+    apply_checkpointing(model, cfg.train.checkpointing,  # before FSDP2 wraps the layers
+                        layer_policies=per_layer(runs) if runs else None)
     module = CausalLMLoss(model, cfg.train.loss_chunk_tokens)
     bf16 = accelerator.mixed_precision == "bf16"
     distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
-                             strategy=_strategy(setup), param_dtype=torch.bfloat16 if bf16 else None)
-    return ModelParts(model, distributed, flops, n_params)
+                             strategy=_strategy(setup), param_dtype=torch.bfloat16 if bf16 else None,
+                             offload=cfg.train.state_offload == "all")
+    return ModelParts(model, distributed, flops, n_params,
+                      format_layer_policies(runs) if runs else None)
+
+
+def _layer_policies(setup: RunSetup) -> tuple[tuple[str, int], ...]:
+    """``auto``'s layer policies: the recipe's, else the memory model's for this device's memory
+    and this machine's host memory (`lctrain.memory.recipe.layer_policies_for`)."""
+    device, pmesh = setup.accelerator.device, setup.pmesh
+    host = setup.cfg.train.host_memory or available_host_bytes()
+    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+              else host or 0)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", pmesh.world_size))
+    return layer_policies_for(setup.cfg, gpus=pmesh.world_size, gpu_memory=memory,
+                              host_memory=host if device.type == "cuda" else None,
+                              gpus_per_node=local)
 
 
 def _strategy(setup: RunSetup) -> str:
-    """FSDP2 when asked ("on"), or by default on GPUs with several ranks; else replication."""
+    """FSDP2 when asked ("on") or when the state lives on the host (its CPU offload), or by
+    default on GPUs with several ranks; else replication."""
     fsdp, pmesh = setup.cfg.parallel.fsdp, setup.pmesh
-    if fsdp == "on" or (fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1):
+    if fsdp == "on" or setup.cfg.train.state_offload == "all" or (
+            fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1):
         return "fsdp"
     return "replicate"
 
@@ -205,7 +229,8 @@ def build_trainer(setup: RunSetup, parts: ModelParts, resume_from: Path | None) 
     t = setup.cfg.train
     optimizer, scheduler = build_optimizer(
         parts.distributed.module, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas),
-        warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+        warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio,
+        host_states=t.state_offload == "optimizer")
     trainer = Trainer(distributed=parts.distributed, optimizer=optimizer, scheduler=scheduler,
                       pmesh=setup.pmesh, cp=setup.cp, accelerator=setup.accelerator,
                       grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm)
@@ -264,11 +289,29 @@ def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> s
     cfg, pmesh = setup.cfg, setup.pmesh
     t = cfg.train
     start = f", resuming at step {trainer.step}" if trainer.step else ""
-    return (f"lctrain finetune: {parts.n_params / 1e6:.2f}M parameters, seq_len "
+    line = (f"lctrain finetune: {parts.n_params / 1e6:.2f}M parameters, seq_len "
             f"{cfg.data.seq_len}, {rows} packed rows; {pmesh.world_size} x "
             f"{pmesh.device_type} (dp {pmesh.dp} x cp {pmesh.cp}, {cfg.parallel.schedule}, "
             f"{parts.distributed.strategy}); {t.max_steps} steps x "
             f"{pmesh.dp * t.batch_size * t.grad_accum} sequence(s){start}")
+    return line + "".join(f"\n  {extra}" for extra in _memory_settings(cfg, parts))
+
+
+def _memory_settings(cfg: RecipeConfig, parts: ModelParts) -> list[str]:
+    """Banner lines for the long-context settings in use, and the plan they came from."""
+    t, lines = cfg.train, []
+    if parts.layer_policies:
+        chosen = "train.layer_policies" if t.layer_policies else "the memory model"
+        lines.append(f"checkpointing auto: {parts.layer_policies} (from {chosen})")
+    settings = [f"{k} {v}" for k, v in (("tile_tokens", t.tile_tokens),
+                                         ("head_groups", cfg.parallel.head_groups),
+                                         ("state_offload", t.state_offload))
+                if v not in (0, 1, "none")]
+    if settings:
+        lines.append("memory: " + ", ".join(settings))
+    if t.planned:
+        lines.append(f"settings from lctrain estimate-memory --plan: {t.planned}")
+    return lines
 
 
 def _summary(setup: RunSetup, trainer: Trainer, history: list[dict]) -> str:
