@@ -85,3 +85,28 @@ def test_host_adamw_is_adamw():
     fresh = HostAdamW([p.detach().clone().requires_grad_() for p in ours], **kw)
     fresh.load_state_dict(state)
     assert all(fresh.state[p]["exp_avg"].device.type == "cpu" for p in fresh.state)
+
+
+@pytest.mark.gpu
+def test_host_adamw_streams_states_through_the_gpu():
+    """On a GPU the states stay pinned on the host and chunks stream through: torch's AdamW's
+    parameters after several steps, within float32 rounding."""
+    torch.manual_seed(0)
+    shapes = [(256, 300), (300,), (64, 1000), (4000,)]
+    ref = [torch.randn(s, device="cuda", requires_grad=True) for s in shapes]
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    adam, host = torch.optim.AdamW(ref, **kw), HostAdamW(ours, chunk_bytes=1 << 19, **kw)
+    for _ in range(5):
+        for p, q in zip(ref, ours):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        adam.step()
+        host.step()
+    for p, q in zip(ref, ours):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+    host.synchronize()
+    states = [s[k] for s in host.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in states)
+    torch.testing.assert_close(host.state[ours[0]]["exp_avg"],
+                               adam.state[ref[0]]["exp_avg"].cpu(), rtol=1e-5, atol=1e-7)

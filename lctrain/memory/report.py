@@ -88,9 +88,9 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     if gpu_memory:
         rows.append({"what": "GPU memory", "bytes": gpu_memory})
     if details.get("host_offload"):
-        rows.append({"what": "pinned host memory per GPU", "bytes": details["host_offload"]})
+        rows.append({"what": "host memory per GPU (offloaded)", "bytes": details["host_offload"]})
     if details.get("host_offload_per_node") and estimate.get("host_memory"):
-        rows.append({"what": "pinned host memory per machine",
+        rows.append({"what": "host memory per machine (offloaded)",
                      "bytes": details["host_offload_per_node"]})
         rows.append({"what": "host memory per machine", "bytes": estimate["host_memory"]})
     facts = []
@@ -109,6 +109,10 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     for key in ("model", "gpus", "cp", "policy", "dtype", "master_dtype"):
         if estimate.get(key) is not None:
             facts.append((key.replace("_", " "), str(estimate[key])))
+    for key, default in (("layer_policies", None), ("tile_tokens", 0), ("head_groups", 1),
+                         ("state_offload", "none")):
+        if details.get(key, default) != default:
+            facts.append((key.replace("_", " "), str(details[key])))
     if details.get("phase"):
         facts.append(("peak during", f"the {details['phase']} phase"))
     for row in rows:

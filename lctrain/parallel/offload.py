@@ -306,3 +306,34 @@ def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Te
 
 def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def host_memory_bytes(module: torch.nn.Module, optimizer=None) -> int:
+    """Host memory this GPU process keeps for training: the pinned buffers of its offloaded
+    layers and of a host-state optimizer, and parameters, gradients and optimizer states that
+    live on the host (FSDP2's CPU offload). What `lctrain.memory` calls ``host_offload``.
+
+    Args:
+        module: the trained module (its checkpoint wrappers hold the offloaders).
+        optimizer: the optimizer (a `lctrain.parallel.host_optim.HostAdamW` holds a pool).
+    """
+    pools = {}
+    for m in module.modules():
+        for arg in getattr(getattr(m, "checkpoint_fn", None), "args", ()):
+            if isinstance(arg, Offloader):
+                pools[id(arg.pool)] = arg.pool
+    if isinstance(getattr(optimizer, "pool", None), PinnedPool):
+        pools[id(optimizer.pool)] = optimizer.pool
+    pooled = {buf.data_ptr() for pool in pools.values() for buf in pool._all}
+    tensors = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]
+    seen, total = set(), sum(pool.pinned_bytes for pool in pools.values())
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        key = local.untyped_storage().data_ptr()
+        if local.device.type == "cpu" and key not in pooled and key not in seen:
+            seen.add(key)
+            total += local.untyped_storage().nbytes()
+    return total

@@ -44,6 +44,7 @@ from lctrain.model.structure import decoder_layers
 from lctrain.parallel.checkpointing import apply_checkpointing
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed, distribute
+from lctrain.parallel.offload import host_memory_bytes
 from lctrain.parallel.tiling import apply_tiling
 from lctrain.parallel.mesh import ParallelMesh, build_mesh
 from lctrain.report.versions import record_run
@@ -271,7 +272,7 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
                       checkpoint_every=cfg.checkpoint.every,
                       tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
                       flops=parts.flops, peak_flops=peak_flops(trainer.device),
-                      log=metrics.write, progress=progress.update,
+                      log=_with_host_memory(metrics.write, trainer), progress=progress.update,
                       save=functools.partial(save, setup, trainer) if cfg.checkpoint.enabled
                       else None)
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
@@ -282,6 +283,15 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
         progress.close()
     if setup.main:
         print(_summary(setup, trainer, history), flush=True)
+
+
+def _with_host_memory(write, trainer: Trainer):
+    """On a GPU, log records also carry ``host_memory_bytes``: what this process keeps in host
+    memory for training (`lctrain.parallel.offload.host_memory_bytes`)."""
+    if trainer.device.type != "cuda":
+        return write
+    module, optimizer = trainer.distributed.module, trainer.optimizer
+    return lambda record: write({**record, "host_memory_bytes": host_memory_bytes(module, optimizer)})
 
 
 def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> str:
