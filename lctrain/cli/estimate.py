@@ -93,7 +93,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
             tokens = cfg.data.seq_len
         if gpus is None:
             gpus = 1 if cfg is None else max(cfg.parallel.dp, 1) * cfg.parallel.cp
-        from lctrain.memory.recipe import plan_recipe
+        from lctrain.memory import plan_recipe
 
         result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
                              gpus_per_node=gpus_per_node, seq_len=tokens)

@@ -128,7 +128,7 @@ _PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "paral
               ("tile tokens", "tile_tokens", "tokens"), ("head groups", "head_groups", None),
               ("state in host memory", "state_offload", None),
               ("GPU memory, total", "total", "bytes"), ("GPU peak allocated", "peak_allocated", "bytes"),
-              ("pinned host per GPU", "host_offload", "bytes"), ("step time (est.)", "step_s", "time"),
+              ("host memory per GPU", "host_offload", "bytes"), ("step time (est.)", "step_s", "time"),
               ("tokens/s (est.)", "tokens_per_s", "rate"))
 
 
