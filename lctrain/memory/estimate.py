@@ -72,7 +72,7 @@ class Setup:
     master_dtype: str = "float32"
     batch_size: int = 1
     grad_accum: int = 1
-    fsdp: bool = True
+    fsdp: bool | str = True
     loss_chunk_tokens: int = 4096
     lora: LoraShape | None = None
     tile_tokens: int = 0
@@ -116,7 +116,7 @@ class Setup:
     @property
     def fsdp_units(self) -> bool:
         """Whether FSDP2 gathers each unit before use (sharded, or offloaded to the host)."""
-        return self.shard > 1 or self.state_offload == "all"
+        return self.shard > 1 or self.state_offload == "all" or self.fsdp == "on"
 
     @property
     def trainable_parameters(self) -> int:
@@ -273,7 +273,7 @@ def host_budget(host_memory: int | None, processes: int) -> int | None:
 
 def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
              dtype: str = "bfloat16", *, master_dtype: str = "float32", batch_size: int = 1,
-             grad_accum: int = 1, fsdp: bool = True, loss_chunk_tokens: int = 4096,
+             grad_accum: int = 1, fsdp: bool | str = True, loss_chunk_tokens: int = 4096,
              gpu_memory: int | None = None, seq_chunks: int | None = None,
              host_memory: int | None = None, gpus_per_node: int | None = None,
              lora: LoraShape | None = None, tile_tokens: int = 0, head_groups: int = 1,
@@ -291,7 +291,8 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
         master_dtype: dtype the sharded parameters, gradients and AdamW states are kept in.
         batch_size: sequences per dp rank per micro-step.
         grad_accum: micro-steps per optimizer step (> 1 keeps gradients through the backward).
-        fsdp: shard parameters, gradients and optimizer states (False: every GPU holds all).
+        fsdp: shard parameters, gradients and optimizer states (False: every GPU holds all;
+            "on": FSDP2 even on one GPU, whose gathered units then cost memory too).
         loss_chunk_tokens: tokens per chunk of the chunked cross-entropy.
         gpu_memory: bytes per GPU; when given, ``fits`` and ``max_seq_len`` are filled in.
         seq_chunks: the layout's chunking (cp, or 2·cp for zigzag); max_seq_len is a multiple.

@@ -11,6 +11,10 @@ from lctrain.memory.report import MemoryEstimate
 from lctrain_kernels.vocabulary import seq_chunks
 
 
+_FSDP = {"auto": True, "on": "on", "off": False}
+"""parallel.fsdp -> the memory model's ``fsdp`` (auto: FSDP2 on several GPUs; on: always)."""
+
+
 def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_len: int,
                     gpus: int, gpu_memory: int, cp: int | None = None,
                     policy: str | None = None, host_memory: int | None = None,
@@ -49,7 +53,7 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
             if policy == "auto" and train.layer_policies is not None else None)
     return estimate(arch, seq_len, gpus, cp, policy, compute,
                     master_dtype=master, batch_size=train.batch_size,
-                    grad_accum=train.grad_accum, fsdp=parallel.fsdp != "off",
+                    grad_accum=train.grad_accum, fsdp=_FSDP[parallel.fsdp],
                     loss_chunk_tokens=train.loss_chunk_tokens, gpu_memory=gpu_memory,
                     seq_chunks=seq_chunks(cp, parallel.layout),
                     host_memory=host_memory, gpus_per_node=gpus_per_node,
@@ -144,7 +148,7 @@ def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int
     compute = "bfloat16" if train.mixed_precision in ("auto", "bf16") else master
     base = Setup(arch=arch, gpus=gpus, cp=1, policy="none", dtype=compute, master_dtype=master,
                  batch_size=train.batch_size, grad_accum=train.grad_accum,
-                 fsdp=parallel.fsdp != "off", loss_chunk_tokens=train.loss_chunk_tokens,
+                 fsdp=_FSDP[parallel.fsdp], loss_chunk_tokens=train.loss_chunk_tokens,
                  lora=lora_shape(cfg.lora) if cfg is not None else None)
     machine = Machine(gpus=gpus, gpu_memory=gpu_memory, host_memory=host_memory,
                       gpus_per_node=gpus_per_node or min(gpus, 8))

@@ -149,7 +149,7 @@ def _hand_over_from_transformers(model: nn.Module, policy: str) -> None:
 def _wrap(layer: nn.Module, kind: str, offloader: Offloader | None) -> nn.Module:
     make_contexts = remat_contexts if kind.startswith("remat") else noop_context_fn
     if kind in OFFLOADED:
-        saved = is_attention_forward if kind.startswith("remat") else _never
+        saved = is_attention_forward if kind.startswith("remat") else None
         return checkpoint_wrapper(layer, checkpoint_fn=functools.partial(
             _offloaded_checkpoint, offloader, make_contexts, saved))
     if offloader is not None:  # a GPU-kept layer of a mixed run: start the host copies back
@@ -157,10 +157,6 @@ def _wrap(layer: nn.Module, kind: str, offloader: Offloader | None) -> nn.Module
     elif kind == "full":
         return checkpoint_wrapper(layer)
     return checkpoint_wrapper(layer, context_fn=make_contexts)
-
-
-def _never(func) -> bool:
-    return False
 
 
 def _offloaded_checkpoint(offloader: Offloader, make_contexts, saved, module: nn.Module, *args,

@@ -259,8 +259,8 @@ class Offloader:
     def contexts(self, stash: LayerStash, make_contexts, saved):
         """(forward, recompute) contexts: checkpointing's own (``make_contexts``: selective
         checkpointing's for remat, none for full), plus recording the outputs of the ops that
-        ``saved`` names and parking them in the forward, and waiting for the copies in the
-        recompute."""
+        ``saved`` names (None: nothing but the input is parked) and parking them in the
+        forward, and waiting for the copies in the recompute."""
         forward_mode, recompute_mode = make_contexts()
         return _forward_context(stash, forward_mode, saved), _recompute_context(stash, recompute_mode)
 
@@ -280,7 +280,8 @@ class Offloader:
 
 @contextlib.contextmanager
 def _forward_context(stash: LayerStash, forward_mode, saved):
-    with forward_mode, _RecordOutputs(stash, saved):
+    recording = _RecordOutputs(stash, saved) if saved is not None else contextlib.nullcontext()
+    with forward_mode, recording:  # nothing to record (full): no mode in every op's way
         yield
     stash.park_outputs()
 
