@@ -194,7 +194,8 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     per_micro = 2 if cfg.train.checkpointing == "full" else 1
     runs = predicted.get("layer_policies")
     if cfg.train.checkpointing == "auto" and runs:  # each full layer runs attention twice
-        per_micro = 1 + sum(k.startswith("full") for k in per_layer(parse_layer_policies(runs))) / layers
+        kinds = per_layer(parse_layer_policies(runs))
+        per_micro = 1 + sum(k.startswith("full") for k in kinds) / layers
     cuda = torch.cuda.is_available()
     return {
         "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,

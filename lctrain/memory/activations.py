@@ -24,7 +24,8 @@ Policies (see lctrain.parallel.checkpointing):
   on the GPU or in host memory (`lctrain.memory.tiers` places them).
 
 Tiled layers (``tile_tokens`` < T, `lctrain.parallel.tiling`): the final norm keeps only its
-input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input x, h1 = x + attention and the second norm's output, 3·c·T·h —
+input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input
+x, h1 = x + attention and the second norm's output, 3·c·T·h —
 plus the first norm's output (kept by q, k, v), and their backward needs one tile's worth of
 the MLP (7·c·n·I for n tile tokens) and float32 sums of the MLP's weight gradients.
 
@@ -59,7 +60,8 @@ def layer_saved(arch: Architecture, tokens: int, c: int,
     if tiled(tokens, tile_tokens):
         if lora is not None:
             return lora_model.tiled_layer_saved(arch, tokens, c, lora)
-        return 4 * c * t * h + c * t * (2 * arch.q_width + 2 * arch.kv_width) + 4 * t * arch.num_heads
+        qkv_out = c * t * (2 * arch.q_width + 2 * arch.kv_width)  # q, k, v and the output
+        return 4 * c * t * h + qkv_out + 4 * t * arch.num_heads
     if lora is not None:
         return lora_model.layer_saved(arch, tokens, c, lora)
     norms = 2 * ((4 + 2 * c) * t * h + 4 * t)
@@ -150,7 +152,8 @@ def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int
     else:  # remat and remat-offload recompute all but the attention output and lse
         recomputed = layer_saved(arch, tokens, c, lora) - out_lse
     mlp_phase = recomputed + residual_grads + 3 * c * t * arch.intermediate_size
-    attn_recomputed = 0 if policy == "none" else norm + qkv + (out_lse if policy.startswith("full") else 0)
+    full = policy.startswith("full")
+    attn_recomputed = 0 if policy == "none" else norm + qkv + (out_lse if full else 0)
     attn_phase = (attn_recomputed + attention_workspace(arch, tokens, c, cp, head_groups)
                   + residual_grads + c * t * arch.q_width)
     return max(mlp_phase, attn_phase)

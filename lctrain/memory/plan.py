@@ -11,8 +11,8 @@ fit the GPU, and all pinned bytes of a machine's processes its host memory
 
 Longest: for every cp and state placement, ``auto`` with tiles and the most head groups (each
 only lowers memory), searched for the longest length (rounded down to a whole K of tokens);
-the longest wins, the cheapest breaks a tie. Fastest at a length: every cp × state placement × policy × tiling, each with the fewest
-head groups that fit; the cheapest wins.
+the longest wins, the cheapest breaks a tie. Fastest at a length: every cp × state placement ×
+policy × tiling, each with the fewest head groups that fit; the cheapest wins.
 
 Cost (:func:`step_seconds`): a documented estimate of one step's time, used only to rank:
 
@@ -102,7 +102,8 @@ class Choice:
         items = [f"parallel.cp={s.cp}", f"train.checkpointing={s.policy}"]
         if s.policy == "auto":
             items.append(f"train.layer_policies={self.details['layer_policies']}")
-        return items + [f"train.tile_tokens={s.tile_tokens}", f"parallel.head_groups={s.head_groups}",
+        return items + [f"train.tile_tokens={s.tile_tokens}",
+                        f"parallel.head_groups={s.head_groups}",
                         f"train.state_offload={s.state_offload}"]
 
     def to_json(self) -> dict:

@@ -127,8 +127,10 @@ _PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "paral
               ("checkpointing", "checkpointing", None), ("layer policies", "layer_policies", None),
               ("tile tokens", "tile_tokens", "tokens"), ("head groups", "head_groups", None),
               ("state in host memory", "state_offload", None),
-              ("GPU memory, total", "total", "bytes"), ("GPU peak allocated", "peak_allocated", "bytes"),
-              ("host memory per GPU", "host_offload", "bytes"), ("step time (est.)", "step_s", "time"),
+              ("GPU memory, total", "total", "bytes"),
+              ("GPU peak allocated", "peak_allocated", "bytes"),
+              ("host memory per GPU", "host_offload", "bytes"),
+              ("step time (est.)", "step_s", "time"),
               ("tokens/s (est.)", "tokens_per_s", "rate"))
 
 
@@ -137,9 +139,10 @@ def plan_table(plan: dict) -> Table:
     fastest at the asked length), one row per setting or figure."""
     machine = plan["machine"]
     host = machine.get("host_memory")
-    title = (f"Plan for {plan['model']} on {machine['gpus']} x {format_bytes(machine['gpu_memory'])}"
-             f" GPUs, {format_bytes(host) + ' host memory' if host else 'no host memory'} per "
-             f"machine ({machine['gpus_per_node']} GPUs each)")
+    gpus = f"{machine['gpus']} x {format_bytes(machine['gpu_memory'])}"
+    hosts = f"{format_bytes(host)} host memory" if host else "no host memory"
+    title = (f"Plan for {plan['model']} on {gpus} GPUs, {hosts} per machine "
+             f"({machine['gpus_per_node']} GPUs each)")
     choices = [("longest", "longest", plan.get("longest"))]
     if plan.get("seq_len"):
         choices.append(("fastest", f"fastest at {tokens(plan['seq_len'])}", plan.get("fastest")))

@@ -1,14 +1,14 @@
 """AdamW whose two moment estimates live in pinned host memory (``train.state_offload:
 optimizer``).
 
-AdamW keeps two float32 states per trainable weight — twice the weights' own bytes. On one GPU
-with an 8B-parameter model that is 60 GiB of GPU memory that the activations of a long sequence
-could use. `HostAdamW` keeps them in page-locked host memory instead and streams them through
-the GPU at each step, in chunks of at most :data:`CHUNK_BYTES` (both states of a chunk): while
-the update of one chunk runs on the GPU, the next chunk's states come in and the previous
-chunk's go back, on two side streams (one per direction) ordered with events. The update itself is torch's own AdamW
-math (``torch.optim.adamw.adamw``, foreach) on the GPU, so the step stays fast: what it adds is
-copying the states in and out once (about 2 × 2 × 4 bytes per parameter over PCIe).
+AdamW keeps two float32 states per trainable weight — twice the weights' own bytes. On one GPU with
+an 8B-parameter model that is 60 GiB of GPU memory that the activations of a long sequence could
+use. `HostAdamW` keeps them in page-locked host memory instead and streams them through the GPU at
+each step, in chunks of at most :data:`CHUNK_BYTES` (both states of a chunk): while the update of
+one chunk runs on the GPU, the next chunk's states come in and the previous chunk's go back, on two
+side streams (one per direction) ordered with events. The update itself is torch's own AdamW math
+(``torch.optim.adamw.adamw``, foreach) on the GPU, so the step stays fast: what it adds is copying
+the states in and out once (about 2 × 2 × 4 bytes per parameter over PCIe).
 
 Why not FSDP2's CPU offload for this? That keeps parameters and gradients on the host too and
 runs the update on the CPU; it frees more GPU memory (``state_offload: all``) but needs host

@@ -1,10 +1,10 @@
 """Host offload of what rematerialization keeps between a layer's forward and its backward.
 
 Under the ``remat`` policy each decoder layer keeps two kinds of tensors on the GPU until its
-backward (under ``full`` only the first): the layer's INPUT (saved by non-reentrant checkpointing through autograd's saved-tensor
-mechanism) and the attention op's (out, lse) (kept by selective checkpointing's cache). The
-``remat-offload`` policy moves both to host memory as soon as the layer's forward is done with
-them, and brings them back ahead of use:
+backward (under ``full`` only the first): the layer's INPUT (saved by non-reentrant checkpointing
+through autograd's saved-tensor mechanism) and the attention op's (out, lse) (kept by selective
+checkpointing's cache). The ``remat-offload`` policy moves both to host memory as soon as the
+layer's forward is done with them, and brings them back ahead of use:
 
 - forward: the layer input is copied out when checkpointing saves it (a `saved_tensors_hooks`
   pack hook around the checkpointed call); the attention outputs are recorded as the op returns

@@ -21,9 +21,10 @@ of the tiled modules per step.
     apply_tiling(model, tile_tokens=8192)   # after LoRA, before checkpointing and FSDP2
 
 Applied from outside, like the checkpointing policies: each decoder layer's children named in
-:data:`TILED_CHILDREN`, and the decoder's final norm, are wrapped in place in a `TiledModule` (a torch ``ActivationWrapper``,
-so parameter names, ``state_dict()`` and distributed checkpoints read as without it). The
-layer's own forward is untouched: the residual adds around the wrapped modules save nothing.
+:data:`TILED_CHILDREN`, and the decoder's final norm, are wrapped in place in a `TiledModule` (a
+torch ``ActivationWrapper``, so parameter names, ``state_dict()`` and distributed checkpoints read
+as without it). The layer's own forward is untouched: the residual adds around the wrapped modules
+save nothing.
 """
 from __future__ import annotations
 
