@@ -74,13 +74,17 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
         return call
 
     memory = types.SimpleNamespace(to_json=lambda: {"per_gpu_bytes": {"total": 1}, "fits": True})
+    plan = {"model": "m", "machine": {"gpus": 1, "gpu_memory": 1, "host_memory": None,
+                                      "gpus_per_node": 1}, "seq_len": None, "longest": None,
+            "fastest": None}
     exported = types.SimpleNamespace(kind="full", step=1, dtype="float32", output="out",
                                      files=("config.json",), base=None)
-    for module, attr, result in [("lctrain.train.runner", "finetune", 0),
-                                 ("lctrain.memory", "estimate_recipe", memory),
-                                 ("lctrain.export", "export_run", exported)]:
+    for module, attrs in [("lctrain.train.runner", {"finetune": 0}),
+                          ("lctrain.memory", {"estimate_recipe": memory, "plan_recipe": plan}),
+                          ("lctrain.export", {"export_run": exported})]:
         fake = types.ModuleType(module)
-        setattr(fake, attr, recorder(module, result))
+        for attr, result in attrs.items():
+            setattr(fake, attr, recorder(module, result))
         monkeypatch.setitem(sys.modules, module, fake)
     import lctrain.bench.tiles
     import lctrain.eval.request

@@ -59,7 +59,8 @@ def _backend_name(backend) -> str:
     return check_backend_name(name)
 
 
-def _options(q, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap) -> tuple:
+def _options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap,
+             head_groups) -> tuple:
     """Validate everything once, on the host, and turn it into the op's plain arguments."""
     check_schedule(schedule)
     world = 1 if group is None else dist.get_world_size(group)
@@ -76,15 +77,19 @@ def _options(q, group, causal, cu_seqlens, softmax_scale, schedule, backend, ove
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}.")
+    if (isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1
+            or k.shape[2] % head_groups):
+        raise ValueError(f"head_groups must be a positive divisor of the {k.shape[2]} key/value "
+                         f"heads, got {head_groups!r}.")
     group_name = group.group_name if world > 1 else ""
     return (group_name, bool(causal), list(bounds or ()), scale, schedule,
-            _backend_name(backend), bool(overlap))
+            _backend_name(backend), bool(overlap), int(head_groups))
 
 
 def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                             causal: bool = True, cu_seqlens=None, softmax_scale: float | None = None,
-                            schedule: str = "distflash", backend="auto", overlap: bool = True
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            schedule: str = "distflash", backend="auto", overlap: bool = True,
+                            head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence-parallel attention of this rank's rows, with their global log-sum-exp.
 
     Args:
@@ -101,6 +106,9 @@ def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             :mod:`lctrain_kernels.backends`), or a Backend object standing for its name.
         overlap: post the next step's transfers before computing the current block (False is
             the ablation that waits right after posting).
+        head_groups: run the heads in this many groups, one after the other (it must divide
+            Hkv): the attention's buffers (received k/v, float32 accumulators, gradients) are
+            those of Hq / head_groups heads; same results.
 
     Returns:
         ``(out, lse)``: (B, N/P, Hq, D) in q's dtype and (B, Hq, N/P) float32 (float64 for
@@ -109,18 +117,19 @@ def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         travels with the query rows).
 
     Raises:
-        ValueError: bad shapes, dtypes, schedule name, cu_seqlens, scale, or a global length
-            (P × local length) not divisible by the schedule's layout chunking.
+        ValueError: bad shapes, dtypes, schedule name, cu_seqlens, scale, head_groups, or a
+            global length (P × local length) not divisible by the schedule's layout chunking.
         BackendUnavailable: the backend is unknown, not installed, or cannot run a block.
     """
     _check_tensors(q, k, v)
-    options = _options(q, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap)
+    options = _options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap,
+                       head_groups)
     return torch.ops.lctrain.dist_attention(q, k, v, *options)
 
 
 def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
                    cu_seqlens=None, softmax_scale: float | None = None, schedule: str = "distflash",
-                   backend="auto", overlap: bool = True) -> torch.Tensor:
+                   backend="auto", overlap: bool = True, head_groups: int = 1) -> torch.Tensor:
     """Sequence-parallel attention of this rank's rows; see :func:`dist_attention_with_lse`.
 
     Returns:
@@ -130,12 +139,12 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         ValueError, BackendUnavailable: as :func:`dist_attention_with_lse`.
     """
     return dist_attention_with_lse(q, k, v, group, causal, cu_seqlens, softmax_scale, schedule,
-                                   backend, overlap)[0]
+                                   backend, overlap, head_groups)[0]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                       cu_seqlens=None, softmax_scale: float | None = None, backend="auto"
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       cu_seqlens=None, softmax_scale: float | None = None, backend="auto",
+                       head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a whole sequence on one device, with its log-sum-exp.
 
     Args:
@@ -147,6 +156,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
             same for every batch row; attention never crosses a document. None: one document.
         softmax_scale: scale of ``q k^T``; default ``1 / sqrt(D)``.
         backend: "auto" (see :mod:`lctrain_kernels.backends`), a backend name, or a Backend.
+        head_groups: run the heads in this many groups one after the other (a divisor of Hkv),
+            bounding the kernels' transient buffers; same results.
 
     Returns:
         ``(out, lse)``: (B, S, Hq, D) in q's dtype and (B, Hq, S) float32 (float64 for
@@ -157,12 +168,12 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         BackendUnavailable: if the requested backend cannot run this attention.
     """
     return dist_attention_with_lse(q, k, v, None, causal, cu_seqlens, softmax_scale,
-                                   backend=backend)
+                                   backend=backend, head_groups=head_groups)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              cu_seqlens=None, softmax_scale: float | None = None, backend="auto"
-              ) -> torch.Tensor:
+              cu_seqlens=None, softmax_scale: float | None = None, backend="auto",
+              head_groups: int = 1) -> torch.Tensor:
     """Attention of a whole sequence on one device; see :func:`attention_with_lse`.
 
     Returns:
@@ -172,4 +183,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         ValueError: on inconsistent shapes, dtypes, devices, ``cu_seqlens`` or scale.
         BackendUnavailable: if the requested backend cannot run this attention.
     """
-    return attention_with_lse(q, k, v, causal, cu_seqlens, softmax_scale, backend)[0]
+    return attention_with_lse(q, k, v, causal, cu_seqlens, softmax_scale, backend,
+                              head_groups)[0]

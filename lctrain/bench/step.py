@@ -15,7 +15,8 @@ are dropped. One row per configuration, median over the timed steps:
 - peak memory, the largest of any rank (the CUDA allocator's peak; on a CPU the process's peak
   RSS) beside the memory model's prediction for the same recipe
   (`lctrain.memory.estimate_recipe`: ``details.peak_allocated``, the figure comparable with
-  ``torch.cuda.max_memory_allocated``);
+  ``torch.cuda.max_memory_allocated``); on GPUs also the host memory rank 0 keeps for training
+  (pinned activations and state, ``host_memory_bytes``) beside the model's ``host_offload``;
 - attention forwards per optimizer step: the runner's ``attention_forward_calls`` (counted by
   `lctrain.parallel.checkpointing.AttentionCounter` on the run's first step, on every rank);
   beside the expected L (none, remat, remat-offload) or 2·L (full) per micro-step.
@@ -42,6 +43,7 @@ import torch
 
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
+from lctrain.config.tiers import parse_layer_policies, per_layer
 from lctrain.errors import UserError
 from lctrain.report.versions import environment
 
@@ -199,8 +201,13 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
          predicted: dict) -> dict:
     timed = [r for r in records if r["step"] > warmup] or records
     measured = max((r.get("peak_memory_bytes") or 0) for r in records)
+    host = max((r.get("host_memory_bytes") or 0) for r in records) if cuda_run(records) else None
     calls = records[0].get("attention_forward_calls") if records else None  # the run's 1st step
     per_micro = 2 if cfg.train.checkpointing == "full" else 1
+    runs = predicted.get("layer_policies")
+    if cfg.train.checkpointing == "auto" and runs:  # each full layer runs attention twice
+        kinds = per_layer(parse_layer_policies(runs))
+        per_micro = 1 + sum(k.startswith("full") for k in kinds) / layers
     cuda = torch.cuda.is_available()
     return {
         "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,
@@ -212,12 +219,19 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "model_peak_gib": predicted["peak_allocated"] / _GIB,
         "model_total_gib": predicted["total"] / _GIB,
         "peak_vs_model": measured / predicted["peak_allocated"] if cuda else None,
+        "host_gib": None if host is None else host / _GIB,
+        "model_host_gib": predicted["host_offload"] / _GIB if host is not None else None,
         "attn_fwd_per_step": calls,
-        "attn_fwd_expected": layers * per_micro * cfg.train.grad_accum,
+        "attn_fwd_expected": round(layers * per_micro) * cfg.train.grad_accum,
         "loss_first": records[0]["loss"] if records else None,
         "loss_last": records[-1]["loss"] if records else None,
         "status": "ok",
     }
+
+
+def cuda_run(records: list[dict]) -> bool:
+    """Whether the run logged host memory (GPU runs do)."""
+    return any("host_memory_bytes" in r for r in records)
 
 
 def _median(records: list[dict], key: str) -> float | None:
@@ -229,12 +243,18 @@ def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
     """(decoder layers, the memory model's per-GPU prediction for this run)."""
     from lctrain.memory import estimate_recipe, recipe_architecture
 
+    from lctrain.memory.host import available_host_bytes
+
     arch = recipe_architecture(cfg)
     memory = (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
               else 80 << 30)
-    est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=nproc, gpu_memory=memory)
+    host = cfg.train.host_memory or available_host_bytes()  # what an auto run places against
+    est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=nproc, gpu_memory=memory,
+                          host_memory=host, gpus_per_node=nproc)
     return arch.num_layers, {"peak_allocated": est.details["peak_allocated"],
-                             "total": est.per_gpu_bytes["total"]}
+                             "total": est.per_gpu_bytes["total"],
+                             "host_offload": est.details["host_offload"],
+                             "layer_policies": est.details.get("layer_policies")}
 
 
 def _progress_line(row: dict) -> str:

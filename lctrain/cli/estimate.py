@@ -17,6 +17,7 @@ from lctrain.cli.options import (
     HostMemoryOpt,
     JsonFlag,
     ModelOpt,
+    PlanFlag,
     RecipeArg,
     SeqLenOpt,
     SetOpt,
@@ -31,9 +32,11 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
                     checkpointing: CheckpointingOpt = None, overrides: SetOpt = None,
                     host_memory: HostMemoryOpt = None, gpus_per_node: GpusPerNodeOpt = None,
                     json_output: JsonFlag = False, fmt: FormatOpt = Format.table,
-                    wide: WideOpt = False) -> None:
+                    wide: WideOpt = False, plan: PlanFlag = False) -> None:
     """Estimate per-GPU memory (parameters, gradients, optimizer, activations) and the longest
     sequence that fits. With no arguments: the embedded tiny recipe on its own GPU count.
+    With --plan: the longest sequence the machine can train and the settings that reach it,
+    and the fastest settings at --seq-len, each as a command to paste.
 
     \b
     Examples:
@@ -42,7 +45,12 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
       lctrain estimate-memory --model /models/Llama-2-7b-hf --seq-len 128k --gpus 8 --json
       lctrain estimate-memory llama-7b-256k --seq-len 384k --gpus 2 --gpu-memory 139GiB \\
           --host-memory 251GiB
+      lctrain estimate-memory llama-7b-256k --plan --seq-len 1m --gpus 2 --gpu-memory 139GiB \\
+          --host-memory 251GiB
     """
+    if plan:
+        return _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides or [],
+                     host_memory, gpus_per_node, json_output or fmt == Format.json, fmt, wide)
     policy = checkpointing.value if checkpointing is not None else None
     with user_errors():
         memory = parse_memory(gpu_memory, what="--gpu-memory")
@@ -70,6 +78,38 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
     show(estimate_table(payload, memory), fmt.value, wide)
 
 
+def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides, host_memory,
+          gpus_per_node, as_json, fmt, wide) -> None:
+    """--plan: parse, plan (`lctrain.memory.recipe.plan_recipe`), render the table and commands."""
+    with user_errors():
+        if cp is not None or checkpointing is not None:
+            raise ConfigError("--plan chooses cp and checkpointing itself; drop --cp and "
+                              "--checkpointing (or estimate one setup without --plan)")
+        memory = parse_memory(gpu_memory, what="--gpu-memory")
+        host = None if host_memory is None else parse_memory(host_memory, what="--host-memory")
+        tokens = None if seq_len is None else parse_size(seq_len, what="--seq-len")
+        cfg = _recipe(recipe, model, overrides, None, None, None)
+        if tokens is None and cfg is not None and recipe is not None:
+            tokens = cfg.data.seq_len
+        if gpus is None:
+            gpus = 1 if cfg is None else max(cfg.parallel.dp, 1) * cfg.parallel.cp
+        from lctrain.memory import plan_recipe
+
+        result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
+                             gpus_per_node=gpus_per_node, seq_len=tokens)
+    from lctrain.memory.report import plan_commands, plan_table
+
+    result["commands"] = plan_commands(result, recipe or "RECIPE", overrides)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+        return
+    from lctrain.report.output import emit, show
+
+    show(plan_table(result), fmt.value, wide)
+    for name, command in result["commands"].items():
+        emit(f"\n{name}:\n  {command}")
+
+
 def _recipe(recipe, model, overrides, tokens, cp, policy):
     """The recipe to estimate, or None when only --model is given."""
     if recipe is None and model is not None:
@@ -79,4 +119,5 @@ def _recipe(recipe, model, overrides, tokens, cp, policy):
         return None
     extra = [f"parallel.cp={cp}"] if cp is not None else []
     extra += [f"train.checkpointing={policy}"] if policy is not None else []
+    extra += ["train.layer_policies=null"] if policy not in (None, "auto") else []
     return load_recipe(recipe, [*overrides, *extra], seq_len=tokens)

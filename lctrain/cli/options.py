@@ -10,12 +10,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from lctrain.config.schema import ATTENTION_BACKENDS, CHECKPOINTING_POLICIES
+from lctrain.config.schema import ATTENTION_BACKENDS, CHECKPOINTING_CHOICES
 from lctrain.memory.presets import PRESETS
 from lctrain_kernels.vocabulary import SCHEDULES
 
 
-Policy = enum.Enum("Policy", [(name.replace("-", "_"), name) for name in CHECKPOINTING_POLICIES],
+Policy = enum.Enum("Policy", [(name.replace("-", "_"), name) for name in CHECKPOINTING_CHOICES],
                    type=str)
 """Activation checkpointing policies (``train.checkpointing``), as a choice for Typer."""
 
@@ -71,7 +71,8 @@ GpuMemoryOpt = Annotated[str, typer.Option(
     "--gpu-memory", metavar="SIZE", help="Memory per GPU: 80GiB, 80G (1024³ bytes) or 80GB (10⁹).")]
 HostMemoryOpt = Annotated[Optional[str], typer.Option(
     "--host-memory", metavar="SIZE", show_default=False,
-    help="Host memory per machine (e.g. 251GiB): remat-offload's pinned activations must fit too.")]
+    help="Host memory per machine (e.g. 251GiB): pinned activations and optimizer states must "
+         "fit too, and auto checkpointing and the plan may use it.")]
 GpusPerNodeOpt = Annotated[Optional[int], typer.Option(
     "--gpus-per-node", min=1, metavar="N", show_default=False,
     help="GPU processes per machine, sharing its host memory (default: min(--gpus, 8)).")]
@@ -79,9 +80,12 @@ CpOpt = Annotated[Optional[int], typer.Option(
     "--cp", min=1, metavar="N", show_default=False,
     help="Context-parallel degree (default: the recipe's parallel.cp).")]
 CheckpointingOpt = Annotated[Optional[Policy], typer.Option(
-    "--checkpointing", metavar="none|full|remat|remat-offload", show_default=False,
+    "--checkpointing", metavar="none|full|remat|remat-offload|auto", show_default=False,
     help="Activation checkpointing policy (default: the recipe's train.checkpointing).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the same as --format json).")]
+PlanFlag = Annotated[bool, typer.Option(
+    "--plan", help="Plan instead: the longest sequence this machine trains and its settings, "
+                   "and the fastest settings at --seq-len, as commands to paste.")]
 SeqLensOpt = Annotated[Optional[str], typer.Option(
     "--seq-len", metavar="SIZES", show_default=False,
     help="Comma-separated sequence lengths, e.g. 16k,32k,64k (default: sizes that suit the "

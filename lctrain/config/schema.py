@@ -13,6 +13,7 @@ from typing import Literal
 
 from lctrain.config.fields import MEMORY, SIZE, check_fields, require, suggest
 from lctrain.config.model_shapes import check_model_shapes
+from lctrain.config.tiers import parse_layer_policies
 from lctrain.errors import ConfigError
 from lctrain_kernels.vocabulary import (BACKENDS, SCHEDULES, check_seq_len, schedule_layout,
                                         seq_chunks)
@@ -33,6 +34,13 @@ CHECKPOINTING_POLICIES = ("none", "full", "remat", "remat-offload")
 
 REPORT_TO = ("jsonl", "tensorboard")
 """Where a run's metrics go (``train.report_to``): metrics.jsonl, TensorBoard event files."""
+
+CHECKPOINTING_CHOICES = (*CHECKPOINTING_POLICIES, "auto")
+"""``train.checkpointing`` values: a policy for every layer, or ``auto`` — a policy per layer
+(`lctrain.config.tiers`), chosen by the memory model or given as ``train.layer_policies``."""
+
+STATE_OFFLOADS = ("none", "optimizer", "all")
+"""``train.state_offload`` values: what of the training state lives in host memory."""
 
 BYTE_TOKENIZER_VOCAB = 259
 """Vocabulary of the ``"bytes"`` tokenizer: 256 byte values + bos, eos, pad (see lctrain.data)."""
@@ -177,10 +185,16 @@ class ParallelConfig:
     fsdp: Literal["auto", "on", "off"] = "auto"
     """Shard parameters, gradients and optimizer state (FSDP2) over all ranks; auto = on when
     there is more than one rank."""
+    head_groups: int = 1
+    """Run the attention heads in this many groups, one after the other (a divisor of the
+    model's key/value heads): the attention's buffers (received keys/values, float32
+    accumulators, gradients) shrink by that factor; same results (lctrain's schedules)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "parallel")
         require(self.cp >= 1, "parallel.cp", f"is {self.cp} but must be at least 1")
+        require(self.head_groups >= 1, "parallel.head_groups",
+                f"is {self.head_groups} but must be at least 1")
         require(self.dp >= 0, "parallel.dp", f"is {self.dp} but must be 0 (auto) or more")
 
     @property
@@ -224,15 +238,33 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 = no clipping."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """Compute dtype: bf16 autocast / FSDP2 bf16 params, no, or auto (bf16 on GPUs that have it)."""
-    checkpointing: Literal[CHECKPOINTING_POLICIES] = "none"
+    checkpointing: Literal[CHECKPOINTING_CHOICES] = "none"
     """Activation checkpointing per decoder layer: none, full (recompute everything), remat
-    (recompute all but the distributed attention, whose output and LSE are kept) or
-    remat-offload (remat with saved activations in host memory)."""
+    (recompute all but the distributed attention, whose output and LSE are kept),
+    remat-offload (remat with saved activations in host memory), or auto: each layer its own
+    of remat / remat-offload / full / full-offload, GPU first, then host memory, then
+    recompute — chosen at start by the memory model, or given by train.layer_policies."""
+    layer_policies: str | None = None
+    """With checkpointing auto: the layers' policies in forward order as POLICY=COUNT runs,
+    e.g. full-offload=4,remat-offload=16,remat=12 (counts add up to the layers); null = the
+    memory model chooses for this GPU and host memory."""
+    state_offload: Literal[STATE_OFFLOADS] = "none"
+    """Where parameters, gradients and AdamW states live: none (the GPU), optimizer (AdamW's
+    two states in pinned host memory, streamed through the GPU for the update), all
+    (parameters, gradients and states in host memory through FSDP2's CPU offload; the update
+    runs on the CPU)."""
+    planned: str | None = None
+    """What the settings were planned for (``lctrain estimate-memory --plan`` writes it into
+    its --set line); the training banner repeats it."""
     host_memory: int | None = field(default=None, metadata=MEMORY)
     """Host memory per machine that remat-offload may pin, e.g. 240GiB; null = MemAvailable
     of /proc/meminfo, which reads too low on virtual machines whose memory grows as it is used."""
     loss_chunk_tokens: int = field(default=4096, metadata=SIZE)
     """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once)."""
+    tile_tokens: int = field(default=0, metadata=SIZE)
+    """Run each decoder layer's MLP and norms over the local tokens in tiles of this many
+    (recomputed per tile in the backward), so their working memory stops growing with the
+    tokens per GPU; 0 = untiled. Same results; one more MLP forward per step."""
     log_every: int = 1
     """Log metrics every N optimizer steps."""
     collective_timeout: float = 1800.0
@@ -256,6 +288,13 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "loss_chunk_tokens", "log_every"):
             value = getattr(self, name)
             require(value >= 1, f"train.{name}", f"is {value} but must be at least 1")
+        if self.layer_policies is not None:
+            parse_layer_policies(self.layer_policies)
+            require(self.checkpointing == "auto", "train.layer_policies",
+                    f"is set but train.checkpointing is {self.checkpointing}; set "
+                    "train.checkpointing=auto to give each layer its policy")
+        require(self.tile_tokens >= 0, "train.tile_tokens",
+                f"is {self.tile_tokens} but must be 0 (untiled) or a number of tokens per tile")
         require(self.max_steps is None or self.max_steps >= 1, "train.max_steps",
                 f"is {self.max_steps} but must be at least 1 (or null to train by epochs)")
         require(self.epochs is None or self.epochs > 0, "train.epochs",
@@ -409,6 +448,16 @@ class RecipeConfig:
                 f"train.eval_every is {self.train.eval_every} but there is no validation data; "
                 "set data.eval_source or data.eval_fraction, or train.eval_every=0",
                 key="train.eval_every")
+        if self.train.state_offload == "all" and self.parallel.fsdp == "off":
+            raise ConfigError(
+                "train.state_offload is all, which keeps the state on the host through FSDP2's "
+                "CPU offload, but parallel.fsdp is off; set parallel.fsdp=auto (or on), or "
+                "train.state_offload=optimizer", key="train.state_offload")
+        if self.parallel.schedule == "context_parallel" and self.parallel.head_groups != 1:
+            raise ConfigError(
+                f"parallel.head_groups is {self.parallel.head_groups} but torch's ring attention "
+                "(parallel.schedule context_parallel) runs all heads at once; set "
+                "parallel.head_groups=1", key="parallel.head_groups")
         if self.parallel.schedule == "context_parallel" and self.data.document_mask:
             raise ConfigError(
                 "parallel.schedule context_parallel (torch's ring attention) has no document "

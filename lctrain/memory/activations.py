@@ -19,7 +19,19 @@ Policies (see lctrain.parallel.checkpointing):
 - remat: the layer input plus the attention output and fp32 lse, c·T·(h + Hq·d) + 4·T·Hq per
   layer; the recomputed layer needs everything else of one layer;
 - remat-offload: the remat tensors live in host memory; on the GPU there are at most two layers'
-  worth (the one in use and the one being prefetched / still being copied out).
+  worth (the one in use and the one being prefetched / still being copied out);
+- auto: each layer has its own policy (`lctrain.config.tiers`): remat or full, its kept tensors
+  on the GPU or in host memory (`lctrain.memory.tiers` places them).
+
+Tiled layers (``tile_tokens`` < T, `lctrain.parallel.tiling`): the final norm keeps only its
+input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input
+x, h1 = x + attention and the second norm's output, 3·c·T·h —
+plus the first norm's output (kept by q, k, v), and their backward needs one tile's worth of
+the MLP (7·c·n·I for n tile tokens) and float32 sums of the MLP's weight gradients.
+
+Head groups (G, `lctrain_kernels` ``head_groups``): the attention's own buffers are those of
+Hq/G heads, plus copies of one group's inputs and results and, in the backward, full-size
+gradients written group by group.
 
 Transients, counted once: one layer's backward (its recomputed activations, the gradients
 flowing through it, the distributed attention's buffers: fp32 accumulators, in-flight copies of
@@ -29,17 +41,29 @@ of the head).
 from __future__ import annotations
 
 from lctrain.config.schema import CHECKPOINTING_POLICIES as POLICIES
+from lctrain.config.tiers import OFFLOADED, per_layer
 from lctrain.memory import lora as lora_model
 from lctrain.memory.arch import Architecture
 
 
+def tiled(tokens: int, tile_tokens: int) -> bool:
+    """Whether a layer of ``tokens`` tokens runs its MLP and norms in tiles."""
+    return 0 < tile_tokens < tokens
+
+
 def layer_saved(arch: Architecture, tokens: int, c: int,
-                lora: lora_model.LoraShape | None = None) -> int:
+                lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> int:
     """Bytes one decoder layer saves for its backward without checkpointing (a LoRA run's
-    frozen weights keep less: `lctrain.memory.lora.layer_saved`)."""
+    frozen weights keep less: `lctrain.memory.lora.layer_saved`; tiled layers keep their
+    inputs only)."""
+    t, h = tokens, arch.hidden_size
+    if tiled(tokens, tile_tokens):
+        if lora is not None:
+            return lora_model.tiled_layer_saved(arch, tokens, c, lora)
+        qkv_out = c * t * (2 * arch.q_width + 2 * arch.kv_width)  # q, k, v and the output
+        return 4 * c * t * h + qkv_out + 4 * t * arch.num_heads
     if lora is not None:
         return lora_model.layer_saved(arch, tokens, c, lora)
-    t, h = tokens, arch.hidden_size
     norms = 2 * ((4 + 2 * c) * t * h + 4 * t)
     qkv = c * t * (arch.q_width + 2 * arch.kv_width)
     attn_out = c * t * arch.q_width + 4 * t * arch.num_heads
@@ -52,39 +76,70 @@ def remat_kept(arch: Architecture, tokens: int, c: int) -> int:
     return c * tokens * (arch.hidden_size + arch.q_width) + 4 * tokens * arch.num_heads
 
 
+def input_kept(arch: Architecture, tokens: int, c: int) -> int:
+    """Bytes full checkpointing keeps per layer: the layer input."""
+    return c * tokens * arch.hidden_size
+
+
+def kept_bytes(arch: Architecture, tokens: int, c: int, layer_policy: str) -> int:
+    """What one layer of ``layer_policy`` (a `lctrain.config.tiers.LAYER_POLICIES` name) keeps."""
+    if layer_policy.startswith("remat"):
+        return remat_kept(arch, tokens, c)
+    return input_kept(arch, tokens, c)
+
+
+def layer_policies(arch: Architecture, policy: str, runs=None) -> list[str]:
+    """Every layer's policy: ``runs`` (the ``auto`` placement) or the uniform ``policy``."""
+    if runs is not None:
+        return per_layer(runs)
+    if policy not in POLICIES or policy == "none":
+        raise ValueError(f"policy {policy!r} has no layer policies; choose one of "
+                         f"{', '.join(POLICIES[1:])} or give the layers' runs")
+    return [policy] * arch.num_layers
+
+
 def saved_activations(arch: Architecture, tokens: int, c: int, policy: str,
-                      lora: lora_model.LoraShape | None = None) -> int:
+                      lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
+                      runs=None) -> int:
     """Bytes held on the GPU between the forward and the backward, all layers together
-    (plus the final norm, whose output feeds the loss)."""
+    (plus the final norm, whose output feeds the loss). ``runs``: the layers' policies of an
+    ``auto`` run (`lctrain.config.tiers`)."""
     layers = arch.num_layers
     frozen_norm = lora is not None and "norm" not in lora.trainable  # keeps no normalised value
     final_norm = (4 + c * (1 + (not frozen_norm))) * tokens * arch.hidden_size
+    if tiled(tokens, tile_tokens):  # the tiled final norm keeps its input only
+        final_norm = c * tokens * arch.hidden_size
     if policy == "none":
-        return layers * layer_saved(arch, tokens, c, lora) + final_norm
-    if policy == "full":
-        return layers * c * tokens * arch.hidden_size + final_norm
-    if policy == "remat":
-        return layers * remat_kept(arch, tokens, c) + final_norm
-    if policy == "remat-offload":
-        return min(2, layers) * remat_kept(arch, tokens, c) + final_norm
-    raise ValueError(f"unknown checkpointing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        return layers * layer_saved(arch, tokens, c, lora, tile_tokens) + final_norm
+    kinds = layer_policies(arch, policy, runs)
+    on_gpu = sum(kept_bytes(arch, tokens, c, k) for k in kinds if k not in OFFLOADED)
+    parked = [kept_bytes(arch, tokens, c, k) for k in kinds if k in OFFLOADED]
+    in_flight = min(2, len(parked)) * max(parked, default=0)  # in use + prefetched / copying out
+    return on_gpu + in_flight + final_norm
 
 
-def host_offload(arch: Architecture, tokens: int, c: int, policy: str) -> int:
-    """Pinned host bytes per GPU (per training process) that remat-offload parks (0 otherwise):
-    every layer's remat tensors. The host must hold this times the processes per machine."""
-    return arch.num_layers * remat_kept(arch, tokens, c) if policy == "remat-offload" else 0
+def host_offload(arch: Architecture, tokens: int, c: int, policy: str, runs=None) -> int:
+    """Pinned host bytes per GPU (per training process) of the offloaded layers (0 if none):
+    their kept tensors. The host must hold this times the processes per machine."""
+    if policy == "none" or (policy not in POLICIES and runs is None):
+        return 0
+    kinds = layer_policies(arch, policy, runs)
+    return sum(kept_bytes(arch, tokens, c, k) for k in kinds if k in OFFLOADED)
 
 
 def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int,
-                   lora: lora_model.LoraShape | None = None) -> int:
-    """Peak bytes of one layer's backward beyond the saved activations.
+                   lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
+                   head_groups: int = 1) -> int:
+    """Peak bytes of one layer's backward beyond the saved activations, for one layer of
+    ``policy`` (none, or a layer policy: remat and full, offloaded or not).
 
     The MLP half runs first, with the whole recomputed layer alive (checkpointing) plus the
     residual-stream gradients and the MLP's activation gradients; then the attention half, when
     the recomputed MLP and second norm are gone but the attention's buffers and gradients are
     live. The larger of the two counts.
     """
+    if tiled(tokens, tile_tokens):
+        return _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups)
     t, h = tokens, arch.hidden_size
     norm = (4 + 2 * c) * t * h + 4 * t
     qkv = c * t * (arch.q_width + 2 * arch.kv_width)
@@ -92,34 +147,76 @@ def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int
     residual_grads = 2 * c * t * h
     if policy == "none":
         recomputed = 0
-    elif policy == "full":
+    elif policy.startswith("full"):
         recomputed = layer_saved(arch, tokens, c, lora)
     else:  # remat and remat-offload recompute all but the attention output and lse
         recomputed = layer_saved(arch, tokens, c, lora) - out_lse
     mlp_phase = recomputed + residual_grads + 3 * c * t * arch.intermediate_size
-    attn_recomputed = 0 if policy == "none" else norm + qkv + (out_lse if policy == "full" else 0)
-    attn_phase = (attn_recomputed + attention_workspace(arch, tokens, c, cp) + residual_grads
-                  + c * t * arch.q_width)
+    full = policy.startswith("full")
+    attn_recomputed = 0 if policy == "none" else norm + qkv + (out_lse if full else 0)
+    attn_phase = (attn_recomputed + attention_workspace(arch, tokens, c, cp, head_groups)
+                  + residual_grads + c * t * arch.q_width)
     return max(mlp_phase, attn_phase)
 
 
-def attention_workspace(arch: Architecture, tokens: int, c: int, cp: int) -> int:
+def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups) -> int:
+    """`layer_backward` of a tiled layer: the layer input is the one the checkpoint keeps, the
+    MLP's backward holds its input gradient, one tile's recompute and gradients, and float32
+    sums of its weight gradients (with one tile's gradient in the weights' dtype)."""
+    t, h, n = tokens, arch.hidden_size, tile_tokens
+    out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
+    saved = layer_saved(arch, tokens, c, lora, tile_tokens)
+    x = c * t * h  # the layer input: kept by the checkpoint
+    if policy == "none":
+        recomputed = 0
+    else:  # full recomputes the attention output too
+        recomputed = saved - x - (0 if policy.startswith("full") else out_lse)
+    residual_grads = 2 * c * t * h
+    mlp_weights = (lora_model.layer_trainable(arch, lora) if lora is not None
+                   else 3 * h * arch.intermediate_size)
+    mlp_tile = 7 * c * n * arch.intermediate_size + c * n * h + (4 + c) * mlp_weights
+    mlp_phase = recomputed + residual_grads + c * t * h + mlp_tile
+    qkv = c * t * (arch.q_width + 2 * arch.kv_width)
+    attn_recomputed = 0 if policy == "none" else c * t * h + qkv + (
+        out_lse if policy.startswith("full") else 0)
+    attn_phase = (attn_recomputed + attention_workspace(arch, tokens, c, cp, head_groups)
+                  + residual_grads + c * t * arch.q_width)
+    return max(mlp_phase, attn_phase)
+
+
+def attention_workspace(arch: Architecture, tokens: int, c: int, cp: int,
+                        head_groups: int = 1) -> int:
     """Buffers of the (distributed) attention of one layer, the larger of forward and backward.
 
-    Forward: fp32 output accumulator; with cp > 1 also double buffers of the next K/V block and
-    of remote queries, and a received partial output. Backward: fp32 dq/dk/dv accumulators and
-    the gradient of the output; with cp > 1 double buffers of K/V and of the remote
-    (q, dout, out) triples. (The executor keeps partial results instead of accumulating them,
-    but folds them into float32 before they exceed these accumulators plus one result, so the
-    bound holds: measured peaks were unchanged at 64K and 128K on 2 x H200.)
+    cp > 1, forward: fp32 output accumulator; double buffers of the next K/V block and of remote
+    queries, and a received partial output. Backward: fp32 dq/dk/dv accumulators and the
+    gradient of the output; double buffers of K/V and of the remote (q, dout, out) triples. (The
+    executor keeps partial results instead of accumulating them, but folds them into float32
+    before they exceed these accumulators plus one result, so the bound holds.)
+
+    cp = 1: one block straight through the backend, no accumulators: the lse in the forward; in
+    the backward the kernel's dq, dk, dv and their contiguous copies.
+
+    Both: with grouped-query attention the kernels get K/V repeated to Hq heads (and sum dK/dV
+    back in float32). With G head groups all of that is per group (÷ G), plus the copies of one
+    group's inputs and results, and the full-size gradients filled group by group.
     """
-    t = tokens
-    q, kv = t * arch.q_width, t * arch.kv_width
-    forward = 4 * q + 4 * t * arch.num_heads
-    backward = 4 * (q + 2 * kv) + c * q
+    t, g = tokens, head_groups
+    q, kv, lse = t * arch.q_width, t * arch.kv_width, 4 * t * arch.num_heads
+    gqa = arch.num_kv_heads < arch.num_heads
     if cp > 1:
-        forward += 2 * 2 * c * kv + 2 * c * q + c * q
-        backward += 2 * 2 * c * kv + 2 * 3 * c * q + 4 * 2 * kv
+        forward = 4 * q + lse + 2 * 2 * c * kv + 2 * c * q + c * q
+        backward = 4 * (q + 2 * kv) + c * q + 2 * 2 * c * kv + 2 * 3 * c * q + 4 * 2 * kv
+    else:
+        forward = lse
+        backward = 2 * c * (q + 2 * (q if gqa else kv))
+    if gqa:  # K/V repeated for the kernels; dK/dV of every query head, summed in float32
+        forward += 2 * c * q
+        backward += 2 * c * q + 2 * 4 * kv + 2 * c * kv
+    if g == 1:
+        return max(forward, backward)
+    forward = forward // g + (c * (2 * q + 2 * kv) + lse) // g
+    backward = backward // g + c * (q + 2 * kv) + (3 * c * q + 2 * c * kv + lse) // g
     return max(forward, backward)
 
 

@@ -1,14 +1,17 @@
-"""Host memory of one machine: does remat-offload's pinned memory fit before training starts,
+"""Host memory of one machine: does the pinned memory of a GPU run fit before training starts,
 and does a CPU run's model fit at all?
 
-Under ``train.checkpointing: remat-offload`` every GPU process parks the memory model's
-``host_offload`` bytes (each layer's input and attention output) in page-locked host memory.
+Under ``train.checkpointing: remat-offload`` (or ``auto`` with offloaded layers) every GPU
+process parks the memory model's ``host_offload`` bytes (offloaded layers' inputs and attention
+outputs, and training state under ``train.state_offload``) in page-locked host memory.
 Running out of it does not raise: the kernel's OOM killer ends the processes mid-step, with no
 message. So the launcher checks the machine's share first, with the rule that
 ``lctrain estimate-memory --host-memory`` applies (`lctrain.memory.host_offload_fits`).
 Only GPU runs pin memory; the caller decides whether a run is one.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from lctrain.config import RecipeConfig
 from lctrain.errors import UserError
@@ -20,10 +23,11 @@ _GIB = 1 << 30
 
 def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
                       available: int | None = None) -> None:
-    """Fail before training if remat-offload would pin more host memory than this machine has.
+    """Fail before training if the run would pin more host memory than this machine has.
 
     Args:
-        cfg: the recipe (nothing is checked unless it uses remat-offload).
+        cfg: the recipe (nothing is checked unless it pins host memory; ``auto`` without
+            ``train.layer_policies`` places layers within this machine's memory by itself).
         local_processes: GPU training processes on this machine.
         gpus: GPUs in the whole job.
         available: host bytes available (default: ``train.host_memory``, else MemAvailable
@@ -33,8 +37,13 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
         UserError: the parked activations of this machine's processes exceed the share of the
             available host memory that may be pinned (`lctrain.memory.HOST_USABLE`).
     """
-    if cfg.train.checkpointing != "remat-offload":
+    t = cfg.train
+    explicit = t.checkpointing == "remat-offload" or (
+        t.checkpointing == "auto" and t.layer_policies is not None)
+    if not (explicit or t.state_offload != "none"):
         return
+    if t.checkpointing == "auto" and t.layer_policies is None:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, checkpointing="full"))
     if available is None:
         available = cfg.train.host_memory or available_host_bytes()
     if not available:
@@ -45,14 +54,16 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
         return  # no readable architecture here: loading the model reports it
     parked = est.details["host_offload"]
     if not host_offload_fits(parked, local_processes, available):
+        what = {"none": "", "optimizer": " and optimizer states",
+                "all": ", parameters, gradients and optimizer states"}[t.state_offload]
         raise UserError(
-            f"remat-offload at data.seq_len {cfg.data.seq_len} parks about "
-            f"{parked / _GIB:.0f} GiB of activations per GPU in pinned host memory, "
+            f"train.checkpointing {t.checkpointing} at data.seq_len {cfg.data.seq_len} parks "
+            f"about {parked / _GIB:.0f} GiB of activations{what} per GPU in pinned host memory, "
             f"{parked * local_processes / _GIB:.0f} GiB for the {local_processes} processes on "
             f"this machine, but only {available / _GIB:.0f} GiB is available; lower "
-            f"data.seq_len, raise parallel.cp over more machines, or use "
-            f"train.checkpointing=remat (or, where the machine has more than it reports, say "
-            f"how much with train.host_memory).")
+            f"data.seq_len, raise parallel.cp over more machines, or keep more on the GPU "
+            f"(train.checkpointing=remat or auto) (or, where the machine has more than it "
+            f"reports, say how much with train.host_memory).")
 
 
 def check_cpu_memory(cfg: RecipeConfig, *, processes: int, available: int | None = None) -> None:

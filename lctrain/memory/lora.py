@@ -123,3 +123,21 @@ def layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
     if lora.dropout:
         adapters += sum((c + mask_bytes) * t * shapes[n][0] for n in lora.targets)
     return norms + attention + mlp + adapters
+
+
+def tiled_layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
+                      mask_bytes: int = MASK_BYTES) -> int:
+    """`layer_saved` of a LoRA run whose MLP and norms run in tiles (`lctrain.parallel.tiling`):
+    each tiled module keeps only its input; the attention projections' adapters keep what they
+    keep untiled (the MLP's are inside the tiles)."""
+    t, h, shapes = tokens, arch.hidden_size, projection_shapes(arch)
+    attention_projections = PROJECTIONS[:4]
+    kept_qkv = any(n in lora.trainable or (n in lora.targets and not lora.dropout)
+                   for n in PROJECTIONS[:3])
+    attention = c * t * (arch.q_width + 2 * arch.kv_width) + c * t * arch.q_width
+    attention += 4 * t * arch.num_heads
+    targets = [n for n in lora.targets if n in attention_projections]
+    adapters = sum(c * t * lora.rank for _ in targets)
+    if lora.dropout:
+        adapters += sum((c + mask_bytes) * t * shapes[n][0] for n in targets)
+    return 3 * c * t * h + c * t * h * kept_qkv + attention + adapters

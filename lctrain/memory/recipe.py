@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from lctrain.config.paths import is_placeholder
 from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
+from lctrain.config.tiers import parse_layer_policies
 from lctrain.errors import UserError
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
 from lctrain.memory.estimate import estimate
@@ -10,6 +11,10 @@ from lctrain.memory.lora import lora_shape
 from lctrain.memory.presets import PRESETS
 from lctrain.memory.report import MemoryEstimate
 from lctrain_kernels.vocabulary import seq_chunks
+
+
+_FSDP = {"auto": True, "on": "on", "off": False}
+"""parallel.fsdp -> the memory model's ``fsdp`` (auto: FSDP2 on several GPUs; on: always)."""
 
 
 def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_len: int,
@@ -27,9 +32,10 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
         gpus: GPUs in the job.
         gpu_memory: bytes per GPU.
         cp: context-parallel degree (default: the recipe's).
-        policy: checkpointing policy (default: the recipe's train.checkpointing).
-        host_memory, gpus_per_node: host bytes and GPU processes per machine, to check
-            remat-offload's pinned memory too (see `lctrain.memory.estimate`).
+        policy: checkpointing policy (default: the recipe's train.checkpointing); with auto,
+            the recipe's train.layer_policies, else placed by the model.
+        host_memory, gpus_per_node: host bytes and GPU processes per machine, to check the
+            pinned memory too and let auto use it (see `lctrain.memory.estimate`).
 
     Returns:
         A `MemoryEstimate` with ``fits`` and ``max_seq_len`` filled in.
@@ -44,13 +50,34 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
     cp = parallel.cp if cp is None else cp
     master = cfg.model.dtype if cfg is not None else "float32"
     compute = "bfloat16" if train.mixed_precision in ("auto", "bf16") else master
-    return estimate(arch, seq_len, gpus, cp, policy or train.checkpointing, compute,
+    policy = policy or train.checkpointing
+    runs = (parse_layer_policies(train.layer_policies)
+            if policy == "auto" and train.layer_policies is not None else None)
+    return estimate(arch, seq_len, gpus, cp, policy, compute,
                     master_dtype=master, batch_size=train.batch_size,
-                    grad_accum=train.grad_accum, fsdp=parallel.fsdp != "off",
+                    grad_accum=train.grad_accum, fsdp=_FSDP[parallel.fsdp],
                     loss_chunk_tokens=train.loss_chunk_tokens, gpu_memory=gpu_memory,
                     seq_chunks=seq_chunks(cp, parallel.layout),
                     host_memory=host_memory, gpus_per_node=gpus_per_node,
-                    lora=lora_shape(cfg.lora) if cfg is not None else None)
+                    lora=lora_shape(cfg.lora) if cfg is not None else None,
+                    tile_tokens=train.tile_tokens, head_groups=parallel.head_groups,
+                    layer_policies=runs, state_offload=train.state_offload)
+
+
+def layer_policies_for(cfg: RecipeConfig, *, gpus: int, gpu_memory: int,
+                       host_memory: int | None, gpus_per_node: int) -> tuple[tuple[str, int], ...]:
+    """The layers' policies a ``checkpointing: auto`` run uses: the recipe's
+    ``train.layer_policies``, else the memory model's placement for this GPU and host memory
+    (`lctrain.memory.tiers.place`).
+
+    Raises:
+        UserError: no readable architecture, or layer policies that do not cover the model.
+    """
+    if cfg.train.layer_policies is not None:
+        return parse_layer_policies(cfg.train.layer_policies)
+    est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=gpus, gpu_memory=gpu_memory,
+                          policy="auto", host_memory=host_memory, gpus_per_node=gpus_per_node)
+    return parse_layer_policies(est.details["layer_policies"])
 
 
 def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:
@@ -94,3 +121,43 @@ def _architecture_of_path(path: str) -> Architecture:
                         f"({exc.__class__.__name__}: offline or an unknown name); pass one of "
                         "those") from None
     return from_config_dict(config, name=path)
+
+
+def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int,
+                gpu_memory: int, host_memory: int | None, gpus_per_node: int | None = None,
+                seq_len: int | None = None) -> dict:
+    """Plan a recipe on a machine (what ``lctrain estimate-memory --plan`` calls): the longest
+    sequence and its settings, and the fastest settings at ``seq_len`` (`lctrain.memory.plan`).
+
+    The recipe's model, dtypes, batch size, accumulation, loss chunks, LoRA and schedule layout
+    are kept; cp, checkpointing, tiles, head groups and state placement are what is planned.
+
+    Args:
+        cfg: the recipe (None: the recipe defaults around ``model``).
+        model: a preset, config.json or model folder instead of the recipe's model.
+        gpus, gpu_memory: GPUs in the job and bytes per GPU.
+        host_memory: host bytes per machine (None: plan nothing into host memory).
+        gpus_per_node: GPU processes per machine (default: min(gpus, 8)).
+        seq_len: a length to find the fastest settings for (None: the longest only).
+
+    Returns:
+        `lctrain.memory.plan.plan`'s JSON-ready result, plus the machine it assumed.
+
+    Raises:
+        UserError: no model to plan, or an unreadable model config.
+    """
+    from lctrain.memory.estimate import Setup
+    from lctrain.memory.plan import Machine, plan
+
+    arch = recipe_architecture(cfg, model)
+    parallel = cfg.parallel if cfg is not None else ParallelConfig()
+    train = cfg.train if cfg is not None else TrainConfig()
+    master = cfg.model.dtype if cfg is not None else "float32"
+    compute = "bfloat16" if train.mixed_precision in ("auto", "bf16") else master
+    base = Setup(arch=arch, gpus=gpus, cp=1, policy="none", dtype=compute, master_dtype=master,
+                 batch_size=train.batch_size, grad_accum=train.grad_accum,
+                 fsdp=_FSDP[parallel.fsdp], loss_chunk_tokens=train.loss_chunk_tokens,
+                 lora=lora_shape(cfg.lora) if cfg is not None else None)
+    machine = Machine(gpus=gpus, gpu_memory=gpu_memory, host_memory=host_memory,
+                      gpus_per_node=gpus_per_node or min(gpus, 8))
+    return plan(base, machine, lambda cp: seq_chunks(cp, parallel.layout), seq_len)

@@ -2,14 +2,15 @@
 
 :func:`estimate_table` renders the JSON form (``MemoryEstimate.to_json()``), so the command
 line shows exactly what ``--format json`` writes: one row per part of the per-GPU memory,
-the total against the GPU's memory, the pinned host memory of remat-offload, whether it fits
-and the longest sequence that does.
+the total against the GPU's memory, the pinned host memory, whether it fits and the longest
+sequence that does. :func:`plan_table` renders a plan (`lctrain.memory.plan.plan`) the same
+way: one column per choice.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lctrain.config.sizes import format_bytes
+from lctrain.config.sizes import format_bytes, format_tokens
 from lctrain.report.human import parameters, tokens
 from lctrain.report.table import Column, Table
 
@@ -87,9 +88,9 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     if gpu_memory:
         rows.append({"what": "GPU memory", "bytes": gpu_memory})
     if details.get("host_offload"):
-        rows.append({"what": "pinned host memory per GPU", "bytes": details["host_offload"]})
+        rows.append({"what": "host memory per GPU (offloaded)", "bytes": details["host_offload"]})
     if details.get("host_offload_per_node") and estimate.get("host_memory"):
-        rows.append({"what": "pinned host memory per machine",
+        rows.append({"what": "host memory per machine (offloaded)",
                      "bytes": details["host_offload_per_node"]})
         rows.append({"what": "host memory per machine", "bytes": estimate["host_memory"]})
     facts = []
@@ -108,6 +109,10 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     for key in ("model", "gpus", "cp", "policy", "dtype", "master_dtype"):
         if estimate.get(key) is not None:
             facts.append((key.replace("_", " "), str(estimate[key])))
+    for key, default in (("layer_policies", None), ("tile_tokens", 0), ("head_groups", 1),
+                         ("state_offload", "none")):
+        if details.get(key, default) != default:
+            facts.append((key.replace("_", " "), str(details[key])))
     if details.get("phase"):
         facts.append(("peak during", f"the {details['phase']} phase"))
     for row in rows:
@@ -116,3 +121,97 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     columns = [Column("what", "per GPU"), Column("amount", "amount", "figure"),
                Column("bytes", "bytes", "number", compact=False)]
     return Table(title="Estimated memory per GPU", columns=columns, rows=rows)
+
+
+_PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "parallel"),
+              ("checkpointing", "checkpointing", None), ("layer policies", "layer_policies", None),
+              ("tile tokens", "tile_tokens", "tokens"), ("head groups", "head_groups", None),
+              ("state in host memory", "state_offload", None),
+              ("GPU memory, total", "total", "bytes"),
+              ("GPU peak allocated", "peak_allocated", "bytes"),
+              ("host memory per GPU", "host_offload", "bytes"),
+              ("step time (est.)", "step_s", "time"),
+              ("tokens/s (est.)", "tokens_per_s", "rate"))
+
+
+def plan_table(plan: dict) -> Table:
+    """A table of `lctrain.memory.plan.plan`'s result: one column per choice (the longest, the
+    fastest at the asked length), one row per setting or figure."""
+    machine = plan["machine"]
+    host = machine.get("host_memory")
+    gpus = f"{machine['gpus']} x {format_bytes(machine['gpu_memory'])}"
+    hosts = f"{format_bytes(host)} host memory" if host else "no host memory"
+    title = (f"Plan for {plan['model']} on {gpus} GPUs, {hosts} per machine "
+             f"({machine['gpus_per_node']} GPUs each)")
+    choices = [("longest", "longest", plan.get("longest"))]
+    if plan.get("seq_len"):
+        choices.append(("fastest", f"fastest at {tokens(plan['seq_len'])}", plan.get("fastest")))
+    rows = []
+    for label, key, kind in _PLAN_ROWS:
+        row = {"what": label}
+        for name, _, choice in choices:
+            if choice is None:
+                row[name] = "does not fit" if key == "seq_len" else "-"
+            else:
+                row[name] = _plan_cell(choice, key, kind)
+        if any(row[name] not in ("", None) for name, _, _ in choices):
+            rows.append(row)
+    columns = [Column("what", "setting")] + [Column(name, header, "figure")
+                                             for name, header, _ in choices]
+    return Table(title=title, columns=columns, rows=rows,
+                 notes=["estimates: lctrain.memory (memory), lctrain.memory.plan (time, for "
+                        "ranking only)"])
+
+
+def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:
+    if kind == "parallel":
+        return f"{choice['cp']} x {choice['dp']}"
+    value = choice["per_gpu_bytes"]["total"] if key == "total" else choice.get(key)
+    if value is None:
+        return ""
+    if kind == "tokens":
+        return tokens(int(value)) if value else "untiled"
+    if kind == "bytes":
+        return format_bytes(value)
+    if kind == "time":
+        return f"{value:,.0f} s" if value >= 10 else f"{value:.2g} s"
+    if kind == "rate":
+        return f"{value:,.0f}"
+    return str(value)
+
+
+def plan_commands(plan: dict, recipe: str, overrides: list[str]) -> dict[str, str]:
+    """``lctrain finetune`` command lines that run each choice of a plan (the recipe's own
+    ``--set`` items first, then the planned ones and ``train.planned``, which the training banner
+    repeats).
+
+    Args:
+        plan: `lctrain.memory.plan.plan`'s result.
+        recipe: the recipe as given on the command line ("RECIPE" when there was none).
+        overrides: the ``--set`` items the plan was made with.
+    """
+    import shlex
+
+    machine = plan["machine"]
+    host = machine.get("host_memory")
+    where = (f"{machine['gpus']} x {_memory_text(machine['gpu_memory'])} GPUs, "
+             f"{_memory_text(host) + ' host memory' if host else 'no host memory'}")
+    commands = {}
+    for name, choice in (("longest", plan.get("longest")), ("fastest", plan.get("fastest"))):
+        if choice is None:
+            continue
+        what = "longest" if name == "longest" else "fastest"
+        items = [*overrides, *choice["overrides"]]
+        if host:
+            items.append(f"train.host_memory={_memory_text(host)}")
+        items.append(f"train.planned={what} {tokens(choice['seq_len'])} for {plan['model']} on "
+                     f"{where}")
+        args = ["lctrain", "finetune", recipe, "--seq-len", format_tokens(choice["seq_len"])]
+        args += [part for item in items for part in ("--set", item)]
+        commands[f"{what} ({tokens(choice['seq_len'])} tokens)"] = shlex.join(args)
+    return commands
+
+
+def _memory_text(count: int) -> str:
+    """A memory size as the recipe takes it: whole GiB as ``251GiB``, else bytes."""
+    return f"{count >> 30}GiB" if count % (1 << 30) == 0 else str(count)

@@ -39,12 +39,15 @@ class CPContext:
             in that schedule's layout. (torch's own ring, the ``context_parallel`` peer, runs
             through its own attention function: `lctrain.parallel.torch_cp`.)
         backend: local attention backend name ("auto", "reference", "triton", ...).
+        head_groups: run the heads in this many groups one after the other (a divisor of the
+            key/value heads), which bounds the attention's buffers; same results.
     """
 
     group: Any = None
     cu_seqlens: Any = None
     schedule: str = "distflash"
     backend: str = "auto"
+    head_groups: int = 1
 
 
 def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -83,11 +86,13 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = lctrain_kernels.attention(q, k, v, causal=True, softmax_scale=scaling)
     elif ctx.group is None:
         out = lctrain_kernels.attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens,
-                                        softmax_scale=scaling, backend=ctx.backend)
+                                        softmax_scale=scaling, backend=ctx.backend,
+                                        head_groups=ctx.head_groups)
     else:
         out = lctrain_kernels.dist_attention(q, k, v, group=ctx.group, causal=True,
                                              cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
-                                             schedule=ctx.schedule, backend=ctx.backend)
+                                             schedule=ctx.schedule, backend=ctx.backend,
+                                             head_groups=ctx.head_groups)
     return out, None  # (B, S, Hq, D)
 
 

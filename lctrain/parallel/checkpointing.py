@@ -19,6 +19,11 @@ Policies (the recipe's ``train.checkpointing``):
   fp32 lse per layer beyond ``full``.
 - ``remat-offload``: ``remat`` whose kept tensors (layer inputs, attention outputs) wait in
   pinned host memory, copied out and back on a side stream (`lctrain.parallel.offload`).
+- ``auto``: a policy per layer (``layer_policies``, one of `lctrain.config.tiers.LAYER_POLICIES`
+  each: remat, remat-offload, full, or ``full-offload`` — full whose layer input waits in pinned
+  host memory), as the memory model places them. Offloaded layers share one offloader; when the
+  backward reaches a layer that keeps its tensors on the GPU, the copies of the last offloaded
+  layer start coming back, so the first one the backward needs is not waited for.
 
 The decoder layers are those `lctrain.model.structure.decoder_layer_slots` finds (the same
 ones FSDP2 makes its units). Each is wrapped in place with torch's ``checkpoint_wrapper``
@@ -34,10 +39,12 @@ from collections import Counter
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    noop_context_fn)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lctrain.config.schema import CHECKPOINTING_POLICIES as POLICIES
+from lctrain.config.tiers import LAYER_POLICIES, OFFLOADED, format_layer_policies
 from lctrain.errors import UserError
 from lctrain.model.structure import decoder_layer_slots, unwrap_layer
 from lctrain.parallel.offload import Offloader
@@ -77,7 +84,8 @@ def remat_contexts():
     return create_selective_checkpoint_contexts(remat_policy)
 
 
-def apply_checkpointing(model: nn.Module, policy: str, *, offload_min_bytes: int = 1 << 20) -> int:
+def apply_checkpointing(model: nn.Module, policy: str, *, layer_policies: list[str] | None = None,
+                        offload_min_bytes: int = 1 << 20) -> int:
     """Wrap every decoder layer of ``model`` (in place) for ``policy``.
 
     Call it before FSDP2. Calling it again replaces the previous policy; ``none`` unwraps.
@@ -86,25 +94,44 @@ def apply_checkpointing(model: nn.Module, policy: str, *, offload_min_bytes: int
 
     Args:
         model: any transformers decoder (or module holding repeated blocks).
-        policy: none | full | remat | remat-offload.
-        offload_min_bytes: remat-offload leaves tensors smaller than this on the device.
+        policy: none | full | remat | remat-offload | auto.
+        layer_policies: with ``auto``, every layer's policy in forward order (names of
+            `lctrain.config.tiers.LAYER_POLICIES`; `lctrain.config.tiers.per_layer` expands runs).
+        offload_min_bytes: offloaded layers leave tensors smaller than this on the device.
 
     Returns:
         The number of layers wrapped (0 for ``none``).
 
     Raises:
-        UserError: an unknown policy, or no decoder layers found.
+        UserError: an unknown policy, ``auto`` without one policy per layer, or no decoder
+            layers found.
     """
-    if policy not in POLICIES:
+    if policy not in (*POLICIES, "auto"):
         raise UserError(f"checkpointing policy {policy!r} is unknown; choose one of "
-                        f"{', '.join(POLICIES)}")
-    _hand_over_from_transformers(model, policy)
+                        f"{', '.join(POLICIES)}, auto")
     layers = decoder_layer_slots(model)
-    offloader = Offloader(offload_min_bytes) if policy == "remat-offload" else None
-    for container, index in layers:
+    kinds = _layer_kinds(policy, layer_policies, len(layers))
+    _hand_over_from_transformers(model, policy)
+    offloader = Offloader(offload_min_bytes) if OFFLOADED.intersection(kinds) else None
+    for (container, index), kind in zip(layers, kinds):
         layer = unwrap_layer(container[index])
-        container[index] = layer if policy == "none" else _wrap(layer, policy, offloader)
+        container[index] = layer if kind == "none" else _wrap(layer, kind, offloader)
     return 0 if policy == "none" else len(layers)
+
+
+def _layer_kinds(policy: str, layer_policies: list[str] | None, count: int) -> list[str]:
+    if policy != "auto":
+        return [policy] * count
+    kinds = list(layer_policies or [])
+    unknown = [k for k in kinds if k not in LAYER_POLICIES]
+    if unknown:
+        raise UserError(f"layer policy {unknown[0]!r} is unknown; choose one of "
+                        f"{', '.join(LAYER_POLICIES)}")
+    if len(kinds) != count:
+        runs = format_layer_policies(tuple((k, 1) for k in kinds)) or "none"
+        raise UserError(f"train.layer_policies gives {len(kinds)} layers ({runs}) but the model "
+                        f"has {count} decoder layers; make the counts add up to {count}")
+    return kinds
 
 
 def _hand_over_from_transformers(model: nn.Module, policy: str) -> None:
@@ -119,19 +146,25 @@ def _hand_over_from_transformers(model: nn.Module, policy: str) -> None:
         config.use_cache = False
 
 
-def _wrap(layer: nn.Module, policy: str, offloader: Offloader | None) -> nn.Module:
-    if policy == "full":
+def _wrap(layer: nn.Module, kind: str, offloader: Offloader | None) -> nn.Module:
+    make_contexts = remat_contexts if kind.startswith("remat") else noop_context_fn
+    if kind in OFFLOADED:
+        saved = is_attention_forward if kind.startswith("remat") else None
+        return checkpoint_wrapper(layer, checkpoint_fn=functools.partial(
+            _offloaded_checkpoint, offloader, make_contexts, saved))
+    if offloader is not None:  # a GPU-kept layer of a mixed run: start the host copies back
+        make_contexts = functools.partial(offloader.prefetching_contexts, make_contexts)
+    elif kind == "full":
         return checkpoint_wrapper(layer)
-    if policy == "remat":
-        return checkpoint_wrapper(layer, context_fn=remat_contexts)
-    return checkpoint_wrapper(layer, checkpoint_fn=functools.partial(_offloaded_checkpoint,
-                                                                     offloader))
+    return checkpoint_wrapper(layer, context_fn=make_contexts)
 
 
-def _offloaded_checkpoint(offloader: Offloader, module: nn.Module, *args, **kwargs):
-    """Checkpoint ``module`` with remat, its input and attention outputs parked on the host."""
+def _offloaded_checkpoint(offloader: Offloader, make_contexts, saved, module: nn.Module, *args,
+                          **kwargs):
+    """Checkpoint ``module`` with its input (and, under remat, attention outputs) parked on the
+    host."""
     stash = offloader.new_stash()
-    context_fn = functools.partial(offloader.contexts, stash, remat_contexts, is_attention_forward)
+    context_fn = functools.partial(offloader.contexts, stash, make_contexts, saved)
     with torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack):
         return checkpoint(module, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
@@ -141,7 +174,8 @@ class AttentionCounter(TorchDispatchMode):
 
     Enter it around whole training steps (outside any checkpointing): selective checkpointing's
     recompute serves cached attention outputs from a mode above this one, so a cached call is
-    not counted, while a re-run one (``full``) is. ``counts`` maps op name -> calls.
+    not counted, while a re-run one (``full``, ``full-offload``) is. ``counts`` maps op name ->
+    calls.
     """
 
     def __init__(self) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from lctrain.config import SCHEDULE_LAYOUTS
 from lctrain.data import PackedBatch, shard_batch
+from lctrain.errors import UserError
 from lctrain.model.attention import CPContext, register_attention
 from lctrain.parallel import torch_cp
 from lctrain.parallel.mesh import ParallelMesh
@@ -55,6 +56,8 @@ class ContextParallel:
         schedule: ``distflash``, ``ring``, ``zigzag`` or ``context_parallel``.
         backend: the local attention backend of lctrain's schedules ("auto", "triton", ...).
         device: this rank's device (shards are moved there).
+        head_groups: attention heads run in this many groups one after the other (lctrain's
+            schedules; bounds the attention's buffers).
 
     Attributes:
         layout: how the schedule lays a sequence out over the cp ranks (``contiguous`` or
@@ -67,9 +70,10 @@ class ContextParallel:
     """
 
     def __init__(self, mesh: ParallelMesh, schedule: str, backend: str, *,
-                 device: torch.device) -> None:
+                 device: torch.device, head_groups: int = 1) -> None:
         check_runnable(schedule, mesh.cp, device.type)
         self.mesh, self.schedule, self.backend, self.device = mesh, schedule, backend, device
+        self.head_groups = head_groups
         self.layout = SCHEDULE_LAYOUTS[schedule]
         self._peer = (torch_cp.TorchContextParallel(mesh.mesh["cp"], mesh.cp_rank, device)
                       if schedule == TORCH_PEER and mesh.cp > 1 else None)
@@ -92,7 +96,21 @@ class ContextParallel:
         """What each attention call of the model needs to know for ``shard`` (pass it to the
         model as ``cp_context=``)."""
         return CPContext(group=self.mesh.cp_group, cu_seqlens=shard.cu_seqlens,
-                         schedule=self.schedule, backend=self.backend)
+                         schedule=self.schedule, backend=self.backend,
+                         head_groups=self.head_groups)
+
+    def check_model(self, config) -> None:
+        """Refuse head groups that do not divide the model's key/value heads.
+
+        Raises:
+            UserError: ``parallel.head_groups`` is not a divisor of the key/value heads.
+        """
+        heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        if isinstance(kv, int) and kv % self.head_groups:
+            raise UserError(f"parallel.head_groups is {self.head_groups} but must divide the "
+                            f"model's {kv} key/value heads; use one of "
+                            f"{', '.join(str(g) for g in range(1, kv + 1) if kv % g == 0)}")
 
     def session(self, shard: PackedBatch) -> ContextManager[None]:
         """What must be active around one micro-batch's forward and backward: torch's context for

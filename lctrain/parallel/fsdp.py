@@ -13,6 +13,12 @@ the mean token loss — no extra division by the world size is wanted anywhere.
   world size afterwards — exact for a power-of-two world, within one rounding otherwise.
 - ``replicate`` (CPU, or FSDP off): every rank keeps the full model; after the backward the
   gradients are summed with one all-reduce per dtype over all ranks.
+
+``offload=True`` (``train.state_offload: all``) gives FSDP2 its CPU offload policy: the sharded
+parameters, their gradients and so the optimizer's states live in pinned host memory, each unit
+is copied in when it is gathered, gradients go back after the reduce-scatter, and the optimizer
+steps on the CPU. It applies on one rank too (FSDP2 over a mesh of one), where nothing is
+sharded but everything but the gathered units leaves the GPU.
 """
 from __future__ import annotations
 
@@ -34,11 +40,12 @@ class Distributed:
     """
 
     def __init__(self, module: nn.Module, strategy: str, group: dist.ProcessGroup | None, *,
-                 post_scale: float = 1.0) -> None:
+                 post_scale: float = 1.0, norm_device: torch.device | None = None) -> None:
         self.module = module
         self.strategy = strategy
         self.group = group
         self.post_scale = post_scale
+        self.norm_device = norm_device  # where the gradient norm goes (offloaded gradients)
 
     def sync_gradients(self) -> None:
         """Make every gradient the sum over ranks (FSDP2 already reduced it in the backward)."""
@@ -62,7 +69,8 @@ class Distributed:
             total = total.full_tensor()
         if max_norm is not None and max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total.float()
+        total = total.float()
+        return total if self.norm_device is None else total.to(self.norm_device, non_blocking=True)
 
 
 def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
@@ -82,7 +90,7 @@ def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup
 
 def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: DeviceMesh | None,
                strategy: str, param_dtype: torch.dtype | None = torch.bfloat16,
-               reshard_after_forward: bool = True) -> Distributed:
+               reshard_after_forward: bool = True, offload: bool = False) -> Distributed:
     """Apply FSDP2 or replication to ``module`` (in place).
 
     Args:
@@ -94,6 +102,8 @@ def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: De
         param_dtype: FSDP2 compute dtype of unsharded parameters (None: keep the stored dtype).
         reshard_after_forward: free each layer's unsharded parameters after its forward
             (re-gathered for the backward).
+        offload: keep the sharded parameters, gradients (and so the optimizer states) in
+            pinned host memory (FSDP2's ``CPUOffloadPolicy``; "fsdp" only).
 
     Returns:
         A `Distributed` handle.
@@ -103,28 +113,33 @@ def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: De
     """
     group = world_mesh.get_group() if world_mesh is not None else None
     if strategy == "replicate":
+        if offload:
+            raise ValueError("offloading parameters to the host needs the fsdp strategy")
         return Distributed(module, strategy, group)
     if strategy != "fsdp":
         raise ValueError(f"unknown parallel strategy {strategy!r}; choose fsdp or replicate")
     if world_mesh is None:
         raise ValueError("FSDP2 needs an initialised process group and device mesh")
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    cuda = world_mesh.device_type == "cuda"
+    where = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
     units = []
     for layer in layers:
-        units.append(fully_shard(layer, mesh=world_mesh, mp_policy=policy,
+        units.append(fully_shard(layer, mesh=world_mesh, mp_policy=policy, offload_policy=where,
                                  reshard_after_forward=reshard_after_forward))
-    units.append(fully_shard(module, mesh=world_mesh, mp_policy=policy,
+    units.append(fully_shard(module, mesh=world_mesh, mp_policy=policy, offload_policy=where,
                              reshard_after_forward=False))
     world = world_mesh.size()
+    norm_device = torch.device("cuda", torch.cuda.current_device()) if offload and cuda else None
     if world == 1:
-        return Distributed(module, strategy, group)
-    if world_mesh.device_type != "cuda":
+        return Distributed(module, strategy, group, norm_device=norm_device)
+    if not cuda:
         return Distributed(module, strategy, group, post_scale=float(world))
     for unit in units:
         _sum_gradients(unit)
-    return Distributed(module, strategy, group)
+    return Distributed(module, strategy, group, norm_device=norm_device)
 
 
 def _sum_gradients(unit) -> None:

@@ -1,10 +1,10 @@
 """Host offload of what rematerialization keeps between a layer's forward and its backward.
 
 Under the ``remat`` policy each decoder layer keeps two kinds of tensors on the GPU until its
-backward: the layer's INPUT (saved by non-reentrant checkpointing through autograd's saved-tensor
-mechanism) and the attention op's (out, lse) (kept by selective checkpointing's cache). The
-``remat-offload`` policy moves both to host memory as soon as the layer's forward is done with
-them, and brings them back ahead of use:
+backward (under ``full`` only the first): the layer's INPUT (saved by non-reentrant checkpointing
+through autograd's saved-tensor mechanism) and the attention op's (out, lse) (kept by selective
+checkpointing's cache). The ``remat-offload`` policy moves both to host memory as soon as the
+layer's forward is done with them, and brings them back ahead of use:
 
 - forward: the layer input is copied out when checkpointing saves it (a `saved_tensors_hooks`
   pack hook around the checkpointed call); the attention outputs are recorded as the op returns
@@ -12,7 +12,9 @@ them, and brings them back ahead of use:
   (``untyped_storage().resize_(0)``: the cache keeps its tensor objects, now empty);
 - backward: when a layer's recompute starts (its input is unpacked), its own copies are awaited
   and the copies of the layer BEFORE it (the next one the backward reaches) are started, so
-  every transfer but the first overlaps a layer's backward.
+  every transfer but the first overlaps a layer's backward. In a run that keeps the last
+  layers on the GPU (``auto``), their recompute starts the first offloaded layer's copies
+  (`Offloader.prefetch_newest`), so that one overlaps too.
 
 On a GPU all copies run on one side stream, ordered with events, into pinned host buffers;
 ``record_stream`` keeps the caching allocator from reusing a block before its copy is done. The
@@ -255,15 +257,31 @@ class Offloader:
         return stash
 
     def contexts(self, stash: LayerStash, make_contexts, saved):
-        """(forward, recompute) contexts: selective checkpointing's, plus recording and
-        parking in the forward and waiting for the copies in the recompute."""
+        """(forward, recompute) contexts: checkpointing's own (``make_contexts``: selective
+        checkpointing's for remat, none for full), plus recording the outputs of the ops that
+        ``saved`` names (None: nothing but the input is parked) and parking them in the
+        forward, and waiting for the copies in the recompute."""
         forward_mode, recompute_mode = make_contexts()
         return _forward_context(stash, forward_mode, saved), _recompute_context(stash, recompute_mode)
+
+    def prefetching_contexts(self, make_contexts):
+        """(forward, recompute) contexts of a layer that keeps its tensors on the GPU in a run
+        with offloaded layers: its recompute starts bringing back the newest stash (the first
+        offloaded layer the backward will reach), which no unpack would start in time."""
+        forward_mode, recompute_mode = make_contexts()
+        return forward_mode, _prefetch_context(self, recompute_mode)
+
+    def prefetch_newest(self) -> None:
+        """Start the copies back of the most recently created stash (idempotent)."""
+        newest = self._last() if self._last is not None else None
+        if newest is not None:
+            newest.fetch()
 
 
 @contextlib.contextmanager
 def _forward_context(stash: LayerStash, forward_mode, saved):
-    with forward_mode, _RecordOutputs(stash, saved):
+    recording = _RecordOutputs(stash, saved) if saved is not None else contextlib.nullcontext()
+    with forward_mode, recording:  # nothing to record (full): no mode in every op's way
         yield
     stash.park_outputs()
 
@@ -275,6 +293,13 @@ def _recompute_context(stash: LayerStash, recompute_mode):
         yield
 
 
+@contextlib.contextmanager
+def _prefetch_context(offloader: Offloader, recompute_mode):
+    offloader.prefetch_newest()
+    with recompute_mode:
+        yield
+
+
 def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """A flat uint8 tensor over all of ``storage`` (its own version counter)."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
@@ -282,3 +307,34 @@ def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Te
 
 def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def host_memory_bytes(module: torch.nn.Module, optimizer=None) -> int:
+    """Host memory this GPU process keeps for training: the pinned buffers of its offloaded
+    layers and of a host-state optimizer, and parameters, gradients and optimizer states that
+    live on the host (FSDP2's CPU offload). What `lctrain.memory` calls ``host_offload``.
+
+    Args:
+        module: the trained module (its checkpoint wrappers hold the offloaders).
+        optimizer: the optimizer (a `lctrain.parallel.host_optim.HostAdamW` holds a pool).
+    """
+    pools = {}
+    for m in module.modules():
+        for arg in getattr(getattr(m, "checkpoint_fn", None), "args", ()):
+            if isinstance(arg, Offloader):
+                pools[id(arg.pool)] = arg.pool
+    if isinstance(getattr(optimizer, "pool", None), PinnedPool):
+        pools[id(optimizer.pool)] = optimizer.pool
+    pooled = {buf.data_ptr() for pool in pools.values() for buf in pool._all}
+    tensors = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]
+    seen, total = set(), sum(pool.pinned_bytes for pool in pools.values())
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        key = local.untyped_storage().data_ptr()
+        if local.device.type == "cpu" and key not in pooled and key not in seen:
+            seen.add(key)
+            total += local.untyped_storage().nbytes()
+    return total

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lctrain.parallel.host_optim import HostAdamW
+
 
 @dataclass(frozen=True)
 class LrPlan:
@@ -91,11 +93,13 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> L
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     warmup_steps: int, total_steps: int, min_lr_ratio: float,
-                    start_step: int = 0, resumed: LrPlan | None = None
+                    start_step: int = 0, resumed: LrPlan | None = None,
+                    host_states: bool = False
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over the trainable parameters plus its warm-up/cosine scheduler.
 
     Call this AFTER FSDP2 has been applied, so the optimizer holds the sharded parameters.
+    ``host_states``: AdamW's states in pinned host memory (`lctrain.parallel.host_optim`).
 
     Args:
         start_step: optimizer steps already taken (a resumed run): the scheduler starts there.
@@ -112,8 +116,11 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
-                                  fused=True)
+    if host_states:
+        optimizer = HostAdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+    else:
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
+                                      eps=eps, fused=True)
     plan = (warmup_cosine(warmup_steps, total_steps, min_lr_ratio) if resumed is None
             else resumed.resumed(start_step, total_steps))
     for group in optimizer.param_groups:  # LambdaLR's resume point needs each base rate

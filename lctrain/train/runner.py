@@ -43,16 +43,21 @@ from torch import nn
 from lctrain.config import RecipeConfig, save_resolved
 from lctrain.config.resume import check_run_folder, describe_changes
 from lctrain.errors import UserError
+from lctrain.config.tiers import format_layer_policies, per_layer
 from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
                           rows_summary, steps_summary)
 from lctrain.eval.forward import validation_loss
 from lctrain.export import export_final as write_final
+from lctrain.memory.host import available_host_bytes
+from lctrain.memory.recipe import layer_policies_for
 from lctrain.model import check_model, load_model
 from lctrain.model.lora import apply_lora
 from lctrain.model.structure import decoder_layers
 from lctrain.parallel.checkpointing import apply_checkpointing
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed, distribute
+from lctrain.parallel.offload import host_memory_bytes
+from lctrain.parallel.tiling import apply_tiling
 from lctrain.parallel.mesh import ParallelMesh, build_mesh
 from lctrain.report.versions import record_run
 from lctrain.train import launch
@@ -148,7 +153,7 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
                 print(describe_changes(changes), flush=True)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
         cp = ContextParallel(pmesh, cfg.parallel.schedule, cfg.parallel.attention_backend,
-                             device=device)
+                             device=device, head_groups=cfg.parallel.head_groups)
         setup = RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator, stop=stop,
                          control=control_group(pmesh.world_group, device.type, timeout))
         set_seed(cfg.train.seed)
@@ -222,12 +227,14 @@ class ModelParts:
         distributed: the `CausalLMLoss` around it, spread over the ranks.
         flops: its FLOP model (for MFU).
         n_params: its parameter count.
+        layer_policies: the layers' checkpointing policies of an ``auto`` run (runs text).
     """
 
     model: nn.Module
     distributed: Distributed
     flops: FlopModel
     n_params: int
+    layer_policies: str | None = None
 
 
 def build_model(setup: RunSetup, *,
@@ -252,18 +259,39 @@ def build_model(setup: RunSetup, *,
     flops = FlopModel.for_model(model.config, n_params - (0 if tied else embed.numel()))
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
-    apply_checkpointing(model, cfg.train.checkpointing)  # before FSDP2 wraps the layers
+    setup.cp.check_model(model.config)
+    apply_tiling(model, cfg.train.tile_tokens)  # the adapters inside the tiles
+    runs = _layer_policies(setup) if cfg.train.checkpointing == "auto" else None
+    apply_checkpointing(model, cfg.train.checkpointing,  # before FSDP2 wraps the layers
+                        layer_policies=per_layer(runs) if runs else None)
     module = root(model, cfg.train.loss_chunk_tokens)
     bf16 = accelerator.mixed_precision == "bf16"
     distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
-                             strategy=_strategy(setup), param_dtype=torch.bfloat16 if bf16 else None)
-    return ModelParts(model, distributed, flops, n_params)
+                             strategy=_strategy(setup), param_dtype=torch.bfloat16 if bf16 else None,
+                             offload=cfg.train.state_offload == "all")
+    return ModelParts(model, distributed, flops, n_params,
+                      format_layer_policies(runs) if runs else None)
+
+
+def _layer_policies(setup: RunSetup) -> tuple[tuple[str, int], ...]:
+    """``auto``'s layer policies: the recipe's, else the memory model's for this device's memory
+    and this machine's host memory (`lctrain.memory.recipe.layer_policies_for`)."""
+    device, pmesh = setup.accelerator.device, setup.pmesh
+    host = setup.cfg.train.host_memory or available_host_bytes()
+    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+              else host or 0)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", pmesh.world_size))
+    return layer_policies_for(setup.cfg, gpus=pmesh.world_size, gpu_memory=memory,
+                              host_memory=host if device.type == "cuda" else None,
+                              gpus_per_node=local)
 
 
 def _strategy(setup: RunSetup) -> str:
-    """FSDP2 when asked ("on"), or by default on GPUs with several ranks; else replication."""
+    """FSDP2 when asked ("on") or when the state lives on the host (its CPU offload), or by
+    default on GPUs with several ranks; else replication."""
     fsdp, pmesh = setup.cfg.parallel.fsdp, setup.pmesh
-    if fsdp == "on" or (fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1):
+    if fsdp == "on" or setup.cfg.train.state_offload == "all" or (
+            fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1):
         return "fsdp"
     return "replicate"
 
@@ -284,7 +312,8 @@ def build_trainer(setup: RunSetup, parts: ModelParts, resume_from: Path | None) 
     optimizer, scheduler = build_optimizer(
         parts.distributed.module, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas),
         warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio,
-        start_step=start, resumed=None if saved is None else _saved_plan(saved, resume_from))
+        start_step=start, resumed=None if saved is None else _saved_plan(saved, resume_from),
+        host_states=t.state_offload == "optimizer")
     trainer = Trainer(distributed=parts.distributed, optimizer=optimizer, scheduler=scheduler,
                       pmesh=setup.pmesh, cp=setup.cp, accelerator=setup.accelerator,
                       grad_accum=t.grad_accum, max_grad_norm=t.max_grad_norm)
@@ -392,8 +421,9 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
     watch = Watchdog(heartbeat_dir(out), rank=pmesh.rank, world_size=pmesh.world_size,
                      timeout=t.collective_timeout,
                      on_hang=launch.hang_handler(cfg, trainer.device.type))
-    hooks = loop_hooks(setup, parts, trainer, watch, checkpointer, log=metrics.write,
-                       progress=progress.update, eval_rows=eval_rows)
+    hooks = loop_hooks(setup, parts, trainer, watch, checkpointer,
+                       log=_with_host_memory(metrics.write, trainer), progress=progress.update,
+                       eval_rows=eval_rows)
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
                            dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
     try:
@@ -452,6 +482,15 @@ def _notice(setup: RunSetup):
     return notice
 
 
+def _with_host_memory(write, trainer: Trainer):
+    """On a GPU, log records also carry ``host_memory_bytes``: what this process keeps in host
+    memory for training (`lctrain.parallel.offload.host_memory_bytes`)."""
+    if trainer.device.type != "cuda":
+        return write
+    module, optimizer = trainer.distributed.module, trainer.optimizer
+    return lambda record: write({**record, "host_memory_bytes": host_memory_bytes(module, optimizer)})
+
+
 def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> str:
     """The line rank 0 prints before the first step: model, data, ranks, steps."""
     cfg, pmesh = setup.cfg, setup.pmesh
@@ -459,11 +498,29 @@ def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> s
     used = trainer.data_position * pmesh.dp * t.batch_size
     start = (f", resuming at step {trainer.step} after {used} rows = {used * cfg.data.seq_len} "
              "tokens of the data stream" if trainer.step else "")
-    return (f"lctrain finetune: {parts.n_params / 1e6:.2f}M parameters, seq_len "
+    line = (f"lctrain finetune: {parts.n_params / 1e6:.2f}M parameters, seq_len "
             f"{cfg.data.seq_len}, {rows} packed rows; {pmesh.world_size} x "
             f"{pmesh.device_type} (dp {pmesh.dp} x cp {pmesh.cp}, {cfg.parallel.schedule}, "
             f"{parts.distributed.strategy}); {t.max_steps} steps x "
             f"{pmesh.dp * t.batch_size * t.grad_accum} sequence(s){start}")
+    return line + "".join(f"\n  {extra}" for extra in _memory_settings(cfg, parts))
+
+
+def _memory_settings(cfg: RecipeConfig, parts: ModelParts) -> list[str]:
+    """Banner lines for the long-context settings in use, and the plan they came from."""
+    t, lines = cfg.train, []
+    if parts.layer_policies:
+        chosen = "train.layer_policies" if t.layer_policies else "the memory model"
+        lines.append(f"checkpointing auto: {parts.layer_policies} (from {chosen})")
+    settings = [f"{k} {v}" for k, v in (("tile_tokens", t.tile_tokens),
+                                         ("head_groups", cfg.parallel.head_groups),
+                                         ("state_offload", t.state_offload))
+                if v not in (0, 1, "none")]
+    if settings:
+        lines.append("memory: " + ", ".join(settings))
+    if t.planned:
+        lines.append(f"settings from lctrain estimate-memory --plan: {t.planned}")
+    return lines
 
 
 def _summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by: int) -> str:

@@ -23,6 +23,15 @@ that are entirely visible and adjacent in memory are fused into one FULL call (t
 ring's "all queries against the first half of the keys"). Partial outputs and gradients are
 kept as they arrive and combined once per row, in float32, when the rank reads them out
 (:mod:`lctrain_kernels.distributed.accumulate`).
+
+Head groups bound all of these buffers: attention is independent per head, so with
+``head_groups`` G the heads are cut into G groups (query heads with the key/value heads they
+read, so G divides Hkv) that run one after the other (:func:`forward_in_groups`,
+:func:`backward_in_groups`), each with its own plan walk on contiguous copies of its heads. The
+received k/v, float32 accumulators, helped results and gradient buffers of a walk are then those
+of Hq/G heads; the outputs are written into full-size tensors. Exact: every head computes what it
+computes in one walk. Cost: G walks of smaller messages and kernels (and a copy of each group's
+inputs and results).
 """
 from __future__ import annotations
 
@@ -41,6 +50,67 @@ from lctrain_kernels.masks import MaskSpec, Relation, classify
 
 #: GPU clock cycles (~15 µs at 2 GHz) the compute stream yields to freshly posted transfers.
 _HEAD_START_CYCLES = 30_000
+
+
+def head_slices(groups: int, hq: int, hkv: int) -> list[tuple[slice, slice]]:
+    """(query heads, key/value heads) of each of ``groups`` head groups, in order.
+
+    Query head i reads key/value head i // (hq / hkv), so group g takes query heads
+    [g·hq/G, (g+1)·hq/G) and key/value heads [g·hkv/G, (g+1)·hkv/G).
+
+    Raises:
+        ValueError: ``groups`` is not a positive divisor of ``hkv``.
+    """
+    if groups < 1 or hkv % groups or hq % hkv:
+        raise ValueError(f"head_groups must be a positive divisor of the {hkv} key/value heads "
+                         f"(and they of the {hq} query heads), got {groups}.")
+    gq, gk = hq // groups, hkv // groups
+    return [(slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)) for g in range(groups)]
+
+
+def forward_in_groups(run, q, k, v, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run(q, k, v) -> (out, lse)`` over head groups, one after the other.
+
+    Args:
+        run: the attention forward of contiguous (B, n, h, D) inputs of any head count.
+        q: (B, n, Hq, D); k, v: (B, n, Hkv, D).
+        groups: number of head groups (1: one call on the inputs as they are).
+
+    Returns:
+        (out (B, n, Hq, D) contiguous, lse (B, Hq, n) contiguous).
+    """
+    if groups == 1:
+        return run(q, k, v)
+    out, lse = None, None
+    for qs, ks in head_slices(groups, q.shape[2], k.shape[2]):
+        o, l = run(q[:, :, qs].contiguous(), k[:, :, ks].contiguous(), v[:, :, ks].contiguous())
+        if out is None:
+            out = q.new_empty(q.shape)  # (B, n, Hq, D)
+            lse = l.new_empty((q.shape[0], q.shape[2], q.shape[1]))  # (B, Hq, n)
+        out[:, :, qs] = o
+        lse[:, qs] = l
+    return out, lse
+
+
+def backward_in_groups(run, do, q, k, v, out, lse, dlse, groups: int):
+    """``run(do, q, k, v, out, lse, dlse) -> (dq, dk, dv)`` over head groups, one after the other.
+
+    Returns:
+        (dq (B, n, Hq, D), dk, dv (B, n, Hkv, D)), contiguous, in the dtypes ``run`` gives.
+    """
+    if groups == 1:
+        return run(do, q, k, v, out, lse, dlse)
+    grads = None
+    for qs, ks in head_slices(groups, q.shape[2], k.shape[2]):
+        heads = lambda x, s=qs: x[:, :, s].contiguous()  # noqa: E731 - (B, n, h, D) part
+        rows = lambda x, s=qs: None if x is None else x[:, s].contiguous()  # noqa: E731
+        got = run(heads(do), heads(q), k[:, :, ks].contiguous(), v[:, :, ks].contiguous(),
+                  heads(out), rows(lse), rows(dlse))
+        if grads is None:
+            grads = tuple(g.new_empty(x.shape) for g, x in zip(got, (q, k, v)))
+        for full, part, s in zip(grads, got, (qs, ks, ks)):
+            full[:, :, s] = part
+    return grads
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,84 @@
+"""Where each layer keeps what its backward needs, when ``train.checkpointing`` is ``auto``.
+
+Per layer, the backward needs the layer input and — under remat — the attention output and lse
+(`lctrain.memory.activations.remat_kept`); under full checkpointing only the input, at the price
+of running the attention forward again. `place` gives every layer a policy of
+`lctrain.config.tiers.LAYER_POLICIES` by one rule, cheapest first:
+
+1. keep the attention output of as many layers as possible (each full layer costs one more
+   attention forward, the most expensive thing at long context);
+2. for that many remat layers, fill the GPU first (largest kept tensors first), then pinned
+   host memory (copies overlap compute, but they are not free);
+3. offloaded layers come first in the forward, GPU-kept ones last: the backward starts with the
+   GPU-kept layers, which gives the first host copies time to come back.
+
+The GPU also holds two offloaded layers' tensors in flight (the one in use and the next one
+coming back), as `lctrain.memory.activations.saved_activations` counts them.
+"""
+from __future__ import annotations
+
+from lctrain.config.tiers import OFFLOADED
+from lctrain.memory.activations import input_kept, remat_kept
+from lctrain.memory.arch import Architecture
+
+Runs = tuple[tuple[str, int], ...]
+
+
+def place(arch: Architecture, tokens: int, c: int, gpu_room: int, host_room: int) -> Runs | None:
+    """The layers' policies for ``auto`` (runs in forward order), or None when nothing fits.
+
+    Args:
+        arch: the model's shapes.
+        tokens: tokens per GPU (batch × seq_len / cp).
+        c: bytes per element of the compute dtype.
+        gpu_room: bytes of GPU memory that kept tensors may take (what the step's peak leaves).
+        host_room: pinned host bytes this process may use for them.
+    """
+    big, small = remat_kept(arch, tokens, c), input_kept(arch, tokens, c)
+    layers = arch.num_layers
+    for remat in range(layers, -1, -1):
+        full = layers - remat
+        if remat * big + full * small <= gpu_room:
+            return _runs(remat, 0, full, 0)
+        top = min(remat, max(gpu_room, 0) // big)
+        for on_gpu in (top, top - 1, top - 2):  # two offloaded layers are in flight: <= 2 big
+            if on_gpu < 0:
+                continue
+            full_gpu = _full_on_gpu(on_gpu, remat, full, big, small, gpu_room)
+            parked = (remat - on_gpu) * big + (full - full_gpu) * small
+            if full_gpu >= 0 and parked <= host_room:
+                return _runs(on_gpu, remat - on_gpu, full_gpu, full - full_gpu)
+    return None
+
+
+def _full_on_gpu(on_gpu: int, remat: int, full: int, big: int, small: int, gpu_room: int) -> int:
+    """Most full layers that fit on the GPU beside ``on_gpu`` remat layers and the in-flight
+    copies of the offloaded ones (-1: not even none fit)."""
+    room = gpu_room - on_gpu * big
+    top = min(full, max(room, 0) // small)
+    item = big if remat > on_gpu else small
+    steady = min(full, max(room - 2 * item, 0) // small)  # two offloaded layers in flight
+    for full_gpu in sorted({top, top - 1, top - 2, steady, 0}, reverse=True):
+        if full_gpu < 0:
+            continue
+        off_remat, off_full = remat - on_gpu, full - full_gpu
+        in_flight = min(2, off_remat + off_full) * (big if off_remat else small)
+        if full_gpu * small + in_flight <= room:
+            return full_gpu
+    return -1
+
+
+def _runs(remat: int, remat_off: int, full: int, full_off: int) -> Runs:
+    order = (("full-offload", full_off), ("remat-offload", remat_off), ("full", full),
+             ("remat", remat))
+    return tuple((name, n) for name, n in order if n)
+
+
+def recomputed_layers(runs: Runs) -> int:
+    """Layers whose attention forward runs again in the backward."""
+    return sum(n for name, n in runs if name.startswith("full"))
+
+
+def offloaded_layers(runs: Runs) -> int:
+    """Layers whose kept tensors wait in host memory."""
+    return sum(n for name, n in runs if name in OFFLOADED)

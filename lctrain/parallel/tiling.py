@@ -1,0 +1,199 @@
+"""Sequence tiling of the token-wise parts of each decoder layer (MLP and norms).
+
+At long context the largest transients of a decoder layer are not the attention's: the gated
+MLP holds four (tokens × intermediate) tensors for its backward — 2.3 GiB per layer per 32K
+tokens of a Llama-7B in bf16 — and each RMSNorm an fp32 copy of its input. These parts treat
+every token on its own, so they can run over the local sequence in tiles:
+
+- forward: the module runs tile by tile into one output buffer, under no_grad; only its INPUT
+  is saved for the backward (a view of nothing new: a tensor the layer holds anyway);
+- backward: each tile is recomputed with autograd on, back-propagated at once and dropped, so
+  the workspace is one tile's (``tile_tokens`` × intermediate), whatever the tokens per GPU.
+  The input gradient is written into one buffer; the weight gradients of the tiles are summed
+  in float32 and rounded once into the weights' dtype, as an untiled matmul does.
+
+Exact: the values are those of the untiled module (each token's computation is unchanged); the
+weight gradients differ from untiled ones only in the order of the float32 summation over
+tokens. The random state of the forward is replayed in the backward (as torch's checkpointing
+does), so a module with dropout sees the same masks in its recompute. Cost: one more forward
+of the tiled modules per step.
+
+    apply_tiling(model, tile_tokens=8192)   # after LoRA, before checkpointing and FSDP2
+
+Applied from outside, like the checkpointing policies: each decoder layer's children named in
+:data:`TILED_CHILDREN`, and the decoder's final norm, are wrapped in place in a `TiledModule` (a
+torch ``ActivationWrapper``, so parameter names, ``state_dict()`` and distributed checkpoints read
+as without it). The layer's own forward is untouched: the residual adds around the wrapped modules
+save nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+from lctrain.errors import UserError
+from lctrain.model.structure import decoder_layers, unwrap_layer
+
+TILED_CHILDREN = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "mlp")
+"""Names of decoder-layer children that act on each token alone and take and return one
+(..., hidden) tensor: the gated MLP and the norms around it (Llama, Mistral, Qwen2, Gemma)."""
+
+
+class TiledModule(ActivationWrapper):
+    """Runs a token-wise module over its input's tokens in tiles (see the module docstring).
+
+    Args:
+        module: a module mapping (..., in) to (..., out) token by token, one tensor argument.
+        tile_tokens: tokens per tile (> 0); inputs of at most this many tokens run untiled.
+    """
+
+    def __init__(self, module: nn.Module, tile_tokens: int) -> None:
+        super().__init__(module)
+        if tile_tokens <= 0:
+            raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
+        self.tile_tokens = int(tile_tokens)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        module = self._checkpoint_wrapped_module
+        tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+        if args or kwargs or tokens <= self.tile_tokens:
+            return module(hidden_states, *args, **kwargs)
+        params = [p for p in module.parameters() if p.requires_grad]
+        return _TiledApply.apply(hidden_states, module, self.tile_tokens, *params)
+
+    def extra_repr(self) -> str:
+        return f"tile_tokens={self.tile_tokens}"
+
+
+def apply_tiling(model: nn.Module, tile_tokens: int) -> int:
+    """Wrap the token-wise children of every decoder layer of ``model`` (in place) in tiles.
+
+    Calling it again replaces the tile size; ``tile_tokens`` 0 unwraps. Call it before
+    `lctrain.parallel.checkpointing.apply_checkpointing` and FSDP2 (either order with LoRA is
+    wrong: LoRA first, so the adapters are inside the tiles).
+
+    Args:
+        model: a transformers decoder (or a module holding repeated blocks).
+        tile_tokens: tokens per tile; 0 = no tiling.
+
+    Returns:
+        The number of modules wrapped.
+
+    Raises:
+        UserError: a negative tile size, or decoder layers without an ``mlp`` child.
+    """
+    if tile_tokens < 0:
+        raise UserError(f"train.tile_tokens is {tile_tokens} but must be 0 (off) or a positive "
+                        "number of tokens per tile, e.g. 8192")
+    wrapped = 0
+    for layer in decoder_layers(model):
+        layer = unwrap_layer(layer)
+        if tile_tokens and not isinstance(getattr(layer, "mlp", None), nn.Module):
+            raise UserError(f"train.tile_tokens tiles each decoder layer's mlp, but "
+                            f"{type(layer).__name__} has no mlp module; set train.tile_tokens=0")
+        wrapped += sum(_tile_child(layer, name, tile_tokens) for name in TILED_CHILDREN)
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):  # the final norm, whose output feeds the loss
+        wrapped += _tile_child(get_decoder(), "norm", tile_tokens)
+    return wrapped
+
+
+def _tile_child(parent: nn.Module, name: str, tile_tokens: int) -> bool:
+    """(Re)wrap ``parent.<name>`` in tiles of ``tile_tokens`` (0: unwrap); whether it was wrapped."""
+    child = getattr(parent, name, None)
+    if not isinstance(child, nn.Module):
+        return False
+    inner = child._checkpoint_wrapped_module if isinstance(child, TiledModule) else child
+    setattr(parent, name, TiledModule(inner, tile_tokens) if tile_tokens else inner)
+    return bool(tile_tokens)
+
+
+class _TiledApply(torch.autograd.Function):
+    """y = module(x) over tiles of x's tokens; params are the module's trainable parameters,
+    passed in so that their gradients are returned from the one backward."""
+
+    @staticmethod
+    def forward(ctx, x, module, tile, *params):
+        ctx.rng = _rng_state(x.device)  # before the tiles draw (dropout)
+        flat = x.reshape(1, -1, x.shape[-1])  # (1, N, in)
+        out = None
+        for a in range(0, flat.shape[1], tile):
+            y = module(flat[:, a:a + tile])  # (1, t, out)
+            _check_tile_output(module, y, flat[:, a:a + tile])
+            if out is None:
+                out = y.new_empty((*x.shape[:-1], y.shape[-1]))  # (..., out)
+                rows = out.view(1, -1, y.shape[-1])
+            rows[:, a:a + tile] = y
+        ctx.module, ctx.tile, ctx.params = module, tile, params
+        ctx.autocast = _autocast_state(x.device)
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        params, tile = ctx.params, ctx.tile
+        flat = x.reshape(1, -1, x.shape[-1]).detach()  # (1, N, in)
+        grads = grad_out.reshape(1, -1, grad_out.shape[-1])  # (1, N, out)
+        need_x = ctx.needs_input_grad[0]
+        grad_x = torch.empty_like(flat) if need_x else None  # (1, N, in)
+        acc: list[torch.Tensor | None] = [None] * len(params)
+        with _replayed(ctx.rng, x.device), torch.enable_grad(), _autocast(ctx.autocast):
+            for a in range(0, flat.shape[1], tile):
+                xt = flat[:, a:a + tile].detach().requires_grad_(need_x)  # (1, t, in)
+                y = ctx.module(xt)
+                wrt = ([xt] if need_x else []) + list(params)
+                got = torch.autograd.grad(y, wrt, grads[:, a:a + tile], allow_unused=True)
+                if need_x:
+                    grad_x[:, a:a + tile] = got[0]
+                    got = got[1:]
+                for i, g in enumerate(got):
+                    if g is not None:
+                        acc[i] = _widened(g) if acc[i] is None else acc[i].add_(g)
+        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(acc, params)]
+        return (None if grad_x is None else grad_x.view_as(x), None, None, *param_grads)
+
+
+def _widened(grad: torch.Tensor) -> torch.Tensor:
+    """A float32 (float64 stays float64) accumulator holding ``grad``."""
+    return grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
+
+
+def _check_tile_output(module: nn.Module, y, x: torch.Tensor) -> None:
+    if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
+        raise UserError(f"train.tile_tokens cannot tile {type(module).__name__}: it must map each "
+                        f"token to one output row, but returned {type(y).__name__} "
+                        f"{tuple(getattr(y, 'shape', ()))} for input {tuple(x.shape)}; set "
+                        "train.tile_tokens=0")
+
+
+def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
+    kind = device.type
+    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+def _autocast(state: tuple[str, bool, torch.dtype]):
+    kind, enabled, dtype = state
+    return torch.autocast(kind, dtype=dtype, enabled=enabled)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The CPU random state and, on a GPU, that device's: what the forward drew from."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replayed(state: tuple, device: torch.device):
+    """Run with the random state the forward started from, restoring the current one after."""
+    cpu, cuda = state
+    devices = [device] if cuda is not None else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield

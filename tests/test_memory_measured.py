@@ -1,0 +1,35 @@
+"""The memory model against every GPU peak measured by ``lctrain bench step`` and published in
+docs/performance/: the model's ``peak_allocated`` for the recipe as run is within 10 % of
+``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``)."""
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from lctrain.config import load_recipe
+from lctrain.memory import estimate_recipe
+
+GIB = 1 << 30
+RESULTS = sorted(Path(__file__).resolve().parent.parent.glob("docs/performance/*-step*.json"))
+
+
+def _rows():
+    for path in RESULTS:
+        result = json.loads(path.read_text())
+        command = shlex.split(result["meta"]["command"])
+        recipe = command[3]
+        base = [command[i + 1] for i, word in enumerate(command) if word == "--set"]
+        for row in result["rows"]:
+            if row.get("status") == "ok":
+                yield pytest.param(recipe, base, row, id=f"{path.stem}-{row['seq_len']}-"
+                                                         f"{row['variant'] or 'recipe'}")
+
+
+@pytest.mark.parametrize("recipe, base, row", list(_rows()))
+def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
+    cfg = load_recipe(recipe, [*base, *shlex.split(row["variant"] or "")], seq_len=row["seq_len"])
+    assert cfg.train.checkpointing == row["policy"] and cfg.parallel.schedule == row["schedule"]
+    est = estimate_recipe(cfg, seq_len=row["seq_len"], gpus=row["gpus"], gpu_memory=139 * GIB)
+    model = est.details["peak_allocated"] / GIB
+    assert abs(row["peak_gib"] / model - 1) <= 0.10, (row["peak_gib"], model)

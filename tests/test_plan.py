@@ -1,0 +1,150 @@
+"""The planner: the layer placement against brute force, the choices it makes in situations
+whose answer is known, what its commands run, the published targets, the CLI."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import shlex
+
+import pytest
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_recipe
+from lctrain.config.tiers import per_layer
+from lctrain.memory import estimate, estimate_recipe, load_architecture
+from lctrain.memory.activations import input_kept, remat_kept
+from lctrain.memory.estimate import Setup
+from lctrain.memory.plan import Machine, fastest, longest
+from lctrain.memory.recipe import plan_recipe
+from lctrain.memory.tiers import place
+
+GIB = 1 << 30
+
+
+def _split_bytes(arch, tokens, c, counts):
+    """(GPU bytes with two offloaded layers in flight, host bytes) of a placement."""
+    big, small = remat_kept(arch, tokens, c), input_kept(arch, tokens, c)
+    rg, rh, fg, fh = counts
+    item = big if rh else small
+    return rg * big + fg * small + min(2, rh + fh) * item, rh * big + fh * small
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_placement_keeps_the_most_attention_outputs_gpu_first(trial):
+    """Brute force over every split of 6 layers into the four policies: the placement keeps
+    as many attention outputs as any placement that fits, and no less on the GPU."""
+    arch = dataclasses.replace(load_architecture("llama-7b"), num_layers=6)
+    tokens, c = 4096, 2
+    big = remat_kept(arch, tokens, c)
+    import random
+
+    rng = random.Random(int(__import__("torch").randint(0, 1 << 30, ())) + trial)
+    gpu_room, host_room = rng.randrange(0, 9 * big), rng.randrange(0, 7 * big)
+    feasible = []
+    for rg, rh, fg in itertools.product(range(7), repeat=3):
+        fh = 6 - rg - rh - fg
+        if fh >= 0:
+            gpu, host = _split_bytes(arch, tokens, c, (rg, rh, fg, fh))
+            if gpu <= gpu_room and host <= host_room:
+                feasible.append((rg, rh, fg, fh))
+    runs = place(arch, tokens, c, gpu_room, host_room)
+    if not feasible:
+        assert runs is None
+        return
+    counts = {name: per_layer(runs).count(name) for name in
+              ("remat", "remat-offload", "full", "full-offload")}
+    got = (counts["remat"], counts["remat-offload"], counts["full"], counts["full-offload"])
+    gpu, host = _split_bytes(arch, tokens, c, got)
+    assert gpu <= gpu_room and host <= host_room and sum(got) == 6
+    most_remat = max(rg + rh for rg, rh, _, _ in feasible)
+    assert got[0] + got[1] == most_remat
+    assert got[1] + got[3] == min(rh + fh for rg, rh, fg, fh in feasible if rg + rh == most_remat)
+    assert [name for name, _ in runs] == [n for n in ("full-offload", "remat-offload", "full",
+                                                      "remat") if counts[n]]  # offloaded first
+
+
+def _base(model="llama-7b", gpus=2, **kw):
+    return Setup(arch=load_architecture(model), gpus=gpus, cp=1, policy="none", **kw)
+
+
+def _chunks(cp):
+    return cp
+
+
+def test_with_room_to_spare_nothing_is_traded_for_memory():
+    choice = fastest(_base(), Machine(2, 1 << 50, 1 << 50, 2), 4096, _chunks)
+    s = choice.setup
+    assert (s.cp, s.policy, s.tile_tokens, s.head_groups, s.state_offload) == (1, "none", 0, 1,
+                                                                               "none")
+
+
+def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
+    """A 7B model (bf16 weights and states) on one 139 GiB GPU: short sequences keep every
+    activation; then remat keeps the attention outputs on the GPU; then some layers wait in
+    host memory (copies overlap compute); without host memory, attention is recomputed."""
+    machine = Machine(1, 139 * GIB, 251 * GIB, 1)
+    base = _base(gpus=1, master_dtype="bfloat16")
+    short = fastest(base, machine, 16 * 1024, _chunks).setup
+    assert (short.policy, short.tile_tokens, short.head_groups) == ("none", 0, 1)
+    assert fastest(base, machine, 64 * 1024, _chunks).setup.runs == (("remat", 32),)
+    hosted = fastest(base, machine, 128 * 1024, _chunks)
+    assert {name for name, _ in hosted.setup.runs} == {"remat", "remat-offload"}
+    assert hosted.setup.state_offload == "none"
+    no_host = fastest(base, dataclasses.replace(machine, host_memory=None), 128 * 1024, _chunks)
+    assert {name for name, _ in no_host.setup.runs} == {"remat", "full"}
+    assert no_host.details["host_offload"] == 0 and no_host.step_s > hosted.step_s
+
+
+def test_choices_are_what_their_commands_run(tmp_path):
+    """Each choice's --set items make a recipe whose estimate (layer policies given) is the
+    planned one, within the GPU and the host budget; one length further no option fits."""
+    gpu, host = 139 * GIB, 251 * GIB
+    plan = plan_recipe(load_recipe("llama-7b-256k"), gpus=2, gpu_memory=gpu, host_memory=host,
+                       seq_len=512 * 1024)
+    for name in ("longest", "fastest"):
+        choice = plan[name]
+        cfg = load_recipe("llama-7b-256k", choice["overrides"], seq_len=choice["seq_len"])
+        est = estimate_recipe(cfg, seq_len=choice["seq_len"], gpus=2, gpu_memory=gpu,
+                              host_memory=host, gpus_per_node=2)
+        assert est.per_gpu_bytes == choice["per_gpu_bytes"] and est.fits
+        assert est.details["host_offload"] == choice["host_offload"]
+    best = plan["longest"]
+    assert best["seq_len"] > 1 << 20 and best["seq_len"] % 1024 == 0
+    beyond = plan_recipe(load_recipe("llama-7b-256k"), gpus=2, gpu_memory=gpu, host_memory=host,
+                         seq_len=best["seq_len"] + 64 * 1024)
+    assert beyond["fastest"] is None
+
+
+@pytest.mark.parametrize("model, gpus, host, dtype, at_least", [
+    ("llama-7b", 2, 251, "float32", 1 << 20),      # 2 x H200: >= 1M
+    ("llama3-8b", 1, 128, "float32", 400 * 1024),  # 1 x H200 with 128 GiB: state + inputs bound
+    ("llama3-8b", 1, 128, "bfloat16", 512 * 1024),  # ... and with bf16 weights and states
+    ("llama3-8b", 1, 1024, "float32", 1_200_000),  # ALST's host: 1.2M on one H200
+])
+def test_targets(model, gpus, host, dtype, at_least):
+    best = longest(_base(model, gpus, master_dtype=dtype),
+                   Machine(gpus, 139 * GIB, host * GIB, gpus), _chunks)
+    assert best.seq_len >= at_least
+    est = estimate(best.setup.arch, best.seq_len, gpus, best.setup.cp, "auto",
+                   master_dtype=dtype, gpu_memory=139 * GIB, host_memory=host * GIB,
+                   layer_policies=best.setup.runs, tile_tokens=best.setup.tile_tokens,
+                   head_groups=best.setup.head_groups, state_offload=best.setup.state_offload)
+    assert est.fits
+
+
+def test_cli_plan_table_commands_and_json():
+    runner = CliRunner()
+    args = ["estimate-memory", "--model", "llama-7b", "--plan", "--seq-len", "256k", "--gpus", "2",
+            "--gpu-memory", "139GiB", "--host-memory", "251GiB"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "fastest at 256K" in result.output and "lctrain finetune RECIPE" in result.output
+    line = next(ln.strip() for ln in result.output.splitlines() if "--seq-len 256k" in ln)
+    sets = [a for i, a in enumerate(shlex.split(line)) if shlex.split(line)[i - 1] == "--set"]
+    assert "train.planned=fastest 256K for llama-7b on 2 x 139GiB GPUs, 251GiB host memory" in sets
+    data = json.loads(runner.invoke(app, [*args, "--json"]).output)
+    assert data["fastest"]["seq_len"] == 256 * 1024 and data["longest"]["seq_len"] > 1 << 20
+    bad = runner.invoke(app, [*args, "--cp", "2"])
+    assert bad.exit_code != 0 and "--plan chooses cp" in bad.output

@@ -1,0 +1,144 @@
+"""Per-layer checkpointing (``auto``): each layer remat or full, its kept tensors on the device
+or parked in host memory — same loss and gradients as no checkpointing (float64, with tiles),
+attention forwards run once per remat layer and twice per full one, what is parked, and the
+first offloaded layer's copies started before the backward needs them."""
+import copy
+import weakref
+
+import pytest
+import torch
+
+import lctrain_kernels
+from lctrain.errors import UserError
+from lctrain.parallel import offload
+from lctrain.parallel.checkpointing import AttentionCounter, apply_checkpointing
+from lctrain.parallel.tiling import apply_tiling
+
+ATTN = "lctrain_test_tiers"
+KINDS = ["full-offload", "remat-offload", "full", "remat"]
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    out = lctrain_kernels.dist_attention(query.transpose(1, 2), key.transpose(1, 2),
+                                         value.transpose(1, 2), group=None, causal=True,
+                                         softmax_scale=scaling, backend="reference")
+    return out, None  # (B, S, Hq, D)
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    AttentionInterface.register(ATTN, _attention)
+    config = LlamaConfig(vocab_size=83, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).double().train()
+    model.set_attn_implementation(ATTN)
+    return model
+
+
+def _step(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 83, (2, 29), generator=g)
+    loss = model(input_ids=ids, labels=torch.roll(ids, -1, dims=1)).loss
+    loss.backward()
+    return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+                           for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kinds", [KINDS, ["remat-offload", "remat", "remat-offload", "full"]])
+def test_mixed_layer_policies_match_no_checkpointing(base_model, kinds):
+    seed = int(torch.randint(0, 1 << 30, ()))
+    ref_loss, ref_grads = _step(copy.deepcopy(base_model), seed)
+    model = copy.deepcopy(base_model)
+    apply_tiling(model, 13)
+    assert apply_checkpointing(model, "auto", layer_policies=kinds, offload_min_bytes=0) == 4
+    with AttentionCounter() as counter:
+        loss, grads = _step(model, seed)
+    assert counter.total == 4 + sum(k.startswith("full") for k in kinds)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-13, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-11, atol=1e-13, msg=name)
+
+
+def test_offloaded_layers_release_what_they_park_and_gpu_layers_keep_it(base_model):
+    model = copy.deepcopy(base_model)
+    apply_checkpointing(model, "auto", layer_policies=KINDS, offload_min_bytes=0)
+    inputs = {}
+
+    def keep(i, args):
+        inputs.setdefault(i, weakref.ref(args[0]))  # returns None: the arguments stay
+
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda mod, args, i=i: keep(i, args))
+    ids = torch.randint(0, 83, (1, 40))
+    loss = model(input_ids=ids, labels=ids).loss
+    alive = [inputs[i]() is not None for i in range(4)]
+    assert alive == [False, False, True, True]  # inputs of offloaded layers wait on the host
+    loss.backward()
+
+
+def test_gpu_kept_layers_start_the_first_offloaded_copies(base_model, monkeypatch):
+    """The backward reaches the GPU-kept layers first; their recompute starts the copies of the
+    last offloaded layer, before that layer unpacks anything."""
+    events = []
+    fetch, unpack = offload.LayerStash.fetch, offload.LayerStash.unpack
+
+    def record_fetch(self):
+        events.append(("fetch", id(self), self.fetched))
+        return fetch(self)
+
+    def record_unpack(self, packed):
+        events.append(("unpack", id(self), None))
+        return unpack(self, packed)
+
+    monkeypatch.setattr(offload.LayerStash, "fetch", record_fetch)
+    monkeypatch.setattr(offload.LayerStash, "unpack", record_unpack)
+    model = copy.deepcopy(base_model)
+    apply_checkpointing(model, "auto", layer_policies=KINDS, offload_min_bytes=0)
+    ids = torch.randint(0, 83, (1, 40))
+    model(input_ids=ids, labels=ids).loss.backward()
+    newest = next(stash for kind, stash, _ in events if kind == "unpack")
+    first_fetch = events.index(next(e for e in events if e[0] == "fetch" and e[1] == newest))
+    first_unpack = events.index(("unpack", newest, None))
+    assert first_fetch < first_unpack and events[first_fetch][2] is False
+
+
+def test_bad_layer_policies_are_one_sentence(base_model):
+    model = copy.deepcopy(base_model)
+    with pytest.raises(UserError, match="gives 3 layers .* has 4 decoder layers"):
+        apply_checkpointing(model, "auto", layer_policies=["remat"] * 3)
+    with pytest.raises(UserError, match="'sometimes' is unknown"):
+        apply_checkpointing(model, "auto", layer_policies=["remat"] * 3 + ["sometimes"])
+    with pytest.raises(UserError, match="gives 0 layers"):
+        apply_checkpointing(model, "auto")
+
+
+@pytest.mark.gpu
+def test_mixed_layers_pin_what_the_model_says_on_gpu():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lctrain.memory import from_config_dict
+    from lctrain.memory.activations import host_offload
+
+    fields = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = LlamaForCausalLM(LlamaConfig(**fields, max_position_embeddings=8192)).cuda().train()
+    model = model.to(torch.bfloat16)
+    model.set_attn_implementation("lctrain")
+    from lctrain.model import register_attention
+
+    register_attention()
+    apply_checkpointing(model, "auto", layer_policies=KINDS, offload_min_bytes=0)
+    tokens = 3000
+    ids = torch.randint(0, 512, (1, tokens), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    pools = {id(a.pool): a.pool for m in model.modules() if hasattr(m, "checkpoint_fn")
+             for a in getattr(m.checkpoint_fn, "args", ()) if isinstance(a, offload.Offloader)}
+    arch = from_config_dict({"model_type": "llama", **fields})
+    runs = tuple((k, 1) for k in KINDS)
+    assert sum(p.pinned_bytes for p in pools.values()) == host_offload(arch, tokens, 2, "auto",
+                                                                       runs)
