@@ -221,7 +221,7 @@ def _stop_rank_1(out: Path) -> None:
 def test_a_run_survives_a_chain_of_faults_and_resumes_exactly(tmp_path, capfd):
     out = tmp_path / "run"
     refused = []
-    killed_at = _kill_rank_1(out, _cfg(out, 20), refused)
+    _kill_rank_1(out, _cfg(out, 20), refused)
     assert refused == [f"{out} is in use by another lctrain run (pid {os.getpid()} on "
                        f"{os.uname().nodename}); wait for it to finish or stop it, or choose "
                        "another train.output_dir."]

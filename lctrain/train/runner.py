@@ -36,16 +36,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
 
 from lctrain.config import RecipeConfig, save_resolved
 from lctrain.config.resume import check_run_folder, describe_changes
-from lctrain.errors import UserError
 from lctrain.config.tiers import format_layer_policies, per_layer
 from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
                           rows_summary, steps_summary)
+from lctrain.errors import UserError
 from lctrain.eval.forward import validation_loss
 from lctrain.export import export_final as write_final
 from lctrain.memory.host import available_host_bytes
@@ -55,27 +54,28 @@ from lctrain.model.lora import apply_lora
 from lctrain.model.structure import decoder_layers
 from lctrain.parallel.checkpointing import apply_checkpointing
 from lctrain.parallel.context import ContextParallel
-from lctrain.parallel.fsdp import Distributed, distribute
+from lctrain.parallel.fsdp import distribute
+from lctrain.parallel.mesh import build_mesh
 from lctrain.parallel.offload import host_memory_bytes
 from lctrain.parallel.tiling import apply_tiling
-from lctrain.parallel.mesh import ParallelMesh, build_mesh
 from lctrain.report.versions import record_run
 from lctrain.train import launch
+from lctrain.train.announce import banner, summary
 from lctrain.train.checkpoint import load_checkpoint, read_trainer_state, resume_point
 from lctrain.train.checkpoint_writer import Checkpointer
 from lctrain.train.launch import default_nproc
-from lctrain.train.lifetime import signal_name
 from lctrain.train.loop import OPERATIONS, CausalLMLoss, LoopHooks, Trainer, run_loop
 from lctrain.train.metrics import FlopModel, Progress, peak_flops
 from lctrain.train.nonfinite import Diverged
-from lctrain.train.optim import LrPlan, build_optimizer
+from lctrain.train.optim import build_optimizer
+from lctrain.train.saving import check_continuation, make_checkpointer, save, saved_plan
+from lctrain.train.setup import ModelParts, RunSetup, rows_per_step
 from lctrain.train.stopping import StopRequest, control_group, stop_exit_code
 from lctrain.train.tracking import Tracking, check_report_to
 from lctrain.train.watchdog import Watchdog, heartbeat_dir
 
 __all__ = ["ModelParts", "RunSetup", "build_data", "build_eval_data", "build_model", "build_trainer",
-           "check_continuation", "default_nproc", "export_final", "finetune", "loop_hooks",
-           "make_checkpointer", "run_worker", "save", "train", "trainer_state"]
+           "default_nproc", "export_final", "finetune", "loop_hooks", "run_worker", "train"]
 
 
 def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None) -> int:
@@ -96,32 +96,6 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
     for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     return launch.dispatch(cfg, run_worker, resume=resume, nproc=nproc)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSetup:
-    """What every part of one rank's run is built from.
-
-    Attributes:
-        cfg: the recipe, with ``parallel.dp`` resolved.
-        pmesh: the dp × cp mesh and this rank's place in it.
-        cp: how this rank holds and attends over its part of every sequence.
-        accelerator: device, mixed precision, autocast and backward.
-        stop: the stop-signal flag of this process.
-        control: the gloo group the ranks agree on it over (None: one rank).
-    """
-
-    cfg: RecipeConfig
-    pmesh: ParallelMesh
-    cp: ContextParallel
-    accelerator: Accelerator
-    stop: StopRequest = dataclasses.field(default_factory=StopRequest)
-    control: object = None
-
-    @property
-    def main(self) -> bool:
-        """Whether this is rank 0 (the one that prints and writes shared files)."""
-        return self.pmesh.rank == 0
 
 
 def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | None = None) -> int:
@@ -200,14 +174,10 @@ def build_eval_data(setup: RunSetup) -> PackedRows | None:
     return rows
 
 
-def _rows_per_step(setup: RunSetup) -> int:
-    return setup.pmesh.dp * setup.cfg.train.batch_size * setup.cfg.train.grad_accum
-
-
 def _with_steps(setup: RunSetup, rows: int) -> RecipeConfig:
     """The recipe with ``train.max_steps`` resolved from train.epochs / train.max_steps and the
     number of packed rows; rank 0 says how the steps relate to epochs."""
-    t, per_step = setup.cfg.train, _rows_per_step(setup)
+    t, per_step = setup.cfg.train, rows_per_step(setup)
     steps = plan_steps(rows=rows, rows_per_step=per_step, max_steps=t.max_steps, epochs=t.epochs)
     if setup.main:
         print("\n".join(steps_summary(rows=rows, rows_per_step=per_step, steps=steps,
@@ -216,25 +186,6 @@ def _with_steps(setup: RunSetup, rows: int) -> RecipeConfig:
             print(f"warning: train.warmup_steps {t.warmup_steps} is longer than the run ({steps} "
                   "steps): the learning rate never reaches train.lr", flush=True)
     return dataclasses.replace(setup.cfg, train=dataclasses.replace(t, max_steps=steps))
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelParts:
-    """The model as the loop trains it.
-
-    Attributes:
-        model: the causal LM (inside ``distributed.module``).
-        distributed: the `CausalLMLoss` around it, spread over the ranks.
-        flops: its FLOP model (for MFU).
-        n_params: its parameter count.
-        layer_policies: the layers' checkpointing policies of an ``auto`` run (runs text).
-    """
-
-    model: nn.Module
-    distributed: Distributed
-    flops: FlopModel
-    n_params: int
-    layer_policies: str | None = None
 
 
 def build_model(setup: RunSetup, *,
@@ -312,7 +263,7 @@ def build_trainer(setup: RunSetup, parts: ModelParts, resume_from: Path | None) 
     optimizer, scheduler = build_optimizer(
         parts.distributed.module, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas),
         warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio,
-        start_step=start, resumed=None if saved is None else _saved_plan(saved, resume_from),
+        start_step=start, resumed=None if saved is None else saved_plan(saved, resume_from),
         host_states=t.state_offload == "optimizer")
     trainer = Trainer(distributed=parts.distributed, optimizer=optimizer, scheduler=scheduler,
                       pmesh=setup.pmesh, cp=setup.cp, accelerator=setup.accelerator,
@@ -322,80 +273,6 @@ def build_trainer(setup: RunSetup, parts: ModelParts, resume_from: Path | None) 
         trainer.step = start
         trainer.data_position = saved["rows_consumed"] // (setup.pmesh.dp * t.batch_size)
     return trainer
-
-
-def check_continuation(saved: dict, setup: RunSetup, path: Path) -> None:
-    """Refuse a checkpoint whose data stream this run cannot continue exactly: the position
-    is in packed rows of ``data.seq_len`` tokens, taken a global batch at a time.
-
-    Raises:
-        UserError: another sequence length, or another global batch (the message names the
-            train.grad_accum that keeps it).
-    """
-    cfg, dp = setup.cfg, setup.pmesh.dp
-    t = cfg.train
-    if saved["seq_len"] != cfg.data.seq_len:
-        raise UserError(f"The checkpoint {path} was trained at data.seq_len {saved['seq_len']} "
-                        f"but this run has {cfg.data.seq_len}; resume with the run's seq_len.")
-    rows = _rows_per_step(setup)
-    if saved["rows_per_step"] != rows:
-        per_micro = dp * t.batch_size
-        keep = saved["rows_per_step"] / per_micro
-        fix = (f"set train.grad_accum={int(keep)} to keep it" if keep == int(keep) else
-               "choose train.batch_size and train.grad_accum so that dp × batch_size × "
-               "grad_accum equals it")
-        raise UserError(f"The checkpoint {path} took {saved['rows_per_step']} rows per step but "
-                        f"this run takes {rows} (dp {dp} × batch_size {t.batch_size} × "
-                        f"grad_accum {t.grad_accum}); {fix}.")
-
-
-def _saved_plan(saved: dict, path: Path) -> LrPlan:
-    try:
-        return LrPlan.from_json(saved["lr_plan"])
-    except ValueError as error:
-        raise UserError(f"{path / 'trainer.json'} holds no valid learning-rate plan "
-                        f"({error}); the checkpoint is damaged.") from None
-
-
-def trainer_state(setup: RunSetup, trainer: Trainer) -> dict:
-    """What a checkpoint's trainer.json holds: the step, the data position over all ranks
-    (rows and tokens), the global batch, the layout that wrote it, the learning-rate plan."""
-    pmesh, seq_len = setup.pmesh, setup.cfg.data.seq_len
-    rows = trainer.data_position * pmesh.dp * setup.cfg.train.batch_size
-    return {"step": trainer.step, "rows_consumed": rows, "tokens_consumed": rows * seq_len,
-            "seq_len": seq_len, "rows_per_step": _rows_per_step(setup),
-            "layout": {"dp": pmesh.dp, "cp": pmesh.cp, "world_size": pmesh.world_size},
-            "lr_plan": trainer.scheduler.lr_lambdas[0].to_json()}
-
-
-def save(setup: RunSetup, trainer: Trainer, checkpointer: Checkpointer) -> Path:
-    """Checkpoint the trainer's state now (collective: every rank calls it); in the background
-    when the checkpointer is asynchronous.
-
-    Returns:
-        The checkpoint folder (published once written).
-
-    Raises:
-        UserError: a weight is not finite: nothing is saved and no older checkpoint is deleted.
-    """
-    if not trainer.weights_finite():
-        raise UserError(f"the model's weights are not finite after step {trainer.step}, so no "
-                        f"checkpoint was saved and none was deleted; "
-                        f"{launch.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}.")
-    return checkpointer.save(trainer.step, trainer_state(setup, trainer))
-
-
-def make_checkpointer(setup: RunSetup, trainer: Trainer) -> Checkpointer | None:
-    """The run's checkpointer (collective), or None when checkpoints are off."""
-    ckpt = setup.cfg.checkpoint
-    if not ckpt.enabled:
-        return None
-    background = ckpt.asynchronous == "on" or (ckpt.asynchronous == "auto"
-                                               and trainer.device.type == "cuda")
-    return Checkpointer(Path(setup.cfg.train.output_dir) / "checkpoints",
-                        module=trainer.distributed.module, optimizer=trainer.optimizer,
-                        keep=ckpt.keep, asynchronous=background,
-                        local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedRows, *,
@@ -417,7 +294,7 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
     checkpointer = make_checkpointer(setup, trainer)
     metrics = Tracking(cfg, enabled=setup.main, resume_step=trainer.step if resumed else None)
     progress = Progress(t.max_steps, trainer.step, enabled=setup.main,
-                        steps_per_epoch=len(dataset) / _rows_per_step(setup))
+                        steps_per_epoch=len(dataset) / rows_per_step(setup))
     watch = Watchdog(heartbeat_dir(out), rank=pmesh.rank, world_size=pmesh.world_size,
                      timeout=t.collective_timeout,
                      on_hang=launch.hang_handler(cfg, trainer.device.type))
@@ -440,7 +317,7 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
     if checkpointer is not None:
         checkpointer.close()  # the last save is published before the run ends
     if setup.main:
-        print(_summary(setup, trainer, history, hooks.stopped_by), flush=True)
+        print(summary(setup, trainer, history, hooks.stopped_by), flush=True)
     return hooks.stopped_by
 
 
@@ -489,56 +366,6 @@ def _with_host_memory(write, trainer: Trainer):
         return write
     module, optimizer = trainer.distributed.module, trainer.optimizer
     return lambda record: write({**record, "host_memory_bytes": host_memory_bytes(module, optimizer)})
-
-
-def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> str:
-    """The line rank 0 prints before the first step: model, data, ranks, steps."""
-    cfg, pmesh = setup.cfg, setup.pmesh
-    t = cfg.train
-    used = trainer.data_position * pmesh.dp * t.batch_size
-    start = (f", resuming at step {trainer.step} after {used} rows = {used * cfg.data.seq_len} "
-             "tokens of the data stream" if trainer.step else "")
-    line = (f"lctrain finetune: {parts.n_params / 1e6:.2f}M parameters, seq_len "
-            f"{cfg.data.seq_len}, {rows} packed rows; {pmesh.world_size} x "
-            f"{pmesh.device_type} (dp {pmesh.dp} x cp {pmesh.cp}, {cfg.parallel.schedule}, "
-            f"{parts.distributed.strategy}); {t.max_steps} steps x "
-            f"{pmesh.dp * t.batch_size * t.grad_accum} sequence(s){start}")
-    return line + "".join(f"\n  {extra}" for extra in _memory_settings(cfg, parts))
-
-
-def _memory_settings(cfg: RecipeConfig, parts: ModelParts) -> list[str]:
-    """Banner lines for the long-context settings in use, and the plan they came from."""
-    t, lines = cfg.train, []
-    if parts.layer_policies:
-        chosen = "train.layer_policies" if t.layer_policies else "the memory model"
-        lines.append(f"checkpointing auto: {parts.layer_policies} (from {chosen})")
-    settings = [f"{k} {v}" for k, v in (("tile_tokens", t.tile_tokens),
-                                         ("head_groups", cfg.parallel.head_groups),
-                                         ("state_offload", t.state_offload))
-                if v not in (0, 1, "none")]
-    if settings:
-        lines.append("memory: " + ", ".join(settings))
-    if t.planned:
-        lines.append(f"settings from lctrain estimate-memory --plan: {t.planned}")
-    return lines
-
-
-def _summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by: int) -> str:
-    t, out = setup.cfg.train, setup.cfg.train.output_dir
-    if stopped_by:
-        when = f"after step {trainer.step}" if history else f"before step {trainer.step + 1}"
-        return (f"stopped by {signal_name(stopped_by)} {when} of {t.max_steps}; "
-                f"{launch.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}")
-    if not history:
-        return (f"nothing to do: the run is already at step {trainer.step} of {t.max_steps}; "
-                "raise train.max_steps (--max-steps) to train further.")
-    saved = ("metrics, config and checkpoints" if setup.cfg.checkpoint.enabled
-             else "metrics and config")
-    first, last = history[0], history[-1]
-    evaluated = (f", eval loss {last['eval_loss']:.4f}"
-                 if isinstance(last.get("eval_loss"), float) else "")
-    return (f"done: step {last['step']}/{t.max_steps}, loss {first['loss']:.4f} -> "
-            f"{last['loss']:.4f}{evaluated}; {saved} in {Path(out)}")
 
 
 def export_final(cfg: RecipeConfig) -> None:

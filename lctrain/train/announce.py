@@ -1,0 +1,61 @@
+"""What rank 0 says before the first step (`banner`) and after the last (`summary`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from lctrain.config import RecipeConfig
+from lctrain.train import launch
+from lctrain.train.lifetime import signal_name
+from lctrain.train.loop import Trainer
+from lctrain.train.setup import ModelParts, RunSetup
+
+
+def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> str:
+    """The line rank 0 prints before the first step: model, data, ranks, steps."""
+    cfg, pmesh = setup.cfg, setup.pmesh
+    t = cfg.train
+    used = trainer.data_position * pmesh.dp * t.batch_size
+    start = (f", resuming at step {trainer.step} after {used} rows = {used * cfg.data.seq_len} "
+             "tokens of the data stream" if trainer.step else "")
+    line = (f"lctrain finetune: {parts.n_params / 1e6:.2f}M parameters, seq_len "
+            f"{cfg.data.seq_len}, {rows} packed rows; {pmesh.world_size} x "
+            f"{pmesh.device_type} (dp {pmesh.dp} x cp {pmesh.cp}, {cfg.parallel.schedule}, "
+            f"{parts.distributed.strategy}); {t.max_steps} steps x "
+            f"{pmesh.dp * t.batch_size * t.grad_accum} sequence(s){start}")
+    return line + "".join(f"\n  {extra}" for extra in _memory_settings(cfg, parts))
+
+
+def _memory_settings(cfg: RecipeConfig, parts: ModelParts) -> list[str]:
+    """Banner lines for the long-context settings in use, and the plan they came from."""
+    t, lines = cfg.train, []
+    if parts.layer_policies:
+        chosen = "train.layer_policies" if t.layer_policies else "the memory model"
+        lines.append(f"checkpointing auto: {parts.layer_policies} (from {chosen})")
+    settings = [f"{k} {v}" for k, v in (("tile_tokens", t.tile_tokens),
+                                         ("head_groups", cfg.parallel.head_groups),
+                                         ("state_offload", t.state_offload))
+                if v not in (0, 1, "none")]
+    if settings:
+        lines.append("memory: " + ", ".join(settings))
+    if t.planned:
+        lines.append(f"settings from lctrain estimate-memory --plan: {t.planned}")
+    return lines
+
+
+def summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by: int) -> str:
+    """The line rank 0 prints after the loop: done, nothing to do, or stopped by a signal."""
+    t, out = setup.cfg.train, setup.cfg.train.output_dir
+    if stopped_by:
+        when = f"after step {trainer.step}" if history else f"before step {trainer.step + 1}"
+        return (f"stopped by {signal_name(stopped_by)} {when} of {t.max_steps}; "
+                f"{launch.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}")
+    if not history:
+        return (f"nothing to do: the run is already at step {trainer.step} of {t.max_steps}; "
+                "raise train.max_steps (--max-steps) to train further.")
+    saved = ("metrics, config and checkpoints" if setup.cfg.checkpoint.enabled
+             else "metrics and config")
+    first, last = history[0], history[-1]
+    evaluated = (f", eval loss {last['eval_loss']:.4f}"
+                 if isinstance(last.get("eval_loss"), float) else "")
+    return (f"done: step {last['step']}/{t.max_steps}, loss {first['loss']:.4f} -> "
+            f"{last['loss']:.4f}{evaluated}; {saved} in {Path(out)}")
