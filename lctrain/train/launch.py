@@ -204,11 +204,13 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
             supervisor = Supervisor(agent, folder, on_signal_text=text,
                                     record_wait=_nccl_wait(cfg) + 30.0)
             code = supervisor.wait()
+    # what to do next: resume a training run; an evaluation keeps nothing and simply starts again
+    hint = (checkpoint_hint(cfg, nproc) if module == WORKER_MODULE
+            else "nothing was kept; run the same command again")
     if code is not None:
-        print(f"lctrain: stopped at once; {checkpoint_hint(cfg, nproc)}.", file=sys.stderr)
+        print(f"lctrain: stopped at once; {hint}.", file=sys.stderr)
         return code
-    return report(supervisor, launch_dir=folder, failures=failures, log=log,
-                  checkpoint_hint=checkpoint_hint(cfg, nproc))
+    return report(supervisor, launch_dir=folder, failures=failures, log=log, checkpoint_hint=hint)
 
 
 def rendezvous_args(private: Path, nproc: int) -> list[str]:
