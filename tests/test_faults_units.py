@@ -295,3 +295,34 @@ def test_a_model_with_non_finite_weights_is_never_saved(tmp_path):
         "the model's weights are not finite after step 2, so no checkpoint was saved and none "
         f"was deleted; the last complete checkpoint is {kept[0][1]} (step 1); resume with: "
         f"lctrain finetune {tmp_path / 'run' / 'config.yaml'} --resume.")
+
+
+def test_the_watchdog_times_a_layer_not_a_whole_step(tmp_path):
+    """A forward and backward longer than the timeout is no hang while its layers keep
+    finishing; one layer that stays longer than the timeout is."""
+    import torch
+
+    class Slow(torch.nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds, self.weight = seconds, torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, hidden):
+            time.sleep(self.seconds)
+            return hidden * self.weight
+
+    hangs = []
+    for layers, expected in [([Slow(0.3) for _ in range(8)], 0), ([Slow(0.3), Slow(2.5)], 1)]:
+        watch = Watchdog(tmp_path / str(expected), rank=0, world_size=1, timeout=1.0,
+                         on_hang=hangs.append)
+        with watch:
+            watch.watch_layers(layers)
+            watch.enter("the forward and backward", 1)
+            hidden = torch.ones(3, requires_grad=True)
+            for layer in layers:
+                hidden = layer(hidden)
+            hidden.sum().backward()
+            watch.completed(1)
+        assert len(hangs) == expected, hangs
+        assert not watch._hooks and not layers[0]._forward_pre_hooks  # undone at exit
+    assert hangs[0].startswith("rank 0 waited 1 s in the forward and backward of step 1 ")

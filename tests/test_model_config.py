@@ -228,7 +228,7 @@ def test_positions_past_the_native_length():
 def test_model_folder_mistakes(folders, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ConfigError, match="without config.json"):
+    with pytest.raises(ConfigError, match="has no config.json"):
         load_recipe(None, [f"model.path={empty}", "data.tokenizer=null"])
     shutil.copy(folders["llama3"] / "config.json", empty / "config.json")
     cfg = load_recipe(None, [f"model.path={empty}", "model.config=null", "data.tokenizer=null"])

@@ -125,3 +125,37 @@ def test_flop_model_counts_documents_not_the_whole_row():
     model = FlopModel.for_model(cfg, n_matmul_params=1000)
     assert (model.per_token, model.per_attention_unit) == (6000.0, 7.0 * 3 * 4 * 16)
     assert model.total(10, 5) == 10 * 6000.0 + 5 * 7.0 * 3 * 4 * 16
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_flop_model_counts_what_autograd_multiplies(lora_rank):
+    """Matrix FLOPs of one forward and backward, counted by torch's FlopCounterMode on a tiny
+    model, are the FLOP model's per-token figure × tokens: 6 per trained weight, 4 per frozen one
+    (LoRA's base weights pass gradients to their inputs but get none themselves)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lctrain.config.schema import LoraConfig
+    from lctrain.model.lora import apply_lora
+    from lctrain.train.runner import _flop_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=3, vocab_size=200)
+    model = LlamaForCausalLM(config)
+    model.config._attn_implementation = "eager"
+    if lora_rank:  # a trained embedding copy: every layer's input then needs a gradient
+        model = apply_lora(model, LoraConfig(rank=lora_rank, trainable_modules=("embed_tokens",)),
+                           seed=1)
+    tokens = 48
+    ids = torch.randint(0, config.vocab_size, (1, tokens))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids).logits.float().sum().backward()
+    counts = counter.get_flop_counts()["Global"]
+    matrix = sum(v for op, v in counts.items() if str(op) in ("aten.mm", "aten.addmm"))
+    per_token = _flop_model(model).per_token
+    assert matrix / tokens == pytest.approx(per_token, rel=0.02)  # norms: the model's rounding
+    full = 6 * sum(p.numel() for n, p in model.named_parameters()
+                   if "embed_tokens" not in n and "lora_" not in n)
+    assert (per_token < 0.9 * full) == bool(lora_rank)  # 4 of 6 per frozen weight

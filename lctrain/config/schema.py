@@ -268,9 +268,10 @@ class TrainConfig:
     log_every: int = 1
     """Log metrics every N optimizer steps."""
     collective_timeout: float = 1800.0
-    """Seconds a rank may wait in one operation of a step (a collective, a checkpoint save)
-    before the run is stopped with the operation and the ranks that did not arrive named (a
-    stopped, frozen or dead rank); long enough for the slowest step and save."""
+    """Seconds a rank may wait in one operation of a step (a collective, one decoder layer's
+    forward or backward, a checkpoint save) before the run is stopped with the operation and
+    the ranks that did not arrive named (a stopped, frozen or dead rank); long enough for the
+    slowest layer and save."""
     max_nonfinite_steps: int = 5
     """Steps in a row whose loss or gradient norm is not finite (their updates are skipped)
     after which the run stops with an error."""

@@ -55,8 +55,10 @@ class FlopModel:
     """Training FLOPs (forward + backward, recomputation not counted) of a decoder-only LM.
 
     Attributes:
-        per_token: 6 × the parameters that take part in matrix products (all but the input
-            embedding): the projections, MLPs and output head.
+        per_token: for the parameters that take part in matrix products (all but the input
+            embedding: the projections, MLPs, output head and LoRA adapters), 6 × those
+            trained and 4 × those frozen — a frozen weight still passes the gradient to its
+            input (2 per token) but gets no weight gradient (the other 2).
         per_attention_unit: causal attention of a document of n tokens costs
             7 · n² · H · D per layer (forward 2 · n² · H · D, backward 2.5 × that); this is
             7 · layers · H · D, to be multiplied by Σ n² over the documents actually trained on.
@@ -66,11 +68,16 @@ class FlopModel:
     per_attention_unit: float
 
     @classmethod
-    def for_model(cls, model_config, n_matmul_params: int) -> FlopModel:
+    def for_model(cls, model_config, n_matmul_params: int, frozen_matmul_params: int = 0
+                  ) -> FlopModel:
+        """The FLOP model of a model of ``model_config`` with ``n_matmul_params`` matrix
+        parameters, ``frozen_matmul_params`` of which are not trained (LoRA's base weights)."""
         layers = model_config.num_hidden_layers
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-        return cls(per_token=6.0 * n_matmul_params, per_attention_unit=7.0 * layers * heads * head_dim)
+        trained = n_matmul_params - frozen_matmul_params
+        return cls(per_token=6.0 * trained + 4.0 * frozen_matmul_params,
+                   per_attention_unit=7.0 * layers * heads * head_dim)
 
     def total(self, tokens: float, attention_units: float) -> float:
         """FLOPs of ``tokens`` tokens whose documents give ``attention_units`` = Σ n²."""

@@ -205,11 +205,9 @@ def build_model(setup: RunSetup, *,
                        trust_remote_code=cfg.model.trust_remote_code,
                        seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
     n_params = sum(p.numel() for p in model.parameters())
-    embed = model.get_input_embeddings().weight
-    tied = embed is model.get_output_embeddings().weight
-    flops = FlopModel.for_model(model.config, n_params - (0 if tied else embed.numel()))
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
+    flops = _flop_model(model)
     setup.cp.check_model(model.config)
     apply_tiling(model, cfg.train.tile_tokens)  # the adapters inside the tiles
     runs = _layer_policies(setup) if cfg.train.checkpointing == "auto" else None
@@ -222,6 +220,19 @@ def build_model(setup: RunSetup, *,
                              offload=cfg.train.state_offload == "all")
     return ModelParts(model, distributed, flops, n_params,
                       format_layer_policies(runs) if runs else None)
+
+
+def _flop_model(model: nn.Module) -> FlopModel:
+    """The FLOP model of ``model`` as trained: its matrix parameters — all but input
+    embeddings (lookups) and the frozen originals that peft keeps beside the trained copies of
+    ``lora.trainable_modules`` (never run) — with the frozen ones (LoRA's base weights) apart."""
+    head = model.get_output_embeddings().weight
+    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+               for p in m.parameters(recurse=False) if p is not head}
+    matmul = [p for name, p in model.named_parameters()
+              if id(p) not in lookups and ".original_module." not in name]
+    frozen = sum(p.numel() for p in matmul if not p.requires_grad)
+    return FlopModel.for_model(model.config, sum(p.numel() for p in matmul), frozen)
 
 
 def _layer_policies(setup: RunSetup) -> tuple[tuple[str, int], ...]:
@@ -332,6 +343,7 @@ def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watc
         validation_loss, trainer.distributed.module, eval_rows, cp=setup.cp, pmesh=pmesh,
         accelerator=setup.accelerator, batch_size=t.batch_size)
     trainer.mark = mark = functools.partial(_mark, watch)
+    watch.watch_layers(decoder_layers(parts.model))  # the timeout bounds a layer, not a step
     return LoopHooks(max_steps=t.max_steps, log_every=t.log_every,
                      checkpoint_every=cfg.checkpoint.every,
                      tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,

@@ -10,8 +10,12 @@ gloo timeout, when it finally comes, names no rank. So each rank keeps a heartbe
   completed, the operation and the wall time — within milliseconds of a completed step and at
   least every ``beat`` seconds, from its own thread (the thread runs while the main thread waits
   in a collective: torch releases the GIL there);
-- when this rank has been in one operation for longer than ``train.collective_timeout``, the
-  thread reads every rank's file and reports, in one sentence, the operation, the step and the
+- inside the forward and backward, every decoder layer restarts the operation's clock
+  (`Watchdog.watch_layers`: its forward, and the gradient reaching its input), so the timeout
+  bounds one layer's work, not a whole step — a step at a very long context may take far longer
+  than the timeout and still be watched;
+- when this rank has been in one operation (or one layer of it) for longer than
+  ``train.collective_timeout``, the thread reads every rank's file and reports, in one sentence, the operation, the step and the
   ranks that did not arrive: those whose heartbeat stopped (a stopped or dead process) and
   those still busy elsewhere. Then it ends the process (`Watchdog` ``on_hang``).
 
@@ -83,6 +87,7 @@ class Watchdog:
         self._changed = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._hooks: list = []
 
     # main thread -------------------------------------------------------------------------
     def enter(self, operation: str, step: int) -> None:
@@ -94,6 +99,26 @@ class Watchdog:
         """``step`` steps are done (the files say so within a few milliseconds)."""
         self._mark = _Mark(None, step + 1, step, time.monotonic())
         self._changed.set()
+
+    def progress(self) -> None:
+        """The main thread moved on inside its operation: the operation's clock restarts (an
+        attribute write)."""
+        self._mark.since = time.monotonic()
+
+    def watch_layers(self, layers) -> None:
+        """Call `progress` when each of ``layers`` (torch modules) starts its forward and when
+        the gradient of its input is computed (its backward is done); undone at exit."""
+        def on_gradient(grad):
+            self.progress()
+
+        def before_forward(module, args, kwargs):
+            self.progress()
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if getattr(hidden, "requires_grad", False):
+                hidden.register_hook(on_gradient)
+
+        self._hooks += [layer.register_forward_pre_hook(before_forward, with_kwargs=True)
+                        for layer in layers]
 
     def idle(self) -> None:
         """Stop watching (the loop is over); the heartbeat goes on."""
@@ -108,6 +133,9 @@ class Watchdog:
         return self
 
     def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         self._done.set()
         self._changed.set()
         if self._thread is not None:
