@@ -66,7 +66,8 @@ def test_long_context_settings_train_like_the_plain_run(tmp_path, capfd):
 
 
 def test_host_adamw_is_adamw():
-    """Several steps of HostAdamW (states streamed in small chunks) against torch's AdamW."""
+    """Several steps of HostAdamW (states streamed in small chunks) against torch's AdamW; a
+    step flagged non-finite is skipped whole."""
     torch.manual_seed(int(torch.randint(0, 1 << 30, ())))
     shapes = [(7, 5), (5,), (3, 11), (13,)]
     ref = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in shapes]
@@ -81,6 +82,18 @@ def test_host_adamw_is_adamw():
         host.step()
     for p, q in zip(ref, ours):
         torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-14)
+    # a step the loop flags as non-finite (found_inf, as for fused AdamW) changes nothing
+    kept = [(q.detach().clone(), host.state[q]["exp_avg"].clone(),
+             host.state[q]["exp_avg_sq"].clone(), host.state[q]["step"].clone()) for q in ours]
+    for q in ours:
+        q.grad = torch.full_like(q, float("nan"))
+    host.found_inf = torch.ones(())
+    host.step()
+    del host.found_inf
+    for q, (weight, avg, avg_sq, step) in zip(ours, kept):
+        state_now = host.state[q]
+        assert torch.equal(q, weight) and torch.equal(state_now["exp_avg"], avg)
+        assert torch.equal(state_now["exp_avg_sq"], avg_sq) and torch.equal(state_now["step"], step)
     state = host.state_dict()
     fresh = HostAdamW([p.detach().clone().requires_grad_() for p in ours], **kw)
     fresh.load_state_dict(state)

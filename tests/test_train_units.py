@@ -159,3 +159,13 @@ def test_the_flop_model_counts_what_autograd_multiplies(lora_rank):
     full = 6 * sum(p.numel() for n, p in model.named_parameters()
                    if "embed_tokens" not in n and "lora_" not in n)
     assert (per_token < 0.9 * full) == bool(lora_rank)  # 4 of 6 per frozen weight
+
+
+def test_a_worker_refuses_a_recipe_that_changed_after_the_launcher_wrote_it(tmp_path):
+    from lctrain.train.launch import read_recipe, write_recipe
+
+    path, digest = write_recipe(load_recipe(None, ["train.lr=0.002"]), tmp_path / "recipe.yaml")
+    assert read_recipe(str(path), digest).train.lr == 0.002
+    path.write_text(path.read_text().replace("lr: 0.002", "lr: 0.5"))
+    with pytest.raises(UserError, match="changed after the launcher wrote it"):
+        read_recipe(str(path), digest)
