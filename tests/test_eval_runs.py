@@ -291,11 +291,12 @@ def test_eval_ppl_cli_matches_transformers_by_bucket(two_ranks, model_folder):
 
 
 def test_eval_passkey_cli_end_to_end(tmp_path, model_folder):
+    """Through the command as a user runs it: two self-launched ranks (cp 2) over gloo."""
     from lctrain.eval.passkey import parse_answer, passkey_cases, passkey_prompt
     from transformers import AutoTokenizer
 
     out, picture = tmp_path / "pk.json", tmp_path / "pk.png"
-    result = runner.invoke(app, ["eval", str(model_folder), "--task", "passkey", "--cp", "1",
+    result = runner.invoke(app, ["eval", str(model_folder), "--task", "passkey", "--cp", "2",
                                  "--lengths", "320,384", "--depths", "0,0.5,1", "--trials", "2",
                                  "--seed", "5", "--json", str(out), "--plot", str(picture)])
     assert result.exit_code == 0, result.output

@@ -24,7 +24,7 @@ first asked for):
 The "auto" rule (:func:`select_backend`), first one that is available and supports the block:
 
 * CUDA, FULL or CAUSAL block, fp16/bf16: cudnn > triton > flash > flash_attn > reference,
-  fastest first as measured on H100/H200 (``lctrain bench kernel``, README "Local kernels").
+  fastest first as measured on H100/H200 (``lctrain bench kernel``, README "Performance").
 * CUDA, PARTIAL block with documents, fp16/bf16: docsplit > triton > reference. Cut at its
   document boundaries (:mod:`lctrain_kernels.docsplit`), a packed block runs as dense cuDNN
   calls, faster per visible pair than our Triton kernel's skipping of masked tiles; where its

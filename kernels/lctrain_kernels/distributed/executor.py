@@ -239,9 +239,9 @@ class Engine:
 
         The transfer kernel (NCCL) and the step's attention kernel become ready at the same
         moment; a persistent attention kernel that starts first holds every SM until its end,
-        and the transfer then runs after it instead of beside it (seen in the forward on
-        2 x H200: the k/v transfer waited 3 ms behind the first block's kernel, while in the
-        backward, where a small kernel precedes the big one, it overlapped).
+        and the transfer then runs after it instead of beside it (seen in profiles of the
+        forward, while in the backward, where a small kernel precedes the big one, the
+        transfer overlapped).
         """
         if pending.works and self.device.type == "cuda":
             torch.cuda._sleep(_HEAD_START_CYCLES)

@@ -30,15 +30,12 @@ be tuned on their own (``configs.py``), as in FlashAttention-2's deterministic p
 Triton's fused-attention tutorial.
 
 FlashAttention-2's default, dQ added by the dK/dV kernel with atomic adds (5 products), was
-measured slower here on an H200 at every tile configuration: backward at 16K 16.9 ms at best
-against 15.3 ms, at 64K 327 against 364 TFLOP/s
-(``docs/measurements/2026-11-22-bwd-tiles-H200.log``).
+slower on an H200 at every tile configuration tried, at short and long sequences alike.
 
 Every q, k, v and dO tile is read with a TMA copy where the inputs allow it (``TMA``, see
 ``launch.tma_ok``): the copy engine writes it straight into shared memory, so no thread holds
-its addresses and the dK/dV accumulators get the registers. On an H200 at 64K this took the
-dK/dV kernel from 147.1 to 131.8 ms and the dQ kernel from 104.0 to 86.2 ms (dQ's registers
-206 -> 161). In step 2 the group's heads are one 3-D descriptor
+its addresses and the dK/dV accumulators get the registers (both kernels run faster with it,
+the dQ kernel with far fewer registers per thread). In step 2 the group's heads are one 3-D descriptor
 (head, row, dim), so the flat loop over (head, tile) needs no descriptor per head.
 """
 from __future__ import annotations

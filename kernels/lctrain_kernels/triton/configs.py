@@ -4,8 +4,8 @@ Each kernel is tuned over a handful of (BLOCK_M, BLOCK_N, num_stages, num_warps)
 the shapes known to run well on Hopper (Triton's fused-attention tutorial and torch's
 flex_attention defaults for H100: forward 128 x 64 tiles, 3 stages, 8 warps; backward dK/dV
 64 x 128 and dQ 128 x 64, 3 stages, 8 warps). On an H200 the forward runs fastest with
-128 x 128 tiles and 3 stages (466 against 425 TFLOP/s causal at 64K; the 229,376 bytes of
-shared memory it needs just fit Hopper's 232,448), so that point leads the list. For head dim
+128 x 128 tiles and 3 stages (the 229,376 bytes of shared memory it needs just fit Hopper's
+232,448), so that point leads the list. For head dim
 128 in bf16 (sm_90a, Triton 3.6) the dK/dV kernel's two float32 accumulators leave little
 room: 64 x 128 tiles spill a little (40 bytes a thread with per-thread loads, 16 with TMA
 loads, outside the loop), 32 x 128 and 32 x 64 do not, so those are in the set too; the
