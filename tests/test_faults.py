@@ -8,23 +8,27 @@ left, the first resume with the exact command the previous run printed:
    checkpoint named;
 2. SIGTERM on rank 1 alone: both ranks stop after the same step, save a checkpoint
    (checkpoint.on_signal; no regular save falls there), rank 0 says how to resume; exit 143;
-3. ``kill -9`` on a launcher process as soon as its ranks are up (each asks for its
+3. SIGTERM on a launcher process at a random moment of a resumed run that saves every step in
+   the background (so a save is often in flight): exit 143, the checkpoint of the stopped step
+   complete, no half-written one left;
+4. ``kill -9`` on a launcher process as soon as its ranks are up (each asks for its
    parent-death signal first thing, so what holds then holds at any later moment): the agent
    and both ranks die with it, and the folder's lock with them;
-4. SIGSTOP on rank 1: after train.collective_timeout rank 0 names the operation and rank 1, the
+5. SIGSTOP on rank 1: after train.collective_timeout rank 0 names the operation and rank 1, the
    launcher ends the job, the last checkpoint is untouched.
 
 The first run's losses up to the kill are the uninterrupted reference: every step redone after
 a resume — from a regular checkpoint, and from the one saved on the signal — must give exactly
 its loss. Each fault asserts the message, the exit code, a time bound and that no process of
-the run is left. The launcher's side of a signal (passing it on, a second signal) is tested on
-real processes without training in test_faults_units.py. A second scenario trains with a
+the run is left. The launcher's second signal is tested on real processes without training in
+test_faults_units.py. A second scenario trains with a
 learning rate that makes the loss NaN.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import signal
 import subprocess
@@ -148,7 +152,7 @@ def _kill_rank_1(out: Path, cfg, refused: list) -> int:
 
 
 def _kill_launcher(out: Path, log: Path) -> None:
-    """Step 3: ``kill -9`` on a launcher process once both of its ranks are up."""
+    """Step 4: ``kill -9`` on a launcher process once both of its ranks are up."""
     _fresh(out)
     with log.open("w") as sink:
         launcher = subprocess.Popen([sys.executable, "-m", "lctrain", "finetune",
@@ -191,8 +195,31 @@ def _term_rank_1(out: Path, capfd) -> int:
     return stopped
 
 
+def _term_launcher(out: Path, log: Path) -> None:
+    """Step 3: SIGTERM on a launcher process (as ``kill PID`` or a scheduler's preemption) at a
+    random moment of a run that saves every step in the background."""
+    start = _newest(out)[0]
+    _fresh(out)
+    with log.open("w") as sink:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "lctrain", "finetune", str(out / "config.yaml"), "--resume",
+             "--set", "checkpoint.every=1", "--set", "checkpoint.asynchronous=on"],
+            stdout=sink, stderr=subprocess.STDOUT, cwd=out.parent)
+        _wait(lambda: _training(out, start + random.randint(1, 3)), "the resumed loop")
+        time.sleep(random.uniform(0.0, 0.3))
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(timeout=BOUND_S)
+    text = log.read_text()
+    stopped = max(_steps(out))
+    assert code == 143, text
+    assert f"stopped by SIGTERM after step {stopped} of 20; " in text, text
+    assert _newest(out)[0] == stopped  # every step is saved; the last one before the exit
+    assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+    _wait(lambda: not _leftovers(out), "the ranks to end", timeout=10)
+
+
 def _stop_rank_1(out: Path) -> None:
-    """Step 4: SIGSTOP on rank 1; the watchdog of rank 0 names it."""
+    """Step 5: SIGSTOP on rank 1; the watchdog of rank 0 names it."""
     start = _newest(out)[0]
     cfg = load_recipe(out / "config.yaml", ["train.collective_timeout=5"])
     stopped = {}
@@ -229,8 +256,9 @@ def test_a_run_survives_a_chain_of_faults_and_resumes_exactly(tmp_path, capfd):
     assert not _leftovers(out)
     terminated = _term_rank_1(out, capfd)
     assert not _leftovers(out)
+    _term_launcher(out, tmp_path / "terminated.log")
     _kill_launcher(out, tmp_path / "killed.log")
-    _stop_rank_1(out)  # resumes from the checkpoint saved on SIGTERM
+    _stop_rank_1(out)
     assert not _leftovers(out)
     final = _steps(out)
     redone = [step for step in reference if step in final and step > 10]
