@@ -1,8 +1,11 @@
-"""Checkpoints under SIGKILL: a process that saves a checkpoint after every optimizer step (in
-turn synchronously and in the background) is killed at random moments of its save loop, over and
-over; each new process resumes from the newest complete checkpoint. After every kill, every checkpoint that
-carries a name loads and holds exactly the state of its step (replayed independently here), the
-newest step never goes back, and the kills do land inside writes (a ``.tmp-`` folder is left).
+"""Checkpoints under SIGKILL and SIGTERM: a process that saves a checkpoint after every
+optimizer step (in turn synchronously and in the background) is killed at random moments of its
+save loop, over and over; each new process resumes from the newest complete checkpoint. After
+every kill, every checkpoint that carries a name loads and holds exactly the state of its step
+(replayed independently here), the newest step never goes back, and the kills do land inside
+writes (a ``.tmp-`` folder is left). SIGTERM, the polite stop, instead lets the write in flight
+finish: the process stops after publishing the step it was saving, and nothing half-written is
+left.
 """
 from __future__ import annotations
 
@@ -72,6 +75,34 @@ def _save_forever(root: Path, store: str, asynchronous: bool) -> None:
         step += 1
         _step(module, optimizer, step)
         saver.save(step, _state(step))
+
+
+def _save_until_stopped(root: Path, store: str, asynchronous: bool, report: Path) -> int:
+    """The signalled process: as `_save_forever`, but a stop signal (`StopRequest`, as training
+    ranks have) ends the loop after the save in progress; returns 128 + the signal."""
+    import torch.distributed as dist
+
+    from lctrain.train.checkpoint import latest_checkpoint, load_checkpoint
+    from lctrain.train.checkpoint_writer import Checkpointer
+    from lctrain.train.stopping import StopRequest
+
+    with StopRequest() as stop:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        module, optimizer = _model()
+        latest = latest_checkpoint(root)
+        step = 0 if latest is None else load_checkpoint(latest, module=module,
+                                                        optimizer=optimizer)["step"]
+        saver = Checkpointer(root, module=module, optimizer=optimizer, keep=2,
+                             asynchronous=asynchronous)
+        deadline = time.time() + 60  # never outlive a dead test
+        while not stop.signum and time.time() < deadline:
+            step += 1
+            _step(module, optimizer, step)
+            saver.save(step, _state(step))
+        saver.close()  # a background save is published before the process ends
+        report.write_text(str(step))
+        return 128 + stop.signum
 
 
 def _replay(steps: int) -> dict[int, str]:
@@ -184,3 +215,36 @@ def test_a_training_run_killed_while_saving_resumes_to_the_same_losses(tmp_path)
     assert sorted(after) == list(range(1, 7))  # the log keeps the steps before the kill
     for step in range(resumed_from + 1, 7):
         assert after[step] == straight[step]  # bit for bit: the same computation
+
+
+def test_sigterm_during_writes_finishes_the_save_in_flight_then_stops(tmp_path):
+    import lctrain.train.checkpoint_writer  # noqa: F401 - imported once, before the forks
+    from lctrain.train.checkpoint import list_checkpoints
+
+    rng = random.Random(SESSION_SEED + 1)
+    root, newest, seen = tmp_path / "checkpoints", 0, {}
+    for term in range(6):
+        store = tempfile.mktemp(dir=tmp_path, prefix="store-")
+        report = tmp_path / f"stopped-{term}"
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            code = 1
+            try:
+                code = _save_until_stopped(root, store, term % 2 == 1, report)
+            finally:
+                os._exit(code)
+        _wait_for_progress(root, newest, pid)
+        time.sleep(rng.uniform(0.0, 0.3))  # a random moment of the save loop
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGTERM
+        assert not list(root.glob(".tmp-step-*")), f"stop {term}: a write was left half done"
+        found = list_checkpoints(root)
+        assert found[-1][0] == int(report.read_text()), f"stop {term}: the last save is missing"
+        for step, path in found:
+            if step not in seen:
+                seen[step] = _loaded(path)
+        newest = found[-1][0]
+    reference = _replay(max(seen))
+    for step, (loaded_step, fingerprint) in seen.items():
+        assert loaded_step == step and fingerprint == reference[step], f"step {step} differs"
