@@ -161,7 +161,7 @@ def two_ranks(tmp_path_factory, model_folder):
 
     seed = rng.randrange(1000)
     cfgs = [cfg("cp2", **{"parallel.cp": 2, "train.grad_accum": 2, "checkpoint.enabled": True,
-                          "data.eval_seed": seed}),
+                          "checkpoint.every": 2, "checkpoint.keep": 2, "data.eval_seed": seed}),
             cfg("dp2", **{"parallel.cp": 1, "train.grad_accum": 1, "train.report_to": "jsonl",
                           "data.eval_seed": seed})]
     gen = torch.Generator().manual_seed(random.randrange(2**31))
@@ -173,13 +173,14 @@ def two_ranks(tmp_path_factory, model_folder):
          "--set", "parallel.attention_backend=reference", "--set", "parallel.fsdp=on",
          "--json", str(ppl_json), "--format", "csv"],
         # the cp = 2 run's checkpoint, on its own validation rows and settings
-        ["eval", cfgs[0].train.output_dir, "--json", str(tmp / "run.json")]]
+        ["eval", cfgs[0].train.output_dir, "--json", str(tmp / "run.json")],
+        ["eval", cfgs[0].train.output_dir, "--step", "2", "--json", str(tmp / "run2.json")]]
     (runs, decoded, cli), (_, decoded_1, cli_1) = run_on_ranks(
         _on_two_ranks, 2, cfgs, model_folder, prompt, 5, cli_runs)
     return {"cfgs": cfgs, "runs": runs, "decoded": decoded, "decoded_1": decoded_1,
             "prompt": prompt, "steps": 5, "ppl": cli[0], "ppl_other_rank": cli_1[0],
             "ppl_data": ppl_data, "ppl_json": ppl_json, "run_eval": cli[1],
-            "run_json": tmp / "run.json"}
+            "run_json": tmp / "run.json", "step2_eval": cli[2], "step2_json": tmp / "run2.json"}
 
 
 @pytest.mark.slow
@@ -224,6 +225,14 @@ def test_validation_loss_is_exact_across_layouts_and_tracked(two_ranks):
     total = {r["bucket"]: r for r in result["rows"]}["all"]
     assert total["loss"] == pytest.approx(a[-1]["eval_loss"], rel=1e-5)
     assert total["tokens"] == sum(int((rows[r]["labels"] != -100).sum()) for r in range(len(rows)))
+    # --step N: an older checkpoint of the run, the validation loss logged at that step
+    code, output = two_ranks["step2_eval"]
+    assert code == 0, output
+    older = json.loads(two_ranks["step2_json"].read_text())
+    assert older["meta"]["step"] == 2
+    total = {r["bucket"]: r for r in older["rows"]}["all"]
+    assert total["loss"] == pytest.approx(a[1]["eval_loss"], rel=1e-5)
+    assert a[1]["eval_loss"] != a[2]["eval_loss"]  # the two checkpoints differ
 
 
 def test_missing_tensorboard_is_one_sentence(monkeypatch):
