@@ -109,3 +109,32 @@ def test_steps_from_epochs_and_max_steps():
     assert "reached before train.epochs 3" in steps_summary(
         rows=16, rows_per_step=8, steps=2, max_steps=2, epochs=3)[0]
     assert np.isclose(plan_steps(rows=7, rows_per_step=2, max_steps=None, epochs=1) * 2 / 7, 8 / 7)
+
+
+def test_preparation_says_how_far_it_has_got(tmp_path, monkeypatch, capsys):
+    """Into a pipe (not a terminal): the source, a line per interval with the share read and
+    the records and tokens so far, then the totals; the progress line shows the epoch."""
+    import lctrain.data.prepare as prepare
+    from lctrain.train.metrics import Progress
+
+    count = 1200  # three batches of records
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} " * (1 + i % 7)}) + "\n"
+                            for i in range(count)))
+    monkeypatch.setattr(prepare, "PROGRESS_EVERY_S", 0.0)
+    cfg = load_recipe(None, [f"data.source={path}", "data.seq_len=256",
+                             f"data.cache_dir={tmp_path / 'cache'}"])
+    rows = prepare_data(cfg.data, ByteTokenizer(), show_progress=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"preparing data from {path} ")
+    steps = [line for line in lines if line.startswith("preparing data: ")]
+    assert [int(s.split(" % read, ")[1].split(" records")[0].replace(",", "")) for s in steps] \
+        == [512, 1024, 1200]
+    shares = [int(s.split("preparing data: ")[1].split(" %")[0]) for s in steps]
+    assert shares == sorted(shares) and shares[-1] == 100
+    tokens = rows.info["tokens"]
+    assert lines[len(steps) + 1].startswith(f"prepared 1,200 records into {tokens:,} tokens in ")
+    progress = Progress(10, 0, enabled=True, steps_per_epoch=4)
+    progress.update(2, {"loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 1.0, "lr": 1e-3,
+                        "mfu": None})
+    assert capsys.readouterr().out.startswith("step 2/10  epoch 0.50  loss 1.0000")

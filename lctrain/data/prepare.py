@@ -34,6 +34,8 @@ from lctrain.data.tokenizer import ByteTokenizer, pad_token_id
 from lctrain.errors import DataError
 
 _BATCH = 512
+PROGRESS_EVERY_S = 10.0
+"""Seconds between the progress lines of a preparation whose output is not a terminal."""
 """Records tokenized together (fast tokenizers encode a batch in parallel)."""
 
 
@@ -220,10 +222,10 @@ def _batches(first: list[Record], rest: Iterator[Record]) -> Iterator[list[Recor
 
 class _Progress:
     """What the leader shows while preparing: a rich bar on a terminal, else a line every
-    ``every_s`` seconds; nothing when not shown."""
+    `PROGRESS_EVERY_S` seconds; nothing when not shown."""
 
-    def __init__(self, reader: RecordReader, source: str, show: bool, every_s: float = 10.0) -> None:
-        self.reader, self.show, self.every_s = reader, show, every_s
+    def __init__(self, reader: RecordReader, source: str, show: bool) -> None:
+        self.reader, self.show, self.every_s = reader, show, PROGRESS_EVERY_S
         self.start = self.last = time.perf_counter()
         self.bar = None
         if not show:
