@@ -174,13 +174,16 @@ def two_ranks(tmp_path_factory, model_folder):
          "--json", str(ppl_json), "--format", "csv"],
         # the cp = 2 run's checkpoint, on its own validation rows and settings
         ["eval", cfgs[0].train.output_dir, "--json", str(tmp / "run.json")],
-        ["eval", cfgs[0].train.output_dir, "--step", "2", "--json", str(tmp / "run2.json")]]
+        ["eval", cfgs[0].train.output_dir, "--step", "2", "--json", str(tmp / "run2.json")],
+        ["eval", str(Path(cfgs[0].train.output_dir) / "checkpoints" / "step-00000002"),
+         "--json", str(tmp / "ckpt2.json")]]
     (runs, decoded, cli), (_, decoded_1, cli_1) = run_on_ranks(
         _on_two_ranks, 2, cfgs, model_folder, prompt, 5, cli_runs)
     return {"cfgs": cfgs, "runs": runs, "decoded": decoded, "decoded_1": decoded_1,
             "prompt": prompt, "steps": 5, "ppl": cli[0], "ppl_other_rank": cli_1[0],
             "ppl_data": ppl_data, "ppl_json": ppl_json, "run_eval": cli[1],
-            "run_json": tmp / "run.json", "step2_eval": cli[2], "step2_json": tmp / "run2.json"}
+            "run_json": tmp / "run.json", "step2_eval": cli[2], "step2_json": tmp / "run2.json",
+            "ckpt2_eval": cli[3], "ckpt2_json": tmp / "ckpt2.json"}
 
 
 @pytest.mark.slow
@@ -233,6 +236,9 @@ def test_validation_loss_is_exact_across_layouts_and_tracked(two_ranks):
     total = {r["bucket"]: r for r in older["rows"]}["all"]
     assert total["loss"] == pytest.approx(a[1]["eval_loss"], rel=1e-5)
     assert a[1]["eval_loss"] != a[2]["eval_loss"]  # the two checkpoints differ
+    code, output = two_ranks["ckpt2_eval"]  # the checkpoint folder itself: the same
+    assert code == 0, output
+    assert json.loads(two_ranks["ckpt2_json"].read_text())["rows"] == older["rows"]
 
 
 def test_missing_tensorboard_is_one_sentence(monkeypatch):

@@ -21,8 +21,9 @@ class Task(str, enum.Enum):
 
 TargetArg = Annotated[str, typer.Argument(
     metavar="TARGET", show_default=False,
-    help="A run folder (its newest checkpoint, or --step), a model folder (lctrain export or "
-         "any transformers model), or a recipe (the model it starts from).")]
+    help="A run folder (its newest checkpoint, or --step), one of its checkpoints "
+         "(RUN/checkpoints/step-N), a model folder (lctrain export or any transformers model), "
+         "or a recipe (the model it starts from).")]
 TaskOpt = Annotated[Task, typer.Option(
     "--task", help="ppl: loss and perplexity by position; passkey: retrieval of a number "
                    "hidden in long filler text.")]

@@ -5,6 +5,8 @@ A target is one of
 - a **run folder** (``train.output_dir`` of ``lctrain finetune``: config.yaml, checkpoints/) —
   its model as the run built it (model.config or model.path, LoRA), with the weights of its
   newest checkpoint (or ``--step N``), its tokenizer, data, cp and precision;
+- a **checkpoint** of a run (``RUN/checkpoints/step-NNNNNNNN``) — the same as the run folder
+  with ``--step N``;
 - a **model folder** (config.json: an ``lctrain export`` or any transformers model) — the
   folder's model and tokenizer, the built-in corpus unless ``--data`` says, cp = the local GPUs
   (1 on a CPU), mixed precision auto;
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 from lctrain.config import (ParallelConfig, RecipeConfig, build_recipe, load_recipe, local_data,
@@ -30,6 +33,8 @@ from lctrain.config.paths import check_model_path
 from lctrain.errors import ConfigError, UserError
 from lctrain_kernels.vocabulary import check_seq_len
 
+CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+"""A checkpoint folder's name (`lctrain.train.checkpoint`), without importing torch."""
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_BUCKETS = 16
 """Position buckets of a perplexity run when ``--bucket`` is not given."""
@@ -103,11 +108,14 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
     if step is not None and kind != "run":
         raise UserError(f"--step {step} needs a run folder, but {target} is a {kind}; drop "
                         "--step")
-    if kind == "run":
+    if kind in ("run", "checkpoint"):
         from lctrain.train.checkpoint import find_checkpoint
 
-        step, path = find_checkpoint(Path(target).expanduser() / "checkpoints", step)
-        checkpoint = str(path)
+        path = Path(target).expanduser()
+        if kind == "checkpoint":  # RUN/checkpoints/step-N: the run at that step
+            path, step = path.parent.parent, int(path.name.split("-")[1])
+        step, path = find_checkpoint(path / "checkpoints", step)
+        checkpoint, kind = str(path), "run"
     for item in overrides:
         key, value = parse_override(item)
         set_key(raw, key, value, where=f"--set {item}")
@@ -154,6 +162,10 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
     path = Path(target).expanduser()
     if path.is_dir() and (path / "config.yaml").is_file():
         return read_resolved(path / "config.yaml").to_dict(), "run", str(path / "config.yaml")
+    run = path.parent.parent
+    if path.is_dir() and CHECKPOINT_NAME.fullmatch(path.name) and path.parent.name == \
+            "checkpoints" and (run / "config.yaml").is_file():
+        return read_resolved(run / "config.yaml").to_dict(), "checkpoint", str(run / "config.yaml")
     if path.is_dir() and (path / "config.json").is_file():
         if (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists():
             raise UserError(f"{target} holds a LoRA adapter, not a whole model; evaluate the "
@@ -164,7 +176,8 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
                 "model", str(path))
     if path.is_dir():
         raise UserError(f"{target} is a folder with neither config.yaml (a run folder) nor "
-                        "config.json (a model folder); pass one of those, or a recipe")
+                        "config.json (a model folder), nor a checkpoint of a run; pass one of "
+                        "those, or a recipe")
     return load_recipe(target).to_dict(), "recipe", str(target)
 
 
