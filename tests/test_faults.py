@@ -8,9 +8,9 @@ left, the first resume with the exact command the previous run printed:
    checkpoint named;
 2. SIGTERM on rank 1 alone: both ranks stop after the same step, save a checkpoint
    (checkpoint.on_signal; no regular save falls there), rank 0 says how to resume; exit 143;
-3. SIGTERM on a launcher process at a random moment of a resumed run that saves every step in
-   the background (so a save is often in flight): exit 143, the checkpoint of the stopped step
-   complete, no half-written one left;
+3. SIGTERM or SIGINT (Ctrl-C) on a launcher process at a random moment of a resumed run that
+   saves every step in the background (so a save is often in flight): exit 128 + the signal,
+   the checkpoint of the stopped step complete, no half-written one left;
 4. ``kill -9`` on a launcher process as soon as its ranks are up (each asks for its
    parent-death signal first thing, so what holds then holds at any later moment): the agent
    and both ranks die with it, and the folder's lock with them;
@@ -195,10 +195,11 @@ def _term_rank_1(out: Path, capfd) -> int:
     return stopped
 
 
-def _term_launcher(out: Path, log: Path) -> None:
-    """Step 3: SIGTERM on a launcher process (as ``kill PID`` or a scheduler's preemption) at a
-    random moment of a run that saves every step in the background."""
+def _stop_launcher(out: Path, log: Path) -> None:
+    """Step 3: SIGTERM (``kill PID``, a scheduler's preemption) or SIGINT (Ctrl-C) on a launcher
+    process at a random moment of a run that saves every step in the background."""
     start = _newest(out)[0]
+    signum = random.choice([signal.SIGTERM, signal.SIGINT])
     _fresh(out)
     with log.open("w") as sink:
         launcher = subprocess.Popen(
@@ -207,12 +208,12 @@ def _term_launcher(out: Path, log: Path) -> None:
             stdout=sink, stderr=subprocess.STDOUT, cwd=out.parent)
         _wait(lambda: _training(out, start + random.randint(1, 3)), "the resumed loop")
         time.sleep(random.uniform(0.0, 0.3))
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signum)
         code = launcher.wait(timeout=BOUND_S)
     text = log.read_text()
     stopped = max(_steps(out))
-    assert code == 143, text
-    assert f"stopped by SIGTERM after step {stopped} of 20; " in text, text
+    assert code == 128 + signum, text
+    assert f"stopped by {signal.Signals(signum).name} after step {stopped} of 20; " in text, text
     assert _newest(out)[0] == stopped  # every step is saved; the last one before the exit
     assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
     _wait(lambda: not _leftovers(out), "the ranks to end", timeout=10)
@@ -256,7 +257,7 @@ def test_a_run_survives_a_chain_of_faults_and_resumes_exactly(tmp_path, capfd):
     assert not _leftovers(out)
     terminated = _term_rank_1(out, capfd)
     assert not _leftovers(out)
-    _term_launcher(out, tmp_path / "terminated.log")
+    _stop_launcher(out, tmp_path / "stopped.log")
     _kill_launcher(out, tmp_path / "killed.log")
     _stop_rank_1(out)
     assert not _leftovers(out)

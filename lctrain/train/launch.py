@@ -63,8 +63,8 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitPr
 
 from lctrain.config import RecipeConfig, check_run_folder, save_resolved
 from lctrain.config.loader import build_checked, parse_yaml
-from lctrain.config.resume import check_writable
 from lctrain.config.paths import decode_text
+from lctrain.config.resume import check_writable
 from lctrain.errors import UserError, as_user_error
 from lctrain.memory.host import check_cpu_memory, check_host_memory
 from lctrain.parallel.context import check_runnable
