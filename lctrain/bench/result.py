@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.errors import UserError
+from lctrain.report.output import save_document
 
 SCHEMA = 1
 KINDS = ("kernel", "attention", "step", "tiles")
@@ -54,10 +55,7 @@ class BenchResult:
 
     def save(self, path: str | Path) -> Path:
         """Write :meth:`to_json` to ``path`` (creating its folder); returns the path."""
-        target = Path(path).expanduser()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(self.to_json() + "\n", encoding="utf-8")
-        return target
+        return save_document(path, self.to_json())
 
     def measured(self) -> list[dict]:
         """The rows that carry a measurement (status "ok")."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.errors import UserError
+from lctrain.report.output import save_document
 
 SCHEMA = 1
 TASKS = ("ppl", "passkey")
@@ -42,10 +43,7 @@ class EvalResult:
 
     def save(self, path: str | Path) -> Path:
         """Write :meth:`to_json` to ``path`` (creating its folder); returns the path."""
-        target = Path(path).expanduser()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(self.to_json() + "\n", encoding="utf-8")
-        return target
+        return save_document(path, self.to_json())
 
 
 def load(path: str | Path) -> EvalResult:

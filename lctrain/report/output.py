@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 
 from lctrain.report.table import Table, render
 
@@ -21,6 +22,14 @@ def emit(text: str) -> None:
     """Write ``text`` to stdout (a table, CSV or JSON)."""
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
     sys.stdout.flush()
+
+
+def save_document(path: str | Path, text: str) -> Path:
+    """Write a result document (JSON text) to ``path``, creating its folder; returns the path."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text + "\n", encoding="utf-8")
+    return target
 
 
 def terminal_width() -> int | None:
