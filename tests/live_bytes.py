@@ -5,6 +5,7 @@ and backward: the autograd engine runs CPU backward ops on the calling thread wi
 on), tracks each new storage until it is freed (storages keep their Python object alive as
 long as the memory lives, so a finalizer fires exactly when it is released) and keeps the
 largest total. Storages that existed before the block (parameters, inputs) are not counted.
+`SavedBytes` measures instead what one module saves for the backward.
 """
 from __future__ import annotations
 
@@ -48,3 +49,24 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+
+class SavedBytes:
+    """Bytes of the distinct non-parameter storages saved for backward inside one module: pass
+    `pack` to ``torch.autograd.graph.saved_tensors_hooks`` and read `total` after the forward."""
+
+    def __init__(self, model, module):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.active, self.storages = False, {}
+        module.register_forward_pre_hook(lambda *a: setattr(self, "active", True))
+        module.register_forward_hook(lambda *a: setattr(self, "active", False))
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if self.active and storage.data_ptr() not in self.params:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total(self):
+        return sum(self.storages.values())

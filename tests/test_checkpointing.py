@@ -7,48 +7,26 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lctrain_kernels
 from lctrain.errors import UserError
 from lctrain.model.structure import decoder_layer_slots
 from lctrain.parallel.checkpointing import POLICIES, AttentionCounter, apply_checkpointing
+from tiny_llama import lctrain_attention, tiny_llama
 
 LAYERS = 3
 DIST = "lctrain_test_dist"
 REFERENCE = "lctrain_test_reference"
 
 
-def _dist_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    **kwargs):
-    """transformers attention through lctrain_kernels.dist_attention (one rank, group=None)."""
-    out = lctrain_kernels.dist_attention(query.transpose(1, 2), key.transpose(1, 2),
-                                         value.transpose(1, 2), group=None, causal=True,
-                                         softmax_scale=scaling)
-    return out, None  # (B, S, Hq, D)
-
-
-def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                         **kwargs):
-    """transformers attention through lctrain_kernels.attention on the plain-torch backend."""
-    out = lctrain_kernels.attention(query.transpose(1, 2), key.transpose(1, 2),
-                                    value.transpose(1, 2), causal=True, softmax_scale=scaling,
-                                    backend="reference")
-    return out, None  # (B, S, Hq, D)
-
-
 @pytest.fixture(scope="module")
 def base_model():
-    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers import AttentionInterface
 
     from lctrain.model import register_attention
 
-    AttentionInterface.register(DIST, _dist_attention)
-    AttentionInterface.register(REFERENCE, _reference_attention)
+    AttentionInterface.register(DIST, lctrain_attention)
     register_attention()
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).float().train()
+    return tiny_llama(REFERENCE, vocab=97, layers=LAYERS, intermediate=64, max_positions=256,
+                      dtype=torch.float32)
 
 
 def _model(base, policy, attn=DIST, **kwargs):

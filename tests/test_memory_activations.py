@@ -4,35 +4,10 @@ saved-tensor hooks."""
 import pytest
 import torch
 
-import lctrain_kernels
 from lctrain.memory import from_config_dict
 from lctrain.memory.activations import layer_saved, remat_kept
-
-
-def _dist_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    out = lctrain_kernels.dist_attention(query.transpose(1, 2), key.transpose(1, 2),
-                                         value.transpose(1, 2), group=None, softmax_scale=scaling)
-    return out, None
-
-
-class _SavedBytes:
-    """Bytes of the distinct non-parameter storages saved for backward inside one module."""
-
-    def __init__(self, model, module):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.active, self.storages = False, {}
-        module.register_forward_pre_hook(lambda *a: setattr(self, "active", True))
-        module.register_forward_hook(lambda *a: setattr(self, "active", False))
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        if self.active and storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def total(self):
-        return sum(self.storages.values())
+from live_bytes import SavedBytes
+from tiny_llama import lctrain_attention
 
 
 @pytest.mark.parametrize("kv_heads, tokens, dtype", [(4, 96, torch.bfloat16),
@@ -41,7 +16,7 @@ class _SavedBytes:
 def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype):
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-    AttentionInterface.register("lctrain_test_mem", _dist_attention)
+    AttentionInterface.register("lctrain_test_mem", lctrain_attention)
     fields = {"model_type": "llama", "vocab_size": 101, "hidden_size": 64,
               "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": kv_heads}
@@ -50,7 +25,7 @@ def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype):
     model = LlamaForCausalLM(config).to(dtype).train()
     c = dtype.itemsize
     model.set_attn_implementation("lctrain_test_mem")
-    probe = _SavedBytes(model, model.model.layers[1])
+    probe = SavedBytes(model, model.model.layers[1])
     ids = torch.randint(0, 101, (1, tokens))
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
         model(input_ids=ids).logits.float().sum().backward()

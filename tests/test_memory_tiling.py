@@ -6,54 +6,32 @@ import copy
 import pytest
 import torch
 
-import lctrain_kernels
 from lctrain.memory import from_config_dict
 from lctrain.memory.activations import layer_backward, layer_saved, saved_activations
 from lctrain.parallel.tiling import TiledModule, apply_tiling
-from live_bytes import LiveBytes
+from live_bytes import LiveBytes, SavedBytes
+from tiny_llama import lctrain_attention
 
 FIELDS = {"model_type": "llama", "vocab_size": 101, "hidden_size": 64, "intermediate_size": 176,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def _dist_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    out = lctrain_kernels.dist_attention(query.transpose(1, 2), key.transpose(1, 2),
-                                         value.transpose(1, 2), group=None, softmax_scale=scaling)
-    return out, None
-
-
 def _model(dtype):
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-    AttentionInterface.register("lctrain_test_tile_mem", _dist_attention)
+    AttentionInterface.register("lctrain_test_tile_mem", lctrain_attention)
     config = LlamaConfig(**{k: v for k, v in FIELDS.items() if k != "model_type"}, use_cache=False)
     model = LlamaForCausalLM(config).to(dtype).train()
     model.set_attn_implementation("lctrain_test_tile_mem")
     return model
 
 
-class _SavedBytes:
-    """Bytes of the distinct non-parameter storages saved for backward inside one module."""
-
-    def __init__(self, model, module):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.active, self.storages = False, {}
-        module.register_forward_pre_hook(lambda *a: setattr(self, "active", True))
-        module.register_forward_hook(lambda *a: setattr(self, "active", False))
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        if self.active and storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-
 @pytest.mark.parametrize("tokens, tile, dtype", [(96, 32, torch.bfloat16), (160, 48, torch.float32)])
 def test_tiled_layer_saves_what_the_model_says(tokens, tile, dtype):
     model = _model(dtype)
     apply_tiling(model, tile)
-    layer_probe = _SavedBytes(model, model.model.layers[1])
-    norm_probe = _SavedBytes(model, model.model.norm)
+    layer_probe = SavedBytes(model, model.model.layers[1])
+    norm_probe = SavedBytes(model, model.model.norm)
     ids = torch.randint(0, 101, (1, tokens))
 
     def pack(t):

@@ -5,33 +5,17 @@ import copy
 import pytest
 import torch
 
-import lctrain_kernels
 from lctrain.errors import UserError
 from lctrain.parallel.checkpointing import apply_checkpointing
 from lctrain.parallel.tiling import TiledModule, apply_tiling
+from tiny_llama import tiny_llama
 
 ATTN = "lctrain_test_tiling"
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    out = lctrain_kernels.attention(query.transpose(1, 2), key.transpose(1, 2),
-                                    value.transpose(1, 2), causal=True, softmax_scale=scaling,
-                                    backend="reference")
-    return out, None  # (B, S, Hq, D)
-
-
 @pytest.fixture(scope="module")
 def base_model():
-    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-
-    AttentionInterface.register(ATTN, _attention)
-    config = LlamaConfig(vocab_size=89, hidden_size=32, intermediate_size=72,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).double().train()
-    model.set_attn_implementation(ATTN)
-    return model
+    return tiny_llama(ATTN, vocab=89, layers=2, intermediate=72)
 
 
 def _step(model, seed):
