@@ -160,7 +160,7 @@ def test_a_worker_reports_a_missing_backend_and_a_full_disk_as_sentences(tmp_pat
     """A self-launched rank records these as user errors (sentences), not as tracebacks."""
     from lctrain.config import save_resolved, load_recipe
     from lctrain.train.failures import first_error
-    from lctrain.train.launch import USER_ERROR_EXIT, worker_main
+    from lctrain.train.rank import USER_ERROR_EXIT, worker_main
     from lctrain_kernels.backends import get_backend
 
     recipe = save_resolved(load_recipe(None), tmp_path / "recipe.yaml")

@@ -268,13 +268,13 @@ def test_a_model_with_non_finite_weights_is_never_saved(tmp_path):
     is refused with a sentence and the good checkpoint is neither replaced nor rotated out."""
     from lctrain.parallel.context import ContextParallel
     from lctrain.parallel.mesh import build_mesh
-    from lctrain.train import launch, runner, saving
+    from lctrain.train import rank, runner, saving
     from lctrain.train.checkpoint import list_checkpoints
 
     cfg = load_recipe(None, ["data.seq_len=64", "data.max_documents=4", "parallel.cp=1",
                              "checkpoint.keep=1", "parallel.attention_backend=reference"],
                       output_dir=str(tmp_path / "run"), max_steps=4)
-    with launch.worker_process(cfg) as accelerator:
+    with rank.worker_process(cfg) as accelerator:
         pmesh = build_mesh(1, device_type="cpu")
         cp = ContextParallel(pmesh, "distflash", "reference", device=accelerator.device)
         setup = runner.RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator)

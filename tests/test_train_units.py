@@ -11,7 +11,7 @@ from lctrain.errors import UserError
 from lctrain.parallel.mesh import build_mesh, check_parallel_sizes
 from lctrain.train import finetune
 from lctrain.train.failures import first_error
-from lctrain.train.launch import check_accelerate_mode
+from lctrain.train.rank import check_accelerate_mode
 from lctrain.train.metrics import MetricsLog
 from lctrain.train.optim import warmup_cosine
 
@@ -63,7 +63,7 @@ def test_a_lone_worker_process_is_a_one_rank_group_whose_accelerator_scales_noth
     import torch
     import torch.distributed as dist
 
-    from lctrain.train.launch import worker_process
+    from lctrain.train.rank import worker_process
 
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
     assert not dist.is_initialized()
@@ -162,7 +162,8 @@ def test_the_flop_model_counts_what_autograd_multiplies(lora_rank):
 
 
 def test_a_worker_refuses_a_recipe_that_changed_after_the_launcher_wrote_it(tmp_path):
-    from lctrain.train.launch import read_recipe, write_recipe
+    from lctrain.train.launch import write_recipe
+    from lctrain.train.rank import read_recipe
 
     path, digest = write_recipe(load_recipe(None, ["train.lr=0.002"]), tmp_path / "recipe.yaml")
     assert read_recipe(str(path), digest).train.lr == 0.002

@@ -37,7 +37,7 @@ from lctrain.eval.tasks import run_passkey, run_ppl
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.mesh import build_mesh
 from lctrain.report.versions import environment
-from lctrain.train import launch
+from lctrain.train import launch, rank
 from lctrain.train.metrics import peak_memory_bytes
 from lctrain.train.runner import RunSetup, build_model
 
@@ -83,13 +83,13 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
 
 def worker_entry(argv: list[str] | None = None) -> int:
     """``python -m lctrain.eval``: read ``--request FILE`` (an `EvalRequest`), then run
-    `eval_worker` as `lctrain.train.launch.worker_main` runs a training rank (``--config``,
+    `eval_worker` as `lctrain.train.rank.worker_main` runs a training rank (``--config``,
     ``--error-dir``); returns the exit code."""
     parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}", add_help=False)
     parser.add_argument("--request", required=True, help="the EvalRequest as JSON")
     known, rest = parser.parse_known_args(argv)
     request = EvalRequest.from_json(Path(known.request).read_text())
-    return launch.worker_main(functools.partial(eval_worker, request=request), rest)
+    return rank.worker_main(functools.partial(eval_worker, request=request), rest)
 
 
 def check_passkey_lengths(cfg: RecipeConfig, request: EvalRequest) -> None:
@@ -112,7 +112,7 @@ def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest
             cannot cut, ...
     """
     del resume  # an evaluation has nothing to resume
-    with launch.worker_process(cfg) as accelerator:
+    with rank.worker_process(cfg) as accelerator:
         device = accelerator.device
         pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None, device_type=device.type)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))

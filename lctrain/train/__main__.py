@@ -20,7 +20,7 @@ from lctrain.train.stopping import StopRequest
 if __name__ == "__main__":
     die_with_launcher(levels=2)
     stop = StopRequest().__enter__()  # for the life of the process
-    from lctrain.train.launch import worker_main
+    from lctrain.train.rank import worker_main
     from lctrain.train.runner import run_worker
 
     code = worker_main(functools.partial(run_worker, stop=stop))

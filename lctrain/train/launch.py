@@ -31,17 +31,10 @@
 One run owns its output folder (`lctrain.train.lifetime.RunLock`): a second run into it stops
 with a sentence naming the other run's pid; the lock dies with its holder.
 
-In every worker process `worker_process` makes the process a rank: accelerate's `Accelerator`
-reads the launcher's environment, joins the process group (gloo on CPU, NCCL on GPUs) with the
-recipe's collective timeout (`group_timeout`), picks the device and sets mixed precision; a
-lone process gets a one-rank group, so that every code path (mesh, counts, DCP checkpoints) is
-the same. On GPUs torch's NCCL flight recorder is on and dumps each rank's last collectives to
-``output_dir/.launch/nccl_trace_rank_R`` when a collective times out. `worker_main` is the body
-of ``python -m lctrain.train``.
+Each started process becomes a rank in `lctrain.train.rank` (`worker_main`).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import os
@@ -51,43 +44,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
 
 import torch
-import torch.distributed as dist
-from accelerate import Accelerator
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs
 
 from lctrain.config import RecipeConfig, check_run_folder, save_resolved
-from lctrain.config.loader import build_checked, parse_yaml
-from lctrain.config.paths import decode_text
 from lctrain.config.resume import check_writable
-from lctrain.errors import UserError, as_user_error
 from lctrain.memory.host import check_cpu_memory, check_host_memory
 from lctrain.parallel.context import check_runnable
 from lctrain.parallel.mesh import check_parallel_sizes
 from lctrain.train.checkpoint import list_checkpoints, resume_point
-from lctrain.train.failures import record_error
 from lctrain.train.lifetime import LAUNCHER_PID_ENV, RunLock, die_with_parent
+from lctrain.train.rank import WORKER_MODULE, Worker, launch_dir, nccl_wait
 from lctrain.train.stopping import resume_command
 from lctrain.train.supervisor import Supervisor, report
 from lctrain.train.watchdog import heartbeat_dir
 
-USER_ERROR_EXIT = 2
-WORKER_MODULE = "lctrain.train"
-"""What each self-launched process runs (``python -m lctrain.train``: `worker_main`)."""
 AGENT_MODULE = "lctrain.train.agent"
 """The launcher's child that runs torch.distributed.run (`lctrain.train.agent`)."""
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK")
-
-
-class Worker(Protocol):
-    """One rank's run of a recipe; returns the exit code (`lctrain.train.runner.run_worker`)."""
-
-    def __call__(self, cfg: RecipeConfig, *, resume: bool = False) -> int: ...
 
 
 def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | None,
@@ -155,11 +130,6 @@ def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool) -> None:
     resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
 
 
-def launch_dir(cfg: RecipeConfig) -> Path:
-    """``output_dir/.launch``: the self-launch's recipe copy, logs, error records, heartbeats."""
-    return Path(cfg.train.output_dir) / ".launch"
-
-
 def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = WORKER_MODULE,
                   args: tuple[str, ...] = ()) -> int:
     """Run ``nproc`` local ranks of ``python -m MODULE`` through torch.distributed.run, watched
@@ -202,7 +172,7 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
             agent = subprocess.Popen(cmd, env=_worker_env(nproc), stderr=stderr,
                                      start_new_session=True)
             supervisor = Supervisor(agent, folder, on_signal_text=text,
-                                    record_wait=_nccl_wait(cfg) + 30.0)
+                                    record_wait=nccl_wait(cfg) + 30.0)
             code = supervisor.wait()
     # what to do next: resume a training run; an evaluation keeps nothing and simply starts again
     hint = (checkpoint_hint(cfg, nproc) if module == WORKER_MODULE
@@ -231,19 +201,6 @@ def write_recipe(cfg: RecipeConfig, path: Path) -> tuple[Path, str]:
     """Save the resolved recipe for the workers; returns (path, SHA-256 of its bytes)."""
     save_resolved(cfg, path)
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def read_recipe(path: str, sha256: str | None) -> RecipeConfig:
-    """The recipe the launcher wrote, read once and checked against its SHA-256.
-
-    Raises:
-        UserError: the file changed since the launcher wrote it, or is not a valid recipe.
-    """
-    data = Path(path).read_bytes()
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise UserError(f"the recipe {path} changed after the launcher wrote it; start the run "
-                        "again (and let nothing else write to that folder).")
-    return build_checked(parse_yaml(decode_text(data, path), path), path, {})
 
 
 def _worker_env(nproc: int) -> dict[str, str]:
@@ -278,161 +235,3 @@ def checkpoint_hint(cfg: RecipeConfig, nproc: int) -> str:
     flag = nproc if nproc != default_nproc(cfg) else None
     return (f"the last complete checkpoint is {path} (step {step}); resume with: "
             f"{resume_command(cfg.train.output_dir, nproc=flag)}")
-
-
-def group_timeout(cfg: RecipeConfig) -> timedelta:
-    """The process groups' timeout: ``train.collective_timeout`` plus a margin, so that the
-    watchdog (`lctrain.train.watchdog`), which names the late ranks, speaks first; on NCCL
-    torch's own timeout then dumps the flight recorder."""
-    seconds = cfg.train.collective_timeout
-    return timedelta(seconds=seconds + max(10.0, seconds / 10))
-
-
-def _nccl_wait(cfg: RecipeConfig) -> float:
-    """Seconds from a hang report until torch's NCCL timeout has dumped and aborted."""
-    return group_timeout(cfg).total_seconds() - cfg.train.collective_timeout + 30.0
-
-
-def hang_handler(cfg: RecipeConfig, device_type: str) -> Callable[[str], None]:
-    """What a rank's watchdog does on a hang (`lctrain.train.watchdog`): record the report for
-    the launcher, print it, and end the process. On NCCL it first waits for torch's own timeout
-    (`group_timeout`), which dumps the flight recorder and aborts the process itself."""
-    errors = launch_dir(cfg) / "errors"
-    wait = _nccl_wait(cfg) if device_type == "cuda" else 0.0
-
-    def on_hang(message: str) -> None:
-        record_error(errors, kind="hang", message=message)
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        time.sleep(wait)
-        os._exit(1)
-
-    return on_hang
-
-
-def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
-    """A self-launched rank: read the recipe, join the process group, run ``worker``, record a
-    failure for the parent."""
-    parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
-    parser.add_argument("--config", required=True, help="resolved recipe YAML")
-    parser.add_argument("--config-sha256", default=None, help="the recipe file's SHA-256")
-    parser.add_argument("--error-dir", default=None, help="where a failing rank records why")
-    parser.add_argument("--store", default=None, help="file store of the process group")
-    parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        cfg = read_recipe(args.config, args.config_sha256)
-        if args.store is not None:
-            _init_group_from_file(args.store, cfg)
-        return worker(cfg, resume=args.resume)
-    except BaseException as exc:
-        user = as_user_error(exc)
-        record_error(args.error_dir, user or exc)
-        if user is None:
-            raise
-        print(f"error: {user}", file=sys.stderr)
-        return USER_ERROR_EXIT
-    finally:
-        if args.store is not None and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _init_group_from_file(store: str, cfg: RecipeConfig) -> None:
-    """Join the launcher's process group through the file store ``store`` (rank and world
-    size from torch.distributed.run's environment), with the recipe's `group_timeout` and, on
-    GPUs, the NCCL flight recorder on."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        nccl_flight_recorder(launch_dir(cfg))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=group_timeout(cfg))
-
-
-@contextlib.contextmanager
-def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
-    """This process as one rank of the run, for the duration of the block.
-
-    The process group is the caller's when one exists (tests); otherwise accelerate makes it
-    from the launcher's environment with `group_timeout`, or — a lone process — a one-rank group
-    is made here. A group made for the block is destroyed at its end. Under a launcher on GPUs,
-    remat-offload's host memory is checked for this machine's processes. The recipe, not the
-    launcher, decides mixed precision and sharding.
-
-    Yields:
-        The `Accelerator`: device, mixed precision (``train.mixed_precision``) and autocast.
-
-    Raises:
-        UserError: accelerate was set up to shard the model itself, or remat-offload would pin
-            more host memory than this machine has.
-    """
-    cuda = torch.cuda.is_available()
-    own_group = not dist.is_initialized()
-    if cuda:
-        nccl_flight_recorder(launch_dir(cfg))
-    timeout = group_timeout(cfg)
-    if timeout == timedelta(seconds=600):  # accelerate drops a timeout equal to its default
-        timeout += timedelta(seconds=1)
-    # One accumulation step, whatever the environment says: the loop accumulates train.grad_accum
-    # micro-batches itself and accelerate must not scale their losses (lctrain.train.loop).
-    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed_precision(cfg, cuda),
-                              gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
-    check_accelerate_mode(accelerator.distributed_type)
-    store_dir = _ensure_process_group(accelerator.device, timeout)
-    try:
-        if "LOCAL_WORLD_SIZE" in os.environ and accelerator.device.type == "cuda":
-            check_host_memory(cfg, local_processes=int(os.environ["LOCAL_WORLD_SIZE"]),
-                              gpus=dist.get_world_size())
-        yield accelerator
-    finally:
-        if own_group and dist.is_initialized():
-            dist.destroy_process_group()
-        if store_dir is not None:
-            shutil.rmtree(store_dir, ignore_errors=True)
-
-
-def check_accelerate_mode(mode: DistributedType) -> None:
-    """Refuse accelerate's own model sharding (``accelerate launch --use_fsdp / --use_deepspeed``
-    or its config file): lctrain shards the model itself (FSDP2, ``parallel.fsdp``).
-
-    Raises:
-        UserError: accelerate was set up for FSDP, DeepSpeed or Megatron-LM.
-    """
-    if mode in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        raise UserError(f"accelerate is set up for {mode.value} (an accelerate launch option or "
-                        "its config file), but lctrain shards the model itself with FSDP2 "
-                        "(parallel.fsdp); launch with --multi_gpu and without --use_fsdp, "
-                        "--use_deepspeed or --use_megatron_lm.")
-
-
-def mixed_precision(cfg: RecipeConfig, cuda: bool) -> str:
-    """accelerate's ``mixed_precision``: "bf16" or "no" ("auto" = bf16 on GPUs that have it)."""
-    wanted = cfg.train.mixed_precision
-    if wanted == "auto":
-        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
-    return wanted
-
-
-def nccl_flight_recorder(folder: Path) -> None:
-    """Turn on torch's NCCL flight recorder (the last collectives of each rank, in memory) and
-    its dump on a timeout into ``folder/nccl_trace_rank_R``, unless the environment already
-    says otherwise. Read when the NCCL process groups are made, so call this before."""
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / "nccl_trace_rank_"))
-
-
-def _ensure_process_group(device: torch.device, timeout: timedelta) -> str | None:
-    """Make a one-rank group when none exists (a lone process, not under a launcher).
-
-    Returns:
-        The temporary folder of its file store (to delete at the end), or None.
-    """
-    if dist.is_initialized():
-        return None
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    store_dir = tempfile.mkdtemp(prefix="lctrain-pg-")
-    dist.init_process_group(backend, init_method=f"file://{os.path.join(store_dir, 'store')}",
-                            rank=0, world_size=1, timeout=timeout)
-    return store_dir

@@ -6,7 +6,7 @@
 `run_worker` builds one rank's run in this order; each step is a function of this module that a
 feature extends in one place:
 
-    launch.worker_process      accelerate's Accelerator: process group, device, mixed precision
+    rank.worker_process        accelerate's Accelerator: process group, device, mixed precision
     → dp × cp mesh → seed → ContextParallel (how sequences are cut, which attention runs)
     → build_data               tokenize and pack once per machine into the data cache
                                (its local rank 0 prepares, the others wait and memory-map it);
@@ -59,7 +59,7 @@ from lctrain.parallel.mesh import build_mesh
 from lctrain.parallel.offload import host_memory_bytes
 from lctrain.parallel.tiling import apply_tiling
 from lctrain.report.versions import record_run
-from lctrain.train import launch
+from lctrain.train import launch, rank
 from lctrain.train.announce import banner, summary
 from lctrain.train.checkpoint import load_checkpoint, read_trainer_state, resume_point
 from lctrain.train.checkpoint_writer import Checkpointer
@@ -102,7 +102,7 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
     """Run this rank's part of the training (every rank calls it).
 
     The process group is the caller's when one exists (tests), else made here
-    (`lctrain.train.launch.worker_process`). ``stop`` is the process's stop-signal flag when the
+    (`lctrain.train.rank.worker_process`). ``stop`` is the process's stop-signal flag when the
     caller installed it already (a self-launched rank does, first thing), else one is installed
     for the call.
 
@@ -116,9 +116,9 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
     out = Path(cfg.train.output_dir)
     changes = check_run_folder(cfg, resume=resume)
     resume_from = resume_point(out / "checkpoints", resume)
-    with stop or StopRequest() as stop, launch.worker_process(cfg) as accelerator:
-        stop.request_file = launch.launch_dir(cfg) / "stop"
-        device, timeout = accelerator.device, launch.group_timeout(cfg)
+    with stop or StopRequest() as stop, rank.worker_process(cfg) as accelerator:
+        stop.request_file = rank.launch_dir(cfg) / "stop"
+        device, timeout = accelerator.device, rank.group_timeout(cfg)
         pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None, device_type=device.type,
                            timeout=timeout)
         if pmesh.rank == 0:  # the recipe as given (dp, steps: resolved per launch, below)
@@ -308,7 +308,7 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
                         steps_per_epoch=len(dataset) / rows_per_step(setup))
     watch = Watchdog(heartbeat_dir(out), rank=pmesh.rank, world_size=pmesh.world_size,
                      timeout=t.collective_timeout,
-                     on_hang=launch.hang_handler(cfg, trainer.device.type))
+                     on_hang=rank.hang_handler(cfg, trainer.device.type))
     hooks = loop_hooks(setup, parts, trainer, watch, checkpointer,
                        log=_with_host_memory(metrics.write, trainer), progress=progress.update,
                        eval_rows=eval_rows)
