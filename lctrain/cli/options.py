@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from lctrain.config.schema import ATTENTION_BACKENDS, CHECKPOINTING_CHOICES
+from lctrain.config.schema import ATTENTION_BACKENDS
+from lctrain.config.training import CHECKPOINTING_CHOICES
 from lctrain.memory.presets import PRESETS
 from lctrain_kernels.vocabulary import SCHEDULES
 

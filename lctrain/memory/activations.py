@@ -40,7 +40,7 @@ of the head).
 """
 from __future__ import annotations
 
-from lctrain.config.schema import CHECKPOINTING_POLICIES as POLICIES
+from lctrain.config.training import CHECKPOINTING_POLICIES as POLICIES
 from lctrain.config.tiers import OFFLOADED, per_layer
 from lctrain.memory import lora as lora_model
 from lctrain.memory.arch import Architecture

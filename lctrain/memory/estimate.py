@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lctrain.config.schema import STATE_OFFLOADS
+from lctrain.config.training import STATE_OFFLOADS
 from lctrain.config.tiers import format_layer_policies
 from lctrain.errors import UserError
 from lctrain.memory import activations as act

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
                                     noop_context_fn)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lctrain.config.schema import CHECKPOINTING_POLICIES as POLICIES
+from lctrain.config.training import CHECKPOINTING_POLICIES as POLICIES
 from lctrain.config.tiers import LAYER_POLICIES, OFFLOADED, format_layer_policies
 from lctrain.errors import UserError
 from lctrain.model.structure import decoder_layer_slots, unwrap_layer
