@@ -25,7 +25,9 @@ Runs = tuple[tuple[str, int], ...]
 
 
 def place(arch: Architecture, tokens: int, c: int, gpu_room: int, host_room: int) -> Runs | None:
-    """The layers' policies for ``auto`` (runs in forward order), or None when nothing fits.
+    """The layers' policies for ``auto`` (runs in forward order), or None when nothing fits:
+    the most layers that keep their attention output (remat), then, among the placements with
+    that many, the fewest bytes parked in host memory (each crosses PCIe twice per step).
 
     Args:
         arch: the model's shapes.
@@ -40,14 +42,15 @@ def place(arch: Architecture, tokens: int, c: int, gpu_room: int, host_room: int
         full = layers - remat
         if remat * big + full * small <= gpu_room:
             return _runs(remat, 0, full, 0)
-        top = min(remat, max(gpu_room, 0) // big)
-        for on_gpu in (top, top - 1, top - 2):  # two offloaded layers are in flight: <= 2 big
-            if on_gpu < 0:
-                continue
+        best = None  # (bytes parked, remat layers on the GPU, full layers on the GPU)
+        for on_gpu in range(min(remat, max(gpu_room, 0) // big), -1, -1):
             full_gpu = _full_on_gpu(on_gpu, remat, full, big, small, gpu_room)
             parked = (remat - on_gpu) * big + (full - full_gpu) * small
-            if full_gpu >= 0 and parked <= host_room:
-                return _runs(on_gpu, remat - on_gpu, full_gpu, full - full_gpu)
+            if full_gpu >= 0 and parked <= host_room and (best is None or parked < best[0]):
+                best = (parked, on_gpu, full_gpu)  # the fewest bytes over PCIe; ties: GPU
+        if best is not None:
+            _, on_gpu, full_gpu = best
+            return _runs(on_gpu, remat - on_gpu, full_gpu, full - full_gpu)
     return None
 
 
