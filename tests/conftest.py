@@ -52,6 +52,6 @@ def _fresh_seed(request):
 
 @pytest.fixture(autouse=True, scope="session")
 def _data_cache(tmp_path_factory):
-    """Prepared training data goes to this session's temporary folder, not the user's
+    """Prepared training data goes to this test run's temporary folder, not the user's
     ~/.cache (ranks spawned later inherit the variable)."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))

@@ -11,8 +11,8 @@ kernel with head-tail load balancing) instead of `lctrain_kernels.dist_attention
 - `TorchContextParallel.session` keeps torch's context active around one micro-batch's forward
   AND backward (torch's SDPA backward must also see it), with SDPA limited to the kernels
   torch shards (cuDNN first — the local kernel lctrain's ``auto`` picks on Hopper — then flash,
-  then memory-efficient for float32);
-  the first session checks that torch's sharding of a probe of global positions equals ours;
+  then memory-efficient for float32); the first micro-batch run through it checks that
+  torch's sharding of a probe of global positions equals ours;
 - the model runs this module's own attention function (`torch_cp_attention`, registered in
   transformers' ``AttentionInterface`` as ``"lctrain_torch_cp"``), which calls `ring_attention`,
   i.e. plain ``F.scaled_dot_product_attention(..., is_causal=True)``, which torch has patched
