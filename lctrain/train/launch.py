@@ -49,7 +49,6 @@ from pathlib import Path
 import torch
 
 from lctrain.config import RecipeConfig, check_run_folder, save_resolved
-from lctrain.config.resume import check_writable
 from lctrain.memory.host import check_cpu_memory, check_host_memory
 from lctrain.parallel.context import check_runnable
 from lctrain.parallel.mesh import check_parallel_sizes
@@ -89,7 +88,6 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
         with RunLock(cfg.train.output_dir) if owner else contextlib.nullcontext():
             return worker(cfg, resume=resume)
     n = nproc if nproc is not None else default_nproc(cfg)
-    check_writable(Path(cfg.train.output_dir))  # said plainly, before the lock file goes in
     with RunLock(cfg.train.output_dir):
         check_before_start(cfg, nproc=n, resume=resume)
         if n == 1:

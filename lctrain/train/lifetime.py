@@ -148,15 +148,14 @@ class RunLock:
         """Take the lock.
 
         Raises:
-            UserError: another live process holds it (the message names the folder and it).
+            UserError: another live process holds it (the message names the folder and it), or
+                the folder cannot be written.
         """
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            raise UserError(f"cannot create the lock file {self.path} "
-                            f"({error.strerror or type(error).__name__}); make train.output_dir "
-                            "a writable folder.") from None
+            raise self._unwritable(error) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -165,9 +164,21 @@ class RunLock:
             raise UserError(f"{self.folder} is in use by another lctrain run (pid {owner}); wait "
                             "for it to finish or stop it, or choose another train.output_dir."
                             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            os.fsync(fd)  # a full disk says so here, not in the middle of the run
+        except OSError as error:
+            os.close(fd)
+            raise self._unwritable(error) from None
         self._fd = fd
+
+    def _unwritable(self, error: OSError) -> UserError:
+        """The output folder cannot be written, as `lctrain.config.resume.check_writable` says
+        it (one sentence with the system's reason)."""
+        return UserError(f"train.output_dir {self.folder} cannot be written "
+                         f"({error.strerror or type(error).__name__}); choose a folder you may "
+                         "write to, on a disk with free space")
 
     def release(self) -> None:
         """Give the folder back (closing the file releases the lock)."""
