@@ -63,8 +63,10 @@ class HostAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)  # the loop's non-finite flag, as for fused
-        if found_inf is not None and bool(found_inf.item()):  # AdamW: skip the whole step
+        # the loop's non-finite flag, as fused AdamW takes it: skip the whole step. torch's
+        # foreach update takes no such flag, so it is read on the host (one sync per step).
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item()):
             return loss
         work = [(group, chunk) for group in self.param_groups
                 for chunk in self._chunks([p for p in group["params"] if p.grad is not None])]
