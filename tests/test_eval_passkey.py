@@ -68,3 +68,14 @@ def test_answers_are_parsed_and_counted(tokenizer):
     one = summarize([PasskeyCase(512, 0.5, 0, "11111")],
                     [{"answer": "\x1b\x07 11111\n", "needle_start": 3, "placed_depth": 0.5}])
     assert one[0]["correct"] == 1 and "\x1b" not in one[0]["answer"]  # shown safely
+
+
+def test_greedy_picks_among_the_tokenizers_ids_only():
+    import torch
+
+    from lctrain.eval.decode import pick_token
+
+    logits = torch.randn(3, 1024)
+    logits[:, 700] = 100.0  # the best id overall is one no tokenizer of 259 ids can write
+    assert pick_token(logits, None).flatten().tolist() == [700] * 3
+    assert pick_token(logits, None, 259).flatten().tolist() == logits[:, :259].argmax(-1).tolist()

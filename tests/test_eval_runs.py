@@ -30,44 +30,10 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 from lctrain.config import DataConfig, load_recipe
 from lctrain.data import ByteTokenizer, prepare_data
+from eval_reference import eager_losses, eager_model, save_tiny_model, texts
 from spawn import run_on_ranks
 
 runner = CliRunner()
-
-
-def _texts(path: Path, n: int, rng: random.Random, longest: int = 300) -> Path:
-    words = ["alpha", "beta", "gamma", "delta", "long", "context", "tokens", "of", "the", "."]
-    lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(5, longest
-                                                                                      // 5)))})
-             for _ in range(n)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _eager_losses(model, row) -> list[tuple[int, float]]:
-    """(position, loss) of every target token of a packed row: plain transformers with eager
-    attention, one document segment at a time (what the document mask means)."""
-    out, start = [], 0
-    ids, labels, positions = (torch.as_tensor(row[k]) for k in ("input_ids", "labels",
-                                                                 "position_ids"))
-    for n in row["doc_lens"].tolist():
-        seg = slice(start, start + n)
-        with torch.no_grad():
-            logits = model(input_ids=ids[None, seg], position_ids=positions[None, seg]).logits[0]
-        tok = torch.nn.functional.cross_entropy(logits.double(), labels[seg].clamp(min=0),
-                                                reduction="none")
-        for p, lab, loss in zip(positions[seg].tolist(), labels[seg].tolist(), tok.tolist()):
-            if lab != -100:
-                out.append((p, loss))
-        start += n
-    return out
-
-
-def _eager(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
-                                                dtype=torch.float32).eval()
 
 
 # ---------------------------------------------------------------- model folder, ppl, passkey
@@ -75,23 +41,7 @@ def _eager(folder):
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     """A tiny random Llama with the byte tokenizer's transformers twin, as a model folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lctrain.export.tokenizer import byte_tokenizer_fast
-
-    folder = tmp_path_factory.mktemp("model")
-    config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, vocab_size=260,
-                         max_position_embeddings=1024, bos_token_id=256, eos_token_id=257,
-                         pad_token_id=258, tie_word_embeddings=False)
-    torch.manual_seed(random.randrange(2**31))
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger weights than the init's: logits that differ clearly
-        for p in model.parameters():
-            p.mul_(4.0 if p.dim() > 1 else 1.0)
-    model.save_pretrained(folder)
-    byte_tokenizer_fast().save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("model"), random.randrange(2**31))
 
 
 # ---------------------------------------------------------------- two gloo ranks, one spawn
@@ -147,7 +97,7 @@ def two_ranks(tmp_path_factory, model_folder):
     """The validation runs (cp = 2 and dp = 2) and the decoding on two ranks, run once."""
     tmp = tmp_path_factory.mktemp("runs")
     rng = random.Random(random.randrange(2**31))
-    source = _texts(tmp / "docs.jsonl", 30, rng)
+    source = texts(tmp / "docs.jsonl", 30, rng)
 
     def cfg(name, **sets):
         base = {"data.source": str(source), "data.seq_len": 128, "data.eval_fraction": 0.2,
@@ -166,7 +116,7 @@ def two_ranks(tmp_path_factory, model_folder):
                           "data.eval_seed": seed})]
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     prompt = torch.randint(0, 256, (96,), generator=gen).tolist()
-    ppl_data, ppl_json = _texts(tmp / "eval.jsonl", 10, rng, longest=500), tmp / "ppl.json"
+    ppl_data, ppl_json = texts(tmp / "eval.jsonl", 10, rng, longest=500), tmp / "ppl.json"
     cli_runs = [
         ["eval", str(model_folder), "--task", "ppl", "--cp", "2", "--seq-len", "256",
          "--bucket", "48", "--data", str(ppl_data), "--set", "parallel.schedule=zigzag",
@@ -199,8 +149,8 @@ def test_validation_loss_is_exact_across_layouts_and_tracked(two_ranks):
     # by hand: every held-out row, plain transformers on the final weights
     rows = prepare_data(cp2.data, ByteTokenizer(), part="eval")
     assert len(rows) >= 2  # dp = 2 splits them (a filler evens out an odd count)
-    model = _eager(out / "final")
-    losses = [loss for r in range(len(rows)) for _, loss in _eager_losses(model, rows[r])]
+    model = eager_model(out / "final")
+    losses = [loss for r in range(len(rows)) for _, loss in eager_losses(model, rows[r])]
     assert a[-1]["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     # TensorBoard: every scalar of metrics.jsonl at its step; none where not asked for
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -258,7 +208,7 @@ def test_missing_tensorboard_is_one_sentence(monkeypatch):
 @pytest.mark.slow
 def test_distributed_prefill_and_decode_match_one_process(two_ranks, model_folder):
     prompt, steps = two_ranks["prompt"], two_ranks["steps"]
-    model = _eager(model_folder)
+    model = eager_model(model_folder)
     for schedule in ("distflash", "zigzag"):
         tokens, logits = two_ranks["decoded"][schedule]
         assert two_ranks["decoded_1"][schedule][0] == tokens  # both ranks decoded alike
@@ -287,10 +237,10 @@ def test_eval_ppl_cli_matches_transformers_by_bucket(two_ranks, model_folder):
 
     rows = prepare_data(DataConfig(source=str(two_ranks["ppl_data"]), seq_len=256,
                                    tokenizer=None), AutoTokenizer.from_pretrained(model_folder))
-    model = _eager(model_folder)
+    model = eager_model(model_folder)
     per_bucket: dict[int, list[float]] = {}
     for r in range(len(rows)):
-        for position, loss in _eager_losses(model, rows[r]):
+        for position, loss in eager_losses(model, rows[r]):
             per_bucket.setdefault(min(position // 48, 5), []).append(loss)
     assert len(got) == 7  # ceil(256 / 48) = 6 buckets and "all"
     for b, row in enumerate(r for name, r in got.items() if name != "all"):
@@ -333,6 +283,20 @@ def test_eval_passkey_cli_end_to_end(tmp_path, model_folder):
         assert row["accuracy"] == sum(s["correct"] for s in row["samples"]) / 2
 
 
+def test_passkey_answers_only_with_ids_the_tokenizer_can_write(tmp_path):
+    """A model with more embeddings than its tokenizer has ids (the tiny recipe at 1,024
+    against the byte tokenizer's 259): greedy decoding picks among the tokenizer's ids, so every
+    answer decodes."""
+    out = tmp_path / "pk.json"
+    result = runner.invoke(app, ["eval", "tiny", "--task", "passkey", "--cp", "1", "--lengths",
+                                 "256", "--depths", "0,1", "--json", str(out), "--set",
+                                 "model.config.vocab_size=1024", "--set",
+                                 f"train.output_dir={tmp_path / 'run'}"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(len(r["samples"]) == 1 for r in rows)
+
+
 def test_self_launched_rank_entry(tmp_path, model_folder):
     """What ``python -m lctrain.eval`` runs in each self-launched rank, here as one rank."""
     from transformers import AutoTokenizer
@@ -341,7 +305,7 @@ def test_self_launched_rank_entry(tmp_path, model_folder):
     from lctrain.eval.request import resolve
     from lctrain.eval.run import worker_entry
 
-    data = _texts(tmp_path / "d.jsonl", 4, random.Random(random.randrange(2**31)))
+    data = texts(tmp_path / "d.jsonl", 4, random.Random(random.randrange(2**31)))
     cfg, request = resolve(str(model_folder), task="ppl", cp=1, seq_len=128, data=str(data),
                            max_rows=2, overrides=[f"train.output_dir={tmp_path / 'out'}"])
     request = dataclasses.replace(request, result_file=str(tmp_path / "result.json"))
@@ -352,8 +316,8 @@ def test_self_launched_rank_entry(tmp_path, model_folder):
     got = {r["bucket"]: r for r in json.loads((tmp_path / "result.json").read_text())["rows"]}
     rows = prepare_data(DataConfig(source=str(data), seq_len=128, tokenizer=None),
                         AutoTokenizer.from_pretrained(model_folder))
-    model = _eager(model_folder)
-    losses = [loss for r in range(2) for _, loss in _eager_losses(model, rows[r])]
+    model = eager_model(model_folder)
+    losses = [loss for r in range(2) for _, loss in eager_losses(model, rows[r])]
     assert got["all"]["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
 
 

@@ -150,24 +150,27 @@ def register_eval_attention() -> str:
     return ATTENTION_NAME
 
 
-def pick_token(logits: torch.Tensor, group: Any) -> torch.Tensor:
+def pick_token(logits: torch.Tensor, group: Any, vocab: int | None = None) -> torch.Tensor:
     """Greedy next tokens, the same on every rank of ``group``: cp rank 0's argmax.
 
     Args:
         logits: (B, V) float32 next-token logits (identical on every rank by construction).
         group: the cp group, or None.
+        vocab: pick among the first ``vocab`` ids only (a tokenizer smaller than the model's
+            embedding cannot write the others); None: all V.
 
     Returns:
         (B, 1) int64 token ids.
     """
-    token = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    token = logits[:, :vocab].argmax(dim=-1, keepdim=True)  # (B, 1)
     if group is not None and dist.get_world_size(group) > 1:
         dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
     return token
 
 
 def generate(module: torch.nn.Module, prompt: list[int], steps: int, *, cp, accelerator,
-             keep_logits: bool = False) -> tuple[list[int], list[torch.Tensor]]:
+             keep_logits: bool = False, vocab: int | None = None
+             ) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy continuation of ``prompt`` by ``steps`` tokens (collective over the cp group).
 
     Args:
@@ -177,6 +180,7 @@ def generate(module: torch.nn.Module, prompt: list[int], steps: int, *, cp, acce
         cp: the run's `lctrain.parallel.context.ContextParallel`.
         accelerator: autocast.
         keep_logits: also return the logits of every step (float32 on the host).
+        vocab: generate only ids below this (the tokenizer's size; see `pick_token`).
 
     Returns:
         (generated ids, per-step (V,) logits or an empty list).
@@ -200,7 +204,7 @@ def generate(module: torch.nn.Module, prompt: list[int], steps: int, *, cp, acce
         for step in range(steps):
             if keep_logits:
                 kept.append(logits[0].cpu())
-            token = pick_token(logits, group)  # (1, 1)
+            token = pick_token(logits, group, vocab)  # (1, 1)
             tokens.append(token)
             if step + 1 == steps:
                 break

@@ -122,7 +122,7 @@ def run_passkey(setup, parts, request) -> tuple[list[dict], dict]:
         if setup.accelerator.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(setup.accelerator.device)
         ids, _ = generate(parts.distributed.module, prompt.ids, steps, cp=setup.cp,
-                          accelerator=setup.accelerator)
+                          accelerator=setup.accelerator, vocab=len(tokenizer))
         if index is None:
             continue
         outcomes[index] = {"answer": decode_text(tokenizer, ids),
