@@ -2,11 +2,16 @@
 step that asked for it, even though the optimizer goes on at once (its step waits for the
 host copy); at most one save is in flight (the next save waits for the previous one to be
 written and published); the end of the run waits for the last; and the background saves give
-the same checkpoint, bit for bit, as synchronous ones."""
+the same checkpoint, bit for bit, as synchronous ones — also where torch's stager can stage only
+once (torch 2.11 closes its copier after each staging: a second save through it would fail with
+``KeyError: <class 'type'>``), so every save gets a stager of its own."""
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.distributed.checkpoint.staging import DefaultStager
 
+from lctrain.train import checkpoint_writer
 from lctrain.train.checkpoint import list_checkpoints, load_checkpoint
 from lctrain.train.checkpoint_writer import Checkpointer
 
@@ -52,7 +57,25 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_background_saves_hold_their_steps_state(tmp_path):
+@pytest.fixture(params=["reusable", "stages-once"])
+def stager(request, monkeypatch):
+    """The stager as this torch has it, or as torch 2.11's: closed after its first staging."""
+    if request.param == "stages-once":
+        stage = DefaultStager._stage
+
+        def stage_then_close(self, state_dict, **kwargs):
+            staged = stage(self, state_dict, **kwargs)
+            self._state_dict_stager.close()
+            return staged
+
+        monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    checkpoint_writer._stager_reusable.cache_clear()
+    yield request.param
+    checkpoint_writer._stager_reusable.cache_clear()
+
+
+def test_background_saves_hold_their_steps_state(tmp_path, stager):
+    assert checkpoint_writer._stager_reusable() == (stager == "reusable")
     snapshots = {}
     for background in (True, False):
         module, optimizer = _model()

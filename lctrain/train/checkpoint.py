@@ -253,7 +253,7 @@ def _load_error(path: Path, error: BaseException) -> UserError:
 
 def root_cause(error: BaseException) -> str:
     """The reason inside ``error``: the first operating-system error (DCP wraps each rank's
-    exception in a CheckpointException), else the innermost exception's first line."""
+    exception in a CheckpointException), else the innermost exception's type and first line."""
     chain, todo = [], [error]
     while todo:
         item = todo.pop(0)
@@ -263,8 +263,10 @@ def root_cause(error: BaseException) -> str:
         failures = getattr(item, "failures", None) or {}
         todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
         todo.extend(e for e in (item.__cause__, item.__context__) if e is not None)
-    lines = str(chain[-1]).strip().splitlines()
-    return lines[0][:300] if lines else type(chain[-1]).__name__
+    innermost = chain[-1]
+    lines = str(innermost).strip().splitlines()
+    name = type(innermost).__name__
+    return f"{name}: {lines[0][:300]}" if lines else name
 
 
 def _user_error_inside(error: BaseException) -> UserError | None:

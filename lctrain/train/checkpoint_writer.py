@@ -21,6 +21,7 @@ synchronous and rank 0 says so.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -154,8 +155,10 @@ class Checkpointer:
         if not self.asynchronous:
             return False
         if self._stager is not None:
+            if not _stager_reusable():  # the previous save has finished (save waited for it)
+                self._stager.close()
+                self._stager = _new_stager()
             return True
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         fits = torch.tensor([int(_host_copy_fits(size, self.local_processes))])
         if self.group is not None:
             dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group)
@@ -165,11 +168,7 @@ class Checkpointer:
                 print("checkpoints are written synchronously: a host copy of the training "
                       "state would not fit in the available host memory", flush=True)
             return False
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-            use_non_blocking_copy=cuda))
+        self._stager = _new_stager()
         self._hook = self.optimizer.register_step_pre_hook(self._before_update)
         return True
 
@@ -252,6 +251,36 @@ def state_bytes(state: dict) -> int:
             local = item.to_local() if hasattr(item, "to_local") else item
             total += local.numel() * local.element_size()
     return total
+
+
+def _new_stager():
+    """DCP's stager: the host copy is taken in a background thread (pinned memory, on a side
+    stream, on GPUs)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=cuda))
+
+
+@functools.cache
+def _stager_reusable() -> bool:
+    """Whether one DefaultStager can stage more than once. torch 2.11's closes its copier at
+    the end of every staging, so a second save through it fails (``KeyError: <class
+    'type'>``); there every save gets a new stager (2.11 keeps no host buffers between saves
+    anyway). Probed once, on a one-element CPU state."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
 
 
 def _host_copy_fits(size: int, processes: int) -> bool:
