@@ -385,3 +385,34 @@ def test_plot_draws_one_line_per_backend_and_documents_mix(tmp_path, monkeypatch
     assert lines == {"docsplit 8x8k": [32768, 65536], "docsplit 32x2k": [32768, 65536],
                      "triton 8x8k": [32768, 65536], "triton 32x2k": [32768, 65536],
                      "cudnn (dense)": [65536]}
+
+
+def test_bench_report_shows_eval_results_as_lctrain_eval_does(tmp_path):
+    """An ``lctrain eval --json`` file: its table in every format (the published evaluation
+    tables come from their files like the bench's); mixed with a bench file, or with options
+    that only merge bench results, it is one sentence and exit 1."""
+    from typer.testing import CliRunner
+
+    from lctrain.cli import app
+    from lctrain.eval.result import EvalResult
+
+    rng = random.Random(random.randrange(2**31))
+    losses = [rng.uniform(1.0, 12.0) for _ in range(3)]
+    rows = [{"bucket": f"{4 * i}K–{4 * i + 4}K", "start": 4096 * i, "stop": 4096 * (i + 1),
+             "tokens": 4096, "loss": loss, "ppl": 2.718281828 ** loss}
+            for i, loss in enumerate(losses)]
+    path = EvalResult(task="ppl", title="Loss by position — a test", rows=rows,
+                      meta={"seconds": 2.5, "peak_memory_bytes": 3 * 2**30}).save(
+        tmp_path / "ppl.json")
+    result = CliRunner().invoke(app, ["bench", "report", str(path), "--format", "markdown"])
+    assert result.exit_code == 0, result.output
+    body = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert body[0] == "| positions | scored (tokens) | loss (nats) | perplexity |"
+    assert [line.split(" | ")[2] for line in body[1:]] == [f"{x:.4f}" for x in losses]
+    assert "peak memory 3.00 GiB per rank" in result.stdout
+    bench = str(_result("kernel").save(tmp_path / "k.json"))
+    for args, words in (([str(path), bench], "is not lctrain eval results; report evaluation "
+                                             "and bench result files separately"),
+                        ([str(path), "--rows"], "--rows and --json merge bench results")):
+        refused = CliRunner().invoke(app, ["bench", "report", *args])
+        assert refused.exit_code == 1 and words in refused.stderr, refused.output

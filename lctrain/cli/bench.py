@@ -232,7 +232,8 @@ def report(files: list[str] = typer.Argument(..., metavar="FILE",
            json_file: JsonFileOpt = None, plot: PlotOpt = None, fmt: FormatOpt = Format.table,
            wide: WideOpt = False) -> None:
     """Turn result files into the README's tables and plots; several files of one bench are
-    merged (e.g. one table measured in parts) and --json writes the merged result.
+    merged (e.g. one table measured in parts) and --json writes the merged result. Files of
+    lctrain eval --json are shown one after the other, as lctrain eval shows them.
 
     \b
     Example:
@@ -241,7 +242,13 @@ def report(files: list[str] = typer.Argument(..., metavar="FILE",
     with user_errors():
         from lctrain.bench.publish import Publisher
         from lctrain.bench.result import load, merge
+        from lctrain.report.eval_files import eval_results, show_eval_results
 
+        evaluations = eval_results(files)
+        if evaluations:
+            show_eval_results(evaluations, fmt.value, wide, rows=rows, json_file=json_file,
+                              plot=plot)
+            return
         result = merge([load(path) for path in files])
         out = Publisher(result.kind, fmt.value, wide, json_file, plot)
         out.publish(result, summary=not rows, record_command=False)

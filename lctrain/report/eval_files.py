@@ -1,0 +1,59 @@
+"""`lctrain bench report` on files written by ``lctrain eval --json``: each shown as the eval
+command shows it (its table and the lines under it), so published evaluation tables are made
+from their result files like the bench's."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lctrain.errors import UserError
+
+
+def eval_results(files: list[str]) -> list:
+    """The evaluation results among ``files``, loaded; [] when none is one.
+
+    Raises:
+        UserError: evaluation and bench results mixed (they share no table).
+    """
+    from lctrain.eval.result import load
+
+    marked = [_is_eval(path) for path in files]
+    if not any(marked):
+        return []
+    if not all(marked):
+        mixed = ", ".join(p for p, m in zip(files, marked) if not m)
+        raise UserError(f"{mixed} {'is' if mixed.count(', ') == 0 else 'are'} not lctrain eval "
+                        "results; report evaluation and bench result files separately")
+    return [load(path) for path in files]
+
+
+def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_file, plot
+                      ) -> None:
+    """Print each evaluation's table in ``fmt``; ``--plot`` draws a single one.
+
+    Raises:
+        UserError: --rows or --json (bench-only options), or --plot with several files.
+    """
+    from lctrain.eval.report import plot as draw
+    from lctrain.eval.report import table
+    from lctrain.report.output import say, show
+
+    if rows or json_file is not None:
+        raise UserError("--rows and --json merge bench results; an lctrain eval result is "
+                        "shown as it is (use the file itself for its JSON)")
+    if plot is not None and len(results) != 1:
+        raise UserError(f"--plot draws one evaluation result; {len(results)} were given")
+    for result in results:
+        show(table(result), fmt, wide)
+    if plot is not None:
+        say(f"wrote the plot to {draw(results[0], plot)}")
+
+
+def _is_eval(path: str) -> bool:
+    """Whether ``path`` holds an lctrain eval document (unreadable files are left to the
+    bench loader, which names the problem)."""
+    try:
+        data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "lctrain_eval" in data
