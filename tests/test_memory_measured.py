@@ -1,6 +1,11 @@
 """The memory model against every GPU peak measured by ``lctrain bench step`` and published in
 docs/performance/: the model's ``peak_allocated`` for the recipe as run is within 10 % of
-``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``)."""
+``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``).
+
+With the document mask on, the model budgets the attention of a row that is one document (the
+rows of a run differ, and a later row must fit too); rows of shorter documents leave blocks
+empty, which the distributed attention skips with their buffers, so there the model is a
+bound: the peak is at most 10 % above it and not below half of it."""
 import json
 import shlex
 from pathlib import Path
@@ -32,4 +37,7 @@ def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
     assert cfg.train.checkpointing == row["policy"] and cfg.parallel.schedule == row["schedule"]
     est = estimate_recipe(cfg, seq_len=row["seq_len"], gpus=row["gpus"], gpu_memory=139 * GIB)
     model = est.details["peak_allocated"] / GIB
-    assert abs(row["peak_gib"] / model - 1) <= 0.10, (row["peak_gib"], model)
+    if cfg.data.document_mask and row["peak_gib"] < model:
+        assert row["peak_gib"] >= 0.5 * model, (row["peak_gib"], model)
+    else:
+        assert abs(row["peak_gib"] / model - 1) <= 0.10, (row["peak_gib"], model)
