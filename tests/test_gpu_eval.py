@@ -21,7 +21,7 @@ from eval_reference import eager_losses, eager_model, save_tiny_model, texts
 pytestmark = pytest.mark.gpu
 
 
-def _eval(*args: str) -> dict:
+def _eval(*args: str) -> subprocess.CompletedProcess:
     gpus = torch.cuda.device_count()
     run = subprocess.run([sys.executable, "-m", "lctrain", "eval", *args, "--cp", str(gpus),
                           "--set", "train.mixed_precision=no", "--format", "csv"],

@@ -21,9 +21,9 @@ def eval_results(files: list[str]) -> list:
     if not any(marked):
         return []
     if not all(marked):
-        mixed = ", ".join(p for p, m in zip(files, marked) if not m)
-        raise UserError(f"{mixed} {'is' if mixed.count(', ') == 0 else 'are'} not lctrain eval "
-                        "results; report evaluation and bench result files separately")
+        others = [p for p, m in zip(files, marked) if not m]
+        raise UserError(f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not lctrain "
+                        "eval results; report evaluation and bench result files separately")
     return [load(path) for path in files]
 
 
