@@ -112,13 +112,12 @@ def test_attention_api_by_name_with_autograd_and_lse_gradient():
 
 def test_registry_and_auto_rule():
     assert "docsplit" in available_backends() and get_backend("docsplit").name == "docsplit"
-    half, part, docs = torch.bfloat16, Relation.PARTIAL, True
-    assert auto_order("cuda", half, part, docs) == ("docsplit", "triton", "reference")
-    assert auto_order("cuda", torch.float16, part, docs)[0] == "docsplit"
-    assert auto_order("cuda", half, part, False) == ("triton", "reference")  # offsets only
-    assert auto_order("cuda", torch.float32, part, docs) == ("triton", "reference")
-    assert auto_order("cuda", half, Relation.CAUSAL, docs)[0] == "cudnn"
-    assert auto_order("cpu", half, part, docs) == ("reference",)
+    half, part = torch.bfloat16, Relation.PARTIAL
+    assert auto_order("cuda", half, part) == ("triton", "reference")  # docsplit only when named
+    assert auto_order("cuda", torch.float16, part) == ("triton", "reference")
+    assert auto_order("cuda", torch.float32, part) == ("triton", "reference")
+    assert auto_order("cuda", half, Relation.CAUSAL)[0] == "cudnn"
+    assert auto_order("cpu", half, part) == ("reference",)
     spec = MaskSpec(True, 0, 0, bounds_of(10, 22))
     q, k, v = torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)
     assert select_backend("auto", q, k, v, spec, part).name == "reference"  # CPU: unchanged
@@ -244,15 +243,16 @@ def test_gpu_docsplit_bf16_matches_float32_math_on_document_mixes(mix):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_runs_docsplit_and_its_model_picks_the_masked_kernel_for_short_documents():
-    """auto picks docsplit for document-masked bf16 blocks; under the GPU prices its plan for
-    64K tokens of equal 8K documents is one dense call, for short ragged ones one masked call."""
+def test_gpu_auto_runs_triton_and_docsplit_model_picks_the_masked_kernel_for_short_documents():
+    """auto runs document-masked bf16 blocks on triton; docsplit, named, plans 64K tokens of
+    equal 8K documents as one dense call and short ragged ones as one masked call."""
     if "cudnn" not in available_backends():
         pytest.skip("docsplit runs its dense pieces on cuDNN, which this machine lacks")
     s = 65536
     q = torch.empty(1, s, 32, 128, device="cuda", dtype=torch.bfloat16)
     eight = MaskSpec(True, 0, 0, bounds_of(*[8192] * 8))
-    chosen = select_backend("auto", q, q, q, eight, Relation.PARTIAL)
-    assert chosen.name == "docsplit" and len(chosen.plan(q, eight, s).dense) == 1
+    assert select_backend("auto", q, q, q, eight, Relation.PARTIAL).name == "triton"
+    chosen = select_backend("docsplit", q, q, q, eight, Relation.PARTIAL)
+    assert len(chosen.plan(q, eight, s).dense) == 1
     short = MaskSpec(True, 0, 0, bounds_of(*lognormal_lengths(s, 1024, 0.6, 0)))
     assert chosen.plan(q, short, s).masked == (MaskedCall(0, s, 0, s),)

@@ -18,7 +18,7 @@
 
 With ``documents`` (a ``--documents`` spec, `lctrain.bench.documents`) every length is packed
 documents: lctrain's schedules get their bounds, the FLOPs count only the pairs inside documents
-(useful FLOPs), the single-GPU row runs the same documents through "auto" (docsplit on a GPU),
+(useful FLOPs), the single-GPU row runs the same documents through "auto" (triton on a GPU),
 the correctness check runs the mix of the shortest length scaled to the check length, and the
 peers, which take no document mask, say so instead of timing dense work.
 
@@ -396,13 +396,13 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
 
 def _single_backend(backend: str, device: torch.device, dtype: torch.dtype, documents: bool) -> str:
     """The backend of the single-GPU row: the named one; for "auto", cudnn on a GPU (reference
-    on a CPU), or with documents what "auto" runs for a whole packed sequence (docsplit on a
+    on a CPU), or with documents what "auto" runs for a whole packed sequence (triton on a
     GPU), the first of its order that loads here."""
     if backend != "auto":
         return backend
     if not documents:
         return "cudnn" if device.type == "cuda" else "reference"
-    order = auto_order(device.type, dtype, Relation.PARTIAL, True)
+    order = auto_order(device.type, dtype, Relation.PARTIAL)
     for name in order:
         try:
             get_backend(name)

@@ -25,14 +25,14 @@ The "auto" rule (:func:`select_backend`), first one that is available and suppor
 
 * CUDA, FULL or CAUSAL block, fp16/bf16: cudnn > triton > flash > flash_attn > reference,
   fastest first as measured on H100/H200 (``lctrain bench kernel``, README "Performance").
-* CUDA, PARTIAL block with documents, fp16/bf16: docsplit > triton > reference. Cut at its
-  document boundaries (:mod:`lctrain_kernels.docsplit`), a packed block runs as dense cuDNN
-  calls, faster per visible pair than our Triton kernel's skipping of masked tiles; where its
-  cost model prices the calls above one Triton call for the whole block (many short ragged
-  documents), docsplit runs exactly that call. docsplit needs cudnn (without it, it refuses
-  the block and triton runs it).
-* CUDA, other PARTIAL blocks (offset diagonal without documents) or float32: triton >
-  reference; only triton skips masked tiles, and the dense SDPA ops take no mask with lse.
+* CUDA, PARTIAL block (documents, an offset diagonal) or float32: triton > reference; only
+  triton skips masked tiles, and the dense SDPA ops take no mask with lse. docsplit, which
+  cuts a packed block at its document boundaries into dense cuDNN calls, beats triton on a
+  fixed mix of documents (`lctrain bench kernel --documents`), but cuDNN builds an execution
+  plan for every new call shape, and every step of real data brings new document lengths: in
+  training steps (`lctrain bench step --variant parallel.attention_backend=...`, docs/
+  performance.md) it ran slower than triton over the first dozens of steps and no faster once
+  its plans were built. So it runs only when named.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
   takes a mask only as an additive tensor of the inputs' dtype, and the Triton interpreter is
   correct but orders of magnitude slower).
@@ -54,7 +54,6 @@ __all__ = ["Backend", "BackendUnavailable", "available_backends", "backend_names
            "check_backend_name", "get_backend", "select_backend"]
 
 _DENSE_CUDA_ORDER = ("cudnn", "triton", "flash", "flash_attn", "reference")
-_DOCUMENT_CUDA_ORDER = ("docsplit", "triton", "reference")
 _MASKED_CUDA_ORDER = ("triton", "reference")
 _DENSE_CPU_ORDER = ("cpu_flash", "reference")
 
@@ -116,15 +115,13 @@ def available_backends() -> list[str]:
     return names
 
 
-def auto_order(device_type: str, dtype: torch.dtype, relation: Relation,
-               documents: bool) -> tuple[str, ...]:
+def auto_order(device_type: str, dtype: torch.dtype, relation: Relation) -> tuple[str, ...]:
     """The backends "auto" tries, in order, for a block (the rule of the module docstring).
 
     Args:
         device_type: the tensors' device type ("cuda", "cpu", ...).
         dtype: the inputs' dtype.
         relation: the block's relation (not EMPTY).
-        documents: whether the block's mask has document bounds.
 
     Returns:
         Backend names, best first; the first that loads and supports the block runs it.
@@ -135,8 +132,6 @@ def auto_order(device_type: str, dtype: torch.dtype, relation: Relation,
     half = dtype in (torch.float16, torch.bfloat16)
     if dense and half:
         return _DENSE_CUDA_ORDER
-    if relation is Relation.PARTIAL and documents and half:
-        return _DOCUMENT_CUDA_ORDER
     return _MASKED_CUDA_ORDER
 
 
@@ -164,7 +159,7 @@ def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation) -> Backend
         backend = get_backend(name)
     else:
         reasons = []
-        order = auto_order(q.device.type, q.dtype, relation, spec.doc_bounds is not None)
+        order = auto_order(q.device.type, q.dtype, relation)
         for candidate in order:
             try:
                 backend = get_backend(candidate)
