@@ -221,5 +221,5 @@ def test_a_full_disk_is_said(tmp_path):
         code, output = _invoke([*RUN, "--output-dir", str(disk / "other")], tmp_path)
         assert code == 1 and "cannot be written (No space left on device)" in output, output
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)  # also when a file is open
         os.sync()

@@ -3,9 +3,9 @@
 One run folder lives through a chain of faults, each run resuming from what the previous one
 left, the first resume with the exact command the previous run printed:
 
-1. rank 1 is SIGKILLed (what an out-of-memory kill looks like), while a second run into the
-   same folder is refused; the job ends with the rank, the signal, the last step and the last
-   checkpoint named;
+1. rank 1 is SIGKILLed (what an out-of-memory kill looks like) or gets SIGSEGV (a crashed
+   kernel or extension), chosen at random, while a second run into the same folder is refused;
+   the job ends with the rank, the signal, the last step and the last checkpoint named;
 2. SIGTERM on rank 1 alone: both ranks stop after the same step, save a checkpoint
    (checkpoint.on_signal; no regular save falls there), rank 0 says how to resume; exit 143;
 3. SIGTERM or SIGINT (Ctrl-C) on a launcher process at a random moment of a resumed run that
@@ -46,7 +46,7 @@ from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.train import finetune
 from lctrain.train.checkpoint import list_checkpoints, read_model_weights
-from lctrain.train.lifetime import children
+from lctrain.train.lifetime import children, describe_death
 from lctrain.train.stopping import catches_request
 
 SETS = {"data.seq_len": 128, "data.max_documents": 24, "parallel.attention_backend": "reference",
@@ -126,8 +126,8 @@ def _in_background(action) -> threading.Thread:
 
 
 def _kill_rank_1(out: Path, cfg, refused: list) -> int:
-    """Step 1: a second run into the folder is refused; then rank 1 is SIGKILLed."""
-    ended = {}
+    """Step 1: a second run into the folder is refused; then rank 1 is SIGKILLed or crashes."""
+    ended, signum = {}, random.choice([signal.SIGKILL, signal.SIGSEGV])
 
     def inject():
         _wait(lambda: max(_steps(out), default=0) >= 13, "step 13")
@@ -136,7 +136,7 @@ def _kill_rank_1(out: Path, cfg, refused: list) -> int:
         except UserError as error:
             refused.append(str(error))
         ended["pid"] = _beat(out, 1)["pid"]
-        os.kill(ended["pid"], signal.SIGKILL)
+        os.kill(ended["pid"], signum)
         ended["at"] = time.monotonic()
 
     thread = _in_background(inject)
@@ -146,9 +146,8 @@ def _kill_rank_1(out: Path, cfg, refused: list) -> int:
     thread.join()
     last = max(_steps(out))
     assert str(error.value) == (
-        f"rank 1 (pid {ended['pid']}) was killed by SIGKILL (the kernel's out-of-memory killer "
-        f"does that, see dmesg; so does kill -9) after step {last}, the last step the job "
-        f"completed; the job was stopped; {_hint(out)}.")
+        f"rank 1 (pid {ended['pid']}) {describe_death(signum)} after step {last}, the last step "
+        f"the job completed; the job was stopped; {_hint(out)}.")
     return last
 
 
