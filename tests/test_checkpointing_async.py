@@ -7,6 +7,8 @@ once (torch 2.11 closes its copier after each staging: a second save through it 
 ``KeyError: <class 'type'>``), so every save gets a stager of its own."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager
@@ -108,7 +110,23 @@ def test_bench_step_times_steps_with_a_save_in_flight(tmp_path):
     cfg = load_recipe(None, ["parallel.cp=1", "data.max_documents=8", "train.warmup_steps=0",
                              "checkpoint.asynchronous=on"], seq_len=64,
                       output_dir=str(tmp_path / "bench"))
-    (row,) = run(cfg, steps=3, nproc=1, warmup=1, save_every=1).rows
-    assert row["status"] == "ok" and row["steps"] == 3 and row["save_every"] == 1
+    (row,) = run(cfg, steps=4, nproc=1, warmup=1, save_every=2).rows
+    assert row["status"] == "ok" and row["steps"] == 4 and row["save_every"] == 2
     assert 0 < row["checkpoint_s"] < row["step_time_s"] * 100
+    assert row["step_after_save_s"] > 0 and row["step_without_save_s"] > 0
     assert list((tmp_path / "bench").iterdir()) == []  # the scratch run and its saves are gone
+
+
+def test_bench_step_splits_the_steps_after_a_save_from_the_others():
+    """Saves after steps 2 and 4 of 6, one warm-up step: steps 3 and 5 ran after a save
+    started; 2, 4 and 6 did not; the wait is the median over the timed saves."""
+    from lctrain.bench.step import _saves
+
+    times = {s: random.uniform(1, 2) for s in range(1, 7)}
+    waits = {2: random.uniform(0, 1), 4: random.uniform(0, 1)}
+    records = [{"step": s, "step_time_s": t, **({"checkpoint_s": waits[s]} if s in waits else {})}
+               for s, t in times.items()]
+    got = _saves(records, warmup=1, save_every=2)
+    assert got["checkpoint_s"] == pytest.approx((waits[2] + waits[4]) / 2)
+    assert got["step_after_save_s"] == pytest.approx((times[3] + times[5]) / 2)
+    assert got["step_without_save_s"] == pytest.approx(sorted([times[2], times[4], times[6]])[1])

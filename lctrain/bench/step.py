@@ -90,7 +90,10 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         warmup: untimed steps first.
         save_every: also checkpoint every N steps (0: never), as ``checkpoint.asynchronous``
             says (in the background or not): the steps are then timed with saves in flight,
-            and ``checkpoint_s`` is how long the loop waited for each save.
+            ``checkpoint_s`` is how long the loop waited for each save, and the step time is
+            also split into the steps right after a save started (``step_after_save_s``: in
+            the background, the save is written meanwhile) and the others
+            (``step_without_save_s``).
         progress: called with one line before and after each configuration.
 
     Returns:
@@ -147,9 +150,21 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _row(cfg, nproc, records, warmup, layers, predicted) | {
-        "save_every": save_every, "checkpoint_s": _median(
-            [r for r in records if r["step"] > warmup and "checkpoint_s" in r], "checkpoint_s")}
+    return _row(cfg, nproc, records, warmup, layers, predicted) | _saves(records, warmup,
+                                                                       save_every)
+
+
+def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
+    """The save fields of a row: the median wait for a save, and the median time of the timed
+    steps that ran right after a save started against that of the others."""
+    saved = {r["step"] for r in records if "checkpoint_s" in r}
+    timed = [r for r in records if r["step"] > warmup]
+    after = [r for r in timed if r["step"] - 1 in saved]
+    return {"save_every": save_every,
+            "checkpoint_s": _median([r for r in timed if r["step"] in saved], "checkpoint_s"),
+            "step_after_save_s": _median(after, "step_time_s") if save_every else None,
+            "step_without_save_s": _median([r for r in timed if r not in after], "step_time_s")
+            if save_every else None}
 
 
 @contextlib.contextmanager
