@@ -24,7 +24,8 @@ def _rows():
         result = json.loads(path.read_text())
         command = shlex.split(result["meta"]["command"])
         recipe = command[3]
-        base = [command[i + 1] for i, word in enumerate(command) if word == "--set"]
+        base = [command[i + 1] for i, word in enumerate(command)  # the data file was the
+                if word == "--set" and not command[i + 1].startswith("data.source=")]  # run's
         for row in result["rows"]:
             if row.get("status") == "ok":
                 yield pytest.param(recipe, base, row, id=f"{path.stem}-{row['seq_len']}-"
