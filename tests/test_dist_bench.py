@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from lctrain_kernels.distributed.balance import balanced_order, document_work
+
 from lctrain.bench.attention import run
 from lctrain.errors import ConfigError
 
@@ -99,3 +101,20 @@ def test_packed_documents_reach_every_variant_and_count_useful_flops():
         assert "takes no document mask" in rows[peer]["status"]
     assert result.meta["documents"] == "3x20,rest"
     assert result.meta["check_documents"] == "4 documents of 2..10 tokens, median 10"
+    assert result.meta["balance_documents"] is True
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_the_balance_figure_is_the_documents_own_in_the_order_timed(balance):
+    """A long last document leaves rank 1 with most of the work in packed order; balanced, it
+    moves to the front and straddles the ranks' boundary."""
+    result = run([64], ["distflash"], nproc=2, heads=2, kv_heads=1, head_dim=8, dtype=torch.float32,
+                 repeats=1, warmup=0, check_len=32, documents="6,6,6,6,rest",
+                 overlap_ablation=False, peers=False, balance_documents=balance)
+    lengths = [6, 6, 6, 6, 40]
+    order = balanced_order(lengths, 64, 2) if balance else range(5)
+    work = document_work([lengths[i] for i in order], 64, 2)
+    row = next(r for r in result.rows if r["variant"] == "distflash")
+    assert row["status"] == "ok" and row["correct"] is True
+    assert row["balance"] == pytest.approx(max(work) * 2 / sum(work))
+    assert (row["balance"] < 1.2) == balance  # packed: 656 of 904 pairs on rank 1

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -51,7 +52,9 @@ from lctrain.bench.timing import measure, repeats_for
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
 from lctrain_kernels.backends import BackendUnavailable, auto_order, get_backend
+from lctrain_kernels.distributed.balance import balanced_order, document_work
 from lctrain_kernels.distributed.comm import nccl_options
+from lctrain_kernels.distributed.schedule import make_schedule
 from lctrain_kernels.masks import Relation
 from lctrain_kernels.vocabulary import SCHEDULES, check_schedule, check_seq_len
 
@@ -87,10 +90,30 @@ class BenchConfig:
     progress: Callable[[str], None] | None = None
     documents: dict[int, Documents] | None = None  # per total length
     check_documents: Documents | None = None  # the mix scaled to check_len
+    balance_documents: bool = True  # lctrain's schedules get the documents in balanced order
 
-    def bounds(self, seq_len: int) -> tuple[int, ...] | None:
-        """Document bounds of the sequence of ``seq_len`` tokens (None: one sequence)."""
-        return None if self.documents is None else self.documents[seq_len].cu_seqlens
+    def bounds(self, seq_len: int, schedule: str | None = None,
+               world: int = 1) -> tuple[int, ...] | None:
+        """Document bounds of the sequence of ``seq_len`` tokens (None: one sequence); for one
+        of lctrain's schedules over ``world`` ranks, in the order training would give them
+        (`lctrain_kernels.distributed.balance`) when ``balance_documents``."""
+        if self.documents is None:
+            return None
+        bounds = self.documents[seq_len].cu_seqlens
+        if not self.balance_documents or schedule not in SCHEDULES or world == 1:
+            return bounds
+        lengths = np.diff(bounds)
+        order = balanced_order(lengths, seq_len, world, schedule)
+        return tuple(int(x) for x in np.cumsum([0, *lengths[list(order)]]))
+
+    def balance(self, seq_len: int, schedule: str, world: int) -> float:
+        """The busiest rank's attention work over the mean under ``schedule``: for one causal
+        sequence the schedule's own figure, with documents theirs (in the order timed)."""
+        bounds = self.bounds(seq_len, schedule, world)
+        if bounds is None:
+            return make_schedule(world, schedule).balance()
+        work = document_work(np.diff(bounds), seq_len, world, schedule)
+        return max(work) * world / max(sum(work), 1)
 
 
 class _Bench:
@@ -137,7 +160,7 @@ class _Bench:
         """(fwd, bwd) closures of lctrain's op on random local rows."""
         n, c = seq_len // self.world, self.cfg
         q, k, v, do = (self._local(n, h, s) for s, h in enumerate((c.heads, c.kv_heads, c.kv_heads, c.heads)))
-        bounds = list(c.bounds(seq_len) or [])
+        bounds = list(c.bounds(seq_len, schedule, self.world) or [])
         opts = (self.group.group_name, True, bounds, c.head_dim ** -0.5, schedule, c.backend, overlap)
         fwd = lambda: torch.ops.lctrain.dist_attention(q, k, v, *opts)  # noqa: E731
         bwd = lambda o: torch.ops.lctrain.dist_attention_backward(do, q, k, v, o[0], o[1], *opts)  # noqa: E731
@@ -147,13 +170,12 @@ class _Bench:
         """Median milliseconds of the forward + backward messages of a schedule, no compute."""
         from lctrain_kernels.distributed.comm import Exchanger
         from lctrain_kernels.distributed.executor import BackwardEngine, ForwardEngine, Geometry, pruned_plan
-        from lctrain_kernels.distributed.schedule import make_schedule
 
         n, c = seq_len // self.world, self.cfg
         q, k = self._local(n, c.heads, 0), self._local(n, c.kv_heads, 1)
         lse = torch.zeros((1, c.heads, n), dtype=torch.float32, device=self.device)
         geo = Geometry(seq_len, self.world, make_schedule(self.world, schedule).layout, True,
-                       c.bounds(seq_len))
+                       c.bounds(seq_len, schedule, self.world))
         exch = Exchanger(self.group)
         fwd = lambda: ForwardEngine(pruned_plan(schedule, "forward", geo), geo, exch, False, q, k, k,  # noqa: E731
                                     1.0, c.backend, compute=False).run()
@@ -240,8 +262,6 @@ class _Bench:
         return rows
 
     def _length(self, seq_len: int, checks: dict) -> list[dict]:
-        from lctrain_kernels.distributed import make_schedule
-
         c = self.cfg
         flops = attention_flops(seq_len, c.heads, c.head_dim, True, c.bounds(seq_len))  # all of it
         base = {"seq_len": seq_len, "gpus": self.world, "tokens_per_gpu": seq_len // self.world}
@@ -253,7 +273,7 @@ class _Bench:
         rows = [{**base, "variant": f"single-gpu {self.single_backend}", "gpus": 1, **single}]
         self._say(_progress_line(rows[0]))
         for name, what, overlap in self.variants():
-            balance = make_schedule(self.world, what).balance() if what in SCHEDULES else None
+            balance = c.balance(seq_len, what, self.world) if what in SCHEDULES else None
             row = {**base, "variant": name, "balance": balance}
             if what in PEERS and c.documents is not None:
                 rows.append({**row, "status": f"{what} takes no document mask (it would attend "
@@ -330,7 +350,7 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
         heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
         dtype: torch.dtype | str | None = None, overlap_ablation: bool = True, peers: bool = True,
         backend: str = "auto", *, documents: str | int | None = None, recipe=None,
-        repeats: int = 5, warmup: int = 2, check_len: int | None = None,
+        balance_documents: bool = True, repeats: int = 5, warmup: int = 2, check_len: int | None = None,
         single_max_len: int = 262144, time_budget_s: float | None = None, min_time_s: float = 0.0,
         profile_dir: str | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark distributed attention on ``nproc`` ranks it launches itself.
@@ -349,6 +369,8 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
         documents: a ``--documents`` spec (`lctrain.bench.documents`; an int N = N equal
             documents), parsed at each total length; None = one causal sequence.
         recipe: the recipe whose tokenizer reads a ``data:FILE`` spec.
+        balance_documents: give lctrain's schedules the documents in the order that evens out
+            the ranks' work, as training does (``parallel.balance_documents``).
         repeats: timed iterations per measurement (median reported; ≥ 5 for figures).
         warmup: untimed iterations first.
         check_len: total length of the correctness check (default min(seq_lens, 2048·nproc)).
@@ -381,7 +403,8 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
     cfg = BenchConfig(seq_lens, schedules, heads, kv_heads, head_dim, dtype, overlap_ablation, peers,
                       backend, repeats, warmup, check_len, single_max_len, time_budget_s, min_time_s,
                       profile_dir, progress, docs,
-                      None if docs is None else docs[min(seq_lens)].scaled(check_len))
+                      None if docs is None else docs[min(seq_lens)].scaled(check_len),
+                      balance_documents)
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.spawn(_worker, args=(nproc, cfg, tmp), nprocs=nproc, join=True)
         with open(os.path.join(tmp, "rows.json")) as f:

@@ -103,6 +103,10 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
               nproc: NprocOpt = None, heads: HeadsOpt = None, kv_heads: KvHeadsOpt = None,
               head_dim: HeadDimOpt = None, dtype: DTypeOpt = None, backend: BackendOpt = None,
               documents: DocumentsOpt = None, recipe: DocumentsRecipeOpt = None,
+              balance_documents: bool = typer.Option(
+                  True, "--balance-documents/--packed-order",
+                  help="With --documents: give lctrain's schedules the documents in the order "
+                       "that evens out the GPUs' work, as training does, or in packed order."),
               overlap_ablation: bool = typer.Option(
                   False, "--overlap-ablation", help="Also run distflash without communication "
                                                     "overlap (and the share hidden)."),
@@ -149,7 +153,7 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
         result = run(seq_lens=_sizes(seq_len), schedules=split_names(schedule), nproc=nproc,
                      heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=_dtype(dtype),
                      documents=documents, recipe=_recipe(recipe),
-                     overlap_ablation=overlap_ablation, peers=peers, repeats=repeats,
+                     balance_documents=balance_documents, overlap_ablation=overlap_ablation, peers=peers, repeats=repeats,
                      warmup=warmup, check_len=check, min_time_s=min_time,
                      single_max_len=parse_size(single_max_len, what="--single-max-len"),
                      time_budget_s=time_budget, profile_dir=profile, progress=out.progress,

@@ -176,6 +176,10 @@ class ParallelConfig:
     """Run the attention heads in this many groups, one after the other (a divisor of the
     model's key/value heads): the attention's buffers (received keys/values, float32
     accumulators, gradients) shrink by that factor; same results (lctrain's schedules)."""
+    balance_documents: bool = True
+    """With packed documents and cp > 1, put each row's documents in the order that evens out
+    the ranks' attention work under the schedule (lctrain_kernels.distributed.balance);
+    attention never crosses a document, so the losses are those of the packed order."""
 
     def __post_init__(self) -> None:
         check_fields(self, "parallel")

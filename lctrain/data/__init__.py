@@ -11,8 +11,8 @@ the cache (cache.py) and plans the rows, of the training or the validation part 
 packing.py assembles rows with labels shifted before any split; batches.py orders, batches and
 shards them.
 """
-from lctrain.data.batches import (PackedBatch, eval_batches, iter_batches, plan_steps, shard_batch,
-                                  steps_summary)
+from lctrain.data.batches import (PackedBatch, eval_batches, iter_batches, plan_steps,
+                                  reorder_documents, shard_batch, steps_summary)
 from lctrain.data.formats import FORMATS, Encoder, Sample, detect_format
 from lctrain.data.packing import IGNORE, PackedRows, TokenStream, pack, plan_rows
 from lctrain.data.prepare import prepare_data, rows_summary, tokenizer_identity
@@ -31,6 +31,7 @@ __all__ = [
     "PackedRows", "Record", "RecordReader", "Sample", "TokenStream", "builtin_documents",
     "detect_format", "encode_documents", "eval_batches", "held_out", "iter_batches",
     "load_tokenizer", "pack", "pad_token_id", "part_samples", "plan_rows",
-    "plan_steps", "prepare_data", "rows_summary", "shard_batch", "steps_summary",
+    "plan_steps", "prepare_data", "reorder_documents", "rows_summary", "shard_batch",
+    "steps_summary",
     "tokenizer_identity",
 ]

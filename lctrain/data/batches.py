@@ -182,6 +182,20 @@ def _collate(rows: list[dict[str, np.ndarray]]) -> PackedBatch:
     return PackedBatch(*tensors, cu_seqlens=None if len(cu_seqlens) == 2 else cu_seqlens)
 
 
+def reorder_documents(batch: PackedBatch, order) -> PackedBatch:
+    """``batch`` with its documents in ``order`` (indices into its documents), every column
+    moved with its tokens: labels were shifted before, position ids restart per document, and
+    ``cu_seqlens`` follows the new order. The identity order returns ``batch`` itself."""
+    order = [int(i) for i in order]
+    if order == list(range(len(order))):
+        return batch
+    bounds = batch.cu_seqlens
+    index = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in order])
+    lengths = [bounds[i + 1] - bounds[i] for i in order]
+    return PackedBatch(*(getattr(batch, n)[:, index] for n in _COLUMNS),
+                       cu_seqlens=tuple(int(x) for x in np.cumsum([0, *lengths])))
+
+
 def shard_batch(batch: PackedBatch, *, cp_rank: int, cp_size: int, layout: str) -> PackedBatch:
     """This cp rank's part of ``batch`` along the sequence, in the attention's layout.
 

@@ -25,10 +25,12 @@ from __future__ import annotations
 import contextlib
 from typing import ContextManager
 
+import numpy as np
 import torch
+from lctrain_kernels.distributed.balance import balanced_order, document_work
 
 from lctrain.config import SCHEDULE_LAYOUTS
-from lctrain.data import PackedBatch, shard_batch
+from lctrain.data import PackedBatch, reorder_documents, shard_batch
 from lctrain.errors import UserError
 from lctrain.model.attention import CPContext, register_attention
 from lctrain.parallel import torch_cp
@@ -58,10 +60,15 @@ class ContextParallel:
         device: this rank's device (shards are moved there).
         head_groups: attention heads run in this many groups one after the other (lctrain's
             schedules; bounds the attention's buffers).
+        balance: reorder each row's documents so the ranks' attention work is even (lctrain's
+            schedules, cp > 1, rows of several documents; `lctrain.data.reorder_documents`).
 
     Attributes:
         layout: how the schedule lays a sequence out over the cp ranks (``contiguous`` or
             ``zigzag``); the data is cut in this layout.
+        work_balance: of the last batch :meth:`shard` cut (lctrain's schedules, cp > 1, rows of
+            documents; else None): the busiest rank's attention work over the mean, after
+            any reordering (1.0 is even).
         attention: the transformers attention function (``attn_implementation``) the model
             must be built with, registered in transformers' AttentionInterface here.
 
@@ -70,10 +77,12 @@ class ContextParallel:
     """
 
     def __init__(self, mesh: ParallelMesh, schedule: str, backend: str, *,
-                 device: torch.device, head_groups: int = 1) -> None:
+                 device: torch.device, head_groups: int = 1, balance: bool = False) -> None:
         check_runnable(schedule, mesh.cp, device.type)
         self.mesh, self.schedule, self.backend, self.device = mesh, schedule, backend, device
         self.head_groups = head_groups
+        self.balance = balance and mesh.cp > 1 and schedule != TORCH_PEER
+        self.work_balance: float | None = None
         self.layout = SCHEDULE_LAYOUTS[schedule]
         self._peer = (torch_cp.TorchContextParallel(mesh.mesh["cp"], mesh.cp_rank, device)
                       if schedule == TORCH_PEER and mesh.cp > 1 else None)
@@ -87,8 +96,17 @@ class ContextParallel:
             batch: (B, S) global rows, labels shifted before the cut.
 
         Returns:
-            (B, S / cp) tensors in the schedule's layout; position ids and ``cu_seqlens`` global.
+            (B, S / cp) tensors in the schedule's layout; position ids and ``cu_seqlens`` global
+            (of the balanced order, when the documents were reordered).
         """
+        self.work_balance = None
+        if self.mesh.cp > 1 and self.schedule != TORCH_PEER and batch.cu_seqlens is not None:
+            seq, cp = int(batch.cu_seqlens[-1]), self.mesh.cp
+            if self.balance:
+                lengths = np.diff(batch.cu_seqlens)
+                batch = reorder_documents(batch, balanced_order(lengths, seq, cp, self.schedule))
+            work = document_work(np.diff(batch.cu_seqlens), seq, cp, self.schedule)
+            self.work_balance = max(work) * cp / max(sum(work), 1)
         return shard_batch(batch, cp_rank=self.mesh.cp_rank, cp_size=self.mesh.cp,
                            layout=self.layout).to(self.device)
 

@@ -125,6 +125,7 @@ class Trainer:
     step: int = 0
     data_position: int = 0  # micro-batches consumed by this dp rank
     mark: Callable[[str, int], None] = _nothing  # (OPERATIONS key, step) for the watchdog
+    work_balance: float | None = None  # the last step's busiest cp rank over the mean (documents)
 
     def __post_init__(self) -> None:
         self.nonfinite = NonFiniteSteps(self.device)
@@ -151,7 +152,11 @@ class Trainer:
         Each micro-batch's summed token loss is divided by the global label-token count of the
         whole step: the one place where the loss is normalised.
         """
-        shards = [self.cp.shard(b) for b in micro]
+        shards, balances = [], []
+        for b in micro:
+            shards.append(self.cp.shard(b))
+            balances.append(self.cp.work_balance)
+        self.work_balance = max((w for w in balances if w is not None), default=None)
         count = torch.stack([s.label_tokens() for s in shards]).sum().float()
         self.mark("count", self.step + 1)
         if self.pmesh.world_group is not None:
@@ -302,6 +307,7 @@ class _Window:
     steps: int = 0
     attn_units: int = 0
     attn_calls: int | None = None  # attention forwards counted in the run's first step
+    balance: float | None = None  # the worst attention work balance of its steps
     stats: dict | None = None  # the last step's train_step figures
 
 
@@ -336,6 +342,8 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
             window.stats = trainer.train_step(micro)
         window.steps += 1
         window.attn_units += attention_units(micro)
+        if trainer.work_balance is not None:
+            window.balance = max(window.balance or 0.0, trainer.work_balance)
         step, record = trainer.step, None
         validate = hooks.evaluate is not None and (step == hooks.max_steps or (
             hooks.eval_every and step % hooks.eval_every == 0))
@@ -413,6 +421,8 @@ def _record(trainer: Trainer, hooks: LoopHooks, window: _Window, loss: float, gr
               "mfu": mfu}
     if window.attn_calls is not None:
         record["attention_forward_calls"] = window.attn_calls
+    if window.balance is not None:  # the busiest cp rank's attention work over the mean
+        record["attention_balance"] = window.balance
     if window.saving:  # the loop waited this long for a save (its copy, or the one before)
         record["checkpoint_s"] = window.saving
     return record

@@ -127,7 +127,8 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
                 print(describe_changes(changes), flush=True)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
         cp = ContextParallel(pmesh, cfg.parallel.schedule, cfg.parallel.attention_backend,
-                             device=device, head_groups=cfg.parallel.head_groups)
+                             device=device, head_groups=cfg.parallel.head_groups,
+                             balance=cfg.parallel.balance_documents)
         setup = RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator, stop=stop,
                          control=control_group(pmesh.world_group, device.type, timeout))
         set_seed(cfg.train.seed)

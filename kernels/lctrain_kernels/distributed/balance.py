@@ -1,0 +1,165 @@
+"""Balancing packed documents over the ranks: an order of the documents that evens out the work.
+
+A schedule's balance (`Schedule.work_per_rank`) is exact for ONE causal sequence. A packed row
+of documents does less work — only the pairs inside each document — and where the documents
+lie decides which rank does it: with two ranks of the contiguous layout and a 52K document in
+the second half, rank 1 has twice rank 0's work, and every step waits for it.
+
+Attention never crosses a document, and every other part of a decoder layer works token by
+token, so the documents of a row may stand in any order: the losses and gradients are those of
+the original order (only sums are added up in another order). :func:`balanced_order` picks an
+order whose busiest rank has the least work under the schedule's own plan: it counts the
+visible pairs of every block of the plan (:func:`document_work`, exact integers, vectorised
+over the documents), starts from the given order and a few sorted ones, then swaps documents
+while that lowers the maximum, within a fixed number of evaluations. Only host integers are
+involved (the document lengths every rank has), so every rank finds the same order.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from lctrain_kernels.distributed.layout import local_spans
+from lctrain_kernels.distributed.schedule import make_schedule
+
+__all__ = ["balanced_order", "document_work"]
+
+#: cost evaluations a search may spend (each a few tens of microseconds).
+EVALUATIONS = 400
+#: the longest documents (by length) that the swap search moves.
+MOVED = 8
+
+
+@functools.lru_cache(maxsize=64)
+def _regions(seq_len: int, world_size: int, kind: str) -> tuple[np.ndarray, ...]:
+    """The global query and key ranges of every block of the schedule's causal forward plan,
+    with the rank that computes it: arrays ``rank, qa, qb, ka, kb`` of one entry per region."""
+    schedule = make_schedule(world_size, kind)
+    n_local = seq_len // world_size
+    rows = []
+    for step in schedule.plan("forward", True).steps:
+        for b in step.blocks:
+            qs = local_spans(seq_len, world_size, b.q_owner, schedule.layout,
+                             *b.q_rows.resolve(n_local))
+            ks = local_spans(seq_len, world_size, b.kv_owner, schedule.layout,
+                             *b.kv_rows.resolve(n_local))
+            rows += [(b.rank, q0, q0 + ql, k0, k0 + kl) for _, q0, ql in qs for _, k0, kl in ks]
+    return tuple(np.array(col, dtype=np.int64) for col in zip(*rows))
+
+
+def _work(regions: tuple[np.ndarray, ...], lengths: np.ndarray, world_size: int) -> np.ndarray:
+    """Visible causal pairs per rank for documents of ``lengths`` in that order."""
+    rank, qa0, qb0, ka0, kb0 = (r[:, None] for r in regions)
+    ends = np.cumsum(lengths)[None, :]
+    starts = ends - lengths[None, :]
+    qa, qb = np.maximum(qa0, starts), np.minimum(qb0, ends)
+    ka, kb = np.maximum(ka0, starts), np.minimum(kb0, ends)
+    u, w = np.maximum(qa, ka), np.minimum(qb, kb)  # rows that see part of the keys
+    part = np.where(w > u, (w - u) * (u + w + 1 - 2 * ka) // 2, 0)
+    whole = np.maximum(qb - np.maximum(qa, kb), 0) * (kb - ka)  # rows that see every key
+    pairs = np.where((qa < qb) & (ka < kb), part + whole, 0).sum(axis=1)
+    # float64 sums of integers below 2**53 are exact
+    return np.bincount(rank[:, 0], weights=pairs, minlength=world_size).astype(np.int64)
+
+
+def document_work(lengths, seq_len: int, world_size: int, kind: str = "distflash") -> list[int]:
+    """Causal pairs inside documents that each rank computes under schedule ``kind``.
+
+    Args:
+        lengths: document lengths in sequence order, summing to ``seq_len``.
+        seq_len: the whole sequence (divisible as the schedule's layout needs).
+        world_size: ranks.
+        kind: the schedule ("distflash", "ring", "zigzag").
+
+    Returns:
+        One integer per rank: the visible (query, key) pairs of the blocks it computes.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.sum() != seq_len:
+        raise ValueError(f"document lengths sum to {int(lengths.sum())}, not {seq_len}")
+    return [int(x) for x in _work(_regions(seq_len, world_size, kind), lengths, world_size)]
+
+
+def _dealt(lengths: np.ndarray, by_length: np.ndarray, seq_len: int, world_size: int,
+           kind: str) -> np.ndarray:
+    """Longest first, each document into the chunk of the layout whose rank has the least
+    work so far (its documents' squared lengths) among those it still fits in; documents that
+    fit in none fill the gaps left, in chunk order, and cross a chunk boundary."""
+    layout = make_schedule(world_size, kind).layout
+    owners = [r for r in range(world_size)] if layout == "contiguous" else (
+        list(range(world_size)) + list(reversed(range(world_size))))
+    room = [seq_len // len(owners)] * len(owners)
+    load = [0] * world_size
+    chunks: list[list[int]] = [[] for _ in owners]
+    spill = []
+    for d in by_length.tolist():
+        n = int(lengths[d])
+        fits = [c for c in range(len(owners)) if room[c] >= n]
+        if not fits:
+            spill.append(d)
+            continue
+        c = min(fits, key=lambda c: (load[owners[c]], room[c]))
+        chunks[c].append(d)
+        room[c] -= n
+        load[owners[c]] += n * n
+    order = []
+    for c, docs in enumerate(chunks):
+        order += docs
+        while spill and room[c] > 0:  # a spilled document starts in this chunk's gap
+            order.append(spill.pop(0))
+            room[c] = 0
+    return np.array(order + spill, dtype=np.int64)
+
+
+def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflash",
+                   evaluations: int = EVALUATIONS) -> tuple[int, ...]:
+    """An order of the documents whose busiest rank does the least work found.
+
+    Args:
+        lengths: document lengths in sequence order, summing to ``seq_len``.
+        seq_len, world_size, kind: as :func:`document_work`.
+        evaluations: the search's budget of cost evaluations.
+
+    Returns:
+        Indices into ``lengths``, the new order; ``range(len(lengths))`` when no order found
+        lowers the busiest rank's work.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    identity = tuple(range(len(lengths)))
+    if world_size == 1 or len(lengths) < 2:
+        return identity
+    regions = _regions(seq_len, world_size, kind)
+    spent = 0
+
+    def cost(order: np.ndarray) -> int:
+        nonlocal spent
+        spent += 1
+        return int(_work(regions, lengths[order], world_size).max())
+
+    by_length = np.argsort(-lengths, kind="stable")
+    piped = np.concatenate([by_length[0::2], by_length[1::2][::-1]])  # long ones at both ends
+    starts = [np.arange(len(lengths)), _dealt(lengths, by_length, seq_len, world_size, kind),
+              by_length, piped]
+    scored = [(cost(o), i) for i, o in enumerate(starts)]
+    best_cost, best_i = min(scored)
+    best = starts[best_i].copy()
+    moved = set(by_length[:MOVED].tolist())
+    improved = True
+    while improved and spent < evaluations:
+        improved = False
+        for i in [p for p in range(len(best)) if best[p] in moved]:
+            for j in range(len(best)):
+                if spent >= evaluations:
+                    break
+                if i == j or lengths[best[i]] == lengths[best[j]]:
+                    continue
+                best[i], best[j] = best[j], best[i]
+                c = cost(best)
+                if c < best_cost:
+                    best_cost, improved = c, True
+                else:
+                    best[i], best[j] = best[j], best[i]
+    if best_cost >= scored[0][0]:
+        return identity
+    return tuple(int(x) for x in best)

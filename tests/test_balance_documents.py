@@ -1,0 +1,143 @@
+"""Packed documents reordered so the ranks' attention work is even.
+
+* the work model counts, per rank, exactly the causal pairs inside documents of the blocks the
+  schedule gives it (against a pair-by-pair count, every schedule, 1 to 4 ranks);
+* the search returns a permutation that never leaves the busiest rank with more work than the
+  packed order, and evens out the benchmark's 128K row of documents of median 16K;
+* a batch's documents move with every column and their bounds;
+* two gloo ranks train on reordered rows to the losses of the packed order.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from lctrain_kernels.distributed import local_spans, make_schedule
+from lctrain_kernels.distributed.balance import balanced_order, document_work
+
+from lctrain.bench.documents import parse_documents
+from lctrain.config import load_recipe
+from lctrain.data import PackedBatch, iter_batches, load_tokenizer, prepare_data, reorder_documents
+from spawn import run_on_ranks
+
+
+def _pairs_by_rank(lengths, n, world, kind):
+    """Pair by pair: every (query, key) of every block, visible when causal in one document."""
+    schedule = make_schedule(world, kind)
+    doc = [i for i, d in enumerate(lengths) for _ in range(d)]
+    work = [0] * world
+    for step in schedule.plan("forward", True).steps:
+        for b in step.blocks:
+            for _, q0, ql in local_spans(n, world, b.q_owner, schedule.layout,
+                                         *b.q_rows.resolve(n // world)):
+                for _, k0, kl in local_spans(n, world, b.kv_owner, schedule.layout,
+                                             *b.kv_rows.resolve(n // world)):
+                    work[b.rank] += sum(doc[i] == doc[j] for i in range(q0, q0 + ql)
+                                        for j in range(k0, min(k0 + kl, i + 1)))
+    return work
+
+
+def _draw(n, longest, rng):
+    lengths = []
+    while sum(lengths) < n:
+        lengths.append(min(n - sum(lengths), rng.randint(1, longest)))
+    return lengths
+
+
+@pytest.mark.parametrize("kind,world", [("distflash", 1), ("distflash", 2), ("distflash", 3),
+                                        ("distflash", 4), ("zigzag", 2), ("zigzag", 3),
+                                        ("ring", 3)])
+def test_the_work_of_each_rank_is_every_visible_pair_of_its_blocks(kind, world):
+    rng = random.Random()
+    n = 24 * world
+    for _ in range(3):
+        lengths = _draw(n, 30, rng)
+        assert document_work(lengths, n, world, kind) == _pairs_by_rank(lengths, n, world, kind)
+    one = [n]  # one causal sequence: the schedule's own balance figure
+    work = document_work(one, n, world, kind)
+    assert max(work) * world / sum(work) == pytest.approx(make_schedule(world, kind).balance(),
+                                                          rel=0.1)
+
+
+def test_the_order_found_never_loads_the_busiest_rank_more():
+    rng = random.Random()
+    for world, kind in [(2, "distflash"), (3, "distflash"), (4, "zigzag")]:
+        n = 8192 * world
+        for _ in range(5):
+            lengths = _draw(n, rng.choice([500, 3000, 12000]), rng)
+            order = balanced_order(lengths, n, world, kind)
+            assert sorted(order) == list(range(len(lengths)))
+            before = document_work(lengths, n, world, kind)
+            after = document_work([lengths[i] for i in order], n, world, kind)
+            assert sum(after) == sum(before) and max(after) <= max(before)
+    assert balanced_order([5, 7], 12, 1) == (0, 1) and balanced_order([12], 12, 2) == (0,)
+
+
+def test_the_benchmark_row_of_documents_is_evened_out():
+    lengths = parse_documents("lognormal:median=16k", 131072).lengths
+    before = document_work(lengths, 131072, 2)
+    order = balanced_order(lengths, 131072, 2)
+    after = document_work([lengths[i] for i in order], 131072, 2)
+    assert max(before) * 2 / sum(before) > 1.3 and max(after) * 2 / sum(after) < 1.1
+
+
+def test_reordered_documents_carry_every_column_and_bound():
+    lengths = [3, 5, 2, 6]
+    bounds = (0, 3, 8, 10, 16)
+    ids = torch.randint(0, 1000, (2, 16))
+    labels = torch.randint(0, 1000, (2, 16))
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, 16)
+    batch = PackedBatch(ids, labels, positions, cu_seqlens=bounds)
+    moved = reorder_documents(batch, (3, 0, 2, 1))
+    assert moved.cu_seqlens == (0, 6, 9, 11, 16)
+    for new, old in zip(range(4), (3, 0, 2, 1)):
+        a, b = moved.cu_seqlens[new], moved.cu_seqlens[new + 1]
+        for name in ("input_ids", "labels", "position_ids"):
+            assert torch.equal(getattr(moved, name)[:, a:b],
+                               getattr(batch, name)[:, bounds[old]:bounds[old + 1]])
+    assert reorder_documents(batch, range(4)) is batch
+
+
+def _cfg(out: Path, data: Path, balance: bool):
+    sets = {"data.source": str(data), "data.seq_len": 96, "train.max_steps": 4,
+            "train.log_every": 1,
+            "train.warmup_steps": 1, "train.lr": 3e-3, "parallel.cp": 2, "parallel.fsdp": "off",
+            "parallel.attention_backend": "reference", "parallel.balance_documents": balance,
+            "checkpoint.export_final": False, "data.cache_dir": str(out.parent / "cache")}
+    return load_recipe(None, [f"{k}={v}" for k, v in sets.items()], output_dir=str(out))
+
+
+def _train(rank, world, cfgs):
+    from lctrain.train.runner import run_worker
+
+    records = []
+    for cfg in cfgs:
+        assert run_worker(cfg) == 0
+        path = Path(cfg.train.output_dir) / "metrics.jsonl"
+        records.append([json.loads(line) for line in path.read_text().splitlines()])
+    return records
+
+
+def test_two_ranks_train_on_balanced_rows_as_on_the_packed_order(tmp_path):
+    rng = random.Random()
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": "".join(rng.choice("abcdef ") for _ in range(
+        rng.choice([2, 4, 6, 60])))}) + "\n" for _ in range(120)))
+    packed, balanced = _cfg(tmp_path / "packed", data, False), _cfg(tmp_path / "balanced", data,
+                                                                     True)
+    rows = prepare_data(balanced.data, load_tokenizer(balanced))
+    batches = iter_batches(rows, batch_size=1, dp_rank=0, dp_size=1, seed=balanced.train.seed)
+    moved = 0
+    for _, batch in zip(range(4), batches):
+        lengths = [b - a for a, b in zip(batch.cu_seqlens, batch.cu_seqlens[1:])]
+        moved += balanced_order(lengths, 96, 2) != tuple(range(len(lengths)))
+    assert moved >= 1  # the test's rows do get reordered
+    want, got = run_on_ranks(_train, 2, [packed, balanced])[0]
+    assert len(want) == 4 and [r["loss"] for r in got] == pytest.approx(
+        [r["loss"] for r in want], rel=1e-5)
+    before = [r["attention_balance"] for r in want]  # the busiest rank's work over the mean
+    after = [r["attention_balance"] for r in got]
+    assert all(a <= b for a, b in zip(after, before)) and sum(after) < sum(before)
