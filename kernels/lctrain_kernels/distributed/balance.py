@@ -29,6 +29,8 @@ __all__ = ["balanced_order", "document_work"]
 EVALUATIONS = 400
 #: the longest documents (by length) that the swap search moves.
 MOVED = 8
+#: the search stops once the busiest rank is within this factor of the mean.
+GOOD_ENOUGH = 1.01
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,6 +139,8 @@ def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflas
         spent += 1
         return int(_work(regions, lengths[order], world_size).max())
 
+    enough = GOOD_ENOUGH * int(_work(regions, lengths, world_size).sum()) / world_size
+
     by_length = np.argsort(-lengths, kind="stable")
     piped = np.concatenate([by_length[0::2], by_length[1::2][::-1]])  # long ones at both ends
     starts = [np.arange(len(lengths)), _dealt(lengths, by_length, seq_len, world_size, kind),
@@ -145,7 +149,7 @@ def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflas
     best_cost, best_i = min(scored)
     best = starts[best_i].copy()
     moved = set(by_length[:MOVED].tolist())
-    improved = True
+    improved = best_cost > enough
     while improved and spent < evaluations:
         improved = False
         for i in [p for p in range(len(best)) if best[p] in moved]:
@@ -158,6 +162,8 @@ def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflas
                 c = cost(best)
                 if c < best_cost:
                     best_cost, improved = c, True
+                    if best_cost <= enough:
+                        return tuple(int(x) for x in best)
                 else:
                     best[i], best[j] = best[j], best[i]
     if best_cost >= scored[0][0]:
