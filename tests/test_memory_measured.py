@@ -1,6 +1,8 @@
 """The memory model against every GPU peak measured by ``lctrain bench step`` and published in
 docs/performance/: the model's ``peak_allocated`` for the recipe as run is within 10 % of
-``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``).
+``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``), and its ``host_offload`` within
+10 % of the pinned host memory the run held (``host_gib``: the offloaders' pinned pools and
+host-resident state, counted by `lctrain.parallel.offload.host_memory_bytes`).
 
 With the document mask on, the model budgets the attention of a row that is one document (the
 rows of a run differ, and a later row must fit too); rows of shorter documents leave blocks
@@ -42,3 +44,6 @@ def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
         assert row["peak_gib"] >= 0.5 * model, (row["peak_gib"], model)
     else:
         assert abs(row["peak_gib"] / model - 1) <= 0.10, (row["peak_gib"], model)
+    if row.get("host_gib"):
+        host = est.details["host_offload"] / GIB
+        assert abs(row["host_gib"] / host - 1) <= 0.10, (row["host_gib"], host)
