@@ -180,3 +180,34 @@ def test_bench_commands_take_documents_and_refuse_bad_specs_in_one_sentence(tmp_
         assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
         (line,) = bad.stderr.splitlines()
         assert line.startswith("error: --documents") and words in line, line
+
+
+def test_training_rows_draw_each_lognormal_row_anew_and_repeat_a_fixed_mix():
+    from lctrain.bench.documents import training_rows
+
+    rows = training_rows("lognormal:median=300,sigma=0.7,seed=5", 4096, 4)
+    assert all(r.total == 4096 and r.spec == "lognormal:median=300,sigma=0.7,seed=5" for r in rows)
+    assert rows[1].lengths == parse_documents("lognormal:median=300,sigma=0.7,seed=6", 4096).lengths
+    assert len({r.lengths for r in rows}) == 4  # every row its own draw
+    assert training_rows("4x1k", 4096, 3) == [parse_documents("4x1k", 4096)] * 3
+    with pytest.raises(ConfigError, match="use --set data.source=FILE"):
+        training_rows("lengths:/nowhere", 4096, 2)
+    with pytest.raises(ConfigError, match="seed must be a whole number"):
+        training_rows("lognormal:median=300,seed=x", 4096, 2)
+
+
+def test_bench_step_trains_on_rows_of_the_mix(tmp_path):
+    """Two gloo ranks at cp 2 on rows of a log-normal mix: with the mask the row names the mix
+    and the attention balance of its rows; without it there are no documents to balance."""
+    from lctrain.bench.step import configurations, run
+
+    configs = configurations(None, ["parallel.cp=2", f"train.output_dir={tmp_path / 'out'}"],
+                             [512], ["data.document_mask=true", "data.document_mask=false"])
+    result = run(configs, steps=2, nproc=2, warmup=0, documents="lognormal:median=60,sigma=1")
+    masked, plain = result.rows
+    assert masked["status"] == "ok" and plain["status"] == "ok"
+    assert masked["documents"] == "lognormal:median=60,sigma=1"
+    assert masked["mix"] == parse_documents("lognormal:median=60,sigma=1,seed=0", 512).summary()
+    assert 1.0 <= masked["attention_balance"] < 2.0 and plain["attention_balance"] is None
+    assert result.meta["documents"] == "lognormal:median=60,sigma=1"
+    assert list((tmp_path / "out").iterdir()) == []  # the scratch run and its data are gone

@@ -273,3 +273,30 @@ def _cut(stream: list[int], total: int, row: int, spec: str) -> list[int]:
         if start >= hi:
             break
     return out
+
+
+def training_rows(spec: str, total: int, count: int) -> list[Documents]:
+    """``count`` rows of ``total`` tokens to train on (``lctrain bench step --documents``).
+
+    Rows of real data differ, so a ``lognormal:`` spec draws each row with its own seed (the
+    spec's seed, then one more per row); a fixed mix (``8x8k``, listed lengths, a count) is the
+    same in every row.
+
+    Raises:
+        ConfigError: a malformed spec, or one that reads a file: train on a file's own rows
+            with ``--set data.source=FILE`` instead.
+    """
+    head = spec.strip().split(":", 1)[0].strip().lower()
+    if head in ("lengths", "data"):
+        raise ConfigError(f"--documents {spec!r}: bench step packs rows from a mix, not from a "
+                          f"file; to train on a file's rows use --set data.source=FILE")
+    if head != "lognormal":
+        return [parse_documents(spec, total)] * count
+    options = _options(spec.split(":", 1)[1], spec, {"mean", "median", "sigma", "seed"})
+    try:
+        seed = int(options.pop("seed", "0"))
+    except ValueError:
+        raise ConfigError(f"--documents {spec!r}: seed must be a whole number") from None
+    base = ",".join(f"{k}={v}" for k, v in options.items())
+    return [replace(parse_documents(f"lognormal:{base},seed={seed + k}", total), spec=spec)
+            for k in range(count)]

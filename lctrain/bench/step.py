@@ -79,6 +79,7 @@ def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int 
 
 def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         nproc: int | None = None, *, warmup: int = 1, save_every: int = 0,
+        documents: str | None = None,
         progress: Callable[[str], None] | None = None) -> BenchResult:
     """Run ``warmup + steps`` training steps of every configuration and report them.
 
@@ -94,6 +95,10 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
             also split into the steps right after a save started (``step_after_save_s``: in
             the background, the save is written meanwhile) and the others
             (``step_without_save_s``).
+        documents: train on rows packed from documents of this ``--documents`` mix
+            (`lctrain.bench.documents.training_rows`: a log-normal mix draws every row anew)
+            of random token ids, instead of the recipe's data; the recipe's
+            ``data.document_mask`` says whether attention keeps them apart.
         progress: called with one line before and after each configuration.
 
     Returns:
@@ -117,15 +122,17 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         say(f"{head}: {warmup} warm-up + {steps} timed steps on {n} processes")
         row = {"variant": label, "seq_len": cfg.data.seq_len}
         try:
-            row.update(_one(cfg, n, steps, warmup, save_every))
+            row.update(_one(cfg, n, steps, warmup, save_every, documents))
         except UserError as exc:
             row.update(status=str(exc))
         except torch.cuda.OutOfMemoryError:
             row.update(status=f"out of memory at {cfg.data.seq_len} tokens")
         say(f"{head}: {_progress_line(row)}")
         rows.append(row)
-    return BenchResult(kind="step", title="training steps", rows=rows,
-                       meta=_meta(configs[0][1], nproc, warmup, steps, save_every))
+    meta = _meta(configs[0][1], nproc, warmup, steps, save_every)
+    if documents is not None:
+        meta["documents"] = documents
+    return BenchResult(kind="step", title="training steps", rows=rows, meta=meta)
 
 
 def _default_nproc(cfg: RecipeConfig) -> int:
@@ -134,13 +141,18 @@ def _default_nproc(cfg: RecipeConfig) -> int:
     return default_nproc(cfg)
 
 
-def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int) -> dict:
+def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int,
+         documents: str | None = None) -> dict:
     """One configuration's row fields (raises UserError when it cannot run)."""
     from lctrain.train.runner import finetune
 
     layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
     scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=_parent(cfg)))
+    data = Path(tempfile.mkdtemp(prefix=".bench-data-", dir=_parent(cfg)))
+    mix = {}
     try:
+        if documents is not None:
+            cfg, mix = _with_documents(cfg, data, documents, nproc, warmup + steps)
         with _stdout_to_stderr():
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc)
@@ -150,8 +162,34 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return _row(cfg, nproc, records, warmup, layers, predicted) | _saves(records, warmup,
-                                                                       save_every)
+        shutil.rmtree(data, ignore_errors=True)
+    return (_row(cfg, nproc, records, warmup, layers, predicted) | mix
+            | _saves(records, warmup, save_every))
+
+
+def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int,
+                    steps: int) -> tuple[RecipeConfig, dict]:
+    """The recipe reading rows packed from documents of ``spec`` (a tokenized JSONL file of
+    random ids in ``folder``, one row's documents after another), and the row fields naming
+    the mix."""
+    import numpy as np
+
+    from lctrain.bench.documents import training_rows
+    from lctrain.data import load_tokenizer
+
+    dp = cfg.parallel.dp or max(1, nproc // cfg.parallel.cp)
+    count = steps * dp * cfg.train.batch_size * cfg.train.grad_accum
+    rows = training_rows(spec, cfg.data.seq_len, count)
+    vocab = min(len(load_tokenizer(cfg)), 32000)
+    rng = np.random.default_rng(0)
+    with (folder / "documents.jsonl").open("w") as f:
+        for row in rows:
+            for n in row.lengths:
+                f.write(json.dumps({"input_ids": rng.integers(3, vocab, n).tolist()}) + "\n")
+    data = dataclasses.replace(cfg.data, source=str(folder / "documents.jsonl"),
+                               format="tokenized", long_samples="split",
+                               cache_dir=str(folder / "cache"), max_documents=None)
+    return dataclasses.replace(cfg, data=data), {"documents": spec, "mix": rows[0].summary()}
 
 
 def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
@@ -237,6 +275,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "host_gib": None if host is None else host / _GIB,
         "model_host_gib": predicted["host_offload"] / _GIB if host is not None else None,
         "attn_fwd_per_step": calls,
+        "attention_balance": _median(timed, "attention_balance"),
         "attn_fwd_expected": round(layers * per_micro) * cfg.train.grad_accum,
         "loss_first": records[0]["loss"] if records else None,
         "loss_last": records[-1]["loss"] if records else None,

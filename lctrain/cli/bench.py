@@ -174,6 +174,11 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
              0, "--save-every", min=0, metavar="N",
              help="Also write a checkpoint every N steps (checkpoint.asynchronous: in the "
                   "background or not), to time steps with a save in flight; 0: none."),
+         documents: Optional[str] = typer.Option(
+             None, "--documents", metavar="SPEC", show_default=False,
+             help="Train on rows packed from documents of this mix (8x8k, lognormal:median=16k, "
+                  "...; a lognormal mix draws each row anew) of random tokens instead of the "
+                  "recipe's data; data.document_mask still decides whether they are kept apart."),
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory against the
@@ -185,6 +190,8 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
           --variant train.checkpointing=full --variant train.checkpointing=remat
       lctrain bench step llama-7b-64k --steps 6 --save-every 2 \\
           --variant checkpoint.asynchronous=on --variant checkpoint.asynchronous=off
+      lctrain bench step llama-7b-256k --seq-len 128k --documents lognormal:median=16k \\
+          --variant data.document_mask=true --variant data.document_mask=false
     """
     with user_errors():
         from lctrain.bench.publish import Publisher
@@ -193,7 +200,7 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
         out = Publisher("step", fmt.value, wide, json_file, plot)
         configs = configurations(recipe, overrides or [], _sizes(seq_len) or [None], variant)
         result = run(configs, steps=steps, nproc=nproc, warmup=warmup, save_every=save_every,
-                     progress=out.progress)
+                     documents=documents, progress=out.progress)
         out.publish(result)
 
 
