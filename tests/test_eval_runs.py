@@ -162,7 +162,8 @@ def test_validation_loss_is_exact_across_layouts_and_tracked(two_ranks):
             "perf/step_time_s", "perf/peak_memory_gib"} <= tags
     assert "perf/mfu" not in tags  # no MFU off a GPU (metrics.jsonl: null)
     for tag, key in (("train/loss", "loss"), ("eval/loss", "eval_loss"), ("train/lr", "lr"),
-                     ("train/grad_norm", "grad_norm"), ("perf/tokens_per_s", "tokens_per_s")):
+                     ("train/grad_norm", "grad_norm"), ("perf/tokens_per_s", "tokens_per_s"),
+                     ("perf/attention_balance", "attention_balance")):
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         want = [(r["step"], r[key]) for r in a if key in r]
         assert [s for s, _ in got] == [s for s, _ in want]

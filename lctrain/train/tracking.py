@@ -10,6 +10,8 @@ scalars, each at its optimizer step:
     perf/tokens_per_s, perf/step_time_s        throughput of the steps since the last log
     perf/mfu                                   model FLOPs utilisation (on a known GPU)
     perf/peak_memory_gib                       the largest peak memory of any rank
+    perf/attention_balance                     the busiest cp rank's attention work over the
+                                               mean (packed documents, cp > 1)
 
 A fresh run removes the event files of an earlier run in its folder (as it truncates
 metrics.jsonl); a resumed run writes a new event file that tells TensorBoard to drop what an
@@ -28,7 +30,8 @@ from lctrain.train.metrics import MetricsLog
 
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
            "eval_loss": "eval/loss", "tokens_per_s": "perf/tokens_per_s",
-           "step_time_s": "perf/step_time_s", "mfu": "perf/mfu"}
+           "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
+           "attention_balance": "perf/attention_balance"}
 """metrics.jsonl key -> TensorBoard tag (peak memory goes in GiB, as perf/peak_memory_gib)."""
 
 _EVENTS = "events.out.tfevents.*"
