@@ -211,3 +211,20 @@ def test_bench_step_trains_on_rows_of_the_mix(tmp_path):
     assert 1.0 <= masked["attention_balance"] < 2.0 and plain["attention_balance"] is None
     assert result.meta["documents"] == "lognormal:median=60,sigma=1"
     assert list((tmp_path / "out").iterdir()) == []  # the scratch run and its data are gone
+
+
+def test_bench_step_rows_are_the_mix_exactly(tmp_path):
+    """The data bench step writes packs, as training packs it, into rows whose documents are the
+    drawn rows' lengths, one after another."""
+    from lctrain.bench.documents import training_rows
+    from lctrain.bench.step import _with_documents
+    from lctrain.data import load_tokenizer, prepare_data
+
+    spec = "lognormal:median=40,sigma=0.8,seed=3"
+    cfg = load_recipe(None, ["train.grad_accum=2"], seq_len=256)
+    cfg, fields = _with_documents(cfg, tmp_path, spec, nproc=1, steps=3)
+    rows = prepare_data(cfg.data, load_tokenizer(cfg))
+    want = training_rows(spec, 256, 6)  # 3 steps x 2 micro-batches
+    assert len(rows) == 6 and fields == {"documents": spec, "mix": want[0].summary()}
+    for r, row in enumerate(want):
+        assert tuple(int(n) for n in rows[r]["doc_lens"]) == row.lengths
