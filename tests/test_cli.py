@@ -263,10 +263,11 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
     assert kwargs["nproc"] == 4 and kwargs["kv_heads"] == 8 and kwargs["overlap_ablation"] is True
     assert (kwargs["repeats"], kwargs["warmup"], kwargs["check_len"]) == (9, 1, 4096)
     assert (kwargs["single_max_len"], kwargs["time_budget_s"], kwargs["min_time_s"]) == (131072, 480, 2)
-    assert kwargs["profile_dir"] == str(tmp_path)
+    assert kwargs["profile_dir"] == str(tmp_path) and kwargs["balance_documents"] is True
     result = _invoke("bench", "step", "llama-7b-64k", "--seq-len", "32k,64k", "--steps", "3",
                      "--warmup", "0", "--variant", "train.checkpointing=full",
-                     "--variant", "train.checkpointing=remat parallel.schedule=zigzag")
+                     "--variant", "train.checkpointing=remat parallel.schedule=zigzag",
+                     "--documents", "lognormal:median=4k")
     assert result.exit_code == 0, result.output
     (configs,), kwargs = seen["step"][0]
     assert [(label, c.data.seq_len, c.train.checkpointing, c.parallel.schedule)
@@ -276,7 +277,8 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
         ("train.checkpointing=full", 65536, "full", "distflash"),
         ("train.checkpointing=remat parallel.schedule=zigzag", 65536, "remat", "zigzag")]
     assert {k: v for k, v in kwargs.items() if k != "progress"} == {
-        "steps": 3, "nproc": None, "warmup": 0, "save_every": 0}
+        "steps": 3, "nproc": None, "warmup": 0, "save_every": 0,
+        "documents": "lognormal:median=4k"}
 
 
 def test_output_formats_on_stdout(monkeypatch):
