@@ -52,7 +52,7 @@ from lctrain.bench.timing import measure, repeats_for
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
 from lctrain_kernels.backends import BackendUnavailable, auto_order, get_backend
-from lctrain_kernels.distributed.balance import balanced_order, document_work
+from lctrain_kernels.distributed.balance import balanced_order, work_balance
 from lctrain_kernels.distributed.comm import nccl_options
 from lctrain_kernels.distributed.schedule import make_schedule
 from lctrain_kernels.masks import Relation
@@ -112,8 +112,7 @@ class BenchConfig:
         bounds = self.bounds(seq_len, schedule, world)
         if bounds is None:
             return make_schedule(world, schedule).balance()
-        work = document_work(np.diff(bounds), seq_len, world, schedule)
-        return max(work) * world / max(sum(work), 1)
+        return work_balance(np.diff(bounds), seq_len, world, schedule)
 
 
 class _Bench:
@@ -350,7 +349,8 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
         heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
         dtype: torch.dtype | str | None = None, overlap_ablation: bool = True, peers: bool = True,
         backend: str = "auto", *, documents: str | int | None = None, recipe=None,
-        balance_documents: bool = True, repeats: int = 5, warmup: int = 2, check_len: int | None = None,
+        balance_documents: bool = True, repeats: int = 5, warmup: int = 2,
+        check_len: int | None = None,
         single_max_len: int = 262144, time_budget_s: float | None = None, min_time_s: float = 0.0,
         profile_dir: str | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark distributed attention on ``nproc`` ranks it launches itself.

@@ -39,11 +39,14 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
+from lctrain.bench.documents import training_rows
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
 from lctrain.config.tiers import parse_layer_policies, per_layer
+from lctrain.data import load_tokenizer
 from lctrain.errors import UserError
 from lctrain.report.versions import environment
 
@@ -148,10 +151,11 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
 
     layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
     scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=_parent(cfg)))
-    data = Path(tempfile.mkdtemp(prefix=".bench-data-", dir=_parent(cfg)))
+    data = None if documents is None else Path(tempfile.mkdtemp(prefix=".bench-data-",
+                                                                dir=_parent(cfg)))
     mix = {}
     try:
-        if documents is not None:
+        if data is not None:
             cfg, mix = _with_documents(cfg, data, documents, nproc, warmup + steps)
         with _stdout_to_stderr():
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
@@ -162,7 +166,8 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        shutil.rmtree(data, ignore_errors=True)
+        if data is not None:
+            shutil.rmtree(data, ignore_errors=True)
     return (_row(cfg, nproc, records, warmup, layers, predicted) | mix
             | _saves(records, warmup, save_every))
 
@@ -172,11 +177,6 @@ def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int,
     """The recipe reading rows packed from documents of ``spec`` (a tokenized JSONL file of
     random ids in ``folder``, one row's documents after another), and the row fields naming
     the mix."""
-    import numpy as np
-
-    from lctrain.bench.documents import training_rows
-    from lctrain.data import load_tokenizer
-
     dp = cfg.parallel.dp or max(1, nproc // cfg.parallel.cp)
     count = steps * dp * cfg.train.batch_size * cfg.train.grad_accum
     rows = training_rows(spec, cfg.data.seq_len, count)
@@ -198,11 +198,11 @@ def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
     saved = {r["step"] for r in records if "checkpoint_s" in r}
     timed = [r for r in records if r["step"] > warmup]
     after = [r for r in timed if r["step"] - 1 in saved]
+    others = [r for r in timed if r["step"] - 1 not in saved]
     return {"save_every": save_every,
             "checkpoint_s": _median([r for r in timed if r["step"] in saved], "checkpoint_s"),
             "step_after_save_s": _median(after, "step_time_s") if save_every else None,
-            "step_without_save_s": _median([r for r in timed if r not in after], "step_time_s")
-            if save_every else None}
+            "step_without_save_s": _median(others, "step_time_s") if save_every else None}
 
 
 @contextlib.contextmanager

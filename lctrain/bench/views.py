@@ -137,10 +137,13 @@ def _document_notes(result: BenchResult) -> list[str]:
         notes.append("rates count useful FLOPs only (the pairs inside documents)")
     if mixes and result.kind == "attention":
         balanced = result.meta.get("balance_documents")
-        notes.append("balance = the schedule's figure for one causal sequence, not for these "
-                     "documents" if balanced is None else  # a file from before the figure
-                     "balance = the busiest GPU's attention work over the mean, for these "
-                     "documents" + (" in the order that evens it out" if balanced else ""))
+        if balanced is None:  # a file from before the documents' own figure
+            notes.append("balance = the schedule's figure for one causal sequence, not for "
+                         "these documents")
+        else:
+            order = " in the order that evens it out" if balanced else ""
+            notes.append(f"balance = the busiest GPU's attention work over the mean, for these "
+                         f"documents{order}")
     if any(row.get("of_dense") for row in result.rows):
         reference = result.meta.get("dense_reference") or "the dense reference"
         notes.append(f"of dense (%) = useful rate over {reference}'s rate on one dense "

@@ -27,7 +27,7 @@ from typing import ContextManager
 
 import numpy as np
 import torch
-from lctrain_kernels.distributed.balance import balanced_order, document_work
+from lctrain_kernels.distributed.balance import balanced_order, work_balance
 
 from lctrain.config import SCHEDULE_LAYOUTS
 from lctrain.data import PackedBatch, reorder_documents, shard_batch
@@ -103,10 +103,9 @@ class ContextParallel:
         if self.mesh.cp > 1 and self.schedule != TORCH_PEER and batch.cu_seqlens is not None:
             seq, cp = int(batch.cu_seqlens[-1]), self.mesh.cp
             if self.balance:
-                lengths = np.diff(batch.cu_seqlens)
-                batch = reorder_documents(batch, balanced_order(lengths, seq, cp, self.schedule))
-            work = document_work(np.diff(batch.cu_seqlens), seq, cp, self.schedule)
-            self.work_balance = max(work) * cp / max(sum(work), 1)
+                order = balanced_order(np.diff(batch.cu_seqlens), seq, cp, self.schedule)
+                batch = reorder_documents(batch, order)
+            self.work_balance = work_balance(np.diff(batch.cu_seqlens), seq, cp, self.schedule)
         return shard_batch(batch, cp_rank=self.mesh.cp_rank, cp_size=self.mesh.cp,
                            layout=self.layout).to(self.device)
 

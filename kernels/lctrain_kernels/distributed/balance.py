@@ -23,7 +23,7 @@ import numpy as np
 from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import make_schedule
 
-__all__ = ["balanced_order", "document_work"]
+__all__ = ["balanced_order", "document_work", "work_balance"]
 
 #: cost evaluations a search may spend (each a few tens of microseconds).
 EVALUATIONS = 400
@@ -83,14 +83,21 @@ def document_work(lengths, seq_len: int, world_size: int, kind: str = "distflash
     return [int(x) for x in _work(_regions(seq_len, world_size, kind), lengths, world_size)]
 
 
+def work_balance(lengths, seq_len: int, world_size: int, kind: str = "distflash") -> float:
+    """The busiest rank's :func:`document_work` over the mean (1.0 is even)."""
+    work = document_work(lengths, seq_len, world_size, kind)
+    return max(work) * world_size / max(sum(work), 1)
+
+
 def _dealt(lengths: np.ndarray, by_length: np.ndarray, seq_len: int, world_size: int,
            kind: str) -> np.ndarray:
     """Longest first, each document into the chunk of the layout whose rank has the least
     work so far (its documents' squared lengths) among those it still fits in; documents that
     fit in none fill the gaps left, in chunk order, and cross a chunk boundary."""
     layout = make_schedule(world_size, kind).layout
-    owners = [r for r in range(world_size)] if layout == "contiguous" else (
-        list(range(world_size)) + list(reversed(range(world_size))))
+    owners = list(range(world_size))  # chunk -> rank; zigzag's second half runs back
+    if layout == "zigzag":
+        owners += owners[::-1]
     room = [seq_len // len(owners)] * len(owners)
     load = [0] * world_size
     chunks: list[list[int]] = [[] for _ in owners]
