@@ -123,3 +123,37 @@ def test_host_adamw_streams_states_through_the_gpu():
     assert all(t.device.type == "cpu" and t.is_pinned() for t in states)
     torch.testing.assert_close(host.state[ours[0]]["exp_avg"],
                                adam.state[ref[0]]["exp_avg"].cpu(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_host_adamw_keeps_the_states_of_sharded_parameters_on_the_host(tmp_path):
+    """Under FSDP2 the parameters are DTensors on a GPU mesh: their states must still live in
+    pinned host memory (DTensor.from_local would move them to the GPU), and the GPU must not
+    hold them after a step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1),
+                                rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(1024, 1024, device="cuda"),
+                                                       mesh, [Shard(0)])) for _ in range(4)]
+        host = HostAdamW(params, lr=1e-3, chunk_bytes=1 << 22)
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(1024, 1024, device="cuda"), mesh, [Shard(0)])
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        host.step()
+        host.synchronize()
+        torch.cuda.synchronize()
+        states = [s[k] for s in host.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        assert all(t._local_tensor.device.type == "cpu" and t._local_tensor.is_pinned()
+                   for t in states)
+        assert torch.cuda.memory_allocated() - before < 4 * 1024 * 1024 * 4  # no 32 MiB of states
+    finally:
+        if owned:
+            dist.destroy_process_group()

@@ -121,8 +121,10 @@ class HostAdamW(torch.optim.AdamW):
         if hasattr(p, "_local_tensor"):
             from torch.distributed.tensor import DTensor
 
-            return DTensor.from_local(host, p.device_mesh, p.placements, run_check=False,
-                                      shape=p.shape, stride=p.stride())
+            # not DTensor.from_local: it moves a host tensor to the mesh's device, which put
+            # every state back on the GPU. The constructor keeps it where it is, as FSDP2's own
+            # CPU offload does.
+            return DTensor(host, p._spec, requires_grad=False)
         return host
 
     def _bring(self, chunk: list[torch.Tensor]):
