@@ -30,7 +30,7 @@ def test_bench_step_runs_and_counts_attention(tmp_path, policy, per_layer):
 def test_a_failed_training_run_is_a_row_status_not_a_traceback(tmp_path, monkeypatch):
     import lctrain.train.runner as runner
 
-    monkeypatch.setattr(runner, "finetune", lambda cfg, nproc: 1)  # workers died (e.g. OOM-killed)
+    monkeypatch.setattr(runner, "finetune", lambda cfg, nproc, own_process: 1)  # workers died (e.g. OOM-killed)
     cfg = load_recipe(None, ["parallel.cp=1", f"train.output_dir={tmp_path / 'run'}"], seq_len=128)
     (row,) = run(cfg, steps=1, nproc=1).rows
     assert "failed with exit code 1; the workers' log" in row["status"]

@@ -82,7 +82,7 @@ def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int 
 
 def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         nproc: int | None = None, *, warmup: int = 1, save_every: int = 0,
-        documents: str | None = None,
+        documents: str | None = None, memory_trace: str | None = None,
         progress: Callable[[str], None] | None = None) -> BenchResult:
     """Run ``warmup + steps`` training steps of every configuration and report them.
 
@@ -102,6 +102,8 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
             (`lctrain.bench.documents.training_rows`: a log-normal mix draws every row anew)
             of random token ids, instead of the recipe's data; the recipe's
             ``data.document_mask`` says whether attention keeps them apart.
+        memory_trace: a folder: each configuration's last step records the GPU allocator
+            into its numbered subfolder (`lctrain.train.memory_trace`; nothing on a CPU).
         progress: called with one line before and after each configuration.
 
     Returns:
@@ -125,7 +127,9 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         say(f"{head}: {warmup} warm-up + {steps} timed steps on {n} processes")
         row = {"variant": label, "seq_len": cfg.data.seq_len}
         try:
-            row.update(_one(cfg, n, steps, warmup, save_every, documents))
+            trace = None if memory_trace is None else os.path.join(memory_trace, str(index))
+            with _memory_trace(trace):
+                row.update(_one(cfg, n, steps, warmup, save_every, documents))
         except UserError as exc:
             row.update(status=str(exc))
         except torch.cuda.OutOfMemoryError:
@@ -159,7 +163,7 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
             cfg, mix = _with_documents(cfg, data, documents, nproc, warmup + steps)
         with _stdout_to_stderr():
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
-                            nproc=nproc)
+                            nproc=nproc, own_process=True)
         if code != 0:
             raise UserError(f"the benchmarked training run failed with exit code {code}; the "
                             f"workers' log named above says why")
@@ -203,6 +207,26 @@ def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
             "checkpoint_s": _median([r for r in timed if r["step"] in saved], "checkpoint_s"),
             "step_after_save_s": _median(after, "step_time_s") if save_every else None,
             "step_without_save_s": _median(others, "step_time_s") if save_every else None}
+
+
+@contextlib.contextmanager
+def _memory_trace(folder: str | None) -> Iterator[None]:
+    """Ask the training processes started meanwhile to trace their last step into ``folder``
+    (they inherit the environment)."""
+    from lctrain.train.memory_trace import ENV
+
+    if folder is None:
+        yield
+        return
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = os.path.abspath(folder)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 @contextlib.contextmanager

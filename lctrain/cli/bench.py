@@ -180,6 +180,11 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
              help="Train on rows packed from documents of this mix (8x8k, lognormal:median=16k, "
                   "...; a lognormal mix draws each row anew) of random tokens instead of the "
                   "recipe's data; data.document_mask still decides whether they are kept apart."),
+         memory_trace: Optional[str] = typer.Option(
+             None, "--memory-trace", metavar="DIR", show_default=False,
+             help="On GPUs, also record the allocator over each configuration's last step: "
+                  "a snapshot per rank (pytorch.org/memory_viz) and a report of what was alive "
+                  "at the step's peak, into DIR/<configuration number>/."),
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory against the
@@ -201,7 +206,7 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
         out = Publisher("step", fmt.value, wide, json_file, plot)
         configs = configurations(recipe, overrides or [], _sizes(seq_len) or [None], variant)
         result = run(configs, steps=steps, nproc=nproc, warmup=warmup, save_every=save_every,
-                     documents=documents, progress=out.progress)
+                     documents=documents, memory_trace=memory_trace, progress=out.progress)
         out.publish(result)
 
 

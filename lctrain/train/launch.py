@@ -65,7 +65,8 @@ _LAUNCHER_ENV = ("RANK", "LOCAL_RANK")
 
 
 def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | None,
-             module: str = WORKER_MODULE, args: tuple[str, ...] = ()) -> int:
+             module: str = WORKER_MODULE, args: tuple[str, ...] = (),
+             own_process: bool = False) -> int:
     """Run ``worker`` on every rank the recipe needs; returns the exit code (0 on success).
 
     Args:
@@ -76,6 +77,8 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
         module, args: what self-launched ranks run, ``python -m MODULE --config ... ARGS``
             (a module whose main runs ``worker``: `lctrain.train`, or `lctrain.eval`, whose
             ARGS name what to evaluate).
+        own_process: run even a single rank in a process of its own (a benchmark does, so
+            that nothing of one run — memory, caches, the allocator's peak — reaches the next).
 
     Raises:
         UserError: the output folder is in use by another run, a check before start failed,
@@ -90,7 +93,7 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
     n = nproc if nproc is not None else default_nproc(cfg)
     with RunLock(cfg.train.output_dir):
         check_before_start(cfg, nproc=n, resume=resume)
-        if n == 1:
+        if n == 1 and not own_process:
             return worker(cfg, resume=resume)
         return spawn_workers(cfg, nproc=n, resume=resume, module=module, args=args)
 

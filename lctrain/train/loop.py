@@ -44,6 +44,7 @@ from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed
 from lctrain.parallel.mesh import ParallelMesh
 from lctrain.train.loss import chunked_cross_entropy
+from lctrain.train.memory_trace import trace_folder, traced_step
 from lctrain.train.metrics import FlopModel, peak_memory_bytes
 from lctrain.train.nonfinite import Diverged, NonFiniteSteps, Settled, poison_if_nonfinite
 
@@ -328,18 +329,22 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
         Diverged: ``max_nonfinite_steps`` steps in a row had a non-finite loss or gradient norm.
     """
     window, first_step, saved = _Window(), trainer.step, trainer.step
+    trace = trace_folder()  # lctrain bench step --memory-trace: the last step's allocations
     while trainer.step < hooks.max_steps:
         hooks.mark("stop", trainer.step + 1)
         hooks.stopped_by = hooks.stop()
         if hooks.stopped_by:
             break
         micro = list(islice(batches, trainer.grad_accum))
-        if trainer.step == first_step:  # count once: proves remat runs attention once per layer
-            with AttentionCounter() as counter:
+        last = trainer.step + 1 == hooks.max_steps
+        with traced_step(trace if last else None, trainer.device, trainer.pmesh.rank,
+                         trainer.step + 1, trainer.distributed.module, trainer.optimizer):
+            if trainer.step == first_step:  # count once: remat runs attention once per layer
+                with AttentionCounter() as counter:
+                    window.stats = trainer.train_step(micro)
+                window.attn_calls = counter.total
+            else:
                 window.stats = trainer.train_step(micro)
-            window.attn_calls = counter.total
-        else:
-            window.stats = trainer.train_step(micro)
         window.steps += 1
         window.attn_units += attention_units(micro)
         if trainer.work_balance is not None:

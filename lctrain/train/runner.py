@@ -78,7 +78,8 @@ __all__ = ["ModelParts", "RunSetup", "build_data", "build_eval_data", "build_mod
            "default_nproc", "export_final", "finetune", "loop_hooks", "run_worker", "train"]
 
 
-def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None) -> int:
+def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None,
+             own_process: bool = False) -> int:
     """Fine-tune as the recipe says; returns the process exit code (0 on success).
 
     Args:
@@ -86,6 +87,7 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
         resume: continue from the newest checkpoint in ``train.output_dir/checkpoints``.
         nproc: processes to run; default all GPUs on a CUDA machine, dp × cp on a CPU one
             (dp 0 counts as 1). Ignored under torchrun / accelerate launch, which decide.
+        own_process: run even a single rank in a process of its own (`launch.dispatch`).
 
     Raises:
         UserError: an invalid process layout, no checkpoint to resume from, a model or data
@@ -95,7 +97,7 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
     warnings = check_model(cfg)  # before any process starts or any weight loads
     for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return launch.dispatch(cfg, run_worker, resume=resume, nproc=nproc)
+    return launch.dispatch(cfg, run_worker, resume=resume, nproc=nproc, own_process=own_process)
 
 
 def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | None = None) -> int:

@@ -1,0 +1,192 @@
+"""Where a training step's GPU memory peak comes from: ``lctrain bench step --memory-trace DIR``.
+
+With ``LCTRAIN_MEMORY_TRACE=DIR`` in the environment (the bench sets it), every rank of a CUDA
+run records the CUDA caching allocator's history (torch's ``_record_memory_history``) over one
+optimizer step, the run's last, after the first steps have grown the allocator and tuned the
+kernels, and writes
+
+- ``rank{R}-step{N}.pickle``: the allocator snapshot (open it at https://pytorch.org/memory_viz);
+- ``rank{R}-step{N}-peak.txt``: the step's peak of allocated bytes, the Python stack of the
+  allocation that reached it, and the blocks alive at that moment grouped by the code that
+  allocated them (the innermost frame in lctrain, lctrain_kernels or transformers), largest
+  first. Blocks allocated before the step (parameters, optimizer states, caches) form one line.
+
+While recording, a checkpointed layer's recompute runs to the layer's end instead of stopping
+once its saved tensors are back (``set_checkpoint_early_stop(False)``): with torch 2.11 the
+recorder's stack capture loses the exception that early stopping raises inside a custom
+autograd function (pytorch/pytorch#179536), so the traced step may hold one more layer output
+at the end of a recompute than an untraced one.
+
+The peak is replayed from the history's allocation and free events (a block handed to another
+stream counts until its free completes, as ``torch.cuda.max_memory_allocated`` counts it), so
+it is the step's own peak, not the run's.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pickle
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import set_checkpoint_early_stop
+
+ENV = "LCTRAIN_MEMORY_TRACE"
+OWN_CODE = ("/lctrain/", "/lctrain_kernels/", "/transformers/")
+"""Path parts of the frames that name an allocation's site (innermost one wins)."""
+_ENTRIES = 2_000_000
+
+
+def trace_folder() -> Path | None:
+    """The folder the environment asks the traces for (None: no tracing)."""
+    folder = os.environ.get(ENV)
+    return Path(folder) if folder and torch.cuda.is_available() else None
+
+
+@contextlib.contextmanager
+def traced_step(folder: Path | None, device: torch.device, rank: int, step: int,
+                module: torch.nn.Module | None = None, optimizer=None):
+    """Record the allocator's history around one step and write its snapshot and peak report
+    into ``folder`` (nothing when ``folder`` is None or ``device`` is not a GPU). ``module``
+    and ``optimizer`` name the tensors alive when the step begins."""
+    if folder is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    alive = inventory(device, module, optimizer)
+    torch.cuda.memory._record_memory_history(max_entries=_ENTRIES, stacks="python",
+                                             device=device)
+    try:
+        with set_checkpoint_early_stop(False):
+            yield
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"rank{rank}-step{step}"
+    with open(f"{stem}.pickle", "wb") as f:
+        pickle.dump(snapshot, f)
+    events = snapshot["device_traces"][device.index or 0]
+    Path(f"{stem}-peak.txt").write_text(peak_report(events, before) + alive)
+
+
+def peak_report(events: list[dict], before: int, top: int = 30) -> str:
+    """The text of ``-peak.txt`` from one device's allocator events and the bytes allocated
+    when they began."""
+    peak, at, live = _replay(events, before)
+    lines = [f"allocated when the step began: {_gib(before)}",
+             f"peak during the step: {_gib(peak)}", ""]
+    if at is not None:
+        lines += ["the allocation that reached the peak "
+                  f"({_gib(events[at]['size'])}), innermost frame first:"]
+        lines += [f"  {f['filename']}:{f['line']} {f['name']}" for f in _frames(events[at])[:40]]
+        lines.append("")
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for index in live:
+        key = _site(events[index])
+        groups[key][0] += events[index]["size"]
+        groups[key][1] += 1
+    earlier = peak - sum(events[i]["size"] for i in live)
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    lines.append("alive at the peak, by the code that allocated it:")
+    lines.append(f"  {_gib(earlier):>12}  allocated before the step and not freed in it")
+    for key, (size, count) in rows[:top]:
+        lines.append(f"  {_gib(size):>12}  {count:>5} blocks  {key}")
+    rest = rows[top:]
+    if rest:
+        lines.append(f"  {_gib(sum(v[0] for _, v in rest)):>12}  {len(rest)} more sites")
+    return "\n".join(lines) + "\n"
+
+
+def inventory(device: torch.device, module: torch.nn.Module | None = None, optimizer=None,
+              top: int = 15) -> str:
+    """What holds the memory allocated on ``device`` now: the storages of the parameters,
+    their gradients and the optimizer's states, and every other tensor the garbage collector
+    can reach, by shape and dtype (largest first). Each storage counts once."""
+    seen: set[int] = set()
+
+    def storage_bytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            local = getattr(t, "_local_tensor", t)
+            if not isinstance(local, torch.Tensor) or local.device != device:
+                continue
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = list(module.parameters()) if module is not None else []
+    named = [("parameters", storage_bytes(params)),
+             ("gradients", storage_bytes(p.grad for p in params if p.grad is not None))]
+    if optimizer is not None:
+        named.append(("optimizer states", storage_bytes(
+            v for state in optimizer.state.values() for v in state.values())))
+    others: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device != device:
+                continue
+        except Exception:  # noqa: BLE001 - lazy or dead objects answer oddly
+            continue
+        nbytes = storage_bytes([obj])
+        if nbytes:
+            key = f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
+            others[key][0] += nbytes
+            others[key][1] += 1
+    lines = ["", f"alive when the step began ({_gib(torch.cuda.memory_allocated(device))} "
+             "allocated), by owner:"]
+    lines += [f"  {_gib(n):>12}  {name}" for name, n in named]
+    rows = sorted(others.items(), key=lambda kv: -kv[1][0])
+    lines += [f"  {_gib(n):>12}  {count:>5} tensors  {key}" for key, (n, count) in rows[:top]]
+    return "\n".join(lines) + "\n"
+
+
+def _replay(events: list[dict], before: int) -> tuple[int, int | None, list[int]]:
+    """(peak bytes, index of the event that reached it, indices of the step's allocations
+    alive then). Frees of blocks allocated before the step lower the running total too."""
+    current, peak, at = before, before, None
+    open_allocs: dict[int, int] = {}  # address -> event index
+    live_at_peak: list[int] = []
+    for index, event in enumerate(events):
+        action = event["action"]
+        if action == "alloc":
+            current += event["size"]
+            open_allocs[event["addr"]] = index
+            if current > peak:
+                peak, at = current, index
+                live_at_peak = list(open_allocs.values())
+        elif action == "free_completed":
+            current -= event["size"]
+            open_allocs.pop(event["addr"], None)
+    return peak, at, live_at_peak
+
+
+def _frames(event: dict) -> list[dict]:
+    return [f for f in event.get("frames", ()) if f.get("filename")]
+
+
+def _site(event: dict) -> str:
+    frames = _frames(event)
+    for frame in frames:  # a dispatch mode's frame sits under every op it watches: not a site
+        if any(part in frame["filename"] for part in OWN_CODE) and \
+                frame["name"] != "__torch_dispatch__":
+            return f"{_short(frame['filename'])}:{frame['line']} {frame['name']}"
+    return f"{_short(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}" if frames \
+        else "(no Python frame)"
+
+
+def _short(path: str) -> str:
+    for part in ("/lctrain_kernels/", "/lctrain/", "/transformers/", "/torch/"):
+        if part in path:
+            return part.strip("/") + "/" + path.split(part, 1)[1]
+    return path
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
