@@ -33,3 +33,28 @@ def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype):
     cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
     assert probe.total - cos_sin == layer_saved(arch, tokens, c)
     assert remat_kept(arch, tokens, c) < layer_saved(arch, tokens, c) / 3
+
+
+def test_kept_during_backward_walks_the_layers_as_the_offloader_brings_them_back():
+    """GPU-kept layers stay until the backward reaches them; a parked layer is on the GPU from
+    the moment the layer above it is recomputed (its copies start) until its own backward."""
+    import random
+
+    from lctrain.memory.activations import kept_during_backward
+
+    g, p = 3, 5  # bytes a GPU-kept and a parked layer keep
+    assert kept_during_backward([p] * 4, [True] * 4) == 2 * p  # in use + the next one
+    assert kept_during_backward([p], [True]) == p
+    # parked below, kept above (auto's order): every kept layer and the first parked one
+    assert kept_during_backward([p, p, g, g], [True, True, False, False]) == 2 * g + p
+    # kept below, parked above: the parked pair on top of every kept layer
+    assert kept_during_backward([g, g, p, p], [False, False, True, True]) == 2 * g + 2 * p
+    rng = random.Random()
+    for _ in range(200):
+        n = rng.randrange(1, 9)
+        kept = [rng.randrange(1, 100) for _ in range(n)]
+        parked = [rng.random() < 0.5 for _ in range(n)]
+        got = kept_during_backward(kept, parked)
+        assert sum(b for b, q in zip(kept, parked) if not q) <= got <= sum(kept)
+        if not any(parked):
+            assert got == sum(kept)

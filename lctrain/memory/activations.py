@@ -21,13 +21,18 @@ Policies (see lctrain.parallel.checkpointing):
 - remat-offload: the remat tensors live in host memory; on the GPU there are at most two layers'
   worth (the one in use and the one being prefetched / still being copied out);
 - auto: each layer has its own policy (`lctrain.config.tiers`): remat or full, its kept tensors
-  on the GPU or in host memory (`lctrain.memory.tiers` places them).
+  on the GPU or in host memory (`lctrain.memory.tiers` places them); the GPU holds, at the
+  worst layer of the backward, the kept tensors of the layers not yet reached plus two parked
+  layers' (`kept_during_backward`).
 
 Tiled layers (``tile_tokens`` < T, `lctrain.parallel.tiling`): the final norm keeps only its
 input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input
 x, h1 = x + attention and the second norm's output, 3·c·T·h —
 plus the first norm's output (kept by q, k, v), and their backward needs one tile's worth of
-the MLP (7·c·n·I for n tile tokens) and float32 sums of the MLP's weight gradients.
+the MLP (7·c·n·I for n tile tokens) and float32 sums of the MLP's weight gradients. Beside the
+recomputed layer, the MLP half of the backward holds two (T × h) gradients (of the layer output
+and of the MLP input) and the attention half the residual stream's gradient and the attention
+output's (allocator traces of `lctrain bench step --memory-trace` show exactly these).
 
 Head groups (G, `lctrain_kernels` ``head_groups``): the attention's own buffers are those of
 Hq/G heads, plus copies of one group's inputs and results and, in the backward, full-size
@@ -105,17 +110,36 @@ def saved_activations(arch: Architecture, tokens: int, c: int, policy: str,
     (plus the final norm, whose output feeds the loss). ``runs``: the layers' policies of an
     ``auto`` run (`lctrain.config.tiers`)."""
     layers = arch.num_layers
-    frozen_norm = lora is not None and "norm" not in lora.trainable  # keeps no normalised value
-    final_norm = (4 + c * (1 + (not frozen_norm))) * tokens * arch.hidden_size
-    if tiled(tokens, tile_tokens):  # the tiled final norm keeps its input only
-        final_norm = c * tokens * arch.hidden_size
+    final_norm = final_norm_saved(arch, tokens, c, lora, tile_tokens)
     if policy == "none":
         return layers * layer_saved(arch, tokens, c, lora, tile_tokens) + final_norm
     kinds = layer_policies(arch, policy, runs)
-    on_gpu = sum(kept_bytes(arch, tokens, c, k) for k in kinds if k not in OFFLOADED)
-    parked = [kept_bytes(arch, tokens, c, k) for k in kinds if k in OFFLOADED]
-    in_flight = min(2, len(parked)) * max(parked, default=0)  # in use + prefetched / copying out
-    return on_gpu + in_flight + final_norm
+    return kept_during_backward([kept_bytes(arch, tokens, c, k) for k in kinds],
+                                [k in OFFLOADED for k in kinds]) + final_norm
+
+
+def kept_during_backward(kept: list[int], parked: list[bool]) -> int:
+    """The most bytes of kept tensors on the GPU at any layer of the backward, which walks the
+    layers from the last to the first: every GPU-kept layer not yet reached, the parked layer
+    in use (brought back) and the parked layer below the current one, whose copies back are
+    under way (`lctrain.parallel.offload`: a layer's recompute starts the next one's)."""
+    most = 0
+    for i in range(len(kept) - 1, -1, -1):
+        held = sum(b for b, p in zip(kept[:i + 1], parked[:i + 1]) if not p)
+        below = [b for b, p in zip(kept[:i], parked[:i]) if p]
+        held += (kept[i] if parked[i] else 0) + (below[-1] if below else 0)
+        most = max(most, held)
+    return most
+
+
+def final_norm_saved(arch: Architecture, tokens: int, c: int,
+                     lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> int:
+    """Bytes the final norm keeps for its backward (its output feeds the loss). They are freed
+    when the loss's backward has passed through the norm, before any layer's backward."""
+    if tiled(tokens, tile_tokens):  # the tiled final norm keeps its input only
+        return c * tokens * arch.hidden_size
+    frozen_norm = lora is not None and "norm" not in lora.trainable  # keeps no normalised value
+    return (4 + c * (1 + (not frozen_norm))) * tokens * arch.hidden_size
 
 
 def host_offload(arch: Architecture, tokens: int, c: int, policy: str, runs=None) -> int:
@@ -171,16 +195,15 @@ def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_g
         recomputed = 0
     else:  # full recomputes the attention output too
         recomputed = saved - x - (0 if policy.startswith("full") else out_lse)
-    residual_grads = 2 * c * t * h
     mlp_weights = (lora_model.layer_trainable(arch, lora) if lora is not None
                    else 3 * h * arch.intermediate_size)
     mlp_tile = 7 * c * n * arch.intermediate_size + c * n * h + (4 + c) * mlp_weights
-    mlp_phase = recomputed + residual_grads + c * t * h + mlp_tile
+    mlp_phase = recomputed + 2 * c * t * h + mlp_tile  # d(layer output), d(MLP input)
     qkv = c * t * (arch.q_width + 2 * arch.kv_width)
     attn_recomputed = 0 if policy == "none" else c * t * h + qkv + (
         out_lse if policy.startswith("full") else 0)
     attn_phase = (attn_recomputed + attention_workspace(arch, tokens, c, cp, head_groups)
-                  + residual_grads + c * t * arch.q_width)
+                  + c * t * h + c * t * arch.q_width)  # d(residual), d(attention output)
     return max(mlp_phase, attn_phase)
 
 

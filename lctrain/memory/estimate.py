@@ -11,7 +11,8 @@ The step has two peaks, and the larger one is reported with the breakdown of tha
 1. activations: the end of the forward / start of the backward — parameters, optimizer states,
    gradients only if they accumulate over micro-steps, every saved activation, and the larger of
    the chunked loss's working set and one layer's backward working set (recompute, activation
-   gradients, attention buffers, gathered parameters and their unsharded gradients);
+   gradients, attention buffers, gathered parameters and their unsharded gradients), less the
+   final norm's kept tensors, which the loss's backward has freed by then;
 2. optimizer: parameters, optimizer states, all gradients, and the foreach AdamW temporaries
    (one more parameter-sized buffer).
 
@@ -190,7 +191,11 @@ def _transients(setup: Setup, tokens: int, c: int, runs: Runs | None) -> dict[st
     layer_backward = max(act.layer_backward(arch, tokens, c, kind, setup.cp, lora,
                                             setup.tile_tokens, setup.head_groups)
                          for kind in kinds) + layer_grads
-    return {"transient": root + gathered + max(loss, layer_backward + root), "loss": loss,
+    # the final norm's kept tensors (counted with the saved activations) are gone by the time
+    # the first layer's backward runs
+    final_norm = act.final_norm_saved(arch, tokens, c, lora, setup.tile_tokens)
+    layer_phase = max(layer_backward + root - final_norm, 0)
+    return {"transient": root + gathered + max(loss, layer_phase), "loss": loss,
             "attention": act.attention_workspace(arch, tokens, c, setup.cp, setup.head_groups),
             "layer_backward": layer_backward, "gathered": gathered + root}
 

@@ -27,6 +27,7 @@ import contextlib
 import gc
 import os
 import pickle
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -128,12 +129,10 @@ def inventory(device: torch.device, module: torch.nn.Module | None = None, optim
         named.append(("optimizer states", storage_bytes(
             v for state in optimizer.state.values() for v in state.values())))
     others: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.device != device:
-                continue
-        except Exception:  # noqa: BLE001 - lazy or dead objects answer oddly
-            continue
+    with warnings.catch_warnings():  # deprecated module attributes warn when looked at
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if _is_tensor_on(obj, device)]
+    for obj in tensors:
         nbytes = storage_bytes([obj])
         if nbytes:
             key = f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
@@ -145,6 +144,13 @@ def inventory(device: torch.device, module: torch.nn.Module | None = None, optim
     rows = sorted(others.items(), key=lambda kv: -kv[1][0])
     lines += [f"  {_gib(n):>12}  {count:>5} tensors  {key}" for key, (n, count) in rows[:top]]
     return "\n".join(lines) + "\n"
+
+
+def _is_tensor_on(obj, device: torch.device) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor) and obj.device == device
+    except Exception:  # noqa: BLE001 - lazy or dead objects answer oddly
+        return False
 
 
 def _replay(events: list[dict], before: int) -> tuple[int, int | None, list[int]]:
