@@ -129,12 +129,13 @@ def _kill_rank_1(out: Path, cfg, refused: list) -> int:
     """Step 1: a second run into the folder is refused; then rank 1 is SIGKILLed or crashes."""
     ended, signum = {}, random.choice([signal.SIGKILL, signal.SIGSEGV])
 
-    def inject():
-        _wait(lambda: max(_steps(out), default=0) >= 13, "step 13")
-        try:
-            finetune(cfg, nproc=2)
+    def inject():  # the refused run first: trying it after step 13 let the job reach the
+        _wait(lambda: max(_steps(out), default=0) >= 2, "step 2")  # step-15 checkpoint, after
+        try:                                                       # which the chain has no
+            finetune(cfg, nproc=2)                                 # step left to redo
         except UserError as error:
             refused.append(str(error))
+        _wait(lambda: max(_steps(out), default=0) >= 13, "step 13")
         ended["pid"] = _beat(out, 1)["pid"]
         os.kill(ended["pid"], signum)
         ended["at"] = time.monotonic()

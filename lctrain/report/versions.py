@@ -22,6 +22,10 @@ def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
+        if package == "lctrain":  # run from a source tree that was never installed
+            import lctrain
+
+            return lctrain.__version__
         return None
 
 

@@ -116,7 +116,11 @@ def inventory(device: torch.device, module: torch.nn.Module | None = None, optim
             local = getattr(t, "_local_tensor", t)
             if not isinstance(local, torch.Tensor) or local.device != device:
                 continue
-            storage = local.untyped_storage()
+            try:
+                storage = local.untyped_storage()
+                storage.data_ptr()
+            except RuntimeError:  # a fake or functional tensor (tracing) owns no memory
+                continue
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
