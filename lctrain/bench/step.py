@@ -283,8 +283,9 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     per_micro = 2 if cfg.train.checkpointing == "full" else 1
     runs = predicted.get("layer_policies")
     if cfg.train.checkpointing == "auto" and runs:  # each full layer runs attention twice
-        kinds = per_layer(parse_layer_policies(runs))
-        per_micro = 1 + sum(k.startswith("full") for k in kinds) / layers
+        kinds = per_layer(parse_layer_policies(runs))  # a chained layer runs attention twice
+        per_micro = 1 + sum(k.startswith("full") or k == "chained" for k in kinds) / layers
+        per_micro += kinds.count("chained") / layers  # and the layer below it once more
     cuda = torch.cuda.is_available()
     return {
         "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,

@@ -8,14 +8,25 @@ one layer (:data:`LAYER_POLICIES`), from the cheapest step to the one that saves
 - ``remat``: the layer input, attention output and lse stay on the GPU;
 - ``remat-offload``: the same tensors wait in pinned host memory;
 - ``full``: only the layer input is kept, on the GPU; the attention forward runs again;
-- ``full-offload``: only the layer input is kept, in pinned host memory.
+- ``full-offload``: only the layer input is kept, in pinned host memory;
+- ``full-paired``: the layers of the run go in pairs of full layers, and the upper layer of each
+  pair keeps nothing: its input is rebuilt in the backward by running the lower layer's forward
+  again (`lctrain.parallel.pairs`) — half the kept inputs, one more layer forward per pair. A run
+  of an odd count ends with one plain full layer.
+
+`per_layer` expands runs into one kind per layer (:data:`LAYER_KINDS`): a ``full-paired`` run
+becomes ``full``, ``chained``, ``full``, ``chained``, ...
 """
 from __future__ import annotations
 
 from lctrain.errors import ConfigError
 
-LAYER_POLICIES = ("remat", "remat-offload", "full", "full-offload")
+LAYER_POLICIES = ("remat", "remat-offload", "full", "full-offload", "full-paired")
 """Checkpointing policies one layer of a mixed (``auto``) run can have."""
+
+LAYER_KINDS = ("remat", "remat-offload", "full", "full-offload", "chained")
+"""What each layer runs once runs are expanded (`per_layer`): ``chained`` is the upper layer of a
+``full-paired`` pair, whose input is rebuilt from the full layer below it."""
 
 OFFLOADED = frozenset({"remat-offload", "full-offload"})
 """Layer policies whose kept tensors live in pinned host memory."""
@@ -52,5 +63,6 @@ def format_layer_policies(runs: tuple[tuple[str, int], ...]) -> str:
 
 
 def per_layer(runs: tuple[tuple[str, int], ...]) -> list[str]:
-    """The policy of every layer, in forward order."""
-    return [name for name, count in runs for _ in range(count)]
+    """The kind of every layer (:data:`LAYER_KINDS`), in forward order."""
+    return [("chained" if i % 2 else "full") if name == "full-paired" else name
+            for name, count in runs for i in range(count)]

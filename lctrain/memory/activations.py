@@ -87,10 +87,11 @@ def input_kept(arch: Architecture, tokens: int, c: int) -> int:
 
 
 def kept_bytes(arch: Architecture, tokens: int, c: int, layer_policy: str) -> int:
-    """What one layer of ``layer_policy`` (a `lctrain.config.tiers.LAYER_POLICIES` name) keeps."""
+    """What one layer of ``layer_policy`` (a `lctrain.config.tiers.LAYER_KINDS` name) keeps:
+    nothing for a chained layer, whose input is rebuilt from the layer below."""
     if layer_policy.startswith("remat"):
         return remat_kept(arch, tokens, c)
-    return input_kept(arch, tokens, c)
+    return 0 if layer_policy == "chained" else input_kept(arch, tokens, c)
 
 
 def layer_policies(arch: Architecture, policy: str, runs=None) -> list[str]:
@@ -155,13 +156,16 @@ def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int
                    lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
                    head_groups: int = 1) -> int:
     """Peak bytes of one layer's backward beyond the saved activations, for one layer of
-    ``policy`` (none, or a layer policy: remat and full, offloaded or not).
+    ``policy`` (none, or a layer's kind: remat and full, offloaded or not, or chained).
 
     The MLP half runs first, with the whole recomputed layer alive (checkpointing) plus the
     residual-stream gradients and the MLP's activation gradients; then the attention half, when
     the recomputed MLP and second norm are gone but the attention's buffers and gradients are
     live. The larger of the two counts.
     """
+    if policy == "chained":  # a full layer whose input is rebuilt first, and held meanwhile
+        return (layer_backward(arch, tokens, c, "full", cp, lora, tile_tokens, head_groups)
+                + input_kept(arch, tokens, c))
     if tiled(tokens, tile_tokens):
         return _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups)
     t, h = tokens, arch.hidden_size

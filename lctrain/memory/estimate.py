@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lctrain.config.training import STATE_OFFLOADS
-from lctrain.config.tiers import format_layer_policies
+from lctrain.config.tiers import format_layer_policies, per_layer
 from lctrain.errors import UserError
 from lctrain.memory import activations as act
 from lctrain.memory.arch import Architecture
@@ -187,7 +187,7 @@ def _transients(setup: Setup, tokens: int, c: int, runs: Runs | None) -> dict[st
     arch, lora = setup.arch, setup.lora
     gathered, layer_grads, root = _fsdp_buffers(setup, c)
     loss = act.loss_workspace(arch, tokens, c, setup.loss_chunk_tokens, head_grad=lora is None)
-    kinds = {name for name, _ in runs} if runs is not None else {setup.policy}
+    kinds = set(per_layer(runs)) if runs is not None else {setup.policy}
     layer_backward = max(act.layer_backward(arch, tokens, c, kind, setup.cp, lora,
                                             setup.tile_tokens, setup.head_groups)
                          for kind in kinds) + layer_grads

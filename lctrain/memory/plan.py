@@ -19,7 +19,8 @@ Cost (:func:`step_seconds`): a documented estimate of one step's time, used only
 - compute at :data:`GPU_FLOPS` (an H100/H200-class GPU at 45 % MFU): the model's 6·N FLOPs per
   token, attention (causal forward 2·S²·Hq·d per layer, backward 2.5×) per GPU (÷ cp), plus what
   the options recompute: the forward of each checkpointed layer's projections and MLP, the
-  attention forward of each full layer, one more MLP forward per tiled layer;
+  attention forward of each full layer, one more MLP forward per tiled layer, and one more
+  forward of the lower layer of each ``full-paired`` pair;
 - pinned-memory copies (out and back) at :data:`PCIE_BYTES`, overlapped with compute: the step
   takes the longer of the two;
 - state in host memory, not overlapped: ``optimizer`` moves both AdamW states in and out per
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 
 from lctrain.config.tiers import format_layer_policies, parse_layer_policies
 from lctrain.memory.estimate import Setup, breakdown, host_budget, max_seq_len
-from lctrain.memory.tiers import recomputed_layers
+from lctrain.memory.tiers import chained_layers, recomputed_layers
 
 GPU_FLOPS = 0.45 * 989e12
 """Assumed useful FLOP/s of one GPU (an H100/H200 at 45 % of its dense bf16 peak)."""
@@ -207,6 +208,7 @@ def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
     checkpointed = 0 if setup.policy == "none" else layers
     recompute = 2 * checkpointed * (projections + mlp) * tokens
     recompute += recomputed_layers(runs) * attention_fwd
+    recompute += chained_layers(runs) * (attention_fwd + 2 * (projections + mlp) * tokens)
     tiles = 2 * layers * mlp * tokens if 0 < setup.tile_tokens < details["tokens_per_gpu"] else 0
     compute = (linear + layers * 3.5 * attention_fwd + recompute + tiles) / GPU_FLOPS
     copies = 2 * details["host_activations"] * setup.grad_accum / PCIE_BYTES

@@ -10,7 +10,10 @@ of running the attention forward again. `place` gives every layer a policy of
 2. for that many remat layers, fill the GPU first (largest kept tensors first), then pinned
    host memory (copies overlap compute, but they are not free);
 3. offloaded layers come first in the forward, GPU-kept ones last: the backward starts with the
-   GPU-kept layers, which gives the first host copies time to come back.
+   GPU-kept layers, which gives the first host copies time to come back;
+4. only when every layer is full and their inputs still do not fit the GPU and the host: the
+   fewest ``full-paired`` pairs, each of which keeps one input for two layers and runs the
+   lower layer's forward once more in the backward.
 
 The GPU also holds two offloaded layers' tensors in flight (the one in use and the next one
 coming back), as `lctrain.memory.activations.saved_activations` counts them.
@@ -51,6 +54,20 @@ def place(arch: Architecture, tokens: int, c: int, gpu_room: int, host_room: int
         if best is not None:
             _, on_gpu, full_gpu = best
             return _runs(on_gpu, remat - on_gpu, full_gpu, full - full_gpu)
+    return _paired(layers, small, gpu_room, host_room)
+
+
+def _paired(layers: int, small: int, gpu_room: int, host_room: int) -> Runs | None:
+    """When no layer can keep its attention output and the inputs do not fit either: the
+    fewest ``full-paired`` pairs (each keeps one input on the GPU for two layers and rebuilds
+    the other) that make the rest fit as full layers, the GPU first."""
+    for pairs in range(1, layers // 2 + 1):
+        rest, room = layers - 2 * pairs, gpu_room - pairs * small
+        if room < 0:
+            return None
+        full_gpu = _full_on_gpu(0, 0, rest, small, small, room)
+        if full_gpu >= 0 and (rest - full_gpu) * small <= host_room:
+            return _runs(0, 0, full_gpu, rest - full_gpu) + (("full-paired", 2 * pairs),)
     return None
 
 
@@ -75,6 +92,11 @@ def _runs(remat: int, remat_off: int, full: int, full_off: int) -> Runs:
     order = (("full-offload", full_off), ("remat-offload", remat_off), ("full", full),
              ("remat", remat))
     return tuple((name, n) for name, n in order if n)
+
+
+def chained_layers(runs: Runs) -> int:
+    """Layers whose input is rebuilt by running the layer below once more (``full-paired``)."""
+    return sum(n // 2 for name, n in runs if name == "full-paired")
 
 
 def recomputed_layers(runs: Runs) -> int:

@@ -24,6 +24,8 @@ Policies (the recipe's ``train.checkpointing``):
   host memory), as the memory model places them. Offloaded layers share one offloader; when the
   backward reaches a layer that keeps its tensors on the GPU, the copies of the last offloaded
   layer start coming back, so the first one the backward needs is not waited for.
+  ``full-paired`` layers come in pairs of a full layer and a ``chained`` one above it, whose
+  input is not kept but rebuilt from the full layer's in the backward (`lctrain.parallel.pairs`).
 
 The decoder layers are those `lctrain.model.structure.decoder_layer_slots` finds (the same
 ones FSDP2 makes its units). Each is wrapped in place with torch's ``checkpoint_wrapper``
@@ -44,10 +46,11 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lctrain.config.training import CHECKPOINTING_POLICIES as POLICIES
-from lctrain.config.tiers import LAYER_POLICIES, OFFLOADED, format_layer_policies
+from lctrain.config.tiers import LAYER_KINDS, LAYER_POLICIES, OFFLOADED, format_layer_policies
 from lctrain.errors import UserError
 from lctrain.model.structure import decoder_layer_slots, unwrap_layer
 from lctrain.parallel.offload import Offloader
+from lctrain.parallel.pairs import PairLink
 
 ATTENTION_FORWARD_OPS = frozenset({
     "lctrain::dist_attention",                        # lctrain_kernels: every attention, cp >= 1
@@ -113,9 +116,16 @@ def apply_checkpointing(model: nn.Module, policy: str, *, layer_policies: list[s
     kinds = _layer_kinds(policy, layer_policies, len(layers))
     _hand_over_from_transformers(model, policy)
     offloader = Offloader(offload_min_bytes) if OFFLOADED.intersection(kinds) else None
-    for (container, index), kind in zip(layers, kinds):
+    links = {i: PairLink() for i, kind in enumerate(kinds[1:]) if kind == "chained"}
+    for i, ((container, index), kind) in enumerate(zip(layers, kinds)):
         layer = unwrap_layer(container[index])
-        container[index] = layer if kind == "none" else _wrap(layer, kind, offloader)
+        if kind == "none":
+            container[index] = layer
+            continue
+        container[index] = _wrap(layer, kind, offloader, lower_of=links.get(i),
+                                 upper_of=links.get(i - 1) if kind == "chained" else None)
+        if i in links:
+            links[i].lower = container[index]
     return 0 if policy == "none" else len(layers)
 
 
@@ -123,10 +133,13 @@ def _layer_kinds(policy: str, layer_policies: list[str] | None, count: int) -> l
     if policy != "auto":
         return [policy] * count
     kinds = list(layer_policies or [])
-    unknown = [k for k in kinds if k not in LAYER_POLICIES]
+    unknown = [k for k in kinds if k not in LAYER_KINDS]
     if unknown:
         raise UserError(f"layer policy {unknown[0]!r} is unknown; choose one of "
                         f"{', '.join(LAYER_POLICIES)}")
+    if any(k == "chained" and (i == 0 or kinds[i - 1] != "full") for i, k in enumerate(kinds)):
+        raise UserError("a chained layer (the upper layer of a full-paired pair) must follow a "
+                        "full layer; write the pairs as full-paired=N in train.layer_policies")
     if len(kinds) != count:
         runs = format_layer_policies(tuple((k, 1) for k in kinds)) or "none"
         raise UserError(f"train.layer_policies gives {len(kinds)} layers ({runs}) but the model "
@@ -146,7 +159,10 @@ def _hand_over_from_transformers(model: nn.Module, policy: str) -> None:
         config.use_cache = False
 
 
-def _wrap(layer: nn.Module, kind: str, offloader: Offloader | None) -> nn.Module:
+def _wrap(layer: nn.Module, kind: str, offloader: Offloader | None, *,
+          lower_of: PairLink | None = None, upper_of: PairLink | None = None) -> nn.Module:
+    """``layer`` in its checkpoint wrapper; ``lower_of`` / ``upper_of``: the pair whose lower
+    (a full layer) or upper (a chained layer) it is (`lctrain.parallel.pairs`)."""
     make_contexts = remat_contexts if kind.startswith("remat") else noop_context_fn
     if kind in OFFLOADED:
         saved = is_attention_forward if kind.startswith("remat") else None
@@ -154,7 +170,11 @@ def _wrap(layer: nn.Module, kind: str, offloader: Offloader | None) -> nn.Module
             _offloaded_checkpoint, offloader, make_contexts, saved))
     if offloader is not None:  # a GPU-kept layer of a mixed run: start the host copies back
         make_contexts = functools.partial(offloader.prefetching_contexts, make_contexts)
-    elif kind == "full":
+    pair = lower_of.lower_checkpoint if lower_of else upper_of.upper_checkpoint if upper_of \
+        else None
+    if pair is not None:
+        return checkpoint_wrapper(layer, checkpoint_fn=functools.partial(pair, make_contexts))
+    if kind == "full" and offloader is None:
         return checkpoint_wrapper(layer)
     return checkpoint_wrapper(layer, context_fn=make_contexts)
 

@@ -117,8 +117,10 @@ def inventory(device: torch.device, module: torch.nn.Module | None = None, optim
             if not isinstance(local, torch.Tensor) or local.device != device:
                 continue
             try:
-                storage = local.untyped_storage()
-                storage.data_ptr()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    storage = local.untyped_storage()
+                    storage.data_ptr()
             except RuntimeError:  # a fake or functional tensor (tracing) owns no memory
                 continue
             if storage.data_ptr() not in seen:
