@@ -58,11 +58,12 @@ SCHEDULES = ("distflash", "zigzag", "ring")
 
 
 def _documents(path: Path, count: int) -> Path:
-    """``count`` short documents (40–400 characters of Python's help topics) as JSON lines."""
+    """``count`` short documents (40–120 characters of Python's help topics) as JSON lines: each
+    shorter than a row, so every row holds a document boundary."""
     from pydoc_data.topics import topics
 
     text = " ".join(topics[k] for k in sorted(topics)[40:60])
-    lengths = torch.randint(40, 400, (count,)).tolist()
+    lengths = torch.randint(40, 120, (count,)).tolist()
     starts = torch.randint(0, len(text) - 400, (count,)).tolist()
     path.write_text("".join(json.dumps({"text": text[s:s + n]}) + "\n"
                             for s, n in zip(starts, lengths)))

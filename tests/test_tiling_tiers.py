@@ -111,10 +111,10 @@ def test_mixed_layers_pin_what_the_model_says_on_gpu():
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
     model = LlamaForCausalLM(LlamaConfig(**fields, max_position_embeddings=8192)).cuda().train()
     model = model.to(torch.bfloat16)
-    model.set_attn_implementation("lctrain")
     from lctrain.model import register_attention
 
-    register_attention()
+    register_attention()  # before the model is told to use it
+    model.set_attn_implementation("lctrain")
     apply_checkpointing(model, "auto", layer_policies=KINDS, offload_min_bytes=0)
     tokens = 3000
     ids = torch.randint(0, 512, (1, tokens), device="cuda")
