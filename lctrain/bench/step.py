@@ -45,9 +45,10 @@ import torch
 from lctrain.bench.documents import training_rows
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
-from lctrain.config.tiers import parse_layer_policies, per_layer
+from lctrain.config.tiers import parse_layer_policies
 from lctrain.data import load_tokenizer
 from lctrain.errors import UserError
+from lctrain.memory.tiers import chained_layers, recomputed_layers
 from lctrain.report.versions import environment
 
 _GIB = float(1 << 30)
@@ -283,9 +284,8 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     per_micro = 2 if cfg.train.checkpointing == "full" else 1
     runs = predicted.get("layer_policies")
     if cfg.train.checkpointing == "auto" and runs:  # each full layer runs attention twice
-        kinds = per_layer(parse_layer_policies(runs))  # a chained layer runs attention twice
-        per_micro = 1 + sum(k.startswith("full") or k == "chained" for k in kinds) / layers
-        per_micro += kinds.count("chained") / layers  # and the layer below it once more
+        parsed = parse_layer_policies(runs)  # and a pair runs its lower layer once more
+        per_micro = 1 + (recomputed_layers(parsed) + chained_layers(parsed)) / layers
     cuda = torch.cuda.is_available()
     return {
         "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,

@@ -124,12 +124,11 @@ def kept_during_backward(kept: list[int], parked: list[bool]) -> int:
     layers from the last to the first: every GPU-kept layer not yet reached, the parked layer
     in use (brought back) and the parked layer below the current one, whose copies back are
     under way (`lctrain.parallel.offload`: a layer's recompute starts the next one's)."""
-    most = 0
-    for i in range(len(kept) - 1, -1, -1):
-        held = sum(b for b, p in zip(kept[:i + 1], parked[:i + 1]) if not p)
-        below = [b for b, p in zip(kept[:i], parked[:i]) if p]
-        held += (kept[i] if parked[i] else 0) + (below[-1] if below else 0)
-        most = max(most, held)
+    most = on_gpu = below = 0  # walked bottom-up: the maximum does not depend on the order
+    for nbytes, is_parked in zip(kept, parked):
+        on_gpu += 0 if is_parked else nbytes
+        most = max(most, on_gpu + (nbytes if is_parked else 0) + below)
+        below = nbytes if is_parked else below
     return most
 
 

@@ -205,9 +205,7 @@ def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> R
     peak leaves beside the fixed parts and the transients, then the host budget. A placement
     that recomputes attention makes the backward larger, so it is placed again with that."""
     arch = setup.arch
-    final_norm = act.saved_activations(arch, tokens, c, "remat", setup.lora,
-                                       setup.tile_tokens) - arch.num_layers * act.remat_kept(
-        arch, tokens, c)
+    final_norm = act.final_norm_saved(arch, tokens, c, setup.lora, setup.tile_tokens)
     host_room = (setup.host_budget or 0) - host_state
     runs = None
     for assumed in (("remat", 1),), (("remat", 1), ("full", 1)):

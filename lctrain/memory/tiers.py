@@ -15,8 +15,9 @@ of running the attention forward again. `place` gives every layer a policy of
    fewest ``full-paired`` pairs, each of which keeps one input for two layers and runs the
    lower layer's forward once more in the backward.
 
-The GPU also holds two offloaded layers' tensors in flight (the one in use and the next one
-coming back), as `lctrain.memory.activations.saved_activations` counts them.
+Placing, the GPU budgets two offloaded layers' tensors in flight (the one in use and the next
+one coming back); `lctrain.memory.activations.kept_during_backward` counts one where GPU-kept
+layers sit above them, so a placement never asks for more than the estimate allows.
 """
 from __future__ import annotations
 
