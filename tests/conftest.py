@@ -55,3 +55,16 @@ def _data_cache(tmp_path_factory):
     """Prepared training data goes to this test run's temporary folder, not the user's
     ~/.cache (ranks spawned later inherit the variable)."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Fresh "empty" tensors come filled with NaN: a row the backend forgets to write shows."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *a, **kw: poison(new_empty(self, *a, **kw)))

@@ -11,7 +11,7 @@ from lctrain_kernels.docsplit import (BATCH_STEPS, DenseCall, MaskedCall, batch_
                                       call_ranges, dense_rows, ladder_down, ladder_up, layout,
                                       pieces, split_block)
 from lctrain_kernels.docsplit_cost import CPU_MODEL
-from lctrain_kernels.docsplit_docs import causal_pairs
+from lctrain_kernels.pieces import causal_pairs
 from lctrain_kernels.masks import MaskSpec
 
 

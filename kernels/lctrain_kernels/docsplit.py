@@ -54,10 +54,11 @@ import functools
 from dataclasses import dataclass, replace
 
 from lctrain_kernels.docsplit_cost import GPU_MODEL, CostModel
-from lctrain_kernels.docsplit_docs import (Doc, Masked, MaskedCall, Option, Piece, causal_pairs,
-                                           dense_rows, document_pieces, down_option, ladder_down,
-                                           ladder_up, masked_option, pieces, up_option)
+from lctrain_kernels.docsplit_docs import (Doc, Masked, MaskedCall, Option, dense_rows,
+                                           down_option, ladder_down, ladder_up, masked_option,
+                                           up_option)
 from lctrain_kernels.masks import MaskSpec
+from lctrain_kernels.pieces import Piece, causal_pairs, document_pieces, pieces
 
 __all__ = ["BATCH_STEPS", "MIN_DENSE", "MIN_DENSE_CPU", "SHAPE_STEPS", "DenseCall", "Layout",
            "MaskedCall", "PackedCall", "Piece", "Split", "batch_sizes", "call_ranges",

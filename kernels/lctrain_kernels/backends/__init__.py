@@ -20,19 +20,22 @@ first asked for):
     docsplit    a block cut at its document boundaries: dense pieces on cudnn (cpu_flash on
                 a CPU), short documents and ragged ends on triton (reference on a CPU);
                 every relation (see lctrain_kernels.docsplit)
+    cudnn_ragged  cuDNN's ragged (THD) attention through nvidia-cudnn-frontend: each
+                document's piece of a block is one batch entry, read and written in place;
+                CUDA (Hopper or newer), fp16/bf16, every relation (lctrain_kernels.ragged)
 
 The "auto" rule (:func:`select_backend`), first one that is available and supports the block:
 
 * CUDA, FULL or CAUSAL block, fp16/bf16: cudnn > triton > flash > flash_attn > reference,
   fastest first as measured on H100/H200 (``lctrain bench kernel``, README "Performance").
-* CUDA, PARTIAL block (documents, an offset diagonal) or float32: triton > reference; only
-  triton skips masked tiles, and the dense SDPA ops take no mask with lse. docsplit, which
-  cuts a packed block at its document boundaries into dense cuDNN calls, beats triton on a
-  fixed mix of documents (`lctrain bench kernel --documents`), but cuDNN builds an execution
-  plan for every new call shape, and every step of real data brings new document lengths: in
-  training steps (`lctrain bench step --variant parallel.attention_backend=...`, docs/
-  performance.md) it ran slower than triton over the first dozens of steps and no faster once
-  its plans were built. So it runs only when named.
+* CUDA, PARTIAL block (documents, an offset diagonal): cudnn_ragged > triton > reference.
+  cudnn_ragged ran every document mix measured faster than triton, long documents close to
+  cuDNN's dense rate (``lctrain bench kernel --documents``, docs/performance.md). Its plans are built for the batch size and
+  longest document rounded up to powers of two, so the first steps of a run build them all
+  and later rows reuse them. float32 blocks, or a GPU cuDNN's ragged backward does not serve,
+  go to triton. docsplit, which cuts a packed block into dense cuDNN calls of many shapes,
+  runs only when named: it is no faster on fixed mixes and slower in training, where every
+  row brings new shapes and cuDNN builds a plan for each.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
   takes a mask only as an additive tensor of the inputs' dtype, and the Triton interpreter is
   correct but orders of magnitude slower).
@@ -54,7 +57,7 @@ __all__ = ["Backend", "BackendUnavailable", "available_backends", "backend_names
            "check_backend_name", "get_backend", "select_backend"]
 
 _DENSE_CUDA_ORDER = ("cudnn", "triton", "flash", "flash_attn", "reference")
-_MASKED_CUDA_ORDER = ("triton", "reference")
+_MASKED_CUDA_ORDER = ("cudnn_ragged", "triton", "reference")
 _DENSE_CPU_ORDER = ("cpu_flash", "reference")
 
 

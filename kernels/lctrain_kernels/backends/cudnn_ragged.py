@@ -1,0 +1,270 @@
+"""The cudnn_ragged backend: document-masked blocks on cuDNN's ragged (THD) attention.
+
+Each block becomes one or two ragged calls (:mod:`lctrain_kernels.ragged`): every document's
+piece is a batch entry that cuDNN reads and writes in place through per-entry element offsets
+and lengths, so a packed block runs at cuDNN's dense rate on its visible work, with no copies.
+The graphs are built with ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``)
+on the libcudnn that torch loaded, and cached by what they are compiled for: direction,
+causal or not, batch and longest entry rounded up to powers of two, the block's rows, heads,
+head dim, dtype, scale and the tensors' token strides. Lengths and offsets are data, so the
+plans built in a run's first steps serve every later mix of documents.
+
+Contract kept for cuDNN: q/k/v keep their heads packed in each token (any token stride,
+e.g. a head-group slice); the statistics are token-major float32 ``(T, Hq)``, which cuDNN
+reads and writes ragged in both directions on Hopper; dK/dV come back summed per GQA group.
+cuDNN computes the backward's ``delta`` itself, so a gradient of the lse takes one more
+backward (``backends.base.UnitValueLseGrad``). Limits: CUDA with compute capability 9.0 or
+newer, fp16/bf16, head_dim a multiple of 8 up to 128.
+"""
+from __future__ import annotations
+
+import torch
+
+from lctrain_kernels.backends.base import BackendUnavailable
+from lctrain_kernels.masks import MaskSpec, Relation
+from lctrain_kernels.ragged import RaggedBackend, RaggedCall, bucket
+
+_HALF = (torch.float16, torch.bfloat16)
+
+# Graph tensor uids.
+_Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
+_LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DK = range(10, 18)
+
+
+def _import_cudnn():
+    try:
+        import cudnn  # nvidia-cudnn-frontend
+    except ImportError as exc:
+        raise BackendUnavailable(
+            "the cudnn_ragged backend needs the cuDNN frontend's Python package; install it "
+            "with `pip install nvidia-cudnn-frontend`, or pick the triton backend.") from exc
+    return cudnn
+
+
+def _token_stride(x: torch.Tensor) -> int | None:
+    """Elements between two tokens when rows flatten over the batch and each token's heads
+    are packed ``(H, D)``; None when the layout is not like that."""
+    b, s, h, d = x.shape
+    if x.stride(3) != 1 or (h > 1 and x.stride(2) != d):
+        return None
+    if b > 1 and x.stride(0) != s * x.stride(1):
+        return None
+    return x.stride(1)
+
+
+def _rows_layout(x: torch.Tensor) -> torch.Tensor:
+    return x if _token_stride(x) is not None else x.contiguous()
+
+
+def _compact(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its tokens packed one after the other (a copy for a head-group slice): in
+    the ragged backward cuDNN computed dK and dV wrong from a Q or K/V with a wider token
+    stride than their gradients (forward and dQ were right), so the backward gives it
+    tensors of one layout."""
+    return x if x.stride(1) == x.shape[2] * x.shape[3] and _token_stride(x) else x.contiguous()
+
+
+_KEY_SIDE = (_K, _V, _DK, _DV)
+
+
+def _from_row(t: torch.Tensor, row: int) -> torch.Tensor:
+    """The tensor from flattened row ``row`` on (a view; statistics are (rows, H) already)."""
+    return t.view(-1, *t.shape[2:])[row:] if t.dim() == 4 else t[row:]
+
+
+class _Graphs:
+    """cuDNN graphs by what they are compiled for, built on first use."""
+
+    def __init__(self, cudnn):
+        self.cudnn = cudnn
+        self.graphs: dict[tuple, tuple] = {}
+        self.handles: dict[int, object] = {}
+
+    def handle(self, device: torch.device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self.handles:
+            with torch.cuda.device(index):
+                self.handles[index] = self.cudnn.create_handle()
+        handle = self.handles[index]
+        self.cudnn.set_stream(handle=handle,
+                              stream=torch.cuda.current_stream(index).cuda_stream)
+        return handle
+
+    def get(self, key: tuple, device: torch.device):
+        if key not in self.graphs:
+            self.graphs[key] = self._build(key, self.handle(device))
+        return self.graphs[key]
+
+    def _build(self, key: tuple, handle):
+        cudnn = self.cudnn
+        (ragged, backward, causal, dtype, nb, sq, sk, hq, hkv, d, scale, tq, tk, tv,
+         total_q, total_k) = key
+        io = cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16
+        f32, i32, i64 = cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.INT64
+        g = cudnn.pygraph(handle=handle, io_data_type=io, intermediate_data_type=f32,
+                          compute_data_type=f32)
+
+        def column(uid, name, n, dt):
+            return g.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt,
+                            uid=uid)
+
+        def rows(uid, name, heads, s, token_stride):
+            return g.tensor(name=name, dim=[nb, heads, s, d], stride=[s * token_stride, d,
+                            token_stride, 1], data_type=io, uid=uid)
+
+        q = rows(_Q, "q", hq, sq, tq)
+        k = rows(_K, "k", hkv, sk, tk)
+        v = rows(_V, "v", hkv, sk, tv)
+        mask = dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT,
+                    diagonal_band_right_bound=0 if causal else None)
+        offsets = {}
+        if ragged:  # per-entry lengths and element offsets (a plain batch has neither)
+            mask.update(use_padding_mask=True, seq_len_q=column(_LEN_Q, "len_q", nb, i32),
+                        seq_len_kv=column(_LEN_K, "len_k", nb, i32))
+            offsets = {uid: column(uid, f"off{uid}", nb + 1, i64)
+                       for uid in (_OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DK)}
+            for t, uid in ((q, _OFF_Q), (k, _OFF_K), (v, _OFF_V)):
+                t.set_ragged_offset(offsets[uid])
+
+        def ragged_at(t, uid):
+            if ragged:
+                t.set_ragged_offset(offsets[uid])
+        out_stride = [sq * hq * d, d, hq * d, 1]
+        stats_stride = [sq * hq, 1, hq, 1]
+        if not backward:
+            o, stats = g.sdpa(name="fwd", q=q, k=k, v=v, generate_stats=True,
+                              attn_scale=scale, **mask)
+            o.set_uid(_O).set_output(True).set_dim([nb, hq, sq, d]).set_stride(out_stride) \
+                .set_data_type(io)
+            ragged_at(o, _OFF_O)
+            stats.set_uid(_STATS).set_output(True).set_dim([nb, hq, sq, 1]) \
+                .set_stride(stats_stride).set_data_type(f32)
+            ragged_at(stats, _OFF_STATS)
+        else:
+            o = g.tensor(name="o", dim=[nb, hq, sq, d], stride=out_stride, data_type=io, uid=_O)
+            do = g.tensor(name="do", dim=[nb, hq, sq, d], stride=out_stride, data_type=io,
+                          uid=_DO)
+            stats = g.tensor(name="stats", dim=[nb, hq, sq, 1], stride=stats_stride,
+                             data_type=f32, uid=_STATS)
+            for t in (o, do):
+                ragged_at(t, _OFF_O)
+            ragged_at(stats, _OFF_STATS)
+            if ragged:
+                mask.update(max_total_seq_len_q=total_q, max_total_seq_len_kv=total_k)
+            dq, dk, dv = g.sdpa_backward(name="bwd", q=q, k=k, v=v, o=o, dO=do, stats=stats,
+                                         attn_scale=scale, **mask)
+            kv_stride = [sk * hkv * d, d, hkv * d, 1]
+            dq.set_uid(_DQ).set_output(True).set_dim([nb, hq, sq, d]).set_stride(out_stride) \
+                .set_data_type(io)
+            ragged_at(dq, _OFF_O)
+            for t, uid, in ((dk, _DK), (dv, _DV)):
+                t.set_uid(uid).set_output(True).set_dim([nb, hkv, sk, d]) \
+                    .set_stride(kv_stride).set_data_type(io)
+                ragged_at(t, _OFF_DK)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        return g, g.get_workspace_size()
+
+
+def _workspace(nbytes: int, device) -> torch.Tensor:
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+
+
+class CudnnEngine:
+    """Runs one :class:`~lctrain_kernels.ragged.RaggedCall` on cuDNN (the Engine protocol)."""
+
+    def __init__(self):
+        self.graphs = _Graphs(_import_cudnn())
+        self._columns: dict[tuple, tuple] = {}
+
+    def _columns_for(self, call: RaggedCall, q, k, v) -> dict:
+        """Lengths and element offsets of a call's entries on the device, by uid; cached, as
+        every layer of a step runs the same blocks."""
+        hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+        strides = (_token_stride(q), _token_stride(k), _token_stride(v))
+        key = (call, q.device, hq, hkv, d, strides)
+        if key not in self._columns:
+            q_rows, k_rows, q_lens, k_lens = call.padded()
+            lens = torch.tensor([q_lens, k_lens], dtype=torch.int32)
+            q_rows, k_rows = torch.tensor(q_rows), torch.tensor(k_rows)  # int64
+            offsets = torch.stack([q_rows * strides[0], k_rows * strides[1],
+                                   k_rows * strides[2], q_rows * (hq * d), q_rows * hq,
+                                   k_rows * (hkv * d)])
+            lens, offsets = lens.to(q.device), offsets.to(q.device)
+            if len(self._columns) >= 256:
+                self._columns.pop(next(iter(self._columns)))
+            self._columns[key] = dict(zip(
+                (_LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DK),
+                (*lens.unbind(), *offsets.unbind())))
+        return self._columns[key]
+
+    def _run(self, backward: bool, call: RaggedCall, scale: float, pack: dict) -> None:
+        q, k, v = pack[_Q], pack[_K], pack[_V]
+        total_q, total_k = q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]
+        strides = (_token_stride(q), _token_stride(k), _token_stride(v))
+        if call.uniform:  # a plain batch from the first rows on: cuDNN's dense kernel
+            pack = {uid: _from_row(t, call.k_rows[0] if uid in _KEY_SIDE else call.q_rows[0])
+                    for uid, t in pack.items()}
+            shape = (call.entries, call.q_lens[0], call.k_lens[0], 0, 0)
+        else:
+            pack.update(self._columns_for(call, q, k, v))
+            shape = (bucket(call.entries), call.max_q, call.max_k, -(-total_q // 64) * 64,
+                     -(-total_k // 64) * 64)
+        nb, sq, sk, tot_q, tot_k = shape
+        key = (not call.uniform, backward, call.causal, q.dtype, nb, sq, sk, q.shape[2],
+               k.shape[2], q.shape[3], float(scale), *strides, tot_q, tot_k)
+        graph, workspace = self.graphs.get(key, q.device)
+        graph.execute(pack, _workspace(workspace, q.device), handle=self.graphs.handle(q.device))
+
+    def forward(self, call, q, k, v, out, lse_t, scale):
+        self._run(False, call, scale, {_Q: q, _K: k, _V: v, _O: out, _STATS: lse_t})
+
+    def backward(self, call, do, q, k, v, out, lse_t, dq, dk, dv, scale):
+        self._run(True, call, scale, {_Q: q, _K: k, _V: v, _O: out, _DO: do, _STATS: lse_t, _DQ: dq,
+                              _DK: dk, _DV: dv})
+
+
+_ENGINE: list[CudnnEngine] = []
+
+
+def _engine() -> CudnnEngine:
+    """The process's one engine: its graphs and handles serve every backend object (the
+    backend registry builds a new object per lookup)."""
+    if not _ENGINE:
+        _ENGINE.append(CudnnEngine())
+    return _ENGINE[0]
+
+
+class CudnnRaggedBackend(RaggedBackend):
+    """cuDNN's ragged attention: every relation, documents as in-place batch entries."""
+
+    name = "cudnn_ragged"
+
+    def __init__(self):
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("the cudnn_ragged backend needs a CUDA GPU and none is "
+                                     "visible; use backend='reference' (or 'auto').")
+        super().__init__(_engine())
+
+    def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
+        if not q.is_cuda:
+            return f"the cudnn_ragged backend runs on CUDA only, and the tensors are on {q.device}."
+        if q.dtype not in _HALF:
+            return f"the cudnn_ragged backend takes float16 or bfloat16, not {q.dtype}."
+        d = q.shape[-1]
+        if d % 8 or d > 128:
+            return f"the cudnn_ragged backend needs head_dim a multiple of 8 up to 128, not {d}."
+        if torch.cuda.get_device_capability(q.device) < (9, 0):
+            return ("the cudnn_ragged backend needs a Hopper or newer GPU (compute capability "
+                    ">= 9.0) for ragged statistics in the backward.")
+        return None
+
+    def forward(self, q, k, v, spec, relation, scale):
+        return super().forward(*(_rows_layout(x) for x in (q, k, v)), spec, relation, scale)
+
+    def grads(self, do, q, k, v, out, lse, spec, relation, scale):
+        q, k, v = _compact(q), _compact(k), _compact(v)
+        return super().grads(do, q, k, v, out, lse, spec, relation, scale)

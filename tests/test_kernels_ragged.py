@@ -1,0 +1,194 @@
+"""Ragged plans and the block logic around a ragged kernel: on a CPU through the plain-torch
+engine against the float64 oracle on every mask shape and random blocks; on a GPU, the
+cudnn_ragged backend in bf16 against float32 math, and the auto rule."""
+import random
+
+import pytest
+import torch
+
+from docsplit_cases import SHAPES, bounds_of, lognormal_lengths, random_block, visible
+from lctrain_kernels.backends import auto_order
+from lctrain_kernels.masks import MaskSpec, Relation, classify
+from lctrain_kernels.ragged import RaggedBackend, ReferenceEngine, bucket, plan_ragged
+from lctrain_kernels.reference import reference_backward, reference_forward
+
+
+def painted(plan, sq, sk, batch):
+    """How many times each (query, key) pair of each batch row is in some entry."""
+    hits = torch.zeros(batch, sq, sk, dtype=torch.int32)
+    for call in plan.calls:
+        for rq, rk, nq, nk in zip(call.q_rows, call.k_rows, call.q_lens, call.k_lens):
+            b, i, j = rq // sq, rq % sq, rk % sk
+            assert rk // sk == b and i + nq <= sq and j + nk <= sk  # inside its own row
+            tri = torch.ones(nq, nk, dtype=torch.int32)
+            hits[b, i:i + nq, j:j + nk] += tri.tril() if call.causal else tri
+    return hits
+
+
+def test_bucket_is_the_next_power_of_two():
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == \
+        [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_plan_covers_each_visible_pair_exactly_once(name):
+    spec, sq, sk = SHAPES[name]
+    for batch in (1, 3):
+        plan = plan_ragged(spec, sq, sk, batch)
+        hits = painted(plan, sq, sk, batch)
+        assert torch.equal(hits, visible(spec, sq, sk).int().expand(batch, sq, sk))
+        assert [c.causal for c in plan.calls] == sorted((c.causal for c in plan.calls),
+                                                        reverse=True)
+        rows = [set() for _ in plan.calls]
+        for call, seen in zip(plan.calls, rows):
+            for r, n in zip(call.q_rows, call.q_lens):
+                assert not seen & set(range(r, r + n))  # one call never writes a row twice
+                seen |= set(range(r, r + n))
+        assert plan.shared_rows == (len(rows) == 2 and bool(rows[0] & rows[1]))
+        assert plan.covers_q == bool(hits.any(2).all())
+        assert plan.covers_k == bool(hits.any(1).all())
+
+
+def test_plan_on_random_blocks():
+    rng = random.Random()
+    for _ in range(300):
+        spec, sq, sk = random_block(rng)
+        plan = plan_ragged(spec, sq, sk, 2)
+        assert torch.equal(painted(plan, sq, sk, 2), visible(spec, sq, sk).int().expand(2, -1, -1))
+
+
+def test_padded_batch_is_a_power_of_two_of_empty_entries_after_the_real_ones():
+    spec = MaskSpec(True, 0, 0, bounds_of(5, 9, 3))
+    (call,) = plan_ragged(spec, 17, 17).calls
+    q_rows, k_rows, q_lens, k_lens = call.padded()
+    assert (q_lens, k_lens) == ([5, 9, 3, 0], [5, 9, 3, 0])
+    assert q_rows == k_rows == [0, 5, 14, 17, 17]
+    assert (call.max_q, call.max_k) == (16, 16)
+
+
+def run_block(spec, sq, sk, dtype, hq=4, hkv=2, batch=2, d=16, lse_grad=True):
+    q = torch.randn(batch, sq, hq, d, dtype=dtype)
+    k, v = (torch.randn(batch, sk, hkv, d, dtype=dtype) for _ in range(2))
+    do = torch.randn_like(q)
+    dlse = torch.randn(batch, hq, sq, dtype=dtype) if lse_grad else None
+    return q, k, v, do, dlse
+
+
+def check(spec, sq, sk, **kw):
+    """Forward, gradients and the lse's gradient through the ragged block logic on the
+    plain-torch engine, against the float64 oracle."""
+    q, k, v, do, dlse = run_block(spec, sq, sk, torch.float64, **kw)
+    backend, scale, rel = RaggedBackend(ReferenceEngine()), 0.3, classify(spec, sq, sk)
+    out, lse = backend.forward(q, k, v, spec, rel, scale)
+    grads = backend.backward(do, q, k, v, out, lse, spec, rel, scale, dlse)
+    ref_out, ref_lse = reference_forward(q, k, v, spec, scale)
+    ref = reference_backward(do, q, k, v, ref_out, ref_lse, spec, scale, dlse=dlse)
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    assert not out[lse.isinf().transpose(1, 2)].any()
+    seen = ref_lse.isfinite()
+    assert (lse[seen] - ref_lse[seen]).abs().max() < 1e-10
+    for got, want in zip((out, *grads), (ref_out, *ref)):
+        assert got.dtype == torch.float64 and (got - want).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_block_logic_matches_float64_reference_on_every_mask_shape(name, poisoned):
+    spec, sq, sk = SHAPES[name]
+    for hkv, batch in ((2, 2), (4, 1), (1, 1)):  # GQA, MHA, MQA; batched and not
+        check(spec, sq, sk, hkv=hkv, batch=batch)
+
+
+def test_block_logic_on_random_blocks(poisoned):
+    rng = random.Random()
+    for _ in range(40):
+        spec, sq, sk = random_block(rng)
+        if classify(spec, sq, sk) is Relation.EMPTY:  # never handed to a backend
+            continue
+        check(spec, sq, sk, lse_grad=rng.random() < 0.5)
+
+
+def test_shared_rows_are_merged_through_the_lse(poisoned):
+    spec, sq, sk = SHAPES["offset_keys_into_queries"]
+    assert plan_ragged(spec, sq, sk).shared_rows
+    check(spec, sq, sk)
+
+
+def test_auto_runs_masked_blocks_on_cudnn_ragged_first():
+    half, part = torch.bfloat16, Relation.PARTIAL
+    assert auto_order("cuda", half, part) == ("cudnn_ragged", "triton", "reference")
+    assert auto_order("cuda", torch.float32, part)[1:] == ("triton", "reference")
+    assert auto_order("cuda", half, Relation.CAUSAL)[0] == "cudnn"
+    assert auto_order("cpu", half, part) == ("reference",)
+
+
+MIXES = {
+    "many_short": lambda n: [n // 32] * 32,
+    "few_long": lambda n: [n // 2, n // 4, n // 8, n - n // 2 - n // 4 - n // 8],
+    "lognormal": lambda n: lognormal_lengths(n, n / 6, 1.0, 3),
+}
+
+
+def gpu_case(spec, sq, sk, hq, hkv, d=128, batch=1, seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    do = torch.randn_like(q)
+    dlse = torch.randn(batch, hq, sq, device="cuda")
+    return q, k, v, do, dlse
+
+
+def gpu_errors(backend, spec, q, k, v, do, dlse):
+    """Largest error of out, lse and every gradient against float32 math, relative to the
+    largest reference value."""
+    sq, sk, scale = q.shape[1], k.shape[1], q.shape[-1] ** -0.5
+    rel = classify(spec, sq, sk)
+    out, lse = backend.forward(q, k, v, spec, rel, scale)
+    grads = backend.backward(do, q, k, v, out, lse, spec, rel, scale, dlse)
+    up = [t.float() for t in (q, k, v, do)]
+    ref_out, ref_lse = reference_forward(*up[:3], spec, scale)
+    ref = reference_backward(up[3], *up[:3], ref_out, ref_lse, spec, scale, dlse=dlse)
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    seen = ref_lse.isfinite()
+    errs = [((lse[seen] - ref_lse[seen]).abs().max() / ref_lse[seen].abs().max()).item()]
+    for got, want in zip((out, *grads), (ref_out, *ref)):
+        assert got.shape == want.shape
+        errs.append(((got.float() - want).abs().max() / want.abs().max()).item())
+    return errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_gpu_cudnn_ragged_matches_float32_math_on_every_mask_shape(name):
+    from lctrain_kernels.backends import get_backend
+    spec, sq, sk = SHAPES[name]
+    backend = get_backend("cudnn_ragged")
+    for hq, hkv, batch in ((8, 2, 2), (4, 4, 1)):
+        errs = gpu_errors(backend, spec, *gpu_case(spec, sq, sk, hq, hkv, batch=batch))
+        assert max(errs) < 2e-2, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_gpu_cudnn_ragged_on_document_mixes_and_head_group_views(mix):
+    """A diagonal block (two batch rows), an off-diagonal one (a document crossing the chunk
+    boundary) and a half-keys one, at 4K rows; q, k, v as head-group slices of wider tensors.
+    Equal documents run as a plain batch on the dense kernel, the others ragged."""
+    from lctrain_kernels.backends import get_backend
+    from lctrain_kernels.ragged import plan_ragged
+    n = 4096
+    bounds = bounds_of(*MIXES[mix](2 * n))
+    backend = get_backend("cudnn_ragged")
+    for spec, sk, batch in ((MaskSpec(True, n, n, bounds), n, 2),
+                            (MaskSpec(True, n, 0, bounds), n, 1),
+                            (MaskSpec(True, n, n, bounds), n // 2, 1)):
+        if classify(spec, n, sk) is Relation.EMPTY:  # never handed to a backend
+            continue
+        calls = plan_ragged(spec, n, sk, batch).calls
+        if batch == 2:  # several documents: equal ones are a plain batch, others ragged
+            assert any(c.uniform for c in calls) == (mix == "many_short")
+        q, k, v, do, dlse = gpu_case(spec, n, sk, 16, 4, batch=batch)
+        q, k, v = q[:, :, 4:12], k[:, :, 1:3], v[:, :, 1:3]  # strided head-group views
+        do, dlse = do[:, :, :8].contiguous(), dlse[:, :8].contiguous()
+        errs = gpu_errors(backend, spec, q, k, v, do, dlse)
+        assert max(errs) < 2e-2, (spec.q_start, sk, errs)
