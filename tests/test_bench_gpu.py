@@ -65,13 +65,13 @@ def test_bench_kernel_through_a_pipe_prints_every_number(tmp_path):
 def test_bench_kernel_with_documents_shares_the_dense_rate(tmp_path):
     out = tmp_path / "d.json"
     run = subprocess.run([sys.executable, "-m", "lctrain", "bench", "kernel", "--seq-len", "16k",
-                          "--documents", "4k,3k,2x2k,1k,rest", "--backend", "docsplit,triton,cudnn",
+                          "--documents", "4k,3k,2x2k,1k,rest", "--backend", "cudnn_ragged,triton,cudnn",
                           "--check-len", "4k", "--json", str(out)],
                          capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["cudnn (dense)"]["status"] == "ok" and rows["cudnn (dense)"]["relation"] == "causal"
-    for name in ("docsplit", "triton"):
+    for name in ("cudnn_ragged", "triton"):
         row = rows[name]
         assert row["status"] == "ok" and row["correct"] is True, row
         assert row["of_dense"] == pytest.approx(row["total_tflops"] / rows["cudnn (dense)"]["total_tflops"])

@@ -373,7 +373,7 @@ def test_plot_draws_one_line_per_backend_and_documents_mix(tmp_path, monkeypatch
 
     rows = [{"backend": b, "seq_len": n, "documents": d, "status": "ok",
              "total_tflops": random.uniform(100, 600)}
-            for b in ("docsplit", "triton") for d in ("8x8k", "32x2k") for n in (32768, 65536)]
+            for b in ("cudnn_ragged", "triton") for d in ("8x8k", "32x2k") for n in (32768, 65536)]
     rows.append({"backend": "cudnn (dense)", "seq_len": 65536, "documents": None, "status": "ok",
                  "total_tflops": 550.0})
     captured = {}
@@ -382,7 +382,7 @@ def test_plot_draws_one_line_per_backend_and_documents_mix(tmp_path, monkeypatch
         captured.setdefault("fig", fig), real_savefig(fig, *a, **k))[1])
     plot(BenchResult(kind="kernel", title="k", rows=rows), tmp_path / "k.png")
     lines = {line.get_label(): list(line.get_xdata()) for line in captured["fig"].axes[0].get_lines()}
-    assert lines == {"docsplit 8x8k": [32768, 65536], "docsplit 32x2k": [32768, 65536],
+    assert lines == {"cudnn_ragged 8x8k": [32768, 65536], "cudnn_ragged 32x2k": [32768, 65536],
                      "triton 8x8k": [32768, 65536], "triton 32x2k": [32768, 65536],
                      "cudnn (dense)": [65536]}
 

@@ -122,8 +122,8 @@ def test_documents_rows_count_useful_flops_and_share_of_the_dense_reference():
                  dense_reference="cpu_flash", repeats=2, warmup=0, check_len=48,
                  progress=lines.append)
     rows = {(r["backend"], r["seq_len"], r["documents"]): r for r in result.rows}
-    assert {b for b, _, _ in rows} == {"cpu_flash (dense)", "reference", "docsplit"}  # CPU defaults
-    assert len(result.rows) == 2 + 2 * 2 * 2  # the dense reference once per length
+    assert {b for b, _, _ in rows} == {"cpu_flash (dense)", "reference"}  # CPU defaults
+    assert len(result.rows) == 2 + 2 * 2  # the dense reference once per length
     for seq_len in (64, 96):
         dense = rows[("cpu_flash (dense)", seq_len, None)]
         assert dense["relation"] == "causal" and "mix" not in dense
@@ -131,7 +131,7 @@ def test_documents_rows_count_useful_flops_and_share_of_the_dense_reference():
             3.5 * attention_flops(seq_len, 2, 16) / (dense["fwd_ms"] + dense["bwd_ms"]) / 1e9)
         for spec in specs:
             docs = parse_documents(spec, seq_len)
-            for name in ("reference", "docsplit"):
+            for name in ("reference",):
                 row = rows[(name, seq_len, spec)]
                 assert row["status"] == "ok" and row["correct"] is True and row["max_rel_err"] < 1e-4
                 assert row["relation"] == "partial" and row["mix"] == docs.summary()
@@ -143,7 +143,7 @@ def test_documents_rows_count_useful_flops_and_share_of_the_dense_reference():
     meta = result.meta
     assert (meta["documents"], meta["dense_reference"]) == (specs, "cpu_flash")
     assert meta["check_documents"] == [parse_documents(s, 64).scaled(48).summary() for s in specs]
-    assert any(line.startswith("docsplit 5 96:") and "of dense" in line for line in lines)
+    assert any(line.startswith("reference 5 96:") and "of dense" in line for line in lines)
     text = render(table(result), "table", terminal=True, width=80)  # a mix column numbers them
     joined = " ".join(line.strip() for line in text.splitlines())  # titles and notes wrap
     assert "mix 2: documents 5 at 96: 5 documents of 19..20 tokens, median 19" in joined

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from docsplit_cases import SHAPES, bounds_of, lognormal_lengths, random_block, visible
+from mask_cases import SHAPES, bounds_of, lognormal_lengths, random_block, visible
 from lctrain_kernels.backends import auto_order
 from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.ragged import RaggedBackend, ReferenceEngine, bucket, plan_ragged
@@ -192,3 +192,26 @@ def test_gpu_cudnn_ragged_on_document_mixes_and_head_group_views(mix):
         do, dlse = do[:, :, :8].contiguous(), dlse[:, :8].contiguous()
         errs = gpu_errors(backend, spec, q, k, v, do, dlse)
         assert max(errs) < 2e-2, (spec.q_start, sk, errs)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_runs_document_masks_on_cudnn_ragged_through_the_attention_api():
+    """The model's path: attention() with cu_seqlens under autograd, q/k/v transposed views of
+    (B, H, S, D) tensors as the model hands them over; auto picks cudnn_ragged."""
+    from lctrain_kernels import attention_with_lse
+    from lctrain_kernels.backends import select_backend
+    bounds = bounds_of(700, 1300, 96, 2000)
+    spec = MaskSpec(True, 0, 0, bounds)
+    heads = [torch.randn(1, h, bounds[-1], 64, device="cuda",
+                         dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2)]
+    q, k, v = (x.transpose(1, 2) for x in heads)
+    assert select_backend("auto", q, k, v, spec, Relation.PARTIAL).name == "cudnn_ragged"
+    out, lse = attention_with_lse(q, k, v, cu_seqlens=list(bounds))
+    do = torch.randn_like(out)
+    (out.float() * do).sum().backward()
+    up = [x.detach().float().transpose(1, 2) for x in heads]
+    ref_out, ref_lse = reference_forward(*up, spec, 64 ** -0.5)
+    ref = reference_backward(do.float(), *up, ref_out, ref_lse, spec, 64 ** -0.5)
+    assert (lse - ref_lse).abs().max() < 1e-2
+    for got, want in zip((out, *(x.grad.transpose(1, 2) for x in heads)), (ref_out, *ref)):
+        assert ((got.float() - want).abs().max() / want.abs().max()) < 2e-2

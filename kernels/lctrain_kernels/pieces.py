@@ -4,9 +4,9 @@ Inside one document, causal attention between a block's query rows and key rows 
 two dense shapes: the keys before the document's first query row are all visible (a FULL
 rectangle), and the keys from that row on form the lower triangle from the top-left corner
 (CAUSAL). :func:`pieces` cuts a block into these, one or two per document that both sides
-reach; the union of the pieces is exactly the block's mask and no pair is in two pieces. Both
-the ragged backend (one batch entry per piece) and docsplit (dense calls) are built on it.
-All host ints; all positions local to the block.
+reach; the union of the pieces is exactly the block's mask and no pair is in two pieces. The
+ragged backends run one batch entry per piece (:mod:`lctrain_kernels.ragged`). All host ints;
+all positions local to the block.
 """
 from __future__ import annotations
 
@@ -26,30 +26,6 @@ class Piece:
     sq: int
     sk: int
     causal: bool
-
-    @property
-    def pairs(self) -> int:
-        """Visible (query, key) pairs of the piece."""
-        return self.visible(0, self.sq, 0, self.sk)
-
-    def visible(self, r0: int, r1: int, c0: int, c1: int) -> int:
-        """Visible pairs in its rows ``[r0, r1)`` and keys ``[c0, c1)`` (piece-local)."""
-        r0, r1, c0, c1 = max(r0, 0), min(r1, self.sq), max(c0, 0), min(c1, self.sk)
-        if r0 >= r1 or c0 >= c1:
-            return 0
-        return causal_pairs(r0, r1, c0, c1) if self.causal else (r1 - r0) * (c1 - c0)
-
-
-def causal_pairs(r0: int, r1: int, c0: int, c1: int) -> int:
-    """Pairs (row t, key j) with ``r0 <= t < r1``, ``c0 <= j < c1`` and ``j <= t``."""
-    total = 0
-    a, b = max(r0, c0), min(r1, c1 - 1)  # rows whose count t + 1 - c0 still grows
-    if a < b:
-        total += (b - a) * (1 - c0) + (a + b - 1) * (b - a) // 2
-    full = max(r0, c1 - 1, c0)  # rows from here on see all of [c0, c1)
-    if full < r1 and c1 > c0:
-        total += (r1 - full) * (c1 - c0)
-    return total
 
 
 def _doc_regions(spec: MaskSpec, sq: int, sk: int):

@@ -33,7 +33,6 @@ BACKENDS = {
     "flash_attn": "flash_attn.FlashAttnBackend",
     "triton": "triton.TritonBackend",
     "cpu_flash": "sdpa.CpuFlashBackend",
-    "docsplit": "docsplit.DocSplitBackend",
     "cudnn_ragged": "cudnn_ragged.CudnnRaggedBackend",
 }
 """Local attention backends: name -> ``module.Class`` under ``lctrain_kernels.backends`` that

@@ -44,7 +44,7 @@ from lctrain_kernels.reference import reference_backward, reference_forward
 #: largest relative error accepted by the correctness check, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 _CPU_DEFAULT = ("reference", "cpu_flash")  # triton on a CPU is the (slow) interpreter
-_CPU_DOCUMENTS = ("reference", "docsplit")  # cpu_flash refuses document masks
+_CPU_DOCUMENTS = ("reference",)  # cpu_flash refuses document masks
 DEFAULTS = {  # per device type: what a run with no sizes measures
     "cuda": {"seq_lens": [16384, 32768, 65536], "heads": 32, "head_dim": 128,
              "dtype": "bfloat16", "check_len": 4096},
@@ -144,7 +144,7 @@ def _measure(what, seq_len, params, bounds, repeats, warmup, trace) -> dict:
 
 
 def default_backends(device: torch.device, documents: bool = False) -> list[str]:
-    """CPU: reference and cpu_flash (docsplit instead of cpu_flash with documents). CUDA: the
+    """CPU: reference and cpu_flash (reference alone with documents). CUDA: the
     fast ones (the reference is the oracle of the correctness check already, and minutes per
     length at 64K+; name it to time it)."""
     names = available_backends()
@@ -237,8 +237,8 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
     Args:
         seq_lens: sequence lengths to time (batch 1); None = the device's defaults.
         backends: backend or peer names; None = every available fast backend (CUDA: cudnn,
-            flash, flash_attn, triton, docsplit as installed; CPU: reference and cpu_flash,
-            or docsplit instead of cpu_flash with documents).
+            flash, flash_attn, triton, cudnn_ragged as installed; CPU: reference and
+            cpu_flash, or reference alone with documents).
         heads, head_dim, dtype: the shape and input dtype (or its name); None = the
             device's defaults (``DEFAULTS``).
         causal: causal attention (else full).

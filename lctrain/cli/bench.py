@@ -82,7 +82,7 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
     Examples:
       lctrain bench kernel --seq-len 16k,32k,64k --backend triton,cudnn --plot kernel.png
       lctrain bench kernel --seq-len 64k --documents 8x8k --documents 32x2k \\
-          --backend docsplit,triton --check-len 8k
+          --backend cudnn_ragged,triton --check-len 8k
     """
     with user_errors():
         from lctrain.bench.kernel import run

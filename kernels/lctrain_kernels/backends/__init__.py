@@ -17,9 +17,6 @@ first asked for):
     flash_attn  the flash-attn package, if installed; CUDA, fp16/bf16, FULL/CAUSAL
     triton      lctrain's own Triton kernels; every relation (document masks skip tiles)
     cpu_flash   torch's CPU flash-attention op; CPU, FULL/CAUSAL (about 2x the reference)
-    docsplit    a block cut at its document boundaries: dense pieces on cudnn (cpu_flash on
-                a CPU), short documents and ragged ends on triton (reference on a CPU);
-                every relation (see lctrain_kernels.docsplit)
     cudnn_ragged  cuDNN's ragged (THD) attention through nvidia-cudnn-frontend: each
                 document's piece of a block is one batch entry, read and written in place;
                 CUDA (Hopper or newer), fp16/bf16, every relation (lctrain_kernels.ragged)
@@ -33,9 +30,7 @@ The "auto" rule (:func:`select_backend`), first one that is available and suppor
   cuDNN's dense rate (``lctrain bench kernel --documents``, docs/performance.md). Its plans are built for the batch size and
   longest document rounded up to powers of two, so the first steps of a run build them all
   and later rows reuse them. float32 blocks, or a GPU cuDNN's ragged backward does not serve,
-  go to triton. docsplit, which cuts a packed block into dense cuDNN calls of many shapes,
-  runs only when named: it is no faster on fixed mixes and slower in training, where every
-  row brings new shapes and cuDNN builds a plan for each.
+  go to triton.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
   takes a mask only as an additive tensor of the inputs' dtype, and the Triton interpreter is
   correct but orders of magnitude slower).

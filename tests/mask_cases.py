@@ -1,10 +1,9 @@
-"""Shapes, prices and helpers shared by the docsplit tests (plans and backend)."""
+"""Mask shapes and document helpers shared by the kernel tests."""
 import math
 import random
 
 import torch
 
-from lctrain_kernels.docsplit_cost import CPU_MODEL, CostModel
 from lctrain_kernels.masks import MaskSpec, dense_mask
 
 
@@ -15,7 +14,7 @@ def bounds_of(*lengths: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-#: name -> (spec, sq, sk): every mask shape docsplit must cut right.
+#: name -> (spec, sq, sk): every mask shape a document-masked backend must get right.
 SHAPES = {
     "many_short": (MaskSpec(True, 0, 0, bounds_of(*([9, 5, 12, 3, 7] * 6), 44)), 150, 150),
     "few_long_with_tails": (MaskSpec(True, 0, 0, bounds_of(70, 41, 33)), 144, 144),
@@ -29,25 +28,9 @@ SHAPES = {
     "ragged_then_short": (MaskSpec(True, 0, 0, bounds_of(11, 20, 11, 5, 30, 11, 6, 9)), 103, 103),
 }
 
-# Prices that steer the plan to each way of running a document (with force_dense=True;
-# every price gives an exact plan, these make sure each path is taken):
-#: a call costs more than any copy: equal padded sizes are gathered into one call
-GATHER = CostModel(1.0, 1.0, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0)
-#: gathering is ruinous: ragged documents are padded up as views instead of cut down
-PAD = CostModel(1.0, 1.0, 1e9, 2.0, 1.0, 0.0, 0.0, 0.0)
-#: masked calls cost, dense calls and copies do not: short documents packed into one call
-PACK = CostModel(0.0, 1.0, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0)
-MODELS = {"cpu": CPU_MODEL, "gather": GATHER, "pad": PAD, "pack": PACK}
-
-
 def visible(spec: MaskSpec, sq: int, sk: int) -> torch.Tensor:
     mask = dense_mask(spec, sq, sk)
     return torch.ones(sq, sk, dtype=torch.bool) if mask is None else mask
-
-
-def tri(rows: int, keys: int, causal: bool) -> torch.Tensor:
-    t = torch.ones(rows, keys, dtype=torch.int32)
-    return t.tril() if causal else t
 
 
 def random_block(rng: random.Random):
@@ -59,12 +42,6 @@ def random_block(rng: random.Random):
         k0 = q0
     sq, sk = rng.randint(1, n - q0), rng.randint(1, n - k0)
     return MaskSpec(rng.random() < 0.8, q0, k0, bounds), sq, sk
-
-
-def random_model(rng: random.Random) -> CostModel:
-    price = lambda: rng.choice([0.0, 1e-3, 1e-2, 0.1, 1.0])  # noqa: E731
-    return CostModel(price(), price(), price(), rng.choice([1.0, 2.0, 4.0]), 1.0,
-                     rng.choice([0, 2, 10]), rng.choice([0, 3, 20]), rng.choice([0, 1, 5]))
 
 
 def lognormal_lengths(total: int, median: float, sigma: float, seed: int) -> list[int]:
