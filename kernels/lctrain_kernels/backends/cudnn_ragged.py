@@ -2,15 +2,15 @@
 
 Each block becomes one or two ragged calls (:mod:`lctrain_kernels.ragged`): every document's
 piece is a batch entry that cuDNN reads and writes in place through per-entry element offsets
-and lengths, so a packed block runs at cuDNN's dense rate on its visible work, with no copies.
+and lengths, so a packed block runs its visible work on cuDNN's fused kernels, with no copies.
 The graphs are built with ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``)
 on the libcudnn that torch loaded, and cached by what they are compiled for: direction,
 causal or not, batch and longest entry rounded up to powers of two, the block's rows, heads,
 head dim, dtype, scale and the tensors' token strides. Lengths and offsets are data, so the
 plans built in a run's first steps serve every later mix of documents.
 
-Contract kept for cuDNN: q/k/v keep their heads packed in each token (any token stride,
-e.g. a head-group slice); the statistics are token-major float32 ``(T, Hq)``, which cuDNN
+Contract kept for cuDNN: q/k/v keep their heads packed in each token, in the forward with any
+token stride (e.g. a head-group slice), in the backward one after the other; the statistics are token-major float32 ``(T, Hq)``, which cuDNN
 reads and writes ragged in both directions on Hopper; dK/dV come back summed per GQA group.
 cuDNN computes the backward's ``delta`` itself, so a gradient of the lse takes one more
 backward (``backends.base.UnitValueLseGrad``). Limits: CUDA with compute capability 9.0 or
@@ -178,11 +178,12 @@ class CudnnEngine:
 
     def __init__(self):
         self.graphs = _Graphs(_import_cudnn())
-        self._columns: dict[tuple, tuple] = {}
+        self._columns: dict[tuple, tuple] = {}  # (call, device, shapes) -> device columns
 
     def _columns_for(self, call: RaggedCall, q, k, v) -> dict:
         """Lengths and element offsets of a call's entries on the device, by uid; cached, as
-        every layer of a step runs the same blocks."""
+        every layer of a step runs the same blocks. Each use is recorded on the current
+        stream, so an entry dropped from the cache is not reused while a kernel reads it."""
         hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
         strides = (_token_stride(q), _token_stride(k), _token_stride(v))
         key = (call, q.device, hq, hkv, d, strides)
@@ -196,10 +197,14 @@ class CudnnEngine:
             lens, offsets = lens.to(q.device), offsets.to(q.device)
             if len(self._columns) >= 256:
                 self._columns.pop(next(iter(self._columns)))
-            self._columns[key] = dict(zip(
+            self._columns[key] = (lens, offsets, dict(zip(
                 (_LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DK),
-                (*lens.unbind(), *offsets.unbind())))
-        return self._columns[key]
+                (*lens.unbind(), *offsets.unbind()))))
+        lens, offsets, columns = self._columns[key]
+        stream = torch.cuda.current_stream(q.device)
+        lens.record_stream(stream)
+        offsets.record_stream(stream)
+        return columns
 
     def _run(self, backward: bool, call: RaggedCall, scale: float, pack: dict) -> None:
         q, k, v = pack[_Q], pack[_K], pack[_V]
@@ -223,8 +228,8 @@ class CudnnEngine:
         self._run(False, call, scale, {_Q: q, _K: k, _V: v, _O: out, _STATS: lse_t})
 
     def backward(self, call, do, q, k, v, out, lse_t, dq, dk, dv, scale):
-        self._run(True, call, scale, {_Q: q, _K: k, _V: v, _O: out, _DO: do, _STATS: lse_t, _DQ: dq,
-                              _DK: dk, _DV: dv})
+        self._run(True, call, scale, {_Q: q, _K: k, _V: v, _O: out, _DO: do, _STATS: lse_t,
+                                      _DQ: dq, _DK: dk, _DV: dv})
 
 
 _ENGINE: list[CudnnEngine] = []
