@@ -28,7 +28,7 @@ def _losses(out: Path, *sets: str, steps: int = 8) -> list[float]:
         args += ["--set", item]
     run = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-1500:]
-    assert "lctrain " in run.stdout and "first step:" in run.stdout  # versions and one-time costs
+    assert "lctrain " in run.stdout and "first steps:" in run.stdout  # versions, one-time costs
     assert (out / "environment.json").is_file()
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 

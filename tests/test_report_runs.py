@@ -101,7 +101,11 @@ def test_the_banner_names_versions_and_one_time_costs(tmp_path):
 
     text = record_run(tmp_path / "run", "cpu", "auto")
     assert text.startswith("lctrain ") and "torch " in text and "first step" not in text
-    assert (tmp_path / "run" / "environment.json").is_file()
-    costs = one_time_costs("cuda", "auto")
+    env = json.loads((tmp_path / "run" / "environment.json").read_text())
+    assert "nvidia-cudnn-frontend" in env and env["cudnn"] is None  # no GPU here
+    costs = one_time_costs("cuda", "triton")
     assert any("autotuning attention kernels for this shape — first step only" in c for c in costs)
     assert not any("autotuning" in c for c in one_time_costs("cuda", "cudnn"))
+    assert not any("autotuning" in c for c in one_time_costs("cuda", "auto"))  # dense: cudnn
+    assert any("cuDNN plans for document-masked" in c
+               for c in one_time_costs("cuda", "cudnn_ragged", document_mask=True))

@@ -15,7 +15,8 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-_PACKAGES = ("lctrain", "torch", "triton", "transformers", "accelerate", "datasets")
+_PACKAGES = ("lctrain", "torch", "triton", "transformers", "accelerate", "datasets",
+             "nvidia-cudnn-frontend")
 
 
 def _version(package: str) -> str | None:
@@ -46,9 +47,10 @@ def environment() -> dict:
     """Versions and hardware of this machine.
 
     Returns:
-        ``{"lctrain", "torch", "triton", "transformers", "accelerate", "datasets", "python",
-        "cuda", "driver", "gpus", "gpu", "date"}``; a package that is not installed, or CUDA
-        and the driver on a machine without a GPU, are None.
+        ``{"lctrain", "torch", "triton", "transformers", "accelerate", "datasets",
+        "nvidia-cudnn-frontend", "python", "cuda", "cudnn", "driver", "gpus", "gpu", "date"}``;
+        a package that is not installed, or CUDA, cuDNN and the driver on a machine without a
+        GPU, are None.
     """
     import torch
 
@@ -57,6 +59,8 @@ def environment() -> dict:
     info["python"] = platform.python_version()
     cuda = torch.cuda.is_available()
     info["cuda"] = torch.version.cuda if cuda else None
+    cudnn = torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None
+    info["cudnn"] = None if cudnn is None else f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}"
     info["driver"] = _driver() if cuda else None
     info["gpus"] = torch.cuda.device_count() if cuda else 0
     info["gpu"] = torch.cuda.get_device_name(0) if cuda else None
@@ -91,17 +95,33 @@ def one_line(info: dict) -> str:
     parts = [f"lctrain {info.get('lctrain')}", f"torch {info.get('torch')}",
              f"triton {info.get('triton')}", f"transformers {info.get('transformers')}"]
     if info.get("gpu"):
-        parts.append(f"CUDA {info.get('cuda')}, driver {info.get('driver') or 'unknown'}, "
+        cudnn = f", cuDNN {info['cudnn']}" if info.get("cudnn") else ""
+        parts.append(f"CUDA {info.get('cuda')}{cudnn}, driver {info.get('driver') or 'unknown'}, "
                      f"{machine_label(info)}")
     return "; ".join(parts)
 
 
-def one_time_costs(device_type: str, attention_backend: str) -> list[str]:
-    """What the first training step spends once, to be named before it happens.
+def _ragged_ready() -> bool:
+    """Whether auto will run document-masked blocks on cudnn_ragged here (frontend installed,
+    Hopper or newer)."""
+    import torch
+
+    from lctrain_kernels.backends import BackendUnavailable, get_backend
+    try:
+        get_backend("cudnn_ragged")
+    except BackendUnavailable:
+        return False
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
+def one_time_costs(device_type: str, attention_backend: str,
+                   document_mask: bool = False) -> list[str]:
+    """What the first training steps spend once, to be named before it happens.
 
     Args:
         device_type: "cuda" or "cpu".
         attention_backend: the recipe's parallel.attention_backend.
+        document_mask: the recipe's data.document_mask (masked blocks run other kernels).
 
     Returns:
         Sentences (possibly none).
@@ -109,13 +129,20 @@ def one_time_costs(device_type: str, attention_backend: str) -> list[str]:
     if device_type != "cuda":
         return []
     costs = []
-    if attention_backend in ("auto", "triton"):
+    ragged = (document_mask and attention_backend in ("auto", "cudnn_ragged")
+              and (attention_backend == "cudnn_ragged" or _ragged_ready()))
+    if attention_backend == "triton" or (attention_backend == "auto" and document_mask
+                                         and not ragged):
         costs.append("autotuning attention kernels for this shape — first step only")
+    if ragged:
+        costs.append("cuDNN plans for document-masked attention — the first steps, once per "
+                     "count and longest length of documents (each rounded up to a power of two)")
     costs.append("NCCL and cuDNN set-up — first step only")
     return costs
 
 
-def record_run(output_dir: str | Path, device_type: str, attention_backend: str) -> str:
+def record_run(output_dir: str | Path, device_type: str, attention_backend: str,
+               document_mask: bool = False) -> str:
     """Write ``environment.json`` into a run folder and return the banner's lines about it.
 
     Called by rank 0 of a training run, next to the run's banner.
@@ -124,16 +151,17 @@ def record_run(output_dir: str | Path, device_type: str, attention_backend: str)
         output_dir: the run folder (created if missing).
         device_type: "cuda" or "cpu".
         attention_backend: the recipe's parallel.attention_backend.
+        document_mask: the recipe's data.document_mask.
 
     Returns:
-        Text to print: the versions in one line, then the one-time costs of the first step.
+        Text to print: the versions in one line, then the one-time costs of the first steps.
     """
     info = environment()
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "environment.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     lines = [one_line(info)]
-    costs = one_time_costs(device_type, attention_backend)
+    costs = one_time_costs(device_type, attention_backend, document_mask)
     if costs:
-        lines.append("first step: " + "; ".join(costs))
+        lines.append("first steps: " + "; ".join(costs))
     return "\n".join(lines)

@@ -304,7 +304,8 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
     t, out = cfg.train, Path(cfg.train.output_dir)
     if setup.main:
         print(banner(setup, parts, trainer, len(dataset)), flush=True)
-        print(record_run(out, trainer.device.type, cfg.parallel.attention_backend), flush=True)
+        print(record_run(out, trainer.device.type, cfg.parallel.attention_backend,
+                         cfg.data.document_mask), flush=True)
     checkpointer = make_checkpointer(setup, trainer)
     metrics = Tracking(cfg, enabled=setup.main, resume_step=trainer.step if resumed else None)
     progress = Progress(t.max_steps, trainer.step, enabled=setup.main,
