@@ -10,11 +10,12 @@ head dim, dtype, scale and the tensors' token strides. Lengths and offsets are d
 plans built in a run's first steps serve every later mix of documents.
 
 Contract kept for cuDNN: q/k/v keep their heads packed in each token, in the forward with any
-token stride (e.g. a head-group slice), in the backward one after the other; the statistics are token-major float32 ``(T, Hq)``, which cuDNN
-reads and writes ragged in both directions on Hopper; dK/dV come back summed per GQA group.
+token stride (e.g. a head-group slice), in the backward one after the other; the statistics
+are token-major float32 ``(T, Hq)``, which cuDNN reads and writes ragged in both directions on
+Hopper; dK/dV come back summed per GQA group.
 cuDNN computes the backward's ``delta`` itself, so a gradient of the lse takes one more
 backward (``backends.base.UnitValueLseGrad``). Limits: CUDA with compute capability 9.0 or
-newer, fp16/bf16, head_dim a multiple of 8 up to 128.
+newer, cuDNN 9.19 or newer (:data:`MIN_CUDNN`), fp16/bf16, head_dim a multiple of 8 up to 128.
 """
 from __future__ import annotations
 
@@ -25,10 +26,16 @@ from lctrain_kernels.masks import MaskSpec, Relation
 from lctrain_kernels.ragged import RaggedBackend, RaggedCall, bucket
 
 _HALF = (torch.float16, torch.bfloat16)
+#: The oldest cuDNN the backend is tested with (ragged statistics in both directions).
+MIN_CUDNN = 91900
 
 # Graph tensor uids.
 _Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 _LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DK = range(10, 18)
+
+
+def _dotted(version: int) -> str:
+    return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
 
 
 def _import_cudnn():
@@ -265,6 +272,10 @@ class CudnnRaggedBackend(RaggedBackend):
         if torch.cuda.get_device_capability(q.device) < (9, 0):
             return ("the cudnn_ragged backend needs a Hopper or newer GPU (compute capability "
                     ">= 9.0) for ragged statistics in the backward.")
+        version = self.engine.graphs.cudnn.backend_version()
+        if version < MIN_CUDNN:
+            return (f"the cudnn_ragged backend is tested with cuDNN {_dotted(MIN_CUDNN)} or newer, "
+                    f"and torch loaded cuDNN {_dotted(version)}; use triton.")
         return None
 
     def forward(self, q, k, v, spec, relation, scale):
