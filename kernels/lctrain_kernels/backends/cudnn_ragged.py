@@ -6,8 +6,8 @@ and lengths, so a packed block runs its visible work on cuDNN's fused kernels, w
 The graphs are built with ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``)
 on the libcudnn that torch loaded, and cached by what they are compiled for: direction,
 causal or not, batch and longest entry rounded up to powers of two, the block's rows, heads,
-head dim, dtype, scale and the tensors' token strides. Lengths and offsets are data, so the
-plans built in a run's first steps serve every later mix of documents.
+head dim, dtype, scale, the tensors' token strides and the device. Lengths and offsets are
+data, so the plans built in a run's first steps serve every later mix of documents.
 
 Contract kept for cuDNN: q/k/v keep their heads packed in each token, in the forward with any
 token stride (e.g. a head-group slice), in the backward one after the other; the statistics
@@ -105,7 +105,7 @@ class _Graphs:
     def _build(self, key: tuple, handle):
         cudnn = self.cudnn
         (ragged, backward, causal, dtype, nb, sq, sk, hq, hkv, d, scale, tq, tk, tv,
-         total_q, total_k) = key
+         total_q, total_k, _) = key
         io = cudnn.data_type.HALF if dtype == torch.float16 else cudnn.data_type.BFLOAT16
         f32, i32, i64 = cudnn.data_type.FLOAT, cudnn.data_type.INT32, cudnn.data_type.INT64
         g = cudnn.pygraph(handle=handle, io_data_type=io, intermediate_data_type=f32,
@@ -227,7 +227,7 @@ class CudnnEngine:
                      -(-total_k // 64) * 64)
         nb, sq, sk, tot_q, tot_k = shape
         key = (not call.uniform, backward, call.causal, q.dtype, nb, sq, sk, q.shape[2],
-               k.shape[2], q.shape[3], float(scale), *strides, tot_q, tot_k)
+               k.shape[2], q.shape[3], float(scale), *strides, tot_q, tot_k, q.device)
         graph, workspace = self.graphs.get(key, q.device)
         graph.execute(pack, _workspace(workspace, q.device), handle=self.graphs.handle(q.device))
 
