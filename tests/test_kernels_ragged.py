@@ -5,12 +5,16 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from mask_cases import SHAPES, bounds_of, lognormal_lengths, random_block, visible
+from lctrain_kernels import attention_with_lse, dist_attention_with_lse
 from lctrain_kernels.backends import auto_order
+from lctrain_kernels.distributed import make_schedule, shard
 from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.ragged import RaggedBackend, ReferenceEngine, bucket, plan_ragged
 from lctrain_kernels.reference import reference_backward, reference_forward
+from spawn import run_on_ranks
 
 
 def painted(plan, sq, sk, batch):
@@ -119,6 +123,91 @@ def test_auto_runs_masked_blocks_on_cudnn_ragged_first():
     assert auto_order("cuda", torch.float32, part)[1:] == ("triton", "reference")
     assert auto_order("cuda", half, Relation.CAUSAL)[0] == "cudnn"
     assert auto_order("cpu", half, part) == ("reference",)
+
+
+class _CountingEngine(ReferenceEngine):
+    calls: list = []  # (causal, entries) of every forward call
+
+    def forward(self, call, *args):
+        self.calls.append((call.causal, call.entries))
+        super().forward(call, *args)
+
+
+def _ragged_on_cpu():
+    """In a rank process: the name "cudnn_ragged" resolves to the ragged block logic on the
+    plain-torch engine, so the executor's blocks take the path they take on a GPU."""
+    import lctrain_kernels.backends as backends
+    real = backends.get_backend
+    backends.get_backend = lambda name: (RaggedBackend(_CountingEngine())
+                                         if name == "cudnn_ragged" else real(name))
+
+
+def _dist_case(group, case: dict) -> float:
+    """Largest relative error of out, lse and all gradients of dist_attention (ragged blocks)
+    against the single-process float64 reference."""
+    world = dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(case["seed"])
+    n, hq, hkv, d = case["n"] * world, 4, case["hkv"], 16
+    q, k, v, g = (torch.randn(1, n, h, d, generator=gen, dtype=torch.float64)
+                  for h in (hq, hkv, hkv, hq))
+    gl = torch.randn(1, hq, n, generator=gen, dtype=torch.float64)
+    bounds = case["docs"](n)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = attention_with_lse(*ref, cu_seqlens=bounds, backend="reference")
+    ((o * g).sum() + (lse * gl).sum() * case["lse"]).backward()
+    layout = make_schedule(world, case["schedule"]).layout
+    loc = [shard(t, group, layout).requires_grad_() for t in (q, k, v)]
+    o_l, lse_l = dist_attention_with_lse(*loc, group=group, cu_seqlens=bounds,
+                                         schedule=case["schedule"], backend="cudnn_ragged")
+    loss = (o_l * shard(g, group, layout)).sum()
+    (loss + (lse_l * shard(gl, group, layout, dim=2)).sum() * case["lse"]).backward()
+    pairs = [(o_l, shard(o, group, layout)), (lse_l, shard(lse, group, layout, dim=2))]
+    pairs += [(a.grad, shard(b.grad, group, layout)) for a, b in zip(loc, ref)]
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+
+
+def _dist_worker(rank: int, world: int, phases) -> list[dict]:
+    _ragged_on_cpu()
+    results = []
+    for ranks, cases in phases:
+        group = dist.group.WORLD if ranks is None else dist.new_group(ranks)
+        if ranks is None or rank in ranks:
+            results.append({c["name"]: _dist_case(group, c) for c in cases})
+    return results, _CountingEngine.calls
+
+
+def _crossing(n):  # documents across every chunk boundary, a short one among them
+    return bounds_of(n // 3 + 5, 4, n // 2 - 20, n - (n // 3 + n // 2 - 11))
+
+
+def _spanning(n):  # one document over all ranks
+    return (0, n)
+
+
+def _short_and_long(n):  # many short documents, then long ones
+    return bounds_of(*([3, 6, 2, 7] * 3), (n - 54) // 2, n - 54 - (n - 54) // 2)
+
+
+def _dist_cases(world: int) -> list[dict]:
+    runs = [("distflash", _crossing), ("distflash", _spanning), ("distflash", _short_and_long),
+            ("zigzag", _crossing), ("ring", _short_and_long)]
+    return [dict(name=f"P={world}/{sched}/{docs.__name__}", seed=random.randrange(1 << 30),
+                 schedule=sched, docs=docs, n=48, hkv=(4, 2, 1)[i % 3], lse=float(i % 2))
+            for i, (sched, docs) in enumerate(runs)]
+
+
+def test_dist_attention_runs_ragged_blocks_exactly_at_two_and_three_ranks():
+    """Every block the schedules make (diagonal, off-diagonal, the halves of a helped block)
+    through the ragged block logic, over gloo, against the single-process float64 reference."""
+    phases = [(None, _dist_cases(3)), ([0, 2], _dist_cases(2))]
+    per_rank = run_on_ranks(_dist_worker, 3, phases)
+    for rank, (results, calls) in enumerate(per_rank):
+        expected = [phases[0][1]] + ([phases[1][1]] if rank in (0, 2) else [])
+        assert [set(r) for r in results] == [{c["name"] for c in cs} for cs in expected]
+        bad = {name: err for r in results for name, err in r.items() if not err < 1e-10}
+        assert not bad, bad
+        assert {causal for causal, _ in calls} == {True, False}  # diagonal and off-diagonal
+        assert max(n for _, n in calls) > 1  # blocks of several documents
 
 
 MIXES = {
