@@ -210,6 +210,22 @@ def test_dist_attention_runs_ragged_blocks_exactly_at_two_and_three_ranks():
         assert max(n for _, n in calls) > 1  # blocks of several documents
 
 
+def test_cudnn_ragged_steps_aside_for_deterministic_algorithms():
+    """With torch.use_deterministic_algorithms on, the backend refuses (auto then runs triton,
+    whose backward is deterministic); the rule is checked before any device test."""
+    from lctrain_kernels.backends.cudnn_ragged import CudnnRaggedBackend
+    backend = object.__new__(CudnnRaggedBackend)  # the rule needs no GPU
+    spec, sq, sk = SHAPES["many_short"]
+    q, k, v = torch.randn(1, sq, 2, 16), torch.randn(1, sk, 2, 16), torch.randn(1, sk, 2, 16)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert "deterministic" in backend.unsupported(q, k, v, spec, Relation.PARTIAL)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert "CUDA only" in backend.unsupported(q, k, v, spec, Relation.PARTIAL)
+
+
 MIXES = {
     "many_short": lambda n: [n // 32] * 32,
     "few_long": lambda n: [n // 2, n // 4, n // 8, n - n // 2 - n // 4 - n // 8],

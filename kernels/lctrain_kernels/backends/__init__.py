@@ -29,8 +29,8 @@ The "auto" rule (:func:`select_backend`), first one that is available and suppor
   cudnn_ragged ran every document mix measured faster than triton, long documents close to
   cuDNN's dense rate (``lctrain bench kernel --documents``, docs/performance.md). Its plans are built for the batch size and
   longest document rounded up to powers of two, so the first steps of a run build them all
-  and later rows reuse them. float32 blocks, or a GPU cuDNN's ragged backward does not serve,
-  go to triton.
+  and later rows reuse them. float32 blocks, a GPU or cuDNN its ragged backward is not tested
+  on, or a run with torch.use_deterministic_algorithms on go to triton.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
   takes a mask only as an additive tensor of the inputs' dtype, and the Triton interpreter is
   correct but orders of magnitude slower).

@@ -262,6 +262,9 @@ class CudnnRaggedBackend(RaggedBackend):
         super().__init__(_engine())
 
     def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
+        if torch.are_deterministic_algorithms_enabled():
+            return ("the cudnn_ragged backend's backward is not guaranteed to be deterministic, "
+                    "and torch.use_deterministic_algorithms is on; use triton, whose kernels are.")
         if not q.is_cuda:
             return f"the cudnn_ragged backend runs on CUDA only, and the tensors are on {q.device}."
         if q.dtype not in _HALF:
