@@ -25,10 +25,9 @@ of one length) is a plain batch, which an engine may run on its dense kernel ins
 :func:`ragged_forward` and :func:`ragged_grads` run a plan through an engine that executes one
 :class:`RaggedCall`; :class:`RaggedBackend` is a backend on any engine (the cuDNN engine in
 ``backends.cudnn_ragged``; :class:`ReferenceEngine`, plain torch, runs the same contract on
-any device for the tests). Layouts: q, out
-``(B, Sq, Hq, D)``; k, v ``(B, Sk, Hkv, D)``; rows are counted over the flattened batch
-(row ``b * Sq + i``); the lse an engine writes is TOKEN-major ``(B * Sq, Hq)`` float32, as the
-ragged kernels keep their statistics.
+any device for the tests). Layouts: q, out ``(B, Sq, Hq, D)``; k, v ``(B, Sk, Hkv, D)``; rows
+are counted over the flattened batch (row ``b * Sq + i``); the lse an engine writes is
+TOKEN-major ``(B * Sq, Hq)`` float32, as the ragged kernels keep their statistics.
 """
 from __future__ import annotations
 
