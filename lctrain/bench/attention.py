@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -343,6 +344,12 @@ def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The rank's work is done and written; end the process without the interpreter's
+    # finalizers: on CPU ranks (gloo) one of them called std::terminate now and then after
+    # both ranks had finished, and the launcher took that abort for a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, nproc: int | None = None,
