@@ -135,7 +135,7 @@ def _kill_rank_1(out: Path, cfg, refused: list) -> int:
             finetune(cfg, nproc=2)
         except UserError as error:
             refused.append(str(error))
-        _wait(lambda: max(_steps(out), default=0) >= 13, "step 13")
+        _wait(lambda: max(_steps(out), default=0) >= 16, "step 16")
         ended["pid"] = _beat(out, 1)["pid"]
         os.kill(ended["pid"], signum)
         ended["at"] = time.monotonic()
@@ -190,7 +190,7 @@ def _term_rank_1(out: Path, capfd) -> int:
     stopped = max(_steps(out))
     ranks = capfd.readouterr().out  # rank 0 writes to this process's stdout
     assert result.exit_code == 143, result.output
-    assert f"\nstopped by SIGTERM after step {stopped} of 20; {_hint(out)}\n" in ranks
+    assert f"\nstopped by SIGTERM after step {stopped} of 30; {_hint(out)}\n" in ranks
     assert _newest(out)[0] == stopped and stopped % 10 != 0  # saved because of the signal
     assert all(_beat(out, r)["completed"] == stopped for r in (0, 1))  # the same step
     return stopped
@@ -252,10 +252,10 @@ def _stop_rank_1(out: Path) -> None:
 def test_a_run_survives_a_chain_of_faults_and_resumes_exactly(tmp_path, capfd):
     out = tmp_path / "run"
     refused = []
-    # checkpoints every 10 steps: the kill lands after step 13 but before step 20 however late
-    # it comes, so the run resumes from step 10, the signal's checkpoint falls at 11 or 12, and
-    # the reference still holds steps beyond it to redo
-    _kill_rank_1(out, _cfg(out, 20, **{"checkpoint.every": 10}), refused)
+    # checkpoints every 10 steps: the kill lands after step 16 and, unless 4 steps late, before
+    # step 20, so the run resumes from step 10; the signal's checkpoint falls at 11 or 12 (at
+    # 16, 5 steps late, no reference step would be left beyond it to redo)
+    _kill_rank_1(out, _cfg(out, 30, **{"checkpoint.every": 10}), refused)
     assert refused == [f"{out} is in use by another lctrain run (pid {os.getpid()} on "
                        f"{os.uname().nodename}); wait for it to finish or stop it, or choose "
                        "another train.output_dir."]
