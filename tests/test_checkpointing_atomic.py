@@ -10,6 +10,7 @@ left.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import random
 import signal
@@ -122,6 +123,25 @@ def _loaded(path: Path) -> tuple[int, str]:
     return step, _fingerprint(module, optimizer)
 
 
+def _child(name: str, *args) -> None:
+    """The body of a spawned child: run the function ``name`` of this module and exit with
+    what it returns (0 for None)."""
+    code = 1
+    try:
+        code = globals()[name](*args) or 0
+    finally:
+        os._exit(code)
+
+
+def _spawn(name: str, *args) -> int:
+    """Start ``name(*args)`` in a fresh interpreter and return its pid. Not a fork: a forked
+    child inherits pytest's threads' locks, and one held at the fork now and then hung the
+    child before its first save."""
+    proc = multiprocessing.get_context("spawn").Process(target=_child, args=(name, *args))
+    proc.start()
+    return proc.pid
+
+
 def _wait_for_progress(root: Path, newest: int, pid: int) -> None:
     """Wait until the child has published a checkpoint past ``newest`` (it is in its loop)."""
     from lctrain.train.checkpoint import list_checkpoints
@@ -138,19 +158,13 @@ def _wait_for_progress(root: Path, newest: int, pid: int) -> None:
 
 
 def test_kill_9_during_writes_never_leaves_a_checkpoint_that_resume_would_pick(tmp_path):
-    import lctrain.train.checkpoint_writer  # noqa: F401 - imported once, before the forks
     from lctrain.train.checkpoint import list_checkpoints
 
     rng = random.Random(SESSION_SEED)
     root, newest, mid_write, seen = tmp_path / "checkpoints", 0, 0, {}
     for kill in range(KILLS):
         store = tempfile.mktemp(dir=tmp_path, prefix="store-")
-        pid = os.fork()
-        if pid == 0:  # the child never returns into pytest
-            try:
-                _save_forever(root, store, asynchronous=kill % 2 == 1)
-            finally:
-                os._exit(0)
+        pid = _spawn("_save_forever", root, store, kill % 2 == 1)
         _wait_for_progress(root, newest, pid)
         time.sleep(rng.uniform(0.0, 0.5))  # a random moment of the save loop
         os.kill(pid, signal.SIGKILL)
@@ -218,7 +232,6 @@ def test_a_training_run_killed_while_saving_resumes_to_the_same_losses(tmp_path)
 
 
 def test_sigterm_during_writes_finishes_the_save_in_flight_then_stops(tmp_path):
-    import lctrain.train.checkpoint_writer  # noqa: F401 - imported once, before the forks
     from lctrain.train.checkpoint import list_checkpoints
 
     rng = random.Random(SESSION_SEED + 1)
@@ -226,13 +239,7 @@ def test_sigterm_during_writes_finishes_the_save_in_flight_then_stops(tmp_path):
     for term in range(6):
         store = tempfile.mktemp(dir=tmp_path, prefix="store-")
         report = tmp_path / f"stopped-{term}"
-        pid = os.fork()
-        if pid == 0:  # the child never returns into pytest
-            code = 1
-            try:
-                code = _save_until_stopped(root, store, term % 2 == 1, report)
-            finally:
-                os._exit(code)
+        pid = _spawn("_save_until_stopped", root, store, term % 2 == 1, report)
         _wait_for_progress(root, newest, pid)
         time.sleep(rng.uniform(0.0, 0.3))  # a random moment of the save loop
         os.kill(pid, signal.SIGTERM)
