@@ -41,6 +41,7 @@ from lctrain_kernels.backends.base import UnitValueLseGrad
 from lctrain_kernels.combine import merge, sum_into
 from lctrain_kernels.masks import MaskSpec, Relation
 from lctrain_kernels.pieces import pieces
+from lctrain_kernels.reference import reference_backward, reference_forward
 
 
 def bucket(n: int) -> int:
@@ -145,9 +146,8 @@ def plan_ragged(spec: MaskSpec, sq: int, sk: int, batch: int = 1) -> RaggedPlan:
                    for b in range(batch) for p in parts if p.causal is causal]
         if entries:
             calls.append(RaggedCall(causal, *(tuple(x) for x in zip(*entries))))
-    spans = [[(r, r + n) for r, n in zip(c.q_rows, c.q_lens)] for c in calls]
-    rows_q = sum(c_ for c in calls for c_ in c.q_lens)
-    union_q = _covered([s for group in spans for s in group])
+    rows_q = sum(n for c in calls for n in c.q_lens)
+    union_q = _covered([(r, r + n) for c in calls for r, n in zip(c.q_rows, c.q_lens)])
     union_k = _covered([(r, r + n) for c in calls for r, n in zip(c.k_rows, c.k_lens)])
     return RaggedPlan(tuple(calls), shared_rows=union_q < rows_q,
                       covers_q=union_q == batch * sq, covers_k=union_k == batch * sk)
@@ -227,9 +227,10 @@ def ragged_grads(engine: Engine, plan: RaggedPlan, do, q, k, v, out, lse, scale:
 
 
 class ReferenceEngine:
-    """The ragged contract in plain torch, entry by entry, in float32 (float64 for float64
-    inputs); any device. It runs :func:`ragged_forward` / :func:`ragged_grads` where no ragged
-    kernel exists, so the block logic is tested on a CPU against the float64 oracle."""
+    """The ragged contract on the reference kernels (:mod:`lctrain_kernels.reference`), one
+    entry at a time, in float32 (float64 for float64 inputs); any device. It runs
+    :func:`ragged_forward` / :func:`ragged_grads` where no ragged kernel exists, so the block
+    logic is tested on a CPU against the float64 oracle of the whole block."""
 
     @staticmethod
     def _entries(call: RaggedCall):
@@ -239,47 +240,24 @@ class ReferenceEngine:
     def _rows(x: torch.Tensor, r: int, n: int) -> torch.Tensor:
         return x.reshape(-1, *x.shape[2:])[r:r + n]  # (n, H, D) view of flattened rows
 
-    @staticmethod
-    def _scores(call, qe, ke, scale):
-        group = qe.shape[1] // ke.shape[1]
-        s = torch.einsum("ihd,jhd->hij", qe, ke.repeat_interleave(group, 1)) * scale
-        if call.causal:
-            n, m = s.shape[1:]
-            hide = torch.ones(n, m, dtype=torch.bool, device=s.device).triu(1)
-            s = s.masked_fill(hide, float("-inf"))
-        return s  # (Hq, n, m)
-
     def forward(self, call, q, k, v, out, lse_t, scale):
-        wide = torch.promote_types(q.dtype, torch.float32)
+        spec = MaskSpec(call.causal)  # causal from the top-left corner
         for rq, rk, nq, nk in self._entries(call):
-            qe, ke, ve = (self._rows(x, r, n).to(wide)
-                          for x, r, n in ((q, rq, nq), (k, rk, nk), (v, rk, nk)))
-            s = self._scores(call, qe, ke, scale)
-            lse = s.logsumexp(-1)  # (Hq, n)
-            group = q.shape[2] // k.shape[2]
-            o = torch.einsum("hij,jhd->ihd", (s - lse[..., None]).exp(),
-                             ve.repeat_interleave(group, 1))
-            self._rows(out, rq, nq).copy_(o)
-            lse_t[rq:rq + nq] = lse.transpose(0, 1)
+            o, lse = reference_forward(self._rows(q, rq, nq)[None], self._rows(k, rk, nk)[None],
+                                       self._rows(v, rk, nk)[None], spec, scale)
+            self._rows(out, rq, nq).copy_(o[0])
+            lse_t[rq:rq + nq] = lse[0].transpose(0, 1)
 
     def backward(self, call, do, q, k, v, out, lse_t, dq, dk, dv, scale):
-        wide = torch.promote_types(q.dtype, torch.float32)
-        group = q.shape[2] // k.shape[2]
+        spec = MaskSpec(call.causal)
         for rq, rk, nq, nk in self._entries(call):
-            qe, oe, doe = (self._rows(x, rq, nq).to(wide) for x in (q, out, do))
-            ke, ve = (self._rows(x, rk, nk).to(wide) for x in (k, v))
-            p = (self._scores(call, qe, ke, scale)
-                 - lse_t[rq:rq + nq].transpose(0, 1).to(wide)[..., None]).exp()  # (Hq, n, m)
-            vr, kr = ve.repeat_interleave(group, 1), ke.repeat_interleave(group, 1)
-            dp = torch.einsum("ihd,jhd->hij", doe, vr)
-            delta = (doe * oe).sum(-1).transpose(0, 1)  # (Hq, n)
-            ds = p * (dp - delta[..., None])
-            self._rows(dq, rq, nq).copy_(torch.einsum("hij,jhd->ihd", ds, kr) * scale)
-            dke = torch.einsum("hij,ihd->jhd", ds, qe) * scale
-            dve = torch.einsum("hij,ihd->jhd", p, doe)
-            hkv = k.shape[2]
-            self._rows(dk, rk, nk).copy_(dke.view(nk, hkv, group, -1).sum(2))
-            self._rows(dv, rk, nk).copy_(dve.view(nk, hkv, group, -1).sum(2))
+            rows = [self._rows(x, rq, nq)[None] for x in (do, q)]
+            keys = [self._rows(x, rk, nk)[None] for x in (k, v)]
+            grads = reference_backward(*rows, *keys, self._rows(out, rq, nq)[None],
+                                       lse_t[rq:rq + nq].transpose(0, 1)[None], spec, scale)
+            for dst, r, n, grad in ((dq, rq, nq, grads[0]), (dk, rk, nk, grads[1]),
+                                    (dv, rk, nk, grads[2])):
+                self._rows(dst, r, n).copy_(grad[0])
 
 
 class RaggedBackend(UnitValueLseGrad):

@@ -54,13 +54,15 @@ def environment() -> dict:
     """
     import torch
 
+    from lctrain_kernels.backends.cudnn_ragged import dotted_version
+
     info: dict = {name: _version(name) for name in _PACKAGES}
     info["torch"] = torch.__version__  # the build tag (+cu130, +cpu) matters
     info["python"] = platform.python_version()
     cuda = torch.cuda.is_available()
     info["cuda"] = torch.version.cuda if cuda else None
     cudnn = torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None
-    info["cudnn"] = None if cudnn is None else f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}"
+    info["cudnn"] = None if cudnn is None else dotted_version(cudnn)
     info["driver"] = _driver() if cuda else None
     info["gpus"] = torch.cuda.device_count() if cuda else 0
     info["gpu"] = torch.cuda.get_device_name(0) if cuda else None
@@ -102,16 +104,16 @@ def one_line(info: dict) -> str:
 
 
 def _ragged_ready() -> bool:
-    """Whether auto will run document-masked blocks on cudnn_ragged here (frontend installed,
-    Hopper or newer)."""
+    """Whether auto will run document-masked blocks on cudnn_ragged here (the backend's own
+    rule for this machine and process)."""
     import torch
 
     from lctrain_kernels.backends import BackendUnavailable, get_backend
     try:
-        get_backend("cudnn_ragged")
+        backend = get_backend("cudnn_ragged")
     except BackendUnavailable:
         return False
-    return torch.cuda.get_device_capability() >= (9, 0)
+    return backend.setup_reason(torch.device("cuda", torch.cuda.current_device())) is None
 
 
 def one_time_costs(device_type: str, attention_backend: str,

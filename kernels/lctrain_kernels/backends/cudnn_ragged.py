@@ -34,7 +34,8 @@ _Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
 _LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O, _OFF_STATS, _OFF_DK = range(10, 18)
 
 
-def _dotted(version: int) -> str:
+def dotted_version(version: int) -> str:
+    """cuDNN's version number (91900) as text (9.19.0)."""
     return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
 
 
@@ -187,12 +188,12 @@ class CudnnEngine:
         self.graphs = _Graphs(_import_cudnn())
         self._columns: dict[tuple, tuple] = {}  # (call, device, shapes) -> device columns
 
-    def _columns_for(self, call: RaggedCall, q, k, v) -> dict:
+    def _columns_for(self, call: RaggedCall, q, k, strides: tuple[int, int, int]) -> dict:
         """Lengths and element offsets of a call's entries on the device, by uid; cached, as
-        every layer of a step runs the same blocks. Each use is recorded on the current
-        stream, so an entry dropped from the cache is not reused while a kernel reads it."""
+        every layer of a step runs the same blocks; ``strides`` are q's, k's and v's token
+        strides. Each use is recorded on the current stream, so an entry dropped from the
+        cache is not reused while a kernel reads it."""
         hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
-        strides = (_token_stride(q), _token_stride(k), _token_stride(v))
         key = (call, q.device, hq, hkv, d, strides)
         if key not in self._columns:
             q_rows, k_rows, q_lens, k_lens = call.padded()
@@ -222,7 +223,7 @@ class CudnnEngine:
                     for uid, t in pack.items()}
             shape = (call.entries, call.q_lens[0], call.k_lens[0], 0, 0)
         else:
-            pack.update(self._columns_for(call, q, k, v))
+            pack.update(self._columns_for(call, q, k, strides))
             shape = (bucket(call.entries), call.max_q, call.max_k, -(-total_q // 64) * 64,
                      -(-total_k // 64) * 64)
         nb, sq, sk, tot_q, tot_k = shape
@@ -261,24 +262,33 @@ class CudnnRaggedBackend(RaggedBackend):
                                      "visible; use backend='reference' (or 'auto').")
         super().__init__(_engine())
 
-    def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
+    def setup_reason(self, device: torch.device) -> str | None:
+        """None if this process can run the backend on ``device`` at all, else why not (the
+        GPU, the cuDNN torch loaded, torch's deterministic mode)."""
         if torch.are_deterministic_algorithms_enabled():
             return ("the cudnn_ragged backend's backward is not guaranteed to be deterministic, "
                     "and torch.use_deterministic_algorithms is on; use triton, whose kernels are.")
-        if not q.is_cuda:
-            return f"the cudnn_ragged backend runs on CUDA only, and the tensors are on {q.device}."
+        if device.type != "cuda":
+            return f"the cudnn_ragged backend runs on CUDA only, and the tensors are on {device}."
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            return ("the cudnn_ragged backend needs a Hopper or newer GPU (compute capability "
+                    ">= 9.0) for ragged statistics in the backward.")
+        version = self.engine.graphs.cudnn.backend_version()
+        if version < MIN_CUDNN:
+            return (f"the cudnn_ragged backend is tested with cuDNN "
+                    f"{dotted_version(MIN_CUDNN)} or newer, and torch loaded cuDNN "
+                    f"{dotted_version(version)}; use triton.")
+        return None
+
+    def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
+        reason = self.setup_reason(q.device)
+        if reason is not None:
+            return reason
         if q.dtype not in _HALF:
             return f"the cudnn_ragged backend takes float16 or bfloat16, not {q.dtype}."
         d = q.shape[-1]
         if d % 8 or d > 128:
             return f"the cudnn_ragged backend needs head_dim a multiple of 8 up to 128, not {d}."
-        if torch.cuda.get_device_capability(q.device) < (9, 0):
-            return ("the cudnn_ragged backend needs a Hopper or newer GPU (compute capability "
-                    ">= 9.0) for ragged statistics in the backward.")
-        version = self.engine.graphs.cudnn.backend_version()
-        if version < MIN_CUDNN:
-            return (f"the cudnn_ragged backend is tested with cuDNN {_dotted(MIN_CUDNN)} or newer, "
-                    f"and torch loaded cuDNN {_dotted(version)}; use triton.")
         return None
 
     def forward(self, q, k, v, spec, relation, scale):
