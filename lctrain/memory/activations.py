@@ -223,22 +223,23 @@ def attention_workspace(arch: Architecture, tokens: int, c: int, cp: int,
     cp = 1: one block straight through the backend, no accumulators: the lse in the forward; in
     the backward the kernel's dq, dk, dv and their contiguous copies.
 
-    Both: with grouped-query attention the kernels get K/V repeated to Hq heads (and sum dK/dV
-    back in float32). With G head groups all of that is per group (÷ G), plus the copies of one
-    group's inputs and results, and the full-size gradients filled group by group.
+    Both: with grouped-query attention every kernel reads K/V with their own heads and returns
+    dK/dV summed per group, so K/V are never repeated; cuDNN's backward (what "auto" runs on
+    dense blocks) sums them from float32 dK/dV of every query head in its workspace, as large
+    as two float32 copies of q (the allocator traces of `lctrain bench step --memory-trace`
+    show it at the backward's peak). With G head groups all of that is per group (÷ G), plus the
+    copies of one group's inputs and results, and the full-size gradients filled group by group.
     """
     t, g = tokens, head_groups
     q, kv, lse = t * arch.q_width, t * arch.kv_width, 4 * t * arch.num_heads
-    gqa = arch.num_kv_heads < arch.num_heads
     if cp > 1:
         forward = 4 * q + lse + 2 * 2 * c * kv + 2 * c * q + c * q
         backward = 4 * (q + 2 * kv) + c * q + 2 * 2 * c * kv + 2 * 3 * c * q + 4 * 2 * kv
     else:
         forward = lse
-        backward = 2 * c * (q + 2 * (q if gqa else kv))
-    if gqa:  # K/V repeated for the kernels; dK/dV of every query head, summed in float32
-        forward += 2 * c * q
-        backward += 2 * c * q + 2 * 4 * kv + 2 * c * kv
+        backward = 2 * c * (q + 2 * kv)
+    if arch.num_kv_heads < arch.num_heads:
+        backward += 2 * 4 * q
     if g == 1:
         return max(forward, backward)
     forward = forward // g + (c * (2 * q + 2 * kv) + lse) // g

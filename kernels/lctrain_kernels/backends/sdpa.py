@@ -34,9 +34,10 @@ rows 0..i: top-left). cuDNN and the CPU op align a non-square causal mask top-le
 torch's flash op is FlashAttention-2, which aligns it bottom-right, so ``flash`` takes square
 causal blocks only.
 The CUDA ops take fp16/bf16; cuDNN head_dim must be a multiple of 8 up to 128, flash up to
-256. GQA: K/V heads are repeated for the op (a transient copy inside the block, never sent)
-and dK/dV summed back over each group in float32. The CPU op takes GQA as is and any float
-dtype; it is about 2x faster than the reference on causal blocks, so "auto" uses it on a CPU.
+256. Every op takes GQA as is: K/V keep their Hkv heads, query head h reads K/V head
+h // (Hq / Hkv), and dK/dV come back with Hkv heads, summed over each group inside the kernel,
+so no repeated K/V is ever made. The CPU op takes any float dtype; it is about 2x faster than
+the reference on causal blocks, so "auto" uses it on a CPU.
 """
 from __future__ import annotations
 
@@ -60,22 +61,6 @@ _CUDNN_LSE_UNIT_DIM = _torch_version() >= (2, 9)
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().transpose(1, 2)  # (B, S, H, D) -> (B, H, S, D) view
-
-
-def _repeat_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
-    """(B, S, Hkv, D) -> (B, S, Hq, D), each K/V head repeated for its query group."""
-    b, s, hkv, d = x.shape
-    if hkv == hq:
-        return x
-    return x[:, :, :, None, :].expand(b, s, hkv, hq // hkv, d).reshape(b, s, hq, d)
-
-
-def _sum_groups(dx: torch.Tensor, hkv: int) -> torch.Tensor:
-    """(B, S, Hq, D) gradient of repeated K/V -> (B, S, Hkv, D), summed in float32."""
-    b, s, hq, d = dx.shape
-    if hq == hkv:
-        return dx
-    return dx.view(b, s, hkv, hq // hkv, d).sum(3, dtype=torch.float32)
 
 
 def _no_rng(device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,23 +117,21 @@ class CudnnBackend(UnitValueLseGrad):
     def forward(self, q, k, v, spec, relation, scale):
         b, sq, hq, _ = q.shape
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            _bhsd(q), _bhsd(_repeat_kv(k, hq)), _bhsd(_repeat_kv(v, hq)), None, True, 0.0,
-            relation is Relation.CAUSAL, False, scale=scale)[:2]
+            _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, relation is Relation.CAUSAL, False,
+            scale=scale)[:2]
         return out.transpose(1, 2), lse.reshape(b, hq, sq)  # (B, Sq, Hq, D), (B, Hq, Sq)
 
     def grads(self, do, q, k, v, out, lse, spec, relation, scale):
-        b, sq, hq, _ = q.shape
-        sk, hkv = k.shape[1], k.shape[2]
+        sq, sk = q.shape[1], k.shape[1]
         stats = lse.float().contiguous()  # (B, Hq, Sq)
         if _CUDNN_LSE_UNIT_DIM:
             stats = stats.unsqueeze(-1)  # (B, Hq, Sq, 1)
         seed, offset = _no_rng(q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            _bhsd(do.to(q.dtype)), _bhsd(q), _bhsd(_repeat_kv(k, hq)), _bhsd(_repeat_kv(v, hq)),
-            _bhsd(out.to(q.dtype)), stats, seed, offset, None, None, None, sq, sk, 0.0,
-            relation is Relation.CAUSAL, scale=scale)
-        dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # (B, Sk, Hq, D)
-        return dq.transpose(1, 2), _sum_groups(dk, hkv), _sum_groups(dv, hkv)
+            _bhsd(do.to(q.dtype)), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)), stats,
+            seed, offset, None, None, None, sq, sk, 0.0, relation is Relation.CAUSAL,
+            scale=scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 class FlashBackend(UnitValueLseGrad):
@@ -164,22 +147,19 @@ class FlashBackend(UnitValueLseGrad):
                 or square_causal_reason(self.name, q, k, relation))
 
     def forward(self, q, k, v, spec, relation, scale):
-        hq = q.shape[2]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            _bhsd(q), _bhsd(_repeat_kv(k, hq)), _bhsd(_repeat_kv(v, hq)), 0.0,
-            relation is Relation.CAUSAL, False, scale=scale)[:2]
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, relation is Relation.CAUSAL, False,
+            scale=scale)[:2]
         return out.transpose(1, 2), lse[..., :q.shape[1]]  # (B, Sq, Hq, D), (B, Hq, Sq)
 
     def grads(self, do, q, k, v, out, lse, spec, relation, scale):
-        sq, hq = q.shape[1], q.shape[2]
-        sk, hkv = k.shape[1], k.shape[2]
+        sq, sk = q.shape[1], k.shape[1]
         seed, offset = _no_rng(q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            _bhsd(do.to(q.dtype)), _bhsd(q), _bhsd(_repeat_kv(k, hq)), _bhsd(_repeat_kv(v, hq)),
-            _bhsd(out.to(q.dtype)), lse.float().contiguous(), None, None, sq, sk, 0.0,
-            relation is Relation.CAUSAL, seed, offset, scale=scale)
-        dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # (B, Sk, Hq, D)
-        return dq.transpose(1, 2), _sum_groups(dk, hkv), _sum_groups(dv, hkv)
+            _bhsd(do.to(q.dtype)), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)),
+            lse.float().contiguous(), None, None, sq, sk, 0.0, relation is Relation.CAUSAL,
+            seed, offset, scale=scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 class CpuFlashBackend(UnitValueLseGrad):
