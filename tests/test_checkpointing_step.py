@@ -35,3 +35,21 @@ def test_a_failed_training_run_is_a_row_status_not_a_traceback(tmp_path, monkeyp
     (row,) = run(cfg, steps=1, nproc=1).rows
     assert "failed with exit code 1; the workers' log" in row["status"]
     assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_bench_step_profiles_the_last_step(tmp_path):
+    cfg = load_recipe(None, ["parallel.cp=1", "data.max_documents=40",
+                             f"train.output_dir={tmp_path / 'run'}"], seq_len=128)
+    (row,) = run(cfg, steps=1, warmup=1, nproc=1, profile=str(tmp_path / "prof")).rows
+    folder = tmp_path / "prof" / "1"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "rank0-step2-kernels.json", "rank0-step2-kernels.txt", "rank0-step2.json"]
+    assert json.loads((folder / "rank0-step2.json").read_text())["traceEvents"]
+    summary = json.loads((folder / "rank0-step2-kernels.json").read_text())
+    cats = summary["categories_ms"]
+    assert set(cats) == {"attention", "matmul", "communication", "copies", "other"}
+    assert cats["matmul"] > 0 and cats["attention"] > 0  # the projections and cpu_flash
+    assert {k["category"] for k in summary["top"]} >= {"matmul", "attention"}
+    assert row["profile_wall_ms"] == summary["wall_ms"] > 0
+    assert row["profile_matmul_ms"] == cats["matmul"]
+    assert "device time by category" in (folder / "rank0-step2-kernels.txt").read_text()

@@ -267,7 +267,8 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
     result = _invoke("bench", "step", "llama-7b-64k", "--seq-len", "32k,64k", "--steps", "3",
                      "--warmup", "0", "--variant", "train.checkpointing=full",
                      "--variant", "train.checkpointing=remat parallel.schedule=zigzag",
-                     "--documents", "lognormal:median=4k", "--memory-trace", "traces")
+                     "--documents", "lognormal:median=4k", "--memory-trace", "traces",
+                     "--profile", "kernels")
     assert result.exit_code == 0, result.output
     (configs,), kwargs = seen["step"][0]
     assert [(label, c.data.seq_len, c.train.checkpointing, c.parallel.schedule)
@@ -278,7 +279,8 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
         ("train.checkpointing=remat parallel.schedule=zigzag", 65536, "remat", "zigzag")]
     assert {k: v for k, v in kwargs.items() if k != "progress"} == {
         "steps": 3, "nproc": None, "warmup": 0, "save_every": 0,
-        "documents": "lognormal:median=4k", "memory_trace": "traces"}
+        "documents": "lognormal:median=4k", "memory_trace": "traces",
+        "profile": "kernels"}
 
 
 def test_output_formats_on_stdout(monkeypatch):

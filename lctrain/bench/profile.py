@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from lctrain.train.step_profile import own_times
+
 CATEGORIES = (  # first match wins; names are lower-cased kernel or operator names
     ("attention", ("fmha", "cudnn", "flash", "attn_fwd", "attn_bwd", "sdpa", "attention")),
     ("communication", ("nccl", "c10d", "gloo", "send", "recv")),
@@ -73,24 +75,9 @@ def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None, device: to
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     by_category: dict[str, float] = defaultdict(float)
-    for name, ms in _self_times(prof, device).items():
+    for name, (ms, _) in own_times(prof, device.type == "cuda").items():
         by_category[category(name)] += ms / ITERATIONS
     row = {"profile_wall_ms": wall_ms, "trace": str(path)}
     for cat in ("attention", "communication", "bookkeeping", "other"):
         row[f"profile_{cat}_ms"] = by_category.get(cat, 0.0)
     return row
-
-
-def _self_times(prof, device: torch.device) -> dict[str, float]:
-    """Milliseconds of own time per kernel (GPU) or per operator (CPU), over all iterations."""
-    out: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        if device.type == "cuda":
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue  # an operator: its kernels are listed on their own (no double count)
-            us = getattr(event, "self_device_time_total", 0)
-        else:
-            us = event.self_cpu_time_total
-        if us:
-            out[event.key] += us / 1e3
-    return out

@@ -50,6 +50,8 @@ from lctrain.data import load_tokenizer
 from lctrain.errors import UserError
 from lctrain.memory.tiers import chained_layers, recomputed_layers
 from lctrain.report.versions import environment
+from lctrain.train.memory_trace import ENV as MEMORY_TRACE
+from lctrain.train.step_profile import ENV as STEP_PROFILE
 
 _GIB = float(1 << 30)
 
@@ -84,7 +86,8 @@ def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int 
 def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         nproc: int | None = None, *, warmup: int = 1, save_every: int = 0,
         documents: str | None = None, memory_trace: str | None = None,
-        progress: Callable[[str], None] | None = None) -> BenchResult:
+        profile: str | None = None, progress: Callable[[str], None] | None = None
+        ) -> BenchResult:
     """Run ``warmup + steps`` training steps of every configuration and report them.
 
     Args:
@@ -105,6 +108,10 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
             ``data.document_mask`` says whether attention keeps them apart.
         memory_trace: a folder: each configuration's last step records the GPU allocator
             into its numbered subfolder (`lctrain.train.memory_trace`; nothing on a CPU).
+        profile: a folder: each configuration's last step runs under the profiler, every rank
+            writing a chrome trace and a kernel summary into its numbered subfolder
+            (`lctrain.train.step_profile`); rank 0's wall and category times join the row
+            (``profile_<category>_ms``).
         progress: called with one line before and after each configuration.
 
     Returns:
@@ -129,8 +136,11 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         row = {"variant": label, "seq_len": cfg.data.seq_len}
         try:
             trace = None if memory_trace is None else os.path.join(memory_trace, str(index))
-            with _memory_trace(trace):
+            kernels = None if profile is None else os.path.join(profile, str(index))
+            with _environment(MEMORY_TRACE, trace), _environment(STEP_PROFILE, kernels):
                 row.update(_one(cfg, n, steps, warmup, save_every, documents))
+            if kernels is not None:
+                row.update(_profile_fields(Path(kernels), warmup + steps))
         except UserError as exc:
             row.update(status=str(exc))
         except torch.cuda.OutOfMemoryError:
@@ -211,23 +221,31 @@ def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
 
 
 @contextlib.contextmanager
-def _memory_trace(folder: str | None) -> Iterator[None]:
-    """Ask the training processes started meanwhile to trace their last step into ``folder``
-    (they inherit the environment)."""
-    from lctrain.train.memory_trace import ENV
-
+def _environment(name: str, folder: str | None) -> Iterator[None]:
+    """Set ``name`` to ``folder`` (made absolute) for the training processes started meanwhile
+    (they inherit the environment); nothing when ``folder`` is None."""
     if folder is None:
         yield
         return
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = os.path.abspath(folder)
+    saved = os.environ.get(name)
+    os.environ[name] = os.path.abspath(folder)
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[ENV] = saved
+            os.environ[name] = saved
+
+
+def _profile_fields(folder: Path, step: int) -> dict:
+    """Rank 0's profile of step ``step`` as row fields (none if it wrote no summary)."""
+    path = folder / f"rank0-step{step}-kernels.json"
+    if not path.exists():
+        return {}
+    summary = json.loads(path.read_text())
+    return {"profile_wall_ms": summary["wall_ms"],
+            **{f"profile_{cat}_ms": ms for cat, ms in summary["categories_ms"].items()}}
 
 
 @contextlib.contextmanager

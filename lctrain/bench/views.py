@@ -24,6 +24,9 @@ _TIMES = [Column("fwd_ms", "fwd", "ms", compact=False), Column("bwd_ms", "bwd", 
 _PROFILE = [Column(f"profile_{cat}_ms", label, "ms") for cat, label in (
     ("wall", "wall"), ("attention", "attention"), ("communication", "comm."),
     ("bookkeeping", "bookkeeping"), ("other", "other"))]
+_STEP_PROFILE = [Column(f"profile_{cat}_ms", label, "ms", compact=False) for cat, label in (
+    ("wall", "profiled"), ("attention", "attention"), ("matmul", "matmul"),
+    ("communication", "comm."), ("copies", "copies"), ("other", "other"))]
 
 COLUMNS = {
     "kernel": [Column("backend", "backend"), Column("seq_len", "length", "tokens"), *_RATES,
@@ -58,7 +61,7 @@ COLUMNS = {
              Column("checkpoint_s", "save wait", "seconds", compact=False),
              Column("step_after_save_s", "step after save", "seconds", compact=False),
              Column("step_without_save_s", "step without", "seconds", compact=False),
-             Column("attention_balance", "balance", "number", compact=False)],
+             Column("attention_balance", "balance", "number", compact=False), *_STEP_PROFILE],
     "tiles": [Column("kernel", "kernel"), Column("config", "tiles"),
               Column("seq_len", "length", "tokens"), Column("ms", "time", "ms"),
               Column("tflops", "rate", "tflops"), Column("max_rel_err", "error", "sci"), _STATUS],

@@ -185,6 +185,12 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
              help="On GPUs, also record the allocator over each configuration's last step: "
                   "a snapshot per rank (pytorch.org/memory_viz) and a report of what was alive "
                   "at the step's peak, into DIR/<configuration number>/."),
+         profile: Optional[str] = typer.Option(
+             None, "--profile", metavar="DIR", show_default=False,
+             help="Also run each configuration's last step under the profiler: a chrome trace "
+                  "and a kernel summary per rank into DIR/<configuration number>/, and rank "
+                  "0's time per kernel category (attention, matmul, comm., copies, other) in "
+                  "the row (--wide)."),
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory against the
@@ -206,7 +212,8 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
         out = Publisher("step", fmt.value, wide, json_file, plot)
         configs = configurations(recipe, overrides or [], _sizes(seq_len) or [None], variant)
         result = run(configs, steps=steps, nproc=nproc, warmup=warmup, save_every=save_every,
-                     documents=documents, memory_trace=memory_trace, progress=out.progress)
+                     documents=documents, memory_trace=memory_trace, profile=profile,
+                     progress=out.progress)
         out.publish(result)
 
 

@@ -47,6 +47,7 @@ from lctrain.train.loss import chunked_cross_entropy
 from lctrain.train.memory_trace import trace_folder, traced_step
 from lctrain.train.metrics import FlopModel, peak_memory_bytes
 from lctrain.train.nonfinite import Diverged, NonFiniteSteps, Settled, poison_if_nonfinite
+from lctrain.train.step_profile import profile_folder, profiled_step
 
 OPERATIONS = {
     "stop": "the stop-signal check (an all-reduce at the step boundary)",
@@ -330,6 +331,7 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
     """
     window, first_step, saved = _Window(), trainer.step, trainer.step
     trace = trace_folder()  # lctrain bench step --memory-trace: the last step's allocations
+    profile = profile_folder()  # lctrain bench step --profile: the last step's kernels
     while trainer.step < hooks.max_steps:
         hooks.mark("stop", trainer.step + 1)
         hooks.stopped_by = hooks.stop()
@@ -338,7 +340,9 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
         micro = list(islice(batches, trainer.grad_accum))
         last = trainer.step + 1 == hooks.max_steps
         with traced_step(trace if last else None, trainer.device, trainer.pmesh.rank,
-                         trainer.step + 1, trainer.distributed.module, trainer.optimizer):
+                         trainer.step + 1, trainer.distributed.module, trainer.optimizer), \
+                profiled_step(profile if last else None, trainer.device, trainer.pmesh.rank,
+                              trainer.step + 1):
             if trainer.step == first_step:  # count once: remat runs attention once per layer
                 with AttentionCounter() as counter:
                     window.stats = trainer.train_step(micro)

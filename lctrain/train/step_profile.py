@@ -1,0 +1,117 @@
+"""Where a training step's time goes: ``lctrain bench step --profile DIR``.
+
+With ``LCTRAIN_STEP_PROFILE=DIR`` in the environment (the bench sets it), every rank runs the
+run's last optimizer step under ``torch.profiler`` and writes
+
+- ``rank{R}-step{N}.json``: the step's timeline as a chrome trace (Perfetto, chrome://tracing);
+- ``rank{R}-step{N}-kernels.json``: the step's wall time, the device time of its kernels summed
+  by category (below), and the kernels that took the most time, with their counts;
+- ``rank{R}-step{N}-kernels.txt``: the same as a table.
+
+Categories (first match wins, on the lower-cased kernel name; on a CPU the operators' own
+time): attention (cuDNN, flash and lctrain's Triton attention kernels), matmul (cuBLAS and
+CUTLASS GEMMs: the projections, the MLP, the language-model head), communication (NCCL,
+gloo), copies (memcpy and memset: host offload, FSDP's copies) and other (norms, activations,
+RoPE, casts, the loss's softmax, the optimizer; what eager PyTorch runs one kernel at a time).
+Device time beyond the wall time means kernels overlapped (e.g. copies on a side stream); wall
+time beyond it means the GPU waited (launches, the host, a peer).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ENV = "LCTRAIN_STEP_PROFILE"
+CATEGORIES = (  # first match wins; lower-cased kernel (GPU) or operator (CPU) names
+    ("attention", ("fmha", "sdpa", "flash", "attn_fwd", "attn_bwd", "attention")),
+    ("communication", ("nccl", "c10d", "gloo")),
+    ("copies", ("memcpy", "memset")),
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "aten::mm",
+                "aten::addmm", "aten::bmm")),
+)
+CATEGORY_NAMES = (*(name for name, _ in CATEGORIES), "other")
+TOP = 25
+
+
+def category(name: str) -> str:
+    """The category of a kernel or operator name (see the module docstring)."""
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile_folder() -> Path | None:
+    """The folder the environment asks the step profiles for (None: no profiling)."""
+    folder = os.environ.get(ENV)
+    return Path(folder) if folder else None
+
+
+@contextlib.contextmanager
+def profiled_step(folder: Path | None, device: torch.device, rank: int, step: int):
+    """Profile the step run inside and write its trace and kernel summary into ``folder``
+    (nothing when ``folder`` is None)."""
+    if folder is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"rank{rank}-step{step}"
+    prof.export_chrome_trace(f"{stem}.json")
+    summary = summarize(own_times(prof, cuda), wall_ms)
+    Path(f"{stem}-kernels.json").write_text(json.dumps(summary, indent=1) + "\n")
+    Path(f"{stem}-kernels.txt").write_text(report(summary))
+
+
+def own_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
+    """(milliseconds, count) of own time per kernel (GPU) or per operator (CPU)."""
+    out: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for event in prof.key_averages():
+        if cuda:
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue  # an operator: its kernels are listed on their own (no double count)
+            us = getattr(event, "self_device_time_total", 0)
+        else:
+            us = event.self_cpu_time_total
+        if us:
+            out[event.key][0] += us / 1e3
+            out[event.key][1] += event.count
+    return {name: (ms, count) for name, (ms, count) in out.items()}
+
+
+def summarize(times: dict[str, tuple[float, int]], wall_ms: float) -> dict:
+    """The step's wall time, the time per category and the top kernels, from ``own_times``."""
+    by_category = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    for name, (ms, _) in times.items():
+        by_category[category(name)] += ms
+    top = sorted(times.items(), key=lambda item: -item[1][0])[:TOP]
+    return {"wall_ms": wall_ms, "categories_ms": by_category,
+            "top": [{"name": name, "category": category(name), "ms": ms, "count": count}
+                    for name, (ms, count) in top]}
+
+
+def report(summary: dict) -> str:
+    """``summarize``'s result as text: the categories, then the top kernels."""
+    wall = summary["wall_ms"]
+    lines = [f"step wall time: {wall:,.1f} ms", "", "device time by category:"]
+    for cat, ms in summary["categories_ms"].items():
+        lines.append(f"  {cat:<14}{ms:>12,.1f} ms  {100 * ms / wall:5.1f} % of the wall time")
+    lines += ["", f"the {len(summary['top'])} kernels (on a CPU: operators) that took the most time:"]
+    for k in summary["top"]:
+        lines.append(f"  {k['ms']:>10,.1f} ms  {k['count']:>6}x  {k['category']:<13} "
+                     f"{k['name'][:140]}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,42 @@
+"""Kernel categories of `lctrain bench step --profile` (`lctrain.train.step_profile`), on kernel
+names an H200 training step ran, and the summary built from per-kernel times."""
+import pytest
+
+from lctrain.train.step_profile import category, report, summarize
+
+H200_KERNELS = [
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_"
+     "cga1x1x1_kernel0_0", "attention"),
+    ("attn_bwd_dkdv_kernel", "attention"),
+    ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "matmul"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("Memcpy DtoH (Device -> Pinned)", "copies"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous "
+     "namespace)::OpaqueType<2u>, unsigned int, 4, 64, 64>(", "other"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::"
+     "pow_tensor_scalar_kernel_impl<float, float>(", "other"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("aten::addmm", "matmul"),
+]
+
+
+@pytest.mark.parametrize("name, expected", H200_KERNELS)
+def test_kernel_names_fall_in_their_category(name, expected):
+    assert category(name) == expected
+
+
+def test_summary_sums_each_category_and_lists_the_largest_kernels_first():
+    times = {name: (float(i + 1), i + 2) for i, (name, _) in enumerate(H200_KERNELS)}
+    summary = summarize(times, wall_ms=100.0)
+    want = {"attention": 0.0, "matmul": 0.0, "communication": 0.0, "copies": 0.0, "other": 0.0}
+    for i, (_, cat) in enumerate(H200_KERNELS):
+        want[cat] += i + 1
+    assert summary["categories_ms"] == want
+    assert [k["ms"] for k in summary["top"]] == sorted((t for t, _ in times.values()), reverse=True)
+    assert summary["top"][0] == {"name": H200_KERNELS[-1][0], "category": "matmul",
+                                 "ms": 10.0, "count": 11}
+    lines = report(summary).splitlines()
+    assert lines[0] == "step wall time: 100.0 ms"
+    assert [l.split() for l in lines if l.startswith("  attention")] == [
+        ["attention", "12.0", "ms", "12.0", "%", "of", "the", "wall", "time"]]
