@@ -61,6 +61,10 @@ class ModelConfig:
     """Data type the model's parameters are created or loaded in."""
     trust_remote_code: bool = False
     """Allow model / tokenizer code from the model folder or the hub to run."""
+    fused_norms: bool = True
+    """On GPUs, run the RMSNorm of Llama, Mistral and Qwen models as one Triton kernel each way
+    (`lctrain.model.rms_norm`) instead of transformers' eager operations: same arithmetic,
+    fewer passes over memory. false: transformers' own forward."""
 
     def __post_init__(self) -> None:
         check_fields(self, "model")

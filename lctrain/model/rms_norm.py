@@ -1,0 +1,161 @@
+"""RMSNorm in one Triton kernel each way, for the norms of Llama-family models on GPUs.
+
+transformers' RMSNorm runs as eager PyTorch: a float32 copy of the input, its square, the
+mean, the scaling, the cast back and the weight's product, each one kernel reading and
+writing the whole (tokens, hidden) tensor, and about twice that again in the backward. On
+long sequences these passes over memory take a visible share of a training step (`lctrain
+bench step --profile` lists them under "other"). Here the forward reads the input once and
+writes the output once (plus one float32 scale per token, kept for the backward), and the
+backward reads the input and the output's gradient once and writes the input's gradient once,
+with the weight's gradient summed in float32 per program and then over programs.
+
+The arithmetic is transformers' ``LlamaRMSNorm``: the normalized input is rounded to the
+input's dtype before the weight multiplies it, and the output has the dtype that
+``weight * normalized`` has in PyTorch. The backward keeps float32 throughout (transformers
+rounds ``grad * weight`` to the compute dtype first), so gradients are at least as close to
+float64 math as transformers' own.
+
+:func:`fuse_rms_norms` gives the norm modules of a model this forward by switching each
+module's class to a subclass (as FSDP2 does), so parameters, names, state dicts, tiling
+wrappers and adapters see the same objects. Only the classes in :data:`FUSED_CLASSES`, whose
+forward is exactly that arithmetic, are switched. The kernels run on CUDA tensors, and on the
+CPU under ``TRITON_INTERPRET=1`` (tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+FUSED_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+"""transformers' RMSNorm classes that compute ``weight * (x * rsqrt(mean(x²) + eps)).to(dtype)``
+in float32 (Gemma's, which scales by ``1 + weight``, is not one of them)."""
+
+_BWD_PROGRAMS = 512  # programs of the backward: each sums the weight gradient of its rows
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _round(x, KIND: tl.constexpr):
+    """float32 ``x`` rounded to the nearest value of float32 (KIND 0), bfloat16 (1) or float16
+    (2), kept in float32. bfloat16 rounds by its bits: Triton's interpreter truncates a
+    float32-to-bfloat16 cast, the GPU rounds to nearest even, this does the latter on both."""
+    if KIND == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    elif KIND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, Y, Rstd, n_cols, stride_x, stride_y, eps, X_KIND: tl.constexpr,
+                  Y_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps))  # IEEE, not approx.
+    normed = _round(x * rstd, X_KIND)
+    w = tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, _round(normed * w, Y_KIND), mask=live)
+    tl.store(Rstd + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd(X, W, DY, DX, Rstd, DW, n_rows, n_cols, stride_x, stride_dy, stride_dx,
+                  rows_per_program, X_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    live = cols < n_cols
+    w = tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    first = pid * rows_per_program
+    for i in range(0, rows_per_program):
+        row = (first + i).to(tl.int64)
+        if row < n_rows:
+            x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
+            rstd = tl.load(Rstd + row)
+            xhat = x * rstd
+            dw += dy * _round(xhat, X_KIND)
+            dn = dy * w
+            dx = rstd * (dn - xhat * (tl.sum(dn * xhat, axis=0) / n_cols))
+            tl.store(DX + row * stride_dx + cols, _round(dx, X_KIND), mask=live)
+    tl.store(DW + pid * n_cols + cols, dw, mask=live)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as (rows, hidden) with the hidden dim contiguous (a copy only when it is not)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x2 = _rows(x)
+        rows, cols = x2.shape
+        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        y = torch.empty((rows, cols), dtype=out_dtype, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        if rows:
+            _rms_norm_fwd[(rows,)](x2, weight, y, rstd, cols, x2.stride(0), y.stride(0),
+                                   float(eps), X_KIND=_KINDS[x.dtype], Y_KIND=_KINDS[out_dtype],
+                                   BLOCK=triton.next_power_of_2(cols))
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight, rstd = ctx.saved_tensors
+        rows, cols = x2.shape
+        dy2 = _rows(dy)
+        dx = torch.empty_like(x2)
+        programs = max(1, min(rows, _BWD_PROGRAMS))
+        partial = torch.empty((programs, cols), dtype=torch.float32, device=x2.device)
+        if rows:
+            _rms_norm_bwd[(programs,)](x2, weight, dy2, dx, rstd, partial, rows, cols,
+                                       x2.stride(0), dy2.stride(0), dx.stride(0),
+                                       triton.cdiv(rows, programs), X_KIND=_KINDS[x2.dtype],
+                                       BLOCK=triton.next_power_of_2(cols))
+        else:
+            partial.zero_()
+        return dx.view(ctx.shape), partial.sum(0).to(weight.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm of ``x`` over its last dim, in one kernel each way."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _FusedForward:
+    """Mixed into a switched norm module's class: the forward through :func:`rms_norm`."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def fuse_rms_norms(model: nn.Module) -> int:
+    """Switch every norm module of ``model`` whose class is in :data:`FUSED_CLASSES` to the
+    fused forward, in place; returns how many norms of ``model`` have it."""
+    count = 0
+    for module in model.modules():
+        cls = type(module)
+        if issubclass(cls, _FusedForward):  # switched before
+            count += 1
+            continue
+        if cls.__name__ not in FUSED_CLASSES:
+            continue
+        if cls not in _SUBCLASSES:
+            _SUBCLASSES[cls] = type(f"Fused{cls.__name__}", (_FusedForward, cls), {})
+        module.__class__ = _SUBCLASSES[cls]
+        count += 1
+    return count
