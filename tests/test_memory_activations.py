@@ -1,6 +1,8 @@
 """The memory model's per-layer activation formula against what a real transformers Llama layer
 saves for its backward (bf16, through the lctrain::dist_attention op), measured with
 saved-tensor hooks."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,11 +12,16 @@ from live_bytes import SavedBytes
 from tiny_llama import lctrain_attention
 
 
-@pytest.mark.parametrize("kv_heads, tokens, dtype", [(4, 96, torch.bfloat16),
-                                                     (2, 160, torch.bfloat16),
-                                                     (2, 64, torch.float32)])
-def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype):
+@pytest.mark.parametrize("kv_heads, tokens, dtype, fused", [(4, 96, torch.bfloat16, False),
+                                                            (2, 160, torch.bfloat16, False),
+                                                            (2, 64, torch.float32, False),
+                                                            (2, 96, torch.bfloat16, True)])
+def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype, fused):
+    """Eager norms (transformers' own, as on a CPU) and fused ones (as on a GPU; here in
+    Triton's interpreter)."""
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    from lctrain.model.rms_norm import fuse_rms_norms
 
     AttentionInterface.register("lctrain_test_mem", lctrain_attention)
     fields = {"model_type": "llama", "vocab_size": 101, "hidden_size": 64,
@@ -25,11 +32,13 @@ def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype):
     model = LlamaForCausalLM(config).to(dtype).train()
     c = dtype.itemsize
     model.set_attn_implementation("lctrain_test_mem")
+    if fused:
+        assert fuse_rms_norms(model) == 5
     probe = SavedBytes(model, model.model.layers[1])
     ids = torch.randint(0, 101, (1, tokens))
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
         model(input_ids=ids).logits.float().sum().backward()
-    arch = from_config_dict(fields)
+    arch = dataclasses.replace(from_config_dict(fields), fused_norms=fused)
     cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
     assert probe.total - cos_sin == layer_saved(arch, tokens, c)
     assert remat_kept(arch, tokens, c) < layer_saved(arch, tokens, c) / 3

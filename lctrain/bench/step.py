@@ -307,7 +307,8 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     cuda = torch.cuda.is_available()
     return {
         "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,
-        "policy": cfg.train.checkpointing, "steps": len(timed),
+        "policy": cfg.train.checkpointing, "fused_norms": cfg.model.fused_norms and cuda,
+        "steps": len(timed),
         "tokens_per_s": _median(timed, "tokens_per_s"),
         "step_time_s": _median(timed, "step_time_s"),
         "mfu": _median(timed, "mfu"),

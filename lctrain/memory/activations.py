@@ -8,6 +8,8 @@ What one transformers Llama-style decoder layer saves for its backward (no check
     each RMSNorm (two)   fp32 upcast of its input 4·T·h (pow / mul save it), the normalised
                          value before the weight c·T·h, its output c·T·h (saved by the next
                          linears), rsqrt 4·T                                   -> (4 + 2c)·T·h
+                         fused (`Architecture.fused_norms`, on GPUs): its input c·T·h, its
+                         output c·T·h, a float32 scale 4·T                     -> 2c·T·h
     q, k, v after RoPE   c·T·(Hq + 2·Hkv)·d (RoPE's muls save only cos / sin, shared)
     attention out, lse   c·T·Hq·d (also o_proj's input) + 4·T·Hq
     gated MLP            gate, SiLU(gate), up, SiLU(gate)·up: 4·c·T·I
@@ -69,11 +71,17 @@ def layer_saved(arch: Architecture, tokens: int, c: int,
         return 4 * c * t * h + qkv_out + 4 * t * arch.num_heads
     if lora is not None:
         return lora_model.layer_saved(arch, tokens, c, lora)
-    norms = 2 * ((4 + 2 * c) * t * h + 4 * t)
+    norms = 2 * norm_saved(arch, tokens, c)
     qkv = c * t * (arch.q_width + 2 * arch.kv_width)
     attn_out = c * t * arch.q_width + 4 * t * arch.num_heads
     mlp = 4 * c * t * arch.intermediate_size
     return norms + qkv + attn_out + mlp
+
+
+def norm_saved(arch: Architecture, tokens: int, c: int) -> int:
+    """Bytes one trained RMSNorm of a layer keeps with its output (see the module docstring)."""
+    upcast = 0 if arch.fused_norms else 4
+    return (upcast + 2 * c) * tokens * arch.hidden_size + 4 * tokens
 
 
 def remat_kept(arch: Architecture, tokens: int, c: int) -> int:
@@ -138,6 +146,8 @@ def final_norm_saved(arch: Architecture, tokens: int, c: int,
     when the loss's backward has passed through the norm, before any layer's backward."""
     if tiled(tokens, tile_tokens):  # the tiled final norm keeps its input only
         return c * tokens * arch.hidden_size
+    if arch.fused_norms:  # its input and output (and a float32 scale per token)
+        return 2 * c * tokens * arch.hidden_size + 4 * tokens
     frozen_norm = lora is not None and "norm" not in lora.trainable  # keeps no normalised value
     return (4 + c * (1 + (not frozen_norm))) * tokens * arch.hidden_size
 
@@ -168,7 +178,7 @@ def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int
     if tiled(tokens, tile_tokens):
         return _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups)
     t, h = tokens, arch.hidden_size
-    norm = (4 + 2 * c) * t * h + 4 * t
+    norm = norm_saved(arch, tokens, c)
     qkv = c * t * (arch.q_width + 2 * arch.kv_width)
     out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
     residual_grads = 2 * c * t * h

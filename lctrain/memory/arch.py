@@ -30,6 +30,10 @@ follows transformers' generic default (tied) when ``tie_word_embeddings`` is abs
 _QKV_BIAS = {"qwen2"}
 """model_types whose q/k/v projections always carry a bias (no config flag for it)."""
 
+FUSED_NORM_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""model_types whose RMSNorm training on a GPU runs fused (`lctrain.model.rms_norm`, recipe
+``model.fused_norms``)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Architecture:
@@ -48,6 +52,8 @@ class Architecture:
         qkv_bias: q, k and v projections have biases.
         o_bias: the attention output projection has a bias.
         mlp_bias: the MLP projections have biases.
+        fused_norms: the RMSNorms run fused (`lctrain.model.rms_norm`): each keeps its input
+            and one float32 scale per token for the backward, not a float32 copy of its input.
     """
 
     name: str
@@ -62,6 +68,7 @@ class Architecture:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    fused_norms: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -127,7 +134,7 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tied_embeddings=bool(tied),
         qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)))
+        mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=model_type in FUSED_NORM_TYPES)
 
 
 def load_architecture(model: str) -> Architecture:

@@ -9,7 +9,8 @@ Activations change too, because autograd keeps a tensor only for the gradients i
 (checked against a real layer in the tests). In a decoder layer (notation of
 `lctrain.memory.activations`):
 
-- a frozen RMSNorm weight needs no normalised value (c·T·h less per norm);
+- a frozen RMSNorm weight needs no normalised value (c·T·h less per norm; a fused norm keeps
+  none either way, and its input instead of a float32 copy);
 - an input feeding only frozen projections is not kept: the first norm's output (q, k, v), the
   second's (gate, up), the down projection's input (c·T·I);
 - an adapter keeps its r-wide middle A·x (c·T·r), and its input x (shared with the projection);
@@ -112,9 +113,11 @@ def layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
         return any(n in lora.trainable or (n in lora.targets and not lora.dropout)
                    for n in consumers)
 
-    norms = 2 * (4 * t * h + 4 * t)  # fp32 upcast and rsqrt: the input gradient needs them
+    kept_input = c if arch.fused_norms else 4  # fused: the input; else its fp32 upcast
+    norms = 2 * (kept_input * t * h + 4 * t)  # and the scale: the input gradient needs them
     for norm, consumers in zip(LAYER_NORMS, (PROJECTIONS[:3], PROJECTIONS[4:6])):
-        norms += c * t * h * ((norm in lora.trainable) + kept(consumers))
+        normalised = norm in lora.trainable and not arch.fused_norms  # fused: recomputed
+        norms += c * t * h * (normalised + kept(consumers))
     attention = c * t * (arch.q_width + 2 * arch.kv_width) + c * t * arch.q_width
     attention += 4 * t * arch.num_heads
     inter = arch.intermediate_size

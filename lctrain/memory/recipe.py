@@ -1,6 +1,8 @@
 """`estimate_recipe`: the memory model applied to a recipe (what ``lctrain estimate-memory`` calls)."""
 from __future__ import annotations
 
+import dataclasses
+
 from lctrain.config.paths import is_placeholder
 from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
 from lctrain.config.tiers import parse_layer_policies
@@ -45,6 +47,8 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
             seq_len the layout cannot split.
     """
     arch = recipe_architecture(cfg, model)
+    if cfg is not None and not cfg.model.fused_norms:  # transformers' own norms
+        arch = dataclasses.replace(arch, fused_norms=False)
     parallel = cfg.parallel if cfg is not None else ParallelConfig()
     train = cfg.train if cfg is not None else TrainConfig()
     cp = parallel.cp if cp is None else cp
@@ -150,6 +154,8 @@ def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int
     from lctrain.memory.plan import Machine, plan
 
     arch = recipe_architecture(cfg, model)
+    if cfg is not None and not cfg.model.fused_norms:  # transformers' own norms
+        arch = dataclasses.replace(arch, fused_norms=False)
     parallel = cfg.parallel if cfg is not None else ParallelConfig()
     train = cfg.train if cfg is not None else TrainConfig()
     master = cfg.model.dtype if cfg is not None else "float32"
