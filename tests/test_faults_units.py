@@ -71,9 +71,17 @@ for line in sys.stdin:
 """
 
 
-def _stopper(tmp_path, **kwargs) -> subprocess.Popen:
+def _stop_signals_at_default(ignored=()) -> None:
+    """The stopper's signals as a terminal would start it, whatever the test run inherited
+    (a run under nohup ignores SIGHUP, a background job SIGINT); ``ignored`` ignored."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+
+
+def _stopper(tmp_path, ignored=()) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", _STOPPER, str(tmp_path / "stop")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kwargs)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: _stop_signals_at_default(ignored))
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -100,7 +108,7 @@ def test_a_first_stop_signal_is_a_flag_and_a_second_ends_the_process(tmp_path):
 
 def test_an_ignored_signal_stays_ignored(tmp_path):
     """nohup ignores SIGHUP: the run must not stop when the terminal closes."""
-    proc = _stopper(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    proc = _stopper(tmp_path, ignored=(signal.SIGHUP,))
     assert _ask(proc, str(int(signal.SIGHUP))) == "alive 0"
     assert _ask(proc, str(int(signal.SIGINT))) == "alive 2"
     proc.stdin.close()
