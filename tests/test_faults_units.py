@@ -131,7 +131,8 @@ time.sleep(120)
 def test_the_launcher_passes_a_signal_on_and_a_second_one_kills_everything(tmp_path):
     """The supervisor of a launcher over an agent with two ranks (python processes with the
     ranks' real stop handling): the first SIGTERM reaches both ranks as a request carrying
-    SIGTERM; a second signal kills the ranks and the agent at once."""
+    SIGTERM; a second signal kills the ranks and the agent at once. (SIGTERM twice: a test run
+    in the background or under nohup ignores SIGINT or SIGHUP, and so does the launcher then.)"""
     from lctrain.train.supervisor import Supervisor
 
     (tmp_path / "errors").mkdir()
@@ -152,14 +153,14 @@ def test_the_launcher_passes_a_signal_on_and_a_second_one_kills_everything(tmp_p
         while not all((tmp_path / f"rank{r}").exists() for r in range(2)):
             assert time.time() < deadline
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     sender = threading.Thread(target=signal_twice)
     sender.start()
     start = time.time()
     code = supervisor.wait()
     sender.join()
-    assert code == 128 + signal.SIGINT and time.time() - start < 60
+    assert code == 128 + signal.SIGTERM and time.time() - start < 60
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["15", "15"]
     assert (tmp_path / "stop").read_text() == f"{int(signal.SIGTERM)}\n"
     assert agent.returncode == -signal.SIGKILL
