@@ -65,6 +65,10 @@ class ModelConfig:
     """On GPUs, run the RMSNorm of Llama, Mistral and Qwen models as one Triton kernel each way
     (`lctrain.model.rms_norm`) instead of transformers' eager operations: same arithmetic,
     fewer passes over memory. false: transformers' own forward."""
+    fused_rope: bool = True
+    """On GPUs, apply the rotary position embedding of Llama, Mistral and Qwen models to q and k
+    in one Triton kernel each way (`lctrain.model.rope`) instead of transformers' eager
+    operations: the same formula, rounded once. false: transformers' own function."""
 
     def __post_init__(self) -> None:
         check_fields(self, "model")

@@ -208,10 +208,14 @@ def build_model(setup: RunSetup, *,
                        trust_remote_code=cfg.model.trust_remote_code,
                        seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
     n_params = sum(p.numel() for p in model.parameters())
-    if cfg.model.fused_norms and accelerator.device.type == "cuda":  # Triton: only where it runs
+    if accelerator.device.type == "cuda":  # Triton kernels, imported only where they run
         from lctrain.model.rms_norm import fuse_rms_norms
+        from lctrain.model.rope import fuse_rope
 
-        fuse_rms_norms(model)  # one kernel per norm and direction instead of eager ops
+        if cfg.model.fused_norms:  # one kernel per norm and direction instead of eager ops
+            fuse_rms_norms(model)
+        if cfg.model.fused_rope:  # the same for RoPE (its modeling module's global)
+            fuse_rope(model.config.model_type)
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     flops = _flop_model(model)
