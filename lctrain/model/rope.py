@@ -54,23 +54,24 @@ def _rope_kernel(Q, K, OQ, OK, Cos, Sin, S, Hq, Hk, sq_b, sq_s, sq_h, sk_b, sk_s
         a, e = s2, -s1
     else:
         a, e = -s1, s2
+    _rotate_heads(Q, OQ, token, b * sq_b + s * sq_s, sq_h, Hq, c1, c2, a, e, KIND, HALF, BLOCK_H)
+    _rotate_heads(K, OK, token, b * sk_b + s * sk_s, sk_h, Hk, c1, c2, a, e, KIND, HALF, BLOCK_H)
+
+
+@triton.jit
+def _rotate_heads(X, OUT, token, row, stride_h, H, c1, c2, a, e, KIND: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The H heads of one token of X (at element ``row``) into contiguous OUT, BLOCK_H at a
+    time: (x1·c1 + x2·a, x2·c2 + x1·e)."""
+    d = tl.arange(0, HALF)
     heads = tl.arange(0, BLOCK_H)
-    for h0 in range(0, Hq, BLOCK_H):
+    for h0 in range(0, H, BLOCK_H):
         h = h0 + heads
-        live = (h < Hq)[:, None]
-        src = Q + b * sq_b + s * sq_s + h[:, None] * sq_h + d[None, :]
+        live = (h < H)[:, None]
+        src = X + row + h[:, None] * stride_h + d[None, :]
         x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
-        dst = OQ + (token * Hq + h[:, None]) * (2 * HALF) + d[None, :]
-        tl.store(dst, _round(x1 * c1[None, :] + x2 * a[None, :], KIND), mask=live)
-        tl.store(dst + HALF, _round(x2 * c2[None, :] + x1 * e[None, :], KIND), mask=live)
-    for h0 in range(0, Hk, BLOCK_H):
-        h = h0 + heads
-        live = (h < Hk)[:, None]
-        src = K + b * sk_b + s * sk_s + h[:, None] * sk_h + d[None, :]
-        x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
-        dst = OK + (token * Hk + h[:, None]) * (2 * HALF) + d[None, :]
+        dst = OUT + (token * H + h[:, None]) * (2 * HALF) + d[None, :]
         tl.store(dst, _round(x1 * c1[None, :] + x2 * a[None, :], KIND), mask=live)
         tl.store(dst + HALF, _round(x2 * c2[None, :] + x1 * e[None, :], KIND), mask=live)
 
