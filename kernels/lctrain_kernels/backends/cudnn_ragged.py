@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 
 from lctrain_kernels.backends.base import BackendUnavailable
+from lctrain_kernels.backends.sdpa import half_head_dim_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 from lctrain_kernels.ragged import RaggedBackend, RaggedCall, bucket
 
-_HALF = (torch.float16, torch.bfloat16)
 #: The oldest cuDNN the backend is tested with (ragged statistics in both directions).
 MIN_CUDNN = 91900
 
@@ -281,15 +281,7 @@ class CudnnRaggedBackend(RaggedBackend):
         return None
 
     def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
-        reason = self.setup_reason(q.device)
-        if reason is not None:
-            return reason
-        if q.dtype not in _HALF:
-            return f"the cudnn_ragged backend takes float16 or bfloat16, not {q.dtype}."
-        d = q.shape[-1]
-        if d % 8 or d > 128:
-            return f"the cudnn_ragged backend needs head_dim a multiple of 8 up to 128, not {d}."
-        return None
+        return self.setup_reason(q.device) or half_head_dim_reason(self.name, q, 128)
 
     def forward(self, q, k, v, spec, relation, scale):
         return super().forward(*(_rows_layout(x) for x in (q, k, v)), spec, relation, scale)

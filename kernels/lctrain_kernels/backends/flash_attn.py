@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from lctrain_kernels.backends.base import BackendUnavailable, UnitValueLseGrad
-from lctrain_kernels.backends.sdpa import square_causal_reason
+from lctrain_kernels.backends.sdpa import half_head_dim_reason, square_causal_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 
 _MIN_VERSION = (2, 7)
@@ -54,15 +54,8 @@ class FlashAttnBackend(UnitValueLseGrad):
         if relation not in (Relation.FULL, Relation.CAUSAL):
             return (f"the flash_attn backend computes only full or causal blocks, not a "
                     f"{relation.value} one; use triton or reference.")
-        reason = square_causal_reason(self.name, q, k, relation)
-        if reason is not None:
-            return reason
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return f"the flash_attn backend takes float16 or bfloat16, not {q.dtype}."
-        d = q.shape[-1]
-        if d % 8 or d > 256:
-            return f"the flash_attn backend needs head_dim a multiple of 8 up to 256, not {d}."
-        return None
+        return (square_causal_reason(self.name, q, k, relation)
+                or half_head_dim_reason(self.name, q, 256))
 
     def forward(self, q, k, v, spec, relation, scale):
         with torch.no_grad():

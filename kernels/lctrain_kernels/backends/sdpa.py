@@ -77,6 +77,17 @@ def square_causal_reason(name: str, q, k, relation: Relation) -> str | None:
     return None
 
 
+def half_head_dim_reason(name: str, q, max_dim: int) -> str | None:
+    """Why a CUDA kernel of fp16/bf16 inputs and head dims a multiple of 8 up to ``max_dim``
+    refuses these queries (None: it takes them)."""
+    if q.dtype not in _HALF:
+        return f"the {name} backend takes float16 or bfloat16, not {q.dtype}."
+    d = q.shape[-1]
+    if d % 8 or d > max_dim:
+        return f"the {name} backend needs head_dim a multiple of 8 up to {max_dim}, not {d}."
+    return None
+
+
 def _cuda_reason(name: str, q, relation: Relation, max_dim: int) -> str | None:
     if not q.is_cuda:
         return f"the {name} backend runs on CUDA only, and the tensors are on {q.device}."
@@ -84,11 +95,9 @@ def _cuda_reason(name: str, q, relation: Relation, max_dim: int) -> str | None:
         return (f"the {name} backend computes only full or causal blocks, not a "
                 f"{relation.value} one (offset diagonal or document mask); use triton or "
                 f"reference.")
-    if q.dtype not in _HALF:
-        return f"the {name} backend takes float16 or bfloat16, not {q.dtype}."
-    d = q.shape[-1]
-    if d % 8 or d > max_dim:
-        return f"the {name} backend needs head_dim a multiple of 8 up to {max_dim}, not {d}."
+    reason = half_head_dim_reason(name, q, max_dim)
+    if reason is not None:
+        return reason
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return f"the {name} backend needs an Ampere or newer GPU (compute capability >= 8.0)."
     return None
