@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from lctrain.train.step_profile import own_times
+from lctrain.train.step_profile import category as step_category, own_times
 
 CATEGORIES = (  # first match wins; names are lower-cased kernel or operator names
     ("attention", ("fmha", "cudnn", "flash", "attn_fwd", "attn_bwd", "sdpa", "attention")),
@@ -34,8 +34,7 @@ ITERATIONS = 3
 
 def category(name: str) -> str:
     """The category of a kernel or operator name (see the module docstring)."""
-    low = name.lower()
-    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+    return step_category(name, CATEGORIES)
 
 
 def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None, device: torch.device,

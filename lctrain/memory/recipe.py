@@ -47,8 +47,6 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
             seq_len the layout cannot split.
     """
     arch = recipe_architecture(cfg, model)
-    if cfg is not None and not cfg.model.fused_norms:  # transformers' own norms
-        arch = dataclasses.replace(arch, fused_norms=False)
     parallel = cfg.parallel if cfg is not None else ParallelConfig()
     train = cfg.train if cfg is not None else TrainConfig()
     cp = parallel.cp if cp is None else cp
@@ -87,12 +85,21 @@ def layer_policies_for(cfg: RecipeConfig, *, gpus: int, gpu_memory: int,
 def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:
     """The architecture to estimate: ``model`` (preset, config.json, folder) if given, else the
     recipe's model.path (a hub name is read through transformers; model.config overrides cannot
-    change its shapes) or its random-init model.config.
+    change its shapes) or its random-init model.config; with the recipe's model.fused_norms
+    off, its norms are transformers' own.
 
     Raises:
         UserError: nothing to read an architecture from (model.path still a placeholder), or an
             unreadable config.
     """
+    arch = _model_architecture(cfg, model)
+    if cfg is not None and not cfg.model.fused_norms:
+        arch = dataclasses.replace(arch, fused_norms=False)
+    return arch
+
+
+def _model_architecture(cfg: RecipeConfig | None, model: str | None) -> Architecture:
+    """`recipe_architecture` as the model's config says it (fused norms where supported)."""
     if model is not None:
         return _architecture_of_path(model)
     if cfg is None:
@@ -154,8 +161,6 @@ def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int
     from lctrain.memory.plan import Machine, plan
 
     arch = recipe_architecture(cfg, model)
-    if cfg is not None and not cfg.model.fused_norms:  # transformers' own norms
-        arch = dataclasses.replace(arch, fused_norms=False)
     parallel = cfg.parallel if cfg is not None else ParallelConfig()
     train = cfg.train if cfg is not None else TrainConfig()
     master = cfg.model.dtype if cfg is not None else "float32"

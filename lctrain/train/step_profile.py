@@ -39,10 +39,11 @@ CATEGORY_NAMES = (*(name for name, _ in CATEGORIES), "other")
 TOP = 25
 
 
-def category(name: str) -> str:
-    """The category of a kernel or operator name (see the module docstring)."""
+def category(name: str, categories=CATEGORIES) -> str:
+    """The category of a kernel or operator name: the first of ``categories`` (name, keys)
+    with a key in the lower-cased name, else "other" (see the module docstring)."""
     low = name.lower()
-    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+    return next((cat for cat, keys in categories if any(k in low for k in keys)), "other")
 
 
 def profile_folder() -> Path | None:
