@@ -102,10 +102,10 @@ def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
     short = fastest(base, machine, 16 * 1024, _chunks).setup
     assert (short.policy, short.tile_tokens, short.head_groups) == ("none", 0, 1)
     assert fastest(base, machine, 64 * 1024, _chunks).setup.runs == (("remat", 32),)
-    hosted = fastest(base, machine, 160 * 1024, _chunks)
+    hosted = fastest(base, machine, 192 * 1024, _chunks)
     assert {name for name, _ in hosted.setup.runs} == {"remat", "remat-offload"}
     assert hosted.setup.state_offload == "none"
-    no_host = fastest(base, dataclasses.replace(machine, host_memory=None), 160 * 1024, _chunks)
+    no_host = fastest(base, dataclasses.replace(machine, host_memory=None), 192 * 1024, _chunks)
     assert {name for name, _ in no_host.setup.runs} == {"remat", "full"}
     assert no_host.details["host_offload"] == 0 and no_host.step_s > hosted.step_s
 

@@ -231,25 +231,29 @@ def attention_workspace(arch: Architecture, tokens: int, c: int, cp: int,
     before they exceed these accumulators plus one result, so the bound holds.)
 
     cp = 1: one block straight through the backend, no accumulators: the lse in the forward; in
-    the backward the kernel's dq, dk, dv and their contiguous copies.
+    the backward the kernel's dq, dk, dv (already laid out as the layer wants them) and its
+    workspace: a float32 dq accumulator, or with grouped-query attention float32 dK/dV of every
+    query head, which it sums per group (two float32 copies of q). Both are what cuDNN's and
+    FlashAttention's backward in torch allocate beside their results (measured with
+    ``torch.cuda.max_memory_allocated`` around one call; the allocator traces of `lctrain bench
+    step --memory-trace` show the same at a layer's peak).
 
-    Both: with grouped-query attention every kernel reads K/V with their own heads and returns
-    dK/dV summed per group, so K/V are never repeated; cuDNN's backward (what "auto" runs on
-    dense blocks) sums them from float32 dK/dV of every query head in its workspace, as large
-    as two float32 copies of q (the allocator traces of `lctrain bench step --memory-trace`
-    show it at the backward's peak). With G head groups all of that is per group (÷ G), plus the
-    copies of one group's inputs and results, and the full-size gradients filled group by group.
+    Both: K/V are never repeated for grouped-query attention; every kernel reads them with
+    their own heads and returns dK/dV summed per group. With cp > 1 the float32 dK/dV per query
+    head of a block's kernel are counted too. With G head groups all of that is per group (÷ G),
+    plus the copies of one group's inputs and results, and the full-size gradients filled group
+    by group.
     """
     t, g = tokens, head_groups
     q, kv, lse = t * arch.q_width, t * arch.kv_width, 4 * t * arch.num_heads
+    gqa_workspace = 2 * 4 * q if arch.num_kv_heads < arch.num_heads else 0
     if cp > 1:
         forward = 4 * q + lse + 2 * 2 * c * kv + 2 * c * q + c * q
-        backward = 4 * (q + 2 * kv) + c * q + 2 * 2 * c * kv + 2 * 3 * c * q + 4 * 2 * kv
+        backward = (4 * (q + 2 * kv) + c * q + 2 * 2 * c * kv + 2 * 3 * c * q + 4 * 2 * kv
+                    + gqa_workspace)
     else:
         forward = lse
-        backward = 2 * c * (q + 2 * kv)
-    if arch.num_kv_heads < arch.num_heads:
-        backward += 2 * 4 * q
+        backward = c * (q + 2 * kv) + (gqa_workspace or 4 * q)
     if g == 1:
         return max(forward, backward)
     forward = forward // g + (c * (2 * q + 2 * kv) + lse) // g

@@ -12,7 +12,8 @@ fit the GPU, and all pinned bytes of a machine's processes its host memory
 Longest: for every cp and state placement, ``auto`` with tiles and the most head groups (each
 only lowers memory), searched for the longest length (rounded down to a whole K of tokens);
 the longest wins, the cheapest breaks a tie. Fastest at a length: every cp × state placement ×
-policy × tiling, each with the fewest head groups that fit; the cheapest wins.
+policy × tiling × head groups; the cheapest wins (head groups cost little and free memory
+that would otherwise be bought with recomputation).
 
 Cost (:func:`step_seconds`): a documented estimate of one step's time, used only to rank:
 
@@ -26,8 +27,9 @@ Cost (:func:`step_seconds`): a documented estimate of one step's time, used only
 - state in host memory, not overlapped: ``optimizer`` moves both AdamW states in and out per
   step; ``all`` also gathers the parameters twice (forward and backward), moves the gradients
   out and runs the update on the CPU at :data:`HOST_UPDATE_BYTES` of state per second;
-- communication that overlap does not hide: :data:`CP_OVERHEAD` per doubling of cp, and
-  :data:`GROUP_OVERHEAD` per extra head group.
+- communication that overlap does not hide: :data:`CP_OVERHEAD` per doubling of cp; and
+  :data:`GROUP_OVERHEAD` for attention in head groups (any number of them: each group's inputs
+  and results are copied once, whatever the count).
 
 So the ranking prefers, in effect: no offload > remat > remat in host memory > recomputing the
 attention; and a larger cp only where it saves memory that would otherwise cost time.
@@ -52,7 +54,8 @@ both moments) per second per process."""
 CP_OVERHEAD = 0.02
 """Step time added per doubling of cp (communication that overlap does not hide)."""
 GROUP_OVERHEAD = 0.005
-"""Step time added per head group beyond the first (smaller kernels and messages)."""
+"""Step time added by running the attention in head groups (copies of each group's inputs and
+results), a bound on what 1 and 8 groups measure apart on long sequences."""
 TILE_TOKENS = 8192
 """Tokens per tile of the MLP and norms when a plan tiles them."""
 STATE_OFFLOADS = ("none", "optimizer", "all")
@@ -180,10 +183,8 @@ def fastest(base: Setup, machine: Machine, seq_len: int, seq_chunks) -> Choice |
             continue
         for groups in (g for g in range(1, kv + 1) if kv % g == 0):
             found = choose(dataclasses.replace(setup, head_groups=groups), seq_len, machine)
-            if found is not None:
-                if best is None or _key(found) < _key(best):
-                    best = found
-                break
+            if found is not None and (best is None or _key(found) < _key(best)):
+                best = found
     return best
 
 
@@ -213,7 +214,7 @@ def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
     compute = (linear + layers * 3.5 * attention_fwd + recompute + tiles) / GPU_FLOPS
     copies = 2 * details["host_activations"] * setup.grad_accum / PCIE_BYTES
     seconds = max(compute, copies) + _state_seconds(setup, details)
-    overhead = CP_OVERHEAD * math.log2(setup.cp) + GROUP_OVERHEAD * (setup.head_groups - 1)
+    overhead = CP_OVERHEAD * math.log2(setup.cp) + GROUP_OVERHEAD * (setup.head_groups > 1)
     return seconds * (1 + overhead)
 
 
