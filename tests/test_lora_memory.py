@@ -59,14 +59,17 @@ def test_trainable_count_matches_peft(lora):
     assert sum(p.numel() for p in peft_model.parameters()) == arch.parameters() + trained
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager-norms", "fused-norms"])
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
 @pytest.mark.parametrize("lora", CASES, ids=range(len(CASES)))
 def test_layer_formula_matches_a_real_lora_layer(lora, fused):
+    """Transformers' norms and MLPs (as on a CPU) and fused ones (as on a GPU; here in
+    Triton's interpreter)."""
     from lctrain.model.rms_norm import fuse_rms_norms
+    from lctrain.model.swiglu import fuse_mlps
 
     peft_model = _lora_model(lora, torch.bfloat16)
     if fused:  # peft keeps a trained norm's frozen original beside it: more than 5
-        assert fuse_rms_norms(peft_model) >= 5
+        assert fuse_rms_norms(peft_model) >= 5 and fuse_mlps(peft_model) == 2
     layer = peft_model.base_model.model.model.layers[1]
     params = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
     state, storages = {"on": False}, {}
@@ -82,7 +85,7 @@ def test_layer_formula_matches_a_real_lora_layer(lora, fused):
     tokens = 80
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         peft_model(input_ids=torch.randint(0, 101, (1, tokens))).logits.float().sum().backward()
-    arch, c = dataclasses.replace(from_config_dict(FIELDS), fused_norms=fused), 2
+    arch, c = dataclasses.replace(from_config_dict(FIELDS), fused_norms=fused, fused_mlp=fused), 2
     cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
     # the CPU's dropout keeps its scaled noise in the compute dtype; a GPU keeps a 1-byte mask
     from lctrain.memory import lora as lora_model
@@ -109,7 +112,7 @@ def test_only_trainable_weights_have_gradients_and_optimizer_state():
     assert low.per_gpu_bytes["total"] < full.per_gpu_bytes["total"]
     assert low.max_seq_len is None and estimate(arch, 131072, 2, 2, "remat", lora=lora,
                                                 gpu_memory=139 << 30).max_seq_len > 131072
-    eager = dataclasses.replace(arch, fused_norms=False)  # frozen norms keep less (fused: same)
+    eager = dataclasses.replace(arch, fused_norms=False, fused_mlp=False)  # frozen norms keep less (fused: same)
     none = estimate(eager, 8192, 2, 2, "none", lora=lora).details["saved_activations"]
     assert none < estimate(eager, 8192, 2, 2, "none").details["saved_activations"]
 

@@ -17,11 +17,12 @@ from tiny_llama import lctrain_attention
                                                             (2, 64, torch.float32, False),
                                                             (2, 96, torch.bfloat16, True)])
 def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype, fused):
-    """Eager norms (transformers' own, as on a CPU) and fused ones (as on a GPU; here in
+    """Transformers' norms and MLPs (as on a CPU) and fused ones (as on a GPU; here in
     Triton's interpreter)."""
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
     from lctrain.model.rms_norm import fuse_rms_norms
+    from lctrain.model.swiglu import fuse_mlps
 
     AttentionInterface.register("lctrain_test_mem", lctrain_attention)
     fields = {"model_type": "llama", "vocab_size": 101, "hidden_size": 64,
@@ -33,12 +34,12 @@ def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype, fused
     c = dtype.itemsize
     model.set_attn_implementation("lctrain_test_mem")
     if fused:
-        assert fuse_rms_norms(model) == 5
+        assert fuse_rms_norms(model) == 5 and fuse_mlps(model) == 2
     probe = SavedBytes(model, model.model.layers[1])
     ids = torch.randint(0, 101, (1, tokens))
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
         model(input_ids=ids).logits.float().sum().backward()
-    arch = dataclasses.replace(from_config_dict(fields), fused_norms=fused)
+    arch = dataclasses.replace(from_config_dict(fields), fused_norms=fused, fused_mlp=fused)
     cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
     assert probe.total - cos_sin == layer_saved(arch, tokens, c)
     assert remat_kept(arch, tokens, c) < layer_saved(arch, tokens, c) / 3

@@ -30,9 +30,10 @@ def _rows():
                 if word == "--set" and not command[i + 1].startswith("data.source=")]  # run's
         for row in result["rows"]:
             if row.get("status") == "ok":
-                # rows that do not say ran before norms were fused: transformers' norms
-                norms = [] if "fused_norms" in row else ["model.fused_norms=false"]
-                yield pytest.param(recipe, norms + base, row,
+                # rows that do not say ran before norms or MLPs were fused: transformers'
+                eager = [f"model.{key}=false" for key in ("fused_norms", "fused_mlp")
+                         if key not in row]
+                yield pytest.param(recipe, eager + base, row,
                                    id=f"{path.stem}-{row['seq_len']}-{row['variant'] or 'recipe'}")
 
 
@@ -41,6 +42,7 @@ def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
     cfg = load_recipe(recipe, [*base, *shlex.split(row["variant"] or "")], seq_len=row["seq_len"])
     assert cfg.train.checkpointing == row["policy"] and cfg.parallel.schedule == row["schedule"]
     assert cfg.model.fused_norms == row.get("fused_norms", cfg.model.fused_norms)
+    assert cfg.model.fused_mlp == row.get("fused_mlp", cfg.model.fused_mlp)
     est = estimate_recipe(cfg, seq_len=row["seq_len"], gpus=row["gpus"], gpu_memory=139 * GIB)
     model = est.details["peak_allocated"] / GIB
     if cfg.data.document_mask and row["peak_gib"] < model:

@@ -69,6 +69,11 @@ class ModelConfig:
     """On GPUs, apply the rotary position embedding of Llama, Mistral and Qwen models to q and k
     in one Triton kernel each way (`lctrain.model.rope`) instead of transformers' eager
     operations: the same formula, rounded once. false: transformers' own function."""
+    fused_mlp: bool = True
+    """On GPUs, compute the SiLU product of the gated MLP of Llama, Mistral and Qwen models in
+    one Triton kernel each way (`lctrain.model.swiglu`) instead of transformers' eager
+    operations: the same formula, rounded once, and one (tokens x intermediate) tensor less
+    kept for the backward. false: transformers' own forward."""
 
     def __post_init__(self) -> None:
         check_fields(self, "model")

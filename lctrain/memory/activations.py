@@ -13,6 +13,7 @@ What one transformers Llama-style decoder layer saves for its backward (no check
     q, k, v after RoPE   c·T·(Hq + 2·Hkv)·d (RoPE's muls save only cos / sin, shared)
     attention out, lse   c·T·Hq·d (also o_proj's input) + 4·T·Hq
     gated MLP            gate, SiLU(gate), up, SiLU(gate)·up: 4·c·T·I
+                         fused (`Architecture.fused_mlp`, on GPUs): no SiLU(gate)  -> 3·c·T·I
 
 Policies (see lctrain.parallel.checkpointing):
 
@@ -31,7 +32,7 @@ Tiled layers (``tile_tokens`` < T, `lctrain.parallel.tiling`): the final norm ke
 input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input
 x, h1 = x + attention and the second norm's output, 3·c·T·h —
 plus the first norm's output (kept by q, k, v), and their backward needs one tile's worth of
-the MLP (7·c·n·I for n tile tokens) and float32 sums of the MLP's weight gradients. Beside the
+the MLP (7·c·n·I for n tile tokens, 6·c·n·I fused) and float32 sums of the MLP's weight gradients. Beside the
 recomputed layer, the MLP half of the backward holds two (T × h) gradients (of the layer output
 and of the MLP input) and the attention half the residual stream's gradient and the attention
 output's (allocator traces of `lctrain bench step --memory-trace` show exactly these).
@@ -74,7 +75,7 @@ def layer_saved(arch: Architecture, tokens: int, c: int,
     norms = 2 * norm_saved(arch, tokens, c)
     qkv = c * t * (arch.q_width + 2 * arch.kv_width)
     attn_out = c * t * arch.q_width + 4 * t * arch.num_heads
-    mlp = 4 * c * t * arch.intermediate_size
+    mlp = (3 if arch.fused_mlp else 4) * c * t * arch.intermediate_size  # gate, up, (SiLU,) product
     return norms + qkv + attn_out + mlp
 
 
@@ -210,7 +211,8 @@ def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_g
         recomputed = saved - x - (0 if policy.startswith("full") else out_lse)
     mlp_weights = (lora_model.layer_trainable(arch, lora) if lora is not None
                    else 3 * h * arch.intermediate_size)
-    mlp_tile = 7 * c * n * arch.intermediate_size + c * n * h + (4 + c) * mlp_weights
+    mlp_tile = (6 if arch.fused_mlp else 7) * c * n * arch.intermediate_size + c * n * h + (
+        (4 + c) * mlp_weights)
     mlp_phase = recomputed + 2 * c * t * h + mlp_tile  # d(layer output), d(MLP input)
     qkv = c * t * (arch.q_width + 2 * arch.kv_width)
     attn_recomputed = 0 if policy == "none" else c * t * h + qkv + (

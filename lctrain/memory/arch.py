@@ -27,12 +27,16 @@ _UNTIED_BY_DEFAULT = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "olmo", "
 """model_types whose transformers config defaults to an untied output head; any other type
 follows transformers' generic default (tied) when ``tie_word_embeddings`` is absent."""
 
+_SILU_NAMES = {"silu", "swish"}
+"""``hidden_act`` values transformers maps to a SiLU."""
+
 _QKV_BIAS = {"qwen2"}
 """model_types whose q/k/v projections always carry a bias (no config flag for it)."""
 
-FUSED_NORM_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""model_types whose RMSNorm training on a GPU runs fused (`lctrain.model.rms_norm`, recipe
-``model.fused_norms``)."""
+FUSED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""model_types whose RMSNorm (`lctrain.model.rms_norm`, recipe ``model.fused_norms``) and, with
+a SiLU activation, gated MLP (`lctrain.model.swiglu`, ``model.fused_mlp``) run fused when
+training on a GPU."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +58,8 @@ class Architecture:
         mlp_bias: the MLP projections have biases.
         fused_norms: the RMSNorms run fused (`lctrain.model.rms_norm`): each keeps its input
             and one float32 scale per token for the backward, not a float32 copy of its input.
+        fused_mlp: the MLP's SiLU product runs fused (`lctrain.model.swiglu`): it keeps the gate
+            and up projections for the backward, not the SiLU's output as well.
     """
 
     name: str
@@ -69,6 +75,7 @@ class Architecture:
     o_bias: bool = False
     mlp_bias: bool = False
     fused_norms: bool = False
+    fused_mlp: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -134,7 +141,8 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tied_embeddings=bool(tied),
         qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=model_type in FUSED_NORM_TYPES)
+        mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=model_type in FUSED_TYPES,
+        fused_mlp=model_type in FUSED_TYPES and cfg.get("hidden_act", "silu") in _SILU_NAMES)
 
 
 def load_architecture(model: str) -> Architecture:

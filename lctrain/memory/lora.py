@@ -11,6 +11,7 @@ Activations change too, because autograd keeps a tensor only for the gradients i
 
 - a frozen RMSNorm weight needs no normalised value (c·T·h less per norm; a fused norm keeps
   none either way, and its input instead of a float32 copy);
+- a fused MLP (`Architecture.fused_mlp`) keeps no SiLU(gate), as in full fine-tuning;
 - an input feeding only frozen projections is not kept: the first norm's output (q, k, v), the
   second's (gate, up), the down projection's input (c·T·I);
 - an adapter keeps its r-wide middle A·x (c·T·r), and its input x (shared with the projection);
@@ -121,7 +122,7 @@ def layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
     attention = c * t * (arch.q_width + 2 * arch.kv_width) + c * t * arch.q_width
     attention += 4 * t * arch.num_heads
     inter = arch.intermediate_size
-    mlp = 3 * c * t * inter + c * t * inter * kept(("down_proj",))
+    mlp = (2 if arch.fused_mlp else 3) * c * t * inter + c * t * inter * kept(("down_proj",))
     adapters = sum(c * t * lora.rank for _ in lora.targets)
     if lora.dropout:
         adapters += sum((c + mask_bytes) * t * shapes[n][0] for n in lora.targets)

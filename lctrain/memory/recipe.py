@@ -86,15 +86,16 @@ def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> A
     """The architecture to estimate: ``model`` (preset, config.json, folder) if given, else the
     recipe's model.path (a hub name is read through transformers; model.config overrides cannot
     change its shapes) or its random-init model.config; with the recipe's model.fused_norms
-    off, its norms are transformers' own.
+    or model.fused_mlp off, its norms or MLPs are transformers' own.
 
     Raises:
         UserError: nothing to read an architecture from (model.path still a placeholder), or an
             unreadable config.
     """
     arch = _model_architecture(cfg, model)
-    if cfg is not None and not cfg.model.fused_norms:
-        arch = dataclasses.replace(arch, fused_norms=False)
+    if cfg is not None:
+        arch = dataclasses.replace(arch, fused_norms=arch.fused_norms and cfg.model.fused_norms,
+                                   fused_mlp=arch.fused_mlp and cfg.model.fused_mlp)
     return arch
 
 

@@ -211,11 +211,14 @@ def build_model(setup: RunSetup, *,
     if accelerator.device.type == "cuda":  # Triton kernels, imported only where they run
         from lctrain.model.rms_norm import fuse_rms_norms
         from lctrain.model.rope import fuse_rope
+        from lctrain.model.swiglu import fuse_mlps
 
         if cfg.model.fused_norms:  # one kernel per norm and direction instead of eager ops
             fuse_rms_norms(model)
         if cfg.model.fused_rope:  # the same for RoPE (its modeling module's global)
             fuse_rope(model.config.model_type)
+        if cfg.model.fused_mlp:  # and for the MLP's SiLU product (its class, like the norms)
+            fuse_mlps(model)
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     flops = _flop_model(model)
