@@ -1,8 +1,11 @@
 """Kernel categories of `lctrain bench step --profile` (`lctrain.train.step_profile`), on kernel
 names an H200 training step ran, and the summary built from per-kernel times."""
-import pytest
+from types import SimpleNamespace
 
-from lctrain.train.step_profile import category, report, summarize
+import pytest
+import torch
+
+from lctrain.train.step_profile import category, own_times, report, summarize
 
 H200_KERNELS = [
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_"
@@ -40,3 +43,21 @@ def test_summary_sums_each_category_and_lists_the_largest_kernels_first():
     assert lines[0] == "step wall time: 100.0 ms"
     assert [l.split() for l in lines if l.startswith("  attention")] == [
         ["attention", "12.0", "ms", "12.0", "%", "of", "the", "wall", "time"]]
+
+
+def test_gpu_time_counts_kernels_once_and_not_the_ranges_around_them():
+    """On a GPU, key_averages also lists operators (CPU) and named ranges on the GPU's timeline
+    (the optimizer's step, which spans its kernels); only kernels count."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(key, device, us, annotation=False):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=us,
+                               self_cpu_time_total=us, count=2, is_user_annotation=annotation)
+
+    events = [event("_rms_norm_fwd", cuda, 3000), event("Optimizer.step#AdamW.step", cuda, 900000,
+                                                        annotation=True),
+              event("aten::add", cpu, 5000)]
+    prof = SimpleNamespace(key_averages=lambda: events)
+    assert own_times(prof, cuda=True) == {"_rms_norm_fwd": (3.0, 2)}
+    assert own_times(prof, cuda=False) == {"_rms_norm_fwd": (3.0, 2), "Optimizer.step#AdamW.step":
+                                           (900.0, 2), "aten::add": (5.0, 2)}

@@ -83,8 +83,10 @@ def own_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
     out: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for event in prof.key_averages():
         if cuda:
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue  # an operator: its kernels are listed on their own (no double count)
+            if (event.device_type != torch.autograd.DeviceType.CUDA
+                    or getattr(event, "is_user_annotation", False)):
+                continue  # an operator, or a named range on the GPU's timeline (the
+                # optimizer's step): its kernels are listed on their own (no double count)
             us = getattr(event, "self_device_time_total", 0)
         else:
             us = event.self_cpu_time_total
