@@ -113,3 +113,47 @@ def test_never_holds_more_than_one_chunk_of_logits():
     with LargestVocabTensor() as mode:
         chunked_cross_entropy(h, w, labels, chunk).backward()
     assert mode.rows == chunk  # (chunk, V) logits, never (100, V)
+
+
+def _float64(h, w, labels):
+    """The loss and both gradients in float64 math (from the inputs as given)."""
+    h64, w64 = (t.detach().double().requires_grad_() for t in (h, w))
+    loss = _plain(h64, w64, labels)
+    loss.backward()
+    return loss.detach(), h64.grad, w64.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, vocab", [((2, 23), 50), ((1, 9), 5000)])
+def test_kernel_matches_float64_math_at_least_as_well_as_torch_ops(dtype, shape, vocab):
+    """The Triton kernel (here in Triton's interpreter; 5000 columns take two passes of its
+    block) against float64 math, never further from it than the torch ops' path."""
+    check_kernel(dtype, shape, vocab, hidden=12, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_kernel_matches_float64_math_at_least_as_well_as_torch_ops(dtype):
+    check_kernel(dtype, (2, 700), 128256, hidden=256, device="cuda")
+
+
+def check_kernel(dtype, shape, vocab, hidden, device):
+    h, w, labels = _inputs(shape, vocab=vocab, hidden=hidden, dtype=dtype)
+    h, w, labels = (h.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_(),
+                    labels.to(device))
+    labels[0, 0] = -100
+    ref, ref_h, ref_w = _float64(h, w, labels)
+    results = {}
+    for kernel in (True, False):
+        loss, (gh, gw) = _value_and_grads(
+            lambda a, b, c: chunked_cross_entropy(a, b, c, 7, kernel=kernel), h, w, labels, 0.37)
+        assert loss.dtype == torch.float32 and gh.dtype == gw.dtype == dtype
+        assert torch.count_nonzero(gh[0, 0]) == 0  # an ignored token has no gradient
+        results[kernel] = (loss, gh, gw)
+
+    def err(a, b):
+        return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+    one_rounding = 1e-5 if dtype == torch.float32 else 8e-3
+    for got, want, exact in zip(results[True], results[False], (ref, 0.37 * ref_h, 0.37 * ref_w)):
+        assert err(got, exact) <= max(1.1 * err(want, exact), one_rounding)

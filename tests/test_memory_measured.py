@@ -30,8 +30,8 @@ def _rows():
                 if word == "--set" and not command[i + 1].startswith("data.source=")]  # run's
         for row in result["rows"]:
             if row.get("status") == "ok":
-                # rows that do not say ran before norms or MLPs were fused: transformers'
-                eager = [f"model.{key}=false" for key in ("fused_norms", "fused_mlp")
+                # rows that do not say ran before norms, MLPs or the loss were fused: unfused
+                eager = [f"model.{key}=false" for key in ("fused_norms", "fused_mlp", "fused_loss")
                          if key not in row]
                 yield pytest.param(recipe, eager + base, row,
                                    id=f"{path.stem}-{row['seq_len']}-{row['variant'] or 'recipe'}")
@@ -43,6 +43,7 @@ def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
     assert cfg.train.checkpointing == row["policy"] and cfg.parallel.schedule == row["schedule"]
     assert cfg.model.fused_norms == row.get("fused_norms", cfg.model.fused_norms)
     assert cfg.model.fused_mlp == row.get("fused_mlp", cfg.model.fused_mlp)
+    assert cfg.model.fused_loss == row.get("fused_loss", cfg.model.fused_loss)
     est = estimate_recipe(cfg, seq_len=row["seq_len"], gpus=row["gpus"], gpu_memory=139 * GIB)
     model = est.details["peak_allocated"] / GIB
     if cfg.data.document_mask and row["peak_gib"] < model:

@@ -308,7 +308,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     return {
         "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,
         "policy": cfg.train.checkpointing, "fused_norms": cfg.model.fused_norms and cuda,
-        "fused_mlp": cfg.model.fused_mlp and cuda,
+        "fused_mlp": cfg.model.fused_mlp and cuda, "fused_loss": cfg.model.fused_loss and cuda,
         "steps": len(timed),
         "tokens_per_s": _median(timed, "tokens_per_s"),
         "step_time_s": _median(timed, "step_time_s"),

@@ -74,6 +74,11 @@ class ModelConfig:
     one Triton kernel each way (`lctrain.model.swiglu`) instead of transformers' eager
     operations: the same formula, rounded once, and one (tokens x intermediate) tensor less
     kept for the backward. false: transformers' own forward."""
+    fused_loss: bool = True
+    """On GPUs, compute each chunk of the cross-entropy (`train.loss_chunk_tokens` tokens) and
+    its logits' gradient in one Triton kernel (`lctrain.train.loss_kernel`), with no float32
+    copy of the logits, and sum the head's gradient in float32 inside its matrix product.
+    false: torch operations on a float32 copy, as on a CPU."""
 
     def __post_init__(self) -> None:
         check_fields(self, "model")

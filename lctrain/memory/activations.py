@@ -265,11 +265,15 @@ def attention_workspace(arch: Architecture, tokens: int, c: int, cp: int,
 
 def loss_workspace(arch: Architecture, tokens: int, c: int, chunk_tokens: int,
                    head_grad: bool = True) -> int:
-    """Chunked cross-entropy (lctrain.train.loss): one chunk of logits in the compute dtype and in
-    fp32 plus its gradient in the compute dtype, the head-weight gradient as an fp32
-    accumulator and one chunk's contribution (not for a frozen head, ``head_grad`` False), and
-    the hidden-state gradient."""
+    """Chunked cross-entropy (lctrain.train.loss): one chunk of logits in the compute dtype, the
+    head-weight gradient as an fp32 accumulator (not for a frozen head, ``head_grad`` False),
+    and the hidden-state gradient. With its kernel (``arch.fused_loss``) the logits' gradient
+    is written over them and the product adds into the accumulator; without, the chunk also
+    has an fp32 copy and a gradient in the compute dtype, and the head's product one chunk's
+    contribution in the compute dtype."""
     chunk = min(chunk_tokens, tokens)
     vh = arch.vocab_size * arch.hidden_size
-    logits = chunk * arch.vocab_size * (c + 4 + c)
-    return logits + vh * (4 + c) * head_grad + c * tokens * arch.hidden_size
+    grad_h = c * tokens * arch.hidden_size
+    if arch.fused_loss:
+        return chunk * arch.vocab_size * c + vh * 4 * head_grad + grad_h
+    return chunk * arch.vocab_size * (c + 4 + c) + vh * (4 + c) * head_grad + grad_h

@@ -60,6 +60,8 @@ class Architecture:
             and one float32 scale per token for the backward, not a float32 copy of its input.
         fused_mlp: the MLP's SiLU product runs fused (`lctrain.model.swiglu`): it keeps the gate
             and up projections for the backward, not the SiLU's output as well.
+        fused_loss: the chunked loss runs its kernel (`lctrain.train.loss_kernel`): no float32
+            copy of a chunk's logits, and no head-gradient product in the compute dtype.
     """
 
     name: str
@@ -76,6 +78,7 @@ class Architecture:
     mlp_bias: bool = False
     fused_norms: bool = False
     fused_mlp: bool = False
+    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -142,7 +145,8 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tied_embeddings=bool(tied),
         qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=model_type in FUSED_TYPES,
-        fused_mlp=model_type in FUSED_TYPES and cfg.get("hidden_act", "silu") in _SILU_NAMES)
+        fused_mlp=model_type in FUSED_TYPES and cfg.get("hidden_act", "silu") in _SILU_NAMES,
+        fused_loss=True)
 
 
 def load_architecture(model: str) -> Architecture:

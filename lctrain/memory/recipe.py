@@ -85,8 +85,8 @@ def layer_policies_for(cfg: RecipeConfig, *, gpus: int, gpu_memory: int,
 def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:
     """The architecture to estimate: ``model`` (preset, config.json, folder) if given, else the
     recipe's model.path (a hub name is read through transformers; model.config overrides cannot
-    change its shapes) or its random-init model.config; with the recipe's model.fused_norms
-    or model.fused_mlp off, its norms or MLPs are transformers' own.
+    change its shapes) or its random-init model.config; with the recipe's model.fused_norms,
+    model.fused_mlp or model.fused_loss off, its norms, MLPs or loss run unfused.
 
     Raises:
         UserError: nothing to read an architecture from (model.path still a placeholder), or an
@@ -95,7 +95,8 @@ def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> A
     arch = _model_architecture(cfg, model)
     if cfg is not None:
         arch = dataclasses.replace(arch, fused_norms=arch.fused_norms and cfg.model.fused_norms,
-                                   fused_mlp=arch.fused_mlp and cfg.model.fused_mlp)
+                                   fused_mlp=arch.fused_mlp and cfg.model.fused_mlp,
+                                   fused_loss=arch.fused_loss and cfg.model.fused_loss)
     return arch
 
 

@@ -75,10 +75,11 @@ class CausalLMLoss(nn.Module):
     loss as for the decoder, and no logits tensor of the whole shard is ever built.
     """
 
-    def __init__(self, model: nn.Module, chunk_tokens: int) -> None:
+    def __init__(self, model: nn.Module, chunk_tokens: int, kernel: bool | None = None) -> None:
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
+        self.kernel = kernel  # `chunked_cross_entropy`'s: None = the Triton kernel on CUDA
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                 cp_context: CPContext | None = None) -> torch.Tensor:
@@ -94,7 +95,8 @@ class CausalLMLoss(nn.Module):
                                           ).last_hidden_state  # (B, S_local, H)
         weight = output_head(self.model).weight  # (V, H)
         dtype = _compute_dtype(hidden, weight)
-        return chunked_cross_entropy(hidden.to(dtype), weight.to(dtype), labels, self.chunk_tokens)
+        return chunked_cross_entropy(hidden.to(dtype), weight.to(dtype), labels, self.chunk_tokens,
+                                     kernel=self.kernel)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

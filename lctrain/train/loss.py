@@ -11,7 +11,14 @@ fp32 is 128 GiB. `chunked_cross_entropy` never holds more than ``chunk_tokens`` 
   (``dz.T @ h``, accumulated over chunks in fp32);
 - the backward only multiplies those stored gradients by the incoming scalar ``grad_output``.
 
-So the working set is one chunk of logits, ``chunk_tokens × vocab × (4 + itemsize)`` bytes, plus
+On GPUs the chunk's loss and ``dloss/dz`` come from one Triton kernel
+(`lctrain.train.loss_kernel`) that reads the logits in their own dtype and writes the gradient
+over them, with no float32 copy, and the head weight's gradient is accumulated by the matrix
+product itself in float32 (``addmm`` with a float32 output). The torch ops above are the CPU's
+path and the reference the kernel is tested against.
+
+So the working set is one chunk of logits, ``chunk_tokens × vocab × (4 + itemsize)`` bytes
+(on GPUs ``chunk_tokens × vocab × itemsize``), plus
 the gradients (``hidden``-sized, and an fp32 ``weight``-sized accumulator): see
 `lctrain.memory` for how this enters the per-GPU estimate. No host synchronisation happens: the
 chunk loop runs over host integers only and ignored labels are masked, not skipped.
@@ -27,7 +34,7 @@ IGNORE_INDEX = -100
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk_tokens: int) -> torch.Tensor:
+                          chunk_tokens: int, kernel: bool | None = None) -> torch.Tensor:
     """Summed token cross-entropy of ``hidden @ weight.T`` against ``labels``.
 
     Equal to ``F.cross_entropy((hidden @ weight.T).float().flatten(0, -2), labels.flatten(),
@@ -38,6 +45,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         weight: (V, H) output-head weight, same dtype as ``hidden``.
         labels: (...) int64 target ids, same leading shape as ``hidden``; -100 = ignore.
         chunk_tokens: how many tokens' logits to hold at once (> 0).
+        kernel: each chunk's loss and gradient through the Triton kernel (True; on a CPU it
+            needs ``TRITON_INTERPRET=1``) or torch ops (False); None: the kernel on CUDA.
 
     Returns:
         0-d float32 tensor: the SUM of the per-token losses over labels != -100 (0 if none);
@@ -47,7 +56,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         ValueError: shapes or dtypes that do not match, or ``chunk_tokens`` ≤ 0.
     """
     _check_inputs(hidden, weight, labels, chunk_tokens)
-    return _ChunkedCrossEntropy.apply(hidden, weight, labels, int(chunk_tokens))
+    if kernel is None:
+        kernel = hidden.is_cuda
+    return _ChunkedCrossEntropy.apply(hidden, weight, labels, int(chunk_tokens), kernel)
 
 
 def _check_inputs(hidden, weight, labels, chunk_tokens) -> None:
@@ -67,7 +78,7 @@ def _check_inputs(hidden, weight, labels, chunk_tokens) -> None:
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, chunk_tokens, kernel):
         h2 = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
         y = labels.reshape(-1).long()  # (N,)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -75,10 +86,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                   if need_w else None)  # (V, H) fp32 accumulator
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        chunk = _kernel_chunk if kernel else _chunk
         for start in range(0, h2.shape[0], chunk_tokens):
             stop = min(start + chunk_tokens, h2.shape[0])
-            loss += _chunk(h2[start:stop], weight, y[start:stop],
-                           None if grad_h is None else grad_h[start:stop], grad_w)
+            loss += chunk(h2[start:stop], weight, y[start:stop],
+                          None if grad_h is None else grad_h[start:stop], grad_w)
         ctx.hidden_shape = hidden.shape
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
@@ -95,7 +107,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_h = (grad_h * grad_output.to(grad_h.dtype)).view(ctx.hidden_shape)
         if grad_w is not None:
             grad_w = (grad_w * grad_output).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None
 
 
 def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
@@ -118,4 +130,28 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
         torch.matmul(dz_low, weight, out=grad_h_out)  # (C, H)
     if grad_w_acc is not None:
         grad_w_acc += (dz_low.T @ h).float()  # (V, H)
+    return loss
+
+
+def _kernel_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
+                  grad_h_out: torch.Tensor | None, grad_w_acc: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """`_chunk` through `lctrain.train.loss_kernel`: the logits in their own dtype become the
+    gradient in place; the weight's gradient is summed into the float32 accumulator by the
+    product itself where the device has that (CUDA), else through the compute dtype as
+    `_chunk` does."""
+    from lctrain.train.loss_kernel import cross_entropy_rows_
+
+    logits = h @ weight.T  # (C, V), the inputs' dtype
+    need_grad = grad_h_out is not None or grad_w_acc is not None
+    loss = cross_entropy_rows_(logits, y, IGNORE_INDEX, write_grad=need_grad).sum()
+    if grad_h_out is not None:
+        torch.matmul(logits, weight, out=grad_h_out)  # (C, H)
+    if grad_w_acc is not None:
+        if h.dtype == torch.float32:
+            grad_w_acc.addmm_(logits.T, h)
+        elif grad_w_acc.is_cuda:  # (V, H) += dz.T @ h, accumulated and written in float32
+            torch.addmm(grad_w_acc, logits.T, h, out_dtype=torch.float32, out=grad_w_acc)
+        else:
+            grad_w_acc += (logits.T @ h).float()
     return loss

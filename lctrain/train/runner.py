@@ -192,14 +192,15 @@ def _with_steps(setup: RunSetup, rows: int) -> RecipeConfig:
 
 
 def build_model(setup: RunSetup, *,
-                root: Callable[[nn.Module, int], nn.Module] = CausalLMLoss) -> ModelParts:
+                root: Callable[[nn.Module, int], nn.Module] | None = None) -> ModelParts:
     """Model with the schedule's attention, checkpointing policy, then FSDP2 or replication.
 
     Args:
         setup: the rank's run.
         root: what wraps the causal LM as the module the loop calls, given the model and
-            ``train.loss_chunk_tokens``: `CausalLMLoss` (the summed loss) for training,
-            `lctrain.eval.model.EvalModel` for an evaluation.
+            ``train.loss_chunk_tokens``: `lctrain.eval.model.EvalModel` for an evaluation;
+            None: `CausalLMLoss` (the summed loss, through the loss kernel on GPUs unless
+            ``model.fused_loss`` is off) for training.
     """
     cfg, accelerator = setup.cfg, setup.accelerator
     model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
@@ -227,7 +228,11 @@ def build_model(setup: RunSetup, *,
     runs = _layer_policies(setup) if cfg.train.checkpointing == "auto" else None
     apply_checkpointing(model, cfg.train.checkpointing,  # before FSDP2 wraps the layers
                         layer_policies=per_layer(runs) if runs else None)
-    module = root(model, cfg.train.loss_chunk_tokens)
+    if root is None:
+        module = CausalLMLoss(model, cfg.train.loss_chunk_tokens,
+                              kernel=cfg.model.fused_loss and accelerator.device.type == "cuda")
+    else:
+        module = root(model, cfg.train.loss_chunk_tokens)
     bf16 = accelerator.mixed_precision == "bf16"
     distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
                              strategy=_strategy(setup), param_dtype=torch.bfloat16 if bf16 else None,
