@@ -6,6 +6,7 @@ import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from fused_model import check_fused_model_trains_alike
 from lctrain.model.rms_norm import FUSED_CLASSES, fuse_rms_norms, rms_norm
 
 
@@ -74,28 +75,9 @@ def check_against_transformers(dtype, wdtype, shape, device):
 
 
 def test_fused_norms_keep_the_model_and_its_loss_and_gradients():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    plain = LlamaForCausalLM(config)
-    fused = LlamaForCausalLM(config)
-    fused.load_state_dict(plain.state_dict())
-    params = {name: p for name, p in fused.named_parameters()}
-    assert fuse_rms_norms(fused) == 2 * 2 + 1
-    assert {name: p for name, p in fused.named_parameters()} == params  # same objects, names
+    fused = check_fused_model_trains_alike(fuse_rms_norms, switched=2 * 2 + 1)
     assert all(type(m).__name__ == "FusedLlamaRMSNorm" for name, m in fused.named_modules()
                if name.endswith("norm"))
-    ids = torch.randint(0, 96, (2, 24))
-    losses = []
-    for model in (plain, fused):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss)
-    assert torch.allclose(losses[0], losses[1], rtol=1e-6, atol=0)
-    grads = dict(plain.named_parameters())
-    for name, p in fused.named_parameters():
-        assert torch.allclose(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6), name
 
 
 def test_only_norms_with_llamas_arithmetic_are_switched():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
+from fused_model import check_fused_model_trains_alike, tiny_llama
 from lctrain.model.swiglu import FUSED_CLASSES, fuse_mlps, swiglu
 
 
@@ -57,39 +58,14 @@ def test_inputs_of_different_shapes_or_dtypes_are_refused():
         swiglu(a, a.to(torch.bfloat16))
 
 
-def _tiny_llama(**kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         **kw)
-    return LlamaForCausalLM(config)
-
-
 def test_fused_mlps_keep_the_model_and_its_loss_and_gradients():
-    plain = _tiny_llama()
-    fused = _tiny_llama()
-    fused.load_state_dict(plain.state_dict())
-    params = {name: p for name, p in fused.named_parameters()}
-    assert fuse_mlps(fused) == 2
-    assert fuse_mlps(fused) == 2  # idempotent
-    assert {name: p for name, p in fused.named_parameters()} == params  # same objects, names
+    fused = check_fused_model_trains_alike(fuse_mlps, switched=2)
     assert all(type(layer.mlp).__name__ == "FusedLlamaMLP" for layer in fused.model.layers)
-    ids = torch.randint(0, 96, (2, 24))
-    losses = []
-    for model in (plain, fused):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss)
-    assert torch.allclose(losses[0], losses[1], rtol=1e-6, atol=0)
-    grads = dict(plain.named_parameters())
-    for name, p in fused.named_parameters():
-        assert torch.allclose(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6), name
 
 
 def test_only_silu_mlps_are_switched():
-    gelu = _tiny_llama(hidden_act="gelu")
+    gelu = tiny_llama(hidden_act="gelu")
     assert fuse_mlps(gelu) == 0 and type(gelu.model.layers[0].mlp).__name__ == "LlamaMLP"
     assert "LlamaMLP" in FUSED_CLASSES
-    swish = _tiny_llama(hidden_act="swish")  # torch's nn.SiLU
+    swish = tiny_llama(hidden_act="swish")  # torch's nn.SiLU
     assert fuse_mlps(swish) == 2

@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from lctrain.model.class_switch import switch_classes
+
 FUSED_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 """transformers' RMSNorm classes that compute ``weight * (x * rsqrt(mean(x²) + eps)).to(dtype)``
 in float32 (Gemma's, which scales by ``1 + weight``, is not one of them)."""
@@ -140,22 +142,7 @@ class _FusedForward:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
 def fuse_rms_norms(model: nn.Module) -> int:
     """Switch every norm module of ``model`` whose class is in :data:`FUSED_CLASSES` to the
     fused forward, in place; returns how many norms of ``model`` have it."""
-    count = 0
-    for module in model.modules():
-        cls = type(module)
-        if issubclass(cls, _FusedForward):  # switched before
-            count += 1
-            continue
-        if cls.__name__ not in FUSED_CLASSES:
-            continue
-        if cls not in _SUBCLASSES:
-            _SUBCLASSES[cls] = type(f"Fused{cls.__name__}", (_FusedForward, cls), {})
-        module.__class__ = _SUBCLASSES[cls]
-        count += 1
-    return count
+    return switch_classes(model, _FusedForward, lambda m: type(m).__name__ in FUSED_CLASSES)

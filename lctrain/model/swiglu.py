@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from lctrain.model.class_switch import switch_classes
 from lctrain.model.rms_norm import _KINDS, _round
 
 FUSED_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
@@ -99,9 +100,6 @@ class _FusedForward:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
 def fusable(module: nn.Module) -> bool:
     """Whether ``module`` is one of :data:`FUSED_CLASSES` with a SiLU activation."""
     return (type(module).__name__ in FUSED_CLASSES
@@ -111,16 +109,4 @@ def fusable(module: nn.Module) -> bool:
 def fuse_mlps(model: nn.Module) -> int:
     """Switch every MLP module of ``model`` that :func:`fusable` accepts to the fused forward, in
     place; returns how many MLPs of ``model`` have it."""
-    count = 0
-    for module in model.modules():
-        cls = type(module)
-        if issubclass(cls, _FusedForward):  # switched before
-            count += 1
-            continue
-        if not fusable(module):
-            continue
-        if cls not in _SUBCLASSES:
-            _SUBCLASSES[cls] = type(f"Fused{cls.__name__}", (_FusedForward, cls), {})
-        module.__class__ = _SUBCLASSES[cls]
-        count += 1
-    return count
+    return switch_classes(model, _FusedForward, fusable)
