@@ -7,9 +7,10 @@ import torch
 def tiny_llama(**config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80,
-                                        num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, max_position_embeddings=64, **config))
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         **config)
+    return LlamaForCausalLM(config)
 
 
 def check_fused_model_trains_alike(fuse, switched: int):

@@ -93,7 +93,8 @@ def test_other_calls_and_model_types_keep_transformers_rope(monkeypatch):
     q, k, cos, sin = _inputs(torch.float32, "cpu")
     assert not supports(q, k, cos, sin, unsqueeze_dim=2)
     assert not supports(q, k, cos.to(torch.bfloat16), sin.to(torch.bfloat16))
-    assert not supports(q[..., :12], k[..., :12], cos[..., :12], sin[..., :12])  # 6 not a power of 2
+    half_not_power_of_2 = (q[..., :12], k[..., :12], cos[..., :12], sin[..., :12])
+    assert not supports(*half_not_power_of_2)
     fuse_rope("llama")
     bshd = q.transpose(1, 2), k.transpose(1, 2)  # heads after tokens: unsqueeze_dim=2
     got = module.apply_rotary_pos_emb(*bshd, cos, sin, unsqueeze_dim=2)

@@ -32,8 +32,8 @@ Tiled layers (``tile_tokens`` < T, `lctrain.parallel.tiling`): the final norm ke
 input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input
 x, h1 = x + attention and the second norm's output, 3·c·T·h —
 plus the first norm's output (kept by q, k, v), and their backward needs one tile's worth of
-the MLP (7·c·n·I for n tile tokens, 6·c·n·I fused) and float32 sums of the MLP's weight gradients. Beside the
-recomputed layer, the MLP half of the backward holds two (T × h) gradients (of the layer output
+the MLP (7·c·n·I for n tile tokens, 6·c·n·I fused) and float32 sums of the MLP's weight
+gradients. Beside the recomputed layer, the MLP half of the backward holds two (T × h) gradients (of the layer output
 and of the MLP input) and the attention half the residual stream's gradient and the attention
 output's (allocator traces of `lctrain bench step --memory-trace` show exactly these).
 

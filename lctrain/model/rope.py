@@ -132,7 +132,8 @@ def supports(q, k, cos, sin, unsqueeze_dim: int = 1) -> bool:
             and sin.shape == cos.shape and q.dtype in _KINDS and k.dtype == q.dtype
             and cos.dtype == q.dtype and sin.dtype == q.dtype
             and q.shape[-1] == k.shape[-1] == cos.shape[-1] and q.shape[-1] % 2 == 0
-            and q.shape[0] == k.shape[0] == cos.shape[0] and q.shape[2] == k.shape[2] == cos.shape[1]
+            and q.shape[0] == k.shape[0] == cos.shape[0]
+            and q.shape[2] == k.shape[2] == cos.shape[1]
             and triton.next_power_of_2(q.shape[-1] // 2) == q.shape[-1] // 2)
 
 

@@ -113,7 +113,8 @@ def report(summary: dict) -> str:
     lines = [f"step wall time: {wall:,.1f} ms", "", "device time by category:"]
     for cat, ms in summary["categories_ms"].items():
         lines.append(f"  {cat:<14}{ms:>12,.1f} ms  {100 * ms / wall:5.1f} % of the wall time")
-    lines += ["", f"the {len(summary['top'])} kernels (on a CPU: operators) that took the most time:"]
+    lines += ["", f"the {len(summary['top'])} kernels (on a CPU: operators) that took the most "
+              "time:"]
     for k in summary["top"]:
         lines.append(f"  {k['ms']:>10,.1f} ms  {k['count']:>6}x  {k['category']:<13} "
                      f"{k['name'][:140]}")
