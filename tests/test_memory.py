@@ -175,3 +175,29 @@ def test_table_renders():
     text = render(estimate_table(est.to_json()), "table", terminal=True, width=80)
     assert "activations" in text and "fits" in text and "6.74 B" in text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+@pytest.mark.parametrize("seq_len, tile", [(65536, 0), (131072, 8192)])
+def test_unchecked_layers_on_top_cost_their_kept_tensors_not_a_remat_layers_backward(seq_len,
+                                                                                     tile):
+    """Remat layers below unchecked ones: the same estimate as uniform remat with none of them
+    and as no checkpointing with all of them; each more one raises the peak, by at most what it
+    keeps beyond remat — less (the first one nothing) while the peak is a remat layer's
+    recompute, whose backward starts after the unchecked layers above have freed their
+    tensors."""
+    from lctrain.memory.activations import layer_saved, remat_kept
+    from lctrain.memory.tiers import with_unchecked
+
+    arch = load_architecture("llama-7b")
+    layers, c = arch.num_layers, 2
+
+    def peak(policy, runs=None):
+        return estimate(arch, seq_len, 1, 1, policy, layer_policies=runs,
+                        tile_tokens=tile).details["peak_allocated"]
+
+    peaks = [peak("auto", with_unchecked(layers, n)) for n in range(layers + 1)]
+    assert peaks[0] == peak("remat") and peaks[-1] == peak("none")
+    extra = layer_saved(arch, seq_len, c, tile_tokens=tile) - remat_kept(arch, seq_len, c)
+    steps = [b - a for a, b in zip(peaks, peaks[1:])]
+    assert all(0 <= step <= extra for step in steps) and steps[-1] == extra
+    assert steps[0] < extra  # the first one fits in what a remat layer's recompute needed

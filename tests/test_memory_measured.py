@@ -2,7 +2,8 @@
 docs/performance/: the model's ``peak_allocated`` for the recipe as run is within 10 % of
 ``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``), and its ``host_offload`` within
 10 % of the pinned host memory the run held (``host_gib``: the offloaders' pinned pools and
-host-resident state, counted by `lctrain.parallel.offload.host_memory_bytes`).
+host-resident state, counted by `lctrain.parallel.offload.host_memory_bytes`). An ``auto`` row
+is estimated with the layer policies it ran (``layer_policies``), placed for its GPU.
 
 With the document mask on, the model budgets the attention of a row that is one document (the
 rows of a run differ, and a later row must fit too); rows of shorter documents leave blocks
@@ -39,7 +40,9 @@ def _rows():
 
 @pytest.mark.parametrize("recipe, base, row", list(_rows()))
 def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
-    cfg = load_recipe(recipe, [*base, *shlex.split(row["variant"] or "")], seq_len=row["seq_len"])
+    placed = [f"train.layer_policies={row['layer_policies']}"] if row.get("layer_policies") else []
+    cfg = load_recipe(recipe, [*base, *shlex.split(row["variant"] or ""), *placed],
+                      seq_len=row["seq_len"])
     assert cfg.train.checkpointing == row["policy"] and cfg.parallel.schedule == row["schedule"]
     assert cfg.model.fused_norms == row.get("fused_norms", cfg.model.fused_norms)
     assert cfg.model.fused_mlp == row.get("fused_mlp", cfg.model.fused_mlp)

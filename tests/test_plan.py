@@ -15,8 +15,8 @@ from lctrain.config import load_recipe
 from lctrain.config.tiers import per_layer
 from lctrain.memory import estimate, estimate_recipe, load_architecture
 from lctrain.memory.activations import input_kept, remat_kept
-from lctrain.memory.estimate import Setup
-from lctrain.memory.plan import Machine, fastest, longest
+from lctrain.memory.estimate import Setup, breakdown
+from lctrain.memory.plan import Machine, fastest, longest, step_seconds
 from lctrain.memory.recipe import plan_recipe
 from lctrain.memory.tiers import place
 
@@ -95,13 +95,20 @@ def test_with_room_to_spare_nothing_is_traded_for_memory():
 
 def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
     """A 7B model (bf16 weights and states) on one 139 GiB GPU: short sequences keep every
-    activation; then remat keeps the attention outputs on the GPU; then some layers wait in
-    host memory (copies overlap compute); without host memory, attention is recomputed."""
+    activation; then remat keeps the attention outputs on the GPU, and the room left goes to
+    layers that are not checkpointed (one more would not fit); then some layers wait in host
+    memory (copies overlap compute); without host memory, attention is recomputed."""
     machine = Machine(1, 139 * GIB, 251 * GIB, 1)
     base = _base(gpus=1, master_dtype="bfloat16")
     short = fastest(base, machine, 16 * 1024, _chunks).setup
     assert (short.policy, short.tile_tokens, short.head_groups) == ("none", 0, 1)
-    assert fastest(base, machine, 64 * 1024, _chunks).setup.runs == (("remat", 32),)
+    mixed = fastest(base, machine, 64 * 1024, _chunks)
+    (remat, n_remat), (none, n_none) = mixed.setup.runs
+    assert (remat, none) == ("remat", "none") and n_none > 0 and n_remat > 0
+    one_more = dataclasses.replace(mixed.setup, runs=(("remat", n_remat - 1), ("none", n_none + 1)))
+    assert breakdown(one_more, 64 * 1024)[0]["total"] > machine.gpu_memory
+    all_remat = dataclasses.replace(mixed.setup, runs=(("remat", 32),))
+    assert step_seconds(all_remat, 64 * 1024, mixed.details) > mixed.step_s
     hosted = fastest(base, machine, 192 * 1024, _chunks)
     assert {name for name, _ in hosted.setup.runs} == {"remat", "remat-offload"}
     assert hosted.setup.state_offload == "none"

@@ -62,7 +62,7 @@ def test_long_context_settings_train_like_the_plain_run(tmp_path, capfd):
     assert "checkpointing auto: full-offload=1,remat=1 (from train.layer_policies)" in out
     assert "memory: tile_tokens 24, head_groups 2, state_offload optimizer" in out
     assert "settings from lctrain estimate-memory --plan: a test plan" in out
-    assert "checkpointing auto: remat=2 (from the memory model)" in out
+    assert "checkpointing auto: none=2 (from the memory model)" in out  # room for all
 
 
 def test_host_adamw_is_adamw():

@@ -307,7 +307,8 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     cuda = torch.cuda.is_available()
     return {
         "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,
-        "policy": cfg.train.checkpointing, "fused_norms": cfg.model.fused_norms and cuda,
+        "policy": cfg.train.checkpointing, "layer_policies": runs,
+        "fused_norms": cfg.model.fused_norms and cuda,
         "fused_mlp": cfg.model.fused_mlp and cuda, "fused_loss": cfg.model.fused_loss and cuda,
         "steps": len(timed),
         "tokens_per_s": _median(timed, "tokens_per_s"),

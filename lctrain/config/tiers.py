@@ -5,6 +5,8 @@ needs is kept; ``train.layer_policies`` states it instead, as ``POLICY=COUNT`` r
 order, e.g. ``full-offload=4,remat-offload=16,remat=12`` for a 32-layer model. The policies of
 one layer (:data:`LAYER_POLICIES`), from the cheapest step to the one that saves most memory:
 
+- ``none``: the layer is not checkpointed: it keeps every activation its backward needs, and
+  nothing of it runs again (the memory model places these where the GPU has room to spare);
 - ``remat``: the layer input, attention output and lse stay on the GPU;
 - ``remat-offload``: the same tensors wait in pinned host memory;
 - ``full``: only the layer input is kept, on the GPU; the attention forward runs again;
@@ -21,10 +23,10 @@ from __future__ import annotations
 
 from lctrain.errors import ConfigError
 
-LAYER_POLICIES = ("remat", "remat-offload", "full", "full-offload", "full-paired")
+LAYER_POLICIES = ("none", "remat", "remat-offload", "full", "full-offload", "full-paired")
 """Checkpointing policies one layer of a mixed (``auto``) run can have."""
 
-LAYER_KINDS = ("remat", "remat-offload", "full", "full-offload", "chained")
+LAYER_KINDS = ("none", "remat", "remat-offload", "full", "full-offload", "chained")
 """What each layer runs once runs are expanded (`per_layer`): ``chained`` is the upper layer of a
 ``full-paired`` pair, whose input is rebuilt from the full layer below it."""
 

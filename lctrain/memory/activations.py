@@ -23,10 +23,10 @@ Policies (see lctrain.parallel.checkpointing):
   layer; the recomputed layer needs everything else of one layer;
 - remat-offload: the remat tensors live in host memory; on the GPU there are at most two layers'
   worth (the one in use and the one being prefetched / still being copied out);
-- auto: each layer has its own policy (`lctrain.config.tiers`): remat or full, its kept tensors
-  on the GPU or in host memory (`lctrain.memory.tiers` places them); the GPU holds, at the
-  worst layer of the backward, the kept tensors of the layers not yet reached plus two parked
-  layers' (`kept_during_backward`).
+- auto: each layer has its own policy (`lctrain.config.tiers`): none, or remat or full with
+  its kept tensors on the GPU or in host memory (`lctrain.memory.tiers` places them); the GPU
+  holds, at the worst layer of the backward, the kept tensors of the layers not yet reached
+  plus two parked layers' (`kept_during_backward`).
 
 Tiled layers (``tile_tokens`` < T, `lctrain.parallel.tiling`): the final norm keeps only its
 input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input
@@ -95,9 +95,13 @@ def input_kept(arch: Architecture, tokens: int, c: int) -> int:
     return c * tokens * arch.hidden_size
 
 
-def kept_bytes(arch: Architecture, tokens: int, c: int, layer_policy: str) -> int:
+def kept_bytes(arch: Architecture, tokens: int, c: int, layer_policy: str,
+               lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> int:
     """What one layer of ``layer_policy`` (a `lctrain.config.tiers.LAYER_KINDS` name) keeps:
-    nothing for a chained layer, whose input is rebuilt from the layer below."""
+    everything its backward needs for ``none`` (`layer_saved`), nothing for a chained layer,
+    whose input is rebuilt from the layer below."""
+    if layer_policy == "none":
+        return layer_saved(arch, tokens, c, lora, tile_tokens)
     if layer_policy.startswith("remat"):
         return remat_kept(arch, tokens, c)
     return 0 if layer_policy == "chained" else input_kept(arch, tokens, c)
@@ -107,9 +111,11 @@ def layer_policies(arch: Architecture, policy: str, runs=None) -> list[str]:
     """Every layer's policy: ``runs`` (the ``auto`` placement) or the uniform ``policy``."""
     if runs is not None:
         return per_layer(runs)
-    if policy not in POLICIES or policy == "none":
+    if policy == "none":
+        return ["none"] * arch.num_layers
+    if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} has no layer policies; choose one of "
-                         f"{', '.join(POLICIES[1:])} or give the layers' runs")
+                         f"{', '.join(POLICIES)} or give the layers' runs")
     return [policy] * arch.num_layers
 
 
@@ -119,26 +125,37 @@ def saved_activations(arch: Architecture, tokens: int, c: int, policy: str,
     """Bytes held on the GPU between the forward and the backward, all layers together
     (plus the final norm, whose output feeds the loss). ``runs``: the layers' policies of an
     ``auto`` run (`lctrain.config.tiers`)."""
-    layers = arch.num_layers
     final_norm = final_norm_saved(arch, tokens, c, lora, tile_tokens)
-    if policy == "none":
-        return layers * layer_saved(arch, tokens, c, lora, tile_tokens) + final_norm
     kinds = layer_policies(arch, policy, runs)
-    return kept_during_backward([kept_bytes(arch, tokens, c, k) for k in kinds],
-                                [k in OFFLOADED for k in kinds]) + final_norm
+    return max(kept_at_each_layer(arch, tokens, c, kinds, lora, tile_tokens)) + final_norm
+
+
+def kept_at_each_layer(arch: Architecture, tokens: int, c: int, kinds: list[str],
+                       lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> list[int]:
+    """Bytes of kept tensors on the GPU while each layer's backward runs (layers of ``kinds``,
+    in forward order; `kept_during_backward`)."""
+    kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens) for k in kinds]
+    return kept_during_layers(kept, [k in OFFLOADED for k in kinds])
+
+
+def kept_during_layers(kept: list[int], parked: list[bool]) -> list[int]:
+    """Bytes of kept tensors on the GPU while each layer's backward runs, the backward walking
+    the layers from the last to the first: every GPU-kept layer not yet reached (the current
+    one included), the parked layer in use (brought back) and the parked layer below the
+    current one, whose copies back are under way (`lctrain.parallel.offload`: a layer's
+    recompute starts the next one's). Layers in forward order."""
+    during, on_gpu, below = [], 0, 0
+    for nbytes, is_parked in zip(kept, parked):
+        on_gpu += 0 if is_parked else nbytes
+        during.append(on_gpu + (nbytes if is_parked else 0) + below)
+        below = nbytes if is_parked else below
+    return during
 
 
 def kept_during_backward(kept: list[int], parked: list[bool]) -> int:
-    """The most bytes of kept tensors on the GPU at any layer of the backward, which walks the
-    layers from the last to the first: every GPU-kept layer not yet reached, the parked layer
-    in use (brought back) and the parked layer below the current one, whose copies back are
-    under way (`lctrain.parallel.offload`: a layer's recompute starts the next one's)."""
-    most = on_gpu = below = 0  # walked bottom-up: the maximum does not depend on the order
-    for nbytes, is_parked in zip(kept, parked):
-        on_gpu += 0 if is_parked else nbytes
-        most = max(most, on_gpu + (nbytes if is_parked else 0) + below)
-        below = nbytes if is_parked else below
-    return most
+    """The most bytes of kept tensors on the GPU at any layer of the backward
+    (`kept_during_layers`)."""
+    return max(kept_during_layers(kept, parked), default=0)
 
 
 def final_norm_saved(arch: Architecture, tokens: int, c: int,

@@ -46,7 +46,7 @@ from lctrain.memory import activations as act
 from lctrain.memory.arch import Architecture
 from lctrain.memory.lora import LoraShape, layer_trainable, root_trainable, trainable_parameters
 from lctrain.memory.report import MemoryEstimate
-from lctrain.memory.tiers import Runs, place
+from lctrain.memory.tiers import Runs, place, with_unchecked
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FRAGMENTATION = 0.05
@@ -148,16 +148,17 @@ def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     gpu_optimizer = optimizer if offload == "none" else 0
     grads_now = grads_all if setup.grad_accum > 1 else 0
     runs = setup.runs
+    fixed = params + gpu_optimizer + grads_now
     if setup.policy == "auto" and runs is None:
-        runs = _placed(setup, tokens, c, params + gpu_optimizer + grads_now, host_state)
-    parts = _transients(setup, tokens, c, runs)
-    saved = act.saved_activations(arch, tokens, c, setup.policy, lora, setup.tile_tokens, runs)
-    activation_peak = params + gpu_optimizer + grads_now + saved + parts["transient"]
+        runs = _placed(setup, tokens, c, fixed, host_state)
+    parts = _activation_phase(setup, tokens, c, runs)
+    saved = parts["saved"]
+    activation_peak = fixed + parts["saved_now"] + parts["transient"]
     optimizer_peak = params + gpu_optimizer + grads_all + {  # + the update's temporaries
         "none": grads_all, "optimizer": STREAM_BYTES, "all": 0}[offload]
     if activation_peak >= optimizer_peak:
         phase, grads, other, peak = "activations", grads_now, parts["transient"], activation_peak
-        saved_now = saved
+        saved_now = parts["saved_now"]
     else:
         phase, grads, saved_now, peak = "optimizer", grads_all, 0, optimizer_peak
         other = peak - params - gpu_optimizer - grads_all
@@ -181,6 +182,35 @@ def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     return per_gpu, details
 
 
+def _activation_phase(setup: Setup, tokens: int, c: int, runs: Runs | None) -> dict[str, int]:
+    """The activation peak beyond the fixed parts, at the larger of two moments: the loss's
+    backward (every kept tensor and the final norm's, the loss's working set) and the layer
+    whose backward needs most beside the kept tensors still on the GPU then
+    (`lctrain.memory.activations.kept_at_each_layer`: the backward frees each layer's as it
+    passes, so an unchecked layer on top is gone before the remat layers below recompute).
+
+    Returns ``saved`` (kept tensors after the forward), ``saved_now`` and ``transient`` (kept
+    and transient bytes at the peak), and the parts of `_transients`.
+    """
+    arch, lora, tile = setup.arch, setup.lora, setup.tile_tokens
+    parts = _transients(setup, tokens, c, runs)
+    gathered, layer_grads, root = _fsdp_buffers(setup, c)
+    final_norm = act.final_norm_saved(arch, tokens, c, lora, tile)
+    kinds = act.layer_policies(arch, setup.policy, runs)
+    during = act.kept_at_each_layer(arch, tokens, c, kinds, lora, tile)
+    backward = {kind: act.layer_backward(arch, tokens, c, kind, setup.cp, lora, tile,
+                                         setup.head_groups) + layer_grads for kind in set(kinds)}
+    at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]])
+    saved = max(during) + final_norm
+    loss_moment = (saved, root + gathered + parts["loss"])
+    # the final norm's kept tensors (counted with the saved activations) are gone by the time
+    # the first layer's backward runs
+    layer_moment = (during[at] + final_norm,
+                    root + gathered + max(backward[kinds[at]] + root - final_norm, 0))
+    saved_now, transient = max(loss_moment, layer_moment, key=sum)
+    return {**parts, "saved": saved, "saved_now": saved_now, "transient": transient}
+
+
 def _transients(setup: Setup, tokens: int, c: int, runs: Runs | None) -> dict[str, int]:
     """The step's transients at the activation peak: the larger of the loss and one layer's
     backward (of the most demanding layer policy present), FSDP2's gathered units."""
@@ -202,19 +232,31 @@ def _transients(setup: Setup, tokens: int, c: int, runs: Runs | None) -> dict[st
 
 def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> Runs:
     """``auto``'s layer policies at this length (`lctrain.memory.tiers.place`): what the GPU's
-    peak leaves beside the fixed parts and the transients, then the host budget. A placement
+    peak leaves beside the fixed parts and the transients, then the host budget; when every
+    layer is remat on the GPU, the most layers left unchecked that the step's peak allows. A placement
     that recomputes attention makes the backward larger, so it is placed again with that."""
     arch = setup.arch
     final_norm = act.final_norm_saved(arch, tokens, c, setup.lora, setup.tile_tokens)
     host_room = (setup.host_budget or 0) - host_state
+    limit = peak_limit(setup.gpu_memory)
     runs = None
     for assumed in (("remat", 1),), (("remat", 1), ("full", 1)):
-        room = peak_limit(setup.gpu_memory) - fixed - final_norm - _transients(
-            setup, tokens, c, assumed)["transient"]
+        room = limit - fixed - final_norm - _transients(setup, tokens, c, assumed)["transient"]
         runs = place(arch, tokens, c, room, host_room)
         if runs is None or not any(name.startswith("full") for name, _ in runs):
             break
-    return runs or (("full-offload", arch.num_layers),)
+    if runs != (("remat", arch.num_layers),):
+        return runs or (("full-offload", arch.num_layers),)
+
+    def fits(count: int) -> bool:
+        parts = _activation_phase(setup, tokens, c, with_unchecked(arch.num_layers, count))
+        return fixed + parts["saved_now"] + parts["transient"] <= limit
+
+    low, high = 0, arch.num_layers  # the most unchecked layers that fit: low fits, high + 1 not
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return with_unchecked(arch.num_layers, low)
 
 
 def _fsdp_buffers(setup: Setup, c: int) -> tuple[int, int, int]:

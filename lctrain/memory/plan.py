@@ -2,12 +2,12 @@
 train, the settings that reach it, and the fastest settings that fit a given length.
 
 An *option* is one way to run a recipe on the machine: the context-parallel degree (dp = GPUs /
-cp), the checkpointing policy (``none``, or ``auto``: each layer remat or full, its kept tensors
-on the GPU or in pinned host memory, placed by `lctrain.memory.tiers`), tiled MLP and norms,
-attention head groups, and where the training state lives (``train.state_offload``). Every
-option is judged by the memory model (`lctrain.memory.estimate.breakdown`): the GPU total must
-fit the GPU, and all pinned bytes of a machine's processes its host memory
-(`lctrain.memory.estimate.HOST_USABLE` of it).
+cp), the checkpointing policy (``none``, or ``auto``: each layer not checkpointed, or remat or
+full with its kept tensors on the GPU or in pinned host memory, placed by
+`lctrain.memory.tiers`), tiled MLP and norms, attention head groups, and where the training
+state lives (``train.state_offload``). Every option is judged by the memory model
+(`lctrain.memory.estimate.breakdown`): the GPU total must fit the GPU, and all pinned bytes of a
+machine's processes its host memory (`lctrain.memory.estimate.HOST_USABLE` of it).
 
 Longest: for every cp and state placement, ``auto`` with tiles and the most head groups (each
 only lowers memory), searched for the longest length (rounded down to a whole K of tokens);
@@ -19,9 +19,9 @@ Cost (:func:`step_seconds`): a documented estimate of one step's time, used only
 
 - compute at :data:`GPU_FLOPS` (an H100/H200-class GPU at 45 % MFU): the model's 6·N FLOPs per
   token, attention (causal forward 2·S²·Hq·d per layer, backward 2.5×) per GPU (÷ cp), plus what
-  the options recompute: the forward of each checkpointed layer's projections and MLP, the
-  attention forward of each full layer, one more MLP forward per tiled layer, and one more
-  forward of the lower layer of each ``full-paired`` pair;
+  the options recompute: the forward of each checkpointed (not ``none``) layer's projections
+  and MLP, the attention forward of each full layer, one more MLP forward per tiled layer, and
+  one more forward of the lower layer of each ``full-paired`` pair;
 - pinned-memory copies (out and back) at :data:`PCIE_BYTES`, overlapped with compute: the step
   takes the longer of the two;
 - state in host memory, not overlapped: ``optimizer`` moves both AdamW states in and out per
@@ -31,8 +31,9 @@ Cost (:func:`step_seconds`): a documented estimate of one step's time, used only
   :data:`GROUP_OVERHEAD` for attention in head groups (any number of them: each group's inputs
   and results are copied once, whatever the count).
 
-So the ranking prefers, in effect: no offload > remat > remat in host memory > recomputing the
-attention; and a larger cp only where it saves memory that would otherwise cost time.
+So the ranking prefers, in effect: no checkpointing > remat > remat in host memory >
+recomputing the attention; and a larger cp only where it saves memory that would otherwise cost
+time.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 
 from lctrain.config.tiers import format_layer_policies, parse_layer_policies
 from lctrain.memory.estimate import Setup, breakdown, host_budget, max_seq_len
-from lctrain.memory.tiers import chained_layers, recomputed_layers
+from lctrain.memory.tiers import chained_layers, recomputed_layers, unchecked_layers
 
 GPU_FLOPS = 0.45 * 989e12
 """Assumed useful FLOP/s of one GPU (an H100/H200 at 45 % of its dense bf16 peak)."""
@@ -206,7 +207,7 @@ def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
     linear = 6 * (layers * arch.layer_parameters() + arch.vocab_size * h) * tokens
     attention_fwd = 2 * seq_len ** 2 * arch.q_width / setup.cp * setup.batch_size * setup.grad_accum
     runs = setup.runs or ()
-    checkpointed = 0 if setup.policy == "none" else layers
+    checkpointed = 0 if setup.policy == "none" else layers - unchecked_layers(runs)
     recompute = 2 * checkpointed * (projections + mlp) * tokens
     recompute += recomputed_layers(runs) * attention_fwd
     recompute += chained_layers(runs) * (attention_fwd + 2 * (projections + mlp) * tokens)

@@ -5,6 +5,11 @@ Per layer, the backward needs the layer input and — under remat — the attent
 of running the attention forward again. `place` gives every layer a policy of
 `lctrain.config.tiers.LAYER_POLICIES` by one rule, cheapest first:
 
+0. when every layer's remat tensors fit the GPU with room to spare, the room goes to layers
+   that are not checkpointed at all (``none``: they keep everything their backward needs, so
+   nothing of them runs again), as many as the step's peak allows (`with_unchecked`; the
+   memory model counts them, `lctrain.memory.estimate`); they come last in the forward, so the
+   backward frees what they keep before it recomputes the first remat layer;
 1. keep the attention output of as many layers as possible (each full layer costs one more
    attention forward, the most expensive thing at long context);
 2. for that many remat layers, fill the GPU first (largest kept tensors first), then pinned
@@ -89,6 +94,11 @@ def _full_on_gpu(on_gpu: int, remat: int, full: int, big: int, small: int, gpu_r
     return -1
 
 
+def with_unchecked(layers: int, count: int) -> Runs:
+    """Every layer remat on the GPU but the top ``count``, which are not checkpointed."""
+    return tuple((name, n) for name, n in (("remat", layers - count), ("none", count)) if n)
+
+
 def _runs(remat: int, remat_off: int, full: int, full_off: int) -> Runs:
     order = (("full-offload", full_off), ("remat-offload", remat_off), ("full", full),
              ("remat", remat))
@@ -98,6 +108,11 @@ def _runs(remat: int, remat_off: int, full: int, full_off: int) -> Runs:
 def chained_layers(runs: Runs) -> int:
     """Layers whose input is rebuilt by running the layer below once more (``full-paired``)."""
     return sum(n // 2 for name, n in runs if name == "full-paired")
+
+
+def unchecked_layers(runs: Runs) -> int:
+    """Layers that are not checkpointed: nothing of them runs again in the backward."""
+    return sum(n for name, n in runs if name == "none")
 
 
 def recomputed_layers(runs: Runs) -> int:

@@ -20,8 +20,9 @@ Policies (the recipe's ``train.checkpointing``):
 - ``remat-offload``: ``remat`` whose kept tensors (layer inputs, attention outputs) wait in
   pinned host memory, copied out and back on a side stream (`lctrain.parallel.offload`).
 - ``auto``: a policy per layer (``layer_policies``, one of `lctrain.config.tiers.LAYER_POLICIES`
-  each: remat, remat-offload, full, or ``full-offload`` — full whose layer input waits in pinned
-  host memory), as the memory model places them. Offloaded layers share one offloader; when the
+  each: none, remat, remat-offload, full, or ``full-offload`` — full whose layer input waits in
+  pinned host memory), as the memory model places them: layers the GPU has room for are not
+  checkpointed at all. Offloaded layers share one offloader; when the
   backward reaches a layer that keeps its tensors on the GPU, the copies of the last offloaded
   layer start coming back, so the first one the backward needs is not waited for.
   ``full-paired`` layers come in pairs of a full layer and a ``chained`` one above it, whose
@@ -103,7 +104,7 @@ def apply_checkpointing(model: nn.Module, policy: str, *, layer_policies: list[s
         offload_min_bytes: offloaded layers leave tensors smaller than this on the device.
 
     Returns:
-        The number of layers wrapped (0 for ``none``).
+        The number of layers wrapped (0 for ``none``; ``auto``'s ``none`` layers are not).
 
     Raises:
         UserError: an unknown policy, ``auto`` without one policy per layer, or no decoder
@@ -117,16 +118,18 @@ def apply_checkpointing(model: nn.Module, policy: str, *, layer_policies: list[s
     _hand_over_from_transformers(model, policy)
     offloader = Offloader(offload_min_bytes) if OFFLOADED.intersection(kinds) else None
     links = {i: PairLink() for i, kind in enumerate(kinds[1:]) if kind == "chained"}
+    wrapped = 0
     for i, ((container, index), kind) in enumerate(zip(layers, kinds)):
         layer = unwrap_layer(container[index])
         if kind == "none":
             container[index] = layer
             continue
+        wrapped += 1
         container[index] = _wrap(layer, kind, offloader, lower_of=links.get(i),
                                  upper_of=links.get(i - 1) if kind == "chained" else None)
         if i in links:
             links[i].lower = container[index]
-    return 0 if policy == "none" else len(layers)
+    return wrapped
 
 
 def _layer_kinds(policy: str, layer_policies: list[str] | None, count: int) -> list[str]:
