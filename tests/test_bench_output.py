@@ -193,6 +193,22 @@ def test_markdown_csv_and_json_carry_the_rows(kind):
     assert again.rows == result.rows and again.kind == kind and again.meta == result.meta
 
 
+def test_step_rows_name_the_layer_policies_an_auto_run_placed():
+    placed = f"remat={random.randrange(1, 30)},none={random.randrange(1, 30)}"
+    base = {"seq_len": 65536, "status": "ok", "step_time_s": 3.0, "gpus": 1, "cp": 1}
+    rows = [{**base, "variant": "train.checkpointing=auto", "policy": "auto",
+             "layer_policies": placed},
+            {**base, "variant": "train.checkpointing=remat", "policy": "remat",
+             "layer_policies": None},
+            {**base, "variant": f"train.layer_policies={placed}", "policy": "auto",
+             "layer_policies": placed}]
+    result = BenchResult(kind="step", title="step", rows=rows, meta={"machine": {}})
+    cells = [line.split(" | ")[1] for line in render(table(result), "markdown").splitlines()
+             if line.startswith("| ") and "---" not in line][1:]
+    assert cells == [f"checkpointing=auto ({placed})", "checkpointing=remat",
+                     f"layer_policies={placed}"]
+
+
 def test_compact_columns_are_the_documented_ones():
     assert [c.key for c in COLUMNS["attention"] if c.compact][:8] == [
         "variant", "seq_len", "fwd_tflops", "bwd_tflops", "total_tflops", "vs_single", "balance",

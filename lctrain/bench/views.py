@@ -164,10 +164,19 @@ def short_variant(text: str | None) -> str:
     return " ".join(items)
 
 
+def _label(row: dict) -> str | None:
+    label = short_variant(row.get("variant"))
+    placed = row.get("layer_policies")
+    if label and placed and "layer_policies=" not in label:
+        label += f" ({placed})"
+    return label or None
+
+
 def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column], list[dict]]:
-    """Variants shown by their last key parts (``checkpointing=remat cp=4``); without variants,
-    schedule and checkpointing become compact columns where the rows differ in them."""
-    rows = [{**row, "label": short_variant(row.get("variant")) or None} for row in result.rows]
+    """Variants shown by their last key parts (``checkpointing=remat cp=4``), with the layer
+    policies an ``auto`` run placed; without variants, schedule and checkpointing become
+    compact columns where the rows differ in them."""
+    rows = [{**row, "label": _label(row)} for row in result.rows]
     labelled = any(row["label"] for row in rows)
     out = []
     for column in columns:
