@@ -127,13 +127,14 @@ def saved_activations(arch: Architecture, tokens: int, c: int, policy: str,
     ``auto`` run (`lctrain.config.tiers`)."""
     final_norm = final_norm_saved(arch, tokens, c, lora, tile_tokens)
     kinds = layer_policies(arch, policy, runs)
-    return max(kept_at_each_layer(arch, tokens, c, kinds, lora, tile_tokens)) + final_norm
+    kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens) for k in kinds]
+    return kept_during_backward(kept, [k in OFFLOADED for k in kinds]) + final_norm
 
 
 def kept_at_each_layer(arch: Architecture, tokens: int, c: int, kinds: list[str],
                        lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> list[int]:
     """Bytes of kept tensors on the GPU while each layer's backward runs (layers of ``kinds``,
-    in forward order; `kept_during_backward`)."""
+    in forward order; `kept_during_layers`)."""
     kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens) for k in kinds]
     return kept_during_layers(kept, [k in OFFLOADED for k in kinds])
 

@@ -201,7 +201,7 @@ def _activation_phase(setup: Setup, tokens: int, c: int, runs: Runs | None) -> d
     backward = {kind: act.layer_backward(arch, tokens, c, kind, setup.cp, lora, tile,
                                          setup.head_groups) + layer_grads for kind in set(kinds)}
     at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]])
-    saved = max(during) + final_norm
+    saved = act.saved_activations(arch, tokens, c, setup.policy, lora, tile, runs)
     loss_moment = (saved, root + gathered + parts["loss"])
     # the final norm's kept tensors (counted with the saved activations) are gone by the time
     # the first layer's backward runs
@@ -233,8 +233,9 @@ def _transients(setup: Setup, tokens: int, c: int, runs: Runs | None) -> dict[st
 def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> Runs:
     """``auto``'s layer policies at this length (`lctrain.memory.tiers.place`): what the GPU's
     peak leaves beside the fixed parts and the transients, then the host budget; when every
-    layer is remat on the GPU, the most layers left unchecked that the step's peak allows. A placement
-    that recomputes attention makes the backward larger, so it is placed again with that."""
+    layer is remat on the GPU, the most layers left unchecked that the step's peak allows. A
+    placement that recomputes attention makes the backward larger, so it is placed again with
+    that."""
     arch = setup.arch
     final_norm = act.final_norm_saved(arch, tokens, c, setup.lora, setup.tile_tokens)
     host_room = (setup.host_budget or 0) - host_state

@@ -22,9 +22,9 @@ Policies (the recipe's ``train.checkpointing``):
 - ``auto``: a policy per layer (``layer_policies``, one of `lctrain.config.tiers.LAYER_POLICIES`
   each: none, remat, remat-offload, full, or ``full-offload`` — full whose layer input waits in
   pinned host memory), as the memory model places them: layers the GPU has room for are not
-  checkpointed at all. Offloaded layers share one offloader; when the
-  backward reaches a layer that keeps its tensors on the GPU, the copies of the last offloaded
-  layer start coming back, so the first one the backward needs is not waited for.
+  checkpointed at all. Offloaded layers share one offloader; when the backward reaches a
+  checkpointed layer that keeps its tensors on the GPU, the copies of the last offloaded layer
+  start coming back, so the first one the backward needs is not waited for.
   ``full-paired`` layers come in pairs of a full layer and a ``chained`` one above it, whose
   input is not kept but rebuilt from the full layer's in the backward (`lctrain.parallel.pairs`).
 
