@@ -45,12 +45,15 @@ def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype, fused
     assert remat_kept(arch, tokens, c) < layer_saved(arch, tokens, c) / 3
 
 
-def test_kept_during_backward_walks_the_layers_as_the_offloader_brings_them_back():
+def test_kept_during_layers_walks_the_layers_as_the_offloader_brings_them_back():
     """GPU-kept layers stay until the backward reaches them; a parked layer is on the GPU from
     the moment the layer above it is recomputed (its copies start) until its own backward."""
     import random
 
-    from lctrain.memory.activations import kept_during_backward
+    from lctrain.memory.activations import kept_during_layers
+
+    def kept_during_backward(kept, parked):  # the most at any layer
+        return max(kept_during_layers(kept, parked))
 
     g, p = 3, 5  # bytes a GPU-kept and a parked layer keep
     assert kept_during_backward([p] * 4, [True] * 4) == 2 * p  # in use + the next one
@@ -59,6 +62,10 @@ def test_kept_during_backward_walks_the_layers_as_the_offloader_brings_them_back
     assert kept_during_backward([p, p, g, g], [True, True, False, False]) == 2 * g + p
     # kept below, parked above: the parked pair on top of every kept layer
     assert kept_during_backward([g, g, p, p], [False, False, True, True]) == 2 * g + 2 * p
+    # layer by layer (forward order): what is still kept when each one's backward runs
+    assert kept_during_layers([p, p, g, g], [True, True, False, False]) == [p, 2 * p, g + p,
+                                                                          2 * g + p]
+    assert kept_during_layers([g, 4 * g, g], [False] * 3) == [g, 5 * g, 6 * g]
     rng = random.Random()
     for _ in range(200):
         n = rng.randrange(1, 9)

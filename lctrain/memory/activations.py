@@ -26,16 +26,17 @@ Policies (see lctrain.parallel.checkpointing):
 - auto: each layer has its own policy (`lctrain.config.tiers`): none, or remat or full with
   its kept tensors on the GPU or in host memory (`lctrain.memory.tiers` places them); the GPU
   holds, at the worst layer of the backward, the kept tensors of the layers not yet reached
-  plus two parked layers' (`kept_during_backward`).
+  plus two parked layers' (`kept_during_layers`).
 
 Tiled layers (``tile_tokens`` < T, `lctrain.parallel.tiling`): the final norm keeps only its
 input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input
 x, h1 = x + attention and the second norm's output, 3·c·T·h —
 plus the first norm's output (kept by q, k, v), and their backward needs one tile's worth of
 the MLP (7·c·n·I for n tile tokens, 6·c·n·I fused) and float32 sums of the MLP's weight
-gradients. Beside the recomputed layer, the MLP half of the backward holds two (T × h) gradients (of the layer output
-and of the MLP input) and the attention half the residual stream's gradient and the attention
-output's (allocator traces of `lctrain bench step --memory-trace` show exactly these).
+gradients. Beside the recomputed layer, the MLP half of the backward holds two (T × h)
+gradients (of the layer output and of the MLP input) and the attention half the residual
+stream's gradient and the attention output's (allocator traces of `lctrain bench step
+--memory-trace` show exactly these).
 
 Head groups (G, `lctrain_kernels` ``head_groups``): the attention's own buffers are those of
 Hq/G heads, plus copies of one group's inputs and results and, in the backward, full-size
@@ -119,22 +120,11 @@ def layer_policies(arch: Architecture, policy: str, runs=None) -> list[str]:
     return [policy] * arch.num_layers
 
 
-def saved_activations(arch: Architecture, tokens: int, c: int, policy: str,
-                      lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
-                      runs=None) -> int:
-    """Bytes held on the GPU between the forward and the backward, all layers together
-    (plus the final norm, whose output feeds the loss). ``runs``: the layers' policies of an
-    ``auto`` run (`lctrain.config.tiers`)."""
-    final_norm = final_norm_saved(arch, tokens, c, lora, tile_tokens)
-    kinds = layer_policies(arch, policy, runs)
-    kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens) for k in kinds]
-    return kept_during_backward(kept, [k in OFFLOADED for k in kinds]) + final_norm
-
-
 def kept_at_each_layer(arch: Architecture, tokens: int, c: int, kinds: list[str],
                        lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> list[int]:
     """Bytes of kept tensors on the GPU while each layer's backward runs (layers of ``kinds``,
-    in forward order; `kept_during_layers`)."""
+    in forward order; `kept_during_layers`); the largest, with the final norm's, is what is held
+    between the forward and the backward."""
     kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens) for k in kinds]
     return kept_during_layers(kept, [k in OFFLOADED for k in kinds])
 
@@ -151,12 +141,6 @@ def kept_during_layers(kept: list[int], parked: list[bool]) -> list[int]:
         during.append(on_gpu + (nbytes if is_parked else 0) + below)
         below = nbytes if is_parked else below
     return during
-
-
-def kept_during_backward(kept: list[int], parked: list[bool]) -> int:
-    """The most bytes of kept tensors on the GPU at any layer of the backward
-    (`kept_during_layers`)."""
-    return max(kept_during_layers(kept, parked), default=0)
 
 
 def final_norm_saved(arch: Architecture, tokens: int, c: int,

@@ -201,7 +201,7 @@ def _activation_phase(setup: Setup, tokens: int, c: int, runs: Runs | None) -> d
     backward = {kind: act.layer_backward(arch, tokens, c, kind, setup.cp, lora, tile,
                                          setup.head_groups) + layer_grads for kind in set(kinds)}
     at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]])
-    saved = act.saved_activations(arch, tokens, c, setup.policy, lora, tile, runs)
+    saved = max(during) + final_norm
     loss_moment = (saved, root + gathered + parts["loss"])
     # the final norm's kept tensors (counted with the saved activations) are gone by the time
     # the first layer's backward runs

@@ -21,7 +21,7 @@ of running the attention forward again. `place` gives every layer a policy of
    lower layer's forward once more in the backward.
 
 Placing, the GPU budgets two offloaded layers' tensors in flight (the one in use and the next
-one coming back); `lctrain.memory.activations.kept_during_backward` counts one where GPU-kept
+one coming back); `lctrain.memory.activations.kept_during_layers` counts one where GPU-kept
 layers sit above them, so a placement never asks for more than the estimate allows.
 """
 from __future__ import annotations
