@@ -29,28 +29,13 @@ import triton.language as tl
 from torch import nn
 
 from lctrain.model.class_switch import switch_classes
+from lctrain.model.rounding import DTYPE_KINDS, round_to
 
 FUSED_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 """transformers' RMSNorm classes that compute ``weight * (x * rsqrt(mean(x²) + eps)).to(dtype)``
 in float32 (Gemma's, which scales by ``1 + weight``, is not one of them)."""
 
 _BWD_PROGRAMS = 512  # programs of the backward: each sums the weight gradient of its rows
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-@triton.jit
-def _round(x, KIND: tl.constexpr):
-    """float32 ``x`` rounded to the nearest value of float32 (KIND 0), bfloat16 (1) or float16
-    (2), kept in float32. bfloat16 rounds by its bits: Triton's interpreter truncates a
-    float32-to-bfloat16 cast, the GPU rounds to nearest even, this does the latter on both."""
-    if KIND == 1:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    elif KIND == 2:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
 
 
 @triton.jit
@@ -61,9 +46,9 @@ def _rms_norm_fwd(X, W, Y, Rstd, n_cols, stride_x, stride_y, eps, X_KIND: tl.con
     live = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps))  # IEEE, not approx.
-    normed = _round(x * rstd, X_KIND)
+    normed = round_to(x * rstd, X_KIND)
     w = tl.load(W + cols, mask=live, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, _round(normed * w, Y_KIND), mask=live)
+    tl.store(Y + row * stride_y + cols, round_to(normed * w, Y_KIND), mask=live)
     tl.store(Rstd + row, rstd)
 
 
@@ -83,10 +68,10 @@ def _rms_norm_bwd(X, W, DY, DX, Rstd, DW, n_rows, n_cols, stride_x, stride_dy, s
             dy = tl.load(DY + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
             rstd = tl.load(Rstd + row)
             xhat = x * rstd
-            dw += dy * _round(xhat, X_KIND)
+            dw += dy * round_to(xhat, X_KIND)
             dn = dy * w
             dx = rstd * (dn - xhat * (tl.sum(dn * xhat, axis=0) / n_cols))
-            tl.store(DX + row * stride_dx + cols, _round(dx, X_KIND), mask=live)
+            tl.store(DX + row * stride_dx + cols, round_to(dx, X_KIND), mask=live)
     tl.store(DW + pid * n_cols + cols, dw, mask=live)
 
 
@@ -106,7 +91,8 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         if rows:
             _rms_norm_fwd[(rows,)](x2, weight, y, rstd, cols, x2.stride(0), y.stride(0),
-                                   float(eps), X_KIND=_KINDS[x.dtype], Y_KIND=_KINDS[out_dtype],
+                                   float(eps), X_KIND=DTYPE_KINDS[x.dtype],
+                                   Y_KIND=DTYPE_KINDS[out_dtype],
                                    BLOCK=triton.next_power_of_2(cols))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
@@ -123,7 +109,7 @@ class _RMSNorm(torch.autograd.Function):
         if rows:
             _rms_norm_bwd[(programs,)](x2, weight, dy2, dx, rstd, partial, rows, cols,
                                        x2.stride(0), dy2.stride(0), dx.stride(0),
-                                       triton.cdiv(rows, programs), X_KIND=_KINDS[x2.dtype],
+                                       triton.cdiv(rows, programs), X_KIND=DTYPE_KINDS[x2.dtype],
                                        BLOCK=triton.next_power_of_2(cols))
         else:
             partial.zero_()

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lctrain.model.rms_norm import _KINDS, _round
+from lctrain.model.rounding import DTYPE_KINDS, round_to
 from lctrain_kernels.triton.common import interpreting
 
 FUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -72,8 +72,8 @@ def _rotate_heads(X, OUT, token, row, stride_h, H, c1, c2, a, e, KIND: tl.conste
         x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
         dst = OUT + (token * H + h[:, None]) * (2 * HALF) + d[None, :]
-        tl.store(dst, _round(x1 * c1[None, :] + x2 * a[None, :], KIND), mask=live)
-        tl.store(dst + HALF, _round(x2 * c2[None, :] + x1 * e[None, :], KIND), mask=live)
+        tl.store(dst, round_to(x1 * c1[None, :] + x2 * a[None, :], KIND), mask=live)
+        tl.store(dst + HALF, round_to(x2 * c2[None, :] + x1 * e[None, :], KIND), mask=live)
 
 
 def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -88,7 +88,7 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         _rope_kernel[(b * s,)](
             q, k, oq, ok, cos, sin, s, hq, hk, q.stride(0), q.stride(2), q.stride(1),
             k.stride(0), k.stride(2), k.stride(1), cos.stride(0), cos.stride(1),
-            KIND=_KINDS[q.dtype], BACKWARD=backward, HALF=d // 2,
+            KIND=DTYPE_KINDS[q.dtype], BACKWARD=backward, HALF=d // 2,
             BLOCK_H=min(16, triton.next_power_of_2(max(hq, hk))))
     return oq.transpose(1, 2), ok.transpose(1, 2)
 
@@ -129,7 +129,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def supports(q, k, cos, sin, unsqueeze_dim: int = 1) -> bool:
     """Whether :func:`rope` computes this call of ``apply_rotary_pos_emb``."""
     return (unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3
-            and sin.shape == cos.shape and q.dtype in _KINDS and k.dtype == q.dtype
+            and sin.shape == cos.shape and q.dtype in DTYPE_KINDS and k.dtype == q.dtype
             and cos.dtype == q.dtype and sin.dtype == q.dtype
             and q.shape[-1] == k.shape[-1] == cos.shape[-1] and q.shape[-1] % 2 == 0
             and q.shape[0] == k.shape[0] == cos.shape[0]

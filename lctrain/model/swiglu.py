@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import nn
 
 from lctrain.model.class_switch import switch_classes
-from lctrain.model.rms_norm import _KINDS, _round
+from lctrain.model.rounding import DTYPE_KINDS, round_to
 
 FUSED_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 """transformers' gated MLP classes whose forward is ``down(act(gate(x)) * up(x))``; switched
@@ -46,7 +46,7 @@ def _swiglu_fwd(G, U, H, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
     g = tl.load(G + offs, mask=live, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=live, other=0.0).to(tl.float32)
     silu = g / (1.0 + tl.exp(-g))
-    tl.store(H + offs, _round(silu * u, KIND), mask=live)
+    tl.store(H + offs, round_to(silu * u, KIND), mask=live)
 
 
 @triton.jit
@@ -57,14 +57,14 @@ def _swiglu_bwd(G, U, DH, DG, DU, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.load(U + offs, mask=live, other=0.0).to(tl.float32)
     dh = tl.load(DH + offs, mask=live, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    tl.store(DU + offs, _round(dh * g * sig, KIND), mask=live)
-    tl.store(DG + offs, _round(dh * u * sig * (1.0 + g * (1.0 - sig)), KIND), mask=live)
+    tl.store(DU + offs, round_to(dh * g * sig, KIND), mask=live)
+    tl.store(DG + offs, round_to(dh * u * sig * (1.0 + g * (1.0 - sig)), KIND), mask=live)
 
 
 def _launch(kernel, *tensors: torch.Tensor) -> None:
     n = tensors[0].numel()
     if n:
-        kernel[(triton.cdiv(n, _BLOCK),)](*tensors, n, KIND=_KINDS[tensors[0].dtype],
+        kernel[(triton.cdiv(n, _BLOCK),)](*tensors, n, KIND=DTYPE_KINDS[tensors[0].dtype],
                                           BLOCK=_BLOCK)
 
 

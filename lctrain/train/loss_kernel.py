@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lctrain.model.rms_norm import _KINDS, _round
+from lctrain.model.rounding import DTYPE_KINDS, round_to
 
 _BLOCK = 4096  # vocabulary entries per iteration of a program
 
@@ -51,7 +51,7 @@ def _cross_entropy_rows(Z, Y, Loss, n_cols, stride, ignore_index, WRITE_GRAD: tl
             live = at < n_cols
             z = tl.load(base + at, mask=live, other=0.0).to(tl.float32)
             grad = tl.exp(z - lse) - tl.where(at == target, 1.0, 0.0)
-            tl.store(base + at, _round(grad * keep, KIND), mask=live)
+            tl.store(base + at, round_to(grad * keep, KIND), mask=live)
 
 
 def cross_entropy_rows_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
@@ -65,6 +65,6 @@ def cross_entropy_rows_(logits: torch.Tensor, labels: torch.Tensor, ignore_index
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         _cross_entropy_rows[(rows,)](logits, labels, loss, cols, logits.stride(0), ignore_index,
-                                     WRITE_GRAD=write_grad, KIND=_KINDS[logits.dtype],
+                                     WRITE_GRAD=write_grad, KIND=DTYPE_KINDS[logits.dtype],
                                      BLOCK=min(_BLOCK, triton.next_power_of_2(cols)))
     return loss
