@@ -31,9 +31,10 @@ def _rows():
                 if word == "--set" and not command[i + 1].startswith("data.source=")]  # run's
         for row in result["rows"]:
             if row.get("status") == "ok":
-                # rows that do not say ran before norms, MLPs or the loss were fused: unfused
-                eager = [f"model.{key}=false" for key in ("fused_norms", "fused_mlp", "fused_loss")
-                         if key not in row]
+                # rows that do not say ran before norms, MLPs or the loss were fused, or the
+                # projections grouped with the heads: without them
+                eager = [f"model.{key}=false" for key in ("fused_norms", "fused_mlp", "fused_loss",
+                                                          "grouped_attention") if key not in row]
                 yield pytest.param(recipe, eager + base, row,
                                    id=f"{path.stem}-{row['seq_len']}-{row['variant'] or 'recipe'}")
 
@@ -47,6 +48,8 @@ def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
     assert cfg.model.fused_norms == row.get("fused_norms", cfg.model.fused_norms)
     assert cfg.model.fused_mlp == row.get("fused_mlp", cfg.model.fused_mlp)
     assert cfg.model.fused_loss == row.get("fused_loss", cfg.model.fused_loss)
+    assert cfg.model.grouped_attention == row.get("grouped_attention",
+                                                  cfg.model.grouped_attention)
     est = estimate_recipe(cfg, seq_len=row["seq_len"], gpus=row["gpus"], gpu_memory=139 * GIB)
     model = est.details["peak_allocated"] / GIB
     if cfg.data.document_mask and row["peak_gib"] < model:

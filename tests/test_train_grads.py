@@ -1,6 +1,7 @@
 """One training step's gradients with context parallelism == one process, in fp32.
 
-Two gloo ranks hold the two halves (distflash layout) of one packed sequence with documents; the
+Two gloo ranks hold the two halves (distflash layout) of one packed sequence with documents
+(with FSDP2 also with the attention's projections in head groups); the
 loop's `accumulate_gradients` divides each rank's summed loss by the GLOBAL label count and the
 parallel strategy sums gradients over ranks. Both strategies — replication with an all-reduce,
 and FSDP2 (which averages by default and must be made to sum) — must give exactly the gradients
@@ -34,12 +35,15 @@ def _batch() -> PackedBatch:
 
 
 def _grads_on_ranks(rank, world, batch):
-    return {strategy: _one_step_grads(world, batch, strategy) for strategy in ("replicate", "fsdp")}
+    got = {strategy: _one_step_grads(world, batch, strategy) for strategy in ("replicate", "fsdp")}
+    got["fsdp, projections in 2 head groups"] = _one_step_grads(world, batch, "fsdp", groups=2)
+    return got
 
 
-def _one_step_grads(world, batch, strategy):
+def _one_step_grads(world, batch, strategy, groups=1):
     from accelerate import Accelerator
 
+    from lctrain.model.grouped_attention import apply_grouped_attention
     from lctrain.model.structure import decoder_layers
     from lctrain.parallel import build_mesh, distribute
     from lctrain.parallel.context import ContextParallel
@@ -47,8 +51,10 @@ def _one_step_grads(world, batch, strategy):
     from lctrain.train.optim import build_optimizer
 
     pmesh = build_mesh(cp=world, device_type="cpu")
-    cp = ContextParallel(pmesh, "distflash", "reference", device=torch.device("cpu"))
+    cp = ContextParallel(pmesh, "distflash", "reference", device=torch.device("cpu"),
+                         head_groups=groups)
     model = load_model(None, config=TINY, seed=0, attn_implementation=cp.attention)
+    assert apply_grouped_attention(model, groups) == (2 if groups > 1 else 0)
     module = CausalLMLoss(model, chunk_tokens=40)
     dist = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh,
                       strategy=strategy, param_dtype=None)
@@ -62,7 +68,7 @@ def _one_step_grads(world, batch, strategy):
     grads = {}
     for name, p in module.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[name] = g.detach().numpy().copy()
+        grads[name.replace("._checkpoint_wrapped_module", "")] = g.detach().numpy().copy()
     return grads, float(stats["count"]), float(norm)
 
 

@@ -59,9 +59,11 @@ def _backend_name(backend) -> str:
     return check_backend_name(name)
 
 
-def _options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap,
-             head_groups) -> tuple:
-    """Validate everything once, on the host, and turn it into the op's plain arguments."""
+def op_options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap,
+               head_groups) -> tuple:
+    """Validate everything once, on the host, and turn it into the op's plain arguments:
+    (group name, causal, document bounds, scale, schedule, backend, overlap, head groups).
+    Only the shapes of ``q`` (B, S, Hq, D) and ``k`` (B, S, Hkv, D) are read."""
     check_schedule(schedule)
     world = 1 if group is None else dist.get_world_size(group)
     seq_len = q.shape[1] * world
@@ -122,8 +124,8 @@ def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         BackendUnavailable: the backend is unknown, not installed, or cannot run a block.
     """
     _check_tensors(q, k, v)
-    options = _options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap,
-                       head_groups)
+    options = op_options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend,
+                         overlap, head_groups)
     return torch.ops.lctrain.dist_attention(q, k, v, *options)
 
 

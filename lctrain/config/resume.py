@@ -35,7 +35,7 @@ RESUMABLE = (
     "train.tile_tokens", "train.layer_policies", "train.state_offload", "train.planned",
     "parallel.cp", "parallel.dp", "parallel.schedule", "parallel.attention_backend",
     "parallel.fsdp", "parallel.head_groups", "parallel.balance_documents", "model.fused_norms",
-    "model.fused_rope", "model.fused_mlp", "model.fused_loss",
+    "model.fused_rope", "model.fused_mlp", "model.fused_loss", "model.grouped_attention",
     "data.cache_dir",
     "checkpoint.every", "checkpoint.keep", "checkpoint.enabled", "checkpoint.export_final",
     "checkpoint.asynchronous", "checkpoint.on_signal",

@@ -74,6 +74,12 @@ class ModelConfig:
     one Triton kernel each way (`lctrain.model.swiglu`) instead of transformers' eager
     operations: the same formula, rounded once, and one (tokens x intermediate) tensor less
     kept for the backward. false: transformers' own forward."""
+    grouped_attention: bool = True
+    """With parallel.head_groups > 1, run the q/k/v projections and RoPE of Llama, Mistral and
+    Qwen2 attention modules in the head groups too (`lctrain.model.grouped_attention`), so no
+    q, k, v or their gradients exist for all heads at once: less memory at long context for one
+    more projection per layer and step. false: transformers' module, only the attention
+    kernels in groups. LoRA-adapted projections always run transformers' module."""
     fused_loss: bool = True
     """On GPUs, compute each chunk of the cross-entropy (`train.loss_chunk_tokens` tokens) and
     its logits' gradient in one Triton kernel (`lctrain.train.loss_kernel`), with no float32
@@ -193,7 +199,8 @@ class ParallelConfig:
     head_groups: int = 1
     """Run the attention heads in this many groups, one after the other (a divisor of the
     model's key/value heads): the attention's buffers (received keys/values, float32
-    accumulators, gradients) shrink by that factor; same results (lctrain's schedules)."""
+    accumulators, gradients) shrink by that factor; same results (lctrain's schedules). With
+    ``model.grouped_attention`` the q/k/v projections and RoPE run in the groups too."""
     balance_documents: bool = True
     """With packed documents and cp > 1, put each row's documents in the order that evens out
     the ranks' attention work under the schedule (lctrain_kernels.distributed.balance);

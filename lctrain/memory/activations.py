@@ -40,7 +40,11 @@ stream's gradient and the attention output's (allocator traces of `lctrain bench
 
 Head groups (G, `lctrain_kernels` ``head_groups``): the attention's own buffers are those of
 Hq/G heads, plus copies of one group's inputs and results and, in the backward, full-size
-gradients written group by group.
+gradients written group by group. Where the projections run in the groups too
+(`Architecture.grouped_attention`, `lctrain.model.grouped_attention`; not with LoRA), a layer
+keeps no q, k or v (the attention's input and output, and the lse, are what its operator keeps),
+and its backward holds one group's q, k, v, their gradients and the attention's buffers, beside
+full-size gradients of the attention output and of the attention's input.
 
 Transients, counted once: one layer's backward (its recomputed activations, the gradients
 flowing through it, the distributed attention's buffers: fp32 accumulators, in-flight copies of
@@ -60,21 +64,26 @@ def tiled(tokens: int, tile_tokens: int) -> bool:
     return 0 < tile_tokens < tokens
 
 
+def grouped(arch: Architecture, lora: lora_model.LoraShape | None, head_groups: int) -> bool:
+    """Whether the attention's projections run in head groups (see the module docstring)."""
+    return arch.grouped_attention and head_groups > 1 and lora is None
+
+
 def layer_saved(arch: Architecture, tokens: int, c: int,
-                lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> int:
+                lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
+                head_groups: int = 1) -> int:
     """Bytes one decoder layer saves for its backward without checkpointing (a LoRA run's
     frozen weights keep less: `lctrain.memory.lora.layer_saved`; tiled layers keep their
-    inputs only)."""
+    inputs only; projections in head groups keep no q, k, v)."""
     t, h = tokens, arch.hidden_size
+    qkv = 0 if grouped(arch, lora, head_groups) else c * t * (arch.q_width + 2 * arch.kv_width)
     if tiled(tokens, tile_tokens):
         if lora is not None:
             return lora_model.tiled_layer_saved(arch, tokens, c, lora)
-        qkv_out = c * t * (2 * arch.q_width + 2 * arch.kv_width)  # q, k, v and the output
-        return 4 * c * t * h + qkv_out + 4 * t * arch.num_heads
+        return 4 * c * t * h + qkv + c * t * arch.q_width + 4 * t * arch.num_heads  # + output
     if lora is not None:
         return lora_model.layer_saved(arch, tokens, c, lora)
     norms = 2 * norm_saved(arch, tokens, c)
-    qkv = c * t * (arch.q_width + 2 * arch.kv_width)
     attn_out = c * t * arch.q_width + 4 * t * arch.num_heads
     mlp = (3 if arch.fused_mlp else 4) * c * t * arch.intermediate_size  # gate, up, (SiLU,) product
     return norms + qkv + attn_out + mlp
@@ -97,12 +106,13 @@ def input_kept(arch: Architecture, tokens: int, c: int) -> int:
 
 
 def kept_bytes(arch: Architecture, tokens: int, c: int, layer_policy: str,
-               lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> int:
+               lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
+               head_groups: int = 1) -> int:
     """What one layer of ``layer_policy`` (a `lctrain.config.tiers.LAYER_KINDS` name) keeps:
     everything its backward needs for ``none`` (`layer_saved`), nothing for a chained layer,
     whose input is rebuilt from the layer below."""
     if layer_policy == "none":
-        return layer_saved(arch, tokens, c, lora, tile_tokens)
+        return layer_saved(arch, tokens, c, lora, tile_tokens, head_groups)
     if layer_policy.startswith("remat"):
         return remat_kept(arch, tokens, c)
     return 0 if layer_policy == "chained" else input_kept(arch, tokens, c)
@@ -121,11 +131,12 @@ def layer_policies(arch: Architecture, policy: str, runs=None) -> list[str]:
 
 
 def kept_at_each_layer(arch: Architecture, tokens: int, c: int, kinds: list[str],
-                       lora: lora_model.LoraShape | None = None, tile_tokens: int = 0) -> list[int]:
+                       lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
+                       head_groups: int = 1) -> list[int]:
     """Bytes of kept tensors on the GPU while each layer's backward runs (layers of ``kinds``,
     in forward order; `kept_during_layers`); the largest, with the final norm's, is what is held
     between the forward and the backward."""
-    kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens) for k in kinds]
+    kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens, head_groups) for k in kinds]
     return kept_during_layers(kept, [k in OFFLOADED for k in kinds])
 
 
@@ -182,21 +193,39 @@ def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int
         return _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups)
     t, h = tokens, arch.hidden_size
     norm = norm_saved(arch, tokens, c)
-    qkv = c * t * (arch.q_width + 2 * arch.kv_width)
+    saved = layer_saved(arch, tokens, c, lora, head_groups=head_groups)
     out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
     residual_grads = 2 * c * t * h
     if policy == "none":
         recomputed = 0
     elif policy.startswith("full"):
-        recomputed = layer_saved(arch, tokens, c, lora)
+        recomputed = saved
     else:  # remat and remat-offload recompute all but the attention output and lse
-        recomputed = layer_saved(arch, tokens, c, lora) - out_lse
+        recomputed = saved - out_lse
     mlp_phase = recomputed + residual_grads + 3 * c * t * arch.intermediate_size
-    full = policy.startswith("full")
-    attn_recomputed = 0 if policy == "none" else norm + qkv + (out_lse if full else 0)
-    attn_phase = (attn_recomputed + attention_workspace(arch, tokens, c, cp, head_groups)
-                  + residual_grads + c * t * arch.q_width)
-    return max(mlp_phase, attn_phase)
+    return max(mlp_phase, residual_grads + _attention_phase(arch, tokens, c, policy, cp, lora,
+                                                            head_groups, norm))
+
+
+def _attention_phase(arch, tokens, c, policy, cp, lora, head_groups, recomputed_input) -> int:
+    """The attention half of a layer's backward beside the residual stream's gradients: what
+    the recompute left of the attention block's inputs (``recomputed_input``, the first norm's
+    kept tensors; q, k, v; under full the output and lse), the attention's buffers and the
+    gradient of the attention output. With the projections in head groups: no q, k, v, one
+    group's buffers (`grouped_workspace`) and the gradient of the block's input, filled in
+    place group by group."""
+    t = tokens
+    out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
+    if policy == "none":
+        recomputed = 0
+    else:
+        recomputed = recomputed_input + (out_lse if policy.startswith("full") else 0)
+    if grouped(arch, lora, head_groups):
+        buffers = grouped_workspace(arch, tokens, c, cp, head_groups) + c * t * arch.hidden_size
+    else:
+        recomputed += 0 if policy == "none" else c * t * (arch.q_width + 2 * arch.kv_width)
+        buffers = attention_workspace(arch, tokens, c, cp, head_groups)
+    return recomputed + buffers + c * t * arch.q_width
 
 
 def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups) -> int:
@@ -205,7 +234,7 @@ def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_g
     sums of its weight gradients (with one tile's gradient in the weights' dtype)."""
     t, h, n = tokens, arch.hidden_size, tile_tokens
     out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
-    saved = layer_saved(arch, tokens, c, lora, tile_tokens)
+    saved = layer_saved(arch, tokens, c, lora, tile_tokens, head_groups)
     x = c * t * h  # the layer input: kept by the checkpoint
     if policy == "none":
         recomputed = 0
@@ -216,12 +245,8 @@ def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_g
     mlp_tile = (6 if arch.fused_mlp else 7) * c * n * arch.intermediate_size + c * n * h + (
         (4 + c) * mlp_weights)
     mlp_phase = recomputed + 2 * c * t * h + mlp_tile  # d(layer output), d(MLP input)
-    qkv = c * t * (arch.q_width + 2 * arch.kv_width)
-    attn_recomputed = 0 if policy == "none" else c * t * h + qkv + (
-        out_lse if policy.startswith("full") else 0)
-    attn_phase = (attn_recomputed + attention_workspace(arch, tokens, c, cp, head_groups)
-                  + c * t * h + c * t * arch.q_width)  # d(residual), d(attention output)
-    return max(mlp_phase, attn_phase)
+    return max(mlp_phase, c * t * h + _attention_phase(  # d(residual) beside the attention half
+        arch, tokens, c, policy, cp, lora, head_groups, c * t * h))
 
 
 def attention_workspace(arch: Architecture, tokens: int, c: int, cp: int,
@@ -263,6 +288,17 @@ def attention_workspace(arch: Architecture, tokens: int, c: int, cp: int,
     forward = forward // g + (c * (2 * q + 2 * kv) + lse) // g
     backward = backward // g + c * (q + 2 * kv) + (3 * c * q + 2 * c * kv + lse) // g
     return max(forward, backward)
+
+
+def grouped_workspace(arch: Architecture, tokens: int, c: int, cp: int, head_groups: int) -> int:
+    """The backward buffers of one head group of an attention block whose projections run in
+    the groups (`lctrain.model.grouped_attention`): the attention's own (`attention_workspace`
+    of all heads, ÷ G), the group's rotated q and k and its v, and copies of its rows of the
+    output, of the output's gradient and of the lse."""
+    t = tokens
+    q, kv = t * arch.q_width, t * arch.kv_width
+    group_io = c * (q + 2 * kv) + 2 * c * q + 4 * t * arch.num_heads
+    return (attention_workspace(arch, tokens, c, cp) + group_io) // head_groups
 
 
 def loss_workspace(arch: Architecture, tokens: int, c: int, chunk_tokens: int,

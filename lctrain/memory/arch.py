@@ -38,6 +38,11 @@ FUSED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 a SiLU activation, gated MLP (`lctrain.model.swiglu`, ``model.fused_mlp``) run fused when
 training on a GPU."""
 
+GROUPED_TYPES = frozenset({"llama", "mistral", "qwen2"})
+"""model_types whose attention module is q/k/v projections, transformers' Llama RoPE, the
+attention and an output projection, nothing else (Qwen3's per-head norms are left out): with
+head groups their projections run in the groups too (`lctrain.model.grouped_attention`)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Architecture:
@@ -62,6 +67,9 @@ class Architecture:
             and up projections for the backward, not the SiLU's output as well.
         fused_loss: the chunked loss runs its kernel (`lctrain.train.loss_kernel`): no float32
             copy of a chunk's logits, and no head-gradient product in the compute dtype.
+        grouped_attention: with head groups, the attention's projections and RoPE run in the
+            groups too (`lctrain.model.grouped_attention`): no q, k, v kept, no full-size dq,
+            dk, dv.
     """
 
     name: str
@@ -79,6 +87,7 @@ class Architecture:
     fused_norms: bool = False
     fused_mlp: bool = False
     fused_loss: bool = False
+    grouped_attention: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -146,7 +155,7 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
         qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=model_type in FUSED_TYPES,
         fused_mlp=model_type in FUSED_TYPES and cfg.get("hidden_act", "silu") in _SILU_NAMES,
-        fused_loss=True)
+        fused_loss=True, grouped_attention=model_type in GROUPED_TYPES)
 
 
 def load_architecture(model: str) -> Architecture:

@@ -197,7 +197,7 @@ def _activation_phase(setup: Setup, tokens: int, c: int, runs: Runs | None) -> d
     gathered, layer_grads, root = _fsdp_buffers(setup, c)
     final_norm = act.final_norm_saved(arch, tokens, c, lora, tile)
     kinds = act.layer_policies(arch, setup.policy, runs)
-    during = act.kept_at_each_layer(arch, tokens, c, kinds, lora, tile)
+    during = act.kept_at_each_layer(arch, tokens, c, kinds, lora, tile, setup.head_groups)
     backward = {kind: act.layer_backward(arch, tokens, c, kind, setup.cp, lora, tile,
                                          setup.head_groups) + layer_grads for kind in set(kinds)}
     at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]])
@@ -226,8 +226,16 @@ def _transients(setup: Setup, tokens: int, c: int, runs: Runs | None) -> dict[st
     final_norm = act.final_norm_saved(arch, tokens, c, lora, setup.tile_tokens)
     layer_phase = max(layer_backward + root - final_norm, 0)
     return {"transient": root + gathered + max(loss, layer_phase), "loss": loss,
-            "attention": act.attention_workspace(arch, tokens, c, setup.cp, setup.head_groups),
+            "attention": _attention_buffers(setup, tokens, c),
             "layer_backward": layer_backward, "gathered": gathered + root}
+
+
+def _attention_buffers(setup: Setup, tokens: int, c: int) -> int:
+    """The attention's own buffers in a layer's backward: all heads', or one head group's."""
+    arch, groups = setup.arch, setup.head_groups
+    if act.grouped(arch, setup.lora, groups):
+        return act.grouped_workspace(arch, tokens, c, setup.cp, groups)
+    return act.attention_workspace(arch, tokens, c, setup.cp, groups)
 
 
 def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> Runs:

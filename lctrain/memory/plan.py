@@ -21,7 +21,9 @@ Cost (:func:`step_seconds`): a documented estimate of one step's time, used only
   token, attention (causal forward 2·S²·Hq·d per layer, backward 2.5×) per GPU (÷ cp), plus what
   the options recompute: the forward of each checkpointed (not ``none``) layer's projections
   and MLP, the attention forward of each full layer, one more MLP forward per tiled layer, and
-  one more forward of the lower layer of each ``full-paired`` pair;
+  one more forward of the lower layer of each ``full-paired`` pair, and with the projections
+  in head groups (`lctrain.model.grouped_attention`) one more q/k/v projection of each layer
+  that is not remat (remat's recompute skips them, so its count is unchanged);
 - pinned-memory copies (out and back) at :data:`PCIE_BYTES`, overlapped with compute: the step
   takes the longer of the two;
 - state in host memory, not overlapped: ``optimizer`` moves both AdamW states in and out per
@@ -42,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 from lctrain.config.tiers import format_layer_policies, parse_layer_policies
+from lctrain.memory.activations import grouped
 from lctrain.memory.estimate import Setup, breakdown, host_budget, max_seq_len
 from lctrain.memory.tiers import chained_layers, recomputed_layers, unchecked_layers
 
@@ -212,11 +215,20 @@ def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
     recompute += recomputed_layers(runs) * attention_fwd
     recompute += chained_layers(runs) * (attention_fwd + 2 * (projections + mlp) * tokens)
     tiles = 2 * layers * mlp * tokens if 0 < setup.tile_tokens < details["tokens_per_gpu"] else 0
+    if grouped(arch, setup.lora, setup.head_groups):
+        qkv = 2 * h * (arch.q_width + 2 * arch.kv_width) * tokens
+        recompute += qkv * (layers - _remat_layers(setup))
     compute = (linear + layers * 3.5 * attention_fwd + recompute + tiles) / GPU_FLOPS
     copies = 2 * details["host_activations"] * setup.grad_accum / PCIE_BYTES
     seconds = max(compute, copies) + _state_seconds(setup, details)
     overhead = CP_OVERHEAD * math.log2(setup.cp) + GROUP_OVERHEAD * (setup.head_groups > 1)
     return seconds * (1 + overhead)
+
+
+def _remat_layers(setup: Setup) -> int:
+    if setup.runs is None:
+        return setup.arch.num_layers if setup.policy.startswith("remat") else 0
+    return sum(n for name, n in setup.runs if name.startswith("remat"))
 
 
 def _state_seconds(setup: Setup, details: dict) -> float:

@@ -86,7 +86,8 @@ def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> A
     """The architecture to estimate: ``model`` (preset, config.json, folder) if given, else the
     recipe's model.path (a hub name is read through transformers; model.config overrides cannot
     change its shapes) or its random-init model.config; with the recipe's model.fused_norms,
-    model.fused_mlp or model.fused_loss off, its norms, MLPs or loss run unfused.
+    model.fused_mlp or model.fused_loss off, its norms, MLPs or loss run unfused, and with
+    model.grouped_attention off its attention projections do not run in head groups.
 
     Raises:
         UserError: nothing to read an architecture from (model.path still a placeholder), or an
@@ -96,7 +97,9 @@ def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> A
     if cfg is not None:
         arch = dataclasses.replace(arch, fused_norms=arch.fused_norms and cfg.model.fused_norms,
                                    fused_mlp=arch.fused_mlp and cfg.model.fused_mlp,
-                                   fused_loss=arch.fused_loss and cfg.model.fused_loss)
+                                   fused_loss=arch.fused_loss and cfg.model.fused_loss,
+                                   grouped_attention=(arch.grouped_attention
+                                                      and cfg.model.grouped_attention))
     return arch
 
 

@@ -107,7 +107,7 @@ def checked_inputs(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             (`lctrain.model.features.check_attention_call` names the setting).
     """
     check_attention_call(module, query, value, attention_mask, dropout, kwargs,
-                         _global_len(query.shape[2], kwargs.get("cp_context")))
+                         global_len(query.shape[2], kwargs.get("cp_context")))
     return _one_dtype(query, key, value)
 
 
@@ -128,7 +128,7 @@ def _one_dtype(query: torch.Tensor, key: torch.Tensor,
     return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
-def _global_len(local_len: int, ctx: CPContext | None) -> int:
+def global_len(local_len: int, ctx: CPContext | None) -> int:
     """Tokens of the whole sequence: every rank of the cp group holds ``local_len`` of them."""
     if ctx is None or ctx.group is None:
         return local_len

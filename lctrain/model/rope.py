@@ -93,6 +93,16 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return oq.transpose(1, 2), ok.transpose(1, 2)
 
 
+def rotate_tokens(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on token-major q (B, S, Hq, D) and k (B, S, Hk, D), D contiguous, with cos/sin
+    (B, S, D) of any float dtype (read in float32); ``backward``: by the rotation's transpose.
+    Returns contiguous (B, S, H, D) tensors in q's and k's dtypes."""
+    oq, ok = _rotate(q.transpose(1, 2), k.transpose(1, 2), _last_dim_contiguous(cos),
+                     _last_dim_contiguous(sin), backward)
+    return oq.transpose(1, 2), ok.transpose(1, 2)
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 

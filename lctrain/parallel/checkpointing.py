@@ -55,13 +55,15 @@ from lctrain.parallel.pairs import PairLink
 
 ATTENTION_FORWARD_OPS = frozenset({
     "lctrain::dist_attention",                        # lctrain_kernels: every attention, cp >= 1
+    "lctrain::attention_block",                       # the same with its projections, in groups
     "aten::_scaled_dot_product_cudnn_attention",      # torch's context_parallel ring (a peer):
     "aten::_scaled_dot_product_flash_attention",      # its SDPA calls on sharded tensors
     "aten::_scaled_dot_product_efficient_attention",
 })
 """Qualified names of the ops whose outputs ``remat`` keeps: attention forwards that return
 (out, lse) and whose backward recomputes attention from (q, k, v, out, lse). lctrain's own
-attention is one op for every backend and cp degree; the SDPA ops are there for the
+attention is one op for every backend and cp degree, or with head groups an op that projects
+q, k and v inside it too (`lctrain.model.grouped_attention`); the SDPA ops are there for the
 ``context_parallel`` schedule, torch's ring attention, the peer measured against."""
 
 

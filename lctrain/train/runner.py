@@ -50,6 +50,7 @@ from lctrain.export import export_final as write_final
 from lctrain.memory.host import available_host_bytes
 from lctrain.memory.recipe import layer_policies_for
 from lctrain.model import check_model, load_model
+from lctrain.model.grouped_attention import apply_grouped_attention
 from lctrain.model.lora import apply_lora
 from lctrain.model.structure import decoder_layers
 from lctrain.parallel.checkpointing import apply_checkpointing
@@ -224,6 +225,8 @@ def build_model(setup: RunSetup, *,
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     flops = _flop_model(model)
     setup.cp.check_model(model.config)
+    if cfg.model.grouped_attention:  # projections in the head groups (after LoRA: none on it)
+        apply_grouped_attention(model, cfg.parallel.head_groups, fused_rope=cfg.model.fused_rope)
     apply_tiling(model, cfg.train.tile_tokens)  # the adapters inside the tiles
     runs = _layer_policies(setup) if cfg.train.checkpointing == "auto" else None
     apply_checkpointing(model, cfg.train.checkpointing,  # before FSDP2 wraps the layers
