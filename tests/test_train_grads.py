@@ -89,3 +89,37 @@ def test_one_step_gradients_cp2_match_single_process():
             for name, g in want.items():
                 np.testing.assert_allclose(grads[name], g, rtol=1e-5, atol=1e-6,
                                            err_msg=f"{strategy}: {name}")
+
+
+def _host_probe_reads(rank, world, batch):
+    from accelerate import Accelerator
+
+    from lctrain.model.structure import decoder_layers
+    from lctrain.parallel import build_mesh, distribute
+    from lctrain.parallel.context import ContextParallel
+    from lctrain.train.loop import Trainer
+    from lctrain.train.optim import build_optimizer
+
+    pmesh = build_mesh(cp=world, device_type="cpu")
+    cp = ContextParallel(pmesh, "distflash", "reference", device=torch.device("cpu"))
+    module = CausalLMLoss(load_model(None, config=TINY, seed=0, attn_implementation=cp.attention),
+                          chunk_tokens=40)
+    dist = distribute(module, decoder_layers(module.model), world_mesh=pmesh.world_mesh,
+                      strategy="replicate", param_dtype=None)
+    optimizer, scheduler = build_optimizer(module, lr=1e-3, weight_decay=0.0, warmup_steps=0,
+                                           total_steps=2, min_lr_ratio=0.1)
+    grad_bytes = lambda: sum(p.grad.nbytes for p in module.parameters()  # noqa: E731
+                             if p.grad is not None)
+    trainer = Trainer(distributed=dist, optimizer=optimizer, scheduler=scheduler, pmesh=pmesh,
+                      cp=cp, accelerator=Accelerator(cpu=True), grad_accum=1, max_grad_norm=0.0,
+                      host_probe=grad_bytes)
+    trainer.train_step([batch])
+    return trainer.host_peak, grad_bytes()
+
+
+def test_the_host_probe_reads_while_the_gradients_are_held():
+    """A step's host reading is taken before its gradients are dropped (with FSDP2's CPU
+    offload they live on the host during the step; a reading after it would miss them)."""
+    peak, after = run_on_ranks(_host_probe_reads, 1, _batch())[0]
+    params = TINY["vocab_size"] * TINY["hidden_size"] * 2  # at least the embeddings' gradients
+    assert after == 0 and peak >= 4 * params

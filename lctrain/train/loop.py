@@ -130,6 +130,8 @@ class Trainer:
     data_position: int = 0  # micro-batches consumed by this dp rank
     mark: Callable[[str, int], None] = _nothing  # (OPERATIONS key, step) for the watchdog
     work_balance: float | None = None  # the last step's busiest cp rank over the mean (documents)
+    host_probe: Callable[[], int] | None = None  # host bytes held for training, read each step
+    host_peak: int = 0  # the most host_probe read, after a backward (gradients still held)
 
     def __post_init__(self) -> None:
         self.nonfinite = NonFiniteSteps(self.device)
@@ -197,6 +199,8 @@ class Trainer:
         finally:
             del self.optimizer.found_inf
         self.scheduler.step()  # wound back at the next sync if the step was skipped
+        if self.host_probe is not None:  # before the gradients go (on the host with offload)
+            self.host_peak = max(self.host_peak, self.host_probe())
         self.optimizer.zero_grad(set_to_none=True)
         self.nonfinite.count(bad)
         self.step += 1

@@ -395,12 +395,16 @@ def _notice(setup: RunSetup):
 
 
 def _with_host_memory(write, trainer: Trainer):
-    """On a GPU, log records also carry ``host_memory_bytes``: what this process keeps in host
-    memory for training (`lctrain.parallel.offload.host_memory_bytes`)."""
+    """On a GPU, log records also carry ``host_memory_bytes``: the most this process has kept in
+    host memory for training (`lctrain.parallel.offload.host_memory_bytes`), read at each log
+    and at the end of each step's update, before the gradients (held on the host under
+    ``train.state_offload: all``) are dropped."""
     if trainer.device.type != "cuda":
         return write
     module, optimizer = trainer.distributed.module, trainer.optimizer
-    return lambda record: write({**record, "host_memory_bytes": host_memory_bytes(module, optimizer)})
+    trainer.host_probe = lambda: host_memory_bytes(module, optimizer)
+    return lambda record: write({**record, "host_memory_bytes": max(trainer.host_peak,
+                                                                    trainer.host_probe())})
 
 
 def export_final(cfg: RecipeConfig) -> None:
