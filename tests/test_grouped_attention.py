@@ -36,7 +36,10 @@ def _model(model_type="llama", heads=8, kv_heads=4, dtype=torch.float64, layers=
 
 def _step(model, ids, policy="none", **call):
     model = copy.deepcopy(model)
-    apply_checkpointing(model, policy, offload_min_bytes=0)
+    kinds = None
+    if ":" in policy:  # auto with the layers' kinds
+        policy, kinds = policy.split(":")[0], policy.split(":")[1].split(",")
+    apply_checkpointing(model, policy, layer_policies=kinds, offload_min_bytes=0)
     with AttentionCounter() as counter:
         loss = model(input_ids=ids, labels=ids, **call).loss
         loss.backward()
@@ -53,7 +56,8 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("groups", [2, 4])
-@pytest.mark.parametrize("policy, forwards", [("none", 2), ("remat", 2), ("full", 4)])
+@pytest.mark.parametrize("policy, forwards", [("none", 2), ("remat", 2), ("full", 4),
+                                              ("auto:remat-offload,full-offload", 3)])
 def test_grouped_layers_match_transformers_module_in_float64(groups, policy, forwards):
     model = _model()
     ids = torch.randint(0, VOCAB, (2, 37))

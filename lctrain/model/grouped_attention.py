@@ -124,7 +124,9 @@ class GroupedAttention(ActivationWrapper):
         weights = [cast(getattr(attn, n).weight) for n in _PROJECTIONS[:3]]
         biases = [cast(getattr(attn, n).bias) for n in _PROJECTIONS[:3]]
         cos, sin = position_embeddings
-        fused = self.fused_rope and hidden_states.is_cuda and cos.shape[0] == b
+        half = d // 2  # the RoPE kernel takes a power-of-two half head
+        fused = (self.fused_rope and hidden_states.is_cuda and cos.shape[0] == b
+                 and d % 2 == 0 and half & (half - 1) == 0)
         with torch.autocast(device, enabled=False):
             out, _ = torch.ops.lctrain.attention_block(
                 cast(hidden_states), *weights, *biases, cos, sin, d, *options, fused)
