@@ -66,6 +66,10 @@ def test_kept_during_layers_walks_the_layers_as_the_offloader_brings_them_back()
     assert kept_during_layers([p, p, g, g], [True, True, False, False]) == [p, 2 * p, g + p,
                                                                           2 * g + p]
     assert kept_during_layers([g, 4 * g, g], [False] * 3) == [g, 5 * g, 6 * g]
+    # without prefetching a parked layer is on the device only during its own backward
+    assert kept_during_layers([p, p, g, g], [True, True, False, False], prefetch=False) == [
+        p, p, g, 2 * g]
+    assert max(kept_during_layers([p] * 4, [True] * 4, prefetch=False)) == p
     rng = random.Random()
     for _ in range(200):
         n = rng.randrange(1, 9)
@@ -73,5 +77,8 @@ def test_kept_during_layers_walks_the_layers_as_the_offloader_brings_them_back()
         parked = [rng.random() < 0.5 for _ in range(n)]
         got = kept_during_backward(kept, parked)
         assert sum(b for b, q in zip(kept, parked) if not q) <= got <= sum(kept)
+        alone = kept_during_layers(kept, parked, prefetch=False)
+        on_gpu = sum(b for b, q in zip(kept, parked) if not q)
+        assert max(alone) <= got and max(alone) <= on_gpu + max(kept)
         if not any(parked):
             assert got == sum(kept)

@@ -15,7 +15,7 @@ from lctrain.config import load_recipe
 from lctrain.config.tiers import per_layer
 from lctrain.memory import estimate, estimate_recipe, load_architecture
 from lctrain.memory.activations import input_kept, remat_kept
-from lctrain.memory.estimate import Setup, breakdown
+from lctrain.memory.estimate import Setup, breakdown, max_seq_len
 from lctrain.memory.plan import Machine, fastest, longest, step_seconds
 from lctrain.memory.recipe import plan_recipe
 from lctrain.memory.tiers import place
@@ -23,20 +23,21 @@ from lctrain.memory.tiers import place
 GIB = 1 << 30
 
 
-def _split_bytes(arch, tokens, c, counts):
-    """(GPU bytes with two offloaded layers in flight, host bytes) of a placement."""
+def _split_bytes(arch, tokens, c, counts, in_flight=2):
+    """(GPU bytes with ``in_flight`` offloaded layers on the GPU, host bytes) of a placement."""
     big, small = remat_kept(arch, tokens, c), input_kept(arch, tokens, c)
     rg, rh, fg, fh = counts
     item = big if rh else small
-    return rg * big + fg * small + min(2, rh + fh) * item, rh * big + fh * small
+    return rg * big + fg * small + min(in_flight, rh + fh) * item, rh * big + fh * small
 
 
 @pytest.mark.parametrize("trial", range(8))
 def test_placement_keeps_the_most_attention_outputs_gpu_first(trial):
     """Brute force over every split of 6 layers into the four policies: the placement keeps
     as many attention outputs as any placement that fits, and of those parks the fewest bytes
-    in host memory."""
+    in host memory; with two offloaded layers in flight (prefetching) or one."""
     arch = dataclasses.replace(load_architecture("llama-7b"), num_layers=6)
+    flying = 1 + trial % 2
     tokens, c = 4096, 2
     big = remat_kept(arch, tokens, c)
     import random
@@ -47,14 +48,14 @@ def test_placement_keeps_the_most_attention_outputs_gpu_first(trial):
     for rg, rh, fg in itertools.product(range(7), repeat=3):
         fh = 6 - rg - rh - fg
         if fh >= 0:
-            gpu, host = _split_bytes(arch, tokens, c, (rg, rh, fg, fh))
+            gpu, host = _split_bytes(arch, tokens, c, (rg, rh, fg, fh), flying)
             if gpu <= gpu_room and host <= host_room:
                 feasible.append((rg, rh, fg, fh))
-    runs = place(arch, tokens, c, gpu_room, host_room)
+    runs = place(arch, tokens, c, gpu_room, host_room, in_flight=flying)
     if not feasible:  # then the fewest full-paired pairs that fit, the rest full, GPU first
         small = input_kept(arch, tokens, c)
         fits = [(p, fg) for p in range(1, 4) for fg in range(7 - 2 * p)
-                if (p + fg + min(2, 6 - 2 * p - fg)) * small <= gpu_room
+                if (p + fg + min(flying, 6 - 2 * p - fg)) * small <= gpu_room
                 and (6 - 2 * p - fg) * small <= host_room]
         if not fits:
             assert runs is None
@@ -68,11 +69,11 @@ def test_placement_keeps_the_most_attention_outputs_gpu_first(trial):
     counts = {name: per_layer(runs).count(name) for name in
               ("remat", "remat-offload", "full", "full-offload")}
     got = (counts["remat"], counts["remat-offload"], counts["full"], counts["full-offload"])
-    gpu, host = _split_bytes(arch, tokens, c, got)
+    gpu, host = _split_bytes(arch, tokens, c, got, flying)
     assert gpu <= gpu_room and host <= host_room and sum(got) == 6
     most_remat = max(rg + rh for rg, rh, _, _ in feasible)
     assert got[0] + got[1] == most_remat
-    assert host == min(_split_bytes(arch, tokens, c, f)[1] for f in feasible
+    assert host == min(_split_bytes(arch, tokens, c, f, flying)[1] for f in feasible
                        if f[0] + f[1] == most_remat)
     assert [name for name, _ in runs] == [n for n in ("full-offload", "remat-offload", "full",
                                                       "remat") if counts[n]]  # offloaded first
@@ -150,8 +151,23 @@ def test_targets(model, gpus, host, dtype, at_least):
     est = estimate(best.setup.arch, best.seq_len, gpus, best.setup.cp, "auto",
                    master_dtype=dtype, gpu_memory=139 * GIB, host_memory=host * GIB,
                    layer_policies=best.setup.runs, tile_tokens=best.setup.tile_tokens,
-                   head_groups=best.setup.head_groups, state_offload=best.setup.state_offload)
+                   head_groups=best.setup.head_groups, state_offload=best.setup.state_offload,
+                   offload_prefetch=best.setup.offload_prefetch)
     assert est.fits
+
+
+def test_the_longest_plan_waits_for_its_copies_where_that_reaches_further():
+    """With every layer parked, one in flight instead of two reaches further; the plan says
+    so in its --set line, and its step estimate counts the copies it waits for."""
+    machine = Machine(1, 139 * GIB, 1024 * GIB, 1)
+    best = longest(_base("llama3-8b", 1), machine, _chunks)
+    assert not best.setup.offload_prefetch
+    assert "train.offload_prefetch=false" in best.overrides()
+    prefetching = dataclasses.replace(best.setup, runs=None, offload_prefetch=True)
+    assert max_seq_len(prefetching, machine.gpu_memory, 1, machine.host_budget) < best.seq_len
+    waiting = step_seconds(best.setup, best.seq_len, best.details)
+    assert waiting > step_seconds(dataclasses.replace(best.setup, offload_prefetch=True),
+                                  best.seq_len, best.details)
 
 
 def test_cli_plan_table_commands_and_json():

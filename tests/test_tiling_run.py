@@ -44,7 +44,8 @@ def test_long_context_settings_train_like_the_plain_run(tmp_path, capfd):
              "train.tile_tokens": 24, "parallel.head_groups": 2}
     plain = _cfg(tmp_path / "plain")
     host_adam = _cfg(tmp_path / "host", **tiers, **{"train.state_offload": "optimizer",
-                                                    "train.planned": "a test plan"})
+                                                    "train.planned": "a test plan",
+                                                    "train.offload_prefetch": "false"})
     short = _cfg(tmp_path / "resumed", **tiers, **{"train.state_offload": "optimizer",
                                                    "train.max_steps": 2})
     resumed = _cfg(tmp_path / "resumed", **tiers, **{"train.state_offload": "optimizer"})
@@ -60,7 +61,8 @@ def test_long_context_settings_train_like_the_plain_run(tmp_path, capfd):
     assert len(got[2]) == 2 and got[3][:2] == got[2]  # the resume appended step 3
     out = capfd.readouterr().out
     assert "checkpointing auto: full-offload=1,remat=1 (from train.layer_policies)" in out
-    assert "memory: tile_tokens 24, head_groups 2, state_offload optimizer" in out
+    assert ("memory: tile_tokens 24, head_groups 2, state_offload optimizer, offloaded layers "
+            "fetched when needed (train.offload_prefetch false)") in out
     assert "settings from lctrain estimate-memory --plan: a test plan" in out
     assert "checkpointing auto: none=2 (from the memory model)" in out  # room for all
 

@@ -92,6 +92,45 @@ def test_gpu_kept_layers_start_the_first_offloaded_copies(base_model, monkeypatc
     assert first_fetch < first_unpack and events[first_fetch][2] is False
 
 
+def test_without_prefetching_each_layer_fetches_its_own_copies(base_model, monkeypatch):
+    """``offload_prefetch=False``: no stash's copies start before its own recompute unpacks
+    (one offloaded layer on the device at a time), and the gradients are the prefetching
+    run's."""
+    events = []
+    fetch, unpack = offload.LayerStash.fetch, offload.LayerStash.unpack
+
+    def record_fetch(self):
+        events.append(("fetch", id(self)))
+        return fetch(self)
+
+    def record_unpack(self, packed):
+        events.append(("unpack", id(self)))
+        return unpack(self, packed)
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    kinds = ["full-offload", "remat-offload", "full-offload", "remat"]
+    runs = []
+    for prefetch in (True, False):
+        model = copy.deepcopy(base_model)
+        apply_checkpointing(model, "auto", layer_policies=kinds, offload_min_bytes=0,
+                            offload_prefetch=prefetch)
+        events.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(offload.LayerStash, "fetch", record_fetch)
+            patch.setattr(offload.LayerStash, "unpack", record_unpack)
+            runs.append(_step(model, seed))
+        unpacked, early = set(), 0
+        for kind, stash in events:
+            if kind == "unpack":
+                unpacked.add(stash)
+            else:
+                early += stash not in unpacked  # started before its own recompute
+        assert len(unpacked) == 3 and (early > 0) == prefetch
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=0, atol=0)
+    for name, grad in runs[1][1].items():
+        torch.testing.assert_close(grad, runs[0][1][name], rtol=0, atol=0, msg=name)
+
+
 def test_bad_layer_policies_are_one_sentence(base_model):
     model = copy.deepcopy(base_model)
     with pytest.raises(UserError, match="gives 3 layers .* has 4 decoder layers"):

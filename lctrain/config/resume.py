@@ -33,6 +33,7 @@ RESUMABLE = (
     "train.batch_size", "train.grad_accum",
     "train.checkpointing", "train.host_memory", "train.loss_chunk_tokens",
     "train.tile_tokens", "train.layer_policies", "train.state_offload", "train.planned",
+    "train.offload_prefetch",
     "parallel.cp", "parallel.dp", "parallel.schedule", "parallel.attention_backend",
     "parallel.fsdp", "parallel.head_groups", "parallel.balance_documents", "model.fused_norms",
     "model.fused_rope", "model.fused_mlp", "model.fused_loss", "model.grouped_attention",

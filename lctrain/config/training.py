@@ -67,6 +67,12 @@ class TrainConfig:
     """With checkpointing auto: the layers' policies in forward order as POLICY=COUNT runs,
     e.g. full-offload=4,remat-offload=16,remat=12 (counts add up to the layers); null = the
     memory model chooses for this GPU and host memory."""
+    offload_prefetch: bool = True
+    """With layers whose kept tensors wait in host memory (remat-offload, full-offload), bring
+    each one's back while the layer above it runs its backward, so the copy overlaps compute;
+    false: when its own recompute starts, which holds one such layer on the GPU instead of two
+    and waits for each copy (``lctrain estimate-memory --plan`` turns it off where that is what
+    reaches the longest length)."""
     state_offload: Literal[STATE_OFFLOADS] = "none"
     """Where parameters, gradients and AdamW states live: none (the GPU), optimizer (AdamW's
     two states in pinned host memory, streamed through the GPU for the update), all

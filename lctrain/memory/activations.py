@@ -132,25 +132,25 @@ def layer_policies(arch: Architecture, policy: str, runs=None) -> list[str]:
 
 def kept_at_each_layer(arch: Architecture, tokens: int, c: int, kinds: list[str],
                        lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
-                       head_groups: int = 1) -> list[int]:
+                       head_groups: int = 1, prefetch: bool = True) -> list[int]:
     """Bytes of kept tensors on the GPU while each layer's backward runs (layers of ``kinds``,
     in forward order; `kept_during_layers`); the largest, with the final norm's, is what is held
     between the forward and the backward."""
     kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens, head_groups) for k in kinds]
-    return kept_during_layers(kept, [k in OFFLOADED for k in kinds])
+    return kept_during_layers(kept, [k in OFFLOADED for k in kinds], prefetch)
 
 
-def kept_during_layers(kept: list[int], parked: list[bool]) -> list[int]:
+def kept_during_layers(kept: list[int], parked: list[bool], prefetch: bool = True) -> list[int]:
     """Bytes of kept tensors on the GPU while each layer's backward runs, the backward walking
     the layers from the last to the first: every GPU-kept layer not yet reached (the current
-    one included), the parked layer in use (brought back) and the parked layer below the
-    current one, whose copies back are under way (`lctrain.parallel.offload`: a layer's
-    recompute starts the next one's). Layers in forward order."""
+    one included), the parked layer in use (brought back) and, with ``prefetch``, the parked
+    layer below the current one, whose copies back are under way (`lctrain.parallel.offload`:
+    a layer's recompute starts the next one's). Layers in forward order."""
     during, on_gpu, below = [], 0, 0
     for nbytes, is_parked in zip(kept, parked):
         on_gpu += 0 if is_parked else nbytes
         during.append(on_gpu + (nbytes if is_parked else 0) + below)
-        below = nbytes if is_parked else below
+        below = nbytes if is_parked and prefetch else below
     return during
 
 

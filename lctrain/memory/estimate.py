@@ -80,6 +80,7 @@ class Setup:
     head_groups: int = 1
     runs: Runs | None = None
     state_offload: str = "none"
+    offload_prefetch: bool = True
     gpu_memory: int | None = None
     host_budget: int | None = None
 
@@ -197,7 +198,8 @@ def _activation_phase(setup: Setup, tokens: int, c: int, runs: Runs | None) -> d
     gathered, layer_grads, root = _fsdp_buffers(setup, c)
     final_norm = act.final_norm_saved(arch, tokens, c, lora, tile)
     kinds = act.layer_policies(arch, setup.policy, runs)
-    during = act.kept_at_each_layer(arch, tokens, c, kinds, lora, tile, setup.head_groups)
+    during = act.kept_at_each_layer(arch, tokens, c, kinds, lora, tile, setup.head_groups,
+                                    setup.offload_prefetch)
     backward = {kind: act.layer_backward(arch, tokens, c, kind, setup.cp, lora, tile,
                                          setup.head_groups) + layer_grads for kind in set(kinds)}
     at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]])
@@ -251,7 +253,7 @@ def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> R
     runs = None
     for assumed in (("remat", 1),), (("remat", 1), ("full", 1)):
         room = limit - fixed - final_norm - _transients(setup, tokens, c, assumed)["transient"]
-        runs = place(arch, tokens, c, room, host_room)
+        runs = place(arch, tokens, c, room, host_room, in_flight=1 + setup.offload_prefetch)
         if runs is None or not any(name.startswith("full") for name, _ in runs):
             break
     if runs != (("remat", arch.num_layers),):
@@ -331,8 +333,8 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
              gpu_memory: int | None = None, seq_chunks: int | None = None,
              host_memory: int | None = None, gpus_per_node: int | None = None,
              lora: LoraShape | None = None, tile_tokens: int = 0, head_groups: int = 1,
-             layer_policies: Runs | None = None,
-             state_offload: str = "none") -> MemoryEstimate:
+             layer_policies: Runs | None = None, state_offload: str = "none",
+             offload_prefetch: bool = True) -> MemoryEstimate:
     """Estimate the per-GPU memory of training ``arch`` at ``seq_len`` tokens per sequence.
 
     Args:
@@ -362,6 +364,8 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
             from ``gpu_memory`` and ``host_memory``).
         state_offload: none, optimizer (AdamW's states in pinned host memory) or all
             (parameters, gradients and states there, FSDP2's CPU offload).
+        offload_prefetch: offloaded layers come back while the layer above runs its backward
+            (two of them on the GPU at a time); False: one.
 
     Returns:
         A `MemoryEstimate`.
@@ -376,7 +380,8 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, policy: str,
                   master_dtype=master_dtype, batch_size=batch_size, grad_accum=grad_accum,
                   fsdp=fsdp, loss_chunk_tokens=loss_chunk_tokens, lora=lora,
                   tile_tokens=tile_tokens, head_groups=head_groups, runs=layer_policies,
-                  state_offload=state_offload, gpu_memory=gpu_memory, host_budget=budget)
+                  state_offload=state_offload, offload_prefetch=offload_prefetch,
+                  gpu_memory=gpu_memory, host_budget=budget)
     chunks = seq_chunks or cp
     if seq_len <= 0 or seq_len % chunks:
         raise UserError(f"sequence length {seq_len} must be a positive multiple of {chunks} (the "

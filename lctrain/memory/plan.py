@@ -25,7 +25,8 @@ Cost (:func:`step_seconds`): a documented estimate of one step's time, used only
   in head groups (`lctrain.model.grouped_attention`) one more q/k/v projection of each layer
   that is not remat (remat's recompute skips them, so its count is unchanged);
 - pinned-memory copies (out and back) at :data:`PCIE_BYTES`, overlapped with compute: the step
-  takes the longer of the two;
+  takes the longer of the two; without prefetching (``train.offload_prefetch: false``, one
+  offloaded layer on the GPU at a time instead of two) the copies back are waited for;
 - state in host memory, not overlapped: ``optimizer`` moves both AdamW states in and out per
   step; ``all`` also gathers the parameters twice (forward and backward), moves the gradients
   out and runs the update on the CPU at :data:`HOST_UPDATE_BYTES` of state per second;
@@ -110,16 +111,17 @@ class Choice:
         items = [f"parallel.cp={s.cp}", f"train.checkpointing={s.policy}"]
         if s.policy == "auto":
             items.append(f"train.layer_policies={self.details['layer_policies']}")
-        return items + [f"train.tile_tokens={s.tile_tokens}",
-                        f"parallel.head_groups={s.head_groups}",
-                        f"train.state_offload={s.state_offload}"]
+        items += [f"train.tile_tokens={s.tile_tokens}", f"parallel.head_groups={s.head_groups}",
+                  f"train.state_offload={s.state_offload}"]
+        return items + ([] if s.offload_prefetch else ["train.offload_prefetch=false"])
 
     def to_json(self) -> dict:
         s = self.setup
         return {"seq_len": self.seq_len, "cp": s.cp, "dp": s.gpus // s.cp,
                 "checkpointing": s.policy, "layer_policies": self.details.get("layer_policies"),
                 "tile_tokens": s.tile_tokens, "head_groups": s.head_groups,
-                "state_offload": s.state_offload, "per_gpu_bytes": dict(self.per_gpu),
+                "state_offload": s.state_offload, "offload_prefetch": s.offload_prefetch,
+                "per_gpu_bytes": dict(self.per_gpu),
                 "peak_allocated": self.details["peak_allocated"],
                 "host_offload": self.details["host_offload"], "step_s": self.step_s,
                 "tokens_per_s": self.tokens_s, "overrides": self.overrides()}
@@ -139,11 +141,12 @@ def options(base: Setup, machine: Machine, *, longest: bool) -> list[Setup]:
             tiles = (TILE_TOKENS,) if longest else (0, TILE_TOKENS)
             for policy in policies:
                 for tile in tiles:
-                    found.append(dataclasses.replace(
-                        base, gpus=machine.gpus, cp=cp, policy=policy, tile_tokens=tile,
-                        head_groups=groups[-1] if longest else 1, runs=None,
-                        state_offload=offload, gpu_memory=machine.gpu_memory,
-                        host_budget=machine.host_budget))
+                    for prefetch in ((True, False) if machine.host_memory else (True,)):
+                        found.append(dataclasses.replace(
+                            base, gpus=machine.gpus, cp=cp, policy=policy, tile_tokens=tile,
+                            head_groups=groups[-1] if longest else 1, runs=None,
+                            state_offload=offload, offload_prefetch=prefetch,
+                            gpu_memory=machine.gpu_memory, host_budget=machine.host_budget))
     return found
 
 
@@ -194,10 +197,10 @@ def fastest(base: Setup, machine: Machine, seq_len: int, seq_chunks) -> Choice |
 
 def _key(choice: Choice) -> tuple:
     """Ranking: estimated time per token, then less host memory, smaller cp, fewer groups,
-    no tiles."""
+    no tiles, prefetching."""
     s = choice.setup
     return (round(1 / choice.tokens_s, 12), choice.details["host_offload"], s.cp, s.head_groups,
-            s.tile_tokens)
+            s.tile_tokens, not s.offload_prefetch)
 
 
 def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
@@ -220,7 +223,11 @@ def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
         recompute += qkv * (layers - _remat_layers(setup))
     compute = (linear + layers * 3.5 * attention_fwd + recompute + tiles) / GPU_FLOPS
     copies = 2 * details["host_activations"] * setup.grad_accum / PCIE_BYTES
-    seconds = max(compute, copies) + _state_seconds(setup, details)
+    if setup.offload_prefetch:
+        seconds = max(compute, copies)
+    else:  # the copies back wait: each layer's comes when its recompute starts
+        seconds = max(compute, copies / 2) + copies / 2
+    seconds += _state_seconds(setup, details)
     overhead = CP_OVERHEAD * math.log2(setup.cp) + GROUP_OVERHEAD * (setup.head_groups > 1)
     return seconds * (1 + overhead)
 
@@ -247,7 +254,8 @@ def describe(choice: Choice) -> str:
     s = choice.setup
     policy = s.policy if s.policy == "none" else f"auto ({format_layer_policies(s.runs)})"
     return (f"cp {s.cp} x dp {s.gpus // s.cp}, checkpointing {policy}, tile_tokens "
-            f"{s.tile_tokens}, head_groups {s.head_groups}, state_offload {s.state_offload}")
+            f"{s.tile_tokens}, head_groups {s.head_groups}, state_offload {s.state_offload}"
+            + ("" if s.offload_prefetch else ", offload_prefetch false"))
 
 
 def plan(base: Setup, machine: Machine, seq_chunks, seq_len: int | None = None) -> dict:

@@ -63,7 +63,8 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
                     host_memory=host_memory, gpus_per_node=gpus_per_node,
                     lora=lora_shape(cfg.lora) if cfg is not None else None,
                     tile_tokens=train.tile_tokens, head_groups=parallel.head_groups,
-                    layer_policies=runs, state_offload=train.state_offload)
+                    layer_policies=runs, state_offload=train.state_offload,
+                    offload_prefetch=train.offload_prefetch)
 
 
 def layer_policies_for(cfg: RecipeConfig, *, gpus: int, gpu_memory: int,

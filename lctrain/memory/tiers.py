@@ -21,8 +21,9 @@ of running the attention forward again. `place` gives every layer a policy of
    lower layer's forward once more in the backward.
 
 Placing, the GPU budgets two offloaded layers' tensors in flight (the one in use and the next
-one coming back); `lctrain.memory.activations.kept_during_layers` counts one where GPU-kept
-layers sit above them, so a placement never asks for more than the estimate allows.
+one coming back), or one without prefetching (``train.offload_prefetch: false``);
+`lctrain.memory.activations.kept_during_layers` counts one where GPU-kept layers sit above
+them, so a placement never asks for more than the estimate allows.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from lctrain.memory.arch import Architecture
 Runs = tuple[tuple[str, int], ...]
 
 
-def place(arch: Architecture, tokens: int, c: int, gpu_room: int, host_room: int) -> Runs | None:
+def place(arch: Architecture, tokens: int, c: int, gpu_room: int, host_room: int,
+          in_flight: int = 2) -> Runs | None:
     """The layers' policies for ``auto`` (runs in forward order), or None when nothing fits:
     the most layers that keep their attention output (remat), then, among the placements with
     that many, the fewest bytes parked in host memory (each crosses PCIe twice per step).
@@ -44,6 +46,7 @@ def place(arch: Architecture, tokens: int, c: int, gpu_room: int, host_room: int
         c: bytes per element of the compute dtype.
         gpu_room: bytes of GPU memory that kept tensors may take (what the step's peak leaves).
         host_room: pinned host bytes this process may use for them.
+        in_flight: offloaded layers on the GPU at a time (2 with prefetching, else 1).
     """
     big, small = remat_kept(arch, tokens, c), input_kept(arch, tokens, c)
     layers = arch.num_layers
@@ -53,17 +56,18 @@ def place(arch: Architecture, tokens: int, c: int, gpu_room: int, host_room: int
             return _runs(remat, 0, full, 0)
         best = None  # (bytes parked, remat layers on the GPU, full layers on the GPU)
         for on_gpu in range(min(remat, max(gpu_room, 0) // big), -1, -1):
-            full_gpu = _full_on_gpu(on_gpu, remat, full, big, small, gpu_room)
+            full_gpu = _full_on_gpu(on_gpu, remat, full, big, small, gpu_room, in_flight)
             parked = (remat - on_gpu) * big + (full - full_gpu) * small
             if full_gpu >= 0 and parked <= host_room and (best is None or parked < best[0]):
                 best = (parked, on_gpu, full_gpu)  # the fewest bytes over PCIe; ties: GPU
         if best is not None:
             _, on_gpu, full_gpu = best
             return _runs(on_gpu, remat - on_gpu, full_gpu, full - full_gpu)
-    return _paired(layers, small, gpu_room, host_room)
+    return _paired(layers, small, gpu_room, host_room, in_flight)
 
 
-def _paired(layers: int, small: int, gpu_room: int, host_room: int) -> Runs | None:
+def _paired(layers: int, small: int, gpu_room: int, host_room: int,
+            in_flight: int) -> Runs | None:
     """When no layer can keep its attention output and the inputs do not fit either: the
     fewest ``full-paired`` pairs (each keeps one input on the GPU for two layers and rebuilds
     the other) that make the rest fit as full layers, the GPU first."""
@@ -71,25 +75,26 @@ def _paired(layers: int, small: int, gpu_room: int, host_room: int) -> Runs | No
         rest, room = layers - 2 * pairs, gpu_room - pairs * small
         if room < 0:
             return None
-        full_gpu = _full_on_gpu(0, 0, rest, small, small, room)
+        full_gpu = _full_on_gpu(0, 0, rest, small, small, room, in_flight)
         if full_gpu >= 0 and (rest - full_gpu) * small <= host_room:
             return _runs(0, 0, full_gpu, rest - full_gpu) + (("full-paired", 2 * pairs),)
     return None
 
 
-def _full_on_gpu(on_gpu: int, remat: int, full: int, big: int, small: int, gpu_room: int) -> int:
+def _full_on_gpu(on_gpu: int, remat: int, full: int, big: int, small: int, gpu_room: int,
+                 in_flight: int = 2) -> int:
     """Most full layers that fit on the GPU beside ``on_gpu`` remat layers and the in-flight
-    copies of the offloaded ones (-1: not even none fit)."""
+    copies of the offloaded ones, ``in_flight`` at a time (-1: not even none fit)."""
     room = gpu_room - on_gpu * big
     top = min(full, max(room, 0) // small)
     item = big if remat > on_gpu else small
-    steady = min(full, max(room - 2 * item, 0) // small)  # two offloaded layers in flight
+    steady = min(full, max(room - in_flight * item, 0) // small)  # offloaded layers in flight
     for full_gpu in sorted({top, top - 1, top - 2, steady, 0}, reverse=True):
         if full_gpu < 0:
             continue
         off_remat, off_full = remat - on_gpu, full - full_gpu
-        in_flight = min(2, off_remat + off_full) * (big if off_remat else small)
-        if full_gpu * small + in_flight <= room:
+        flying = min(in_flight, off_remat + off_full) * (big if off_remat else small)
+        if full_gpu * small + flying <= room:
             return full_gpu
     return -1
 

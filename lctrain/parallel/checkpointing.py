@@ -91,7 +91,7 @@ def remat_contexts():
 
 
 def apply_checkpointing(model: nn.Module, policy: str, *, layer_policies: list[str] | None = None,
-                        offload_min_bytes: int = 1 << 20) -> int:
+                        offload_min_bytes: int = 1 << 20, offload_prefetch: bool = True) -> int:
     """Wrap every decoder layer of ``model`` (in place) for ``policy``.
 
     Call it before FSDP2. Calling it again replaces the previous policy; ``none`` unwraps.
@@ -104,6 +104,8 @@ def apply_checkpointing(model: nn.Module, policy: str, *, layer_policies: list[s
         layer_policies: with ``auto``, every layer's policy in forward order (names of
             `lctrain.config.tiers.LAYER_POLICIES`; `lctrain.config.tiers.per_layer` expands runs).
         offload_min_bytes: offloaded layers leave tensors smaller than this on the device.
+        offload_prefetch: bring an offloaded layer's tensors back while the layer above runs
+            its backward (False: when its own recompute starts; `lctrain.parallel.offload`).
 
     Returns:
         The number of layers wrapped (0 for ``none``; ``auto``'s ``none`` layers are not).
@@ -118,7 +120,8 @@ def apply_checkpointing(model: nn.Module, policy: str, *, layer_policies: list[s
     layers = decoder_layer_slots(model)
     kinds = _layer_kinds(policy, layer_policies, len(layers))
     _hand_over_from_transformers(model, policy)
-    offloader = Offloader(offload_min_bytes) if OFFLOADED.intersection(kinds) else None
+    offloader = (Offloader(offload_min_bytes, offload_prefetch)
+                 if OFFLOADED.intersection(kinds) else None)
     links = {i: PairLink() for i, kind in enumerate(kinds[1:]) if kind == "chained"}
     wrapped = 0
     for i, ((container, index), kind) in enumerate(zip(layers, kinds)):

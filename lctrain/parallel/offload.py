@@ -14,7 +14,10 @@ layer's forward is done with them, and brings them back ahead of use:
   and the copies of the layer BEFORE it (the next one the backward reaches) are started, so
   every transfer but the first overlaps a layer's backward. In a run that keeps the last
   layers on the GPU (``auto``), their recompute starts the first offloaded layer's copies
-  (`Offloader.prefetch_newest`), so that one overlaps too.
+  (`Offloader.prefetch_newest`), so that one overlaps too. Without prefetching
+  (``train.offload_prefetch: false``) a layer's copies start when its own recompute needs
+  them: the GPU then holds one offloaded layer's tensors instead of two, and each layer waits
+  for its copy back (a small share of a layer's time at the lengths where that memory counts).
 
 On a GPU all copies run on one side stream, ordered with events, into pinned host buffers;
 ``record_stream`` keeps the caching allocator from reusing a block before its copy is done. The
@@ -154,7 +157,8 @@ class LayerStash:
         if isinstance(packed, torch.Tensor):
             return packed
         self.wait()
-        self._prefetch_previous()
+        if self.offloader.prefetch:
+            self._prefetch_previous()
         if packed.back is None:  # a second backward through a retained graph
             packed.fetch(None)
         return packed.take()
@@ -221,10 +225,13 @@ class Offloader:
 
     Args:
         min_bytes: tensors smaller than this stay where they are.
+        prefetch: start a layer's copies back while the layer above it runs its backward
+            (False: when its own recompute starts).
     """
 
-    def __init__(self, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, min_bytes: int = 1 << 20, prefetch: bool = True) -> None:
         self.min_bytes = min_bytes
+        self.prefetch = prefetch
         self.pool = PinnedPool()  # used on GPUs only
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: weakref.ref | None = None
@@ -272,8 +279,9 @@ class Offloader:
         return forward_mode, _prefetch_context(self, recompute_mode)
 
     def prefetch_newest(self) -> None:
-        """Start the copies back of the most recently created stash (idempotent)."""
-        newest = self._last() if self._last is not None else None
+        """Start the copies back of the most recently created stash (idempotent; nothing
+        without prefetching)."""
+        newest = self._last() if self._last is not None and self.prefetch else None
         if newest is not None:
             newest.fetch()
 

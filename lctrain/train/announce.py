@@ -35,6 +35,8 @@ def _memory_settings(cfg: RecipeConfig, parts: ModelParts) -> list[str]:
                                          ("head_groups", cfg.parallel.head_groups),
                                          ("state_offload", t.state_offload))
                 if v not in (0, 1, "none")]
+    if not t.offload_prefetch:
+        settings.append("offloaded layers fetched when needed (train.offload_prefetch false)")
     if settings:
         lines.append("memory: " + ", ".join(settings))
     if t.planned:

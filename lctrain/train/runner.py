@@ -230,7 +230,8 @@ def build_model(setup: RunSetup, *,
     apply_tiling(model, cfg.train.tile_tokens)  # the adapters inside the tiles
     runs = _layer_policies(setup) if cfg.train.checkpointing == "auto" else None
     apply_checkpointing(model, cfg.train.checkpointing,  # before FSDP2 wraps the layers
-                        layer_policies=per_layer(runs) if runs else None)
+                        layer_policies=per_layer(runs) if runs else None,
+                        offload_prefetch=cfg.train.offload_prefetch)
     if root is None:
         module = CausalLMLoss(model, cfg.train.loss_chunk_tokens,
                               kernel=cfg.model.fused_loss and accelerator.device.type == "cuda")
