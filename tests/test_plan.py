@@ -177,6 +177,8 @@ def test_cli_plan_table_commands_and_json():
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "fastest at 256K" in result.output and "lctrain finetune RECIPE" in result.output
+    row = next(ln for ln in result.output.splitlines() if ln.startswith("parked layers come back"))
+    assert "when needed" in row  # the longest plan's parked layers: train.offload_prefetch=false
     line = next(ln.strip() for ln in result.output.splitlines() if "--seq-len 256k" in ln)
     sets = [a for i, a in enumerate(shlex.split(line)) if shlex.split(line)[i - 1] == "--set"]
     assert "train.planned=fastest 256K for llama-7b on 2 x 139GiB GPUs, 251GiB host memory" in sets

@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from lctrain.config.tiers import format_layer_policies, parse_layer_policies
 from lctrain.memory.activations import grouped
 from lctrain.memory.estimate import Setup, breakdown, host_budget, max_seq_len
-from lctrain.memory.tiers import chained_layers, recomputed_layers, unchecked_layers
+from lctrain.memory.tiers import (chained_layers, recomputed_layers, remat_layers,
+                                  unchecked_layers)
 
 GPU_FLOPS = 0.45 * 989e12
 """Assumed useful FLOP/s of one GPU (an H100/H200 at 45 % of its dense bf16 peak)."""
@@ -220,7 +221,7 @@ def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
     tiles = 2 * layers * mlp * tokens if 0 < setup.tile_tokens < details["tokens_per_gpu"] else 0
     if grouped(arch, setup.lora, setup.head_groups):
         qkv = 2 * h * (arch.q_width + 2 * arch.kv_width) * tokens
-        recompute += qkv * (layers - _remat_layers(setup))
+        recompute += qkv * (layers - remat_layers(runs))
     compute = (linear + layers * 3.5 * attention_fwd + recompute + tiles) / GPU_FLOPS
     copies = 2 * details["host_activations"] * setup.grad_accum / PCIE_BYTES
     if setup.offload_prefetch:
@@ -230,12 +231,6 @@ def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
     seconds += _state_seconds(setup, details)
     overhead = CP_OVERHEAD * math.log2(setup.cp) + GROUP_OVERHEAD * (setup.head_groups > 1)
     return seconds * (1 + overhead)
-
-
-def _remat_layers(setup: Setup) -> int:
-    if setup.runs is None:
-        return setup.arch.num_layers if setup.policy.startswith("remat") else 0
-    return sum(n for name, n in setup.runs if name.startswith("remat"))
 
 
 def _state_seconds(setup: Setup, details: dict) -> float:

@@ -127,6 +127,7 @@ _PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "paral
               ("checkpointing", "checkpointing", None), ("layer policies", "layer_policies", None),
               ("tile tokens", "tile_tokens", "tokens"), ("head groups", "head_groups", None),
               ("state in host memory", "state_offload", None),
+              ("parked layers come back", "offload_prefetch", "prefetch"),
               ("GPU memory, total", "total", "bytes"),
               ("GPU peak allocated", "peak_allocated", "bytes"),
               ("host memory per GPU", "host_offload", "bytes"),
@@ -177,6 +178,10 @@ def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:
         return f"{value:,.0f} s" if value >= 10 else f"{value:.2g} s"
     if kind == "rate":
         return f"{value:,.0f}"
+    if kind == "prefetch":  # train.offload_prefetch; only where layers are parked
+        if "offload" not in (choice.get("layer_policies") or ""):
+            return ""
+        return "ahead (prefetched)" if value else "when needed"
     return str(value)
 
 

@@ -125,6 +125,11 @@ def recomputed_layers(runs: Runs) -> int:
     return sum(n for name, n in runs if name.startswith("full"))
 
 
+def remat_layers(runs: Runs) -> int:
+    """Layers that keep their attention output (remat, on the GPU or in host memory)."""
+    return sum(n for name, n in runs if name.startswith("remat"))
+
+
 def offloaded_layers(runs: Runs) -> int:
     """Layers whose kept tensors wait in host memory."""
     return sum(n for name, n in runs if name in OFFLOADED)
