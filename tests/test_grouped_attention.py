@@ -14,7 +14,9 @@ from lctrain.memory.activations import layer_saved
 from lctrain.model import CPContext
 from lctrain.model.attention import register_attention
 from lctrain.model.grouped_attention import GroupedAttention, apply_grouped_attention
+from lctrain.model.deferred_norm import DeferredNorm
 from lctrain.parallel.checkpointing import AttentionCounter, apply_checkpointing
+from lctrain.parallel.tiling import apply_tiling
 from live_bytes import SavedBytes
 
 VOCAB = 61
@@ -70,6 +72,18 @@ def test_grouped_layers_match_transformers_module_in_float64(groups, policy, for
     assert got[2] == {"lctrain::attention_block": forwards}
 
 
+@pytest.mark.parametrize("policy", ["none", "remat", "auto:full-offload,remat-offload"])
+def test_grouped_and_tiled_layers_match_in_float64(policy):
+    """Both norms deferred (to the block and to the MLP's tiles), tiles that leave a part."""
+    model = _model()
+    ids = torch.randint(0, VOCAB, (2, 37))
+    want = _step(model, ids, policy)
+    both = copy.deepcopy(model)
+    apply_grouped_attention(both, 2)
+    assert apply_tiling(both, 16) == 2 * 2 + 1  # per layer the MLP and its norm; final norm
+    _assert_same(_step(both, ids, policy), want)
+
+
 def test_biases_and_documents_match():
     """Qwen2's q/k/v biases, and packed documents (the mask from cp_context)."""
     model = _model("qwen2", heads=4, kv_heads=2)
@@ -88,11 +102,13 @@ def test_names_state_dict_unwrapping_and_what_is_left_alone():
     assert apply_grouped_attention(model, 4) == 2
     attn = model.model.layers[0].self_attn
     assert isinstance(attn, GroupedAttention) and "head_groups=4" in repr(attn)
+    assert isinstance(model.model.layers[0].input_layernorm, DeferredNorm)  # run by the block
     assert list(model.state_dict()) == keys
     assert apply_grouped_attention(model, 2) == 2  # a new count replaces the old
     assert model.model.layers[0].self_attn.head_groups == 2
     assert apply_grouped_attention(model, 1) == 0  # one group: transformers' module
     assert not isinstance(model.model.layers[0].self_attn, GroupedAttention)
+    assert type(model.model.layers[0].input_layernorm).__name__ == "LlamaRMSNorm"
     assert list(model.state_dict()) == keys
     with pytest.raises(ValueError, match="divisor of the 4 key/value heads"):
         GroupedAttention(model.model.layers[0].self_attn, 3)
@@ -122,14 +138,17 @@ def test_a_generation_call_with_a_cache_runs_the_module():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kv_heads, groups", [(4, 2), (2, 2), (4, 4)])
-def test_a_grouped_layer_keeps_what_the_memory_model_counts(kv_heads, groups):
-    """bf16, no checkpointing: what layer 1 saves for its backward (saved-tensor hooks)."""
+@pytest.mark.parametrize("kv_heads, groups, tile", [(4, 2, 0), (2, 2, 0), (4, 4, 0), (4, 2, 32)])
+def test_a_grouped_layer_keeps_what_the_memory_model_counts(kv_heads, groups, tile):
+    """bf16, no checkpointing: what layer 1 saves for its backward (saved-tensor hooks), with
+    and without tiles (where both norms run inside the block and the MLP's tiles)."""
     fields = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": kv_heads}
     model = _model(heads=4, kv_heads=kv_heads, dtype=torch.bfloat16)
     apply_grouped_attention(model, groups)
+    apply_tiling(model, tile)
+    assert isinstance(model.model.layers[1].input_layernorm, DeferredNorm)
     probe = SavedBytes(model, model.model.layers[1])
     tokens, c = 96, 2
     ids = torch.randint(0, VOCAB, (1, tokens))
@@ -137,8 +156,9 @@ def test_a_grouped_layer_keeps_what_the_memory_model_counts(kv_heads, groups):
         model(input_ids=ids).logits.float().sum().backward()
     arch = dataclasses.replace(from_config_dict(fields), fused_norms=False, fused_mlp=False)
     cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
-    assert probe.total - cos_sin == layer_saved(arch, tokens, c, head_groups=groups)
-    assert layer_saved(arch, tokens, c, head_groups=groups) < layer_saved(arch, tokens, c)
+    saved = layer_saved(arch, tokens, c, tile_tokens=tile, head_groups=groups)
+    assert probe.total - cos_sin == saved
+    assert saved < layer_saved(arch, tokens, c, tile_tokens=tile)
 
 
 @pytest.mark.gpu

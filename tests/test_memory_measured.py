@@ -31,10 +31,11 @@ def _rows():
                 if word == "--set" and not command[i + 1].startswith("data.source=")]  # run's
         for row in result["rows"]:
             if row.get("status") == "ok":
-                # rows that do not say ran before norms, MLPs or the loss were fused, or the
-                # projections grouped with the heads: without them
+                # rows that do not say ran before norms, MLPs or the loss were fused, the
+                # projections grouped with the heads or the norms deferred: without them
                 eager = [f"model.{key}=false" for key in ("fused_norms", "fused_mlp", "fused_loss",
-                                                          "grouped_attention") if key not in row]
+                                                          "grouped_attention", "deferred_norms")
+                         if key not in row]
                 yield pytest.param(recipe, eager + base, row,
                                    id=f"{path.stem}-{row['seq_len']}-{row['variant'] or 'recipe'}")
 
@@ -50,6 +51,7 @@ def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
     assert cfg.model.fused_loss == row.get("fused_loss", cfg.model.fused_loss)
     assert cfg.model.grouped_attention == row.get("grouped_attention",
                                                   cfg.model.grouped_attention)
+    assert cfg.model.deferred_norms == row.get("deferred_norms", cfg.model.deferred_norms)
     est = estimate_recipe(cfg, seq_len=row["seq_len"], gpus=row["gpus"], gpu_memory=139 * GIB)
     model = est.details["peak_allocated"] / GIB
     if cfg.data.document_mask and row["peak_gib"] < model:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lctrain.errors import UserError
+from lctrain.model.deferred_norm import DeferredNorm
 from lctrain.parallel.checkpointing import apply_checkpointing
 from lctrain.parallel.tiling import TiledModule, apply_tiling
 from tiny_llama import tiny_llama
@@ -49,12 +50,16 @@ def test_names_state_dict_and_unwrapping(base_model):
     layer = model.model.layers[0]
     assert isinstance(layer.mlp, TiledModule) and isinstance(layer.input_layernorm, TiledModule)
     assert not isinstance(layer.self_attn, TiledModule)
+    # the norm before the MLP runs in the MLP's tiles, registered where it was
+    assert isinstance(layer.post_attention_layernorm, DeferredNorm)
+    assert layer.mlp.pre is layer.post_attention_layernorm.norm
     assert list(model.state_dict()) == keys  # as distributed checkpoints name them too
     model.load_state_dict(base_model.state_dict())
     assert apply_tiling(model, 32) == 7 and model.model.layers[0].mlp.tile_tokens == 32
     assert isinstance(model.model.norm, TiledModule)
     assert apply_tiling(model, 0) == 0
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert type(model.model.layers[0].post_attention_layernorm).__name__ == "LlamaRMSNorm"
     assert type(model.model.norm).__name__ == "LlamaRMSNorm"
 
 

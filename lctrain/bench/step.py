@@ -311,6 +311,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "fused_norms": cfg.model.fused_norms and cuda,
         "fused_mlp": cfg.model.fused_mlp and cuda, "fused_loss": cfg.model.fused_loss and cuda,
         "grouped_attention": cfg.model.grouped_attention,
+        "deferred_norms": cfg.model.deferred_norms,
         "steps": len(timed),
         "tokens_per_s": _median(timed, "tokens_per_s"),
         "step_time_s": _median(timed, "step_time_s"),

@@ -37,6 +37,7 @@ RESUMABLE = (
     "parallel.cp", "parallel.dp", "parallel.schedule", "parallel.attention_backend",
     "parallel.fsdp", "parallel.head_groups", "parallel.balance_documents", "model.fused_norms",
     "model.fused_rope", "model.fused_mlp", "model.fused_loss", "model.grouped_attention",
+    "model.deferred_norms",
     "data.cache_dir",
     "checkpoint.every", "checkpoint.keep", "checkpoint.enabled", "checkpoint.export_final",
     "checkpoint.asynchronous", "checkpoint.on_signal",

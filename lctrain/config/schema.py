@@ -80,6 +80,13 @@ class ModelConfig:
     q, k, v or their gradients exist for all heads at once: less memory at long context for one
     more projection per layer and step. false: transformers' module, only the attention
     kernels in groups. LoRA-adapted projections always run transformers' module."""
+    deferred_norms: bool = True
+    """Run each Llama, Mistral or Qwen layer's RMSNorms inside the module that reads their
+    output (`lctrain.model.deferred_norm`): the norm before the MLP inside the MLP's tiles
+    (train.tile_tokens), the norm before the attention inside the grouped attention block
+    (model.grouped_attention). The layer then keeps the norms' inputs, which it holds anyway,
+    not their outputs, and the backward makes them again: less memory for one more norm per
+    layer and step. false: the norms run on their own, before those modules."""
     fused_loss: bool = True
     """On GPUs, compute each chunk of the cross-entropy (`train.loss_chunk_tokens` tokens) and
     its logits' gradient in one Triton kernel (`lctrain.train.loss_kernel`), with no float32

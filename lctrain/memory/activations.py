@@ -30,10 +30,11 @@ Policies (see lctrain.parallel.checkpointing):
 
 Tiled layers (``tile_tokens`` < T, `lctrain.parallel.tiling`): the final norm keeps only its
 input (c·T·h); in each layer the MLP and both norms keep only their inputs — the layer input
-x, h1 = x + attention and the second norm's output, 3·c·T·h —
+x, h1 = x + attention and the second norm's output, 3·c·T·h, or 2·c·T·h where the second norm
+runs inside the MLP's tiles (`Architecture.norm_in_tiles`) —
 plus the first norm's output (kept by q, k, v), and their backward needs one tile's worth of
-the MLP (7·c·n·I for n tile tokens, 6·c·n·I fused) and float32 sums of the MLP's weight
-gradients. Beside the recomputed layer, the MLP half of the backward holds two (T × h)
+the MLP (7·c·n·I for n tile tokens, 6·c·n·I fused; with the norm, its output and gradient)
+and float32 sums of the MLP's weight gradients. Beside the recomputed layer, the MLP half of the backward holds two (T × h)
 gradients (of the layer output and of the MLP input) and the attention half the residual
 stream's gradient and the attention output's (allocator traces of `lctrain bench step
 --memory-trace` show exactly these).
@@ -76,14 +77,17 @@ def layer_saved(arch: Architecture, tokens: int, c: int,
     frozen weights keep less: `lctrain.memory.lora.layer_saved`; tiled layers keep their
     inputs only; projections in head groups keep no q, k, v)."""
     t, h = tokens, arch.hidden_size
-    qkv = 0 if grouped(arch, lora, head_groups) else c * t * (arch.q_width + 2 * arch.kv_width)
+    in_groups = grouped(arch, lora, head_groups)
+    in_block = in_groups and arch.norm_in_attention  # the first norm runs in the block
+    qkv = 0 if in_groups else c * t * (arch.q_width + 2 * arch.kv_width)
     if tiled(tokens, tile_tokens):
         if lora is not None:
             return lora_model.tiled_layer_saved(arch, tokens, c, lora)
-        return 4 * c * t * h + qkv + c * t * arch.q_width + 4 * t * arch.num_heads  # + output
+        kept = (2 + (not in_block) + (not arch.norm_in_tiles)) * c * t * h  # see above
+        return kept + qkv + c * t * arch.q_width + 4 * t * arch.num_heads  # + the output
     if lora is not None:
         return lora_model.layer_saved(arch, tokens, c, lora)
-    norms = 2 * norm_saved(arch, tokens, c)
+    norms = norm_saved(arch, tokens, c) + (c * t * h if in_block else norm_saved(arch, tokens, c))
     attn_out = c * t * arch.q_width + 4 * t * arch.num_heads
     mlp = (3 if arch.fused_mlp else 4) * c * t * arch.intermediate_size  # gate, up, (SiLU,) product
     return norms + qkv + attn_out + mlp
@@ -211,21 +215,23 @@ def _attention_phase(arch, tokens, c, policy, cp, lora, head_groups, recomputed_
     """The attention half of a layer's backward beside the residual stream's gradients: what
     the recompute left of the attention block's inputs (``recomputed_input``, the first norm's
     kept tensors; q, k, v; under full the output and lse), the attention's buffers and the
-    gradient of the attention output. With the projections in head groups: no q, k, v, one
-    group's buffers (`grouped_workspace`) and the gradient of the block's input, filled in
-    place group by group."""
+    gradient of the attention output. With the norm and the projections in head groups: the
+    norm's output, which the block's backward makes again, one group's buffers
+    (`grouped_workspace`) and the gradient of the norm's output, filled in place group by
+    group; no q, k, v and no full-size gradient of the attention output."""
     t = tokens
     out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
-    if policy == "none":
-        recomputed = 0
-    else:
-        recomputed = recomputed_input + (out_lse if policy.startswith("full") else 0)
+    full = out_lse if policy.startswith("full") else 0
     if grouped(arch, lora, head_groups):
-        buffers = grouped_workspace(arch, tokens, c, cp, head_groups) + c * t * arch.hidden_size
-    else:
-        recomputed += 0 if policy == "none" else c * t * (arch.q_width + 2 * arch.kv_width)
-        buffers = attention_workspace(arch, tokens, c, cp, head_groups)
-    return recomputed + buffers + c * t * arch.q_width
+        if arch.norm_in_attention:  # the block's backward makes the norm's output again
+            normed = norm_saved(arch, tokens, c) - c * t * arch.hidden_size  # (input: kept)
+        else:
+            normed = 0 if policy == "none" else recomputed_input
+        return (normed + full + grouped_workspace(arch, tokens, c, cp, head_groups)
+                + c * t * arch.hidden_size)
+    recomputed = 0 if policy == "none" else (
+        recomputed_input + full + c * t * (arch.q_width + 2 * arch.kv_width))
+    return recomputed + attention_workspace(arch, tokens, c, cp, head_groups) + c * t * arch.q_width
 
 
 def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups) -> int:
@@ -242,8 +248,9 @@ def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_g
         recomputed = saved - x - (0 if policy.startswith("full") else out_lse)
     mlp_weights = (lora_model.layer_trainable(arch, lora) if lora is not None
                    else 3 * h * arch.intermediate_size)
+    norm_tile = 2 * c * n * h if arch.norm_in_tiles else 0  # its output and input gradient
     mlp_tile = (6 if arch.fused_mlp else 7) * c * n * arch.intermediate_size + c * n * h + (
-        (4 + c) * mlp_weights)
+        (4 + c) * mlp_weights) + norm_tile
     mlp_phase = recomputed + 2 * c * t * h + mlp_tile  # d(layer output), d(MLP input)
     return max(mlp_phase, c * t * h + _attention_phase(  # d(residual) beside the attention half
         arch, tokens, c, policy, cp, lora, head_groups, c * t * h))

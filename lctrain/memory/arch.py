@@ -38,6 +38,10 @@ FUSED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 a SiLU activation, gated MLP (`lctrain.model.swiglu`, ``model.fused_mlp``) run fused when
 training on a GPU."""
 
+NORM_IN_TILE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""model_types whose decoder layer runs its ``post_attention_layernorm`` right before its MLP:
+with tiled layers the norm runs inside the MLP's tiles (`lctrain.parallel.tiling`)."""
+
 GROUPED_TYPES = frozenset({"llama", "mistral", "qwen2"})
 """model_types whose attention module is q/k/v projections, transformers' Llama RoPE, the
 attention and an output projection, nothing else (Qwen3's per-head norms are left out): with
@@ -70,6 +74,10 @@ class Architecture:
         grouped_attention: with head groups, the attention's projections and RoPE run in the
             groups too (`lctrain.model.grouped_attention`): no q, k, v kept, no full-size dq,
             dk, dv.
+        norm_in_tiles: in tiled layers the norm before the MLP runs inside the MLP's tiles
+            (`lctrain.parallel.tiling`): its output is not kept.
+        norm_in_attention: where the attention's projections run in head groups, the norm
+            before the attention runs inside that block too: its output is not kept.
     """
 
     name: str
@@ -88,6 +96,8 @@ class Architecture:
     fused_mlp: bool = False
     fused_loss: bool = False
     grouped_attention: bool = False
+    norm_in_tiles: bool = False
+    norm_in_attention: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -155,7 +165,9 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
         qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=model_type in FUSED_TYPES,
         fused_mlp=model_type in FUSED_TYPES and cfg.get("hidden_act", "silu") in _SILU_NAMES,
-        fused_loss=True, grouped_attention=model_type in GROUPED_TYPES)
+        fused_loss=True, grouped_attention=model_type in GROUPED_TYPES,
+        norm_in_tiles=model_type in NORM_IN_TILE_TYPES,
+        norm_in_attention=model_type in GROUPED_TYPES)
 
 
 def load_architecture(model: str) -> Architecture:

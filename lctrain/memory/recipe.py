@@ -87,8 +87,9 @@ def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> A
     """The architecture to estimate: ``model`` (preset, config.json, folder) if given, else the
     recipe's model.path (a hub name is read through transformers; model.config overrides cannot
     change its shapes) or its random-init model.config; with the recipe's model.fused_norms,
-    model.fused_mlp or model.fused_loss off, its norms, MLPs or loss run unfused, and with
-    model.grouped_attention off its attention projections do not run in head groups.
+    model.fused_mlp or model.fused_loss off, its norms, MLPs or loss run unfused, with
+    model.grouped_attention off its attention projections do not run in head groups, and with
+    model.deferred_norms off its norms run before the modules that read them.
 
     Raises:
         UserError: nothing to read an architecture from (model.path still a placeholder), or an
@@ -100,7 +101,10 @@ def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> A
                                    fused_mlp=arch.fused_mlp and cfg.model.fused_mlp,
                                    fused_loss=arch.fused_loss and cfg.model.fused_loss,
                                    grouped_attention=(arch.grouped_attention
-                                                      and cfg.model.grouped_attention))
+                                                      and cfg.model.grouped_attention),
+                                   norm_in_tiles=arch.norm_in_tiles and cfg.model.deferred_norms,
+                                   norm_in_attention=(arch.norm_in_attention
+                                                      and cfg.model.deferred_norms))
     return arch
 
 

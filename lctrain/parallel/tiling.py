@@ -35,12 +35,19 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from lctrain.errors import UserError
+from lctrain.memory.arch import NORM_IN_TILE_TYPES
+from lctrain.model.deferred_norm import DeferredNorm, bare
 from lctrain.model.structure import decoder_layers, unwrap_layer
 
 TILED_CHILDREN = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm", "mlp")
 """Names of decoder-layer children that act on each token alone and take and return one
 (..., hidden) tensor: the gated MLP and the norms around it (Llama, Mistral, Qwen2, Gemma)."""
+
+PRE_MLP_NORM = "post_attention_layernorm"
+"""The norm right before the MLP in the layers of
+:data:`~lctrain.memory.arch.NORM_IN_TILE_TYPES` (in Gemma's it is not: there it follows the
+attention)."""
 
 
 class TiledModule(ActivationWrapper):
@@ -49,39 +56,65 @@ class TiledModule(ActivationWrapper):
     Args:
         module: a module mapping (..., in) to (..., out) token by token, one tensor argument.
         tile_tokens: tokens per tile (> 0); inputs of at most this many tokens run untiled.
+        pre: a token-wise module applied before ``module`` inside each tile (the layer's norm
+            before its MLP, `lctrain.model.deferred_norm`); it stays registered where it was.
     """
 
-    def __init__(self, module: nn.Module, tile_tokens: int) -> None:
+    def __init__(self, module: nn.Module, tile_tokens: int, pre: nn.Module | None = None) -> None:
         super().__init__(module)
         if tile_tokens <= 0:
             raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
         self.tile_tokens = int(tile_tokens)
+        self._pre = (pre,) if pre is not None else ()  # a tuple: not a child of this module
+
+    @property
+    def pre(self) -> nn.Module | None:
+        return self._pre[0] if self._pre else None
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         module = self._checkpoint_wrapped_module
         tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
-        if args or kwargs or tokens <= self.tile_tokens:
+        if args or kwargs:
             return module(hidden_states, *args, **kwargs)
-        params = [p for p in module.parameters() if p.requires_grad]
-        return _TiledApply.apply(hidden_states, module, self.tile_tokens, *params)
+        run = _Chain(self.pre, module) if self._pre else module
+        if tokens <= self.tile_tokens:
+            return run(hidden_states)
+        params = [p for m in (*self._pre, module) for p in m.parameters() if p.requires_grad]
+        return _TiledApply.apply(hidden_states, run, self.tile_tokens, *params)
 
     def extra_repr(self) -> str:
-        return f"tile_tokens={self.tile_tokens}"
+        pre = f", pre={type(self.pre).__name__}" if self._pre else ""
+        return f"tile_tokens={self.tile_tokens}{pre}"
 
 
-def apply_tiling(model: nn.Module, tile_tokens: int) -> int:
+class _Chain:
+    """``second(first(x))``."""
+
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) -> int:
     """Wrap the token-wise children of every decoder layer of ``model`` (in place) in tiles.
 
-    Calling it again replaces the tile size; ``tile_tokens`` 0 unwraps. Call it before
+    With ``defer_norm``, in the layers of :data:`~lctrain.memory.arch.NORM_IN_TILE_TYPES` the
+    norm before the MLP runs inside the MLP's tiles (`lctrain.model.deferred_norm`), so the layer keeps the norm's
+    input only; a norm already deferred to the attention block
+    (`lctrain.model.grouped_attention`) is left to it. Calling it again replaces the tile size;
+    ``tile_tokens`` 0 unwraps. Call it before
     `lctrain.parallel.checkpointing.apply_checkpointing` and FSDP2 (either order with LoRA is
     wrong: LoRA first, so the adapters are inside the tiles).
 
     Args:
         model: a transformers decoder (or a module holding repeated blocks).
         tile_tokens: tokens per tile; 0 = no tiling.
+        defer_norm: run the norm before the MLP inside its tiles where the layer allows it.
 
     Returns:
-        The number of modules wrapped.
+        The number of modules wrapped (tiled or deferred to the tiles).
 
     Raises:
         UserError: a negative tile size, or decoder layers without an ``mlp`` child.
@@ -89,16 +122,39 @@ def apply_tiling(model: nn.Module, tile_tokens: int) -> int:
     if tile_tokens < 0:
         raise UserError(f"train.tile_tokens is {tile_tokens} but must be 0 (off) or a positive "
                         "number of tokens per tile, e.g. 8192")
+    fold = bool(tile_tokens) and defer_norm and (getattr(getattr(model, "config", None), "model_type", None)
+                                  in NORM_IN_TILE_TYPES)
     wrapped = 0
     for layer in decoder_layers(model):
         layer = unwrap_layer(layer)
         if tile_tokens and not isinstance(getattr(layer, "mlp", None), nn.Module):
             raise UserError(f"train.tile_tokens tiles each decoder layer's mlp, but "
                             f"{type(layer).__name__} has no mlp module; set train.tile_tokens=0")
-        wrapped += sum(_tile_child(layer, name, tile_tokens) for name in TILED_CHILDREN)
+        wrapped += _tile_layer(layer, tile_tokens, fold)
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):  # the final norm, whose output feeds the loss
         wrapped += _tile_child(get_decoder(), "norm", tile_tokens)
+    return wrapped
+
+
+def _tile_layer(layer: nn.Module, tile_tokens: int, fold: bool) -> int:
+    """(Re)wrap the token-wise children of one layer; how many were wrapped."""
+    pre_mlp = getattr(layer, PRE_MLP_NORM, None)
+    if isinstance(pre_mlp, nn.Module):
+        pre_mlp = bare(pre_mlp)
+        setattr(layer, PRE_MLP_NORM, pre_mlp)
+    fold = fold and isinstance(pre_mlp, nn.Module)
+    wrapped = 0
+    for name in TILED_CHILDREN:
+        if name == PRE_MLP_NORM and fold:
+            layer.post_attention_layernorm = DeferredNorm(pre_mlp)
+            wrapped += 1
+        elif name == "mlp" and isinstance(getattr(layer, name, None), nn.Module):
+            layer.mlp = (TiledModule(bare(layer.mlp), tile_tokens, pre_mlp if fold else None)
+                         if tile_tokens else bare(layer.mlp))
+            wrapped += bool(tile_tokens)
+        elif not isinstance(getattr(layer, name, None), DeferredNorm):  # else: the attention's
+            wrapped += _tile_child(layer, name, tile_tokens)
     return wrapped
 
 
@@ -107,7 +163,7 @@ def _tile_child(parent: nn.Module, name: str, tile_tokens: int) -> bool:
     child = getattr(parent, name, None)
     if not isinstance(child, nn.Module):
         return False
-    inner = child._checkpoint_wrapped_module if isinstance(child, TiledModule) else child
+    inner = bare(child)
     setattr(parent, name, TiledModule(inner, tile_tokens) if tile_tokens else inner)
     return bool(tile_tokens)
 
@@ -163,9 +219,10 @@ def _widened(grad: torch.Tensor) -> torch.Tensor:
     return grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
 
 
-def _check_tile_output(module: nn.Module, y, x: torch.Tensor) -> None:
+def _check_tile_output(module, y, x: torch.Tensor) -> None:
     if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
-        raise UserError(f"train.tile_tokens cannot tile {type(module).__name__}: it must map each "
+        name = type(module.second if isinstance(module, _Chain) else module).__name__
+        raise UserError(f"train.tile_tokens cannot tile {name}: it must map each "
                         f"token to one output row, but returned {type(y).__name__} "
                         f"{tuple(getattr(y, 'shape', ()))} for input {tuple(x.shape)}; set "
                         "train.tile_tokens=0")

@@ -226,8 +226,10 @@ def build_model(setup: RunSetup, *,
     flops = _flop_model(model)
     setup.cp.check_model(model.config)
     if cfg.model.grouped_attention:  # projections in the head groups (after LoRA: none on it)
-        apply_grouped_attention(model, cfg.parallel.head_groups, fused_rope=cfg.model.fused_rope)
-    apply_tiling(model, cfg.train.tile_tokens)  # the adapters inside the tiles
+        apply_grouped_attention(model, cfg.parallel.head_groups, fused_rope=cfg.model.fused_rope,
+                                defer_norm=cfg.model.deferred_norms)
+    # the adapters inside the tiles
+    apply_tiling(model, cfg.train.tile_tokens, defer_norm=cfg.model.deferred_norms)
     runs = _layer_policies(setup) if cfg.train.checkpointing == "auto" else None
     apply_checkpointing(model, cfg.train.checkpointing,  # before FSDP2 wraps the layers
                         layer_policies=per_layer(runs) if runs else None,
