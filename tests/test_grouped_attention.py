@@ -72,15 +72,22 @@ def test_grouped_layers_match_transformers_module_in_float64(groups, policy, for
     assert got[2] == {"lctrain::attention_block": forwards}
 
 
-@pytest.mark.parametrize("policy", ["none", "remat", "auto:full-offload,remat-offload"])
-def test_grouped_and_tiled_layers_match_in_float64(policy):
-    """Both norms deferred (to the block and to the MLP's tiles), tiles that leave a part."""
+@pytest.mark.parametrize("policy, defer", [("none", True), ("remat", True), ("remat", False),
+                                           ("auto:full-offload,remat-offload", True),
+                                           ("auto:remat-offload,full", False)])
+def test_grouped_and_tiled_layers_match_in_float64(policy, defer):
+    """Both norms deferred (to the block and to the MLP's tiles) or not, tiles that leave a
+    part."""
     model = _model()
     ids = torch.randint(0, VOCAB, (2, 37))
     want = _step(model, ids, policy)
     both = copy.deepcopy(model)
-    apply_grouped_attention(both, 2)
-    assert apply_tiling(both, 16) == 2 * 2 + 1  # per layer the MLP and its norm; final norm
+    apply_grouped_attention(both, 2, defer_norm=defer)
+    # per layer the MLP and its norm, and the first norm unless the block runs it; final norm
+    assert apply_tiling(both, 16, defer_norm=defer) == 2 * (2 + (not defer)) + 1
+    layer = both.model.layers[0]
+    assert isinstance(layer.input_layernorm, DeferredNorm) == defer
+    assert isinstance(layer.post_attention_layernorm, DeferredNorm) == defer
     _assert_same(_step(both, ids, policy), want)
 
 
@@ -138,23 +145,26 @@ def test_a_generation_call_with_a_cache_runs_the_module():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kv_heads, groups, tile", [(4, 2, 0), (2, 2, 0), (4, 4, 0), (4, 2, 32)])
-def test_a_grouped_layer_keeps_what_the_memory_model_counts(kv_heads, groups, tile):
+@pytest.mark.parametrize("kv_heads, groups, tile, defer", [
+    (4, 2, 0, True), (2, 2, 0, True), (4, 4, 0, True), (4, 2, 32, True), (4, 2, 0, False),
+    (4, 2, 32, False)])
+def test_a_grouped_layer_keeps_what_the_memory_model_counts(kv_heads, groups, tile, defer):
     """bf16, no checkpointing: what layer 1 saves for its backward (saved-tensor hooks), with
-    and without tiles (where both norms run inside the block and the MLP's tiles)."""
+    and without tiles, with the norms inside the block and the MLP's tiles or not."""
     fields = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": kv_heads}
     model = _model(heads=4, kv_heads=kv_heads, dtype=torch.bfloat16)
-    apply_grouped_attention(model, groups)
-    apply_tiling(model, tile)
-    assert isinstance(model.model.layers[1].input_layernorm, DeferredNorm)
+    apply_grouped_attention(model, groups, defer_norm=defer)
+    apply_tiling(model, tile, defer_norm=defer)
+    assert isinstance(model.model.layers[1].input_layernorm, DeferredNorm) == defer
     probe = SavedBytes(model, model.model.layers[1])
     tokens, c = 96, 2
     ids = torch.randint(0, VOCAB, (1, tokens))
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
         model(input_ids=ids).logits.float().sum().backward()
-    arch = dataclasses.replace(from_config_dict(fields), fused_norms=False, fused_mlp=False)
+    arch = dataclasses.replace(from_config_dict(fields), fused_norms=False, fused_mlp=False,
+                               norm_in_tiles=defer, norm_in_attention=defer)
     cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
     saved = layer_saved(arch, tokens, c, tile_tokens=tile, head_groups=groups)
     assert probe.total - cos_sin == saved

@@ -115,14 +115,15 @@ class GroupedAttention(ActivationWrapper):
             raise ValueError(f"head_groups must be a positive divisor of the {kv} key/value "
                              f"heads, got {head_groups}")
         self.head_groups, self.fused_rope = int(head_groups), bool(fused_rope)
-        self._norm = (norm if norm is not None else nn.Identity(),)  # not a child: see apply
+        self._norm = (norm,)  # not a child (a tuple): it stays registered in its layer
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 **kwargs):
         attn, norm = self._checkpoint_wrapped_module, self._norm[0]
         cache = kwargs.get("past_key_values", kwargs.get("cache"))
         if cache is not None or position_embeddings is None:
-            return attn(norm(hidden_states), position_embeddings=position_embeddings,
+            x = hidden_states if norm is None else norm(hidden_states)
+            return attn(x, position_embeddings=position_embeddings,
                         attention_mask=attention_mask, **kwargs)
         config = attn.config
         b, s, _ = hidden_states.shape
@@ -146,15 +147,15 @@ class GroupedAttention(ActivationWrapper):
         fused = (self.fused_rope and hidden_states.is_cuda and cos.shape[0] == b
                  and d % 2 == 0 and half & (half - 1) == 0)
         with torch.no_grad():  # the block's backward runs the norm again from its input
-            normed = cast(norm(hidden_states))
+            normed = cast(hidden_states if norm is None else norm(hidden_states))
         with torch.autocast(device, enabled=False):
             out, lse = torch.ops.lctrain.attention_block(  # (out, lse): what remat keeps
-                normed, *[w.detach() for w in weights[:3]],
+                normed.detach(), *[w.detach() for w in weights[:3]],
                 *[None if x is None else x.detach() for x in biases[:3]], cos, sin, d, *options,
                 fused)
         del normed
         spec = _Spec(norm, dtype, _autocast_state(hidden_states.device), d, options, fused)
-        norm_params = [p for p in norm.parameters() if p.requires_grad]
+        norm_params = [] if norm is None else [p for p in norm.parameters() if p.requires_grad]
         with torch.autocast(device, enabled=False):
             y = _Block.apply(hidden_states, out, lse, cos, sin, spec, len(norm_params),
                              *norm_params, *weights, *biases)
@@ -258,10 +259,11 @@ def _(x, wq, wk, wv, bq, bk, bv, cos, sin, head_dim, group_name, causal, doc_bou
 
 @dataclass(frozen=True)
 class _Spec:
-    """What `_Block` needs beside tensors: the norm module, the compute dtype and autocast state
+    """What `_Block` needs beside tensors: the norm module (None: the input is normalised
+    already), the compute dtype and autocast state
     of the forward, the head size, the attention operator's plain arguments and RoPE's kernel."""
 
-    norm: nn.Module
+    norm: nn.Module | None
     dtype: torch.dtype
     autocast: tuple
     head_dim: int
@@ -298,6 +300,12 @@ class _Block(torch.autograd.Function):
         o_rows = out.flatten(-2).reshape(dy.shape[0], -1)  # (N, Hq·D)
         dwo = dy.t().mm(o_rows) if need_w[3] else None
         dbo = dy.sum(0) if bo is not None and need_b[3] else None
+        if spec.norm is None:  # x is the normalised input
+            dx, dw, db = _attention_backward(spec, x.to(spec.dtype), dy, out, lse, cos, sin,
+                                             (wq, wk, wv), (bq, bk, bv), wo, need_xn, need_w,
+                                             need_b)
+            dx = None if dx is None else dx.view_as(x).to(x.dtype)
+            return (dx, None, None, None, None, None, None, *dw, dwo, *db, dbo)
         xd = x.detach().requires_grad_(need_xn)
         with torch.enable_grad(), torch.autocast(*spec.autocast[:1], dtype=spec.autocast[2],
                                                  enabled=spec.autocast[1]):
