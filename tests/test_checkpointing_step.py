@@ -1,6 +1,7 @@
 """`lctrain bench step` on a CPU at tiny size: real training steps through the runner, with the
 attention forwards per step counted under each checkpointing policy."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -30,11 +31,18 @@ def test_bench_step_runs_and_counts_attention(tmp_path, policy, per_layer):
 def test_a_failed_training_run_is_a_row_status_not_a_traceback(tmp_path, monkeypatch):
     import lctrain.train.runner as runner
 
-    monkeypatch.setattr(runner, "finetune", lambda cfg, nproc, own_process: 1)  # workers died (e.g. OOM-killed)
+    def died(cfg, nproc, own_process):  # the workers died (e.g. out of memory) and said why
+        launch = Path(cfg.train.output_dir) / ".launch"
+        launch.mkdir(parents=True)
+        (launch / "workers.log").write_text("rank 0: CUDA out of memory\n")
+        return 1
+
+    monkeypatch.setattr(runner, "finetune", died)
     cfg = load_recipe(None, ["parallel.cp=1", f"train.output_dir={tmp_path / 'run'}"], seq_len=128)
     (row,) = run(cfg, steps=1, nproc=1).rows
-    assert "failed with exit code 1; the workers' log" in row["status"]
-    assert list((tmp_path / "run").iterdir()) == []
+    (kept,) = (tmp_path / "run").iterdir()  # the scratch run is gone, its log kept
+    assert f"failed with exit code 1; its workers' log, kept at {kept}, says why" in row["status"]
+    assert kept.read_text() == "rank 0: CUDA out of memory\n"
 
 
 def test_bench_step_profiles_the_last_step(tmp_path):
