@@ -170,3 +170,12 @@ def test_a_worker_refuses_a_recipe_that_changed_after_the_launcher_wrote_it(tmp_
     path.write_text(path.read_text().replace("lr: 0.002", "lr: 0.5"))
     with pytest.raises(UserError, match="changed after the launcher wrote it"):
         read_recipe(str(path), digest)
+
+
+def test_self_launched_ranks_use_growing_allocator_segments_unless_told(monkeypatch):
+    from lctrain.train.launch import _worker_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert _worker_env(2)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert _worker_env(2)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

@@ -209,6 +209,9 @@ def _worker_env(nproc: int) -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     env[LAUNCHER_PID_ENV] = str(os.getpid())  # the agent and the ranks die with this process
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # long-context steps allocate tensors of many large sizes; growing segments instead of
+    # fixed blocks keeps the allocator from holding gigabytes it cannot hand out
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     loopback = _loopback_interface()
     if loopback is not None:
         env.setdefault("GLOO_SOCKET_IFNAME", loopback)
