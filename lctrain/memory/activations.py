@@ -43,9 +43,11 @@ Head groups (G, `lctrain_kernels` ``head_groups``): the attention's own buffers 
 Hq/G heads, plus copies of one group's inputs and results and, in the backward, full-size
 gradients written group by group. Where the projections run in the groups too
 (`Architecture.grouped_attention`, `lctrain.model.grouped_attention`; not with LoRA), a layer
-keeps no q, k or v (the attention's input and output, and the lse, are what its operator keeps),
-and its backward holds one group's q, k, v, their gradients and the attention's buffers, beside
-full-size gradients of the attention output and of the attention's input.
+keeps no q, k or v (the block keeps its input, the attention output and the lse; with the norm
+inside the block, `Architecture.norm_in_attention`, its input is the layer's, so the norm's
+output is not kept), and its backward holds one group's q, k, v, their gradients, its share of
+the output's gradient and the attention's buffers, beside the normalised input and its
+full-size gradient.
 
 Transients, counted once: one layer's backward (its recomputed activations, the gradients
 flowing through it, the distributed attention's buffers: fp32 accumulators, in-flight copies of
