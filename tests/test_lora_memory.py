@@ -15,6 +15,7 @@ from lctrain.memory import (
     load_architecture,
     lora_shape,
 )
+from lctrain.memory import lora as lora_model
 from lctrain.memory.activations import layer_saved
 from lctrain.memory.lora import trainable_parameters
 
@@ -70,6 +71,28 @@ def test_layer_formula_matches_a_real_lora_layer(lora, fused):
     peft_model = _lora_model(lora, torch.bfloat16)
     if fused:  # peft keeps a trained norm's frozen original beside it: more than 5
         assert fuse_rms_norms(peft_model) >= 5 and fuse_mlps(peft_model) == 2
+    tokens, c = 80, 2
+    arch = dataclasses.replace(from_config_dict(FIELDS), fused_norms=fused, fused_mlp=fused)
+    # the CPU's dropout keeps its scaled noise in the compute dtype; a GPU keeps a 1-byte mask
+    expected = lora_model.layer_saved(arch, tokens, c, lora_shape(lora), mask_bytes=c)
+    assert _layer_saved_bytes(peft_model, tokens) == expected
+
+
+@pytest.mark.parametrize("lora", CASES, ids=range(len(CASES)))
+def test_tiled_layer_formula_matches_a_real_lora_layer(lora):
+    """The MLP and its norm in tiles (the norm inside the MLP's), the first norm tiled."""
+    from lctrain.parallel.tiling import apply_tiling
+
+    peft_model = _lora_model(lora, torch.bfloat16)
+    apply_tiling(peft_model, 32)
+    tokens, c = 80, 2
+    arch = from_config_dict(FIELDS)
+    expected = lora_model.tiled_layer_saved(arch, tokens, c, lora_shape(lora), mask_bytes=c)
+    assert _layer_saved_bytes(peft_model, tokens) == expected
+
+
+def _layer_saved_bytes(peft_model, tokens: int, c: int = 2) -> int:
+    """Bytes layer 1 saves for its backward beyond parameters and RoPE's shared cos/sin."""
     layer = peft_model.base_model.model.model.layers[1]
     params = {p.untyped_storage().data_ptr() for p in peft_model.parameters()}
     state, storages = {"on": False}, {}
@@ -82,16 +105,10 @@ def test_layer_formula_matches_a_real_lora_layer(lora, fused):
             storages[storage.data_ptr()] = storage.nbytes()
         return t
 
-    tokens = 80
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         peft_model(input_ids=torch.randint(0, 101, (1, tokens))).logits.float().sum().backward()
-    arch, c = dataclasses.replace(from_config_dict(FIELDS), fused_norms=fused, fused_mlp=fused), 2
-    cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
-    # the CPU's dropout keeps its scaled noise in the compute dtype; a GPU keeps a 1-byte mask
-    from lctrain.memory import lora as lora_model
-
-    expected = lora_model.layer_saved(arch, tokens, c, lora_shape(lora), mask_bytes=c)
-    assert sum(storages.values()) - cos_sin == expected
+    cos_sin = 2 * tokens * from_config_dict(FIELDS).head_dim * c  # saved by every layer
+    return sum(storages.values()) - cos_sin
 
 
 def test_only_trainable_weights_have_gradients_and_optimizer_state():

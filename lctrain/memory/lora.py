@@ -132,8 +132,9 @@ def layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
 def tiled_layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
                       mask_bytes: int = MASK_BYTES) -> int:
     """`layer_saved` of a LoRA run whose MLP and norms run in tiles (`lctrain.parallel.tiling`):
-    each tiled module keeps only its input; the attention projections' adapters keep what they
-    keep untiled (the MLP's are inside the tiles)."""
+    each tiled module keeps only its input (the norm before the MLP keeps nothing where it runs
+    in the MLP's tiles, `Architecture.norm_in_tiles`); the attention projections' adapters keep
+    what they keep untiled (the MLP's are inside the tiles)."""
     t, h, shapes = tokens, arch.hidden_size, projection_shapes(arch)
     attention_projections = PROJECTIONS[:4]
     kept_qkv = any(n in lora.trainable or (n in lora.targets and not lora.dropout)
@@ -144,4 +145,5 @@ def tiled_layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
     adapters = sum(c * t * lora.rank for _ in targets)
     if lora.dropout:
         adapters += sum((c + mask_bytes) * t * shapes[n][0] for n in targets)
-    return 3 * c * t * h + c * t * h * kept_qkv + attention + adapters
+    inputs = (2 if arch.norm_in_tiles else 3) * c * t * h  # x, h1 (and the second norm's output)
+    return inputs + c * t * h * kept_qkv + attention + adapters
