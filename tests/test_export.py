@@ -4,7 +4,8 @@ test_export_lora.py):
 - the byte tokenizer is exported as a fast tokenizer that tokenizes and decodes exactly alike;
 - a tied-embeddings model saved by the real checkpoint writer exports and reloads as itself;
 - a shard limit below the model's size gives several shards and an index that reload;
-- every user mistake is one sentence at the command line, and nothing half-written is left.
+- every user mistake is one sentence at the command line (an output that cannot be written
+  too), and nothing half-written is left.
 """
 from __future__ import annotations
 
@@ -172,3 +173,12 @@ def test_export_mistakes_are_one_sentence(tmp_path):
         app, ["export", str(run), "--output", "o", "--dtype", "float16"]).output.replace("\n", " ")
     assert "cannot be read" in error(run, "--output", tmp_path / "o")  # empty checkpoint folder
     assert not (tmp_path / "o").exists()  # nothing half-written is left
+    deep = tmp_path / "new" / "deep" / "o"
+    assert "cannot be read" in error(run, "--output", deep)
+    assert not (tmp_path / "new").exists()  # nor the folders made for it
+    afile = tmp_path / "full" / "x"
+    assert f"The output {afile / 'sub'} cannot be written ({afile} is a file, not a folder)" \
+        in error(run, "--output", afile / "sub")
+    if Path("/proc/self").is_dir():  # a pseudo file system that takes no new folder
+        assert "The output /proc/x cannot be written (No such file or directory); choose a " \
+            "folder you may write to" in error(run, "--output", "/proc/x")

@@ -33,7 +33,8 @@ EvalStepOpt = Annotated[Optional[int], typer.Option(
 DataOpt = Annotated[Optional[str], typer.Option(
     "--data", metavar="SOURCE", show_default=False,
     help="ppl data: a .jsonl/.json/.parquet/.txt file or glob, builtin, or a hub dataset "
-         "(default: the run's validation data, else its training data).")]
+         "(default: the run's validation data, else its training data); its format is "
+         "detected from its records unless --set data.format=... names one.")]
 BucketOpt = Annotated[Optional[str], typer.Option(
     "--bucket", metavar="SIZE", show_default=False,
     help="ppl: positions per bucket, e.g. 4k (default: 1/16 of the length).")]

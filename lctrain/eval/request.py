@@ -29,7 +29,7 @@ from pathlib import Path
 from lctrain.config import (ParallelConfig, RecipeConfig, build_recipe, load_recipe, local_data,
                             read_resolved)
 from lctrain.config.loader import parse_override, set_key
-from lctrain.config.paths import check_model_path
+from lctrain.config.paths import check_model_path, shipped_recipes
 from lctrain.errors import ConfigError, UserError
 from lctrain_kernels.vocabulary import check_seq_len
 
@@ -116,13 +116,16 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
             path, step = path.parent.parent, int(path.name.split("-")[1])
         step, path = find_checkpoint(path / "checkpoints", step)
         checkpoint, kind = str(path), "run"
+    explicit = set()
     for item in overrides:
         key, value = parse_override(item)
         set_key(raw, key, value, where=f"--set {item}")
+        explicit.add(key)
     has_eval = bool(raw.get("data", {}).get("eval_source")) or \
         float(raw.get("data", {}).get("eval_fraction") or 0) > 0
     lengths = list(lengths or [])
-    _settle(raw, task=task, seq_len=seq_len, cp=cp, data=data, lengths=lengths, kind=kind)
+    _settle(raw, task=task, seq_len=seq_len, cp=cp, data=data, lengths=lengths, kind=kind,
+            format_given="data.format" in explicit)
     parallel = ParallelConfig(**raw["parallel"])
     for length in lengths:  # before the recipe, which would name the longest data.seq_len
         _check_length(parallel, length)
@@ -174,11 +177,28 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
         return ({"model": {"path": str(path)}, "data": {"tokenizer": None},
                  "parallel": {"cp": max(cuda, 1)}, "train": {"mixed_precision": "auto"}},
                 "model", str(path))
+    if path.is_dir() and (path / "adapter_config.json").is_file():
+        raise UserError(f"{target} holds a LoRA adapter (lctrain export of a LoRA run), not a "
+                        "whole model; evaluate the run folder, or export it with --merge and "
+                        "evaluate that")
     if path.is_dir():
         raise UserError(f"{target} is a folder with neither config.yaml (a run folder) nor "
                         "config.json (a model folder), nor a checkpoint of a run; pass one of "
                         "those, or a recipe")
+    if not path.exists() and not _names_shipped_recipe(path):
+        names = ", ".join(sorted(n.removesuffix(".yaml") for n in shipped_recipes()))
+        raise UserError(f"TARGET {target} does not exist; give a run folder, one of its "
+                        "checkpoints (RUN/checkpoints/step-N), a model folder (config.json), a "
+                        f"recipe file or a shipped recipe ({names})")
     return load_recipe(target).to_dict(), "recipe", str(target)
+
+
+def _names_shipped_recipe(path: Path) -> bool:
+    """Whether ``path``, which does not exist, names a shipped recipe the way
+    `lctrain.config.paths.read_recipe_text` accepts (``tiny``, ``tiny.yaml``,
+    ``recipes/tiny.yaml``)."""
+    name = path.name if path.name.endswith(".yaml") else f"{path.name}.yaml"
+    return name in shipped_recipes() and path.parent in (Path("."), Path("recipes"))
 
 
 def _gpus() -> int:
@@ -188,8 +208,14 @@ def _gpus() -> int:
 
 
 def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: str | None,
-            lengths: list[int], kind: str) -> None:
-    """The settings every evaluation runs under, on top of the target's and --set's."""
+            lengths: list[int], kind: str, format_given: bool = False) -> None:
+    """The settings every evaluation runs under, on top of the target's and --set's.
+
+    ``--data`` replaces the target's data, so its format is detected from its own records
+    (data.format auto) rather than taken from the run, which may have trained on another
+    format (a chat run evaluated on plain text); ``--set data.format=...`` (``format_given``)
+    still says it explicitly.
+    """
     sections = {name: raw.setdefault(name, {}) for name in ("data", "parallel", "train",
                                                            "checkpoint")}
     if seq_len is not None:
@@ -201,6 +227,8 @@ def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: 
     sections["parallel"]["dp"] = 0
     if data is not None:
         sections["data"].update(source=data, eval_source=None, eval_fraction=0.0)
+        if not format_given:
+            sections["data"]["format"] = "auto"
     sections["train"].update(checkpointing="none", eval_every=0, report_to=["jsonl"])
     sections["checkpoint"].update(enabled=False)
 

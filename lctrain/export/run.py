@@ -66,8 +66,8 @@ def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = No
 
     Raises:
         UserError: no such run, no checkpoint (of ``step``), an output folder that is not
-            empty, ``merge`` for a run without LoRA, a dtype that is not supported, or a
-            checkpoint that does not match the run's recipe.
+            empty or cannot be written, ``merge`` for a run without LoRA, a dtype that is not
+            supported, or a checkpoint that does not match the run's recipe.
     """
     run = Path(run_dir).expanduser()
     cfg = run_config(run)
@@ -109,8 +109,14 @@ def run_config(run: Path) -> RecipeConfig:
 
 
 def _check_output(out: Path, replace: bool) -> None:
+    """Refuse an output that is a file, lies under a file, or is a folder with files in it
+    (unless ``replace``), before anything is loaded or written."""
     if out.exists() and not out.is_dir():
         raise UserError(f"The output {out} is a file; name a new folder.")
+    above = next((folder for folder in out.parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UserError(f"The output {out} cannot be written ({above} is a file, not a "
+                        "folder); choose a folder you may write to.")
     if not replace and out.is_dir() and any(out.iterdir()):
         raise UserError(f"The output folder {out} exists and is not empty; name a new folder "
                         "or empty that one.")
@@ -123,20 +129,24 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
     from lctrain.export.weights import trained_model
 
     torch_dtype = getattr(torch, dtype)
-    tokenizer, is_bytes = tok.run_tokenizer(cfg)
-    model = trained_model(cfg, checkpoint)
-    if is_bytes:
-        tok.align_special_ids(model.config, getattr(model, "generation_config", None))
     kind = "merged" if merge else "adapter" if cfg.lora.enabled else "full"
     base = None
+    # staged first: an output that cannot be written fails before minutes of loading
     with write.staged_folder(out, replace=replace) as folder:
-        if kind == "full":
-            write.write_full(model, folder, torch_dtype)
-        elif kind == "merged":
-            write.write_merged(model, folder, torch_dtype)
-        else:
-            base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, is_bytes)
-        tok.save_tokenizer(tokenizer, folder)
+        tokenizer, is_bytes = tok.run_tokenizer(cfg)
+        model = trained_model(cfg, checkpoint)
+        if is_bytes:
+            tok.align_special_ids(model.config, getattr(model, "generation_config", None))
+        try:
+            if kind == "full":
+                write.write_full(model, folder, torch_dtype)
+            elif kind == "merged":
+                write.write_merged(model, folder, torch_dtype)
+            else:
+                base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, is_bytes)
+            tok.save_tokenizer(tokenizer, folder)
+        except OSError as error:  # a full disk, a quota: the writes, not the reads above
+            raise write.unwritable(out, error) from None
     source = ("bytes" if is_bytes else "none (byte-pairs has no transformers tokenizer)"
               if tokenizer is None else str(cfg.data.tokenizer or cfg.model.path))
     return ExportResult(output=out, step=step, kind=kind, dtype=dtype, tokenizer=source,

@@ -25,6 +25,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from lctrain.errors import UserError
+
 MAX_SHARD_SIZE = "5GB"
 """Largest safetensors shard (transformers' sharding; the Hugging Face Hub's usual size)."""
 
@@ -71,23 +73,55 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
     """Yield a fresh folder beside ``output`` to write into; move it to ``output`` at the end.
 
     ``output`` is replaced only when ``replace`` is set or it is an empty folder (the caller
-    has checked). On an error the staged folder is deleted and ``output`` is left as it was.
+    has checked). On an error the staged folder, and the parent folders made for it, are
+    deleted and ``output`` is left as it was, so a failed export leaves nothing behind.
+
+    Raises:
+        UserError: the staged folder cannot be made or moved into place (no permission, a
+            read-only or pseudo file system such as /proc, a full disk), with the system's
+            reason. Errors of the caller's writes pass through (see `unwritable`).
     """
-    output.parent.mkdir(parents=True, exist_ok=True)
+    made = [folder for folder in (output.parent, *output.parent.parents) if not folder.exists()]
     staging = output.parent / f".{output.name}.export-tmp"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir()
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+    except OSError as error:
+        _remove_empty(made)
+        raise unwritable(output, error) from None
     try:
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(made)
         raise
-    if output.exists() and replace:
-        shutil.rmtree(output)
-    elif output.exists():
-        output.rmdir()  # empty, as checked
-    os.replace(staging, output)
+    try:
+        if output.exists() and replace:
+            shutil.rmtree(output)
+        elif output.exists():
+            output.rmdir()  # empty, as checked
+        os.replace(staging, output)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(made)
+        raise unwritable(output, error) from None
+
+
+def unwritable(output: Path, error: OSError) -> UserError:
+    """The one-sentence error of an output folder that cannot be written, worded as
+    ``lctrain finetune`` words an unwritable ``train.output_dir`` (with the system's reason)."""
+    return UserError(f"The output {output} cannot be written "
+                     f"({error.strerror or type(error).__name__}); choose a folder you may "
+                     "write to, on a disk with free space.")
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders an export made (deepest first) that are still empty."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def listing(folder: Path) -> tuple[str, ...]:

@@ -1,0 +1,81 @@
+"""``lctrain eval`` targets and data a user gets wrong, or that the run would get wrong:
+
+- a TARGET that does not exist says what TARGET may be (not only "recipe file");
+- an ``lctrain export`` of a LoRA run (a peft adapter, no config.json) is named as such, with
+  the two ways to evaluate it;
+- ``--data`` is read in its own format (detected from its records), not in the target's
+  data.format: a recipe that trains on chat evaluates a plain-text file; ``--set data.format``
+  still names one.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.config import load_recipe, save_resolved
+
+runner = CliRunner()
+
+
+def _error(*args) -> str:
+    """The one-sentence error of ``lctrain eval ARGS`` (exit 1, no traceback), unwrapped."""
+    result = runner.invoke(app, ["eval", *map(str, args)])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    return " ".join(result.output.split())
+
+
+def test_missing_target_says_what_target_may_be(tmp_path):
+    message = _error(tmp_path / "nothere", "--task", "ppl")
+    assert message.startswith(f"error: TARGET {tmp_path / 'nothere'} does not exist; give a run "
+                              "folder, one of its checkpoints (RUN/checkpoints/step-N), a model "
+                              "folder (config.json), a recipe file or a shipped recipe (")
+    assert "tiny" in message
+    assert "recipe file" not in _error("runs/nothere", "--task", "ppl").split(";")[0]
+
+
+def test_lora_adapter_export_is_named(tmp_path):
+    adapter = tmp_path / "lora_adapter"  # what lctrain export writes for a LoRA run
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (adapter / "tokenizer.json").write_text("{}")
+    assert _error(adapter) == (f"error: {adapter} holds a LoRA adapter (lctrain export of a LoRA "
+                               "run), not a whole model; evaluate the run folder, or export it "
+                               "with --merge and evaluate that")
+    (adapter / "adapter_config.json").unlink()  # a folder of neither kind still says so
+    assert "neither config.yaml (a run folder) nor config.json" in _error(adapter)
+
+
+def _chat_recipe_and_text(tmp_path: Path) -> tuple[Path, Path]:
+    recipe = tmp_path / "chat.yaml"
+    save_resolved(load_recipe(None, ["data.format=chat", "data.seq_len=128", "parallel.cp=1"],
+                              output_dir=str(tmp_path / "run")), recipe)
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"plain text, document {i}. " * 12}) + "\n"
+                            for i in range(4)))
+    return recipe, text
+
+
+def test_data_is_read_in_its_own_format(tmp_path):
+    from lctrain.eval.request import resolve
+
+    recipe, text = _chat_recipe_and_text(tmp_path)
+    assert load_recipe(recipe).data.format == "chat"
+    cfg, _ = resolve(str(recipe), task="ppl", data=str(text))
+    assert (cfg.data.format, cfg.data.source) == ("auto", str(text))
+    cfg, _ = resolve(str(recipe), task="ppl")  # the recipe's own data keeps its format
+    assert cfg.data.format == "chat"
+    cfg, _ = resolve(str(recipe), task="ppl", data=str(text), overrides=["data.format=text"])
+    assert cfg.data.format == "text"
+
+    result = runner.invoke(app, ["eval", str(recipe), "--task", "ppl", "--data", str(text),
+                                 "--max-rows", "1", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    # named explicitly, the chat format is applied to the text file, and refused in a sentence
+    assert f"{text}:1: messages must be a list" in _error(
+        recipe, "--task", "ppl", "--data", text, "--max-rows", 1, "--set", "data.format=chat")
