@@ -216,3 +216,33 @@ def test_parallel_names_come_from_the_kernels():
         assert cfg.parallel.attention_backend == name
     with pytest.raises(ConfigError, match="parallel.attention_backend is 'cpu-flash'.*'cpu_flash'"):
         load_recipe(None, ["parallel.attention_backend=cpu-flash"])
+
+
+def test_a_data_source_error_says_where_the_value_came_from(tmp_path):
+    """data.source (and data.eval_source) errors name the --set that gave the value, like every
+    other keyed error, and the recipe file when the value is the file's."""
+    missing, folder = tmp_path / "nothere.jsonl", tmp_path / "data"
+    folder.mkdir()
+    recipe = tmp_path / "my.yaml"
+    recipe.write_text((REPO / "recipes" / "lctrain_recipes" / "tiny.yaml").read_text().replace(
+        "  source: builtin ", f"  source: {missing} "))
+    cwd = Path.cwd()
+    with pytest.raises(ConfigError) as info:
+        load_recipe(recipe, [f"data.source={missing}"])
+    assert str(info.value) == (f"data.source {str(missing)!r} matches no file; check the path "
+                               f"(relative paths start from {cwd}) "
+                               f"(from --set data.source={missing})")
+    assert info.value.key == "data.source"
+    with pytest.raises(ConfigError) as info:
+        load_recipe(recipe, [f"data.source={folder}"])
+    assert str(info.value) == (f"data.source {str(folder)!r} is a folder; give a file or a glob "
+                               f"such as {folder / '*.jsonl'} (from --set data.source={folder})")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(recipe)
+    assert str(info.value).endswith(f"matches no file; check the path (relative paths start "
+                                    f"from {cwd}) (in {recipe})")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(None, [f"data.eval_source={folder}"])
+    assert str(info.value) == (f"data.eval_source {str(folder)!r} is a folder; give a file or a "
+                               f"glob such as {folder / '*.jsonl'} "
+                               f"(from --set data.eval_source={folder})")

@@ -144,7 +144,7 @@ def test_chat_errors(bpe, tmp_path):
     src.write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
                                             {"role": "assistant", "content": "b"}]}) + "\n")
     cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}"], seq_len=64)
-    with pytest.raises(DataError, match="has no chat template; use the tokenizer of a chat model"):
+    with pytest.raises(DataError, match="has no chat template; give it one"):
         prepare_data(cfg.data, bpe)
     # a template that renders earlier replies differently from the last one
     bpe.chat_template = CHATML.replace("m['content']", "(m['content'] if loop.last else '...')")
@@ -158,5 +158,122 @@ def test_chat_errors(bpe, tmp_path):
         encode_chat(bpe, messages, "here")
     with pytest.raises(DataError, match="here: each message must be an object with a string role"):
         encode_chat(ByteTokenizer(), [{"content": "no role"}], "here")
-    with pytest.raises(DataError, match="here: a message needs a string role and content"):
+    with pytest.raises(DataError, match=r"here: message 0 \(user\) has content of type list, "
+                                        r"not a string"):
         encode_chat(ByteTokenizer(), [{"role": "user", "content": ["parts"]}], "here")
+
+
+CONTENT_FAULTS = [
+    ({"role": "assistant"}, "message 1 (assistant) has no content"),
+    ({"role": "assistant", "content": None},
+     "message 1 (assistant) has content null, not a string"),
+    ({"role": "assistant", "content": ["yo"]},
+     "message 1 (assistant) has content of type list, not a string"),
+]
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "template"])
+@pytest.mark.parametrize("reply, fault", CONTENT_FAULTS, ids=["missing", "null", "list"])
+def test_a_message_without_string_content_is_an_error_naming_the_record(bpe, tmp_path, tokenizer,
+                                                                        reply, fault):
+    """A missing or null content is a malformed record (like a missing role), never an empty
+    reply: rendered, it would train on the end-of-turn marker alone."""
+    bpe.chat_template = CHATML
+    tok = ByteTokenizer() if tokenizer == "bytes" else bpe
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps(good) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, reply]}) + "\n")
+    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}",
+                             "data.format=chat"], seq_len=64)
+    with pytest.raises(DataError) as info:
+        prepare_data(cfg.data, tok)
+    assert str(info.value) == (f"{src}:2: {fault}; each message must be an object with a string "
+                               f"role and a string content")
+
+
+def test_a_malformed_message_is_an_error_even_where_the_record_would_be_skipped(tmp_path):
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}"], seq_len=64)
+    with pytest.raises(DataError, match=r"c\.jsonl:1: message 0 \(user\) has no content;"):
+        prepare_data(cfg.data, ByteTokenizer())
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "template"])
+def test_a_conversation_whose_replies_are_all_empty_is_a_counted_skip(bpe, tmp_path, tokenizer):
+    """As an empty completion is: nothing to train on, so skipped, counted and named in the
+    banner. A conversation with some non-empty reply is kept whole."""
+    from lctrain.data import rows_summary
+
+    bpe.chat_template = CHATML
+    tok = ByteTokenizer() if tokenizer == "bytes" else bpe
+    user = {"role": "user", "content": "hi"}
+    convs = [[user, {"role": "assistant", "content": ""}],
+             [user, {"role": "assistant", "content": ""}, user,
+              {"role": "assistant", "content": "ok"}],
+             [user, {"role": "assistant", "content": "yes"}],
+             [user, {"role": "assistant", "content": ""}, user,
+              {"role": "assistant", "content": ""}]]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}"], seq_len=256)
+    rows = prepare_data(cfg.data, tok)
+    assert rows.info["samples"] == 2 and rows.info["skipped"] == {
+        "empty assistant reply": [2, f"{src}:1"]}
+    assert f"2 skipped (empty assistant reply: 2, first at {src}:1)" in "\n".join(
+        rows_summary(rows))
+    if tokenizer == "bytes":  # the kept: an empty reply's eos, "ok" + eos; "yes" + eos
+        assert rows.info["target_tokens"] == 1 + 3 + 4
+    src.write_text(json.dumps({"messages": convs[0]}) + "\n")
+    with pytest.raises(DataError) as info:
+        prepare_data(cfg.data, tok)
+    assert str(info.value) == (f"data.source {str(src)!r} yields no token to train on: 1 skipped "
+                               f"(empty assistant reply: 1, first at {src}:1); check the records")
+
+
+def test_an_empty_opening_reply_is_not_trained_on_by_prefix_rendering(bpe):
+    """Prefix rendering finds an opening reply by its content; an empty one has none to find,
+    so it is no target (and not an error)."""
+    bpe.chat_template = CHATML
+    messages = [{"role": "assistant", "content": ""}, {"role": "user", "content": "the model"},
+                {"role": "assistant", "content": "answers"}]
+    ids, mask = encode_chat(bpe, messages, "here")
+    want_ids, want_mask = _expected(bpe, messages)
+    opening = len(bpe("<|im_start|>assistant\n<|im_end|>", add_special_tokens=False)["input_ids"])
+    assert ids == want_ids and any(want_mask[:opening])
+    assert mask == [False] * opening + want_mask[opening:]
+
+
+def test_no_chat_template_suggests_only_what_the_recipe_accepts(tmp_path):
+    """With model.path set, the built-in tokenizers are refused, so the error never suggests
+    data.tokenizer=bytes there; for a random init it does."""
+    from model_folders import make_model_folder
+
+    from lctrain.data import load_tokenizer
+
+    folder = make_model_folder(tmp_path, "llama3", weights=False)
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
+                                            {"role": "assistant", "content": "b"}]}) + "\n")
+    common = [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}", "data.format=chat"]
+    fix = ("has no chat template; give it one (a chat_template.jinja file in its folder, or a "
+           "\"chat_template\" entry in its tokenizer_config.json), ")
+    tail = "or give the records as prompt and completion (data.format=prompt_completion)"
+    pretrained = load_recipe(None, [*common, f"model.path={folder}", "model.config=null",
+                                    "data.tokenizer=null"], seq_len=64)
+    with pytest.raises(DataError) as info:
+        prepare_data(pretrained.data, load_tokenizer(pretrained))
+    assert str(info.value) == (f"data.format is chat but the tokenizer {str(folder)!r} {fix}set "
+                               f"data.tokenizer to a folder of the model's tokenizer that has "
+                               f"one, {tail}")
+    random_init = load_recipe(None, [*common, f"data.tokenizer={folder}",
+                                     "model.config.vocab_size=448"], seq_len=64)
+    with pytest.raises(DataError) as info:
+        prepare_data(random_init.data, load_tokenizer(random_init))
+    assert str(info.value) == (f"data.format is chat but the tokenizer {str(folder)!r} {fix}use "
+                               f"another tokenizer that has one (data.tokenizer), "
+                               f"data.tokenizer=bytes (its own chat format), {tail}")
+    (folder / "chat_template.jinja").write_text(CHATML)  # the fix the message gives works
+    rows = prepare_data(pretrained.data, load_tokenizer(pretrained))
+    assert rows.info["format"] == "chat" and rows.info["samples"] == 1

@@ -96,7 +96,8 @@ class LocalData:
 
 def local_data(source: str, *, what: str = "data.source") -> LocalData | None:
     """Resolve ``data.source`` (or the setting named ``what``) to local files, or None for
-    ``builtin`` and hub names.
+    ``builtin`` and hub names. ``what`` is the dotted recipe key and the error's ``key``, so the
+    loader says where the value came from (the recipe file or a ``--set``).
 
     Raises:
         ConfigError: the source looks local (a suffix, a glob, a path that exists) but matches
@@ -111,23 +112,23 @@ def local_data(source: str, *, what: str = "data.source") -> LocalData | None:
         if looks_like_hub_name(source):
             return None
         raise ConfigError(f"{what} {source!r} is neither builtin, an existing file nor a hub "
-                          f"name; give a .txt/.jsonl/.json/.parquet file or glob")
+                          f"name; give a .txt/.jsonl/.json/.parquet file or glob", key=what)
     if os.path.isdir(expanded):
         raise ConfigError(f"{what} {source!r} is a folder; give a file or a glob such as "
-                          f"{os.path.join(source, '*.jsonl')}")
+                          f"{os.path.join(source, '*.jsonl')}", key=what)
     files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
     if not files:
         raise ConfigError(f"{what} {source!r} matches no file; check the path (relative "
-                          f"paths start from {os.getcwd()})")
+                          f"paths start from {os.getcwd()})", key=what)
     suffixes = {Path(f).suffix.lower() for f in files}
     unknown = suffixes - set(DATA_BUILDERS)
     if unknown:
         raise ConfigError(f"{what} {source!r} matches files ending in {sorted(unknown)}; "
-                          f"lctrain reads .txt, .jsonl, .json and .parquet")
+                          f"lctrain reads .txt, .jsonl, .json and .parquet", key=what)
     builders = {DATA_BUILDERS[s] for s in suffixes}
     if len(builders) > 1:
         raise ConfigError(f"{what} {source!r} mixes file kinds {sorted(suffixes)}; "
-                          f"use a glob that matches one kind")
+                          f"use a glob that matches one kind", key=what)
     return LocalData(builder=builders.pop(), files=files)
 
 
@@ -179,26 +180,42 @@ def require_model_path(path: str | None) -> str:
     return expanded if os.path.isdir(expanded) else path
 
 
-def _check_model_folder(folder: Path, path: str) -> None:
+def read_model_config(file: str | os.PathLike, *, fix: str = "the model folder is damaged",
+                      key: str | None = "model.path") -> object:
+    """The parsed JSON of a model's ``config.json``, as `check_model_path` and ``estimate-memory
+    --model`` read it: one reader, so that a damaged file gets one message wherever it is met.
+
+    Args:
+        file: the config.json.
+        fix: what the message says after naming the fault (the folder is damaged, or fix the
+            file when the user named the file itself).
+        key: the recipe key the error is about (for the loader's attribution), or None.
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8 or is not valid JSON (with its line).
+    """
     import json
 
+    try:
+        return json.loads(Path(file).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file} is not UTF-8 text; {fix}", key=key) from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{file}:{error.lineno} is not valid JSON ({error.msg} at column "
+                          f"{error.colno}); {fix}", key=key) from None
+    except OSError as error:
+        raise ConfigError(f"{file} cannot be read ({error.strerror or type(error).__name__})",
+                          key=key) from None
+
+
+def _check_model_folder(folder: Path, path: str) -> None:
     from lctrain.config.model_shapes import check_model_shapes
 
     file = folder / "config.json"
     if not file.is_file():
         raise ConfigError(f"model.path {path!r} has no config.json; point it at a model folder "
                           "(config.json, weights, tokenizer)", key="model.path")
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"{file} is not UTF-8 text; the model folder is damaged",
-                          key="model.path") from None
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{file}:{error.lineno} is not valid JSON ({error.msg} at column "
-                          f"{error.colno}); the model folder is damaged", key="model.path") from None
-    except OSError as error:
-        raise ConfigError(f"{file} cannot be read ({error.strerror or type(error).__name__})",
-                          key="model.path") from None
+    config = read_model_config(file)
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ConfigError(f"{file} has no model_type; it is not a transformers model config",
                           key="model.path")

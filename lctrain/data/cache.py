@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 from lctrain.errors import DataError
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 """Bumped whenever what a cache folder holds (or how tokens are made) changes."""
 
 

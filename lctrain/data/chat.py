@@ -34,18 +34,49 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def check_chat_tokenizer(tokenizer: Any) -> None:
-    """Raise a DataError unless ``tokenizer`` can render chats."""
+    """Raise a DataError unless ``tokenizer`` can render chats.
+
+    The fixes suggested for a missing template are the ones the recipe accepts: the built-in
+    ``bytes`` tokenizer only for a random init (`load_tokenizer` marks the tokenizer with
+    ``lctrain_for_random_init``; unmarked, it is taken to be a pretrained model's, which refuses
+    the built-in tokenizers).
+    """
     if isinstance(tokenizer, ByteTokenizer):
         return
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if not getattr(tokenizer, "chat_template", None):
+        other = ("use another tokenizer that has one (data.tokenizer), data.tokenizer=bytes (its "
+                 "own chat format)" if getattr(tokenizer, "lctrain_for_random_init", False) else
+                 "set data.tokenizer to a folder of the model's tokenizer that has one")
         raise DataError(f"data.format is chat but the tokenizer {name!r} has no chat template; "
-                        f"use the tokenizer of a chat model (data.tokenizer), data.tokenizer=bytes "
-                        f"(its own chat format), or give the records as prompt and completion")
+                        f"give it one (a chat_template.jinja file in its folder, or a "
+                        f"\"chat_template\" entry in its tokenizer_config.json), {other}, or give "
+                        f"the records as prompt and completion (data.format=prompt_completion)")
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"data.format is chat but the tokenizer {name!r} is not a fast (Rust) "
                         f"tokenizer, whose character offsets locate the assistant's tokens; use "
                         f"a tokenizer folder with a tokenizer.json")
+
+
+def check_messages(messages: Sequence[Any], where: str) -> None:
+    """Raise a DataError unless every message is an object with a string role and a string
+    content (an empty string is allowed: whether an empty reply is trained on is the caller's
+    rule). A missing or null content is a malformed record, not an empty one: templates would
+    render it as nothing and the record would train on its end-of-turn marker alone.
+    """
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise DataError(f"{where}: each message must be an object with a string role, got "
+                            f"{message!r:.80}")
+        if "content" not in message:
+            raise DataError(f"{where}: message {i} ({message['role']}) has no content; each "
+                            f"message must be an object with a string role and a string content")
+        content = message["content"]
+        if not isinstance(content, str):
+            kind = "null" if content is None else f"of type {type(content).__name__}"
+            raise DataError(f"{where}: message {i} ({message['role']}) has content {kind}, not "
+                            f"a string; each message must be an object with a string role and "
+                            f"a string content")
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict], where: str) -> tuple[list[int], list[bool]]:
@@ -57,13 +88,10 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict], where: str) -> tuple[l
         where: the record's location, for messages.
 
     Raises:
-        DataError: a malformed message, a template that fails on the conversation, or one
-            whose partial renderings are not prefixes of the whole.
+        DataError: a malformed message (`check_messages`), a template that fails on the
+            conversation, or one whose partial renderings are not prefixes of the whole.
     """
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise DataError(f"{where}: each message must be an object with a string role, got "
-                            f"{message!r:.80}")
+    check_messages(messages, where)
     if isinstance(tokenizer, ByteTokenizer):
         try:
             return tokenizer.encode_chat(messages)
@@ -100,6 +128,8 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
+        if not i and message["content"] == "":
+            continue  # an empty opening reply: no content to find, nothing of it is trained on
         through = render(messages[:i + 1], False)
         if i:
             before = render(messages[:i], True)

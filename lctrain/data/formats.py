@@ -22,9 +22,11 @@ Formats (``data.format``):
 text. Later records must have the same shape.
 
 Bad records are errors naming the record (a field missing, a value of the wrong type, an id
-outside the vocabulary). Records that hold nothing to train on — an empty document, an empty
-completion, a conversation without an assistant turn, labels that are all -100 — are skipped
-and counted (`Skips`), with the first one's location, for the banner.
+outside the vocabulary, a chat message without a string role and content). Records that hold
+nothing to train on — an empty document, an empty completion, a conversation without an
+assistant turn or whose assistant replies are all empty strings, labels that are all -100 — are
+skipped and counted (`Skips`), with the first one's location, for the banner. The rule is the
+record's: a conversation with some non-empty reply is kept whole, as its template renders it.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lctrain.data.chat import check_chat_tokenizer, encode_chat
+from lctrain.data.chat import check_chat_tokenizer, check_messages, encode_chat
 from lctrain.data.records import Record
 from lctrain.data.tokenizer import ByteTokenizer, encode_documents
 from lctrain.errors import DataError
@@ -183,8 +185,13 @@ class Encoder:
             if not messages:
                 self.skips.add("empty conversation", record.where)
                 continue
-            if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+            check_messages(messages, record.where)
+            replies = [m["content"] for m in messages if m["role"] == "assistant"]
+            if not replies:
                 self.skips.add("no assistant turn", record.where)
+                continue
+            if not any(replies):
+                self.skips.add("empty assistant reply", record.where)
                 continue
             ids, mask = encode_chat(self.tokenizer, messages, record.where)
             samples.append(Sample(_ids(ids), np.asarray(mask, dtype=bool), record.where))

@@ -15,7 +15,6 @@ Llama-7B (V 32000, h 4096, I 11008, 32 layers, 32 heads, untied) gives 6 738 415
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -173,24 +172,30 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
 def load_architecture(model: str) -> Architecture:
     """A preset name (``llama-7b``, ...), a ``config.json`` file or a model folder holding one.
 
+    A damaged config.json is reported as `check_model_path` reports it for finetune (the file,
+    the line of a JSON error, the folder damaged), by the same reader.
+
     Raises:
-        UserError: neither a preset nor a readable config.json.
+        UserError: neither a preset nor an existing path; a folder without config.json; a
+            config.json that cannot be read, is not JSON or not a JSON object.
     """
+    from lctrain.config.paths import read_model_config
     from lctrain.memory.presets import PRESETS
 
     if model in PRESETS:
         return from_config_dict(PRESETS[model], name=model)
     path = os.path.expanduser(model)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise UserError(f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor "
                         "a config.json file or a folder holding one")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot read the model config {path}: {exc}") from None
+    folder = os.path.isdir(path)
+    if folder:
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise UserError(f"model {model!r} is a folder without a config.json; point it at a "
+                            "model folder (config.json, weights, tokenizer) or a config.json file")
+    fix = "the model folder is damaged" if folder else "fix the file"
+    config = read_model_config(path, fix=fix, key=None)
     if not isinstance(config, dict):
-        raise UserError(f"the model config {path} is not a JSON object")
+        raise UserError(f"the model config {path} is not a JSON object; {fix}")
     return from_config_dict(config, name=model)

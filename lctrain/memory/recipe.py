@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from lctrain.config.paths import is_placeholder
 from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
@@ -125,18 +126,16 @@ def _model_architecture(cfg: RecipeConfig | None, model: str | None) -> Architec
 
 
 def _architecture_of_path(path: str) -> Architecture:
-    """A local folder / config.json, else a hub name through transformers (online or cached)."""
-    try:
+    """A preset or an existing local folder / config.json (whose faults are reported as they
+    are: a local path is never looked up on the hub), else a hub name through transformers
+    (online or cached)."""
+    if path in PRESETS or os.path.exists(os.path.expanduser(path)):
         return load_architecture(path)
-    except UserError:
-        pass
     try:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path).to_dict()
     except (OSError, ValueError) as exc:
-        from lctrain.memory.presets import PRESETS
-
         raise UserError(f"model {path!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                         f"config.json or a model folder, and the hub did not give its config "
                         f"({exc.__class__.__name__}: offline or an unknown name); pass one of "
