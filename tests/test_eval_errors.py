@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from lctrain.cli import app
@@ -79,3 +80,29 @@ def test_data_is_read_in_its_own_format(tmp_path):
     # named explicitly, the chat format is applied to the text file, and refused in a sentence
     assert f"{text}:1: messages must be a list" in _error(
         recipe, "--task", "ppl", "--data", text, "--max-rows", 1, "--set", "data.format=chat")
+
+
+def test_a_failed_rank_keeps_its_log(tmp_path, monkeypatch):
+    """A rank that dies mid-evaluation: the scratch folder goes, the ranks' log is kept and
+    named."""
+    from lctrain.errors import UserError
+    from lctrain.eval import run as eval_run
+    from lctrain.eval.request import resolve
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+
+    def died(cfg, worker, **kw):
+        launch = Path(cfg.train.output_dir) / ".launch"
+        launch.mkdir(parents=True)
+        (launch / "workers.log").write_text("rank 1: killed\n")
+        raise UserError("rank 1 (pid 7) was ended by SIGTERM; nothing was kept")
+
+    monkeypatch.setattr(eval_run.launch, "dispatch", died)
+    cfg, request = resolve("tiny", task="ppl")
+    with pytest.raises(UserError) as caught:
+        eval_run.evaluate(cfg, request, nproc=1)
+    (kept,) = tmp_path.glob("lctrain-eval-*-workers.log")
+    assert str(caught.value) == ("rank 1 (pid 7) was ended by SIGTERM; nothing was kept; the "
+                                 f"ranks' log is kept at {kept}")
+    assert kept.read_text() == "rank 1: killed\n"
+    assert [p for p in tmp_path.iterdir() if p.is_dir()] == []

@@ -69,6 +69,12 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
     try:
         code = launch.dispatch(cfg, worker, resume=False, nproc=nproc, module=WORKER_MODULE,
                                args=("--request", str(scratch / "request.json")))
+    except UserError as error:  # a rank failed: its log outlives the scratch folder
+        kept = _keep_log(scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
+        if kept is None:
+            raise
+        raise UserError(f"{error}; the ranks' log is kept at {kept}") from None
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
@@ -79,6 +85,16 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
     result = load(result_file) if result_file.exists() else None
     shutil.rmtree(scratch, ignore_errors=True)
     return result
+
+
+def _keep_log(scratch: Path) -> Path | None:
+    """A copy of the ranks' log beside ``scratch`` (None when no rank wrote one)."""
+    log = scratch / ".launch" / "workers.log"
+    if not log.is_file() or not log.stat().st_size:
+        return None
+    kept = scratch.parent / f"{scratch.name}-workers.log"
+    shutil.copyfile(log, kept)
+    return kept
 
 
 def worker_entry(argv: list[str] | None = None) -> int:
