@@ -34,8 +34,8 @@ x, h1 = x + attention and the second norm's output, 3·c·T·h, or 2·c·T·h wh
 runs inside the MLP's tiles (`Architecture.norm_in_tiles`) —
 plus the first norm's output (kept by q, k, v), and their backward needs one tile's worth of
 the MLP (7·c·n·I for n tile tokens, 6·c·n·I fused; with the norm, its output and gradient)
-and float32 sums of the MLP's weight gradients. Beside the recomputed layer, the MLP half of the backward holds two (T × h)
-gradients (of the layer output and of the MLP input) and the attention half the residual
+and float32 sums of the MLP's weight gradients. Beside the recomputed layer, the MLP half of
+the backward holds two (T × h) gradients (of the layer output and of the MLP input) and the attention half the residual
 stream's gradient and the attention output's (allocator traces of `lctrain bench step
 --memory-trace` show exactly these).
 

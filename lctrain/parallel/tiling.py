@@ -122,8 +122,8 @@ def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) ->
     if tile_tokens < 0:
         raise UserError(f"train.tile_tokens is {tile_tokens} but must be 0 (off) or a positive "
                         "number of tokens per tile, e.g. 8192")
-    fold = bool(tile_tokens) and defer_norm and (getattr(getattr(model, "config", None), "model_type", None)
-                                  in NORM_IN_TILE_TYPES)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fold = bool(tile_tokens) and defer_norm and model_type in NORM_IN_TILE_TYPES
     wrapped = 0
     for layer in decoder_layers(model):
         layer = unwrap_layer(layer)
