@@ -162,6 +162,7 @@ def _default_nproc(cfg: RecipeConfig) -> int:
 def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int,
          documents: str | None = None) -> dict:
     """One configuration's row fields (raises UserError when it cannot run)."""
+    from lctrain.train.launch import keep_workers_log
     from lctrain.train.runner import finetune
 
     layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
@@ -176,8 +177,10 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc, own_process=True)
         if code != 0:
+            kept = keep_workers_log(scratch)
+            where = "the output above" if kept is None else f"its workers' log, kept at {kept},"
             raise UserError(f"the benchmarked training run failed with exit code {code}; "
-                            f"{_keep_log(scratch)} says why")
+                            f"{where} says why")
         records = _read_metrics(scratch / "metrics.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -185,16 +188,6 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
             shutil.rmtree(data, ignore_errors=True)
     return (_row(cfg, nproc, records, warmup, layers, predicted) | mix
             | _saves(records, warmup, save_every))
-
-
-def _keep_log(scratch: Path) -> str:
-    """Where the failed run's workers' log is kept: beside its scratch folder, which goes."""
-    log = scratch / ".launch" / "workers.log"
-    if not log.is_file():
-        return "the output above"
-    kept = scratch.parent / f"{scratch.name.lstrip('.')}-workers.log"
-    shutil.copyfile(log, kept)
-    return f"its workers' log, kept at {kept},"
 
 
 def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int,

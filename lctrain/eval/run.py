@@ -70,7 +70,7 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
         code = launch.dispatch(cfg, worker, resume=False, nproc=nproc, module=WORKER_MODULE,
                                args=("--request", str(scratch / "request.json")))
     except UserError as error:  # a rank failed: its log outlives the scratch folder
-        kept = _keep_log(scratch)
+        kept = launch.keep_workers_log(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
         if kept is None:
             raise
@@ -85,16 +85,6 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
     result = load(result_file) if result_file.exists() else None
     shutil.rmtree(scratch, ignore_errors=True)
     return result
-
-
-def _keep_log(scratch: Path) -> Path | None:
-    """A copy of the ranks' log beside ``scratch`` (None when no rank wrote one)."""
-    log = scratch / ".launch" / "workers.log"
-    if not log.is_file() or not log.stat().st_size:
-        return None
-    kept = scratch.parent / f"{scratch.name}-workers.log"
-    shutil.copyfile(log, kept)
-    return kept
 
 
 def worker_entry(argv: list[str] | None = None) -> int:

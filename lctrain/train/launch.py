@@ -204,6 +204,19 @@ def write_recipe(cfg: RecipeConfig, path: Path) -> tuple[Path, str]:
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def keep_workers_log(output_dir: str | os.PathLike) -> Path | None:
+    """Copy a self-launched run's ranks' log (``output_dir/.launch/workers.log``) beside
+    ``output_dir``, for callers that remove a scratch run folder after a failure; the copy, or
+    None when no rank wrote one."""
+    folder = Path(output_dir)
+    log = folder / ".launch" / "workers.log"
+    if not log.is_file() or not log.stat().st_size:
+        return None
+    kept = folder.parent / f"{folder.name.lstrip('.')}-workers.log"
+    shutil.copyfile(log, kept)
+    return kept
+
+
 def _worker_env(nproc: int) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
