@@ -34,24 +34,17 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def check_chat_tokenizer(tokenizer: Any) -> None:
-    """Raise a DataError unless ``tokenizer`` can render chats.
-
-    The fixes suggested for a missing template are the ones the recipe accepts: the built-in
-    ``bytes`` tokenizer only for a random init (`load_tokenizer` marks the tokenizer with
-    ``lctrain_for_random_init``; unmarked, it is taken to be a pretrained model's, which refuses
-    the built-in tokenizers).
-    """
+    """Raise a DataError unless ``tokenizer`` can render chats."""
     if isinstance(tokenizer, ByteTokenizer):
         return
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if not getattr(tokenizer, "chat_template", None):
-        other = ("use another tokenizer that has one (data.tokenizer), data.tokenizer=bytes (its "
-                 "own chat format)" if getattr(tokenizer, "lctrain_for_random_init", False) else
-                 "set data.tokenizer to a folder of the model's tokenizer that has one")
         raise DataError(f"data.format is chat but the tokenizer {name!r} has no chat template; "
                         f"give it one (a chat_template.jinja file in its folder, or a "
-                        f"\"chat_template\" entry in its tokenizer_config.json), {other}, or give "
-                        f"the records as prompt and completion (data.format=prompt_completion)")
+                        f"\"chat_template\" entry in its tokenizer_config.json), use a tokenizer "
+                        f"folder that has one (data.tokenizer; for a random init also "
+                        f"data.tokenizer=bytes, whose own chat format needs none), or give the "
+                        f"records as prompt and completion (data.format=prompt_completion)")
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"data.format is chat but the tokenizer {name!r} is not a fast (Rust) "
                         f"tokenizer, whose character offsets locate the assistant's tokens; use "

@@ -160,8 +160,6 @@ def load_tokenizer(cfg: RecipeConfig) -> Any:
         raise DataError(f"could not load {where} {source!r} ({reason}); point data.tokenizer at a "
                         f"local tokenizer folder") from None
     check_vocabulary(tokenizer, cfg)
-    # what a chat error may suggest: the built-in tokenizers only where the recipe accepts them
-    tokenizer.lctrain_for_random_init = cfg.model.random_init
     return tokenizer
 
 
