@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch import nn
+
 from lctrain.config import RecipeConfig
+from lctrain.config.schema import LORA_ALL_LINEAR
 from lctrain.train import launch
 from lctrain.train.lifetime import signal_name
 from lctrain.train.loop import Trainer
@@ -22,7 +25,32 @@ def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> s
             f"{pmesh.device_type} (dp {pmesh.dp} x cp {pmesh.cp}, {cfg.parallel.schedule}, "
             f"{parts.distributed.strategy}); {t.max_steps} steps x "
             f"{pmesh.dp * t.batch_size * t.grad_accum} sequence(s){start}")
-    return line + "".join(f"\n  {extra}" for extra in _memory_settings(cfg, parts))
+    extras = [_lora_line(cfg, parts.model)] if cfg.lora.enabled else []
+    return line + "".join(f"\n  {extra}" for extra in extras + _memory_settings(cfg, parts))
+
+
+def _lora_line(cfg: RecipeConfig, model: nn.Module) -> str:
+    """The banner line of a LoRA run: the adapters' settings, the layers they sit on and how
+    many of the wrapped model's parameters train.
+
+    The counts are read from ``model`` as built (peft's wrapper, maybe sharded by FSDP2, whose
+    parameters report their whole size): what the optimizer updates against everything the
+    model holds, the frozen originals of ``lora.trainable_modules`` included, as peft counts.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    lora = cfg.lora
+    adapted = [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    kinds = ", ".join(dict.fromkeys(name.rsplit(".", 1)[-1] for name in adapted))
+    chosen = " (all-linear)" if tuple(lora.target_modules) == (LORA_ALL_LINEAR,) else ""
+    full = (f"; trained in full: {', '.join(lora.trainable_modules)}"
+            if lora.trainable_modules else "")
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    return (f"lora: rank {lora.rank}, alpha {lora.scale_alpha:g}, dropout {lora.dropout:g} on "
+            f"{len(adapted)} linear layers: {kinds}{chosen}{full}; {trained:,} trainable of "
+            f"{total:,} parameters ({100 * trained / max(total, 1):.3g} %)")
 
 
 def _memory_settings(cfg: RecipeConfig, parts: ModelParts) -> list[str]:
