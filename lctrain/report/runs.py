@@ -9,7 +9,8 @@ maybe ``environment.json`` (versions and GPUs). The summary has one row per run:
 
 tokens/s and MFU are medians over the logged steps (the first step, which pays one-time
 costs, is left out when there are others); peak memory is the largest logged; time is the sum
-of step times. :func:`plot_losses` draws the loss curves of the runs in one picture.
+of step times. The lora settings count as differing only where some run has LoRA on.
+:func:`plot_losses` draws the loss curves of the runs in one picture.
 """
 from __future__ import annotations
 
@@ -91,10 +92,22 @@ def load_runs(folders: list[str]) -> list[Run]:
 
 
 def differing(runs: list[Run]) -> list[str]:
-    """The setting keys whose values are not the same in every run."""
+    """The setting keys whose values are not the same in every run.
+
+    The lora settings are left out when no run has LoRA on (``lora.rank`` 0 or absent, as in
+    a recipe from before LoRA): they change nothing in such runs.
+    """
     keys = list(dict.fromkeys(k for run in runs for k in run.settings))
-    return [k for k in keys if k not in _IGNORED
+    unused = () if any(lora_on(run) for run in runs) else ("lora.",)
+    return [k for k in keys if k not in _IGNORED and not k.startswith(unused)
             and len({json.dumps(run.settings.get(k), default=str) for run in runs}) > 1]
+
+
+def lora_on(run: Run) -> bool:
+    """Whether the run trained LoRA adapters (``lora.rank`` above 0, as the recipe's schema
+    switches LoRA on)."""
+    rank = run.settings.get("lora.rank")
+    return isinstance(rank, int) and not isinstance(rank, bool) and rank > 0
 
 
 def _text(value) -> str | None:
