@@ -224,6 +224,34 @@ def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
     return None
 
 
+def finished_checkpoint(root: str | os.PathLike, steps: int) -> tuple[int, Path] | None:
+    """The newest checkpoint under ``root`` as (step, folder) when its step is ``steps`` or
+    later — the run it belongs to has nothing left to train — else None.
+
+    Raises:
+        UserError: that checkpoint's trainer.json is missing or damaged.
+    """
+    path = latest_checkpoint(root)
+    if path is None:
+        return None
+    step = read_trainer_state(path)["step"]
+    return (step, path) if step >= steps else None
+
+
+def export_is_current(folder: str | os.PathLike, checkpoint: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a model exported from ``checkpoint`` or a later one: a model's or
+    an adapter's config.json, and files written no earlier than the checkpoint's trainer.json.
+
+    An export leaves no record of its step, so its files' times stand for it; a folder copied
+    without them counts as older, and is then exported again (the safe side).
+    """
+    folder = Path(folder)
+    if not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):
+        return False
+    saved = (Path(checkpoint) / "trainer.json").stat().st_mtime
+    return max(f.stat().st_mtime for f in folder.rglob("*") if f.is_file()) >= saved
+
+
 def _read_rng(path: Path) -> None:
     from safetensors import safe_open
 

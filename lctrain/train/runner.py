@@ -13,6 +13,10 @@ feature extends in one place:
                                train.epochs / train.max_steps resolved against its rows
     → build_eval_data          the validation rows (data.eval_source / data.eval_fraction),
                                prepared the same way; None without validation data
+    → finished                 on --resume, a run that has trained all its steps stops here
+                               (before any weight loads) and says where its final model is;
+                               `finetune` checks this before any process starts when
+                               train.max_steps alone sets the length
     → build_model              the model with the schedule's attention → LoRA adapters when
                                the recipe asks → checkpointing policy
                                → FSDP2 or replication (`ModelParts`)
@@ -28,6 +32,7 @@ says where the last checkpoint is and how to resume, and every rank returns 128 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -62,9 +67,11 @@ from lctrain.parallel.tiling import apply_tiling
 from lctrain.report.versions import record_run
 from lctrain.train import launch, rank
 from lctrain.train.announce import banner, summary
-from lctrain.train.checkpoint import load_checkpoint, read_trainer_state, resume_point
+from lctrain.train.checkpoint import (export_is_current, finished_checkpoint, load_checkpoint,
+                                      read_trainer_state, resume_point)
 from lctrain.train.checkpoint_writer import Checkpointer
 from lctrain.train.launch import default_nproc
+from lctrain.train.lifetime import RunLock
 from lctrain.train.loop import OPERATIONS, CausalLMLoss, LoopHooks, Trainer, run_loop
 from lctrain.train.metrics import FlopModel, Progress, peak_flops
 from lctrain.train.nonfinite import Diverged
@@ -75,8 +82,9 @@ from lctrain.train.stopping import StopRequest, control_group, stop_exit_code
 from lctrain.train.tracking import Tracking, check_report_to
 from lctrain.train.watchdog import Watchdog, heartbeat_dir
 
-__all__ = ["ModelParts", "RunSetup", "build_data", "build_eval_data", "build_model", "build_trainer",
-           "default_nproc", "export_final", "finetune", "loop_hooks", "run_worker", "train"]
+__all__ = ["ModelParts", "RunSetup", "build_data", "build_eval_data", "build_model",
+           "build_trainer", "default_nproc", "export_final", "finetune", "finished", "loop_hooks",
+           "run_worker", "train"]
 
 
 def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None,
@@ -85,7 +93,8 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
 
     Args:
         cfg: the resolved recipe.
-        resume: continue from the newest checkpoint in ``train.output_dir/checkpoints``.
+        resume: continue from the newest checkpoint in ``train.output_dir/checkpoints``
+            (a run that has trained all its steps is not trained again: `finished`).
         nproc: processes to run; default all GPUs on a CUDA machine, dp × cp on a CPU one
             (dp 0 counts as 1). Ignored under torchrun / accelerate launch, which decide.
         own_process: run even a single rank in a process of its own (`launch.dispatch`).
@@ -95,6 +104,13 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
             source that cannot be read, ... (from this process or the first failing rank).
     """
     check_report_to(cfg)
+    t = cfg.train
+    if resume and t.epochs is None and t.max_steps is not None:  # its length known already
+        check_run_folder(cfg, resume=True)
+        main = os.environ.get("RANK", "0") == "0"
+        with RunLock(t.output_dir) if main else contextlib.nullcontext():
+            if finished(cfg, t.max_steps, main=main):
+                return 0
     warnings = check_model(cfg)  # before any process starts or any weight loads
     for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -138,6 +154,8 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
         dataset = build_data(setup)
         eval_rows = build_eval_data(setup)
         setup = dataclasses.replace(setup, cfg=_with_steps(setup, len(dataset)))
+        if resume and finished(setup.cfg, setup.cfg.train.max_steps, main=setup.main):
+            return 0  # (a run by train.epochs: its length is known from the data only)
         parts = build_model(setup)
         trainer = build_trainer(setup, parts, resume_from)
         signum = train(setup, parts, trainer, dataset, resumed=resume_from is not None,
@@ -150,6 +168,43 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
         if setup.main and cfg.checkpoint.enabled and cfg.checkpoint.export_final:
             export_final(cfg)
     return 0
+
+
+def finished(cfg: RecipeConfig, steps: int, *, main: bool) -> bool:
+    """Whether the run in ``train.output_dir`` has already trained its ``steps`` steps.
+
+    If so, nothing is trained and no process group is needed: rank 0 (``main``) says so in one
+    sentence with where the final model is, and writes ``final/`` only when the recipe exports
+    one and it is missing or older than the newest checkpoint (an export that was off, or
+    failed). The other ranks just return.
+
+    Raises:
+        UserError: the newest checkpoint is damaged; ``final/`` cannot be written.
+    """
+    out = Path(cfg.train.output_dir)
+    found = finished_checkpoint(out / "checkpoints", steps)
+    if found is None:
+        return False
+    if not main:
+        return True
+    step, checkpoint = found
+    final, done = out / "final", f"the run in {out} has already trained step {step} of {steps}"
+    further = ("raise train.max_steps (--max-steps)" if cfg.train.epochs is None
+               else "raise train.epochs or train.max_steps")
+    if export_is_current(final, checkpoint):
+        print(f"{done}, so nothing was trained; its final model is {final} ({further} to train "
+              "further).", flush=True)
+        return True
+    why = "is missing" if not final.exists() else "is older than its last checkpoint"
+    if cfg.checkpoint.export_final:
+        print(f"{done}, so nothing was trained; its final model {final} {why}, so it is "
+              "written now.", flush=True)
+        export_final(cfg)
+    else:
+        print(f"{done}, so nothing was trained; its final model {final} {why} "
+              f"(checkpoint.export_final is false): lctrain export {out} --output DIR writes "
+              f"one from {checkpoint}.", flush=True)
+    return True
 
 
 def build_data(setup: RunSetup) -> PackedRows:
