@@ -316,9 +316,13 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
     assert cfg.data.seq_len == 524288 and cfg.parallel.cp == 8
     assert kwargs == dict(model=None, seq_len=524288, gpus=8, gpu_memory=80 * 2**30, cp=8,
                           policy="remat-offload", host_memory=2**40, gpus_per_node=4)
+    asked = []  # a hub name is first checked against the hub and its cache (offline here)
+    monkeypatch.setattr("lctrain.cli.estimate.check_hub_model",
+                        lambda name, what: asked.append((name, what)))
     result = _invoke("estimate-memory", "--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "64k",
                      "--gpu-memory", "80GB", "--json")
     assert result.exit_code == 0 and json.loads(result.stdout) == payload
+    assert asked == [("meta-llama/Llama-2-7b-hf", "--model")]
     assert calls[-1] == (None, dict(model="meta-llama/Llama-2-7b-hf", seq_len=65536, gpus=1,
                                     gpu_memory=80 * 10**9, cp=None, policy=None,
                                     host_memory=None, gpus_per_node=None))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import typer
 
@@ -24,7 +25,9 @@ from lctrain.cli.options import (
     WideOpt,
 )
 from lctrain.config import load_recipe, parse_memory, parse_size
+from lctrain.config.paths import check_hub_model, looks_like_hub_name
 from lctrain.errors import ConfigError
+from lctrain.memory.presets import PRESETS
 
 
 def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: SeqLenOpt = None,
@@ -111,7 +114,11 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
 
 
 def _recipe(recipe, model, overrides, tokens, cp, policy):
-    """The recipe to estimate, or None when only --model is given."""
+    """The recipe to estimate, or None when only --model is given (a hub name there must be one
+    the hub or its local cache can give: `lctrain.config.paths.check_hub_model`)."""
+    if model is not None and model not in PRESETS and looks_like_hub_name(model) \
+            and not os.path.exists(os.path.expanduser(model)):
+        check_hub_model(model, what="--model")
     if recipe is None and model is not None:
         if overrides:
             raise ConfigError("--set changes a recipe, but only --model was given; add a RECIPE "

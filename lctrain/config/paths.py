@@ -1,7 +1,12 @@
 """Where recipes, models and data live: shipped recipes, local paths and hub names.
 
-Pure standard library, so that the CLI can check a recipe's paths before it starts any process
-(and before importing torch or datasets).
+Pure standard library (and, for a hub name, huggingface_hub's cache lookup), so that the CLI can
+check a recipe's paths before it starts any process (and before importing torch or datasets).
+
+A model given by hub name must come from the hub or its local cache. When neither can give it —
+offline mode (HF_HUB_OFFLINE) or a hub that does not answer within `HUB_PROBE_TIMEOUT_S`, and
+no config.json of it in the cache — `check_hub_model` says so at once, where transformers would
+retry for about 20 s and then fail in several lines.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ DATA_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": 
 """Local data file suffix -> how its records are read (`lctrain.data.records`)."""
 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
+
+HUB_PROBE_TIMEOUT_S = 3.0
+"""How long `check_hub_model` waits for the hub to answer before calling it unreachable."""
+_DEFAULT_HUB = "https://huggingface.co"
 
 
 def shipped_recipes() -> dict[str, str]:
@@ -140,7 +149,8 @@ def is_placeholder(path: str | None) -> bool:
 
 def check_model_path(path: str | None) -> None:
     """Raise ConfigError when ``model.path`` is neither a model folder (with a readable
-    config.json whose sizes can build a model) nor a hub name.
+    config.json whose sizes can build a model) nor a hub name that the hub or its local cache
+    can give (`check_hub_model`).
 
     A placeholder (see `is_placeholder`) passes here, so that a recipe for a real model can still
     be read, printed and sized with ``estimate-memory --model``; anything that needs the model
@@ -159,6 +169,81 @@ def check_model_path(path: str | None) -> None:
         raise ConfigError(f"model.path {path!r} does not exist; point it at a local model folder "
                           f"(with config.json) or a hub name such as meta-llama/Llama-3.1-8B",
                           key="model.path")
+    check_hub_model(path)
+
+
+def check_hub_model(name: str, *, what: str = "model.path") -> None:
+    """Refuse at once a hub name that neither the hub nor its local cache can give.
+
+    A name whose config.json is in the local hub cache passes (transformers reads it from
+    there); otherwise the hub must be reachable: offline mode (``HF_HUB_OFFLINE`` or
+    ``TRANSFORMERS_OFFLINE``) is refused without a probe, else the hub (``HF_ENDPOINT``, default
+    huggingface.co) gets one request that must be answered within `HUB_PROBE_TIMEOUT_S`.
+
+    Args:
+        name: the hub name (``owner/name``).
+        what: the setting or option it came from (the message and the error's key).
+
+    Raises:
+        ConfigError: offline mode or an unreachable hub, and the name is not in the cache.
+    """
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a repository id huggingface_hub accepts: transformers will say so
+        return
+    if isinstance(cached, str):
+        return
+    key = what if what.startswith("model.") else None
+    where = f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it"
+    flag = next((f for f in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _is_true(f)), None)
+    if flag is not None:
+        raise ConfigError(f"{what} {name!r} is a hub name, but {flag} is set (offline mode) and "
+                          f"{where}; download it while online, unset {flag}, or point {what} at "
+                          "a local model folder", key=key)
+    endpoint = os.environ.get("HF_ENDPOINT") or _DEFAULT_HUB
+    if not _answers(endpoint, HUB_PROBE_TIMEOUT_S):
+        raise ConfigError(f"{what} {name!r} is a hub name, but the hub {endpoint} cannot be "
+                          f"reached from this machine and {where}; point {what} at a local model "
+                          "folder, or run where the hub can be reached", key=key)
+
+
+def _is_true(variable: str) -> bool:
+    """Whether the environment variable is set to a true value, as huggingface_hub reads it."""
+    return os.environ.get(variable, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _answers(url: str, timeout: float) -> bool:
+    """Whether a server answers a HEAD request for ``url`` within ``timeout`` seconds (any HTTP
+    status counts, and so does a TLS failure: something answered, and transformers will name
+    what). Proxies set in the environment are used, as huggingface_hub uses them; the probe runs
+    in a thread so that a name lookup that hangs cannot hold the caller past ``timeout``."""
+    import ssl
+    import threading
+    import urllib.error
+    import urllib.request
+
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            request = urllib.request.Request(url, method="HEAD")
+            urllib.request.urlopen(request, timeout=timeout).close()
+            answered.append(True)
+        except urllib.error.HTTPError:  # a status, e.g. 404: the server is there
+            answered.append(True)
+        except urllib.error.URLError as error:
+            answered.append(isinstance(error.reason, ssl.SSLError))
+        except ssl.SSLError:
+            answered.append(True)
+        except (OSError, ValueError):  # refused, timed out, no route; a malformed URL
+            answered.append(False)
+
+    thread = threading.Thread(target=probe, name="lctrain-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered) and answered[0]
 
 
 def require_model_path(path: str | None) -> str:

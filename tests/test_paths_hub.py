@@ -1,0 +1,123 @@
+"""A model given by hub name that neither the hub nor its local cache can give is refused at once,
+in one sentence: offline mode without a probe, an unreachable hub after one short probe (where
+transformers would retry for about 20 s). Nothing here needs the network: the hub is a closed
+port on this machine, or a local server that answers 404."""
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from lctrain.cli import app
+from lctrain.errors import ConfigError
+
+NAME = "meta-llama/Llama-3.1-8B"
+HUB_RECIPE = ["--set", f"model.path={NAME}", "--set", "model.config=null",
+              "--set", "data.tokenizer=null"]
+CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """An empty hub cache (the user's own is never read)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def _error_line(result) -> str:
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_offline_mode_refuses_a_hub_name_at_once(empty_cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for args in (["finetune", *HUB_RECIPE, "--output-dir", str(tmp_path / "run")],
+                 ["estimate-memory", "--model", NAME, "--seq-len", "128k"]):
+        start = time.monotonic()
+        line = _error_line(CliRunner().invoke(app, args))
+        assert time.monotonic() - start < 2, args
+        what = "--model" if "--model" in args else "model.path"
+        assert line.startswith(f"error: {what} '{NAME}' is a hub name, but HF_HUB_OFFLINE is set "
+                               f"(offline mode) and the local hub cache ({empty_cache}) does not "
+                               "hold it; "), line
+        assert line.count(". ") == 0 and not (tmp_path / "run").exists()
+
+
+def _clean_env(tmp_path: Path) -> dict[str, str]:
+    """This environment without offline mode, its hub a closed local port, its caches empty."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")}
+    env.update(HF_ENDPOINT=CLOSED, HF_HOME=str(tmp_path / "hf"))
+    return env
+
+
+@pytest.mark.parametrize("args", [
+    ["finetune", *HUB_RECIPE, "--nproc", "1"],
+    ["estimate-memory", "--model", NAME, "--seq-len", "128k"],
+])
+def test_an_unreachable_hub_is_one_sentence_within_seconds(tmp_path, args):
+    """A fresh process, as a user runs it: huggingface_hub reads its settings when imported."""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "lctrain", *args, "--output-dir",
+                           str(tmp_path / "run")] if args[0] == "finetune"
+                          else [sys.executable, "-m", "lctrain", *args],
+                          env=_clean_env(tmp_path), capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1, done.stderr
+    what = "--model" if "--model" in args else "model.path"
+    assert done.stderr.splitlines() == [
+        f"error: {what} '{NAME}' is a hub name, but the hub {CLOSED} cannot be reached from this "
+        f"machine and the local hub cache ({tmp_path / 'hf' / 'hub'}) does not hold it; point "
+        f"{what} at a local model folder, or run where the hub can be reached"
+        + (f" (from --set model.path={NAME})" if what == "model.path" else "")], done.stderr
+    assert elapsed < 8, elapsed  # startup and one refused probe, not transformers' retries
+
+
+def test_a_cached_name_and_a_hub_that_answers_pass(empty_cache, monkeypatch):
+    from lctrain.config.paths import check_hub_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", CLOSED)
+    with pytest.raises(ConfigError, match="cannot be reached"):
+        check_hub_model(NAME)
+    snapshot = empty_cache / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    check_hub_model(NAME)  # in the cache: no probe, transformers reads it from there
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_hub_model(NAME)  # offline mode too
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):  # noqa: N802 - the standard library's name
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        check_hub_model("someone/not-cached")  # the hub answers (404 too): transformers asks it
+    finally:
+        server.shutdown()
+        server.server_close()
