@@ -13,6 +13,7 @@ from __future__ import annotations
 import typer
 
 from lctrain.cli import bench
+from lctrain.cli.common import OneLineUsage
 from lctrain.cli.estimate import estimate_memory
 from lctrain.cli.eval import eval_command
 from lctrain.cli.export import export
@@ -20,8 +21,8 @@ from lctrain.cli.finetune import finetune
 from lctrain.cli.report import report
 
 app = typer.Typer(
-    name="lctrain", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-    rich_markup_mode=None,
+    name="lctrain", cls=OneLineUsage, no_args_is_help=True, add_completion=False,
+    pretty_exceptions_enable=False, rich_markup_mode=None,
     help="Fine-tune language models on very long contexts with DistFlashAttn (balanced, "
          "overlapped sequence-parallel attention).")
 
