@@ -199,14 +199,16 @@ def check_hub_model(name: str, *, what: str = "model.path") -> None:
     where = f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it"
     flag = next((f for f in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _is_true(f)), None)
     if flag is not None:
-        raise ConfigError(f"{what} {name!r} is a hub name, but {flag} is set (offline mode) and "
-                          f"{where}; download it while online, unset {flag}, or point {what} at "
-                          "a local model folder", key=key)
+        raise ConfigError(f"Could not read the config of model {name!r} ({what}): it is a hub "
+                          f"name, but {flag} is set (offline mode) and {where}; download it "
+                          f"while online, unset {flag}, or point {what} at a local model folder",
+                          key=key)
     endpoint = os.environ.get("HF_ENDPOINT") or _DEFAULT_HUB
     if not _answers(endpoint, HUB_PROBE_TIMEOUT_S):
-        raise ConfigError(f"{what} {name!r} is a hub name, but the hub {endpoint} cannot be "
-                          f"reached from this machine and {where}; point {what} at a local model "
-                          "folder, or run where the hub can be reached", key=key)
+        raise ConfigError(f"Could not read the config of model {name!r} ({what}): it is a hub "
+                          f"name, but the hub {endpoint} cannot be reached from this machine and "
+                          f"{where}; point {what} at a local model folder, or run where the hub "
+                          "can be reached", key=key)
 
 
 def _is_true(variable: str) -> bool:
