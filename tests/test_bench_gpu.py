@@ -2,7 +2,8 @@
 
 * our Triton kernels err at most twice as much as torch's own bf16 flash kernel against float32
   math at 8K tokens of Llama-7B's attention (32 heads of 128);
-* the flex_attention peer computes the same attention (causal and packed documents);
+* the flex_attention peer and the flash_attn_cute backend compute the same attention (causal
+  and packed documents);
 * ``lctrain bench kernel`` through a pipe prints every number it measured; with packed
   documents its rows carry the share of cuDNN's dense rate;
 * a tile sweep point is timed and checked;
@@ -41,9 +42,10 @@ def test_triton_errs_at_most_twice_torch_flash_at_8k():
     assert ours <= max(2 * torchs, 1e-3), (ours, torchs)
 
 
-@pytest.mark.parametrize("documents", [None, 8])
-def test_flex_attention_peer_computes_the_same_attention(documents):
-    err = _check("flex_attention", 2048, documents, heads=8, head_dim=64)
+@pytest.mark.parametrize("documents", [None, 8, "700,300,1k,rest"])
+@pytest.mark.parametrize("peer", ["flex_attention", "flash_attn_cute"])
+def test_peer_and_fa4_compute_the_same_attention(peer, documents):
+    err = _check(peer, 2048, documents, heads=8, head_dim=64)
     assert err < 4e-2
 
 

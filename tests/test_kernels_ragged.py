@@ -78,11 +78,12 @@ def run_block(spec, sq, sk, dtype, hq=4, hkv=2, batch=2, d=16, lse_grad=True):
     return q, k, v, do, dlse
 
 
-def check(spec, sq, sk, **kw):
-    """Forward, gradients and the lse's gradient through the ragged block logic on the
-    plain-torch engine, against the float64 oracle."""
+def check(spec, sq, sk, engine=None, **kw):
+    """Forward, gradients and the lse's gradient through the ragged block logic on
+    ``engine`` (the plain-torch one by default), against the float64 oracle."""
     q, k, v, do, dlse = run_block(spec, sq, sk, torch.float64, **kw)
-    backend, scale, rel = RaggedBackend(ReferenceEngine()), 0.3, classify(spec, sq, sk)
+    backend = RaggedBackend(engine or ReferenceEngine())
+    scale, rel = 0.3, classify(spec, sq, sk)
     out, lse = backend.forward(q, k, v, spec, rel, scale)
     grads = backend.backward(do, q, k, v, out, lse, spec, rel, scale, dlse)
     ref_out, ref_lse = reference_forward(q, k, v, spec, scale)
@@ -117,11 +118,12 @@ def test_shared_rows_are_merged_through_the_lse(poisoned):
     check(spec, sq, sk)
 
 
-def test_auto_runs_masked_blocks_on_cudnn_ragged_first():
+def test_auto_runs_masked_blocks_on_the_ragged_backends_first():
     half, part = torch.bfloat16, Relation.PARTIAL
-    assert auto_order("cuda", half, part) == ("cudnn_ragged", "triton", "reference")
-    assert auto_order("cuda", torch.float32, part)[1:] == ("triton", "reference")
-    assert auto_order("cuda", half, Relation.CAUSAL)[0] == "cudnn"
+    assert auto_order("cuda", half, part) == ("flash_attn_cute", "cudnn_ragged", "triton",
+                                              "reference")
+    assert auto_order("cuda", torch.float32, part)[2:] == ("triton", "reference")
+    assert auto_order("cuda", half, Relation.CAUSAL)[:2] == ("flash_attn_cute", "cudnn")
     assert auto_order("cpu", half, part) == ("reference",)
 
 
@@ -262,28 +264,39 @@ def gpu_errors(backend, spec, q, k, v, do, dlse):
     return errs
 
 
+def gpu_backend(name):
+    from lctrain_kernels.backends import BackendUnavailable, get_backend
+    try:
+        return get_backend(name)
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+RAGGED = ("cudnn_ragged", "flash_attn_cute")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", RAGGED)
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_gpu_cudnn_ragged_matches_float32_math_on_every_mask_shape(name):
-    from lctrain_kernels.backends import get_backend
+def test_gpu_ragged_backends_match_float32_math_on_every_mask_shape(name, backend_name):
     spec, sq, sk = SHAPES[name]
-    backend = get_backend("cudnn_ragged")
+    backend = gpu_backend(backend_name)
     for hq, hkv, batch in ((8, 2, 2), (4, 4, 1)):
         errs = gpu_errors(backend, spec, *gpu_case(spec, sq, sk, hq, hkv, batch=batch))
         assert max(errs) < 2e-2, errs
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", RAGGED)
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_gpu_cudnn_ragged_on_document_mixes_and_head_group_views(mix):
+def test_gpu_ragged_backends_on_document_mixes_and_head_group_views(mix, backend_name):
     """A diagonal block (two batch rows), an off-diagonal one (a document crossing the chunk
     boundary) and a half-keys one, at 4K rows; q, k, v as head-group slices of wider tensors.
     Equal documents run as a plain batch on the dense kernel, the others ragged."""
-    from lctrain_kernels.backends import get_backend
     from lctrain_kernels.ragged import plan_ragged
     n = 4096
     bounds = bounds_of(*MIXES[mix](2 * n))
-    backend = get_backend("cudnn_ragged")
+    backend = gpu_backend(backend_name)
     for spec, sk, batch in ((MaskSpec(True, n, n, bounds), n, 2),
                             (MaskSpec(True, n, 0, bounds), n, 1),
                             (MaskSpec(True, n, n, bounds), n // 2, 1)):
@@ -300,17 +313,19 @@ def test_gpu_cudnn_ragged_on_document_mixes_and_head_group_views(mix):
 
 
 @pytest.mark.gpu
-def test_gpu_auto_runs_document_masks_on_cudnn_ragged_through_the_attention_api():
+def test_gpu_auto_runs_document_masks_on_a_ragged_backend_through_the_attention_api():
     """The model's path: attention() with cu_seqlens under autograd, q/k/v transposed views of
-    (B, H, S, D) tensors as the model hands them over; auto picks cudnn_ragged."""
+    (B, H, S, D) tensors as the model hands them over; auto picks flash_attn_cute where it is
+    installed, else cudnn_ragged."""
     from lctrain_kernels import attention_with_lse
-    from lctrain_kernels.backends import select_backend
+    from lctrain_kernels.backends import available_backends, select_backend
     bounds = bounds_of(700, 1300, 96, 2000)
     spec = MaskSpec(True, 0, 0, bounds)
     heads = [torch.randn(1, h, bounds[-1], 64, device="cuda",
                          dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2)]
     q, k, v = (x.transpose(1, 2) for x in heads)
-    assert select_backend("auto", q, k, v, spec, Relation.PARTIAL).name == "cudnn_ragged"
+    first = next(n for n in RAGGED[::-1] if n in available_backends())
+    assert select_backend("auto", q, k, v, spec, Relation.PARTIAL).name == first
     out, lse = attention_with_lse(q, k, v, cu_seqlens=list(bounds))
     do = torch.randn_like(out)
     (out.float() * do).sum().backward()

@@ -34,6 +34,7 @@ BACKENDS = {
     "triton": "triton.TritonBackend",
     "cpu_flash": "sdpa.CpuFlashBackend",
     "cudnn_ragged": "cudnn_ragged.CudnnRaggedBackend",
+    "flash_attn_cute": "flash_attn_cute.FlashAttnCuteBackend",
 }
 """Local attention backends: name -> ``module.Class`` under ``lctrain_kernels.backends`` that
 implements it (imported only when first asked for). "auto" picks among them."""

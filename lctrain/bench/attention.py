@@ -425,14 +425,14 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
 
 
 def _single_backend(backend: str, device: torch.device, dtype: torch.dtype, documents: bool) -> str:
-    """The backend of the single-GPU row: the named one; for "auto", cudnn on a GPU (reference
-    on a CPU), or with documents what "auto" runs for a whole packed sequence (triton on a
-    GPU), the first of its order that loads here."""
+    """The backend of the single-GPU row: the named one; for "auto", what "auto" runs for the
+    whole sequence (causal, or packed with documents), the first of its order that loads here;
+    the reference on a CPU."""
     if backend != "auto":
         return backend
-    if not documents:
-        return "cudnn" if device.type == "cuda" else "reference"
-    order = auto_order(device.type, dtype, Relation.PARTIAL)
+    if device.type != "cuda" and not documents:
+        return "reference"
+    order = auto_order(device.type, dtype, Relation.PARTIAL if documents else Relation.CAUSAL)
     for name in order:
         try:
             get_backend(name)

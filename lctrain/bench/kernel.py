@@ -237,8 +237,8 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
     Args:
         seq_lens: sequence lengths to time (batch 1); None = the device's defaults.
         backends: backend or peer names; None = every available fast backend (CUDA: cudnn,
-            flash, flash_attn, triton, cudnn_ragged as installed; CPU: reference and
-            cpu_flash, or reference alone with documents).
+            flash, flash_attn, triton, cudnn_ragged, flash_attn_cute as installed; CPU:
+            reference and cpu_flash, or reference alone with documents).
         heads, head_dim, dtype: the shape and input dtype (or its name); None = the
             device's defaults (``DEFAULTS``).
         causal: causal attention (else full).

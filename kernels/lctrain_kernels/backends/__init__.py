@@ -20,17 +20,22 @@ first asked for):
     cudnn_ragged  cuDNN's ragged (THD) attention through nvidia-cudnn-frontend: each
                 document's piece of a block is one batch entry, read and written in place;
                 CUDA (Hopper or newer), fp16/bf16, every relation (lctrain_kernels.ragged)
+    flash_attn_cute  FlashAttention 4 (the flash-attn-4 package), if installed: the same
+                in-place pieces as varlen batch entries, dense blocks as one entry per row;
+                CUDA (Hopper or newer), fp16/bf16, every relation
 
 The "auto" rule (:func:`select_backend`), first one that is available and supports the block:
 
-* CUDA, FULL or CAUSAL block, fp16/bf16: cudnn > triton > flash > flash_attn > reference,
-  fastest first as measured on H100/H200 (``lctrain bench kernel``, README "Performance").
-* CUDA, PARTIAL block (documents, an offset diagonal): cudnn_ragged > triton > reference.
-  cudnn_ragged ran every document mix measured faster than triton, long documents close to
-  cuDNN's dense rate (``lctrain bench kernel --documents``, docs/performance.md). Its plans are built for the batch size and
+* CUDA, FULL or CAUSAL block, fp16/bf16: flash_attn_cute > cudnn > triton > flash >
+  flash_attn > reference, fastest first as measured on H100/H200 (``lctrain bench kernel``,
+  README "Performance"); flash_attn_cute only where FlashAttention 4 is installed.
+* CUDA, PARTIAL block (documents, an offset diagonal): flash_attn_cute > cudnn_ragged >
+  triton > reference. Both ragged backends ran every document mix measured faster than
+  triton, flash_attn_cute faster than cudnn_ragged on every mix (``lctrain bench kernel
+  --documents``, docs/performance.md). cudnn_ragged's plans are built for the batch size and
   longest document rounded up to powers of two, so the first steps of a run build them all
-  and later rows reuse them. float32 blocks, a GPU or cuDNN its ragged backward is not tested
-  on, or a run with torch.use_deterministic_algorithms on go to triton.
+  and later rows reuse them. float32 blocks, a GPU neither ragged backward is tested on, or
+  a run with torch.use_deterministic_algorithms on go to triton.
 * CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
   takes a mask only as an additive tensor of the inputs' dtype, and the Triton interpreter is
   correct but orders of magnitude slower).
@@ -51,8 +56,8 @@ from lctrain_kernels.vocabulary import BACKENDS
 __all__ = ["Backend", "BackendUnavailable", "available_backends", "backend_names",
            "check_backend_name", "get_backend", "select_backend"]
 
-_DENSE_CUDA_ORDER = ("cudnn", "triton", "flash", "flash_attn", "reference")
-_MASKED_CUDA_ORDER = ("cudnn_ragged", "triton", "reference")
+_DENSE_CUDA_ORDER = ("flash_attn_cute", "cudnn", "triton", "flash", "flash_attn", "reference")
+_MASKED_CUDA_ORDER = ("flash_attn_cute", "cudnn_ragged", "triton", "reference")
 _DENSE_CPU_ORDER = ("cpu_flash", "reference")
 
 

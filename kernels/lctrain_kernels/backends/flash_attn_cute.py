@@ -1,0 +1,149 @@
+"""The flash_attn_cute backend: FlashAttention 4's CuTe kernels for every block, dense or not.
+
+FlashAttention 4 (the ``flash-attn-4`` package, kernels written in NVIDIA's CUTLASS DSL for
+Hopper and Blackwell) runs variable-length batches: entry ``b`` starts at row
+``cu_seqlens[b]`` and is ``seqused[b]`` rows long, so every dense piece of a block
+(:mod:`lctrain_kernels.ragged`: one batch entry per document piece) is read and written where
+it lies, as on cuDNN's ragged attention, and a dense block is a batch of one entry per row.
+
+FlashAttention aligns its causal mask to the bottom-right corner of each entry; lctrain's
+pieces are top-left triangles. They agree on square entries. A causal piece with more query
+rows than keys (a block cut by key rows, the last document of a diagonal block) is the local
+mask ``j <= i + (sk - sq) + right`` with ``right = sq - sk``, no left bound: the same triangle.
+So a causal call runs as one causal launch for its square entries and one local launch per
+other shape (:func:`launches`).
+
+Its statistics are head-major ``(Hq, T)`` float32; the ragged contract's are token-major, so
+each launch reads and writes a head-major copy. The backward computes ``delta`` itself, so a
+gradient of the lse takes one more backward (``backends.base.UnitValueLseGrad``). Limits:
+CUDA with compute capability 9.0 or newer, fp16/bf16, head_dim a multiple of 8 up to 256,
+torch's deterministic mode off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lctrain_kernels.backends.base import BackendUnavailable
+from lctrain_kernels.backends.sdpa import half_head_dim_reason
+from lctrain_kernels.masks import MaskSpec, Relation
+from lctrain_kernels.ragged import RaggedBackend, RaggedCall
+
+
+def _load():
+    try:
+        from flash_attn.cute import interface
+    except ImportError as exc:
+        raise BackendUnavailable(
+            "the flash_attn_cute backend needs FlashAttention 4; install it with `pip install "
+            "'lctrain[fa4]'` (flash-attn-4 and NVIDIA's CUTLASS DSL), or pick cudnn or "
+            "cudnn_ragged.") from exc
+    return interface._flash_attn_fwd, interface._flash_attn_bwd
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: entries (rows flattened over the batch) that share a mask rule,
+    all visible, causal from the bottom-right corner, or with the right window ``right``."""
+
+    causal: bool
+    right: int | None
+    q_rows: tuple[int, ...]
+    k_rows: tuple[int, ...]
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+
+
+def launches(call: RaggedCall) -> tuple[Launch, ...]:
+    """The launches that run ``call`` with FlashAttention's masks (module docstring)."""
+    entries = list(zip(call.q_rows, call.k_rows, call.q_lens, call.k_lens))
+    if not call.causal:
+        return (Launch(False, None, *zip(*entries)),)
+    by_shape: dict[int, list] = {}
+    for entry in entries:
+        by_shape.setdefault(entry[2] - entry[3], []).append(entry)
+    return tuple(Launch(extra == 0, None if extra == 0 else extra, *zip(*group))
+                 for extra, group in sorted(by_shape.items()))
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) -> (B * S, H, D), a view where the layout allows."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+class CuteEngine:
+    """Runs one :class:`~lctrain_kernels.ragged.RaggedCall` on FlashAttention 4's varlen
+    kernels (the Engine protocol); ``fwd`` and ``bwd`` are its ``_flash_attn_fwd`` and
+    ``_flash_attn_bwd``."""
+
+    def __init__(self, fwd, bwd):
+        self._fwd, self._bwd = fwd, bwd
+        self._columns: dict[tuple, dict] = {}
+
+    def _args(self, launch: Launch, device: torch.device) -> dict:
+        """Offsets, lengths and mask arguments of a launch; the device columns are cached, as
+        every layer of a step runs the same blocks."""
+        key = (launch, device)
+        if key not in self._columns:
+            ends = [r + n for r, n in zip(launch.q_rows, launch.q_lens)]
+            k_ends = [r + n for r, n in zip(launch.k_rows, launch.k_lens)]
+            cols = [torch.tensor(c, dtype=torch.int32).to(device) for c in (
+                (*launch.q_rows, max(ends)), (*launch.k_rows, max(k_ends)), launch.q_lens,
+                launch.k_lens)]
+            mask = ({"causal": launch.causal} if launch.right is None else
+                    {"causal": False, "window_size_left": None,
+                     "window_size_right": launch.right})
+            if len(self._columns) >= 256:
+                self._columns.pop(next(iter(self._columns)))
+            self._columns[key] = (cols, dict(
+                cu_seqlens_q=cols[0], cu_seqlens_k=cols[1], seqused_q=cols[2],
+                seqused_k=cols[3], max_seqlen_q=max(launch.q_lens),
+                max_seqlen_k=max(launch.k_lens), **mask))
+        cols, args = self._columns[key]
+        for col in cols:  # an entry dropped from the cache is not reused while a kernel reads it
+            if col.is_cuda:
+                col.record_stream(torch.cuda.current_stream(device))
+        return args
+
+    def forward(self, call, q, k, v, out, lse_t, scale):
+        qf, kf, vf, of = _flat(q), _flat(k), _flat(v), out.view(-1, *out.shape[2:])
+        lse_h = lse_t.t().contiguous()  # (Hq, T): rows of other calls keep their values
+        for launch in launches(call):
+            self._fwd(qf, kf, vf, softmax_scale=scale, out=of, lse=lse_h, return_lse=True,
+                      **self._args(launch, q.device))
+        lse_t.copy_(lse_h.t())
+
+    def backward(self, call, do, q, k, v, out, lse_t, dq, dk, dv, scale):
+        lse_h = lse_t.t().contiguous()
+        flat = [_flat(x) for x in (q, k, v, out, do)]
+        grads = [x.view(-1, *x.shape[2:]) for x in (dq, dk, dv)]
+        for launch in launches(call):
+            self._bwd(*flat, lse_h, softmax_scale=scale, dq=grads[0], dk=grads[1],
+                      dv=grads[2], **self._args(launch, q.device))
+
+
+_ENGINE: list[CuteEngine] = []
+
+
+class FlashAttnCuteBackend(RaggedBackend):
+    """FlashAttention 4: every relation, pieces as in-place varlen entries."""
+
+    name = "flash_attn_cute"
+
+    def __init__(self):
+        if not _ENGINE:
+            _ENGINE.append(CuteEngine(*_load()))
+        super().__init__(_ENGINE[0])
+
+    def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
+        if torch.are_deterministic_algorithms_enabled():
+            return ("the flash_attn_cute backend's backward is not guaranteed to be "
+                    "deterministic, and torch.use_deterministic_algorithms is on; use triton.")
+        if q.device.type != "cuda":
+            return (f"the flash_attn_cute backend runs on CUDA only, and the tensors are on "
+                    f"{q.device}.")
+        if torch.cuda.get_device_capability(q.device) < (9, 0):
+            return ("the flash_attn_cute backend runs on Hopper or newer GPUs (compute "
+                    "capability >= 9.0).")
+        return half_head_dim_reason(self.name, q, 256)
