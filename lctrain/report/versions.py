@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 _PACKAGES = ("lctrain", "torch", "triton", "transformers", "accelerate", "datasets",
-             "nvidia-cudnn-frontend")
+             "nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl")
 
 
 def _version(package: str) -> str | None:
@@ -48,7 +48,8 @@ def environment() -> dict:
 
     Returns:
         ``{"lctrain", "torch", "triton", "transformers", "accelerate", "datasets",
-        "nvidia-cudnn-frontend", "python", "cuda", "cudnn", "driver", "gpus", "gpu", "date"}``;
+        "nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl", "python", "cuda",
+        "cudnn", "driver", "gpus", "gpu", "date"}``;
         a package that is not installed, or CUDA, cuDNN and the driver on a machine without a
         GPU, are None.
     """
