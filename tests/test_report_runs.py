@@ -109,3 +109,6 @@ def test_the_banner_names_versions_and_one_time_costs(tmp_path):
     assert not any("autotuning" in c for c in one_time_costs("cuda", "auto"))  # dense: cudnn
     assert any("cuDNN plans for document-masked" in c
                for c in one_time_costs("cuda", "cudnn_ragged", document_mask=True))
+    named = one_time_costs("cuda", "flash_attn_cute", document_mask=True)
+    assert any("compiling FlashAttention 4's kernels" in c for c in named)
+    assert not any("autotuning" in c or "cuDNN plans" in c for c in named)

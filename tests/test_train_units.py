@@ -179,3 +179,12 @@ def test_self_launched_ranks_use_growing_allocator_segments_unless_told(monkeypa
     assert _worker_env(2)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert _worker_env(2)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_self_launched_ranks_keep_compiled_fa4_kernels_unless_told(monkeypatch):
+    from lctrain.train.launch import _worker_env
+
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    assert _worker_env(2)["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    assert _worker_env(2)["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"

@@ -104,17 +104,21 @@ def one_line(info: dict) -> str:
     return "; ".join(parts)
 
 
-def _ragged_ready() -> bool:
-    """Whether auto will run document-masked blocks on cudnn_ragged here (the backend's own
-    rule for this machine and process)."""
+def _ready(name: str) -> bool:
+    """Whether the backend ``name`` loads and can run on this process's GPU (the ragged
+    backends are what auto runs first, where they are ready)."""
     import torch
 
     from lctrain_kernels.backends import BackendUnavailable, get_backend
     try:
-        backend = get_backend("cudnn_ragged")
+        backend = get_backend(name)
     except BackendUnavailable:
         return False
-    return backend.setup_reason(torch.device("cuda", torch.cuda.current_device())) is None
+    device = torch.device("cuda", torch.cuda.current_device())
+    if name == "cudnn_ragged":
+        return backend.setup_reason(device) is None
+    return (torch.cuda.get_device_capability(device) >= (9, 0)
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def one_time_costs(device_type: str, attention_backend: str,
@@ -132,11 +136,15 @@ def one_time_costs(device_type: str, attention_backend: str,
     if device_type != "cuda":
         return []
     costs = []
-    ragged = (document_mask and attention_backend in ("auto", "cudnn_ragged")
-              and (attention_backend == "cudnn_ragged" or _ragged_ready()))
-    if attention_backend == "triton" or (attention_backend == "auto" and document_mask
-                                         and not ragged):
+    auto = attention_backend == "auto"
+    cute = attention_backend == "flash_attn_cute" or (auto and _ready("flash_attn_cute"))
+    ragged = document_mask and (attention_backend == "cudnn_ragged"
+                                or (auto and not cute and _ready("cudnn_ragged")))
+    if attention_backend == "triton" or (auto and document_mask and not (ragged or cute)):
         costs.append("autotuning attention kernels for this shape — first step only")
+    if cute:
+        costs.append("compiling FlashAttention 4's kernels for these shapes — the first steps; "
+                     "later runs on this machine load them from its cache")
     if ragged:
         costs.append("cuDNN plans for document-masked attention — the first steps, once per "
                      "count and longest length of documents (each rounded up to a power of two)")

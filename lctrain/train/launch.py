@@ -225,6 +225,9 @@ def _worker_env(nproc: int) -> dict[str, str]:
     # long-context steps allocate tensors of many large sizes; growing segments instead of
     # fixed blocks keeps the allocator from holding gigabytes it cannot hand out
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # FlashAttention 4 compiles its kernels on first use; its on-disk cache (file-locked, so
+    # ranks share it) lets later runs on the machine load them instead
+    env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     loopback = _loopback_interface()
     if loopback is not None:
         env.setdefault("GLOO_SOCKET_IFNAME", loopback)
