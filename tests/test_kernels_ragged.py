@@ -7,11 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fa_contract import fa_backward, fa_forward
 from mask_cases import SHAPES, bounds_of, lognormal_lengths, random_block, visible
 from lctrain_kernels import attention_with_lse, dist_attention_with_lse
 from lctrain_kernels.backends import auto_order
 from lctrain_kernels.distributed import make_schedule, shard
 from lctrain_kernels.masks import MaskSpec, Relation, classify
+from lctrain_kernels.backends.flash_attn_cute import CuteEngine, launches
 from lctrain_kernels.ragged import RaggedBackend, ReferenceEngine, bucket, plan_ragged
 from lctrain_kernels.reference import reference_backward, reference_forward
 from spawn import run_on_ranks
@@ -127,20 +129,36 @@ def test_auto_runs_masked_blocks_on_the_ragged_backends_first():
     assert auto_order("cpu", half, part) == ("reference",)
 
 
-class _CountingEngine(ReferenceEngine):
-    calls: list = []  # (causal, entries) of every forward call
+class _Counting:
+    """An engine that records (causal, entries, windowed launches) of every forward call."""
+
+    calls: list = []
 
     def forward(self, call, *args):
-        self.calls.append((call.causal, call.entries))
+        windows = sum(w.right is not None for w in launches(call))
+        self.calls.append((call.causal, call.entries, windows))
         super().forward(call, *args)
 
 
-def _ragged_on_cpu():
-    """In a rank process: the name "cudnn_ragged" resolves to the ragged block logic on the
-    plain-torch engine, so the executor's blocks take the path they take on a GPU."""
+class _CountingReference(_Counting, ReferenceEngine):
+    pass
+
+
+class _CountingCute(_Counting, CuteEngine):
+    def __init__(self):
+        super().__init__(fa_forward, fa_backward)
+
+
+_ENGINES = {"reference": _CountingReference, "cute": _CountingCute}
+
+
+def _ragged_on_cpu(engine: str):
+    """In a rank process: the name "cudnn_ragged" resolves to the ragged block logic on a CPU
+    engine (plain torch, or FlashAttention 4's launches on float64 math of its contract), so
+    the executor's blocks take the path they take on a GPU."""
     import lctrain_kernels.backends as backends
     real = backends.get_backend
-    backends.get_backend = lambda name: (RaggedBackend(_CountingEngine())
+    backends.get_backend = lambda name: (RaggedBackend(_ENGINES[engine]())
                                          if name == "cudnn_ragged" else real(name))
 
 
@@ -168,14 +186,14 @@ def _dist_case(group, case: dict) -> float:
     return max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
 
 
-def _dist_worker(rank: int, world: int, phases) -> list[dict]:
-    _ragged_on_cpu()
+def _dist_worker(rank: int, world: int, phases, engine: str) -> list[dict]:
+    _ragged_on_cpu(engine)
     results = []
     for ranks, cases in phases:
         group = dist.group.WORLD if ranks is None else dist.new_group(ranks)
         if ranks is None or rank in ranks:
             results.append({c["name"]: _dist_case(group, c) for c in cases})
-    return results, _CountingEngine.calls
+    return results, _Counting.calls
 
 
 def _crossing(n):  # documents across every chunk boundary, a short one among them
@@ -198,18 +216,22 @@ def _dist_cases(world: int) -> list[dict]:
             for i, (sched, docs) in enumerate(runs)]
 
 
-def test_dist_attention_runs_ragged_blocks_exactly_at_two_and_three_ranks():
+@pytest.mark.parametrize("engine", list(_ENGINES))
+def test_dist_attention_runs_ragged_blocks_exactly_at_two_and_three_ranks(engine):
     """Every block the schedules make (diagonal, off-diagonal, the halves of a helped block)
-    through the ragged block logic, over gloo, against the single-process float64 reference."""
+    through the ragged block logic, over gloo, against the single-process float64 reference;
+    on the plain-torch engine and on FlashAttention 4's launches (float64 math of its kernels'
+    contract)."""
     phases = [(None, _dist_cases(3)), ([0, 2], _dist_cases(2))]
-    per_rank = run_on_ranks(_dist_worker, 3, phases)
+    per_rank = run_on_ranks(_dist_worker, 3, phases, engine)
     for rank, (results, calls) in enumerate(per_rank):
         expected = [phases[0][1]] + ([phases[1][1]] if rank in (0, 2) else [])
         assert [set(r) for r in results] == [{c["name"] for c in cs} for cs in expected]
         bad = {name: err for r in results for name, err in r.items() if not err < 1e-10}
         assert not bad, bad
-        assert {causal for causal, _ in calls} == {True, False}  # diagonal and off-diagonal
-        assert max(n for _, n in calls) > 1  # blocks of several documents
+        assert {causal for causal, _, _ in calls} == {True, False}  # diagonal, off-diagonal
+        assert max(n for _, n, _ in calls) > 1  # blocks of several documents
+        assert any(w for _, _, w in calls)  # a taller causal piece: a helped block's half
 
 
 def test_cudnn_ragged_steps_aside_for_deterministic_algorithms():
