@@ -105,8 +105,8 @@ def one_line(info: dict) -> str:
 
 
 def _ready(name: str) -> bool:
-    """Whether the backend ``name`` loads and can run on this process's GPU (the ragged
-    backends are what auto runs first, where they are ready)."""
+    """Whether the backend ``name`` (flash_attn_cute or cudnn_ragged, which auto runs first
+    where they are ready) loads and can run on this process's GPU."""
     import torch
 
     from lctrain_kernels.backends import BackendUnavailable, get_backend

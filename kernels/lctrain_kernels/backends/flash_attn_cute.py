@@ -79,7 +79,7 @@ class CuteEngine:
 
     def __init__(self, fwd, bwd):
         self._fwd, self._bwd = fwd, bwd
-        self._columns: dict[tuple, dict] = {}
+        self._columns: dict[tuple, tuple[list, dict]] = {}  # (launch, device) -> columns
 
     def _args(self, launch: Launch, device: torch.device) -> dict:
         """Offsets, lengths and mask arguments of a launch; the device columns are cached, as
