@@ -98,20 +98,27 @@ def check(spec, sq, sk, engine=None, **kw):
         assert got.dtype == torch.float64 and (got - want).abs().max() < 1e-10
 
 
+# CPU engines: plain torch, and FlashAttention 4's launches on float64 math of its contract
+BLOCK_ENGINES = {"reference": ReferenceEngine,
+                 "flash_attn_cute": lambda: CuteEngine(fa_forward, fa_backward)}
+
+
+@pytest.mark.parametrize("engine", list(BLOCK_ENGINES))
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_block_logic_matches_float64_reference_on_every_mask_shape(name, poisoned):
+def test_block_logic_matches_float64_reference_on_every_mask_shape(name, engine, poisoned):
     spec, sq, sk = SHAPES[name]
     for hkv, batch in ((2, 2), (4, 1), (1, 1)):  # GQA, MHA, MQA; batched and not
-        check(spec, sq, sk, hkv=hkv, batch=batch)
+        check(spec, sq, sk, engine=BLOCK_ENGINES[engine](), hkv=hkv, batch=batch)
 
 
-def test_block_logic_on_random_blocks(poisoned):
+@pytest.mark.parametrize("engine", list(BLOCK_ENGINES))
+def test_block_logic_on_random_blocks(engine, poisoned):
     rng = random.Random()
     for _ in range(40):
         spec, sq, sk = random_block(rng)
         if classify(spec, sq, sk) is Relation.EMPTY:  # never handed to a backend
             continue
-        check(spec, sq, sk, lse_grad=rng.random() < 0.5)
+        check(spec, sq, sk, engine=BLOCK_ENGINES[engine](), lse_grad=rng.random() < 0.5)
 
 
 def test_shared_rows_are_merged_through_the_lse(poisoned):
