@@ -6,10 +6,13 @@ check a recipe's paths before it starts any process (and before importing torch 
 A model given by hub name must come from the hub or its local cache. When neither can give it —
 offline mode (HF_HUB_OFFLINE) or a hub that does not answer within `HUB_PROBE_TIMEOUT_S`, and
 no config.json of it in the cache — `check_hub_model` says so at once, where transformers would
-retry for about 20 s and then fail in several lines.
+retry for about 20 s and then fail in several lines. When the hub does not answer but the cache
+holds the name, `cache_only` tells the loaders to read the cache at once instead of retrying
+first. The hub is probed once per process (`hub_answers`).
 """
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.resources
 import os
@@ -33,8 +36,10 @@ DATA_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
 
 HUB_PROBE_TIMEOUT_S = 3.0
-"""How long `check_hub_model` waits for the hub to answer before calling it unreachable."""
+"""How long `hub_answers` waits for the hub to answer before calling it unreachable."""
 _DEFAULT_HUB = "https://huggingface.co"
+_TRANSFORMERS_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+"""The variables that set offline mode for transformers (models, configs, tokenizers)."""
 
 
 def shipped_recipes() -> dict[str, str]:
@@ -178,7 +183,7 @@ def check_hub_model(name: str, *, what: str = "model.path") -> None:
     A name whose config.json is in the local hub cache passes (transformers reads it from
     there); otherwise the hub must be reachable: offline mode (``HF_HUB_OFFLINE`` or
     ``TRANSFORMERS_OFFLINE``) is refused without a probe, else the hub (``HF_ENDPOINT``, default
-    huggingface.co) gets one request that must be answered within `HUB_PROBE_TIMEOUT_S`.
+    huggingface.co) must answer one request within `HUB_PROBE_TIMEOUT_S` (`hub_answers`).
 
     Args:
         name: the hub name (``owner/name``).
@@ -187,28 +192,82 @@ def check_hub_model(name: str, *, what: str = "model.path") -> None:
     Raises:
         ConfigError: offline mode or an unreachable hub, and the name is not in the cache.
     """
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import constants
+
+    cached = _in_hub_cache(name, ("config.json",))
+    if cached is not False:
+        return
+    _refuse_uncached(f"the config of model {name!r}", what, flags=_TRANSFORMERS_OFFLINE,
+                     where=f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it",
+                     fix=f"point {what} at a local model folder")
+
+
+def cache_only(source: str) -> bool:
+    """Whether transformers should read ``source`` from the local hub cache alone (its
+    ``local_files_only``): ``source`` is a hub name, not a local path, and the hub cannot be
+    asked now — offline mode, or no answer to `hub_answers`. Otherwise transformers asks an
+    unreachable hub for every file, retrying for about 20 s each, before it reads the cache.
+
+    A model the cache lacks was refused before (`check_hub_model`); here it only makes
+    transformers say so at once.
+    """
+    if os.path.exists(os.path.expanduser(source)) or not looks_like_hub_name(source):
+        return False
+    return _offline_flag(_TRANSFORMERS_OFFLINE) is not None or not hub_answers(hub_endpoint())
+
+
+def hub_endpoint() -> str:
+    """The hub huggingface_hub asks: ``HF_ENDPOINT``, else huggingface.co."""
+    return os.environ.get("HF_ENDPOINT") or _DEFAULT_HUB
+
+
+@functools.lru_cache(maxsize=None)
+def hub_answers(endpoint: str) -> bool:
+    """Whether the hub at ``endpoint`` answers within `HUB_PROBE_TIMEOUT_S` (`_answers`), asked
+    once per process and endpoint, so that the config, tokenizer and model loads of a run agree
+    and an unreachable hub costs one probe, not one per load."""
+    return _answers(endpoint, HUB_PROBE_TIMEOUT_S)
+
+
+def _in_hub_cache(name: str, files: tuple[str, ...]) -> bool | None:
+    """Whether the local hub cache holds one of ``files`` of the model repository ``name``;
+    None when ``name`` is not a repository id huggingface_hub accepts (transformers will say
+    so)."""
+    from huggingface_hub import try_to_load_from_cache
 
     try:
-        cached = try_to_load_from_cache(name, "config.json")
-    except ValueError:  # not a repository id huggingface_hub accepts: transformers will say so
-        return
-    if isinstance(cached, str):
-        return
-    key = what if what.startswith("model.") else None
-    where = f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it"
-    flag = next((f for f in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if _is_true(f)), None)
+        return any(isinstance(try_to_load_from_cache(name, f), str) for f in files)
+    except ValueError:
+        return None
+
+
+def _refuse_uncached(subject: str, what: str, *, flags: tuple[str, ...], where: str,
+                     fix: str) -> None:
+    """Raise the one-sentence error for ``subject``, a hub name its cache lacks, when offline
+    mode is set (no probe) or the hub does not answer; return when the hub answers.
+
+    Args:
+        subject: what could not be read, e.g. ``the tokenizer 'owner/name'``.
+        what: the setting or option it came from; a recipe key is the error's key.
+        flags: the environment variables that set offline mode for the library that reads it.
+        where: the clause saying which cache lacks it.
+        fix: what the user can do instead, as a clause.
+    """
+    key = None if what.startswith("-") else what
+    head = f"Could not read {subject} ({what}): it is a hub name, but"
+    flag = _offline_flag(flags)
     if flag is not None:
-        raise ConfigError(f"Could not read the config of model {name!r} ({what}): it is a hub "
-                          f"name, but {flag} is set (offline mode) and {where}; download it "
-                          f"while online, unset {flag}, or point {what} at a local model folder",
-                          key=key)
-    endpoint = os.environ.get("HF_ENDPOINT") or _DEFAULT_HUB
-    if not _answers(endpoint, HUB_PROBE_TIMEOUT_S):
-        raise ConfigError(f"Could not read the config of model {name!r} ({what}): it is a hub "
-                          f"name, but the hub {endpoint} cannot be reached from this machine and "
-                          f"{where}; point {what} at a local model folder, or run where the hub "
-                          "can be reached", key=key)
+        raise ConfigError(f"{head} {flag} is set (offline mode) and {where}; download it while "
+                          f"online, unset {flag}, or {fix}", key=key)
+    endpoint = hub_endpoint()
+    if not hub_answers(endpoint):
+        raise ConfigError(f"{head} the hub {endpoint} cannot be reached from this machine and "
+                          f"{where}; {fix}, or run where the hub can be reached", key=key)
+
+
+def _offline_flag(flags: tuple[str, ...]) -> str | None:
+    """The first of ``flags`` set to a true value (offline mode), or None."""
+    return next((f for f in flags if _is_true(f)), None)
 
 
 def _is_true(variable: str) -> bool:

@@ -34,6 +34,7 @@ from lctrain.config import (
     RecipeConfig,
     require_model_path,
 )
+from lctrain.config.paths import cache_only
 from lctrain.errors import ConfigError, DataError
 
 
@@ -151,8 +152,8 @@ def load_tokenizer(cfg: RecipeConfig) -> Any:
     source = name or require_model_path(cfg.model.path)
     from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source,
+    try:  # a hub name comes from the local hub cache at once when the hub cannot be asked
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=cache_only(source),
                                                   trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -30,6 +30,7 @@ import re
 from typing import Any
 
 from lctrain.config import require_model_path
+from lctrain.config.paths import cache_only
 from lctrain.errors import ConfigError, UserError
 
 _COMPUTE_ONLY = re.compile(r"^(rope_parameters|max_position_embeddings|sliding_window|"
@@ -153,12 +154,16 @@ def _random_init_config(fields: dict[str, Any]) -> Any:
 
 
 def _folder_config(source: str, shown: str, trust: bool) -> tuple[Any, dict[str, Any]]:
-    """(the folder's config as transformers reads it, its config.json fields as written)."""
+    """(the folder's config as transformers reads it, its config.json fields as written).
+
+    A hub name is read from the local hub cache alone when the hub cannot be asked
+    (`lctrain.config.paths.cache_only`)."""
     from transformers import AutoConfig
 
+    only = cache_only(source)
     try:
-        base = AutoConfig.from_pretrained(source, trust_remote_code=trust)
-        raw, _ = type(base).get_config_dict(source)
+        base = AutoConfig.from_pretrained(source, trust_remote_code=trust, local_files_only=only)
+        raw, _ = type(base).get_config_dict(source, local_files_only=only)
     except (OSError, ValueError) as exc:
         first = first_line(exc)
         raise UserError(f"Could not read the config of model '{shown}' (offline, unknown hub "

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lctrain.config.paths import cache_only
 from lctrain.errors import UserError
 from lctrain.model.attention import register_attention
 from lctrain.model.features import check_model_config
@@ -122,10 +123,14 @@ def _from_pretrained(source: str, hf_config: Any, *, dtype, attn: str,
 
     check_weights(source)
     local = os.path.expanduser(source)
+    # With the hub out of reach, the weights come from the local hub cache at once; the look-up
+    # of a PEFT adapter config is told too, as transformers does not pass local_files_only on.
+    only = cache_only(source)
+    cache = {"local_files_only": True, "adapter_kwargs": {"local_files_only": True}} if only else {}
     try:
         return AutoModelForCausalLM.from_pretrained(
             local if os.path.isdir(local) else source, config=hf_config, dtype=dtype,
-            attn_implementation=attn, trust_remote_code=trust)
+            attn_implementation=attn, trust_remote_code=trust, **cache)
     except OSError as exc:
         first = first_line(exc)
         raise UserError(f"Could not load model '{source}' (offline, unknown hub name, or not a "
