@@ -1,14 +1,15 @@
 """Where recipes, models and data live: shipped recipes, local paths and hub names.
 
-Pure standard library (and, for a hub name, huggingface_hub's cache lookup), so that the CLI can
-check a recipe's paths before it starts any process (and before importing torch or datasets).
+Pure standard library (and, for a hub name, huggingface_hub's or datasets' cache lookup), so
+that the CLI can check a recipe's paths before it starts any process (and before importing torch).
 
-A model given by hub name must come from the hub or its local cache. When neither can give it —
-offline mode (HF_HUB_OFFLINE) or a hub that does not answer within `HUB_PROBE_TIMEOUT_S`, and
-no config.json of it in the cache — `check_hub_model` says so at once, where transformers would
-retry for about 20 s and then fail in several lines. When the hub does not answer but the cache
-holds the name, `cache_only` tells the loaders to read the cache at once instead of retrying
-first. The hub is probed once per process (`hub_answers`).
+A model, tokenizer or dataset given by hub name must come from the hub or a local cache. When
+neither can give it — offline mode (HF_HUB_OFFLINE) or a hub that does not answer within
+`HUB_PROBE_TIMEOUT_S`, and no copy in the cache — `check_hub_model`, `check_hub_tokenizer` and
+`check_hub_dataset` say so at once, where transformers and datasets would retry for about 20 s
+and then fail in several lines. When the hub does not answer but the cache holds the name,
+`cache_only` tells the loaders to read the cache at once instead of retrying first. The hub is
+probed once per process (`hub_answers`).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ HUB_PROBE_TIMEOUT_S = 3.0
 _DEFAULT_HUB = "https://huggingface.co"
 _TRANSFORMERS_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 """The variables that set offline mode for transformers (models, configs, tokenizers)."""
+_DATASETS_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+"""The variables that set offline mode for ``datasets.load_dataset``."""
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
+"""Files of a tokenizer repository of which ``AutoTokenizer`` reads one first."""
 
 
 def shipped_recipes() -> dict[str, str]:
@@ -202,14 +207,61 @@ def check_hub_model(name: str, *, what: str = "model.path") -> None:
                      fix=f"point {what} at a local model folder")
 
 
+def check_hub_tokenizer(name: str, *, what: str = "data.tokenizer") -> None:
+    """`check_hub_model` for a tokenizer given by hub name: it passes when the local hub cache
+    holds its tokenizer_config.json, tokenizer.json or config.json (what ``AutoTokenizer``
+    reads first), or when the hub answers.
+
+    Raises:
+        ConfigError: offline mode or an unreachable hub, and the name is not in the cache.
+    """
+    from huggingface_hub import constants
+
+    if _in_hub_cache(name, _TOKENIZER_FILES) is not False:
+        return
+    _refuse_uncached(f"the tokenizer {name!r}", what, flags=_TRANSFORMERS_OFFLINE,
+                     where=f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it",
+                     fix=f"point {what} at a local tokenizer folder")
+
+
+def check_hub_dataset(name: str, *, cache_dir: str | None = None,
+                      what: str = "data.source") -> None:
+    """`check_hub_model` for a dataset given by hub name, read with ``datasets.load_dataset``:
+    it passes when the datasets cache (``cache_dir``, else ``HF_DATASETS_CACHE``) holds a
+    prepared copy (which ``datasets`` falls back on when the hub cannot be asked), or when the
+    hub answers. Offline mode is ``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE``.
+
+    Args:
+        name: the hub name (``owner/name``).
+        cache_dir: the cache folder given to ``load_dataset`` (None: its default).
+        what: the setting it came from (the message and the error's key).
+
+    Raises:
+        ConfigError: offline mode or an unreachable hub, and the datasets cache lacks it.
+    """
+    from datasets import config
+    from datasets.naming import camelcase_to_snakecase
+
+    root = os.path.expanduser(str(cache_dir or config.HF_DATASETS_CACHE))
+    parts = name.split("/")
+    folder = os.path.join(root, "___".join([*parts[:-1], camelcase_to_snakecase(parts[-1])]))
+    # datasets keeps a prepared copy in <owner>___<name>/<config>/<version>/<hash>/
+    if any(os.path.isdir(p) for p in glob.glob(os.path.join(glob.escape(folder), "*", "*", "*"))):
+        return
+    _refuse_uncached(f"the hub dataset {name!r}", what, flags=_DATASETS_OFFLINE,
+                     where=f"the datasets cache ({root}) does not hold it",
+                     fix=f"point {what} at local .jsonl/.parquet/.txt files or use "
+                         f"{what}=builtin")
+
+
 def cache_only(source: str) -> bool:
     """Whether transformers should read ``source`` from the local hub cache alone (its
     ``local_files_only``): ``source`` is a hub name, not a local path, and the hub cannot be
     asked now — offline mode, or no answer to `hub_answers`. Otherwise transformers asks an
     unreachable hub for every file, retrying for about 20 s each, before it reads the cache.
 
-    A model the cache lacks was refused before (`check_hub_model`); here it only makes
-    transformers say so at once.
+    A name the cache lacks was refused before (`check_hub_model`, `check_hub_tokenizer`); here
+    it only makes transformers say so at once.
     """
     if os.path.exists(os.path.expanduser(source)) or not looks_like_hub_name(source):
         return False

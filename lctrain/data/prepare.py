@@ -40,7 +40,8 @@ PROGRESS_EVERY_S = 10.0
 
 
 def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
-                 show_progress: bool = False, part: str = "train") -> PackedRows:
+                 show_progress: bool = False, part: str = "train",
+                 source_key: str = "data.source") -> PackedRows:
     """The packed rows of ``data``, from the cache or prepared into it.
 
     Args:
@@ -52,6 +53,8 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
         part: ``train`` — data.source without the documents data.eval_fraction holds out (all
             of it when that is 0); ``eval`` — the validation rows: data.eval_source prepared
             with the same settings, or the held-out documents (`lctrain.data.split`).
+        source_key: the recipe key ``data.source`` holds the value of, named in messages about
+            the source (``data.eval_source`` when preparing that one).
 
     Returns:
         PackedRows whose ``info`` says what was found (see `rows_summary`).
@@ -63,7 +66,8 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
     if part == "eval" and data.eval_source is not None:
         own = dataclasses.replace(data, source=data.eval_source, eval_source=None,
                                   max_documents=None)
-        rows = prepare_data(own, tokenizer, leader=leader, show_progress=show_progress)
+        rows = prepare_data(own, tokenizer, leader=leader, show_progress=show_progress,
+                            source_key="data.eval_source")
         rows.info["part"] = "eval"
         return rows
     if part == "eval" and data.eval_fraction == 0:
@@ -78,7 +82,7 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
         with cache.exclusive(folder.with_name(folder.name + ".lock")):
             if not (folder / "meta.json").exists():
                 cache.build_folder(folder, lambda tmp: _write_tokens(tmp, data, tokenizer,
-                                                                     show_progress))
+                                                                     show_progress, source_key))
                 built["tokens"] = True
             meta = _meta(folder)
             samples = part_samples(data, part, meta["samples"])
@@ -177,14 +181,16 @@ def _load_plan(path: Path) -> RowPlan:
         return RowPlan(z["starts"], z["stops"], z["offsets"], long, left_out, first_long)
 
 
-def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool) -> None:
-    """Read, encode and write the token stream of ``data`` into ``folder`` (meta.json last)."""
-    reader = RecordReader(data)
+def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
+                  source_key: str) -> None:
+    """Read, encode and write the token stream of ``data`` into ``folder`` (meta.json last);
+    ``source_key`` names the recipe key of ``data.source`` in messages."""
+    reader = RecordReader(data, source_key=source_key)
     progress = _Progress(reader, data.source, show)
     records = iter(reader)
     first = list(islice(records, _BATCH))
     if not first:
-        raise DataError(f"data.source {data.source!r} holds no record; point it at some data")
+        raise DataError(f"{source_key} {data.source!r} holds no record; point it at some data")
     fmt, why = (data.format, "data.format") if data.format != "auto" else detect_format(
         first[0], data.text_field)
     encoder = Encoder(fmt, tokenizer, data.text_field)
@@ -250,7 +256,8 @@ class _Progress:
                             info=info)
         elif time.perf_counter() - self.last >= self.every_s:
             self.last = time.perf_counter()
-            share = f"{100 * self.reader.done / self.reader.total:.0f} % read, " if self.reader.total else ""
+            done, total = self.reader.done, self.reader.total
+            share = f"{100 * done / total:.0f} % read, " if total else ""
             print(f"preparing data: {share}{info}", flush=True)
 
     def close(self, counts: dict) -> None:

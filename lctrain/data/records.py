@@ -16,7 +16,9 @@ Sources (``data.source``):
 * ``.json`` — a JSON array of objects, or JSON lines;
 * ``.parquet`` — one record per row;
 * ``.txt`` — each file is one document (its text under ``data.text_field``), strict UTF-8;
-* any other name — a Hugging Face hub dataset, read through ``datasets`` when online.
+* any other name — a Hugging Face hub dataset, read through ``datasets`` from the hub or the
+  datasets cache; refused at once when neither can give it
+  (`lctrain.config.paths.check_hub_dataset`).
 
 `RecordReader.done` / ``total`` tell how far reading has got (bytes for JSON and text files,
 records otherwise), which is what the preparation's progress display shows.
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from lctrain.config import DataConfig, local_data
+from lctrain.config.paths import check_hub_dataset
 from lctrain.errors import DataError
 
 
@@ -52,6 +55,9 @@ class Record:
 class RecordReader:
     """Iterate over the records of ``data.source`` (the first ``data.max_documents`` of them).
 
+    ``source_key`` is the recipe key the source was set by (``data.eval_source`` for validation
+    rows prepared from their own source), named in messages.
+
     Attributes:
         total: the size of the source in ``unit`` (bytes of local JSON / text files, else
             records; 0 when unknown).
@@ -59,12 +65,14 @@ class RecordReader:
         unit: ``"B"`` or ``"records"``.
     """
 
-    def __init__(self, data: DataConfig) -> None:
+    def __init__(self, data: DataConfig, *, source_key: str = "data.source") -> None:
         self.data = data
+        self.source_key = source_key
         self.local = local_data(data.source)
         self.done = 0
         if self.local is None:
-            self.total, self.unit = (len(builtin_documents()) if data.source == "builtin" else 0), "records"
+            builtin = data.source == "builtin"
+            self.total, self.unit = (len(builtin_documents()) if builtin else 0), "records"
         elif self.local.builder == "parquet":
             self.total, self.unit = _parquet_rows(self.local.files), "records"
         else:
@@ -89,7 +97,8 @@ class RecordReader:
         if self.local is None:
             yield from self._hub()
             return
-        read = {"json": self._json, "parquet": self._parquet, "text": self._text}[self.local.builder]
+        readers = {"json": self._json, "parquet": self._parquet, "text": self._text}
+        read = readers[self.local.builder]
         for path in self.local.files:
             try:
                 yield from read(path)
@@ -144,12 +153,15 @@ class RecordReader:
     def _hub(self) -> Iterator[Record]:
         datasets = _optional("datasets", "datasets", "hub datasets")
         name, split = self.data.source, self.data.split
+        # refused at once when neither the hub nor the datasets cache can give it
+        check_hub_dataset(name, cache_dir=self.data.cache_dir, what=self.source_key)
         try:
             dataset = datasets.load_dataset(name, split=split, cache_dir=self.data.cache_dir)
         except Exception as error:  # noqa: BLE001 - offline, unknown name, no such split...
+            key = self.source_key
             raise DataError(f"could not load the hub dataset {name!r} split {split!r} "
-                            f"({_first_line(error)}); without network, point data.source at "
-                            f"local .jsonl/.parquet/.txt files or use data.source=builtin") from None
+                            f"({_first_line(error)}); without network, point {key} at local "
+                            f".jsonl/.parquet/.txt files or use {key}=builtin") from None
         self.total = len(dataset)
         for i, fields in enumerate(dataset):
             self.done += 1

@@ -24,6 +24,7 @@ for chat data.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,7 +35,7 @@ from lctrain.config import (
     RecipeConfig,
     require_model_path,
 )
-from lctrain.config.paths import cache_only
+from lctrain.config.paths import cache_only, check_hub_tokenizer, looks_like_hub_name
 from lctrain.errors import ConfigError, DataError
 
 
@@ -142,13 +143,17 @@ def load_tokenizer(cfg: RecipeConfig) -> Any:
     """The recipe's tokenizer (see the module docstring), checked against the model's vocabulary.
 
     Raises:
-        ConfigError: model.path is unset or a placeholder where its tokenizer is wanted, or the
-            tokenizer has more ids than the model has embeddings.
+        ConfigError: model.path is unset or a placeholder where its tokenizer is wanted, a hub
+            name that neither the hub nor its local cache can give (`check_hub_tokenizer`), or
+            the tokenizer has more ids than the model has embeddings.
         DataError: the tokenizer folder / hub name cannot be loaded (missing, or offline).
     """
     name = cfg.data.tokenizer
     if name in BUILTIN:
         return BUILTIN[name]()
+    if name is not None and not os.path.exists(os.path.expanduser(name)) \
+            and looks_like_hub_name(name):  # model.path's hub name was checked with the recipe
+        check_hub_tokenizer(name)
     source = name or require_model_path(cfg.model.path)
     from transformers import AutoTokenizer
 
