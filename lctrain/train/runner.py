@@ -16,7 +16,7 @@ feature extends in one place:
     → finished                 on --resume, a run that has trained all its steps stops here
                                (before any weight loads) and says where its final model is;
                                `finetune` checks this before any process starts when
-                               train.max_steps alone sets the length
+                               train.max_steps alone sets the length (`finished_run`)
     → build_model              the model with the schedule's attention → LoRA adapters when
                                the recipe asks → checkpointing policy
                                → FSDP2 or replication (`ModelParts`)
@@ -25,6 +25,7 @@ feature extends in one place:
                                and TensorBoard, progress, validation, `save`, the stop check, the
                                watchdog's marks), the loop inside the hang watchdog, the summary
     → export_final             rank 0 writes output_dir/final/ as a Hugging Face folder
+                               (`finished_run`)
 
 Around all of it, a stop signal (SIGTERM, SIGINT, SIGHUP) only sets a flag (`StopRequest`);
 the ranks agree on it at each step boundary, save when ``checkpoint.on_signal`` asks, rank 0
@@ -32,7 +33,6 @@ says where the last checkpoint is and how to resume, and every rank returns 128 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -51,7 +51,6 @@ from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, 
                           rows_summary, steps_summary)
 from lctrain.errors import UserError
 from lctrain.eval.forward import validation_loss
-from lctrain.export import export_final as write_final
 from lctrain.memory.host import available_host_bytes
 from lctrain.memory.recipe import layer_policies_for
 from lctrain.model import check_model, load_model
@@ -67,11 +66,10 @@ from lctrain.parallel.tiling import apply_tiling
 from lctrain.report.versions import record_run
 from lctrain.train import launch, rank
 from lctrain.train.announce import banner, summary
-from lctrain.train.checkpoint import (export_is_current, finished_checkpoint, load_checkpoint,
-                                      read_trainer_state, resume_point)
+from lctrain.train.checkpoint import load_checkpoint, read_trainer_state, resume_point
 from lctrain.train.checkpoint_writer import Checkpointer
+from lctrain.train.finished_run import export_final, finished, finished_before_launch
 from lctrain.train.launch import default_nproc
-from lctrain.train.lifetime import RunLock
 from lctrain.train.loop import OPERATIONS, CausalLMLoss, LoopHooks, Trainer, run_loop
 from lctrain.train.metrics import FlopModel, Progress, peak_flops
 from lctrain.train.nonfinite import Diverged
@@ -104,13 +102,8 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
             source that cannot be read, ... (from this process or the first failing rank).
     """
     check_report_to(cfg)
-    t = cfg.train
-    if resume and t.epochs is None and t.max_steps is not None:  # its length known already
-        check_run_folder(cfg, resume=True)
-        main = os.environ.get("RANK", "0") == "0"
-        with RunLock(t.output_dir) if main else contextlib.nullcontext():
-            if finished(cfg, t.max_steps, main=main):
-                return 0
+    if finished_before_launch(cfg, resume=resume):  # its length set by train.max_steps alone
+        return 0
     warnings = check_model(cfg)  # before any process starts or any weight loads
     for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -168,43 +161,6 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
         if setup.main and cfg.checkpoint.enabled and cfg.checkpoint.export_final:
             export_final(cfg)
     return 0
-
-
-def finished(cfg: RecipeConfig, steps: int, *, main: bool) -> bool:
-    """Whether the run in ``train.output_dir`` has already trained its ``steps`` steps.
-
-    If so, nothing is trained and no process group is needed: rank 0 (``main``) says so in one
-    sentence with where the final model is, and writes ``final/`` only when the recipe exports
-    one and it is missing or older than the newest checkpoint (an export that was off, or
-    failed). The other ranks just return.
-
-    Raises:
-        UserError: the newest checkpoint is damaged; ``final/`` cannot be written.
-    """
-    out = Path(cfg.train.output_dir)
-    found = finished_checkpoint(out / "checkpoints", steps)
-    if found is None:
-        return False
-    if not main:
-        return True
-    step, checkpoint = found
-    final, done = out / "final", f"the run in {out} has already trained step {step} of {steps}"
-    further = ("raise train.max_steps (--max-steps)" if cfg.train.epochs is None
-               else "raise train.epochs or train.max_steps")
-    if export_is_current(final, checkpoint):
-        print(f"{done}, so nothing was trained; its final model is {final} ({further} to train "
-              "further).", flush=True)
-        return True
-    why = "is missing" if not final.exists() else "is older than its last checkpoint"
-    if cfg.checkpoint.export_final:
-        print(f"{done}, so nothing was trained; its final model {final} {why}, so it is "
-              "written now.", flush=True)
-        export_final(cfg)
-    else:
-        print(f"{done}, so nothing was trained; its final model {final} {why} "
-              f"(checkpoint.export_final is false): lctrain export {out} --output DIR writes "
-              f"one from {checkpoint}.", flush=True)
-    return True
 
 
 def build_data(setup: RunSetup) -> PackedRows:
@@ -296,7 +252,8 @@ def build_model(setup: RunSetup, *,
         module = root(model, cfg.train.loss_chunk_tokens)
     bf16 = accelerator.mixed_precision == "bf16"
     distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
-                             strategy=_strategy(setup), param_dtype=torch.bfloat16 if bf16 else None,
+                             strategy=_strategy(setup),
+                             param_dtype=torch.bfloat16 if bf16 else None,
                              offload=cfg.train.state_offload == "all")
     return ModelParts(model, distributed, flops, n_params,
                       format_layer_policies(runs) if runs else None)
@@ -463,11 +420,3 @@ def _with_host_memory(write, trainer: Trainer):
     trainer.host_probe = lambda: host_memory_bytes(module, optimizer)
     return lambda record: write({**record, "host_memory_bytes": max(trainer.host_peak,
                                                                     trainer.host_probe())})
-
-
-def export_final(cfg: RecipeConfig) -> None:
-    """Write ``final/`` on rank 0 alone (CPU; the other ranks are done) and say where it is."""
-    result = write_final(cfg)
-    how = "PeftModel.from_pretrained" if result.kind == "adapter" else "from_pretrained"
-    print(f"exported the {result.kind} weights of step {result.step} to {result.output} "
-          f"(load with {how})", flush=True)
