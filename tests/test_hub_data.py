@@ -15,7 +15,7 @@ import time
 import pytest
 
 from lctrain.config import load_recipe
-from lctrain.config.paths import check_hub_dataset
+from lctrain.config.hub import check_hub_dataset
 from lctrain.data import load_tokenizer, prepare_data
 from lctrain.data.tokenizer import ByteTokenizer
 from lctrain.errors import ConfigError

@@ -89,7 +89,7 @@ def test_an_unreachable_hub_is_one_sentence_within_seconds(tmp_path, args):
 
 
 def test_a_cached_name_and_a_hub_that_answers_pass(empty_cache, monkeypatch):
-    from lctrain.config.paths import check_hub_model
+    from lctrain.config.hub import check_hub_model
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)

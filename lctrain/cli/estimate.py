@@ -25,7 +25,7 @@ from lctrain.cli.options import (
     WideOpt,
 )
 from lctrain.config import load_recipe, parse_memory, parse_size
-from lctrain.config.paths import check_hub_model, looks_like_hub_name
+from lctrain.config.hub import check_hub_model, looks_like_hub_name
 from lctrain.errors import ConfigError
 from lctrain.memory.presets import PRESETS
 
@@ -115,7 +115,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
 
 def _recipe(recipe, model, overrides, tokens, cp, policy):
     """The recipe to estimate, or None when only --model is given (a hub name there must be one
-    the hub or its local cache can give: `lctrain.config.paths.check_hub_model`)."""
+    the hub or its local cache can give: `lctrain.config.hub.check_hub_model`)."""
     if model is not None and model not in PRESETS and looks_like_hub_name(model) \
             and not os.path.exists(os.path.expanduser(model)):
         check_hub_model(model, what="--model")

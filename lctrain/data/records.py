@@ -18,7 +18,7 @@ Sources (``data.source``):
 * ``.txt`` — each file is one document (its text under ``data.text_field``), strict UTF-8;
 * any other name — a Hugging Face hub dataset, read through ``datasets`` from the hub or the
   datasets cache; refused at once when neither can give it
-  (`lctrain.config.paths.check_hub_dataset`).
+  (`lctrain.config.hub.check_hub_dataset`).
 
 `RecordReader.done` / ``total`` tell how far reading has got (bytes for JSON and text files,
 records otherwise), which is what the preparation's progress display shows.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from lctrain.config import DataConfig, local_data
-from lctrain.config.paths import check_hub_dataset
+from lctrain.config.hub import check_hub_dataset
 from lctrain.errors import DataError
 
 

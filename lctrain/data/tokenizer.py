@@ -35,7 +35,7 @@ from lctrain.config import (
     RecipeConfig,
     require_model_path,
 )
-from lctrain.config.paths import cache_only, check_hub_tokenizer, looks_like_hub_name
+from lctrain.config.hub import cache_only, check_hub_tokenizer, looks_like_hub_name
 from lctrain.errors import ConfigError, DataError
 
 

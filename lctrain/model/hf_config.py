@@ -30,7 +30,7 @@ import re
 from typing import Any
 
 from lctrain.config import require_model_path
-from lctrain.config.paths import cache_only
+from lctrain.config.hub import cache_only
 from lctrain.errors import ConfigError, UserError
 
 _COMPUTE_ONLY = re.compile(r"^(rope_parameters|max_position_embeddings|sliding_window|"
@@ -157,7 +157,7 @@ def _folder_config(source: str, shown: str, trust: bool) -> tuple[Any, dict[str,
     """(the folder's config as transformers reads it, its config.json fields as written).
 
     A hub name is read from the local hub cache alone when the hub cannot be asked
-    (`lctrain.config.paths.cache_only`)."""
+    (`lctrain.config.hub.cache_only`)."""
     from transformers import AutoConfig
 
     only = cache_only(source)

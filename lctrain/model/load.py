@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lctrain.config.paths import cache_only
+from lctrain.config.hub import cache_only
 from lctrain.errors import UserError
 from lctrain.model.attention import register_attention
 from lctrain.model.features import check_model_config
