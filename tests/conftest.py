@@ -68,3 +68,14 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw)))
     monkeypatch.setattr(torch.Tensor, "new_empty",
                         lambda self, *a, **kw: poison(new_empty(self, *a, **kw)))
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """An empty hub cache (the user's own is never read)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache

@@ -27,17 +27,6 @@ DATASET = "someone/docs"
 
 
 @pytest.fixture
-def empty_cache(tmp_path, monkeypatch):
-    """An empty hub cache (the user's own is never read)."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return cache
-
-
-@pytest.fixture
 def unreachable(monkeypatch):
     """Offline mode off, the hub a closed local port."""
     for flag in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):

@@ -17,22 +17,11 @@ from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.errors import ConfigError
+from test_hub_cache import CLOSED
 
 NAME = "meta-llama/Llama-3.1-8B"
 HUB_RECIPE = ["--set", f"model.path={NAME}", "--set", "model.config=null",
               "--set", "data.tokenizer=null"]
-CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused
-
-
-@pytest.fixture
-def empty_cache(tmp_path, monkeypatch):
-    """An empty hub cache (the user's own is never read)."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return cache
 
 
 def _error_line(result) -> str:
