@@ -106,7 +106,7 @@ def one_line(info: dict) -> str:
 
 def _ready(name: str) -> bool:
     """Whether the backend ``name`` (flash_attn_cute or cudnn_ragged, which auto runs first
-    where they are ready) loads and can run on this process's GPU."""
+    where they are ready) loads and can run on this process's GPU (its own rule)."""
     import torch
 
     from lctrain_kernels.backends import BackendUnavailable, get_backend
@@ -114,11 +114,7 @@ def _ready(name: str) -> bool:
         backend = get_backend(name)
     except BackendUnavailable:
         return False
-    device = torch.device("cuda", torch.cuda.current_device())
-    if name == "cudnn_ragged":
-        return backend.setup_reason(device) is None
-    return (torch.cuda.get_device_capability(device) >= (9, 0)
-            and not torch.are_deterministic_algorithms_enabled())
+    return backend.setup_reason(torch.device("cuda", torch.cuda.current_device())) is None
 
 
 def one_time_costs(device_type: str, attention_backend: str,
