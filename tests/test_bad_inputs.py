@@ -163,8 +163,8 @@ def test_what_is_left_out_is_counted_and_said(files, tmp_path, source, words):
 def test_a_worker_reports_a_missing_backend_and_a_full_disk_as_sentences(tmp_path):
     """A self-launched rank records these as user errors (sentences), not as tracebacks."""
     from lctrain.config import save_resolved, load_recipe
-    from lctrain.train.failures import first_error
-    from lctrain.train.rank import USER_ERROR_EXIT, worker_main
+    from lctrain.launch.failures import first_error
+    from lctrain.launch.rank import USER_ERROR_EXIT, worker_main
     from lctrain_kernels.backends import get_backend
 
     recipe = save_resolved(load_recipe(None), tmp_path / "recipe.yaml")

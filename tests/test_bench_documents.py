@@ -107,7 +107,7 @@ def _visible_pairs(bounds, causal: bool) -> float:
 @pytest.mark.parametrize("spec", ["5", "3x20,rest", "lognormal:mean=9,sigma=1.2,seed=3", "97"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_useful_flops_are_four_h_d_per_visible_pair_of_the_shared_model(spec, causal):
-    from lctrain.bench.flops import BACKWARD_FACTOR, attention_flops
+    from lctrain.model.flops import BACKWARD_FACTOR, attention_flops
 
     docs = parse_documents(spec, 97)
     h, d = 3, 16

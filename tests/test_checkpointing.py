@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lctrain.errors import UserError
 from lctrain.model.structure import decoder_layer_slots
-from lctrain.parallel.checkpointing import POLICIES, AttentionCounter, apply_checkpointing
+from lctrain.parallel.activation_checkpoint import POLICIES, AttentionCounter, apply_checkpointing
 from tiny_llama import lctrain_attention, tiny_llama
 
 LAYERS = 3

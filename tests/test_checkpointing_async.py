@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from lctrain.train import checkpoint_writer
-from lctrain.train.checkpoint import list_checkpoints, load_checkpoint
-from lctrain.train.checkpoint_writer import Checkpointer
+from lctrain.checkpoint import writer as checkpoint_writer
+from lctrain.checkpoint.reader import list_checkpoints, load_checkpoint
+from lctrain.checkpoint.writer import Checkpointer
 
 
 def _model():

@@ -59,8 +59,8 @@ def _save_forever(root: Path, store: str, asynchronous: bool) -> None:
     """The killed process: resume from the newest checkpoint, then train and save each step."""
     import torch.distributed as dist
 
-    from lctrain.train.checkpoint import latest_checkpoint, load_checkpoint
-    from lctrain.train.checkpoint_writer import Checkpointer
+    from lctrain.checkpoint.reader import latest_checkpoint, load_checkpoint
+    from lctrain.checkpoint.writer import Checkpointer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -83,9 +83,9 @@ def _save_until_stopped(root: Path, store: str, asynchronous: bool, report: Path
     ranks have) ends the loop after the save in progress; returns 128 + the signal."""
     import torch.distributed as dist
 
-    from lctrain.train.checkpoint import latest_checkpoint, load_checkpoint
-    from lctrain.train.checkpoint_writer import Checkpointer
-    from lctrain.train.stopping import StopRequest
+    from lctrain.checkpoint.reader import latest_checkpoint, load_checkpoint
+    from lctrain.checkpoint.writer import Checkpointer
+    from lctrain.launch.stopping import StopRequest
 
     with StopRequest() as stop:
         torch.set_num_threads(1)
@@ -116,7 +116,7 @@ def _replay(steps: int) -> dict[int, str]:
 
 
 def _loaded(path: Path) -> tuple[int, str]:
-    from lctrain.train.checkpoint import load_checkpoint
+    from lctrain.checkpoint.reader import load_checkpoint
 
     module, optimizer = _model()
     step = load_checkpoint(path, module=module, optimizer=optimizer)["step"]
@@ -144,7 +144,7 @@ def _spawn(name: str, *args) -> int:
 
 def _wait_for_progress(root: Path, newest: int, pid: int) -> None:
     """Wait until the child has published a checkpoint past ``newest`` (it is in its loop)."""
-    from lctrain.train.checkpoint import list_checkpoints
+    from lctrain.checkpoint.reader import list_checkpoints
 
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -158,7 +158,7 @@ def _wait_for_progress(root: Path, newest: int, pid: int) -> None:
 
 
 def test_kill_9_during_writes_never_leaves_a_checkpoint_that_resume_would_pick(tmp_path):
-    from lctrain.train.checkpoint import list_checkpoints
+    from lctrain.checkpoint.reader import list_checkpoints
 
     rng = random.Random(SESSION_SEED)
     root, newest, mid_write, seen = tmp_path / "checkpoints", 0, 0, {}
@@ -195,7 +195,7 @@ def test_a_training_run_killed_while_saving_resumes_to_the_same_losses(tmp_path)
     from typer.testing import CliRunner
 
     from lctrain.cli import app
-    from lctrain.train.checkpoint import list_checkpoints
+    from lctrain.checkpoint.reader import list_checkpoints
 
     sets = ["--nproc", "1", "--set", "parallel.cp=1", "--seq-len", "64", "--max-steps", "6",
             "--set", "data.max_documents=8", "--set", "checkpoint.every=1",
@@ -232,7 +232,7 @@ def test_a_training_run_killed_while_saving_resumes_to_the_same_losses(tmp_path)
 
 
 def test_sigterm_during_writes_finishes_the_save_in_flight_then_stops(tmp_path):
-    from lctrain.train.checkpoint import list_checkpoints
+    from lctrain.checkpoint.reader import list_checkpoints
 
     rng = random.Random(SESSION_SEED + 1)
     root, newest, seen = tmp_path / "checkpoints", 0, {}

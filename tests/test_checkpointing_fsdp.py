@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lctrain.parallel.checkpointing import POLICIES, AttentionCounter, apply_checkpointing
+from lctrain.parallel.activation_checkpoint import POLICIES, AttentionCounter, apply_checkpointing
 
 LAYERS = 3
 

@@ -64,7 +64,7 @@ def _saved_run(tmp_path: Path, name: str, **sets):
     the trained model (a peft model for a LoRA recipe)."""
     from lctrain.model import load_model
     from lctrain.model.lora import apply_lora
-    from lctrain.train.checkpoint_writer import Checkpointer
+    from lctrain.checkpoint.writer import Checkpointer
     from lctrain.train.loop import CausalLMLoss
     from lctrain.train.optim import build_optimizer
 

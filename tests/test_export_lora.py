@@ -148,7 +148,7 @@ def test_lora_trains_adapters_only_and_resumes_exactly(runs):
 
     from lctrain.config import read_resolved
     from lctrain.export.weights import base_weights, skeleton
-    from lctrain.train.checkpoint import read_model_weights
+    from lctrain.checkpoint.reader import read_model_weights
 
     run, original = runs["root"] / "lora", load_file(runs["base"] / "model.safetensors")
     names = list(skeleton(read_resolved(run / "config.yaml")).state_dict())

@@ -45,9 +45,9 @@ from lctrain.cli import app
 from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.train import finetune
-from lctrain.train.checkpoint import list_checkpoints, read_model_weights
-from lctrain.train.lifetime import children, describe_death
-from lctrain.train.stopping import catches_request
+from lctrain.checkpoint.reader import list_checkpoints, read_model_weights
+from lctrain.launch.lifetime import children, describe_death
+from lctrain.launch.stopping import catches_request
 
 SETS = {"data.seq_len": 128, "data.max_documents": 24, "parallel.attention_backend": "reference",
         "train.loss_chunk_tokens": 48, "train.warmup_steps": 2, "train.min_lr_ratio": 1.0,

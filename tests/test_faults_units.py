@@ -24,10 +24,10 @@ import torch
 
 from lctrain.config import load_recipe
 from lctrain.errors import ConfigError, UserError
-from lctrain.train.failures import explain, read_records, record_error
-from lctrain.train.lifetime import RunLock, alive, children
-from lctrain.train.stopping import LAUNCHER_REQUEST, stopped_by
-from lctrain.train.watchdog import Watchdog, read_heartbeats
+from lctrain.launch.failures import explain, read_records, record_error
+from lctrain.launch.lifetime import RunLock, alive, children
+from lctrain.launch.stopping import LAUNCHER_REQUEST, stopped_by
+from lctrain.launch.watchdog import Watchdog, read_heartbeats
 
 
 def _python(code: str, **kwargs) -> subprocess.Popen:
@@ -35,7 +35,7 @@ def _python(code: str, **kwargs) -> subprocess.Popen:
 
 
 def test_one_run_per_output_folder_and_a_dead_holder_frees_it(tmp_path):
-    holder = _python(f"from lctrain.train.lifetime import RunLock\n"
+    holder = _python(f"from lctrain.launch.lifetime import RunLock\n"
                      f"import sys, time\nRunLock({str(tmp_path)!r}).acquire()\n"
                      f"print('held', flush=True)\ntime.sleep(60)",
                      stdout=subprocess.PIPE, text=True)
@@ -57,7 +57,7 @@ def test_one_run_per_output_folder_and_a_dead_holder_frees_it(tmp_path):
 _STOPPER = """
 import os, signal, sys, time
 from pathlib import Path
-from lctrain.train.stopping import StopRequest
+from lctrain.launch.stopping import StopRequest
 stop = StopRequest().__enter__()
 stop.request_file = Path(sys.argv[1])
 print("ready", flush=True)
@@ -118,7 +118,7 @@ def test_an_ignored_signal_stays_ignored(tmp_path):
 _RANK = """
 import sys, time
 from pathlib import Path
-from lctrain.train.stopping import StopRequest
+from lctrain.launch.stopping import StopRequest
 stop = StopRequest().__enter__()
 stop.request_file = Path(sys.argv[1]) / "stop"
 while not stop.requested():
@@ -133,7 +133,7 @@ def test_the_launcher_passes_a_signal_on_and_a_second_one_kills_everything(tmp_p
     ranks' real stop handling): the first SIGTERM reaches both ranks as a request carrying
     SIGTERM; a second signal kills the ranks and the agent at once. (SIGTERM twice: a test run
     in the background or under nohup ignores SIGINT or SIGHUP, and so does the launcher then.)"""
-    from lctrain.train.supervisor import Supervisor
+    from lctrain.launch.supervisor import Supervisor
 
     (tmp_path / "errors").mkdir()
     agent = _python(f"import subprocess, sys, time\n"
@@ -277,8 +277,9 @@ def test_a_model_with_non_finite_weights_is_never_saved(tmp_path):
     is refused with a sentence and the good checkpoint is neither replaced nor rotated out."""
     from lctrain.parallel.context import ContextParallel
     from lctrain.parallel.mesh import build_mesh
-    from lctrain.train import rank, runner, saving
-    from lctrain.train.checkpoint import list_checkpoints
+    from lctrain.launch import rank
+    from lctrain.train import runner, saving
+    from lctrain.checkpoint.reader import list_checkpoints
 
     cfg = load_recipe(None, ["data.seq_len=64", "data.max_documents=4", "parallel.cp=1",
                              "checkpoint.keep=1", "parallel.attention_backend=reference"],

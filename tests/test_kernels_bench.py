@@ -5,7 +5,7 @@ import statistics
 import pytest
 import torch
 
-from lctrain.bench.flops import attention_flops, rates
+from lctrain.model.flops import attention_flops, rates
 from lctrain.bench.documents import parse_documents
 from lctrain.bench.kernel import DEFAULTS, run
 from lctrain.bench.result import from_dict

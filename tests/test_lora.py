@@ -34,7 +34,7 @@ def tiny_model():
 
 def test_every_policy_same_gradients_with_lora(tiny_model):
     from lctrain.model.lora import apply_lora
-    from lctrain.parallel.checkpointing import POLICIES, AttentionCounter, apply_checkpointing
+    from lctrain.parallel.activation_checkpoint import POLICIES, AttentionCounter, apply_checkpointing
 
     lora = LoraConfig(rank=4, dropout=0.2, trainable_modules=("input_layernorm",))
     ids = torch.randint(0, 97, (2, 24))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lctrain.config import BYTE_PAIR_TOKENIZER_VOCAB, load_recipe
-from lctrain.data import BytePairTokenizer, encode_documents, load_tokenizer, prepare_data
+from lctrain.data import BytePairTokenizer, encode_documents, prepare_data
+from lctrain.model import load_tokenizer
 from lctrain.errors import ConfigError
 from model_folders import FAMILIES, SPECIALS, make_model_folder
 

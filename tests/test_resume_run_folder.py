@@ -124,7 +124,7 @@ def _tamper_bytes_entry(path: Path, evil: bytes) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from lctrain.train.safe_load import load_metadata
+    from lctrain.checkpoint.safe_load import load_metadata
 
     metadata = load_metadata((path / ".metadata").read_bytes(), "test")
     key = next(k for k in metadata.state_dict_metadata if k.startswith("model."))

@@ -7,7 +7,7 @@ import torch
 
 from lctrain.errors import UserError
 from lctrain.model.deferred_norm import DeferredNorm
-from lctrain.parallel.checkpointing import apply_checkpointing
+from lctrain.parallel.activation_checkpoint import apply_checkpointing
 from lctrain.parallel.tiling import TiledModule, apply_tiling
 from tiny_llama import tiny_llama
 

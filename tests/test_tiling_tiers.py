@@ -10,7 +10,7 @@ import torch
 
 from lctrain.errors import UserError
 from lctrain.parallel import offload
-from lctrain.parallel.checkpointing import AttentionCounter, apply_checkpointing
+from lctrain.parallel.activation_checkpoint import AttentionCounter, apply_checkpointing
 from lctrain.parallel.tiling import apply_tiling
 from tiny_llama import tiny_llama
 

@@ -9,7 +9,7 @@ from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.memory import estimate_recipe
 from lctrain.memory.host import check_host_memory
-from lctrain.train.launch import check_before_start
+from lctrain.launch.launcher import check_before_start
 
 GIB = 1 << 30
 

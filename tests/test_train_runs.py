@@ -107,7 +107,7 @@ def test_resume_is_exact_and_checkpoints_rotate(tmp_path):
 
 
 def test_checkpoint_listing_ignores_incomplete(tmp_path):
-    from lctrain.train.checkpoint import latest_checkpoint, list_checkpoints
+    from lctrain.checkpoint.reader import latest_checkpoint, list_checkpoints
 
     for name in ("step-00000002", "step-00000010", ".tmp-step-00000011", "step-3", "notes"):
         (tmp_path / name).mkdir()

@@ -10,8 +10,8 @@ from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.parallel.mesh import build_mesh, check_parallel_sizes
 from lctrain.train import finetune
-from lctrain.train.failures import first_error
-from lctrain.train.rank import check_accelerate_mode
+from lctrain.launch.failures import first_error
+from lctrain.launch.rank import check_accelerate_mode
 from lctrain.train.metrics import MetricsLog
 from lctrain.train.optim import warmup_cosine
 
@@ -63,7 +63,7 @@ def test_a_lone_worker_process_is_a_one_rank_group_whose_accelerator_scales_noth
     import torch
     import torch.distributed as dist
 
-    from lctrain.train.rank import worker_process
+    from lctrain.launch.rank import worker_process
 
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
     assert not dist.is_initialized()
@@ -114,7 +114,7 @@ def test_flop_model_counts_documents_not_the_whole_row():
 
     from lctrain.data import PackedBatch
     from lctrain.train.loop import attention_units
-    from lctrain.train.metrics import FlopModel
+    from lctrain.model.flops import FlopModel
 
     ids = torch.zeros(1, 96, dtype=torch.long)
     docs = PackedBatch(ids, ids, ids, (0, 30, 71, 96))
@@ -138,7 +138,7 @@ def test_the_flop_model_counts_what_autograd_multiplies(lora_rank):
 
     from lctrain.config.schema import LoraConfig
     from lctrain.model.lora import apply_lora
-    from lctrain.train.runner import _flop_model
+    from lctrain.parallel.build import _flop_model
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4,
@@ -162,8 +162,8 @@ def test_the_flop_model_counts_what_autograd_multiplies(lora_rank):
 
 
 def test_a_worker_refuses_a_recipe_that_changed_after_the_launcher_wrote_it(tmp_path):
-    from lctrain.train.launch import write_recipe
-    from lctrain.train.rank import read_recipe
+    from lctrain.launch.launcher import write_recipe
+    from lctrain.launch.rank import read_recipe
 
     path, digest = write_recipe(load_recipe(None, ["train.lr=0.002"]), tmp_path / "recipe.yaml")
     assert read_recipe(str(path), digest).train.lr == 0.002
@@ -173,7 +173,7 @@ def test_a_worker_refuses_a_recipe_that_changed_after_the_launcher_wrote_it(tmp_
 
 
 def test_self_launched_ranks_use_growing_allocator_segments_unless_told(monkeypatch):
-    from lctrain.train.launch import _worker_env
+    from lctrain.launch.launcher import _worker_env
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert _worker_env(2)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
@@ -182,7 +182,7 @@ def test_self_launched_ranks_use_growing_allocator_segments_unless_told(monkeypa
 
 
 def test_self_launched_ranks_keep_compiled_fa4_kernels_unless_told(monkeypatch):
-    from lctrain.train.launch import _worker_env
+    from lctrain.launch.launcher import _worker_env
 
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
     assert _worker_env(2)["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"

@@ -1,7 +1,7 @@
 """Benchmarks behind ``lctrain bench``: local kernels, distributed attention, training steps, tiles.
 
 Each bench module exposes ``run(...) -> BenchResult``; they share one timing helper
-(:mod:`lctrain.bench.timing`), one FLOP model (:mod:`lctrain.bench.flops`) and one result
+(:mod:`lctrain.bench.timing`), one FLOP model (:mod:`lctrain.model.flops`) and one result
 contract (:mod:`lctrain.bench.result`: rows and meta as JSON, read back by ``lctrain bench
 report``). :mod:`lctrain.bench.views` says how each kind is shown, :mod:`lctrain.bench.plot`
 draws it, :mod:`lctrain.bench.publish` prints, writes and plots it for the command line.

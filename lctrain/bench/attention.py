@@ -9,7 +9,7 @@
    every rank, warm-up, then the median of ``repeats``; the slowest rank's median is reported)
    for each schedule, distflash without overlap, the peers (torch context_parallel on cuDNN,
    ring-flash-attn if installed) and the single-GPU kernel at the same total length;
-3. reports per-GPU TFLOP/s with the FLOP model of `lctrain.bench.flops` (causal forward
+3. reports per-GPU TFLOP/s with the FLOP model of `lctrain.model.flops` (causal forward
    2·S²·H·D for the WHOLE sequence, divided by the number of GPUs; backward 2.5× forward), the
    ratio to the single-GPU rate (``vs_single``), each schedule's balance figure (max/mean
    causal work per rank) and, for distflash, the share of its communication hidden behind
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from lctrain.bench.attention_peers import PEERS, PeerUnavailable, Shape
 from lctrain.bench.documents import Documents, parse_each
 from lctrain.bench.profile import profile
-from lctrain.bench.flops import BACKWARD_FACTOR, MODEL, attention_flops, rates
+from lctrain.model.flops import BACKWARD_FACTOR, MODEL, attention_flops, rates
 from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure, repeats_for
 from lctrain.errors import ConfigError

@@ -20,7 +20,7 @@ by one of these specs (sizes take k = 1024 and m = 1024², as ``--seq-len`` does
                                     them; row ROW
 
 The work that counts is the attention inside each document only: the FLOP model of
-`lctrain.bench.flops` over the documents' bounds (causal forward = 2·ΣL²·H·D, non-causal twice
+`lctrain.model.flops` over the documents' bounds (causal forward = 2·ΣL²·H·D, non-causal twice
 that, backward 2.5× the forward). A benchmark of several lengths parses the spec once per
 length (:func:`parse_each`, which reads a file once); its correctness check at a shorter length
 runs the same mix scaled down (:meth:`Documents.scaled`).
@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lctrain.bench.flops import BACKWARD_FACTOR, attention_flops
+from lctrain.model.flops import BACKWARD_FACTOR, attention_flops
 from lctrain.config import ConfigError, RecipeConfig, format_tokens, parse_size
 
 
@@ -63,7 +63,7 @@ class Documents:
         return tuple(bounds)
 
     def forward_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
-        """Useful forward FLOPs: `lctrain.bench.flops.attention_flops` over these bounds."""
+        """Useful forward FLOPs: `lctrain.model.flops.attention_flops` over these bounds."""
         return attention_flops(self.total, heads, head_dim, causal, self.cu_seqlens)
 
     def fwd_bwd_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
@@ -245,7 +245,8 @@ def _data_lengths(path: Path, recipe, tokenizer, spec: str) -> list[int]:
     if recipe is None:
         raise ConfigError(f"--documents {spec!r} tokenizes the file with a recipe's tokenizer; "
                           f"add --recipe RECIPE, or give lengths:FILE instead")
-    from lctrain.data import Encoder, RecordReader, detect_format, load_tokenizer
+    from lctrain.data import Encoder, RecordReader, detect_format
+    from lctrain.model import load_tokenizer
 
     data = replace(recipe.data, source=str(path))
     records = list(RecordReader(data))

@@ -4,7 +4,7 @@ For each subject that can run the request (`lctrain.bench.kernel_subjects`), fir
 correctness check at a small length (forward, lse and all three gradients against the float32
 reference on the same inputs, upcast), then at each sequence length the forward and backward
 timed by `lctrain.bench.timing.measure` (warm-up, then the median of ``repeats``), as rates
-under the FLOP model of `lctrain.bench.flops`. With ``profile_dir`` a few more iterations run
+under the FLOP model of `lctrain.model.flops`. With ``profile_dir`` a few more iterations run
 under the profiler (`lctrain.bench.profile`).
 
 With ``documents`` (one or more ``--documents`` specs, `lctrain.bench.documents`) every
@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from lctrain.bench.documents import Documents, parse_each
-from lctrain.bench.flops import MODEL, attention_flops, rates
+from lctrain.model.flops import MODEL, attention_flops, rates
 from lctrain.bench.kernel_subjects import subject
 from lctrain.bench.profile import profile
 from lctrain.bench.result import BenchResult

@@ -10,7 +10,7 @@ are dropped. One row per configuration, median over the timed steps:
 - tokens/s of the whole job, and step time;
 - MFU as the runner logs it (``lctrain.train.metrics``): 6·N per token plus the attention FLOPs
   of the documents actually trained on (7·Σ n²·H·D·L for causal documents of n tokens, the
-  model of `lctrain.bench.flops`), over GPUs × the GPU's dense bf16 peak; recomputation is not
+  model of `lctrain.model.flops`), over GPUs × the GPU's dense bf16 peak; recomputation is not
   counted as useful work;
 - peak memory, the largest of any rank (the CUDA allocator's peak; on a CPU the process's peak
   RSS) beside the memory model's prediction for the same recipe
@@ -18,7 +18,7 @@ are dropped. One row per configuration, median over the timed steps:
   ``torch.cuda.max_memory_allocated``); on GPUs also the host memory rank 0 keeps for training
   (pinned activations and state, ``host_memory_bytes``) beside the model's ``host_offload``;
 - attention forwards per optimizer step: the runner's ``attention_forward_calls`` (counted by
-  `lctrain.parallel.checkpointing.AttentionCounter` on the run's first step, on every rank);
+  `lctrain.parallel.activation_checkpoint.AttentionCounter` on the run's first step, on every rank);
   beside the expected L (none, remat, remat-offload) or 2·L (full) per micro-step.
 
 A configuration that cannot run (out of memory, refused for host memory, a bad override) gives
@@ -46,7 +46,7 @@ from lctrain.bench.documents import training_rows
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
 from lctrain.config.tiers import parse_layer_policies
-from lctrain.data import load_tokenizer
+from lctrain.model import load_tokenizer
 from lctrain.errors import UserError
 from lctrain.memory.tiers import chained_layers, recomputed_layers
 from lctrain.report.versions import environment
@@ -162,7 +162,7 @@ def _default_nproc(cfg: RecipeConfig) -> int:
 def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int,
          documents: str | None = None) -> dict:
     """One configuration's row fields (raises UserError when it cannot run)."""
-    from lctrain.train.launch import keep_workers_log
+    from lctrain.launch.launcher import keep_workers_log
     from lctrain.train.runner import finetune
 
     layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
@@ -374,7 +374,7 @@ def _progress_line(row: dict) -> str:
 
 def _meta(cfg: RecipeConfig, nproc: int | None, warmup: int, steps: int,
           save_every: int) -> dict:
-    from lctrain.train.metrics import peak_flops
+    from lctrain.model.flops import peak_flops
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     peak = peak_flops(device)

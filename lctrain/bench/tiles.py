@@ -10,7 +10,7 @@ written ``128x64s3w8``. For each sequence length:
   fixed and the other one autotuned, so a row is the backward a training step would run.
 
 Every row is checked against the autotuned kernels on the same inputs (largest relative error
-of out and lse, or of dq, dk, dv) and reported as TFLOP/s under `lctrain.bench.flops`
+of out and lse, or of dq, dk, dv) and reported as TFLOP/s under `lctrain.model.flops`
 (backward 2.5× the forward's FLOPs). A point that does not compile or does not fit (out of
 shared memory or registers) gives a row with the reason. The first row of each kernel and
 length is the autotuned one, the yardstick.
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from lctrain.bench.flops import BACKWARD_FACTOR, MODEL, attention_flops
+from lctrain.model.flops import BACKWARD_FACTOR, MODEL, attention_flops
 from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure
 from lctrain.errors import ConfigError, UserError

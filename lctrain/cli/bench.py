@@ -266,7 +266,7 @@ def report(files: list[str] = typer.Argument(..., metavar="FILE",
     with user_errors():
         from lctrain.bench.publish import Publisher
         from lctrain.bench.result import load, merge
-        from lctrain.report.eval_files import eval_results, show_eval_results
+        from lctrain.eval.files import eval_results, show_eval_results
 
         evaluations = eval_results(files)
         if evaluations:

@@ -14,7 +14,7 @@ from lctrain.config.tiers import parse_layer_policies
 
 CHECKPOINTING_POLICIES = ("none", "full", "remat", "remat-offload")
 """Activation checkpointing policies (``train.checkpointing``), implemented by
-`lctrain.parallel.checkpointing` and modelled by `lctrain.memory`."""
+`lctrain.parallel.activation_checkpoint` and modelled by `lctrain.memory`."""
 
 REPORT_TO = ("jsonl", "tensorboard")
 """Where a run's metrics go (``train.report_to``): metrics.jsonl, TensorBoard event files."""

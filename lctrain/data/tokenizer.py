@@ -139,8 +139,9 @@ BUILTIN = {"bytes": ByteTokenizer, "byte-pairs": BytePairTokenizer}
 `lctrain.config.BUILTIN_TOKENIZERS` states them)."""
 
 
-def load_tokenizer(cfg: RecipeConfig) -> Any:
-    """The recipe's tokenizer (see the module docstring), checked against the model's vocabulary.
+def load_tokenizer(cfg: RecipeConfig, vocab_size: int | None = None) -> Any:
+    """The recipe's tokenizer (see the module docstring); with ``vocab_size`` (the model's, as
+    `lctrain.model.load_tokenizer` gives it) checked against the model's vocabulary.
 
     Raises:
         ConfigError: model.path is unset or a placeholder where its tokenizer is wanted, a hub
@@ -165,19 +166,15 @@ def load_tokenizer(cfg: RecipeConfig) -> Any:
         where = "the tokenizer" if name else "the tokenizer of model.path"
         raise DataError(f"could not load {where} {source!r} ({reason}); point data.tokenizer at a "
                         f"local tokenizer folder") from None
-    check_vocabulary(tokenizer, cfg)
+    if vocab_size is not None:
+        check_vocabulary(tokenizer, cfg, vocab_size)
     return tokenizer
 
 
-def check_vocabulary(tokenizer: Any, cfg: RecipeConfig) -> None:
-    """Raise ConfigError when the tokenizer has ids the model has no embedding for."""
-    from lctrain.model.hf_config import resolve_config
-
-    model = cfg.model
-    config = resolve_config(model.path, model.config, trust_remote_code=model.trust_remote_code)
-    vocab = config.get_text_config().vocab_size
+def check_vocabulary(tokenizer: Any, cfg: RecipeConfig, vocab: int) -> None:
+    """Raise ConfigError when the tokenizer has ids the model (``vocab`` embeddings) lacks."""
     if len(tokenizer) > vocab:
-        shown = cfg.data.tokenizer or model.path
+        shown = cfg.data.tokenizer or cfg.model.path
         raise ConfigError(f"the tokenizer {shown!r} has {len(tokenizer)} tokens but the model's "
                           f"vocab_size is {vocab}, so ids {vocab} and up have no embedding; use "
                           f"the model's own tokenizer (data.tokenizer=null) or one that matches it",

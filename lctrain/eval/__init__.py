@@ -1,6 +1,6 @@
 """Evaluation of long-context models on the training's own distributed path.
 
-- **Validation during training** (`lctrain.eval.forward.validation_loss`): the mean token loss
+- **Validation during training** (`lctrain.parallel.forward.validation_loss`): the mean token loss
   over the validation rows (``data.eval_source`` or ``data.eval_fraction``), every
   ``train.eval_every`` steps and after the last, with the run's dp × cp layout and attention,
   forward only.
@@ -15,5 +15,5 @@
   shown as tables and plots (`lctrain.eval.report`), stored as JSON (`lctrain.eval.result`).
 
 This package's ``__init__`` imports nothing, so that the training runner can use
-`lctrain.eval.forward` while `lctrain.eval.run` uses the runner.
+`lctrain.parallel.forward` while `lctrain.eval.run` uses the runner.
 """

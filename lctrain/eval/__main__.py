@@ -6,7 +6,7 @@ torch.distributed.run):
 """
 import sys
 
-from lctrain.train.lifetime import die_with_launcher
+from lctrain.launch.lifetime import die_with_launcher
 
 if __name__ == "__main__":
     die_with_launcher(levels=2)  # as a training rank: it must not outlive the launcher

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lctrain.errors import UserError
-from lctrain.eval.forward import bucket_sums
+from lctrain.parallel.forward import bucket_sums
 from lctrain.model import CPContext
 from lctrain.model.structure import output_head
 
@@ -29,7 +29,7 @@ class EvalModel(nn.Module):
         chunk_tokens: tokens whose logits are held at once (``train.loss_chunk_tokens``).
     """
 
-    def __init__(self, model: nn.Module, chunk_tokens: int) -> None:
+    def __init__(self, model: nn.Module, chunk_tokens: int, kernel: bool = False) -> None:
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
@@ -45,7 +45,7 @@ class EvalModel(nn.Module):
             input_ids, position_ids: (B, S_local) this rank's shard; GLOBAL position ids.
             cp_context: how attention is distributed (None: local).
             labels: (B, S_local) shifted labels (-100 = none): return bucket sums.
-            width, buckets: the position buckets (see `lctrain.eval.forward.bucket_sums`).
+            width, buckets: the position buckets (see `lctrain.parallel.forward.bucket_sums`).
             kv: a `lctrain.eval.decode.KVShards` that keeps (prefill) or uses (decoding)
                 this rank's keys and values.
             at: without labels, the global position whose next-token logits to return.

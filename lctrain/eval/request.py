@@ -34,7 +34,7 @@ from lctrain.errors import ConfigError, UserError
 from lctrain_kernels.vocabulary import check_seq_len
 
 CHECKPOINT_NAME = re.compile(r"step-\d{8}")
-"""A checkpoint folder's name (`lctrain.train.checkpoint`), without importing torch."""
+"""A checkpoint folder's name (`lctrain.checkpoint.reader`), without importing torch."""
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_BUCKETS = 16
 """Position buckets of a perplexity run when ``--bucket`` is not given."""
@@ -109,7 +109,7 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
         raise UserError(f"--step {step} needs a run folder, but {target} is a {kind}; drop "
                         "--step")
     if kind in ("run", "checkpoint"):
-        from lctrain.train.checkpoint import find_checkpoint
+        from lctrain.checkpoint.reader import find_checkpoint
 
         path = Path(target).expanduser()
         if kind == "checkpoint":  # RUN/checkpoints/step-N: the run at that step

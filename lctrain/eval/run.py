@@ -3,7 +3,7 @@
     cfg, request = resolve("runs/tiny", task="ppl", cp=2)        # lctrain.eval.request
     result = evaluate(cfg, request)                               # an EvalResult
 
-`evaluate` starts the ranks the way ``lctrain finetune`` does (`lctrain.train.launch.dispatch`:
+`evaluate` starts the ranks the way ``lctrain finetune`` does (`lctrain.launch.launcher.dispatch`:
 this process alone, or ``python -m lctrain.eval`` on every local GPU / on cp gloo processes of
 a CPU machine, or each rank of a torchrun job), each running `eval_worker`: the run's process
 group, dp × cp mesh and `ContextParallel`; the model built by the training's own
@@ -37,9 +37,9 @@ from lctrain.eval.tasks import run_passkey, run_ppl
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.mesh import build_mesh
 from lctrain.report.versions import environment
-from lctrain.train import launch, rank
-from lctrain.train.metrics import peak_memory_bytes
-from lctrain.train.runner import RunSetup, build_model
+from lctrain.launch import launcher, rank
+from lctrain.parallel.mesh import peak_memory_bytes
+from lctrain.parallel.build import RunSetup, build_model
 
 WORKER_MODULE = "lctrain.eval"
 """What each self-launched rank of an evaluation runs (``python -m lctrain.eval``)."""
@@ -67,10 +67,10 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
     (scratch / "request.json").write_text(request.to_json())
     worker = functools.partial(eval_worker, request=request)
     try:
-        code = launch.dispatch(cfg, worker, resume=False, nproc=nproc, module=WORKER_MODULE,
+        code = launcher.dispatch(cfg, worker, resume=False, nproc=nproc, module=WORKER_MODULE,
                                args=("--request", str(scratch / "request.json")))
     except UserError as error:  # a rank failed: its log outlives the scratch folder
-        kept = launch.keep_workers_log(scratch)
+        kept = launcher.keep_workers_log(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
         if kept is None:
             raise
@@ -89,7 +89,7 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
 
 def worker_entry(argv: list[str] | None = None) -> int:
     """``python -m lctrain.eval``: read ``--request FILE`` (an `EvalRequest`), then run
-    `eval_worker` as `lctrain.train.rank.worker_main` runs a training rank (``--config``,
+    `eval_worker` as `lctrain.launch.rank.worker_main` runs a training rank (``--config``,
     ``--error-dir``); returns the exit code."""
     parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}", add_help=False)
     parser.add_argument("--request", required=True, help="the EvalRequest as JSON")
@@ -104,7 +104,7 @@ def check_passkey_lengths(cfg: RecipeConfig, request: EvalRequest) -> None:
     Raises:
         UserError: the shortest length cannot hold the introduction, needle and question.
     """
-    from lctrain.data import load_tokenizer
+    from lctrain.model import load_tokenizer
     from lctrain.eval.passkey import passkey_prompt
 
     passkey_prompt(load_tokenizer(cfg), min(request.lengths), 0.0, "12345")
@@ -128,7 +128,7 @@ def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest
         setup = RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator)
         set_seed(cfg.train.seed)
         start = time.perf_counter()
-        parts = build_model(setup, root=EvalModel)
+        parts = build_model(setup, EvalModel)
         if request.checkpoint is not None:
             load_weights(parts.distributed.module, request.checkpoint)
         parts.distributed.module.eval()

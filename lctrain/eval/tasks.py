@@ -23,13 +23,14 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from lctrain.data import eval_batches, load_tokenizer, prepare_data, rows_summary
+from lctrain.data import eval_batches, prepare_data, rows_summary
+from lctrain.model import load_tokenizer
 from lctrain.eval.decode import generate
-from lctrain.eval.forward import forward_sums
+from lctrain.parallel.forward import forward_sums
 from lctrain.eval.passkey import (answer_tokens, decode_text, passkey_cases, passkey_prompt,
                                   summarize)
 from lctrain.report.human import tokens as token_text
-from lctrain.train.metrics import peak_memory_bytes
+from lctrain.parallel.mesh import peak_memory_bytes
 
 
 def progress_printer(main: bool) -> Callable[[str], None]:

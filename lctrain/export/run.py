@@ -71,7 +71,7 @@ def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = No
     """
     run = Path(run_dir).expanduser()
     cfg = run_config(run)
-    from lctrain.train.checkpoint import find_checkpoint
+    from lctrain.checkpoint.reader import find_checkpoint
 
     step, checkpoint = find_checkpoint(run / "checkpoints", step)
     out = Path(output).expanduser()

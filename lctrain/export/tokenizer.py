@@ -75,7 +75,8 @@ def run_tokenizer(cfg: RecipeConfig) -> tuple[Any, bool]:
     Raises:
         DataError: the run's tokenizer folder or hub name cannot be loaded any more.
     """
-    from lctrain.data.tokenizer import BytePairTokenizer, ByteTokenizer, load_tokenizer
+    from lctrain.data import BytePairTokenizer, ByteTokenizer
+    from lctrain.model import load_tokenizer
 
     tokenizer = load_tokenizer(cfg)
     if isinstance(tokenizer, BytePairTokenizer):

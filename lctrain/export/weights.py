@@ -29,7 +29,7 @@ def trained_model(cfg: RecipeConfig, checkpoint: Path) -> nn.Module:
         UserError: the model cannot be built from the recipe (missing model folder, ...), or
             the checkpoint lacks weights the recipe's model has.
     """
-    from lctrain.train.checkpoint import read_model_weights
+    from lctrain.checkpoint.reader import read_model_weights
 
     model = skeleton(cfg)
     state = model.state_dict(keep_vars=True)

@@ -15,7 +15,7 @@ What one transformers Llama-style decoder layer saves for its backward (no check
     gated MLP            gate, SiLU(gate), up, SiLU(gate)·up: 4·c·T·I
                          fused (`Architecture.fused_mlp`, on GPUs): no SiLU(gate)  -> 3·c·T·I
 
-Policies (see lctrain.parallel.checkpointing):
+Policies (see lctrain.parallel.activation_checkpoint):
 
 - none: all of the above for every layer;
 - full: each layer's input c·T·h; in the backward one layer is recomputed at a time;

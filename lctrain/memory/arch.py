@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lctrain.errors import UserError
+from lctrain.model.families import family
 
 _UNTIED_BY_DEFAULT = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "olmo", "olmo2", "phi3",
                       "granite", "starcoder2", "cohere"}
@@ -32,19 +33,6 @@ _SILU_NAMES = {"silu", "swish"}
 _QKV_BIAS = {"qwen2"}
 """model_types whose q/k/v projections always carry a bias (no config flag for it)."""
 
-FUSED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""model_types whose RMSNorm (`lctrain.model.rms_norm`, recipe ``model.fused_norms``) and, with
-a SiLU activation, gated MLP (`lctrain.model.swiglu`, ``model.fused_mlp``) run fused when
-training on a GPU."""
-
-NORM_IN_TILE_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""model_types whose decoder layer runs its ``post_attention_layernorm`` right before its MLP:
-with tiled layers the norm runs inside the MLP's tiles (`lctrain.parallel.tiling`)."""
-
-GROUPED_TYPES = frozenset({"llama", "mistral", "qwen2"})
-"""model_types whose attention module is q/k/v projections, transformers' Llama RoPE, the
-attention and an output projection, nothing else (Qwen3's per-head norms are left out): with
-head groups their projections run in the groups too (`lctrain.model.grouped_attention`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,16 +145,17 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     tied = config.get("tie_word_embeddings", model_type not in _UNTIED_BY_DEFAULT)
     attention_bias = bool(cfg.get("attention_bias", False))
+    fam = family(model_type)
     return Architecture(
         name=label, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tied_embeddings=bool(tied),
         qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=model_type in FUSED_TYPES,
-        fused_mlp=model_type in FUSED_TYPES and cfg.get("hidden_act", "silu") in _SILU_NAMES,
-        fused_loss=True, grouped_attention=model_type in GROUPED_TYPES,
-        norm_in_tiles=model_type in NORM_IN_TILE_TYPES,
-        norm_in_attention=model_type in GROUPED_TYPES)
+        mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=bool(fam and fam.fused),
+        fused_mlp=bool(fam and fam.fused) and cfg.get("hidden_act", "silu") in _SILU_NAMES,
+        fused_loss=True, grouped_attention=bool(fam and fam.grouped),
+        norm_in_tiles=bool(fam and fam.norm_before_mlp),
+        norm_in_attention=bool(fam and fam.grouped))
 
 
 def load_architecture(model: str) -> Architecture:

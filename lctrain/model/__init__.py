@@ -13,7 +13,7 @@ before any weight loads; `resolve_config` gives the transformers config a run tr
 from lctrain.model.attention import ATTENTION_NAME, CPContext, lctrain_attention, register_attention
 from lctrain.model.features import check_model_config
 from lctrain.model.hf_config import resolve_config
-from lctrain.model.load import check_model, load_model
+from lctrain.model.load import check_model, load_model, load_tokenizer
 
 __all__ = ["ATTENTION_NAME", "CPContext", "check_model", "check_model_config", "lctrain_attention",
-           "load_model", "register_attention", "resolve_config"]
+           "load_model", "load_tokenizer", "register_attention", "resolve_config"]

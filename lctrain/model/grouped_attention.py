@@ -13,7 +13,7 @@ and attention one head group after the other, in two parts:
   W_v (and biases) project the normalised input, RoPE rotates q and k, and the attention (local
   or distributed, any backend) writes that group's heads of the output and the lse; the group's
   q, k and v are then dropped. ``remat`` keeps its (out, lse) like the attention op's
-  (`lctrain.parallel.checkpointing`), so the recompute of a checkpointed layer runs neither the
+  (`lctrain.parallel.activation_checkpoint`), so the recompute of a checkpointed layer runs neither the
   attention nor the projections in it.
 - `_Block` (autograd): the output projection, keeping the block's input (the layer input, which
   the layer holds anyway: the norm is deferred to here, `lctrain.model.deferred_norm`), the
@@ -30,7 +30,7 @@ instead of once per projection.
 
     apply_grouped_attention(model, head_groups=8)   # after LoRA, before checkpointing and FSDP2
 
-It applies to the Llama-family modules of :data:`GROUPED_TYPES` whose q/k/v/o projections are
+It applies to the Llama-family modules of `lctrain.model.families` (``grouped``) whose q/k/v/o projections are
 plain ``nn.Linear`` (not LoRA-wrapped: adapters leave the module as it is), when the model
 runs lctrain's attention. A call with a KV cache (generation) runs the norm and the module as
 they are.
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from lctrain.memory.arch import GROUPED_TYPES
+from lctrain.model.families import family
 from lctrain.model.attention import ATTENTION_NAME, global_len
 from lctrain.model.deferred_norm import DeferredNorm, bare
 from lctrain.model.features import check_attention_call
@@ -57,7 +57,7 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 def supported(module: nn.Module, model_type: str) -> bool:
     """Whether ``module`` (an attention module of a ``model_type`` model) can run grouped."""
     config = getattr(module, "config", None)
-    return (model_type in GROUPED_TYPES
+    return (getattr(family(model_type), "grouped", False)
             and getattr(config, "_attn_implementation", None) == ATTENTION_NAME
             and all(type(getattr(module, name, None)) is nn.Linear for name in _PROJECTIONS)
             and isinstance(getattr(module, "head_dim", None), int))

@@ -136,3 +136,17 @@ def _from_pretrained(source: str, hf_config: Any, *, dtype, attn: str,
         raise UserError(f"Could not load model '{source}' (offline, unknown hub name, or not a "
                         f"model folder): {first}; use a local folder or model.config.") from None
 
+
+def load_tokenizer(cfg: Any) -> Any:
+    """The recipe's tokenizer (`lctrain.data.load_tokenizer`), checked against the vocabulary
+    of the recipe's model.
+
+    Raises:
+        ConfigError: the tokenizer has more ids than the model has embeddings (and what
+            `lctrain.data.load_tokenizer` raises).
+    """
+    from lctrain.data import load_tokenizer as load
+
+    model = cfg.model
+    config = resolve_config(model.path, model.config, trust_remote_code=model.trust_remote_code)
+    return load(cfg, config.get_text_config().vocab_size)

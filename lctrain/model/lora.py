@@ -17,7 +17,7 @@ and wraps the model in peft's ``PeftModelForCausalLM``. What then trains:
 The rest of lctrain sees an ordinary module. Parameter names gain peft's parts
 (``base_model.model.``, ``.base_layer``, ``.lora_A.default``, ``.original_module``,
 ``.modules_to_save.default``); the decoder layers stay where they were, of the same classes (so
-`lctrain.parallel.checkpointing.find_decoder_layers` and FSDP2 find them); the attention is
+`lctrain.parallel.activation_checkpoint.find_decoder_layers` and FSDP2 find them); the attention is
 untouched (``remat`` still keeps its output and runs it once per layer); DCP checkpoints hold
 every weight. The output head can be neither adapted nor wrapped: the chunked loss multiplies by
 its weight directly, bypassing any module forward.

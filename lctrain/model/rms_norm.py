@@ -29,9 +29,10 @@ import triton.language as tl
 from torch import nn
 
 from lctrain.model.class_switch import switch_classes
+from lctrain.model.families import class_names
 from lctrain.model.rounding import DTYPE_KINDS, round_to
 
-FUSED_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+FUSED_CLASSES = class_names("RMSNorm")
 """transformers' RMSNorm classes that compute ``weight * (x * rsqrt(mean(x²) + eps)).to(dtype)``
 in float32 (Gemma's, which scales by ``1 + weight``, is not one of them)."""
 

@@ -14,7 +14,7 @@ rounds after each product and the sum), and the backward in float32 (the rotatio
 positions).
 
 transformers calls ``apply_rotary_pos_emb`` as a global of each model's modeling module, so
-:func:`fuse_rope` replaces that global in the modules of :data:`FUSED_TYPES` with a function
+:func:`fuse_rope` replaces that global in the modules of the fused families (`lctrain.model.families`) with a function
 that runs the kernel for the calls it is made for (4-dim CUDA q and k, 3-dim cos and sin, the
 default ``unsqueeze_dim``) and transformers' own function for any other call. The kernels run
 on CUDA tensors, and on the CPU under ``TRITON_INTERPRET=1`` (tests, which put the global back).
@@ -28,11 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lctrain.model.families import family
 from lctrain.model.rounding import DTYPE_KINDS, round_to
 from lctrain_kernels.triton.common import interpreting
 
-FUSED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""model_types whose modeling module applies RoPE with transformers' Llama formula."""
 
 
 @triton.jit
@@ -161,7 +160,7 @@ def _fused(original):
 def fuse_rope(model_type: str) -> bool:
     """Make the modeling module of ``model_type`` apply RoPE through :func:`rope` on GPUs, once
     per process; False for a type whose formula is not known to be transformers' Llama one."""
-    if model_type not in FUSED_TYPES:
+    if not getattr(family(model_type), "fused", False):
         return False
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     current = module.apply_rotary_pos_emb

@@ -27,9 +27,10 @@ import triton.language as tl
 from torch import nn
 
 from lctrain.model.class_switch import switch_classes
+from lctrain.model.families import class_names
 from lctrain.model.rounding import DTYPE_KINDS, round_to
 
-FUSED_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+FUSED_CLASSES = class_names("MLP")
 """transformers' gated MLP classes whose forward is ``down(act(gate(x)) * up(x))``; switched
 when their ``act_fn`` is a SiLU."""
 

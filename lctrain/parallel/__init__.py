@@ -1,6 +1,6 @@
 """Parallelism applied from outside the model: the dp × cp mesh, context parallelism (how each
 sequence is cut over the cp ranks and which attention spans the cut: `lctrain.parallel.context`),
-FSDP2 / replication, and activation-checkpointing policies (`lctrain.parallel.checkpointing`).
+FSDP2 / replication, and activation-checkpointing policies (`lctrain.parallel.activation_checkpoint`).
 
     pmesh = build_mesh(cp=2, device_type="cuda")          # dp = world size // cp
     cp = ContextParallel(pmesh, "distflash", "auto", device=device)

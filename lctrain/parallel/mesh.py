@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import resource
+import sys
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -159,3 +162,11 @@ def _group_device(device_type: str) -> torch.device:
     if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device_type)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: CUDA allocator peak on a GPU, peak resident set on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)

@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from lctrain.errors import UserError
-from lctrain.memory.arch import NORM_IN_TILE_TYPES
 from lctrain.model.deferred_norm import DeferredNorm, bare
+from lctrain.model.families import family
 from lctrain.model.structure import decoder_layers, unwrap_layer
 
 TILED_CHILDREN = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -46,7 +46,7 @@ TILED_CHILDREN = ("input_layernorm", "post_attention_layernorm", "pre_feedforwar
 
 PRE_MLP_NORM = "post_attention_layernorm"
 """The norm right before the MLP in the layers of
-:data:`~lctrain.memory.arch.NORM_IN_TILE_TYPES` (in Gemma's it is not: there it follows the
+`lctrain.model.families` (``norm_before_mlp``) (in Gemma's it is not: there it follows the
 attention)."""
 
 
@@ -100,12 +100,12 @@ class _Chain:
 def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) -> int:
     """Wrap the token-wise children of every decoder layer of ``model`` (in place) in tiles.
 
-    With ``defer_norm``, in the layers of :data:`~lctrain.memory.arch.NORM_IN_TILE_TYPES` the
+    With ``defer_norm``, in the layers of `lctrain.model.families` (``norm_before_mlp``) the
     norm before the MLP runs inside the MLP's tiles (`lctrain.model.deferred_norm`), so the layer keeps the norm's
     input only; a norm already deferred to the attention block
     (`lctrain.model.grouped_attention`) is left to it. Calling it again replaces the tile size;
     ``tile_tokens`` 0 unwraps. Call it before
-    `lctrain.parallel.checkpointing.apply_checkpointing` and FSDP2 (either order with LoRA is
+    `lctrain.parallel.activation_checkpoint.apply_checkpointing` and FSDP2 (either order with LoRA is
     wrong: LoRA first, so the adapters are inside the tiles).
 
     Args:
@@ -123,7 +123,7 @@ def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) ->
         raise UserError(f"train.tile_tokens is {tile_tokens} but must be 0 (off) or a positive "
                         "number of tokens per tile, e.g. 8192")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    fold = bool(tile_tokens) and defer_norm and model_type in NORM_IN_TILE_TYPES
+    fold = bool(tile_tokens) and defer_norm and getattr(family(model_type), "norm_before_mlp", False)
     wrapped = 0
     for layer in decoder_layers(model):
         layer = unwrap_layer(layer)

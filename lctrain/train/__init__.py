@@ -5,8 +5,8 @@ checkpoints and metrics.
     exit_code = finetune(load_recipe("tiny"), resume=False, nproc=None)
 
 The names below load on first use: the processes a run starts (``python -m lctrain.train``,
-``python -m lctrain.train.agent``) tie themselves to their launcher before anything heavy
-is imported (`lctrain.train.lifetime`).
+``python -m lctrain.launch.agent``) tie themselves to their launcher before anything heavy
+is imported (`lctrain.launch.lifetime`).
 """
 from __future__ import annotations
 

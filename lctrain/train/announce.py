@@ -7,10 +7,10 @@ from torch import nn
 
 from lctrain.config import RecipeConfig
 from lctrain.config.schema import LORA_ALL_LINEAR
-from lctrain.train import launch
-from lctrain.train.lifetime import signal_name
+from lctrain.launch import launcher
+from lctrain.launch.lifetime import signal_name
 from lctrain.train.loop import Trainer
-from lctrain.train.setup import ModelParts, RunSetup
+from lctrain.parallel.build import ModelParts, RunSetup
 
 
 def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> str:
@@ -78,7 +78,7 @@ def summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by: 
     if stopped_by:
         when = f"after step {trainer.step}" if history else f"before step {trainer.step + 1}"
         return (f"stopped by {signal_name(stopped_by)} {when} of {t.max_steps}; "
-                f"{launch.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}")
+                f"{launcher.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}")
     if not history:
         return (f"nothing to do: the run is already at step {trainer.step} of {t.max_steps}; "
                 "raise train.max_steps (--max-steps) to train further.")

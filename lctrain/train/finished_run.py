@@ -18,8 +18,8 @@ from pathlib import Path
 from lctrain.config import RecipeConfig
 from lctrain.config.resume import check_run_folder
 from lctrain.export import export_final as write_final
-from lctrain.train.checkpoint import export_is_current, finished_checkpoint
-from lctrain.train.lifetime import RunLock
+from lctrain.checkpoint.reader import export_is_current, finished_checkpoint
+from lctrain.launch.lifetime import RunLock
 
 
 def finished_before_launch(cfg: RecipeConfig, *, resume: bool) -> bool:

@@ -20,8 +20,8 @@ So the gradient is exactly that of the mean token loss over the global batch, wh
 batch size and accumulation. Only log steps synchronise with the host (one small all-reduce and
 one transfer of loss, count, gradient norm and the skipped-step counters); checkpoint saves
 settle the counters too. At every step boundary the ranks agree on whether a stop signal came
-(`lctrain.train.stopping`: one all-reduce of one integer on the host), and the main thread marks
-where it is for the hang watchdog (`lctrain.train.watchdog`: an attribute write).
+(`lctrain.launch.stopping`: one all-reduce of one integer on the host), and the main thread marks
+where it is for the hang watchdog (`lctrain.launch.watchdog`: an attribute write).
 """
 from __future__ import annotations
 
@@ -39,13 +39,14 @@ from torch import nn
 from lctrain.data import PackedBatch
 from lctrain.model import CPContext
 from lctrain.model.structure import output_head
-from lctrain.parallel.checkpointing import AttentionCounter
+from lctrain.parallel.activation_checkpoint import AttentionCounter
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed
 from lctrain.parallel.mesh import ParallelMesh
 from lctrain.train.loss import chunked_cross_entropy
 from lctrain.train.memory_trace import trace_folder, traced_step
-from lctrain.train.metrics import FlopModel, peak_memory_bytes
+from lctrain.model.flops import FlopModel
+from lctrain.parallel.mesh import peak_memory_bytes
 from lctrain.train.nonfinite import Diverged, NonFiniteSteps, Settled, poison_if_nonfinite
 from lctrain.train.step_profile import profile_folder, profiled_step
 
@@ -275,7 +276,7 @@ class LoopHooks:
 
     Attributes:
         stop: the agreed stop signal of all ranks (0: go on); a collective, called by every
-            rank at every step boundary (`lctrain.train.stopping.StopRequest.agree`).
+            rank at every step boundary (`lctrain.launch.stopping.StopRequest.agree`).
         save_on_stop: save a checkpoint when a stop signal ends the run.
         max_nonfinite_steps: non-finite steps in a row that end the run (`Diverged`).
         notice: says something to the user (rank 0 prints it; skipped steps).

@@ -31,67 +31,6 @@ import torch
 
 from lctrain.report.human import duration
 
-# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity), matched in order against the
-# device name (so the PCIe / NVL variants come before the SXM names they contain).
-_PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0),
-                     ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0), ("B200", 2250.0),
-                     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0),
-                     ("L4", 121.0))
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak in FLOP/s, or None for a CPU or an unknown GPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in _PEAK_BF16_TFLOPS:
-        if key in name:
-            return tflops * 1e12
-    return None
-
-
-@dataclass(frozen=True)
-class FlopModel:
-    """Training FLOPs (forward + backward, recomputation not counted) of a decoder-only LM.
-
-    Attributes:
-        per_token: for the parameters that take part in matrix products (all but the input
-            embedding: the projections, MLPs, output head and LoRA adapters), 6 × those
-            trained and 4 × those frozen — a frozen weight still passes the gradient to its
-            input (2 per token) but gets no weight gradient (the other 2).
-        per_attention_unit: causal attention of a document of n tokens costs
-            7 · n² · H · D per layer (forward 2 · n² · H · D, backward 2.5 × that); this is
-            7 · layers · H · D, to be multiplied by Σ n² over the documents actually trained on.
-    """
-
-    per_token: float
-    per_attention_unit: float
-
-    @classmethod
-    def for_model(cls, model_config, n_matmul_params: int, frozen_matmul_params: int = 0
-                  ) -> FlopModel:
-        """The FLOP model of a model of ``model_config`` with ``n_matmul_params`` matrix
-        parameters, ``frozen_matmul_params`` of which are not trained (LoRA's base weights)."""
-        layers = model_config.num_hidden_layers
-        heads = model_config.num_attention_heads
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-        trained = n_matmul_params - frozen_matmul_params
-        return cls(per_token=6.0 * trained + 4.0 * frozen_matmul_params,
-                   per_attention_unit=7.0 * layers * heads * head_dim)
-
-    def total(self, tokens: float, attention_units: float) -> float:
-        """FLOPs of ``tokens`` tokens whose documents give ``attention_units`` = Σ n²."""
-        return tokens * self.per_token + attention_units * self.per_attention_unit
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory so far: CUDA allocator peak on a GPU, peak resident set on a CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
 class MetricsLog:
     """Appends one JSON line per logged step (rank 0 only; a no-op elsewhere)."""
 

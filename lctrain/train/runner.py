@@ -1,6 +1,6 @@
 """What runs: one rank's training, from the recipe's parts to the loop (the composition root).
 
-    finetune(cfg, resume=False, nproc=None)   # start every rank (lctrain.train.launch.dispatch)
+    finetune(cfg, resume=False, nproc=None)   # start every rank (lctrain.launch.launcher.dispatch)
     run_worker(cfg, resume=False)             # what each rank runs
 
 `run_worker` builds one rank's run in this order; each step is a function of this module that a
@@ -38,47 +38,42 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 from accelerate.utils import set_seed
-from torch import nn
 
 from lctrain.config import RecipeConfig, save_resolved
 from lctrain.config.resume import check_run_folder, describe_changes
 from lctrain.config.tiers import format_layer_policies, per_layer
-from lctrain.data import (PackedRows, iter_batches, load_tokenizer, plan_steps, prepare_data,
-                          rows_summary, steps_summary)
+from lctrain.data import PackedRows, iter_batches, plan_steps, prepare_data, rows_summary, steps_summary
+from lctrain.model import load_tokenizer
 from lctrain.errors import UserError
-from lctrain.eval.forward import validation_loss
+from lctrain.parallel.forward import validation_loss
 from lctrain.memory.host import available_host_bytes
 from lctrain.memory.recipe import layer_policies_for
-from lctrain.model import check_model, load_model
-from lctrain.model.grouped_attention import apply_grouped_attention
-from lctrain.model.lora import apply_lora
 from lctrain.model.structure import decoder_layers
-from lctrain.parallel.checkpointing import apply_checkpointing
 from lctrain.parallel.context import ContextParallel
-from lctrain.parallel.fsdp import distribute
 from lctrain.parallel.mesh import build_mesh
 from lctrain.parallel.offload import host_memory_bytes
-from lctrain.parallel.tiling import apply_tiling
 from lctrain.report.versions import record_run
-from lctrain.train import launch, rank
+from lctrain.launch import launcher, rank
 from lctrain.train.announce import banner, summary
-from lctrain.train.checkpoint import load_checkpoint, read_trainer_state, resume_point
-from lctrain.train.checkpoint_writer import Checkpointer
+from lctrain.checkpoint.reader import load_checkpoint, read_trainer_state, resume_point
+from lctrain.checkpoint.writer import Checkpointer
 from lctrain.train.finished_run import export_final, finished, finished_before_launch
-from lctrain.train.launch import default_nproc
+from lctrain.launch.launcher import default_nproc
 from lctrain.train.loop import OPERATIONS, CausalLMLoss, LoopHooks, Trainer, run_loop
-from lctrain.train.metrics import FlopModel, Progress, peak_flops
+from lctrain.model import check_model
+from lctrain.model.flops import peak_flops
+from lctrain.train.metrics import Progress
 from lctrain.train.nonfinite import Diverged
 from lctrain.train.optim import build_optimizer
 from lctrain.train.saving import check_continuation, make_checkpointer, save, saved_plan
-from lctrain.train.setup import ModelParts, RunSetup, rows_per_step
-from lctrain.train.stopping import StopRequest, control_group, stop_exit_code
+from lctrain.parallel.build import ModelParts, RunSetup
+from lctrain.parallel.build import build_model as build_parallel_model
+from lctrain.launch.stopping import StopRequest, control_group, stop_exit_code
 from lctrain.train.tracking import Tracking, check_report_to
-from lctrain.train.watchdog import Watchdog, heartbeat_dir
+from lctrain.launch.watchdog import Watchdog, heartbeat_dir
 
 __all__ = ["ModelParts", "RunSetup", "build_data", "build_eval_data", "build_model",
            "build_trainer", "default_nproc", "export_final", "finetune", "finished", "loop_hooks",
@@ -95,7 +90,7 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
             (a run that has trained all its steps is not trained again: `finished`).
         nproc: processes to run; default all GPUs on a CUDA machine, dp × cp on a CPU one
             (dp 0 counts as 1). Ignored under torchrun / accelerate launch, which decide.
-        own_process: run even a single rank in a process of its own (`launch.dispatch`).
+        own_process: run even a single rank in a process of its own (`launcher.dispatch`).
 
     Raises:
         UserError: an invalid process layout, no checkpoint to resume from, a model or data
@@ -107,14 +102,14 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
     warnings = check_model(cfg)  # before any process starts or any weight loads
     for warning in warnings if os.environ.get("RANK", "0") == "0" else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    return launch.dispatch(cfg, run_worker, resume=resume, nproc=nproc, own_process=own_process)
+    return launcher.dispatch(cfg, run_worker, resume=resume, nproc=nproc, own_process=own_process)
 
 
 def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | None = None) -> int:
     """Run this rank's part of the training (every rank calls it).
 
     The process group is the caller's when one exists (tests), else made here
-    (`lctrain.train.rank.worker_process`). ``stop`` is the process's stop-signal flag when the
+    (`lctrain.launch.rank.worker_process`). ``stop`` is the process's stop-signal flag when the
     caller installed it already (a self-launched rank does, first thing), else one is installed
     for the call.
 
@@ -192,7 +187,7 @@ def build_eval_data(setup: RunSetup) -> PackedRows | None:
 def _with_steps(setup: RunSetup, rows: int) -> RecipeConfig:
     """The recipe with ``train.max_steps`` resolved from train.epochs / train.max_steps and the
     number of packed rows; rank 0 says how the steps relate to epochs."""
-    t, per_step = setup.cfg.train, rows_per_step(setup)
+    t, per_step = setup.cfg.train, setup.rows_per_step
     steps = plan_steps(rows=rows, rows_per_step=per_step, max_steps=t.max_steps, epochs=t.epochs)
     if setup.main:
         print("\n".join(steps_summary(rows=rows, rows_per_step=per_step, steps=steps,
@@ -203,73 +198,11 @@ def _with_steps(setup: RunSetup, rows: int) -> RecipeConfig:
     return dataclasses.replace(setup.cfg, train=dataclasses.replace(t, max_steps=steps))
 
 
-def build_model(setup: RunSetup, *,
-                root: Callable[[nn.Module, int], nn.Module] | None = None) -> ModelParts:
-    """Model with the schedule's attention, checkpointing policy, then FSDP2 or replication.
-
-    Args:
-        setup: the rank's run.
-        root: what wraps the causal LM as the module the loop calls, given the model and
-            ``train.loss_chunk_tokens``: `lctrain.eval.model.EvalModel` for an evaluation;
-            None: `CausalLMLoss` (the summed loss, through the loss kernel on GPUs unless
-            ``model.fused_loss`` is off) for training.
-    """
-    cfg, accelerator = setup.cfg, setup.accelerator
-    model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
-                       dtype=getattr(torch, cfg.model.dtype), device=accelerator.device,
-                       attn_implementation=setup.cp.attention,
-                       trust_remote_code=cfg.model.trust_remote_code,
-                       seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
-    n_params = sum(p.numel() for p in model.parameters())
-    if accelerator.device.type == "cuda":  # Triton kernels, imported only where they run
-        from lctrain.model.rms_norm import fuse_rms_norms
-        from lctrain.model.rope import fuse_rope
-        from lctrain.model.swiglu import fuse_mlps
-
-        if cfg.model.fused_norms:  # one kernel per norm and direction instead of eager ops
-            fuse_rms_norms(model)
-        if cfg.model.fused_rope:  # the same for RoPE (its modeling module's global)
-            fuse_rope(model.config.model_type)
-        if cfg.model.fused_mlp:  # and for the MLP's SiLU product (its class, like the norms)
-            fuse_mlps(model)
-    if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
-        model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
-    flops = _flop_model(model)
-    setup.cp.check_model(model.config)
-    if cfg.model.grouped_attention:  # projections in the head groups (after LoRA: none on it)
-        apply_grouped_attention(model, cfg.parallel.head_groups, fused_rope=cfg.model.fused_rope,
-                                defer_norm=cfg.model.deferred_norms)
-    # the adapters inside the tiles
-    apply_tiling(model, cfg.train.tile_tokens, defer_norm=cfg.model.deferred_norms)
-    runs = _layer_policies(setup) if cfg.train.checkpointing == "auto" else None
-    apply_checkpointing(model, cfg.train.checkpointing,  # before FSDP2 wraps the layers
-                        layer_policies=per_layer(runs) if runs else None,
-                        offload_prefetch=cfg.train.offload_prefetch)
-    if root is None:
-        module = CausalLMLoss(model, cfg.train.loss_chunk_tokens,
-                              kernel=cfg.model.fused_loss and accelerator.device.type == "cuda")
-    else:
-        module = root(model, cfg.train.loss_chunk_tokens)
-    bf16 = accelerator.mixed_precision == "bf16"
-    distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
-                             strategy=_strategy(setup),
-                             param_dtype=torch.bfloat16 if bf16 else None,
-                             offload=cfg.train.state_offload == "all")
-    return ModelParts(model, distributed, flops, n_params,
-                      format_layer_policies(runs) if runs else None)
-
-
-def _flop_model(model: nn.Module) -> FlopModel:
-    """The FLOP model of ``model`` as trained: its matrix parameters — all but input
-    embeddings (lookups) and the frozen originals that peft keeps beside the trained copies of
-    ``lora.trainable_modules`` (never run) — with the frozen ones (LoRA's base weights) apart."""
-    head = model.get_output_embeddings().weight
-    lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
-               for p in m.parameters(recurse=False) if p is not head}
-    matmul = [p for name, p in model.named_parameters()
-              if id(p) not in lookups and ".original_module." not in name]
-    frozen = sum(p.numel() for p in matmul if not p.requires_grad)
-    return FlopModel.for_model(model.config, sum(p.numel() for p in matmul), frozen)
+def build_model(setup: RunSetup) -> ModelParts:
+    """The model as training runs it (`lctrain.parallel.build.build_model`) under the summed
+    loss (`CausalLMLoss`), its layers checkpointed as the recipe or the memory model says."""
+    runs = _layer_policies(setup) if setup.cfg.train.checkpointing == "auto" else None
+    return build_parallel_model(setup, CausalLMLoss, layer_runs=runs)
 
 
 def _layer_policies(setup: RunSetup) -> tuple[tuple[str, int], ...]:
@@ -283,16 +216,6 @@ def _layer_policies(setup: RunSetup) -> tuple[tuple[str, int], ...]:
     return layer_policies_for(setup.cfg, gpus=pmesh.world_size, gpu_memory=memory,
                               host_memory=host if device.type == "cuda" else None,
                               gpus_per_node=local)
-
-
-def _strategy(setup: RunSetup) -> str:
-    """FSDP2 when asked ("on") or when the state lives on the host (its CPU offload), or by
-    default on GPUs with several ranks; else replication."""
-    fsdp, pmesh = setup.cfg.parallel.fsdp, setup.pmesh
-    if fsdp == "on" or setup.cfg.train.state_offload == "all" or (
-            fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1):
-        return "fsdp"
-    return "replicate"
 
 
 def build_trainer(setup: RunSetup, parts: ModelParts, resume_from: Path | None) -> Trainer:
@@ -343,7 +266,7 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
     checkpointer = make_checkpointer(setup, trainer)
     metrics = Tracking(cfg, enabled=setup.main, resume_step=trainer.step if resumed else None)
     progress = Progress(t.max_steps, trainer.step, enabled=setup.main,
-                        steps_per_epoch=len(dataset) / rows_per_step(setup))
+                        steps_per_epoch=len(dataset) / setup.rows_per_step)
     watch = Watchdog(heartbeat_dir(out), rank=pmesh.rank, world_size=pmesh.world_size,
                      timeout=t.collective_timeout,
                      on_hang=rank.hang_handler(cfg, trainer.device.type))
@@ -359,7 +282,7 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
     except Diverged as exc:
         raise UserError(f"{exc}: their updates were skipped and the run stopped (a learning rate "
                         f"too high for this model, train.lr, is the usual cause); "
-                        f"{launch.checkpoint_hint(cfg, pmesh.world_size)}.") from None
+                        f"{launcher.checkpoint_hint(cfg, pmesh.world_size)}.") from None
     finally:
         progress.close()
         metrics.close()

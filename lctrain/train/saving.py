@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.train import launch
-from lctrain.train.checkpoint_writer import Checkpointer
+from lctrain.launch import launcher
+from lctrain.checkpoint.writer import Checkpointer
 from lctrain.train.loop import Trainer
 from lctrain.train.optim import LrPlan
-from lctrain.train.setup import RunSetup, rows_per_step
+from lctrain.parallel.build import RunSetup
 
 
 def check_continuation(saved: dict, setup: RunSetup, path: Path) -> None:
@@ -31,7 +31,7 @@ def check_continuation(saved: dict, setup: RunSetup, path: Path) -> None:
     if saved["seq_len"] != cfg.data.seq_len:
         raise UserError(f"The checkpoint {path} was trained at data.seq_len {saved['seq_len']} "
                         f"but this run has {cfg.data.seq_len}; resume with the run's seq_len.")
-    rows = rows_per_step(setup)
+    rows = setup.rows_per_step
     if saved["rows_per_step"] != rows:
         per_micro = dp * t.batch_size
         keep = saved["rows_per_step"] / per_micro
@@ -57,7 +57,7 @@ def trainer_state(setup: RunSetup, trainer: Trainer) -> dict:
     pmesh, seq_len = setup.pmesh, setup.cfg.data.seq_len
     rows = trainer.data_position * pmesh.dp * setup.cfg.train.batch_size
     return {"step": trainer.step, "rows_consumed": rows, "tokens_consumed": rows * seq_len,
-            "seq_len": seq_len, "rows_per_step": rows_per_step(setup),
+            "seq_len": seq_len, "rows_per_step": setup.rows_per_step,
             "layout": {"dp": pmesh.dp, "cp": pmesh.cp, "world_size": pmesh.world_size},
             "lr_plan": trainer.scheduler.lr_lambdas[0].to_json()}
 
@@ -75,7 +75,7 @@ def save(setup: RunSetup, trainer: Trainer, checkpointer: Checkpointer) -> Path:
     if not trainer.weights_finite():
         raise UserError(f"the model's weights are not finite after step {trainer.step}, so no "
                         f"checkpoint was saved and none was deleted; "
-                        f"{launch.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}.")
+                        f"{launcher.checkpoint_hint(setup.cfg, setup.pmesh.world_size)}.")
     return checkpointer.save(trainer.step, trainer_state(setup, trainer))
 
 

@@ -23,7 +23,7 @@ Only the training steps are watched (from the first `enter` to `idle`): data pre
 model loading wait for no one in a collective. A pause of the whole process (a stopped
 terminal job, a suspended machine) is not counted: a tick that comes far too late restarts the
 clock. On NCCL, torch's own timeout (the process group's, set a little longer) adds the flight
-recorder's dump of the last collectives of every rank (`lctrain.train.launch`).
+recorder's dump of the last collectives of every rank (`lctrain.launch.launcher`).
 """
 from __future__ import annotations
 

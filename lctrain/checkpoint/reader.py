@@ -19,7 +19,7 @@ any dp × cp layout with the same global batch continues the stream exactly. A r
 run did not have keeps its seeded RNG state (training draws no random numbers after the model
 is built: the data order is a function of the seed and the position).
 
-**Nothing is unpickled** (`lctrain.train.safe_load`). `read_model_weights` reads model weights
+**Nothing is unpickled** (`lctrain.checkpoint.safe_load`). `read_model_weights` reads model weights
 in one process on the CPU, whatever the number of ranks that wrote them (``lctrain export``).
 Loading is collective (every rank calls `load_checkpoint`); `read_model_weights` is not.
 """
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lctrain.errors import UserError
-from lctrain.train.safe_load import SafeLoadPlanner, SafeReader
+from lctrain.checkpoint.safe_load import SafeLoadPlanner, SafeReader
 
 _NAME = re.compile(r"^step-(\d{8})$")
 FORMAT = 2

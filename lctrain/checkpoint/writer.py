@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from lctrain.config.paths import ordinary_permissions
 from lctrain.errors import UserError
-from lctrain.train.checkpoint import FORMAT, list_checkpoints, root_cause
-from lctrain.train.safe_load import check_tensors_only, fsync_dir, fsync_tree
+from lctrain.checkpoint.reader import FORMAT, list_checkpoints, root_cause
+from lctrain.checkpoint.safe_load import check_tensors_only, fsync_dir, fsync_tree
 
 
 class Checkpointer:

@@ -2,13 +2,13 @@
 
 A self-launched run is a tree of processes::
 
-    lctrain finetune                  the launcher (`lctrain.train.launch.spawn_workers`)
-    └─ python -m lctrain.train.agent      torch.distributed.run, in its own session
+    lctrain finetune                  the launcher (`lctrain.launch.launcher.spawn_workers`)
+    └─ python -m lctrain.launch.agent      torch.distributed.run, in its own session
        ├─ python -m lctrain.train --config …  rank 0  (torch.distributed.run gives every
        └─ python -m lctrain.train --config …  rank 1   worker a session of its own)
 
 Sessions keep a terminal's Ctrl-C and a ``kill`` of the launcher's process group away from the
-workers: the launcher alone decides what a signal means (`lctrain.train.stopping`). Sessions
+workers: the launcher alone decides what a signal means (`lctrain.launch.stopping`). Sessions
 also mean that nothing ties a worker to the launcher, so each child asks the kernel for a
 parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, Linux): when the launcher dies — by
 ``kill -9``, ``timeout -s KILL``, an out-of-memory kill — the supervisor gets SIGKILL, and when

@@ -9,7 +9,7 @@ the same. On GPUs torch's NCCL flight recorder is on and dumps each rank's last 
 ``output_dir/.launch/nccl_trace_rank_R`` when a collective times out. `worker_main` is the body of
 ``python -m lctrain.train`` (and ``python -m lctrain.eval``): it reads the recipe the launcher
 wrote (checked against its SHA-256), joins the process group through the launcher's file
-store and records a failure for the launcher (`lctrain.train.failures`).
+store and records a failure for the launcher (`lctrain.launch.failures`).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from lctrain.config.loader import build_checked, parse_yaml
 from lctrain.config.paths import decode_text
 from lctrain.errors import UserError, as_user_error
 from lctrain.memory.host import check_host_memory
-from lctrain.train.failures import record_error
+from lctrain.launch.failures import record_error
 
 USER_ERROR_EXIT = 2
 """Exit code of a rank that stopped on a user error (one sentence, recorded for the launcher)."""
@@ -70,7 +70,7 @@ def read_recipe(path: str, sha256: str | None) -> RecipeConfig:
 
 def group_timeout(cfg: RecipeConfig) -> timedelta:
     """The process groups' timeout: ``train.collective_timeout`` plus a margin, so that the
-    watchdog (`lctrain.train.watchdog`), which names the late ranks, speaks first; on NCCL
+    watchdog (`lctrain.launch.watchdog`), which names the late ranks, speaks first; on NCCL
     torch's own timeout then dumps the flight recorder."""
     seconds = cfg.train.collective_timeout
     return timedelta(seconds=seconds + max(10.0, seconds / 10))
@@ -82,7 +82,7 @@ def nccl_wait(cfg: RecipeConfig) -> float:
 
 
 def hang_handler(cfg: RecipeConfig, device_type: str) -> Callable[[str], None]:
-    """What a rank's watchdog does on a hang (`lctrain.train.watchdog`): record the report for
+    """What a rank's watchdog does on a hang (`lctrain.launch.watchdog`): record the report for
     the launcher, print it, and end the process. On NCCL it first waits for torch's own timeout
     (`group_timeout`), which dumps the flight recorder and aborts the process itself."""
     errors = launch_dir(cfg) / "errors"

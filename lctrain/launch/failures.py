@@ -7,7 +7,7 @@ Three witnesses, read by the launcher once torch.distributed.run has ended:
 - the supervisor's ``failures.json``: each failed rank's pid and exit code as torch.distributed.run
   saw them — a negative code is the signal that killed the process, which no record can tell,
   since a killed process writes nothing;
-- the heartbeats (`lctrain.train.watchdog`): the steps each rank completed.
+- the heartbeats (`lctrain.launch.watchdog`): the steps each rank completed.
 
 `explain` weighs them. The ranks that see a peer die report a secondary error ("connection
 reset by peer", a failed collective, a hang report naming the dead rank), so the order is: the
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.train.lifetime import describe_death
-from lctrain.train.stopping import stopped_by
+from lctrain.launch.lifetime import describe_death
+from lctrain.launch.stopping import stopped_by
 
 
 def record_error(error_dir: str | os.PathLike | None, exc: BaseException | None = None, *,

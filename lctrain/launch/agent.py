@@ -1,14 +1,14 @@
 """The launcher's child: torch.distributed.run, tied to the launcher, telling how each rank ended.
 
-    python -m lctrain.train.agent FAILURES.json [torch.distributed.run arguments ...]
+    python -m lctrain.launch.agent FAILURES.json [torch.distributed.run arguments ...]
 
 It runs torch.distributed.run in this process (`torch.distributed.run.parse_args` / `run`: the
 same arguments, the same rendezvous and worker environment as ``torchrun``) with three
-additions: it dies with the launcher (`lctrain.train.lifetime.die_with_launcher`); it ignores
+additions: it dies with the launcher (`lctrain.launch.lifetime.die_with_launcher`); it ignores
 stop signals, which are the launcher's to handle (torchrun's own handling would pass them to the
 ranks a second time, and then kill them 30 s later); and when ranks fail it writes their pids
 and exit codes to FAILURES.json — a negative code is the signal that killed a rank, which the
-rank itself can no longer record — for `lctrain.train.failures.explain`.
+rank itself can no longer record — for `lctrain.launch.failures.explain`.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import os
 import signal
 import sys
 
-from lctrain.train.lifetime import die_with_launcher
-from lctrain.train.stopping import STOP_SIGNALS
+from lctrain.launch.lifetime import die_with_launcher
+from lctrain.launch.stopping import STOP_SIGNALS
 
 
 def main(argv: list[str]) -> int:

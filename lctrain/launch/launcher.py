@@ -8,7 +8,7 @@
   layout, schedule on this device, remat-offload's host memory, the output folder), one process
   runs the worker here and several are started through torch.distributed.run:
 
-      python -m lctrain.train.agent output_dir/.launch/failures.json --nnodes 1 \\
+      python -m lctrain.launch.agent output_dir/.launch/failures.json --nnodes 1 \\
           --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint PRIVATE/rendezvous \\
           --rdzv-conf store_type=file -m lctrain.train --config PRIVATE/recipe.yaml \\
           --config-sha256 ... --error-dir output_dir/.launch/errors --store PRIVATE/store [--resume]
@@ -16,22 +16,22 @@
   where PRIVATE is a temporary folder of this user's alone (`spawn_workers`): nothing listens
   on a network port, and no worker reads a file that another process could swap.
 
-  (`lctrain.train.agent` runs torch.distributed.run with these arguments in its own session,
+  (`lctrain.launch.agent` runs torch.distributed.run with these arguments in its own session,
   dies with this process and writes how each failed rank ended). Rank 0's progress goes straight to
   this terminal (stdout is inherited); the workers' stderr (library warnings, torchrun's own
   reports) goes to ``output_dir/.launch/workers.log``. While the ranks run, this process
   watches them (`Supervisor`): a stop signal (SIGTERM, SIGINT, SIGHUP) is passed to every rank,
-  which stop together after their current step (`lctrain.train.stopping`); a second one kills
+  which stop together after their current step (`lctrain.launch.stopping`); a second one kills
   them at once; once a rank has recorded a failure and exited, the others get
   `KILL_GRACE_S` seconds, then SIGKILL (a stopped or stuck rank never ends by itself). Then it
-  reports the cause (`lctrain.train.failures.explain`): a rank's one-sentence error, the rank
+  reports the cause (`lctrain.launch.failures.explain`): a rank's one-sentence error, the rank
   killed by a signal and the step, a hang and the ranks that did not arrive — with where the
   last checkpoint is and the command that resumes — or a bug's traceback.
 
-One run owns its output folder (`lctrain.train.lifetime.RunLock`): a second run into it stops
+One run owns its output folder (`lctrain.launch.lifetime.RunLock`): a second run into it stops
 with a sentence naming the other run's pid; the lock dies with its holder.
 
-Each started process becomes a rank in `lctrain.train.rank` (`worker_main`).
+Each started process becomes a rank in `lctrain.launch.rank` (`worker_main`).
 """
 from __future__ import annotations
 
@@ -52,15 +52,15 @@ from lctrain.config import RecipeConfig, check_run_folder, save_resolved
 from lctrain.memory.host import check_cpu_memory, check_host_memory
 from lctrain.parallel.context import check_runnable
 from lctrain.parallel.mesh import check_parallel_sizes
-from lctrain.train.checkpoint import list_checkpoints, resume_point
-from lctrain.train.lifetime import LAUNCHER_PID_ENV, RunLock, die_with_parent
-from lctrain.train.rank import WORKER_MODULE, Worker, launch_dir, nccl_wait
-from lctrain.train.stopping import resume_command
-from lctrain.train.supervisor import Supervisor, report
-from lctrain.train.watchdog import heartbeat_dir
+from lctrain.checkpoint.reader import list_checkpoints, resume_point
+from lctrain.launch.lifetime import LAUNCHER_PID_ENV, RunLock, die_with_parent
+from lctrain.launch.rank import WORKER_MODULE, Worker, launch_dir, nccl_wait
+from lctrain.launch.stopping import resume_command
+from lctrain.launch.supervisor import Supervisor, report
+from lctrain.launch.watchdog import heartbeat_dir
 
-AGENT_MODULE = "lctrain.train.agent"
-"""The launcher's child that runs torch.distributed.run (`lctrain.train.agent`)."""
+AGENT_MODULE = "lctrain.launch.agent"
+"""The launcher's child that runs torch.distributed.run (`lctrain.launch.agent`)."""
 _LAUNCHER_ENV = ("RANK", "LOCAL_RANK")
 
 

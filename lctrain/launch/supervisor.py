@@ -1,12 +1,12 @@
 """The launcher's watch over its ranks, from the start of torch.distributed.run to its report.
 
-`Supervisor.wait` blocks until the agent (`lctrain.train.agent`) ends, polling every `POLL_S`:
+`Supervisor.wait` blocks until the agent (`lctrain.launch.agent`) ends, polling every `POLL_S`:
 
 - a stop signal (SIGTERM, SIGINT, SIGHUP) on the launcher is passed on to every rank (the agent's
-  children) as a request (`lctrain.train.stopping.LAUNCHER_REQUEST`, the signal's number in
+  children) as a request (`lctrain.launch.stopping.LAUNCHER_REQUEST`, the signal's number in
   ``.launch/stop``); the ranks stop together after their current step; a second signal kills
   every rank and the agent at once and returns 128 + its number;
-- once a rank has recorded a failure (`lctrain.train.failures.record_error`) and exited, the
+- once a rank has recorded a failure (`lctrain.launch.failures.record_error`) and exited, the
   remaining ranks get `KILL_GRACE_S` seconds to end by themselves, then SIGKILL: a stopped rank
   never does, and torch.distributed.run would wait 30 s before its own SIGKILL. A record
   whose rank stays alive (on NCCL, a hang report waits for torch's timeout to dump the flight
@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.train.failures import explain, read_failures, read_records
-from lctrain.train.lifetime import alive, children, signal_name
-from lctrain.train.stopping import LAUNCHER_REQUEST, catches_request, watched_signals
-from lctrain.train.watchdog import read_heartbeats
+from lctrain.launch.failures import explain, read_failures, read_records
+from lctrain.launch.lifetime import alive, children, signal_name
+from lctrain.launch.stopping import LAUNCHER_REQUEST, catches_request, watched_signals
+from lctrain.launch.watchdog import read_heartbeats
 
 POLL_S = 0.2
 """How often the launcher looks at its ranks."""
@@ -43,7 +43,7 @@ class Supervisor:
     """Watch the agent process ``agent`` and its ranks (see the module docstring).
 
     Args:
-        agent: the running ``python -m lctrain.train.agent`` process.
+        agent: the running ``python -m lctrain.launch.agent`` process.
         launch_dir: ``output_dir/.launch``: the ranks' error records (``errors/``) and the stop
             request file (``stop``).
         on_signal_text: what to say when a stop signal arrives (the launcher's stderr).
