@@ -1,9 +1,14 @@
 """The memory model against every GPU peak measured by ``lctrain bench step`` and published in
-docs/performance/: the model's ``peak_allocated`` for the recipe as run is within 10 % of
+benchmarks/results/: the model's ``peak_allocated`` for the recipe as run is within 10 % of
 ``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``), and its ``host_offload`` within
 10 % of the pinned host memory the run held (``host_gib``: the offloaders' pinned pools and
 host-resident state, counted by `lctrain.parallel.offload.host_memory_bytes`). An ``auto`` row
-is estimated with the layer policies it ran (``layer_policies``), placed for its GPU.
+is estimated with the layers it ran (``checkpointing`` and ``offload``), placed for its GPU.
+
+A result file keeps the settings as they were written when it ran; `_current` spells them as
+the recipe does today: the per-layer policies (``full-offload=1``, ``remat-offload=2``) as
+``train.checkpointing`` runs and ``train.offload=layers``, ``train.state_offload`` as
+``train.offload``, and the four fused-kernel switches as ``model.fused_kernels``.
 
 With the document mask on, the model budgets the attention of a row that is one document (the
 rows of a run differ, and a later row must fit too); rows of shorter documents leave blocks
@@ -19,7 +24,61 @@ from lctrain.config import load_recipe
 from lctrain.memory import estimate_recipe
 
 GIB = 1 << 30
-RESULTS = sorted(Path(__file__).resolve().parent.parent.glob("docs/performance/*-step*.json"))
+RESULTS = sorted(Path(__file__).resolve().parent.parent.glob("benchmarks/results/*/step*.json"))
+FUSED = ("fused_norms", "fused_rope", "fused_mlp", "fused_loss")
+DROPPED = ("grouped_attention", "deferred_norms", "offload_prefetch", "layer_policies")
+
+
+def _runs(policies: str) -> tuple[str, str | None]:
+    """(train.checkpointing runs, parked layers) of per-layer policies such as
+    ``full-offload=1,full=3``: the parked layers are the lowest ones."""
+    runs, parked, lowest = [], 0, True
+    for item in policies.split(","):
+        kind, count = item.split("=")
+        offloaded = kind.endswith("-offload")
+        kind = kind.removesuffix("-offload")
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += int(count)
+        else:
+            runs.append([kind, int(count)])
+        lowest = lowest and offloaded
+        parked += int(count) if offloaded and lowest else 0
+    text = runs[0][0] if len(runs) == 1 else ",".join(f"{k}={n}" for k, n in runs)
+    checkpointed = sum(n for k, n in runs if k != "none")
+    return text, None if not parked else "layers" if parked == checkpointed else f"layers={parked}"
+
+
+def _current(items: list[str], row: dict) -> list[str]:
+    """The overrides of a row (the command's ``--set`` items, then its variant's) as the recipe
+    spells them today, with the layers an ``auto`` row ran."""
+    settings: dict[str, str] = {}
+    offload: list[str] = []
+    fused = all(row.get(key, False) for key in FUSED if key != "fused_rope")  # the row's kernels
+    for item in items:
+        key, value = item.split("=", 1)
+        name = key.rsplit(".", 1)[-1]
+        if name in FUSED:
+            fused = value == "true" if key == "model.fused_norms" else fused
+        elif name == "state_offload":
+            offload.append({"all": "state", "none": ""}.get(value, value))
+        elif key == "train.checkpointing" and value == "remat-offload":
+            settings[key], settings["layers"] = "remat", "layers"
+        elif name not in DROPPED:
+            settings[key] = value
+    if row.get("layer_policies"):  # the layers an auto row ran, as they were then written
+        settings["train.checkpointing"], layers = _runs(row["layer_policies"])
+        settings["layers"] = layers or ""
+    elif row.get("policy") == "auto" and row.get("checkpointing"):  # ... and as written today
+        settings["train.checkpointing"] = row["checkpointing"]
+        offload += [item for item in str(row.get("offload", "")).split(",") if item != "none"]
+    if "fused_kernels" in row:
+        fused = row["fused_kernels"]
+    offload = [item for item in (settings.pop("layers", ""), *offload) if item]
+    if "train.offload" in settings:
+        offload = [*offload, *settings.pop("train.offload").split(",")]
+    return [*(f"{k}={v}" for k, v in settings.items()),
+            f"train.offload={','.join(dict.fromkeys(offload)) or 'none'}",
+            f"model.fused_kernels={'true' if fused else 'false'}"]
 
 
 def _rows():
@@ -31,27 +90,30 @@ def _rows():
                 if word == "--set" and not command[i + 1].startswith("data.source=")]  # run's
         for row in result["rows"]:
             if row.get("status") == "ok":
-                # rows that do not say ran before norms, MLPs or the loss were fused, the
-                # projections grouped with the heads or the norms deferred: without them
-                eager = [f"model.{key}=false" for key in ("fused_norms", "fused_mlp", "fused_loss",
-                                                          "grouped_attention", "deferred_norms")
-                         if key not in row]
-                yield pytest.param(recipe, eager + base, row,
-                                   id=f"{path.stem}-{row['seq_len']}-{row['variant'] or 'recipe'}")
+                overrides = _current([*base, *shlex.split(row["variant"] or "")], row)
+                yield pytest.param(recipe, overrides, row, id=f"{path.parent.name}-{path.stem}-"
+                                   f"{row['seq_len']}-{row['variant'] or 'recipe'}")
 
 
-@pytest.mark.parametrize("recipe, base, row", list(_rows()))
-def test_model_within_ten_percent_of_measured_peaks(recipe, base, row):
-    placed = [f"train.layer_policies={row['layer_policies']}"] if row.get("layer_policies") else []
-    cfg = load_recipe(recipe, [*base, *shlex.split(row["variant"] or ""), *placed],
-                      seq_len=row["seq_len"])
-    assert cfg.train.checkpointing == row["policy"] and cfg.parallel.schedule == row["schedule"]
-    assert cfg.model.fused_norms == row.get("fused_norms", cfg.model.fused_norms)
-    assert cfg.model.fused_mlp == row.get("fused_mlp", cfg.model.fused_mlp)
-    assert cfg.model.fused_loss == row.get("fused_loss", cfg.model.fused_loss)
-    assert cfg.model.grouped_attention == row.get("grouped_attention",
-                                                  cfg.model.grouped_attention)
-    assert cfg.model.deferred_norms == row.get("deferred_norms", cfg.model.deferred_norms)
+def test_former_settings_are_spelled_as_today():
+    row = {"policy": "auto", "layer_policies": "full-offload=1,full=3", "fused_norms": True,
+           "fused_mlp": True, "fused_loss": True}
+    assert _current(["train.checkpointing=auto", "train.state_offload=optimizer",
+                     "train.offload_prefetch=false", "parallel.head_groups=8"], row) == [
+        "train.checkpointing=full", "parallel.head_groups=8",
+        "train.offload=layers=1,optimizer", "model.fused_kernels=true"]
+    assert _current(["model.fused_norms=false", "model.fused_rope=false"],
+                    {"policy": "remat", "fused_norms": False}) == [
+        "train.offload=none", "model.fused_kernels=false"]
+    assert _current(["train.state_offload=all"], {"policy": "auto",
+                                                  "layer_policies": "remat-offload=2"})[:2] == [
+        "train.checkpointing=remat", "train.offload=layers,state"]
+
+
+@pytest.mark.parametrize("recipe, overrides, row", list(_rows()))
+def test_model_within_ten_percent_of_measured_peaks(recipe, overrides, row):
+    cfg = load_recipe(recipe, overrides, seq_len=row["seq_len"])
+    assert cfg.parallel.schedule == row["schedule"]
     est = estimate_recipe(cfg, seq_len=row["seq_len"], gpus=row["gpus"], gpu_memory=139 * GIB)
     model = est.details["peak_allocated"] / GIB
     if cfg.data.document_mask and row["peak_gib"] < model:
