@@ -1,10 +1,5 @@
-"""Errors that speak to the user.
-
-Anything the user can fix (a bad recipe, an impossible size, a missing file, an offline hub)
-raises a subclass of :class:`UserError` whose message is one sentence naming the value, the limit
-and the fix. The CLI prints that sentence on stderr and exits non-zero, without a traceback; any
-other exception is a bug and keeps its traceback.
-"""
+"""Errors that speak to the user: a :class:`UserError` is one sentence naming the value, the
+limit and the fix, printed by the CLI without a traceback; any other exception is a bug."""
 from __future__ import annotations
 
 import errno
@@ -15,11 +10,8 @@ class UserError(Exception):
 
 
 class ConfigError(UserError, ValueError):
-    """A recipe, an override or a command-line value is invalid.
-
-    ``key`` is the dotted recipe key at fault (e.g. ``"train.lr"``) when there is one, so that the
-    loader can say where the value came from (the recipe file or a ``--set`` override).
-    """
+    """A recipe, an override or a command-line value is invalid; ``key`` is the dotted recipe
+    key at fault, if any."""
 
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)
@@ -33,13 +25,12 @@ class DataError(UserError):
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space on that disk",
                        errno.EACCES: "fix its permissions", errno.EPERM: "fix its permissions",
                        errno.EROFS: "choose a writable disk"}
-"""Operating-system errors that are the machine's state, not a bug -> the fix to suggest."""
+"""Operating-system errors that are the machine's state, not a bug → the fix to suggest."""
 
 
 def environment_error(error: BaseException) -> UserError | None:
-    """A full disk, a missing permission or a read-only file system met while reading or
-    writing a file, as one sentence naming the file ("No space left on device" included);
-    None for any other error."""
+    """A full disk, a missing permission or a read-only file system as one sentence naming the
+    file; None for any other error."""
     if not isinstance(error, OSError) or error.errno not in _ENVIRONMENT_ERRNOS:
         return None
     where = f" ({error.filename})" if error.filename else ""
@@ -48,16 +39,15 @@ def environment_error(error: BaseException) -> UserError | None:
 
 
 def as_user_error(error: BaseException) -> UserError | None:
-    """``error`` as the one-sentence mistake it is — a UserError, a full disk or missing
-    permission (`environment_error`), an attention backend this machine lacks (the kernels'
-    ``BackendUnavailable``: lctrain_kernels does not depend on lctrain) — or None for a bug."""
+    """``error`` as a UserError — itself, a machine state (`environment_error`) or a missing
+    attention backend — or None for a bug."""
     if isinstance(error, UserError):
         return error
     found = environment_error(error)
     if found is not None:
         return found
     try:
-        from lctrain_kernels.backends import BackendUnavailable
+        from lctrain_kernels.api import BackendUnavailable
     except ImportError:
         return None
     return UserError(str(error)) if isinstance(error, BackendUnavailable) else None

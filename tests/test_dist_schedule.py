@@ -199,7 +199,7 @@ def test_vocabulary_and_config_load_without_torch():
 
 
 def test_accumulators_copy_merge_and_fill_untouched_rows():
-    from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc
+    from lctrain_kernels.combine import GradAcc, OutAcc
 
     n, parts = 10, [(0, 4), (2, 7), (0, 4)]  # overlapping runs; rows 7..9 never reached
     outs = [torch.randn(2, b - a, 3, 5) for a, b in parts]
@@ -227,7 +227,7 @@ def test_accumulators_copy_merge_and_fill_untouched_rows():
 
 
 def test_accumulators_fold_into_float32_when_results_pile_up():
-    from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc
+    from lctrain_kernels.combine import GradAcc, OutAcc
 
     n, b, h, d = 8, 1, 2, 4
     parts = [(0, 8), (0, 8), (4, 8), (0, 8), (2, 6), (0, 8), (0, 4)]  # more than the budget holds

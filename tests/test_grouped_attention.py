@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from lctrain.config.layers import LayerPlan
 from lctrain.memory import from_config_dict
 from lctrain.memory.activations import layer_saved
 from lctrain.model import CPContext
@@ -37,11 +38,11 @@ def _model(model_type="llama", heads=8, kv_heads=4, dtype=torch.float64, layers=
 
 
 def _step(model, ids, policy="none", **call):
+    """One step with ``policy``: ``train.checkpointing``, then ``train.offload`` after a "/"."""
     model = copy.deepcopy(model)
-    kinds = None
-    if ":" in policy:  # auto with the layers' kinds
-        policy, kinds = policy.split(":")[0], policy.split(":")[1].split(",")
-    apply_checkpointing(model, policy, layer_policies=kinds, offload_min_bytes=0)
+    checkpointing, _, offload = policy.partition("/")
+    apply_checkpointing(model, LayerPlan.parse(checkpointing, offload or "none"),
+                        offload_min_bytes=0)
     with AttentionCounter() as counter:
         loss = model(input_ids=ids, labels=ids, **call).loss
         loss.backward()
@@ -59,7 +60,7 @@ def _assert_same(got, want):
 
 @pytest.mark.parametrize("groups", [2, 4])
 @pytest.mark.parametrize("policy, forwards", [("none", 2), ("remat", 2), ("full", 4),
-                                              ("auto:remat-offload,full-offload", 3)])
+                                              ("remat=1,full=1/layers", 3)])
 def test_grouped_layers_match_transformers_module_in_float64(groups, policy, forwards):
     model = _model()
     ids = torch.randint(0, VOCAB, (2, 37))
@@ -73,8 +74,8 @@ def test_grouped_layers_match_transformers_module_in_float64(groups, policy, for
 
 
 @pytest.mark.parametrize("policy, defer", [("none", True), ("remat", True), ("remat", False),
-                                           ("auto:full-offload,remat-offload", True),
-                                           ("auto:remat-offload,full", False)])
+                                           ("full=1,remat=1/layers", True),
+                                           ("remat=1,full=1/layers=1", False)])
 def test_grouped_and_tiled_layers_match_in_float64(policy, defer):
     """Both norms deferred (to the block and to the MLP's tiles) or not, tiles that leave a
     part."""
@@ -176,7 +177,7 @@ def test_bf16_on_a_gpu_with_the_fused_rope_matches_the_module():
     """cuDNN's attention and the RoPE kernel, bf16: the block against transformers' module
     with the same kernel, within bf16 rounding (the input's gradient is rounded once per
     group)."""
-    from lctrain.model.rope import fuse_rope
+    from lctrain.model.fused import fuse_rope
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")

@@ -7,7 +7,7 @@ the pieces' gradients add up. Queries split: the blocks' results concatenate.
 import pytest
 import torch
 
-from lctrain_kernels.blocks import block_backward, block_forward
+from lctrain_kernels.backends import block_backward, block_forward
 from lctrain_kernels.combine import merge, merge_many_into
 from lctrain_kernels.masks import MaskSpec
 from lctrain_kernels.reference import reference_backward, reference_forward

@@ -1,14 +1,16 @@
 """The flash_attn_cute backend on a CPU: a causal piece taller than wide runs as a right window,
-and a missing package is one sentence. FlashAttention 4's varlen kernels replaced by float64
+a missing package is one sentence, and the DSL's untraced-argument warnings are dropped. FlashAttention 4's varlen kernels replaced by float64
 math of their contract (``fa_contract``) run every mask shape, random blocks and dist_attention
 in tests/test_kernels_ragged.py; the real kernels are checked on a GPU there and in
 tests/test_bench_gpu.py."""
+import warnings
+
 import pytest
 
 from fa_contract import fa_backward, fa_forward
 from mask_cases import bounds_of
 from lctrain_kernels.backends import BackendUnavailable, get_backend
-from lctrain_kernels.backends.flash_attn_cute import CuteEngine, launches
+from lctrain_kernels.backends.flash_attn_cute import CuteEngine, launches, quiet_dsl
 from lctrain_kernels.masks import MaskSpec
 from lctrain_kernels.ragged import plan_ragged
 from test_kernels_ragged import check
@@ -39,3 +41,20 @@ def test_without_flash_attention_4_the_backend_says_how_to_install_it():
             get_backend("flash_attn_cute")
     else:
         pytest.skip("FlashAttention 4 is installed here")
+
+
+def test_the_dsl_untraced_argument_warning_is_dropped_and_others_pass():
+    """While FlashAttention 4 compiles, the CuTe DSL warns once per argument it cannot trace;
+    inside our calls exactly that warning goes, any other is shown, and afterwards it shows."""
+    untraced = ("Argument aux_data (position 17) cannot be converted to a JitArgument for "
+                "function 'kernel'. Its type `<class 'NoneType'>` is not supported.")
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with quiet_dsl():
+            warnings.warn(untraced, UserWarning)
+            warnings.warn("an unrelated warning", UserWarning)
+            warnings.warn(untraced, DeprecationWarning)  # another category: not ours to drop
+        warnings.warn(untraced, UserWarning)  # outside our calls: shown
+    assert [(str(w.message), w.category) for w in shown] == [
+        ("an unrelated warning", UserWarning), (untraced, DeprecationWarning),
+        (untraced, UserWarning)]

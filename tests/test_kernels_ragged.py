@@ -14,9 +14,41 @@ from lctrain_kernels.backends import auto_order
 from lctrain_kernels.distributed import make_schedule, shard
 from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.backends.flash_attn_cute import CuteEngine, launches
-from lctrain_kernels.ragged import RaggedBackend, ReferenceEngine, bucket, plan_ragged
+from lctrain_kernels.ragged import RaggedBackend, RaggedCall, bucket, plan_ragged
 from lctrain_kernels.reference import reference_backward, reference_forward
 from spawn import run_on_ranks
+
+
+class ReferenceEngine:
+    """The ragged engine contract on the reference kernels, one entry at a time, any device:
+    the block logic around a ragged kernel, checked on a CPU against the float64 oracle."""
+
+    @staticmethod
+    def _entries(call: RaggedCall):
+        yield from zip(call.q_rows, call.k_rows, call.q_lens, call.k_lens)
+
+    @staticmethod
+    def _rows(x: torch.Tensor, r: int, n: int) -> torch.Tensor:
+        return x.reshape(-1, *x.shape[2:])[r:r + n]  # (n, H, D) view of flattened rows
+
+    def forward(self, call, q, k, v, out, lse_t, scale):
+        spec = MaskSpec(call.causal)  # causal from the top-left corner
+        for rq, rk, nq, nk in self._entries(call):
+            o, lse = reference_forward(self._rows(q, rq, nq)[None], self._rows(k, rk, nk)[None],
+                                       self._rows(v, rk, nk)[None], spec, scale)
+            self._rows(out, rq, nq).copy_(o[0])
+            lse_t[rq:rq + nq] = lse[0].transpose(0, 1)
+
+    def backward(self, call, do, q, k, v, out, lse_t, dq, dk, dv, scale):
+        spec = MaskSpec(call.causal)
+        for rq, rk, nq, nk in self._entries(call):
+            rows = [self._rows(x, rq, nq)[None] for x in (do, q)]
+            keys = [self._rows(x, rk, nk)[None] for x in (k, v)]
+            grads = reference_backward(*rows, *keys, self._rows(out, rq, nq)[None],
+                                       lse_t[rq:rq + nq].transpose(0, 1)[None], spec, scale)
+            for dst, r, n, grad in ((dq, rq, nq, grads[0]), (dk, rk, nk, grads[1]),
+                                    (dv, rk, nk, grads[2])):
+                self._rows(dst, r, n).copy_(grad[0])
 
 
 def painted(plan, sq, sk, batch):

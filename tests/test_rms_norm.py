@@ -1,4 +1,4 @@
-"""The fused RMSNorm (`lctrain.model.rms_norm`, Triton; on the CPU in Triton's interpreter)
+"""The fused RMSNorm (`lctrain_kernels.fused.rms_norm`, Triton; on the CPU in Triton's interpreter)
 against float64 math and against transformers' own LlamaRMSNorm, forward and backward, and the
 class switch on a real model: same parameters and names, same loss and gradients."""
 import pytest
@@ -7,7 +7,8 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from fused_model import check_fused_model_trains_alike
-from lctrain.model.rms_norm import FUSED_CLASSES, fuse_rms_norms, rms_norm
+from lctrain.model.fused import NORM_CLASSES, fuse_rms_norms
+from lctrain_kernels.api import rms_norm
 
 
 def _reference(x, w, eps, dtype):
@@ -83,7 +84,7 @@ def test_fused_norms_keep_the_model_and_its_loss_and_gradients():
 def test_only_norms_with_llamas_arithmetic_are_switched():
     gemma = torch.nn.Sequential(GemmaRMSNorm(16))  # scales by 1 + weight: not fused
     assert fuse_rms_norms(gemma) == 0 and type(gemma[0]) is GemmaRMSNorm
-    assert "GemmaRMSNorm" not in FUSED_CLASSES
+    assert "GemmaRMSNorm" not in NORM_CLASSES
     llama = torch.nn.Sequential(LlamaRMSNorm(16), LlamaRMSNorm(16))
     assert fuse_rms_norms(llama) == 2 and type(llama[0]) is type(llama[1])
     assert fuse_rms_norms(llama) == 2 and isinstance(llama[0], LlamaRMSNorm)  # idempotent

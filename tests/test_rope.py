@@ -1,4 +1,4 @@
-"""The fused RoPE (`lctrain.model.rope`, Triton; on the CPU in Triton's interpreter) against
+"""The fused RoPE (`lctrain_kernels.fused.rope`, Triton; on the CPU in Triton's interpreter) against
 float64 math and transformers' own apply_rotary_pos_emb, forward and backward, and a model
 whose modeling module applies it: same loss and gradients."""
 import importlib
@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from lctrain.model.rope import fuse_rope, rope, supports
+from lctrain.model.fused import fuse_rope
+from lctrain_kernels.api import rope, rope_supports as supports
 
 
 def _inputs(dtype, device, b=2, hq=4, hk=2, s=9, d=16, real=True):

@@ -1,4 +1,4 @@
-"""The fused SiLU product of the gated MLP (`lctrain.model.swiglu`, Triton; on the CPU in
+"""The fused SiLU product of the gated MLP (`lctrain_kernels.fused.swiglu`, Triton; on the CPU in
 Triton's interpreter) against float64 math and against transformers' eager arithmetic, forward
 and backward, and the class switch on a real model: same parameters and names, same loss and
 gradients."""
@@ -7,7 +7,8 @@ import torch
 from transformers.activations import ACT2FN
 
 from fused_model import check_fused_model_trains_alike, tiny_llama
-from lctrain.model.swiglu import FUSED_CLASSES, fuse_mlps, swiglu
+from lctrain.model.fused import MLP_CLASSES, fuse_mlps
+from lctrain_kernels.api import swiglu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -66,6 +67,6 @@ def test_fused_mlps_keep_the_model_and_its_loss_and_gradients():
 def test_only_silu_mlps_are_switched():
     gelu = tiny_llama(hidden_act="gelu")
     assert fuse_mlps(gelu) == 0 and type(gelu.model.layers[0].mlp).__name__ == "LlamaMLP"
-    assert "LlamaMLP" in FUSED_CLASSES
+    assert "LlamaMLP" in MLP_CLASSES
     swish = tiny_llama(hidden_act="swish")  # torch's nn.SiLU
     assert fuse_mlps(swish) == 2

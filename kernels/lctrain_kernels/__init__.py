@@ -1,19 +1,16 @@
-"""lctrain_kernels: memory-efficient attention with log-sum-exp, and DistFlashAttn.
+"""lctrain_kernels: memory-efficient attention with log-sum-exp, DistFlashAttn, fused layer kernels.
 
-Layout everywhere is (batch, seq, heads, head_dim) — "BSHD", as flash-attn. Keys/values may have
-fewer heads than queries (GQA/MQA). ``cu_seqlens`` (int32, [n_docs + 1], global positions) marks
-packed documents; attention never crosses a document boundary when it is given.
+Layout everywhere is (batch, seq, heads, head_dim), "BSHD", as flash-attn; keys/values may have
+fewer heads than queries. ``cu_seqlens`` (int32, [n_docs + 1], global positions) marks packed
+documents; attention never crosses a document boundary when it is given.
 
     out = attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None, backend="auto")
     out, lse = attention_with_lse(...)     # lse: (B, Hq, S) float32, natural log
     out_loc = dist_attention(q_loc, k_loc, v_loc, group=pg, schedule="distflash")
 
-All four are one operator (``torch.ops.lctrain.dist_attention``): local attention is the
-distributed attention on a group of one (:mod:`lctrain_kernels.api`). The names of schedules,
-layouts and backends live in the torch-free :mod:`lctrain_kernels.vocabulary`; this package
-loads torch only when one of the functions above is first used.
-
-This package depends on torch and triton only.
+All four are one operator (:mod:`lctrain_kernels.api`, loaded with torch on first use);
+:mod:`lctrain_kernels.vocabulary` holds the names, :mod:`lctrain_kernels.distributed` the
+sharding and schedules. Depends on torch and triton only.
 """
 import importlib
 

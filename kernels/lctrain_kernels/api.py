@@ -1,29 +1,52 @@
-"""The attention API, one door: ``dist_attention`` over a process group, ``attention`` on one.
+"""The one door into the kernels: attention, the fused layer kernels, and what the benches use.
 
-Local attention IS distributed attention on a group of one: all four functions check their
-arguments here, once, on the host, and call the one operator ``torch.ops.lctrain.dist_attention``
-(:mod:`lctrain_kernels.distributed.op`), which runs a schedule's plan with any local backend —
-for one rank a plan of one block covering the whole sequence, with no communication.
+Local attention IS distributed attention on a group of one: the four attention functions check
+their arguments here, once, on the host, and call the one operator
+``torch.ops.lctrain.dist_attention`` (:mod:`lctrain_kernels.distributed.op`), which runs a
+schedule's plan with any local backend (for one rank a single block and no communication).
+Layout is BSHD: q ``(B, S, Hq, D)``, k and v ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0``; the lse is
+``(B, Hq, S)`` float32 (float64 for float64 inputs), natural log. Both outputs are
+differentiable: the backward recomputes the probabilities from q, k, v, out and lse, as
+FlashAttention does, and takes the lse's gradient in the same pass.
 
-Layout is BSHD — q ``(B, S, Hq, D)``, k and v ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0`` — and
-the log-sum-exp is ``(B, Hq, S)`` float32 (float64 for float64 inputs), natural log. Both
-outputs are differentiable: the backward recomputes the probabilities from the saved q, k, v,
-out and lse (no score matrix is kept), as FlashAttention does, and takes the lse's gradient in
-the same pass.
+The fused kernels of a decoder layer (``rms_norm``, ``swiglu``, ``rope``, ``rope_supports``,
+``rotate_tokens``, ``chunked_cross_entropy``, ``attention_block``; :mod:`lctrain_kernels.fused`)
+load Triton on first use. Backends, masks, blocks, the merge and the reference are exported for
+the benches and decoding.
 """
 from __future__ import annotations
 
-import math
+import importlib
 
 import torch
-import torch.distributed as dist
 
-import lctrain_kernels.distributed.op  # noqa: F401 - registers torch.ops.lctrain.dist_attention*
-from lctrain_kernels.backends import check_backend_name
-from lctrain_kernels.masks import doc_bounds_from
-from lctrain_kernels.vocabulary import check_schedule, check_seq_len, schedule_layout
+from lctrain_kernels.backends import (BackendUnavailable, auto_order, available_backends,
+                                      backend_names, block_forward, get_backend)
+from lctrain_kernels.combine import merge
+from lctrain_kernels.distributed.op import op_options
+from lctrain_kernels.masks import MaskSpec, Relation, classify
+from lctrain_kernels.reference import reference_backward, reference_forward
 
+__all__ = [
+    "BackendUnavailable", "MaskSpec", "Relation", "attention", "attention_block",
+    "attention_with_lse", "auto_order", "available_backends", "backend_names", "block_forward",
+    "chunked_cross_entropy", "classify", "dist_attention", "dist_attention_with_lse",
+    "dotted_version", "get_backend", "interpreting", "merge", "reference_backward",
+    "reference_forward", "rms_norm", "rope", "rope_supports", "rotate_tokens", "swiglu",
+]
+
+_LAZY = {"rms_norm": "fused.rms_norm", "swiglu": "fused.swiglu", "rope": "fused.rope",
+         "rope_supports": "fused.rope", "rotate_tokens": "fused.rope",
+         "chunked_cross_entropy": "fused.loss", "attention_block": "fused.block",
+         "interpreting": "triton.common", "dotted_version": "backends.cudnn_ragged"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def __getattr__(name: str):
+    """The fused kernels and what loads Triton, imported on first use (PEP 562)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"lctrain_kernels.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'lctrain_kernels.api' has no attribute {name!r}")
 
 
 def _check_tensors(q, k, v) -> None:
@@ -51,43 +74,6 @@ def _check_tensors(q, k, v) -> None:
                          f"{v.device}.")
 
 
-def _backend_name(backend) -> str:
-    """The name of ``backend`` (a name, or a Backend standing for its registered name)."""
-    name = backend if isinstance(backend, str) else getattr(backend, "name", None)
-    if not isinstance(name, str):
-        raise ValueError(f"backend must be a backend name or a Backend object, got {backend!r}.")
-    return check_backend_name(name)
-
-
-def op_options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap,
-               head_groups) -> tuple:
-    """Validate everything once, on the host, and turn it into the op's plain arguments:
-    (group name, causal, document bounds, scale, schedule, backend, overlap, head groups).
-    Only the shapes of ``q`` (B, S, Hq, D) and ``k`` (B, S, Hkv, D) are read."""
-    check_schedule(schedule)
-    world = 1 if group is None else dist.get_world_size(group)
-    seq_len = q.shape[1] * world
-    check_seq_len(seq_len, world, schedule_layout(schedule))
-    bounds = doc_bounds_from(cu_seqlens)
-    if bounds is not None and bounds[-1] != seq_len:
-        held, fix = "", ""
-        if world > 1:
-            held = f" ({world} ranks × {q.shape[1]} rows)"
-            fix = "; pass the GLOBAL cu_seqlens, the same on every rank"
-        raise ValueError(f"cu_seqlens must end at the sequence length {seq_len}{held}, got "
-                         f"{bounds[-1]}{fix}.")
-    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}.")
-    if (isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1
-            or k.shape[2] % head_groups):
-        raise ValueError(f"head_groups must be a positive divisor of the {k.shape[2]} key/value "
-                         f"heads, got {head_groups!r}.")
-    group_name = group.group_name if world > 1 else ""
-    return (group_name, bool(causal), list(bounds or ()), scale, schedule,
-            _backend_name(backend), bool(overlap), int(head_groups))
-
-
 def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
                             causal: bool = True, cu_seqlens=None, softmax_scale: float | None = None,
                             schedule: str = "distflash", backend="auto", overlap: bool = True,
@@ -104,23 +90,20 @@ def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             rank); attention never crosses a document. None: one document.
         softmax_scale: scale of ``q k^T``; default ``1 / sqrt(D)``.
         schedule: "distflash" (balanced, default), "ring" or "zigzag".
-        backend: local attention backend name ("auto", "reference", "cudnn", ...; see
-            :mod:`lctrain_kernels.backends`), or a Backend object standing for its name.
+        backend: "auto" or a backend name (:mod:`lctrain_kernels.backends`), or a Backend.
         overlap: post the next step's transfers before computing the current block (False is
             the ablation that waits right after posting).
-        head_groups: run the heads in this many groups, one after the other (it must divide
-            Hkv): the attention's buffers (received k/v, float32 accumulators, gradients) are
-            those of Hq / head_groups heads; same results.
+        head_groups: run the heads in this many groups one after the other (a divisor of Hkv):
+            the attention's buffers are those of Hq / head_groups heads; same results.
 
     Returns:
         ``(out, lse)``: (B, N/P, Hq, D) in q's dtype and (B, Hq, N/P) float32 (float64 for
-        float64 inputs), natural log; both differentiable with respect to q, k and v. When a
-        loss uses the lse on one rank of a group, it must use it on every rank (its gradient
-        travels with the query rows).
+        float64 inputs); both differentiable. A loss that uses the lse on one rank of a group
+        must use it on every rank (its gradient travels with the query rows).
 
     Raises:
-        ValueError: bad shapes, dtypes, schedule name, cu_seqlens, scale, head_groups, or a
-            global length (P × local length) not divisible by the schedule's layout chunking.
+        ValueError: bad shapes, dtypes, schedule, cu_seqlens, scale, head_groups, or a global
+            length (P × local length) not divisible by the schedule's layout chunking.
         BackendUnavailable: the backend is unknown, not installed, or cannot run a block.
     """
     _check_tensors(q, k, v)
@@ -132,14 +115,8 @@ def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
                    cu_seqlens=None, softmax_scale: float | None = None, schedule: str = "distflash",
                    backend="auto", overlap: bool = True, head_groups: int = 1) -> torch.Tensor:
-    """Sequence-parallel attention of this rank's rows; see :func:`dist_attention_with_lse`.
-
-    Returns:
-        (B, N/P, Hq, D) output rows of this rank, in q's dtype, differentiable.
-
-    Raises:
-        ValueError, BackendUnavailable: as :func:`dist_attention_with_lse`.
-    """
+    """Sequence-parallel attention of this rank's rows: the output of
+    :func:`dist_attention_with_lse` (same arguments and errors), (B, N/P, Hq, D)."""
     return dist_attention_with_lse(q, k, v, group, causal, cu_seqlens, softmax_scale, schedule,
                                    backend, overlap, head_groups)[0]
 
@@ -150,24 +127,22 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     """Attention of a whole sequence on one device, with its log-sum-exp.
 
     Args:
-        q: (B, S, Hq, D) queries.
-        k: (B, S, Hkv, D) keys; ``Hq % Hkv == 0`` (GQA/MQA without repeating K/V).
-        v: (B, S, Hkv, D) values.
+        q: (B, S, Hq, D) queries; k, v: (B, S, Hkv, D), ``Hq % Hkv == 0`` (GQA/MQA, K/V never
+            repeated).
         causal: key ``j`` is visible to query ``i`` only if ``j <= i``.
-        cu_seqlens: packed documents as int boundaries ``[0, ..., S]`` (tensor or list), the
-            same for every batch row; attention never crosses a document. None: one document.
+        cu_seqlens: packed documents ``[0, ..., S]`` (tensor or list), the same for every batch
+            row; attention never crosses a document. None: one document.
         softmax_scale: scale of ``q k^T``; default ``1 / sqrt(D)``.
-        backend: "auto" (see :mod:`lctrain_kernels.backends`), a backend name, or a Backend.
-        head_groups: run the heads in this many groups one after the other (a divisor of Hkv),
-            bounding the kernels' transient buffers; same results.
+        backend: "auto", a backend name, or a Backend.
+        head_groups: run the heads in this many groups (a divisor of Hkv); same results.
 
     Returns:
-        ``(out, lse)``: (B, S, Hq, D) in q's dtype and (B, Hq, S) float32 (float64 for
-        float64 inputs), natural log. Both are differentiable with respect to q, k and v.
+        ``(out, lse)``: (B, S, Hq, D) in q's dtype and (B, Hq, S) float32 (float64 for float64
+        inputs); both differentiable.
 
     Raises:
-        ValueError: on inconsistent shapes, dtypes, devices, ``cu_seqlens`` or scale.
-        BackendUnavailable: if the requested backend cannot run this attention.
+        ValueError: inconsistent shapes, dtypes, devices, ``cu_seqlens`` or scale.
+        BackendUnavailable: the backend cannot run this attention.
     """
     return dist_attention_with_lse(q, k, v, None, causal, cu_seqlens, softmax_scale,
                                    backend=backend, head_groups=head_groups)
@@ -176,14 +151,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               cu_seqlens=None, softmax_scale: float | None = None, backend="auto",
               head_groups: int = 1) -> torch.Tensor:
-    """Attention of a whole sequence on one device; see :func:`attention_with_lse`.
-
-    Returns:
-        (B, S, Hq, D) output in q's dtype, differentiable with respect to q, k and v.
-
-    Raises:
-        ValueError: on inconsistent shapes, dtypes, devices, ``cu_seqlens`` or scale.
-        BackendUnavailable: if the requested backend cannot run this attention.
-    """
+    """Attention of a whole sequence on one device: the output of :func:`attention_with_lse`
+    (same arguments and errors), (B, S, Hq, D)."""
     return attention_with_lse(q, k, v, causal, cu_seqlens, softmax_scale, backend,
                               head_groups)[0]

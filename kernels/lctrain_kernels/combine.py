@@ -1,27 +1,21 @@
-"""Combine partial results of the same rows: attention outputs merged through their lse, and
-gradient sums.
+"""Combining partial attention results of the same rows, and the accumulators of one rank.
 
-Attention over a set of keys splits into attention over disjoint pieces of it. For one query
-row, a piece ``a`` gives its normalised output ``out_a`` and ``lse_a = log sum_j exp(s_j)``
-over its keys. Two pieces combine exactly into the attention over their union:
+Attention over a set of keys splits exactly into attention over disjoint pieces of it. Per query
+row, piece ``a`` gives its normalised ``out_a`` and ``lse_a = log sum_j exp(s_j)``; two pieces
+combine into the attention over their union::
 
-    lse = log(exp(lse_a) + exp(lse_b)) = max(lse_a, lse_b) + log1p(exp(-|lse_a - lse_b|))
+    lse = max(lse_a, lse_b) + log1p(exp(-|lse_a - lse_b|))
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-Both weights are at most 1, so nothing overflows. A row that sees no key in a piece carries
-``lse = -inf`` and ``out = 0``: its weight is exactly 0; a row that sees no key in any piece
-stays ``lse = -inf``, ``out = 0`` (never NaN). This is how DistFlashAttn folds the blocks
-computed on other workers into the owner's result.
+Both weights are at most 1; a piece in which a row sees nothing has ``lse = -inf``, ``out = 0``
+and weight exactly 0 (never NaN). This is how DistFlashAttn folds blocks computed elsewhere
+into the owner's result. Everything is computed in float32 (float64 when an input is) and
+rounded ONCE into the destination, however many parts there are; on CUDA one Triton kernel
+(:mod:`lctrain_kernels.triton.combine`) reads each part once per group of four.
 
-``merge(out_a, lse_a, out_b, lse_b)`` combines two pieces into new tensors;
-``merge_many_into(dst, dst_lse, parts)`` writes the merge of any number of them, and
-``sum_into(dst, parts)`` the sum of gradients. All compute in float32 (float64 when an input is
-float64, so the float64 oracle tests keep their precision) and round ONCE into ``dst``, however
-many parts there are — a bf16 gradient summed from three blocks is as exact as the blocks
-themselves allow. On CUDA with contiguous head dims one Triton kernel
-(:mod:`lctrain_kernels.triton.combine`) reads each part once per group of four; elsewhere
-(CPU, float64, odd strides) the same arithmetic runs as torch ops. ``dst`` may be one of the
-parts (an in-place fold).
+:class:`OutAcc` and :class:`GradAcc` keep the results of runs of a rank's rows as they come (no
+copy) and combine them once, when read out; while the results held exceed a float32 copy of
+the rows plus one result, they are folded into a float32 base.
 """
 from __future__ import annotations
 
@@ -51,21 +45,8 @@ def _as_bshd_weight(w: torch.Tensor) -> torch.Tensor:
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial results of the same query rows into new tensors.
-
-    Args:
-        out_a: (B, S, H, D) output over the first set of keys.
-        lse_a: (B, H, S) its log-sum-exp.
-        out_b: (B, S, H, D) output over a disjoint second set of keys.
-        lse_b: (B, H, S) its log-sum-exp.
-
-    Returns:
-        ``(out, lse)``: (B, S, H, D) and (B, H, S), float32 (float64 if any input is), the
-        attention over the union of both key sets.
-
-    Raises:
-        ValueError: if the shapes disagree.
-    """
+    """Two partial results (out (B, S, H, D), lse (B, H, S)) of the same rows over disjoint
+    keys, merged into new float32 (float64) tensors; ValueError for shapes that disagree."""
     if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
         raise ValueError(f"cannot merge partial results of different shapes: out "
                          f"{tuple(out_a.shape)} vs {tuple(out_b.shape)}, lse "
@@ -101,11 +82,7 @@ def _check(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 
 def sum_into(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """``dst[...] = sum(parts)``, accumulated in float32 (float64) and rounded once.
-
-    Args:
-        dst: (B, S, H, D) destination, any float dtype.
-        parts: tensors of dst's shape.
+    """``dst[...] = sum(parts)`` for (B, S, H, D) tensors, in float32 (float64), rounded once.
 
     Raises:
         ValueError: no parts, or a part of another shape.
@@ -129,12 +106,8 @@ def sum_into(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 def merge_many_into(dst: torch.Tensor, dst_lse: torch.Tensor,
                     parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Merge partial ``(out, lse)`` results of the same query rows into ``dst``, ``dst_lse``.
-
-    Args:
-        dst: (B, S, H, D) merged output, any float dtype.
-        dst_lse: (B, H, S) merged natural-log lse, float32 (or float64).
-        parts: pairs (out (B, S, H, D), lse (B, H, S)) over disjoint key sets.
+    """Merge partial ``(out (B, S, H, D), lse (B, H, S))`` pairs over disjoint keys into
+    ``dst`` and ``dst_lse`` (float32 or float64).
 
     Raises:
         ValueError: no parts, or a part of another shape.
@@ -161,3 +134,131 @@ def merge_many_into(dst: torch.Tensor, dst_lse: torch.Tensor,
         out, lse = merge(out, lse, o, l)
     dst.copy_(out)
     dst_lse.copy_(lse)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The lse dtype of inputs of ``dtype``: float32, or float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Rows:
+    """Results for runs of ``[0, n)``: tuples of tensors with rows along ``row_dims``."""
+
+    row_dims: tuple[int, ...]  # per tensor of a result, the dimension that holds the rows
+
+    def __init__(self, n: int):
+        self.n = n
+        self.parts: list[tuple[int, int, tuple[torch.Tensor, ...]]] = []
+        self.base: tuple[torch.Tensor, ...] | None = None  # float32, all n rows (0 / -inf if none)
+
+    def _add(self, a: int, b: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.parts.append((a, b, tensors))
+        one = _nbytes(tensors) * self.n // max(b - a, 1)  # one result of n rows
+        wide = sum(t.numel() * self.n // max(b - a, 1) * 4 for t in tensors)  # float32, n rows
+        held = _nbytes(t for _, _, ts in self.parts for t in ts) + _nbytes(self.base or ())
+        if held > wide + one:
+            self._fold()
+
+    def _slice(self, tensors, lo: int, hi: int) -> list[torch.Tensor]:
+        return [t.narrow(dim, lo, hi - lo) for t, dim in zip(tensors, self.row_dims)]
+
+    def _segments(self):
+        """(lo, hi, [tensors of each result covering [lo, hi)]) for consecutive runs of rows."""
+        cuts = sorted({0, self.n} | {x for a, b, _ in self.parts for x in (a, b)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            covering = [self._slice(self.base, lo, hi)] if self.base is not None else []
+            covering += [self._slice(ts, lo - a, hi - a) for a, b, ts in self.parts if a <= lo and hi <= b]
+            yield lo, hi, covering
+
+    def _write(self, dst: tuple[torch.Tensor, ...]) -> None:
+        """Combine everything held into ``dst`` (n rows); empty runs get the identity."""
+        for lo, hi, covering in self._segments():
+            target = self._slice(dst, lo, hi)
+            if not covering:
+                self.identity(target)
+            elif len(covering) == 1:
+                for d, s in zip(target, covering[0]):
+                    if d.data_ptr() != s.data_ptr():
+                        d.copy_(s)
+            else:
+                self.combine(target, covering)
+
+    def _fold(self) -> None:
+        """Combine every result held into the float32 base (allocated on first use)."""
+        if self.base is None:  # the first fold: a fresh buffer, every row written below
+            base = tuple(self._alloc(t, dim, torch.promote_types(t.dtype, torch.float32))
+                         for t, dim in zip(self.parts[0][2], self.row_dims))
+            self._write(base)
+            self.base = base
+        else:  # later folds add into the base in place (it covers every row)
+            self._write(self.base)
+        self.parts = []
+
+    def _alloc(self, like: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        shape = list(like.shape)
+        shape[dim] = self.n
+        return like.new_empty(shape, dtype=dtype)
+
+    def _read(self, dtypes: tuple[torch.dtype, ...]) -> tuple[torch.Tensor, ...] | None:
+        """Everything combined into fresh tensors of ``dtypes``; None if nothing was added."""
+        if self.base is None and not self.parts:
+            return None
+        if self.base is None and len(self.parts) == 1 and self.parts[0][:2] == (0, self.n):
+            return tuple(t.to(dt) for t, dt in zip(self.parts[0][2], dtypes))  # kept as it is
+        like = self.base if self.base is not None else self.parts[0][2]
+        dst = tuple(self._alloc(t, dim, dt) for t, dim, dt in zip(like, self.row_dims, dtypes))
+        self._write(dst)
+        return dst
+
+    # Hooks: identity(tensors) fills empty rows, combine(dst_tensors, [result tensors, ...]).
+
+
+class OutAcc(_Rows):
+    """Output rows (B, n, H, D) and their lse (B, H, n) of one rank or one helped block."""
+
+    row_dims = (1, 2)
+
+    def add(self, a: int, b: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Keep a partial result of rows ``[a, b)``: out (B, b−a, H, D), lse (B, H, b−a)."""
+        self._add(a, b, (out, lse))
+
+    def identity(self, tensors) -> None:
+        tensors[0].zero_()
+        tensors[1].fill_(float("-inf"))
+
+    def combine(self, dst, covering) -> None:
+        merge_many_into(dst[0], dst[1], [tuple(c) for c in covering])
+
+    def result(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in like.dtype (B, n, H, D), lse (B, H, n) in ``lse_dtype(like.dtype)``)."""
+        got = self._read((like.dtype, lse_dtype(like.dtype)))
+        if got is None:
+            bsz, _, h, _ = like.shape
+            lse = like.new_full((bsz, h, self.n), float("-inf"), dtype=lse_dtype(like.dtype))
+            return torch.zeros_like(like), lse
+        return got
+
+
+class GradAcc(_Rows):
+    """Gradient rows (B, n, H, D), summed once in float32 when everything has arrived."""
+
+    row_dims = (1,)
+
+    def add(self, a: int, b: int, grad: torch.Tensor) -> None:
+        """Keep the gradient (B, b−a, H, D) of rows ``[a, b)``."""
+        self._add(a, b, (grad,))
+
+    def identity(self, tensors) -> None:
+        tensors[0].zero_()
+
+    def combine(self, dst, covering) -> None:
+        sum_into(dst[0], [c[0] for c in covering])
+
+    def result(self, like: torch.Tensor) -> torch.Tensor:
+        """The summed gradient in like.dtype, (B, n, H, D)."""
+        got = self._read((like.dtype,))
+        return torch.zeros_like(like) if got is None else got[0]

@@ -1,30 +1,18 @@
-"""Which (query, key) pairs of an attention block are visible — decided on the host, up front.
+"""Which (query, key) pairs of an attention block are visible, decided on the host up front.
 
-Every local attention call in lctrain computes one *block*: the queries at global positions
-``q_start .. q_start + sq - 1`` against the keys at ``k_start .. k_start + sk - 1``. Two rules
-decide whether query ``i`` may look at key ``j`` (both global positions):
+A block is the queries at global positions ``q_start .. q_start + sq - 1`` against the keys at
+``k_start .. k_start + sk - 1``. Query ``i`` sees key ``j`` if ``j <= i`` (causal) and both lie
+in the same document of ``doc_bounds`` (the global ``cu_seqlens`` as host ints). Before any
+launch or send, :func:`classify` sorts a block into::
 
-* causal:    ``j <= i``;
-* documents: ``i`` and ``j`` lie in the same packed document, where ``doc_bounds`` is the
-  global ``cu_seqlens`` as host ints ``(0, b1, ..., N)``; document ``d`` is ``[b_d, b_{d+1})``.
+    EMPTY    nothing visible           -> skipped (no launch, no communication)
+    FULL     everything visible        -> plain non-causal attention
+    CAUSAL   the lower triangle from the top-left corner (q_start == k_start, one document)
+    PARTIAL  anything else             -> an elementwise mask
 
-Before any kernel launch or send, :func:`classify` sorts a block into one of four relations::
-
-    EMPTY    nothing visible           -> skip the block entirely (no launch, no communication)
-    FULL     everything visible        -> plain non-causal attention (fast dense kernels)
-    CAUSAL   the lower triangle from the top-left corner: q_start == k_start, one document
-             (query row i sees key rows 0..i; sq and sk may differ)
-    PARTIAL  anything else             -> an explicit (elementwise) mask is needed
-
-In DistFlashAttn (causal, P chunks), block (q_r, kv_c) is CAUSAL for c == r, FULL for c < r and
-EMPTY for c > r (and a diagonal block's rows against the first half of its keys are CAUSAL too:
-torch's SDPA kernels align a non-square causal mask top-left, which is exactly this); with
-documents most off-diagonal blocks become EMPTY, which is where packing saves work.
-Classification is pure Python arithmetic on global positions (a bisection into the document
-bounds), so it never touches the device and never synchronises.
-
-:func:`dense_mask` materialises the same rule as a boolean ``(sq, sk)`` tensor for kernels
-that take an explicit mask (the reference backend, or a masked SDPA call).
+In DistFlashAttn block (q_r, kv_c) is CAUSAL for c == r, FULL for c < r, EMPTY for c > r; with
+documents most off-diagonal blocks become EMPTY, which is where packing saves work. All of it
+is host arithmetic (a bisection into the bounds): it never touches the device.
 """
 from __future__ import annotations
 
@@ -37,15 +25,8 @@ import torch
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """The visibility rule of one attention block, in global positions.
-
-    Attributes:
-        causal: key at global position ``kj`` is visible to query ``qi`` only if ``kj <= qi``.
-        q_start: global position of the block's first query row.
-        k_start: global position of the block's first key row.
-        doc_bounds: global ``cu_seqlens`` as host ints ``(0, ..., N)``, or None for one
-            unbounded document; a key is visible only inside the query's document.
-    """
+    """The visibility rule of one block in global positions: ``causal``, the first query and
+    key positions, and the document bounds ``(0, ..., N)`` (None: one document)."""
 
     causal: bool
     q_start: int = 0
@@ -64,7 +45,7 @@ class MaskSpec:
 
 
 class Relation(enum.Enum):
-    """How much of a block is visible (see the module docstring)."""
+    """How much of a block is visible (module docstring)."""
 
     EMPTY = "empty"
     FULL = "full"
@@ -83,17 +64,11 @@ def _check_bounds(bounds: tuple[int, ...]) -> None:
 
 
 def doc_bounds_from(cu_seqlens) -> tuple[int, ...] | None:
-    """Turn ``cu_seqlens`` (tensor, list, tuple or None) into host ints, with ONE host read.
-
-    Args:
-        cu_seqlens: global document boundaries ``[0, b1, ..., N]`` (int tensor on any device,
-            or a sequence of ints), or None.
-
-    Returns:
-        A tuple of Python ints, or None when ``cu_seqlens`` is None.
+    """``cu_seqlens`` (int tensor on any device, a sequence of ints, or None) as host ints,
+    with one host read.
 
     Raises:
-        ValueError: if the bounds are not 1-D, do not start at 0, or do not strictly increase.
+        ValueError: bounds that are not 1-D, do not start at 0 or do not strictly increase.
     """
     if cu_seqlens is None:
         return None
@@ -109,7 +84,6 @@ def doc_bounds_from(cu_seqlens) -> tuple[int, ...] | None:
 
 
 def _doc_of(bounds: tuple[int, ...], pos: int) -> int:
-    """Index of the document holding global position ``pos``."""
     return bisect.bisect_right(bounds, pos) - 1
 
 
@@ -124,9 +98,8 @@ def _classify_documents(spec: MaskSpec, sq: int, sk: int) -> Relation:
     if lo > hi:
         return Relation.EMPTY
     if spec.causal and hi - lo < 2:
-        # Documents strictly between lo and hi lie whole on both sides, so they always see
-        # their own diagonal. Otherwise check the end documents: the earliest key of a
-        # document must not come after its latest query.
+        # documents strictly between lo and hi see their own diagonal; the end ones must have
+        # a key no later than their last query
         if not any(max(k0, bounds[d]) <= min(q1, bounds[d + 1] - 1) for d in {lo, hi}):
             return Relation.EMPTY
     one_doc = dq0 == dq1 == dk0 == dk1
@@ -138,21 +111,11 @@ def _classify_documents(spec: MaskSpec, sq: int, sk: int) -> Relation:
 
 
 def classify(spec: MaskSpec, sq: int, sk: int) -> Relation:
-    """Sort a block of ``sq`` queries by ``sk`` keys into EMPTY / FULL / CAUSAL / PARTIAL.
-
-    Pure host arithmetic (no device access). FULL wins over CAUSAL where both hold (a
-    single query and key at the same position).
-
-    Args:
-        spec: the block's visibility rule in global positions.
-        sq: number of query rows of the block.
-        sk: number of key rows of the block.
-
-    Returns:
-        The block's :class:`Relation`.
+    """The :class:`Relation` of a block of ``sq`` queries by ``sk`` keys (FULL wins over CAUSAL
+    where both hold).
 
     Raises:
-        ValueError: if the block reaches beyond the end of ``spec.doc_bounds``.
+        ValueError: the block reaches beyond the end of ``spec.doc_bounds``.
     """
     if sq <= 0 or sk <= 0:
         return Relation.EMPTY
@@ -171,17 +134,8 @@ def classify(spec: MaskSpec, sq: int, sk: int) -> Relation:
 
 
 def dense_mask(spec: MaskSpec, sq: int, sk: int, device=None) -> torch.Tensor | None:
-    """The block's visibility as a boolean ``(sq, sk)`` tensor (True = visible).
-
-    Args:
-        spec: the block's visibility rule in global positions.
-        sq: number of query rows.
-        sk: number of key rows.
-        device: where to build the mask.
-
-    Returns:
-        A bool tensor ``(sq, sk)``, or None when the block is FULL (no mask needed).
-    """
+    """The block's visibility as a boolean ``(sq, sk)`` tensor (True = visible), or None for a
+    FULL block."""
     if classify(spec, sq, sk) is Relation.FULL:
         return None
     qpos = torch.arange(spec.q_start, spec.q_start + sq, device=device)  # (sq,)

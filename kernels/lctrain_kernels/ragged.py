@@ -1,36 +1,31 @@
-"""A document-masked block as ragged batches: one batch entry per dense piece, read in place.
+"""A masked block as ragged batches: one batch entry per dense piece, read and written in place.
 
-A ragged (THD) attention kernel runs a batch whose entries start anywhere in the q/k/v/out
-tensors (one element offset per entry) and have lengths of their own (a padding mask over a
-declared maximum). Every piece of a block (:mod:`lctrain_kernels.pieces`: FULL rectangles and
-top-left causal triangles, one or two per document) is one such entry, read and written where
-it lies: no gather, no scatter, no copy. Pieces of one kind share a call, so a block takes at
-most two calls — its causal pieces and its FULL ones — however many documents it holds::
+Inside one document, causal attention between a block's rows and keys is at most two dense
+shapes: the keys before the document's first query row are all visible (a FULL rectangle), the
+keys from that row on form the top-left triangle (CAUSAL). :func:`pieces` cuts a block into
+these, disjoint, their union exactly the block's mask. A ragged (THD) kernel runs a batch
+whose entries start anywhere (an element offset each) and have lengths of their own; every
+piece is one entry, read and written where it lies. Pieces of one kind share a call, so a block
+takes at most two calls, however many documents it holds::
 
     block rows  |d0 d0 d0|d1 d1|d2 d2 d2 d2|     (documents of a diagonal block)
     causal call   entry 0: rows 0..2 x keys 0..2, entry 1: rows 3..4 x keys 3..4, ...
 
-The two calls read disjoint keys (a document's FULL keys come before its first query row,
-its causal keys from that row on), and their query rows are disjoint too except in a block
-whose first document has keys before the block's first query AND from it on (an offset
-diagonal): those rows get a FULL and a causal piece. :attr:`RaggedPlan.shared_rows` says so,
-and the runner then merges the second call's rows through the lse and sums its dq.
+The two calls read disjoint keys; their rows overlap only where the first document has keys
+both before the block's first query and from it on (an offset diagonal): those rows are merged
+through the lse (:attr:`RaggedPlan.shared_rows`). What a kernel is compiled for, the batch size
+and longest entry, is rounded up to a power of two (:func:`bucket`), so a few plans serve every
+mix of documents; lengths and offsets are data. A call of equal, adjacent entries
+(:attr:`RaggedCall.uniform`) is a plain batch an engine may run on its dense kernel.
 
-What a kernel is compiled for — the batch size and the longest entry — is rounded up to a
-power of two (:func:`bucket`), so the few plans built serve every mix of document lengths of
-a run; entries past the real ones have length 0. The lengths and offsets themselves are data.
-A call whose entries are equal and follow each other (:attr:`RaggedCall.uniform`: documents
-of one length) is a plain batch, which an engine may run on its dense kernel instead.
-
-:func:`ragged_forward` and :func:`ragged_grads` run a plan through an engine that executes one
-:class:`RaggedCall`; :class:`RaggedBackend` is a backend on any engine (the cuDNN engine in
-``backends.cudnn_ragged``; :class:`ReferenceEngine`, plain torch, runs the same contract on
-any device for the tests). Layouts: q, out ``(B, Sq, Hq, D)``; k, v ``(B, Sk, Hkv, D)``; rows
-are counted over the flattened batch (row ``b * Sq + i``); the lse an engine writes is
-TOKEN-major ``(B * Sq, Hq)`` float32, as the ragged kernels keep their statistics.
+Engines run one :class:`RaggedCall` (``backends.cudnn_ragged``, ``backends.flash_attn_cute``;
+the tests run the contract on plain torch). Rows are counted
+over the flattened batch (row ``b * Sq + i``); an engine's lse is TOKEN-major ``(B * Sq, Hq)``
+float32, as the ragged kernels keep their statistics.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,8 +35,55 @@ import torch
 from lctrain_kernels.backends.base import UnitValueLseGrad
 from lctrain_kernels.combine import merge, sum_into
 from lctrain_kernels.masks import MaskSpec, Relation
-from lctrain_kernels.pieces import pieces
-from lctrain_kernels.reference import reference_backward, reference_forward
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One dense sub-block: query rows ``[q0, q0 + sq)`` against key rows ``[k0, k0 + sk)``,
+    all visible (``causal=False``) or the top-left causal triangle (``causal=True``)."""
+
+    q0: int
+    k0: int
+    sq: int
+    sk: int
+    causal: bool
+
+
+def _doc_regions(spec: MaskSpec, sq: int, sk: int):
+    """(qa, qb, ka, kb) in global positions for each document both sides of a block reach."""
+    q0, q1, k0, k1 = spec.q_start, spec.q_start + sq, spec.k_start, spec.k_start + sk
+    bounds = spec.doc_bounds if spec.doc_bounds is not None else (0, max(q1, k1))
+    if max(q1, k1) > bounds[-1]:
+        raise ValueError(f"block reaches position {max(q1, k1) - 1} but cu_seqlens ends at "
+                         f"{bounds[-1]}; the documents must cover the whole sequence.")
+    doc = lambda pos: bisect.bisect_right(bounds, pos) - 1  # noqa: E731 - document of pos
+    for d in range(max(doc(q0), doc(k0)), min(doc(q1 - 1), doc(k1 - 1)) + 1):
+        yield (max(q0, bounds[d]), min(q1, bounds[d + 1]),
+               max(k0, bounds[d]), min(k1, bounds[d + 1]))
+
+
+def pieces(spec: MaskSpec, sq: int, sk: int) -> tuple[Piece, ...]:
+    """The exact dense decomposition of a block (module docstring), in block-local rows and
+    document order; only the document of the first query may have a FULL and a CAUSAL piece.
+
+    Raises:
+        ValueError: the block reaches beyond the end of ``spec.doc_bounds``.
+    """
+    parts = []
+    for qa, qb, ka, kb in (_doc_regions(spec, sq, sk) if sq > 0 and sk > 0 else ()):
+        dq, dk = spec.q_start, spec.k_start
+        if not spec.causal:
+            parts.append(Piece(qa - dq, ka - dk, qb - qa, kb - ka, False))
+            continue
+        r0 = max(qa, ka)  # query rows before the document's first key see nothing
+        if r0 >= qb:
+            continue
+        kb = min(kb, qb)  # keys after the last query are never seen
+        if ka < r0:  # keys before every query: all visible
+            parts.append(Piece(r0 - dq, ka - dk, qb - r0, min(r0, kb) - ka, False))
+        if kb > r0:  # keys from the first query on: the triangle from the top-left corner
+            parts.append(Piece(r0 - dq, r0 - dk, qb - r0, kb - r0, True))
+    return tuple(parts)
 
 
 def bucket(n: int) -> int:
@@ -51,10 +93,8 @@ def bucket(n: int) -> int:
 
 @dataclass(frozen=True)
 class RaggedCall:
-    """One ragged attention call: entry ``e`` is query rows ``[q_rows[e], q_rows[e] +
-    q_lens[e])`` against key rows ``[k_rows[e], k_rows[e] + k_lens[e])``, all visible
-    (``causal=False``) or the lower triangle from the top-left corner (``causal=True``).
-    Rows are flattened over the batch."""
+    """One ragged call: entry ``e`` is rows ``[q_rows[e], +q_lens[e])`` against keys
+    ``[k_rows[e], +k_lens[e])``, all visible or (``causal``) the top-left triangle."""
 
     causal: bool
     q_rows: tuple[int, ...]
@@ -64,32 +104,27 @@ class RaggedCall:
 
     @property
     def entries(self) -> int:
-        """The real entries (the kernel's batch is :func:`bucket` of this)."""
         return len(self.q_rows)
 
     @property
     def max_q(self) -> int:
-        """The longest entry's query rows, bucketed."""
         return bucket(max(self.q_lens))
 
     @property
     def max_k(self) -> int:
-        """The longest entry's key rows, bucketed."""
         return bucket(max(self.k_lens))
 
     @property
     def uniform(self) -> bool:
-        """All entries have the same shape and follow each other without gaps: the call is
-        a plain batch of ``entries`` equal blocks from its first rows on."""
+        """Equal entries that follow each other: a plain batch from the first rows on."""
         nq, nk = self.q_lens[0], self.k_lens[0]
         return (all(n == nq for n in self.q_lens) and all(n == nk for n in self.k_lens)
                 and all(r == self.q_rows[0] + e * nq for e, r in enumerate(self.q_rows))
                 and all(r == self.k_rows[0] + e * nk for e, r in enumerate(self.k_rows)))
 
     def padded(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """(q_rows, k_rows, q_lens, k_lens) of the kernel's batch, each ``bucket(entries)``
-        long (the extra entries are empty and start after the last real one), row lists
-        with one more value: the end."""
+        """(q_rows, k_rows, q_lens, k_lens) of the kernel's batch of ``bucket(entries)``
+        (extra entries empty, after the last); row lists end with the end row."""
         n, total = self.entries, bucket(self.entries)
         q_end = max(r + n_ for r, n_ in zip(self.q_rows, self.q_lens))
         k_end = max(r + n_ for r, n_ in zip(self.k_rows, self.k_lens))
@@ -100,14 +135,9 @@ class RaggedCall:
 
 @dataclass(frozen=True)
 class RaggedPlan:
-    """A block as one or two ragged calls (module docstring).
-
-    Attributes:
-        calls: the causal call first, then the FULL one; those that have entries.
-        shared_rows: some query rows are in both calls (their results are merged).
-        covers_q: every query row of the block is in some entry (no row to zero first).
-        covers_k: every key row is in some entry (no gradient row to zero first).
-    """
+    """A block as its causal call and its FULL call (those with entries); ``shared_rows``:
+    some rows are in both (merged); ``covers_q`` / ``covers_k``: every query / key row is in
+    some entry (nothing to zero first)."""
 
     calls: tuple[RaggedCall, ...]
     shared_rows: bool
@@ -116,7 +146,6 @@ class RaggedPlan:
 
 
 def _covered(spans: list[tuple[int, int]]) -> int:
-    """How many rows a set of [start, end) spans covers."""
     total, reach = 0, 0
     for a, b in sorted(spans):
         a = max(a, reach)
@@ -128,17 +157,8 @@ def _covered(spans: list[tuple[int, int]]) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def plan_ragged(spec: MaskSpec, sq: int, sk: int, batch: int = 1) -> RaggedPlan:
-    """The ragged calls of a block of ``batch`` rows of ``sq`` queries by ``sk`` keys.
-
-    Args:
-        spec: the block's mask in global positions (the same for every batch row).
-        sq: query rows per batch row.
-        sk: key rows per batch row.
-        batch: batch rows.
-
-    Returns:
-        The block's :class:`RaggedPlan`; no calls when nothing is visible.
-    """
+    """The :class:`RaggedPlan` of a block of ``batch`` rows of ``sq`` queries by ``sk`` keys
+    under ``spec`` (the same for every batch row); no calls when nothing is visible."""
     parts = pieces(spec, sq, sk)
     calls = []
     for causal in (True, False):
@@ -154,19 +174,18 @@ def plan_ragged(spec: MaskSpec, sq: int, sk: int, batch: int = 1) -> RaggedPlan:
 
 
 class Engine(Protocol):
-    """Runs one :class:`RaggedCall` in place (module docstring for layouts)."""
+    """Runs one :class:`RaggedCall` in place (module docstring)."""
 
     def forward(self, call: RaggedCall, q, k, v, out, lse_t, scale: float) -> None:
         """Write the entries' rows of ``out`` and of the token-major ``lse_t``."""
 
     def backward(self, call: RaggedCall, do, q, k, v, out, lse_t, dq, dk, dv,
                  scale: float) -> None:
-        """Write the entries' rows of ``dq``, ``dk`` and ``dv`` (dk, dv summed over each GQA
-        group) from the final ``out`` and token-major ``lse_t`` of the query rows."""
+        """Write the entries' rows of dq, dk, dv (summed per GQA group) from the final out
+        and token-major lse_t."""
 
 
 def _lse_tokens(lse: torch.Tensor) -> torch.Tensor:
-    """(B, H, S) lse -> token-major (B * S, H) float32 (float64 stays float64)."""
     b, h, s = lse.shape
     dtype = torch.float64 if lse.dtype == torch.float64 else torch.float32
     return lse.to(dtype).transpose(1, 2).reshape(b * s, h).contiguous()
@@ -187,8 +206,7 @@ def _as_bhs(lse_t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def ragged_forward(engine: Engine, plan: RaggedPlan, q, k, v, scale: float):
-    """(out, lse) of a block: out ``(B, Sq, Hq, D)`` in q's dtype, lse ``(B, Hq, Sq)``
-    float32 (float64 for float64 inputs); rows no entry reaches get 0 and -inf."""
+    """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) of a block; rows no entry reaches: 0 and -inf."""
     out, lse_t = _new_out(q, zero=not plan.covers_q or plan.shared_rows)
     own = plan.calls[:1] if plan.shared_rows else plan.calls
     for call in own:
@@ -203,8 +221,8 @@ def ragged_forward(engine: Engine, plan: RaggedPlan, q, k, v, scale: float):
 
 
 def ragged_grads(engine: Engine, plan: RaggedPlan, do, q, k, v, out, lse, scale: float):
-    """(dq, dk, dv) of a block from the final ``out`` and ``lse`` of its query rows, in the
-    inputs' dtype (dq in float32 where two calls share rows); rows no entry reaches get 0."""
+    """(dq, dk, dv) of a block from the final out and lse of its rows (dq in float32 where
+    two calls share rows); rows no entry reaches get 0."""
     lse_t = _lse_tokens(lse)
     do, out = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
     zero_q, zero_k = not plan.covers_q or plan.shared_rows, not plan.covers_k
@@ -226,43 +244,8 @@ def ragged_grads(engine: Engine, plan: RaggedPlan, do, q, k, v, out, lse, scale:
     return dq, dk, dv
 
 
-class ReferenceEngine:
-    """The ragged contract on the reference kernels (:mod:`lctrain_kernels.reference`), one
-    entry at a time, in float32 (float64 for float64 inputs); any device. It runs
-    :func:`ragged_forward` / :func:`ragged_grads` where no ragged kernel exists, so the block
-    logic is tested on a CPU against the float64 oracle of the whole block."""
-
-    @staticmethod
-    def _entries(call: RaggedCall):
-        yield from zip(call.q_rows, call.k_rows, call.q_lens, call.k_lens)
-
-    @staticmethod
-    def _rows(x: torch.Tensor, r: int, n: int) -> torch.Tensor:
-        return x.reshape(-1, *x.shape[2:])[r:r + n]  # (n, H, D) view of flattened rows
-
-    def forward(self, call, q, k, v, out, lse_t, scale):
-        spec = MaskSpec(call.causal)  # causal from the top-left corner
-        for rq, rk, nq, nk in self._entries(call):
-            o, lse = reference_forward(self._rows(q, rq, nq)[None], self._rows(k, rk, nk)[None],
-                                       self._rows(v, rk, nk)[None], spec, scale)
-            self._rows(out, rq, nq).copy_(o[0])
-            lse_t[rq:rq + nq] = lse[0].transpose(0, 1)
-
-    def backward(self, call, do, q, k, v, out, lse_t, dq, dk, dv, scale):
-        spec = MaskSpec(call.causal)
-        for rq, rk, nq, nk in self._entries(call):
-            rows = [self._rows(x, rq, nq)[None] for x in (do, q)]
-            keys = [self._rows(x, rk, nk)[None] for x in (k, v)]
-            grads = reference_backward(*rows, *keys, self._rows(out, rq, nq)[None],
-                                       lse_t[rq:rq + nq].transpose(0, 1)[None], spec, scale)
-            for dst, r, n, grad in ((dq, rq, nq, grads[0]), (dk, rk, nk, grads[1]),
-                                    (dv, rk, nk, grads[2])):
-                self._rows(dst, r, n).copy_(grad[0])
-
-
 class RaggedBackend(UnitValueLseGrad):
-    """A Backend that runs every block as ragged calls on ``engine``; the engines compute
-    ``delta`` themselves, so a gradient of the lse takes one more backward."""
+    """A Backend running every block as ragged calls on ``engine`` (which computes delta)."""
 
     name = "ragged"
 

@@ -1,33 +1,18 @@
 """Plain-torch attention with log-sum-exp for any mask: the oracle, and the CPU path.
 
-For one block (queries ``q``, keys ``k``, values ``v``; see :mod:`lctrain_kernels.masks`)::
+For one block (:mod:`lctrain_kernels.masks`), with ``S = scale * q k^T`` (-inf where hidden)::
 
-    S   = scale * q k^T              scores, -inf where the mask hides a pair
-    lse = logsumexp_j S              per query row (natural log); -inf if the row sees nothing
-    P   = exp(S - lse)               probabilities (0 on hidden pairs and on empty rows)
-    out = P v
+    lse = logsumexp_j S      P = exp(S - lse)      out = P v
 
-The backward takes the FINAL output ``O`` and log-sum-exp of the query rows — after any merge
-with other blocks — and recomputes the probabilities, as FlashAttention does::
+The backward takes the FINAL (merged) ``O`` and ``lse`` of the query rows and recomputes P, as
+FlashAttention does, so the gradients of a row's blocks simply add up::
 
-    P     = exp(S - lse)             this block's share of the final softmax
-    dV    = P^T dO
-    dP    = dO V^T
-    delta = rowsum(dO * O) - dlse    the same for every block of a row (dlse: the gradient
-                                     of the lse, when a loss uses it; d lse_i / d S_ij = P_ij)
-    dS    = P * (dP - delta)
-    dQ    = scale * dS K,  dK = scale * dS^T Q
+    dV = P^T dO    dP = dO V^T    delta = rowsum(dO * O) - dlse    dS = P * (dP - delta)
+    dQ = scale * dS K    dK = scale * dS^T Q      (dlse: the lse's gradient, d lse / d S = P)
 
-Because ``lse`` and ``O`` are the merged ones, the gradients of the blocks of a row simply add
-up to the gradient of the whole attention (the distributed backward relies on this).
-
-Grouped-query attention without copying K/V: the ``G = Hq / Hkv`` query heads that share one
-K/V head are laid side by side as extra rows, ``(B, Hkv, G * rows, D)``, so one batched matmul
-against ``(B, Hkv, D, Sk)`` serves the whole group, and ``dS^T Q`` sums the group's dK for free.
-
-The math runs in float32 (float64 stays float64); query rows are processed in chunks so that
-the score matrix held at once stays bounded (``max_scores`` elements), and a chunk that the
-mask hides entirely is skipped, one that it shows entirely needs no mask.
+GQA without copying K/V: the G query heads of one K/V head are extra rows, (B, Hkv, G*R, D).
+Math in float32 (float64 stays float64), over chunks of query rows so the scores held stay
+bounded; a chunk the mask hides is skipped, one it shows entirely takes no mask.
 """
 from __future__ import annotations
 
@@ -60,11 +45,8 @@ def _visible_keys(spec: MaskSpec, q0: int, q1: int, sk: int) -> tuple[int, int]:
 
 
 def _chunks(spec: MaskSpec, q: torch.Tensor, sk: int, max_scores: int):
-    """Yield (rows, keys, relation, mask or None) for each chunk of query rows.
-
-    ``rows`` and ``keys`` are local slices; keys outside the span the chunk can see (above the
-    causal diagonal, outside its documents) are cut off before any matmul.
-    """
+    """Yield (rows, keys, relation, mask or None) per chunk of query rows; ``keys`` is the
+    local span the chunk can see at all."""
     b, sq, hq, _ = q.shape
     step = max(1, min(MAX_ROWS, max_scores // max(1, b * hq * sk)))
     for r0 in range(0, sq, step):
@@ -111,19 +93,17 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec,
                       scale: float, *, max_scores: int = MAX_SCORES
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block with its log-sum-exp, in float32 (float64 for float64 inputs).
+    """Attention of one block with its log-sum-exp (module docstring).
 
     Args:
-        q: (B, Sq, Hq, D) queries.
-        k: (B, Sk, Hkv, D) keys, ``Hq % Hkv == 0``.
-        v: (B, Sk, Hkv, D) values.
+        q: (B, Sq, Hq, D) queries; k, v: (B, Sk, Hkv, D), ``Hq % Hkv == 0``.
         spec: the block's mask in global positions.
-        scale: softmax scale applied to ``q k^T``.
-        max_scores: bound on the score elements held at once (rows are chunked to fit).
+        scale: softmax scale of ``q k^T``.
+        max_scores: bound on the score elements held at once.
 
     Returns:
-        ``(out, lse)``: (B, Sq, Hq, D) in ``q.dtype`` (0 for rows that see no key) and
-        (B, Hq, Sq) float32 (float64 for float64 inputs), natural log, -inf for such rows.
+        ``(out, lse)``: (B, Sq, Hq, D) in q's dtype (0 where a row sees no key) and (B, Hq, Sq)
+        float32 (float64 for float64 inputs), natural log (-inf for such rows).
     """
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -149,19 +129,8 @@ def reference_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        out: torch.Tensor, lse: torch.Tensor, spec: MaskSpec, scale: float, *,
                        dlse: torch.Tensor | None = None, max_scores: int = MAX_SCORES
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block from the FINAL (merged) output and log-sum-exp of its rows.
-
-    Args:
-        do: (B, Sq, Hq, D) gradient of the final output.
-        q: (B, Sq, Hq, D) queries.
-        k: (B, Sk, Hkv, D) keys.
-        v: (B, Sk, Hkv, D) values.
-        out: (B, Sq, Hq, D) final output of these query rows (after merging all blocks).
-        lse: (B, Hq, Sq) final log-sum-exp of these rows.
-        spec: the block's mask in global positions.
-        scale: the softmax scale of the forward.
-        dlse: (B, Hq, Sq) gradient of the final lse, or None when no loss uses it.
-        max_scores: bound on the score elements held at once.
+    """Gradients of one block from the FINAL (merged) ``out`` (B, Sq, Hq, D) and ``lse``
+    (B, Hq, Sq) of its rows, and the lse's gradient ``dlse`` when a loss uses it.
 
     Returns:
         ``(dq, dk, dv)``: (B, Sq, Hq, D) and (B, Sk, Hkv, D) twice (summed over each GQA

@@ -1,27 +1,18 @@
 """The names the whole project agrees on: schedules, layouts, backends, and how a sequence divides.
 
-This module is the one owner of that vocabulary. The kernels (``distributed.schedule``,
-``distributed.layout``, ``backends``), the recipe schema, the benches and the CLI all read it,
-so a schedule, a layout or a divisibility rule is never written down twice. It imports nothing
-but the standard library — importing it (or ``lctrain_kernels``, whose ``__init__`` loads
-torch only on first use) does not load torch, so ``lctrain.config`` and the CLI stay light.
-
-* A **schedule** says who computes which attention block when (``distributed.schedule``);
-  each expects one **layout**, the way the global sequence is cut over the ranks
-  (``distributed.layout``): ``contiguous`` gives rank r chunk r of P, ``zigzag`` gives it
-  chunks r and 2P−1−r of 2P.
-* So a sequence of N tokens over P ranks must divide into P × ``chunks_per_rank(layout)``
-  equal chunks: :func:`check_seq_len` is that rule, with the sentence every caller shows.
-* A **backend** computes one local attention block (``lctrain_kernels.backends``).
+A **schedule** says who computes which attention block when (``distributed.schedule``); each
+expects one **layout**, the way the sequence is cut over the ranks (``distributed.layout``):
+``contiguous`` gives rank r chunk r of P, ``zigzag`` chunks r and 2P−1−r of 2P. A **backend**
+computes one local attention block (``backends``). Standard library only, so the recipe schema
+and the CLI read these names without loading torch.
 """
 from __future__ import annotations
 
 SCHEDULES = ("distflash", "ring", "zigzag")
-"""Distributed attention schedules: balanced DistFlashAttn (the default), the plain ring (the
-unbalanced baseline), and the ring over the head-tail (zigzag) layout."""
+"""Balanced DistFlashAttn (the default), the plain ring (the unbalanced baseline), and the ring
+over the head-tail (zigzag) layout."""
 
 LAYOUTS = ("contiguous", "zigzag")
-"""Ways to cut the global sequence over the ranks."""
 
 _CHUNKS_PER_RANK = {"contiguous": 1, "zigzag": 2}
 _SCHEDULE_LAYOUT = {"distflash": "contiguous", "ring": "contiguous", "zigzag": "zigzag"}
@@ -29,15 +20,13 @@ _SCHEDULE_LAYOUT = {"distflash": "contiguous", "ring": "contiguous", "zigzag": "
 BACKENDS = {
     "reference": "reference.ReferenceBackend",
     "cudnn": "sdpa.CudnnBackend",
-    "flash": "sdpa.FlashBackend",
-    "flash_attn": "flash_attn.FlashAttnBackend",
     "triton": "triton.TritonBackend",
     "cpu_flash": "sdpa.CpuFlashBackend",
     "cudnn_ragged": "cudnn_ragged.CudnnRaggedBackend",
     "flash_attn_cute": "flash_attn_cute.FlashAttnCuteBackend",
 }
-"""Local attention backends: name -> ``module.Class`` under ``lctrain_kernels.backends`` that
-implements it (imported only when first asked for). "auto" picks among them."""
+"""Backend name -> ``module.Class`` under ``lctrain_kernels.backends`` (imported when first asked
+for). "auto" picks among them."""
 
 
 def check_schedule(kind: str) -> str:
@@ -52,7 +41,7 @@ def check_schedule(kind: str) -> str:
 
 
 def schedule_layout(kind: str) -> str:
-    """The layout schedule ``kind`` expects ``shard`` to use ("contiguous" or "zigzag").
+    """The layout schedule ``kind`` expects ``shard`` to use.
 
     Raises:
         ValueError: an unknown schedule name.
@@ -61,7 +50,7 @@ def schedule_layout(kind: str) -> str:
 
 
 def chunks_per_rank(layout: str) -> int:
-    """Number of equal chunks each rank holds: 1 for "contiguous", 2 for "zigzag".
+    """Equal chunks each rank holds: 1 for "contiguous", 2 for "zigzag".
 
     Raises:
         ValueError: an unknown layout name.
@@ -84,7 +73,7 @@ def seq_chunks(world_size: int, layout: str) -> int:
 
 def check_seq_len(seq_len: int, world_size: int, layout: str, *, what: str = "sequence length",
                   ranks: str | None = None) -> int:
-    """Return the chunk length of ``seq_len`` over ``world_size`` ranks in ``layout``.
+    """The chunk length of ``seq_len`` over ``world_size`` ranks in ``layout``.
 
     Args:
         seq_len: the global sequence length N.
@@ -97,8 +86,8 @@ def check_seq_len(seq_len: int, world_size: int, layout: str, *, what: str = "se
         N // (P × chunks per rank).
 
     Raises:
-        ValueError: N is not a positive multiple of P × chunks per rank; the sentence names the
-            nearest lengths that work.
+        ValueError: N is not a positive multiple of P × chunks per rank (naming the nearest
+            lengths that work).
     """
     parts = seq_chunks(world_size, layout)
     if isinstance(seq_len, int) and seq_len > 0 and seq_len % parts == 0:

@@ -1,31 +1,20 @@
 """Distributed attention benchmark: lctrain's schedules next to torch's context_parallel.
 
-``run`` launches ``nproc`` processes itself (NCCL on GPUs, one per GPU; gloo on a CPU), then:
+``run`` launches ``nproc`` processes itself (NCCL on GPUs, gloo on a CPU), then:
 
 1. checks every schedule (and the no-overlap ablation) at a small length against the float32
-   reference on the whole sequence, next to the single-device kernel's own error on the same
-   inputs: a schedule is ``correct`` when it errs at most twice as much as that kernel;
-2. for each total sequence length, times forward and backward separately (CUDA events on
-   every rank, warm-up, then the median of ``repeats``; the slowest rank's median is reported)
-   for each schedule, distflash without overlap, the peers (torch context_parallel on cuDNN,
-   ring-flash-attn if installed) and the single-GPU kernel at the same total length;
-3. reports per-GPU TFLOP/s with the FLOP model of `lctrain.model.flops` (causal forward
-   2·S²·H·D for the WHOLE sequence, divided by the number of GPUs; backward 2.5× forward), the
-   ratio to the single-GPU rate (``vs_single``), each schedule's balance figure (max/mean
-   causal work per rank) and, for distflash, the share of its communication hidden behind
-   compute: (t_no_overlap − t_overlap) / t_comm_only, where t_comm_only moves the same messages
-   with no compute at all.
+   reference of the whole sequence: ``correct`` when it errs at most twice as much as the
+   single-device kernel does on the same inputs;
+2. per total length, times forward and backward (CUDA events on every rank; the slowest rank's
+   median) of each schedule, distflash without overlap, the peers and the single-GPU kernel;
+3. reports per-GPU TFLOP/s (`lctrain.model.flops`: the whole sequence's FLOPs over the GPUs),
+   ``vs_single``, each schedule's balance (max/mean causal work per rank) and distflash's
+   hidden share of communication, (t_no_overlap − t_overlap) / t_comm_only.
 
-With ``documents`` (a ``--documents`` spec, `lctrain.bench.documents`) every length is packed
-documents: lctrain's schedules get their bounds, the FLOPs count only the pairs inside documents
-(useful FLOPs), the single-GPU row runs the same documents through "auto" (triton on a GPU),
-the correctness check runs the mix of the shortest length scaled to the check length, and the
-peers, which take no document mask, say so instead of timing dense work.
-
-A ``time_budget_s`` skips (with that status) measurements whose estimated time would overrun;
-``min_time_s`` repeats short measurements until about that long; ``profile_dir`` profiles each
-of lctrain's schedules after timing it (`lctrain.bench.profile`: a chrome trace per rank and
-rank 0's time per kernel category). Rank 0 reports each step to ``progress`` as it happens.
+With ``documents`` every length is packed documents: FLOPs count the pairs inside documents,
+the single-GPU row runs them through "auto", the check runs the shortest length's mix scaled to
+the check length, and the peers (no document mask) say so. ``time_budget_s`` skips what would
+overrun, ``min_time_s`` repeats short measurements, ``profile_dir`` profiles lctrain's schedules.
 """
 from __future__ import annotations
 
@@ -52,11 +41,9 @@ from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure, repeats_for
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
-from lctrain_kernels.backends import BackendUnavailable, auto_order, get_backend
-from lctrain_kernels.distributed.balance import balanced_order, work_balance
-from lctrain_kernels.distributed.comm import nccl_options
-from lctrain_kernels.distributed.schedule import make_schedule
-from lctrain_kernels.masks import Relation
+from lctrain_kernels.api import BackendUnavailable, Relation, auto_order, get_backend
+from lctrain_kernels.distributed import (balanced_order, make_schedule, messages_only, nccl_options,
+                                         work_balance)
 from lctrain_kernels.vocabulary import SCHEDULES, check_schedule, check_seq_len
 
 DEFAULTS = {  # per device type: what a run with no sizes measures
@@ -97,7 +84,7 @@ class BenchConfig:
                world: int = 1) -> tuple[int, ...] | None:
         """Document bounds of the sequence of ``seq_len`` tokens (None: one sequence); for one
         of lctrain's schedules over ``world`` ranks, in the order training would give them
-        (`lctrain_kernels.distributed.balance`) when ``balance_documents``."""
+        (`lctrain_kernels.distributed.balanced_order`) when ``balance_documents``."""
         if self.documents is None:
             return None
         bounds = self.documents[seq_len].cu_seqlens
@@ -168,19 +155,11 @@ class _Bench:
 
     def _comm_only_ms(self, seq_len: int, schedule: str) -> float:
         """Median milliseconds of the forward + backward messages of a schedule, no compute."""
-        from lctrain_kernels.distributed.comm import Exchanger
-        from lctrain_kernels.distributed.executor import BackwardEngine, ForwardEngine, Geometry, pruned_plan
-
         n, c = seq_len // self.world, self.cfg
         q, k = self._local(n, c.heads, 0), self._local(n, c.kv_heads, 1)
-        lse = torch.zeros((1, c.heads, n), dtype=torch.float32, device=self.device)
-        geo = Geometry(seq_len, self.world, make_schedule(self.world, schedule).layout, True,
-                       c.bounds(seq_len, schedule, self.world))
-        exch = Exchanger(self.group)
-        fwd = lambda: ForwardEngine(pruned_plan(schedule, "forward", geo), geo, exch, False, q, k, k,  # noqa: E731
-                                    1.0, c.backend, compute=False).run()
-        bwd = lambda _: BackwardEngine(pruned_plan(schedule, "backward", geo), geo, exch, False, q, q,  # noqa: E731
-                                       k, k, q, lse, 1.0, c.backend, compute=False).run()
+        bounds = c.bounds(seq_len, schedule, self.world)
+        fwd = lambda: messages_only("forward", q, k, self.group, schedule, bounds)  # noqa: E731
+        bwd = lambda _: messages_only("backward", q, k, self.group, schedule, bounds)  # noqa: E731
         return measure(fwd, bwd, device=self.device, repeats=c.repeats, warmup=1).summary()["total_ms"]
 
     def _time(self, make, flops_per_gpu: float, peer: bool, trace: str | None) -> dict:
@@ -363,31 +342,24 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
     """Benchmark distributed attention on ``nproc`` ranks it launches itself.
 
     Args:
-        seq_lens: TOTAL sequence lengths (batch 1); each must split into 2·nproc chunks;
-            None = the device's defaults (``DEFAULTS``).
-        schedules: lctrain schedules to time (default all: distflash, zigzag, ring).
-        nproc: ranks; default every CUDA GPU, or 2 CPU processes (gloo) without one.
-        heads, kv_heads, head_dim: attention shape (None: the device's defaults; kv_heads
-            default = heads).
-        dtype: input dtype or its name (None: bfloat16 on a GPU, float32 on a CPU).
+        seq_lens: TOTAL lengths (batch 1), each split into 2·nproc chunks; None: ``DEFAULTS``.
+        schedules: lctrain schedules to time (default all).
+        nproc: ranks; default every CUDA GPU, or 2 CPU processes (gloo).
+        heads, kv_heads, head_dim, dtype: attention shape and dtype (None: the device's
+            defaults; kv_heads = heads).
         overlap_ablation: also time distflash with overlap=False (and the hidden share).
-        peers: also time torch context_parallel and ring-flash-attn where they can run.
-        backend: local attention backend of lctrain's schedules ("auto": cuDNN on a GPU).
-        documents: a ``--documents`` spec (`lctrain.bench.documents`; an int N = N equal
-            documents), parsed at each total length; None = one causal sequence.
+        peers: also time the peers where they can run.
+        backend: local attention backend of lctrain's schedules.
+        documents: a ``--documents`` spec (an int N: N equal documents); None: one sequence.
         recipe: the recipe whose tokenizer reads a ``data:FILE`` spec.
-        balance_documents: give lctrain's schedules the documents in the order that evens out
-            the ranks' work, as training does (``parallel.balance_documents``).
-        repeats: timed iterations per measurement (median reported; ≥ 5 for figures).
-        warmup: untimed iterations first.
+        balance_documents: lctrain's schedules get the documents in balanced order, as training.
+        repeats, warmup: timed (median reported) and untimed iterations per measurement.
         check_len: total length of the correctness check (default min(seq_lens, 2048·nproc)).
         single_max_len: longest total length timed on a single GPU.
         time_budget_s: skip measurements that would end later than this after the start.
-        min_time_s: time more than ``repeats`` iterations where one is short, until about this
-            many seconds per measurement (at most 50 iterations); 0 keeps ``repeats``.
+        min_time_s: repeat short measurements until about this long (at most 50 iterations).
         profile_dir: profile each of lctrain's schedules after timing it; traces go here.
-        progress: called on rank 0 with one line per step; it travels to the spawned
-            processes, so it must be picklable (a module-level function).
+        progress: called on rank 0 with one line per step; picklable (it travels to the ranks).
 
     Returns:
         A :class:`BenchResult` of kind "attention", one row per (seq_len, variant).

@@ -1,13 +1,10 @@
 """The attention bench's correctness gate: every schedule against the single-device result.
 
-At a small total length, every rank builds the same full-sequence inputs, computes the float32
-reference (output and all three gradients) on the whole sequence, and the single-device
-kernel's error against it in the benchmark's dtype. Each schedule then runs distributed on the
-same inputs; its error is the largest relative error (max |diff| / max |ref|) of out, dq, dk,
-dv over all ranks. A schedule is correct when it errs at most twice as much as the
-single-device kernel (or at most 1e-4, the float32 rounding floor). With packed documents,
-the reference, the single-device kernel and every schedule run the bench's mix scaled to the
-check length (``cfg.check_documents``).
+At a small total length every rank builds the same inputs and the float32 reference of the
+whole sequence (output and three gradients), then the single-device kernel's error against it
+in the bench's dtype; each schedule's error is the largest relative error of out, dq, dk, dv
+over all ranks. A schedule is correct when it errs at most twice as much as the single-device
+kernel (or 1e-4, the float32 floor). With documents, everything runs the check's mix.
 """
 from __future__ import annotations
 
@@ -34,18 +31,9 @@ def _grads(fn, inputs, do):
 
 
 def check_schedules(group, device: torch.device, dtype: torch.dtype, cfg, variants) -> dict[str, dict]:
-    """Correctness of each lctrain variant; see the module docstring.
-
-    Args:
-        group: the process group of the bench.
-        device: this rank's device.
-        dtype: the benchmark's dtype.
-        cfg: the bench config (check_len, check_documents, heads, kv_heads, head_dim, backend).
-        variants: ``(row name, schedule or peer, overlap)`` triples; peers are not checked.
-
-    Returns:
-        ``{row name: {"max_rel_err", "single_rel_err", "correct"}}`` (same on every rank).
-    """
+    """``{row name: {"max_rel_err", "single_rel_err", "correct"}}`` of each lctrain variant
+    ``(row name, schedule or peer, overlap)`` (peers are not checked), the same on every rank;
+    ``cfg`` gives check_len, check_documents, heads, kv_heads, head_dim and backend."""
     gen = torch.Generator().manual_seed(1234)
     s, d = cfg.check_len, cfg.head_dim
     shapes = [(1, s, cfg.heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.heads, d)]

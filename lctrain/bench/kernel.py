@@ -1,25 +1,17 @@
 """Single-device attention kernel benchmark: every local backend (and peer), side by side.
 
-For each subject that can run the request (`lctrain.bench.kernel_subjects`), first a
-correctness check at a small length (forward, lse and all three gradients against the float32
-reference on the same inputs, upcast), then at each sequence length the forward and backward
-timed by `lctrain.bench.timing.measure` (warm-up, then the median of ``repeats``), as rates
-under the FLOP model of `lctrain.model.flops`. With ``profile_dir`` a few more iterations run
-under the profiler (`lctrain.bench.profile`).
+For each subject that can run the request (`lctrain.bench.kernel_subjects`): a correctness check
+at a small length (out, lse and the three gradients against the float32 reference on the same
+inputs), then at each length forward and backward timed by `lctrain.bench.timing.measure`, as
+rates of the FLOP model of `lctrain.model.flops`; ``profile_dir`` adds a profile of each.
 
-With ``documents`` (one or more ``--documents`` specs, `lctrain.bench.documents`) every
-sequence is packed documents, each spec a mix of its own: the spec is parsed at each length,
-rates count only the pairs inside documents (the useful FLOPs), each row carries its spec
-(``documents``) and the mix's summary at its length (``mix``), and the correctness check runs
-the mix of the shortest length scaled to the check length
-(:meth:`~lctrain.bench.documents.Documents.scaled`). A dense reference (cuDNN on a GPU by
-default) is timed once per length without documents, and every document row gets ``of_dense``:
-its useful rate over the reference's dense rate — how close packed documents come to the speed
-of one dense causal sequence.
-
-With no sizes given, the defaults fit the device: Llama-7B's attention (32 heads of 128) at
-16K-64K in bf16 on a GPU; 8 heads of 64 at 256-1K tokens in float32 on a CPU, which finishes
-in seconds.
+With ``documents`` (``--documents`` specs, `lctrain.bench.documents`) every sequence is packed
+documents, each spec a mix of its own parsed at each length: rates count only the pairs inside
+documents, each row carries its spec and mix, and the check runs the shortest length's mix
+scaled to the check length. A dense reference (cuDNN on a GPU) is timed without documents, and
+each document row gets ``of_dense``: its useful rate over the dense one. Without sizes the
+defaults fit the device (Llama-7B's attention at 16K-64K in bf16 on a GPU; a small float32 case
+on a CPU).
 """
 from __future__ import annotations
 
@@ -37,9 +29,8 @@ from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
-from lctrain_kernels.backends import BackendUnavailable, available_backends
-from lctrain_kernels.masks import MaskSpec, classify
-from lctrain_kernels.reference import reference_backward, reference_forward
+from lctrain_kernels.api import (BackendUnavailable, MaskSpec, available_backends, classify,
+                                 reference_backward, reference_forward)
 
 #: largest relative error accepted by the correctness check, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -97,14 +88,11 @@ def _setup(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal, boun
 
 def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal,
                       bounds=None) -> float:
-    """Worst relative error of out, lse, dq, dk, dv against the float32 reference.
-
-    Args:
-        what: a subject (`lctrain.bench.kernel_subjects.subject`) or a bare backend.
-        bounds: document bounds ``(0, ..., seq_len)``, or None for one sequence.
+    """Worst relative error of out, lse, dq, dk, dv against the float32 reference, of a subject
+    (`lctrain.bench.kernel_subjects.subject`) or a bare backend, with document ``bounds``.
 
     Raises:
-        BackendUnavailable: if it cannot run this request (with its reason).
+        BackendUnavailable: it cannot run this request (with its reason).
     """
     if not hasattr(what, "closures"):
         what = subject(what.name)
@@ -144,9 +132,8 @@ def _measure(what, seq_len, params, bounds, repeats, warmup, trace) -> dict:
 
 
 def default_backends(device: torch.device, documents: bool = False) -> list[str]:
-    """CPU: reference and cpu_flash (reference alone with documents). CUDA: the
-    fast ones (the reference is the oracle of the correctness check already, and minutes per
-    length at 64K+; name it to time it)."""
+    """CPU: reference and cpu_flash (reference alone with documents); CUDA: the fast ones (the
+    reference takes minutes per length at 64K+; name it to time it)."""
     names = available_backends()
     if device.type != "cuda":
         return [n for n in names if n in (_CPU_DOCUMENTS if documents else _CPU_DEFAULT)]
@@ -155,11 +142,8 @@ def default_backends(device: torch.device, documents: bool = False) -> list[str]
 
 def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = None,
                  label: str | None = None) -> list[dict]:
-    """Check, then time ``name`` at every length: packed as ``mix``, or one sequence (None).
-
-    ``dense`` maps a length to the dense reference's row there (for ``of_dense``); ``label``
-    names the rows (default ``name``).
-    """
+    """Check, then time ``name`` at every length, packed as ``mix`` (None: one sequence);
+    ``dense``: the dense reference's row per length; ``label`` names the rows."""
     base = {"backend": label or name}
     if plan.mixes:  # rows of a documents run say which mix they ran (None: the dense reference)
         base["documents"] = None if mix is None else mix.spec
@@ -236,33 +220,27 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
 
     Args:
         seq_lens: sequence lengths to time (batch 1); None = the device's defaults.
-        backends: backend or peer names; None = every available fast backend (CUDA: cudnn,
-            flash, flash_attn, triton, cudnn_ragged, flash_attn_cute as installed; CPU:
-            reference and cpu_flash, or reference alone with documents).
-        heads, head_dim, dtype: the shape and input dtype (or its name); None = the
-            device's defaults (``DEFAULTS``).
+        backends: backend or peer names; None = the available fast backends (CUDA: cudnn,
+            triton, cudnn_ragged, flash_attn_cute as installed; CPU: reference and cpu_flash,
+            or reference alone with documents).
+        heads, head_dim, dtype, kv_heads: the shape and dtype (or its name); None: the
+            device's defaults (``DEFAULTS``; kv_heads = heads).
         causal: causal attention (else full).
-        documents: pack every sequence into documents: a ``--documents`` spec
-            (`lctrain.bench.documents`; an int N = N equal documents) or several (each timed
-            as a mix of its own), parsed at each length; or one mix already parsed for each
-            length; None = one sequence.
-        kv_heads: key/value heads (GQA); None = ``heads``.
+        documents: a ``--documents`` spec (an int N: N equal documents) or several, each a mix
+            of its own; or one mix already parsed per length; None: one sequence.
         recipe: the recipe whose tokenizer reads a ``data:FILE`` spec.
-        dense_reference: with documents, the backend also timed WITHOUT documents at each
-            length, the denominator of ``of_dense``: "auto" = cudnn on a GPU (none on a
-            CPU); None or "none" = no reference.
-        repeats: timed runs per measurement (>= 5 for reported figures).
-        warmup: untimed runs before timing.
-        check_len: sequence length of the correctness check (default: the device's, at most
-            the shortest length).
-        device: where to run; default CUDA if available, else CPU.
+        dense_reference: with documents, the backend timed without them, the denominator of
+            ``of_dense``: "auto" = cudnn on a GPU (none on a CPU); None or "none": none.
+        repeats, warmup: timed and untimed runs per measurement.
+        check_len: length of the correctness check (default the device's, at most the
+            shortest length).
+        device: default CUDA if available, else CPU.
         profile_dir: also profile each measurement; chrome traces go here.
-        progress: called with one line per step (check, measurement) while running.
+        progress: called with one line per step while running.
 
     Returns:
         A :class:`BenchResult` of kind "kernel", one row per (backend, seq_len[, mix]), the
-        dense reference's first (backend "NAME (dense)"); rows of backends that cannot run
-        the request carry the reason in ``status``.
+        dense reference's first ("NAME (dense)"); rows that cannot run say why in ``status``.
 
     Raises:
         ConfigError: impossible sizes (heads not divisible, a bad documents spec, ...).

@@ -1,17 +1,11 @@
 """What ``lctrain bench kernel`` can time: lctrain's local backends and outside peers.
 
 Every subject is set up once per input and hands back two closures, timed exactly alike:
-
-    fwd() -> (out, lse)            out (B, S, Hq, D), lse (B, Hq, S) float32, natural log
-    bwd(state) -> (dq, dk, dv)     the gradients for a fixed upstream gradient ``do``
-
-* :class:`BackendSubject` — one of `lctrain_kernels.backends` (triton, cudnn, flash,
-  flash_attn, cpu_flash, reference): the backward is the flash-style one that takes the
-  forward's out and lse, as the distributed attention and training call it.
-* :class:`FlexAttention` — torch's ``flex_attention`` (compiled on a GPU, so its kernels are
-  Triton-generated too) with a causal or document block mask: a peer of lctrain's own Triton
-  kernels. It has no separate backward entry point, so its backward is autograd's over a graph
-  kept from one forward (``retain_graph``): the same work, without re-running the forward.
+``fwd() -> (out, lse)`` and ``bwd(state) -> (dq, dk, dv)`` for a fixed upstream gradient.
+:class:`BackendSubject` is one of lctrain_kernels' backends, whose backward takes the forward's
+out and lse as training calls it; :class:`FlexAttention` is torch's compiled ``flex_attention``
+with a causal or document block mask, a peer of lctrain's Triton kernels, whose backward is
+autograd's over a graph kept from one forward (the same work, no second forward).
 """
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from lctrain_kernels.backends import BackendUnavailable, get_backend
-from lctrain_kernels.masks import MaskSpec, Relation
+from lctrain_kernels.api import BackendUnavailable, MaskSpec, Relation, get_backend
 
 Closures = tuple[Callable[[], Any], Callable[[Any], Any]]
 PEERS = ("flex_attention",)

@@ -1,29 +1,19 @@
-"""Greedy decoding after a distributed prefill, with the prompt's keys and values left where
-they were computed.
+"""Greedy decoding after a distributed prefill, the prompt's keys and values left where they were
+computed.
 
-Why this design. At 256K tokens the keys and values of a 7B model with 32 key/value heads
-(Llama-2-7B) take 2 × 256K × 32 × 128 × 2 bytes = 4 GiB per layer, 128 GiB over its 32 layers:
-gathering them onto one rank does not fit any GPU, and re-running the prompt without the cp
-group would need the whole sequence's attention on one GPU for every generated token. So:
+At 256K tokens the keys and values of a 7B model fill about 128 GiB: gathering them onto one rank
+fits no GPU, and re-running the prompt on one GPU per token is quadratic. So the **prefill** runs
+like a training forward (each cp rank holds its shard of the prompt, the attention is
+`lctrain_kernels.dist_attention` over the cp group) and each rank keeps the keys and values of
+its shard per layer (`KVShards`); the next-token logits come from the rank holding the last
+position, summed over the group. In **decoding** every rank is fed the new token; in every layer
+each attends it to the keys it holds (its prompt shard, and on cp rank 0 the generated tokens,
+so no key counts twice), the partial outputs and lses are all-gathered (a few KiB) and merged in
+float32 (`lctrain_kernels.api.merge`): exactly attention over all keys. cp rank 0's greedy
+choice is broadcast so the ranks cannot drift apart.
 
-- **prefill** runs exactly like a training forward: every cp rank holds its shard of the prompt
-  (in the schedule's layout) and the attention is `lctrain_kernels.dist_attention` over the cp
-  group. On the way, each rank keeps the keys and values of ITS shard, per layer
-  (`KVShards`): (prompt / cp) tokens, about what remat keeps per layer in a training step at
-  the same length. The next-token logits come from the rank holding the last position and
-  are summed over the cp group (the others contribute zeros): one vector, never the logits
-  of the whole prompt.
-- **decode**: each new token is fed on every cp rank (one token, replicated). In every layer
-  each rank attends the new query to the keys it holds — its prompt shard, and on cp rank 0
-  also the tokens generated so far (one copy of them, so that no key counts twice) — giving a
-  partial output and its log-sum-exp; the parts are all-gathered over the cp group (a few KiB)
-  and merged through their lse in float32 (`lctrain_kernels.combine.merge`), which is exactly
-  attention over all keys. Every rank then holds the same hidden state and the same logits;
-  cp rank 0's greedy choice is broadcast so the ranks cannot drift apart.
-
-The model is built with the attention function registered here (``lctrain_eval``): without a
-``lctrain_kv`` keyword in the call it IS the "lctrain" attention (`lctrain.model.attention`),
-so the same model serves perplexity runs unchanged.
+Models that `lctrain eval` builds use the attention registered here (``lctrain_eval``): without
+a ``lctrain_kv`` keyword it IS the "lctrain" attention, so the same model serves perplexity runs.
 """
 from __future__ import annotations
 
@@ -39,15 +29,12 @@ ATTENTION_NAME = "lctrain_eval"
 
 
 class KVShards:
-    """The keys and values one rank keeps for decoding, per attention module.
-
-    Args:
-        group: the cp process group (None: one rank holds the whole prompt).
+    """The keys and values one rank keeps for decoding, per attention module, over the cp
+    ``group`` (None: one rank holds the whole prompt).
 
     Attributes:
         prompt: module -> (k, v), (B, Hkv, S_local, D): this rank's shard of the prompt.
-        tail: module -> (k, v), (B, Hkv, t, D): the generated tokens (kept by every rank,
-            attended to on cp rank 0 only).
+        tail: module -> (k, v), (B, Hkv, t, D): the generated tokens (attended to on cp rank 0).
         decoding: False while the prompt runs (keys are recorded), True afterwards.
     """
 
@@ -65,20 +52,10 @@ class KVShards:
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """Attention of a new token's query over every key of the sequence so far, computed in
-        the dtype the prompt's keys were kept in (the prefill's compute dtype).
-
-        Args:
-            module: the attention module (which layer's keys to use).
-            query: (B, Hq, 1, D) the new token's query (RoPE at its global position).
-            key, value: (B, Hkv, 1, D) the new token's key and value.
-            scale: softmax scale (None: 1 / sqrt(D)).
-
-        Returns:
-            (B, 1, Hq, D) the attention output, identical on every rank of the group.
-        """
-        from lctrain_kernels.blocks import block_forward
-        from lctrain_kernels.masks import MaskSpec
+        """Attention of a new token's query (B, Hq, 1, D) over every key so far, with its key
+        and value (B, Hkv, 1, D), in the prompt keys' dtype; ``module`` says which layer.
+        Returns (B, 1, Hq, D), the same on every rank of the group."""
+        from lctrain_kernels.api import MaskSpec, block_forward
 
         keys, values = self.prompt[module]  # (B, Hkv, S_local, D)
         query, key, value = query.to(keys.dtype), key.to(keys.dtype), value.to(keys.dtype)
@@ -103,9 +80,8 @@ class KVShards:
 
 
 def _merged(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attentions of the same query over disjoint keys, combined through their lse in
-    float32 (`lctrain_kernels.combine.merge`; tiny tensors, plain torch ops)."""
-    from lctrain_kernels.combine import merge
+    """Partial attentions of the same query over disjoint keys, merged in float32."""
+    from lctrain_kernels.api import merge
 
     out, lse = parts[0][0].float(), parts[0][1].float()
     for other, other_lse in parts[1:]:
@@ -139,11 +115,8 @@ def eval_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
 
 def register_eval_attention() -> str:
-    """Register ``lctrain_eval`` in transformers' AttentionInterface (idempotent).
-
-    Returns:
-        The name to pass as ``attn_implementation``.
-    """
+    """Register ``lctrain_eval`` in transformers' AttentionInterface (idempotent); returns the
+    name to pass as ``attn_implementation``."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, eval_attention)
@@ -195,7 +168,7 @@ def generate(module: torch.nn.Module, prompt: list[int], steps: int, *, cp, acce
     kv = KVShards(group)
     tokens, kept = [], []
     with torch.no_grad():
-        with cp.session(shard), accelerator.autocast():
+        with accelerator.autocast():
             logits = module(shard.input_ids, shard.position_ids, cp_context=cp.context(shard),
                             kv=kv, at=length - 1)  # (1, V), zeros where L-1 is not held
         if group is not None:

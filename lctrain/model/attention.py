@@ -1,19 +1,12 @@
 """The "lctrain" attention for transformers models, registered through `AttentionInterface`.
 
-A transformers model calls its attention function with query (B, Hq, S, D) and key/value
-(B, Hkv, S, D) after RoPE, with K/V heads NOT repeated. This module swaps that function for
-lctrain's kernels without touching any private transformers code:
-
-- the model is built (or switched) with ``attn_implementation="lctrain"``;
-- each forward call passes ``cp_context=CPContext(...)`` as a keyword argument of the model
-  call; transformers forwards unknown keyword arguments down to every attention call;
-- with a context whose group spans several ranks, every rank holds only its shard of the
-  sequence (in the schedule's layout) and `lctrain_kernels.dist_attention` computes exact causal
-  attention over the whole sequence; without a context, plain local causal attention runs.
-
-The model never learns that it is parallel: the context travels with the call, not in globals.
-Position ids must be the GLOBAL ones of each token (the loop passes them); transformers would
-otherwise number every shard from 0.
+A model built with ``attn_implementation="lctrain"`` calls `lctrain_attention` with q (B, Hq, S,
+D) and k, v (B, Hkv, S, D) after RoPE, K/V heads not repeated. The call's ``cp_context=
+CPContext(...)`` keyword (transformers passes unknown keywords down to every attention call)
+says how it is distributed: with a group of several ranks each holds its shard of the sequence
+(in the schedule's layout) and `lctrain_kernels.dist_attention` computes exact causal attention
+over the whole sequence; without one, local causal attention runs. The context travels with
+the call, not in globals; position ids must be the GLOBAL ones of each token.
 """
 from __future__ import annotations
 
@@ -33,14 +26,11 @@ class CPContext:
 
     Attributes:
         group: the context-parallel process group (None or size 1: local attention).
-        cu_seqlens: document boundaries as GLOBAL positions (0, ..., seq_len), identical on every
-            rank of the group, or None for one causal sequence per row.
-        schedule: distributed schedule kind ("distflash", "ring", "zigzag"); the shards must be
-            in that schedule's layout. (torch's own ring, the ``context_parallel`` peer, runs
-            through its own attention function: `lctrain.parallel.torch_cp`.)
+        cu_seqlens: GLOBAL document bounds (0, ..., seq_len), the same on every rank; None: one
+            causal sequence per row.
+        schedule: the distributed schedule; the shards are in its layout.
         backend: local attention backend name ("auto", "reference", "triton", ...).
-        head_groups: run the heads in this many groups one after the other (a divisor of the
-            key/value heads), which bounds the attention's buffers; same results.
+        head_groups: heads run in this many groups one after the other (bounds the buffers).
     """
 
     group: Any = None
@@ -57,22 +47,18 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers attention function backed by lctrain_kernels.
 
     Args:
-        module: the calling attention module (only checked for unsupported features).
-        query: (B, Hq, S_local, D), RoPE applied.
-        key, value: (B, Hkv, S_local, D), RoPE applied to key, heads not repeated.
-        attention_mask: must be None: causality and documents come from the kernel and
-            ``cp_context.cu_seqlens``.
-        scaling: softmax scale (default 1/sqrt(D)).
-        dropout: must be 0.
+        module: the calling attention module (checked for unsupported features).
+        query: (B, Hq, S_local, D); key, value: (B, Hkv, S_local, D); RoPE applied.
+        attention_mask: must be None (causality and documents come from the kernel).
+        scaling: softmax scale (default 1/sqrt(D)); dropout: must be 0.
         **kwargs: ``cp_context`` (a `CPContext`) when the call is distributed or has documents.
 
     Returns:
         (out (B, S_local, Hq, D), None).
 
     Raises:
-        ConfigError: the call asks for more than exact causal attention (dropout, a window
-            shorter than the sequence, soft-capping, sinks, a bias, an explicit mask, ...);
-            `lctrain.model.features` names the setting.
+        ConfigError: the call asks for more than exact causal attention
+            (`lctrain.model.features` names the setting).
     """
     import lctrain_kernels
 
@@ -99,13 +85,8 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def checked_inputs(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
                    kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What every attention function lctrain registers does first: refuse what it cannot honour,
-    then bring q, k, v to the one dtype attention computes in.
-
-    Raises:
-        ConfigError: the call asks for more than exact causal attention
-            (`lctrain.model.features.check_attention_call` names the setting).
-    """
+    """Refuse what lctrain's attention cannot honour (ConfigError), then bring q, k, v to the
+    one dtype attention computes in."""
     check_attention_call(module, query, value, attention_mask, dropout, kwargs,
                          global_len(query.shape[2], kwargs.get("cp_context")))
     return _one_dtype(query, key, value)
@@ -113,13 +94,8 @@ def checked_inputs(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
 def _one_dtype(query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v in the dtype attention computes in, as SDPA does under autocast.
-
-    With float32 parameters under bf16 autocast, the projections come out in bf16 but RoPE
-    multiplies q and k by float32 cos/sin, so q and k arrive in float32 and v in bf16. Under
-    autocast all three go to the autocast dtype (what autocast does to SDPA); otherwise
-    mismatched inputs meet in their promoted dtype.
-    """
+    """q, k, v in the autocast dtype under autocast (as autocast does to SDPA: RoPE's float32
+    tables make q and k float32 there), else in their promoted dtype."""
     device = query.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -138,11 +114,8 @@ def global_len(local_len: int, ctx: CPContext | None) -> int:
 
 
 def register_attention() -> str:
-    """Register the "lctrain" attention in transformers' AttentionInterface (idempotent).
-
-    Returns:
-        The name to pass as ``attn_implementation``.
-    """
+    """Register the "lctrain" attention in transformers' AttentionInterface (idempotent);
+    returns the name to pass as ``attn_implementation``."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, lctrain_attention)

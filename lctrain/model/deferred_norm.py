@@ -1,16 +1,11 @@
 """A decoder layer's norm whose work moves into the module that reads its output.
 
-In a Llama-family layer each RMSNorm's output is a (tokens × hidden) tensor that exists only to
-feed the next module (the attention block, or the MLP), and that module keeps it for its
-backward. When the next module runs the norm itself — the MLP's tiles
-(`lctrain.parallel.tiling`), or the attention block whose projections run in head groups
-(`lctrain.model.grouped_attention`) — it keeps the norm's input instead, a tensor the layer
-holds anyway, and recomputes the norm in its backward. The norm then has nothing left to do in
-the layer's own forward: `DeferredNorm` stands in its place and passes its input through.
-
-Its parameters stay where they were (``input_layernorm.weight`` reads the same in names, state
-dicts and distributed checkpoints; it is a torch ``ActivationWrapper``), and FSDP2 and optimizers
-see the same tensors; the consuming module passes them through its own backward.
+Each RMSNorm's output exists only to feed the next module, which keeps it for its backward. When
+that module runs the norm itself (the MLP's tiles, `lctrain.parallel.tiling`; the grouped
+attention block, `lctrain.model.grouped_attention`) it keeps the norm's input instead, a tensor
+the layer holds anyway, and recomputes the norm in its backward; `DeferredNorm` stands in the
+norm's place and passes its input through. Its parameters stay where they were (a torch
+``ActivationWrapper``: the same names, state dicts and checkpoints).
 """
 from __future__ import annotations
 
@@ -31,8 +26,8 @@ class DeferredNorm(ActivationWrapper):
 
 
 def bare(module: nn.Module) -> nn.Module:
-    """``module`` without any wrapper of torch's ``ActivationWrapper`` kind around it (tiles,
-    deferral, checkpointing)."""
+    """``module`` without the ``ActivationWrapper`` layers around it (tiles, deferral,
+    checkpointing)."""
     while isinstance(module, ActivationWrapper):
         module = module._checkpoint_wrapped_module
     return module

@@ -1,10 +1,5 @@
-"""What a number was measured with: package versions, CUDA, driver and GPUs.
-
-``lctrain --version`` prints :func:`describe` of :func:`environment`; every benchmark result
-carries the same dict in its ``meta["machine"]``, and every training run prints it in its
-banner and writes it to ``environment.json`` in the run folder (:func:`record_run`), so a
-figure can always be traced to the software and hardware that produced it.
-"""
+"""What a number was measured with: package versions, CUDA, driver and GPUs — printed by
+``lctrain --version``, kept in every bench result and in every run's environment.json."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -44,18 +39,11 @@ def _driver() -> str | None:
 
 
 def environment() -> dict:
-    """Versions and hardware of this machine.
-
-    Returns:
-        ``{"lctrain", "torch", "triton", "transformers", "accelerate", "datasets",
-        "nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl", "python", "cuda",
-        "cudnn", "driver", "gpus", "gpu", "date"}``;
-        a package that is not installed, or CUDA, cuDNN and the driver on a machine without a
-        GPU, are None.
-    """
+    """Versions of the packages (None when not installed), python, CUDA, cuDNN, driver (None
+    without a GPU), the GPUs and the date."""
     import torch
 
-    from lctrain_kernels.backends.cudnn_ragged import dotted_version
+    from lctrain_kernels.api import dotted_version
 
     info: dict = {name: _version(name) for name in _PACKAGES}
     info["torch"] = torch.__version__  # the build tag (+cu130, +cpu) matters
@@ -105,11 +93,10 @@ def one_line(info: dict) -> str:
 
 
 def _ready(name: str) -> bool:
-    """Whether the backend ``name`` (flash_attn_cute or cudnn_ragged, which auto runs first
-    where they are ready) loads and can run on this process's GPU (its own rule)."""
+    """Whether the attention backend ``name`` loads and can run on this process's GPU."""
     import torch
 
-    from lctrain_kernels.backends import BackendUnavailable, get_backend
+    from lctrain_kernels.api import BackendUnavailable, get_backend
     try:
         backend = get_backend(name)
     except BackendUnavailable:
@@ -119,16 +106,7 @@ def _ready(name: str) -> bool:
 
 def one_time_costs(device_type: str, attention_backend: str,
                    document_mask: bool = False) -> list[str]:
-    """What the first training steps spend once, to be named before it happens.
-
-    Args:
-        device_type: "cuda" or "cpu".
-        attention_backend: the recipe's parallel.attention_backend.
-        document_mask: the recipe's data.document_mask (masked blocks run other kernels).
-
-    Returns:
-        Sentences (possibly none).
-    """
+    """What the first training steps spend once, as sentences to print before it happens."""
     if device_type != "cuda":
         return []
     costs = []
@@ -150,19 +128,8 @@ def one_time_costs(device_type: str, attention_backend: str,
 
 def record_run(output_dir: str | Path, device_type: str, attention_backend: str,
                document_mask: bool = False) -> str:
-    """Write ``environment.json`` into a run folder and return the banner's lines about it.
-
-    Called by rank 0 of a training run, next to the run's banner.
-
-    Args:
-        output_dir: the run folder (created if missing).
-        device_type: "cuda" or "cpu".
-        attention_backend: the recipe's parallel.attention_backend.
-        document_mask: the recipe's data.document_mask.
-
-    Returns:
-        Text to print: the versions in one line, then the one-time costs of the first steps.
-    """
+    """Write ``environment.json`` into the run folder; return the banner's lines: the versions,
+    then the one-time costs of the first steps."""
     info = environment()
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,47 +1,27 @@
-"""Local attention backends and the rule that picks one.
+"""Local attention backends, the rule that picks one, and the entry points of one block.
 
-A backend computes one attention block (see :mod:`lctrain_kernels.masks`) and its backward,
-following the :class:`~lctrain_kernels.backends.base.Backend` protocol::
+A backend computes one block (:mod:`lctrain_kernels.masks`) and its backward, following
+:class:`~lctrain_kernels.backends.base.Backend`. By name (``vocabulary.BACKENDS``):
 
-    name: str
-    unsupported(q, k, v, spec, relation) -> str | None   # None = can run it, else why not
-    forward(q, k, v, spec, relation, scale) -> (out, lse)
-    backward(do, q, k, v, out, lse, spec, relation, scale, dlse=None) -> (dq, dk, dv)
+    reference        plain torch in float32, any mask, any device (the oracle; CPU path)
+    cpu_flash        torch's CPU flash op; FULL/CAUSAL blocks
+    cudnn            torch's cuDNN SDPA op; CUDA, fp16/bf16, FULL/CAUSAL blocks
+    triton           lctrain's Triton kernels; every relation, documents skip tiles
+    cudnn_ragged     cuDNN's ragged attention through nvidia-cudnn-frontend; every relation,
+                     each document's piece one batch entry read in place (Hopper or newer)
+    flash_attn_cute  FlashAttention 4 (flash-attn-4), when installed: the same pieces as varlen
+                     entries (Hopper or newer)
 
-Backends by name (``lctrain_kernels.vocabulary.BACKENDS``; each module is imported only when
-first asked for):
+"auto" takes the first of an order that loads and accepts the block, fastest first as measured
+on H100/H200 (``lctrain bench kernel``): on CUDA, FULL/CAUSAL fp16/bf16 blocks go to
+flash_attn_cute > cudnn > triton > reference, masked ones (documents, offset diagonals) and
+float32 ones to flash_attn_cute > cudnn_ragged > triton > reference; on a CPU cpu_flash >
+reference for FULL/CAUSAL blocks, reference otherwise. A backend named explicitly is never
+swapped: if it cannot run the block, :class:`BackendUnavailable` says why.
 
-    reference   plain torch, float32 math, any mask, any device (the oracle; CPU path)
-    cudnn       torch's cuDNN SDPA op with log-sum-exp; CUDA, fp16/bf16, FULL/CAUSAL
-    flash       torch's built-in FlashAttention-2 op; CUDA, fp16/bf16, FULL/CAUSAL
-    flash_attn  the flash-attn package, if installed; CUDA, fp16/bf16, FULL/CAUSAL
-    triton      lctrain's own Triton kernels; every relation (document masks skip tiles)
-    cpu_flash   torch's CPU flash-attention op; CPU, FULL/CAUSAL (about 2x the reference)
-    cudnn_ragged  cuDNN's ragged (THD) attention through nvidia-cudnn-frontend: each
-                document's piece of a block is one batch entry, read and written in place;
-                CUDA (Hopper or newer), fp16/bf16, every relation (lctrain_kernels.ragged)
-    flash_attn_cute  FlashAttention 4 (the flash-attn-4 package), if installed: the same
-                in-place pieces as varlen batch entries, dense blocks as one entry per row;
-                CUDA (Hopper or newer), fp16/bf16, every relation
-
-The "auto" rule (:func:`select_backend`), first one that is available and supports the block:
-
-* CUDA, FULL or CAUSAL block, fp16/bf16: flash_attn_cute > cudnn > triton > flash >
-  flash_attn > reference, fastest first as measured on H100/H200 (``lctrain bench kernel``,
-  README "Performance"); flash_attn_cute only where FlashAttention 4 is installed.
-* CUDA, PARTIAL block (documents, an offset diagonal): flash_attn_cute > cudnn_ragged >
-  triton > reference. Both ragged backends ran every document mix measured faster than
-  triton, flash_attn_cute faster than cudnn_ragged on every mix (``lctrain bench kernel
-  --documents``, docs/performance.md). cudnn_ragged's plans are built for the batch size and
-  longest document rounded up to powers of two, so the first steps of a run build them all
-  and later rows reuse them. float32 blocks, a GPU neither ragged backward is tested on, or
-  a run with torch.use_deterministic_algorithms on go to triton.
-* CPU: cpu_flash > reference for FULL/CAUSAL blocks, reference for PARTIAL ones (the CPU op
-  takes a mask only as an additive tensor of the inputs' dtype, and the Triton interpreter is
-  correct but orders of magnitude slower).
-
-A backend named explicitly is never swapped for another: if it cannot run the block,
-:class:`BackendUnavailable` says why.
+:func:`block_forward` and :func:`block_backward` classify a block, skip it when EMPTY (before
+any backend is chosen, so callers also skip what would have fed it) and run the backend; the
+backward takes the row's FINAL (merged) output and lse, so the blocks' gradients add up.
 """
 from __future__ import annotations
 
@@ -50,24 +30,25 @@ import importlib
 import torch
 
 from lctrain_kernels.backends.base import Backend, BackendUnavailable
-from lctrain_kernels.masks import MaskSpec, Relation
+from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.vocabulary import BACKENDS
 
-__all__ = ["Backend", "BackendUnavailable", "available_backends", "backend_names",
-           "check_backend_name", "get_backend", "select_backend"]
+__all__ = ["Backend", "BackendUnavailable", "auto_order", "available_backends", "backend_names",
+           "block_backward", "block_forward", "check_backend_name", "get_backend",
+           "select_backend"]
 
-_DENSE_CUDA_ORDER = ("flash_attn_cute", "cudnn", "triton", "flash", "flash_attn", "reference")
+_DENSE_CUDA_ORDER = ("flash_attn_cute", "cudnn", "triton", "reference")
 _MASKED_CUDA_ORDER = ("flash_attn_cute", "cudnn_ragged", "triton", "reference")
 _DENSE_CPU_ORDER = ("cpu_flash", "reference")
 
 
 def backend_names() -> list[str]:
-    """Every backend name lctrain knows, installed or not."""
+    """Every backend name, installed or not."""
     return list(BACKENDS)
 
 
 def check_backend_name(name: str) -> str:
-    """Return ``name`` if it is "auto" or a known backend (installed or not).
+    """Return ``name`` if it is "auto" or a known backend.
 
     Raises:
         BackendUnavailable: an unknown name.
@@ -81,15 +62,8 @@ def check_backend_name(name: str) -> str:
 def get_backend(name: str) -> Backend:
     """The backend called ``name``, ready to use.
 
-    Args:
-        name: one of :func:`backend_names`.
-
-    Returns:
-        An object following the Backend protocol.
-
     Raises:
-        BackendUnavailable: if the name is unknown, or the backend cannot load on this
-            machine (the message says why and how to fix it).
+        BackendUnavailable: an unknown name, or a backend that cannot load here (why, and the fix).
     """
     if check_backend_name(name) == "auto":
         raise BackendUnavailable("'auto' is a rule, not a backend; ask select_backend for the "
@@ -107,7 +81,7 @@ def get_backend(name: str) -> Backend:
 
 
 def available_backends() -> list[str]:
-    """Names of the backends that load on this machine (each may still refuse some blocks)."""
+    """Names of the backends that load here (each may still refuse some blocks)."""
     names = []
     for name in BACKENDS:
         try:
@@ -119,42 +93,21 @@ def available_backends() -> list[str]:
 
 
 def auto_order(device_type: str, dtype: torch.dtype, relation: Relation) -> tuple[str, ...]:
-    """The backends "auto" tries, in order, for a block (the rule of the module docstring).
-
-    Args:
-        device_type: the tensors' device type ("cuda", "cpu", ...).
-        dtype: the inputs' dtype.
-        relation: the block's relation (not EMPTY).
-
-    Returns:
-        Backend names, best first; the first that loads and supports the block runs it.
-    """
+    """The backends "auto" tries for a (non-EMPTY) block, best first (module docstring)."""
     dense = relation in (Relation.FULL, Relation.CAUSAL)
     if device_type != "cuda":
         return _DENSE_CPU_ORDER if dense and device_type == "cpu" else ("reference",)
-    half = dtype in (torch.float16, torch.bfloat16)
-    if dense and half:
+    if dense and dtype in (torch.float16, torch.bfloat16):
         return _DENSE_CUDA_ORDER
     return _MASKED_CUDA_ORDER
 
 
 def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation) -> Backend:
-    """The backend that will compute this block (the "auto" rule is in the module docstring).
-
-    Args:
-        name: "auto", a backend name, or a Backend object.
-        q: (B, Sq, Hq, D) queries of the block.
-        k: (B, Sk, Hkv, D) keys.
-        v: (B, Sk, Hkv, D) values.
-        spec: the block's mask.
-        relation: ``classify(spec, Sq, Sk)``; never EMPTY here.
-
-    Returns:
-        A Backend object that supports the block.
+    """The backend that computes a block of q (B, Sq, Hq, D) against k, v (B, Sk, Hkv, D) under
+    ``spec`` (``relation`` never EMPTY): ``name`` ("auto", a name, or a Backend object).
 
     Raises:
-        BackendUnavailable: if the named backend cannot load or cannot run this block, or (for
-            "auto") if no backend can.
+        BackendUnavailable: the backend cannot load or run this block, or none can ("auto").
     """
     if not isinstance(name, str):
         backend, name = name, getattr(name, "name", type(name).__name__)
@@ -162,8 +115,7 @@ def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation) -> Backend
         backend = get_backend(name)
     else:
         reasons = []
-        order = auto_order(q.device.type, q.dtype, relation)
-        for candidate in order:
+        for candidate in auto_order(q.device.type, q.dtype, relation):
             try:
                 backend = get_backend(candidate)
             except BackendUnavailable as exc:
@@ -180,3 +132,38 @@ def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation) -> Backend
         raise BackendUnavailable(f"the {name} backend cannot run this {relation.value} "
                                  f"attention block: {reason}")
     return backend
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
+                  scale: float, backend="auto") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention of one block, q (B, Sq, Hq, D) against k, v (B, Sk, Hkv, D) at the global
+    positions of ``spec``, with ``backend`` ("auto", a name, or a Backend object).
+
+    Returns:
+        ``(out (B, Sq, Hq, D), lse (B, Hq, Sq) float32)``, or None if nothing is visible.
+
+    Raises:
+        BackendUnavailable: the backend cannot run this block.
+    """
+    relation = classify(spec, q.shape[1], k.shape[1])
+    if relation is Relation.EMPTY:
+        return None
+    chosen = select_backend(backend, q, k, v, spec, relation)
+    return chosen.forward(q, k, v, spec, relation, scale)
+
+
+def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, spec: MaskSpec, *, scale: float,
+                   backend="auto", dlse: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Gradients ``(dq, dk, dv)`` of one block from the FINAL (merged) out and lse of its rows
+    and the lse's gradient ``dlse`` when a loss uses it; None if the block is EMPTY.
+
+    Raises:
+        BackendUnavailable: the backend cannot run this block.
+    """
+    relation = classify(spec, q.shape[1], k.shape[1])
+    if relation is Relation.EMPTY:
+        return None
+    chosen = select_backend(backend, q, k, v, spec, relation)
+    return chosen.backward(do, q, k, v, out, lse, spec, relation, scale, dlse=dlse)

@@ -1,21 +1,16 @@
 """What a local attention backend is: the :class:`Backend` protocol, and its error.
 
-A backend computes one attention *block* — queries against keys, both at given global positions
-(a :class:`~lctrain_kernels.masks.MaskSpec`) — and that block's backward. Layout everywhere:
-q ``(B, Sq, Hq, D)``, k and v ``(B, Sk, Hkv, D)`` with ``Hq % Hkv == 0``; lse ``(B, Hq, Sq)``
-float32 (float64 for float64 inputs), natural log. A query row that sees no key gets out = 0
-and lse = -inf.
-
-The backward takes the FINAL (merged) out and lse of the block's query rows, and the gradient
-of that lse when a loss uses it. ``lse_i = log sum_j exp(s_ij)`` gives ``d lse_i / d s_ij =
-P_ij``, so a gradient ``dlse`` only moves the ``delta`` of the flash backward::
+Layouts: q ``(B, Sq, Hq, D)``, k and v ``(B, Sk, Hkv, D)`` with ``Hq % Hkv == 0``; lse
+``(B, Hq, Sq)`` float32 (float64 for float64 inputs), natural log; a row that sees no key gets
+out = 0 and lse = -inf. The backward takes the FINAL (merged) out and lse of the block's rows and
+the lse's gradient when a loss uses it. Since ``d lse_i / d s_ij = P_ij``, that gradient only
+moves the flash backward's ``delta``::
 
     dS = P * (dP - delta)      with   delta = rowsum(dO * O) - dlse
 
-Kernels whose backward computes ``delta`` themselves (torch's SDPA ops, flash-attn) cannot take
-that; :class:`UnitValueLseGrad` gives them the same gradient from one more ordinary backward,
-run only when ``dlse`` is given: with ``dO_i = dlse_i e_0``, ``V_j = e_0`` and ``O = 0``,
-``dP_ij = dlse_i`` and ``delta = 0``, so its ``dS`` is exactly ``P * dlse``.
+Kernels that compute ``delta`` themselves (torch's SDPA ops, cuDNN, FlashAttention 4) get it
+from one more ordinary backward (:class:`UnitValueLseGrad`): with ``dO_i = dlse_i e_0``,
+``V_j = e_0`` and ``O = 0``, ``dP_ij = dlse_i`` and ``delta = 0``, so its ``dS`` is ``P * dlse``.
 """
 from __future__ import annotations
 
@@ -34,10 +29,9 @@ class BackendUnavailable(RuntimeError):
 
 @runtime_checkable
 class Backend(Protocol):
-    """A local attention backend (see the module docstring for layouts and the lse gradient)."""
+    """A local attention backend (module docstring)."""
 
     name: str
-    """The name it is registered under (``lctrain_kernels.vocabulary.BACKENDS``)."""
 
     def unsupported(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec,
                     relation: Relation) -> str | None:
@@ -45,14 +39,12 @@ class Backend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec,
                 relation: Relation, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out in q.dtype, lse). Never called with Relation.EMPTY."""
+        """(out in q.dtype, lse); never called with Relation.EMPTY."""
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, spec: MaskSpec, relation: Relation,
                  scale: float, dlse: torch.Tensor | None = None) -> Grads:
-        """dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) summed over each GQA group, in the
-        inputs' dtype or float32. ``out``, ``lse`` are the final ones of these query rows;
-        ``dlse`` (B, Hq, Sq), when given, is the gradient of that lse."""
+        """(dq, dk, dv), dk and dv summed over each GQA group, in the inputs' dtype or float32."""
 
 
 def _widen(x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +53,7 @@ def _widen(x: torch.Tensor) -> torch.Tensor:
 
 class UnitValueLseGrad:
     """Base of the backends whose kernels take no lse gradient: ``backward`` runs
-    :meth:`grads` and, when ``dlse`` is given, one more with unit values (module docstring)."""
+    :meth:`grads`, and with ``dlse`` one more with unit values (module docstring)."""
 
     def grads(self, do, q, k, v, out, lse, spec: MaskSpec, relation: Relation,
               scale: float) -> Grads:
@@ -70,8 +62,7 @@ class UnitValueLseGrad:
 
     def backward(self, do, q, k, v, out, lse, spec: MaskSpec, relation: Relation, scale: float,
                  dlse: torch.Tensor | None = None) -> Grads:
-        """See :meth:`Backend.backward`; with ``dlse``, dq and dk come back in float32 (or
-        float64) since they are sums of two backwards."""
+        """See :meth:`Backend.backward`; with ``dlse``, dq and dk come back in float32."""
         dq, dk, dv = self.grads(do, q, k, v, out, lse, spec, relation, scale)
         if dlse is None:
             return dq, dk, dv
@@ -82,3 +73,14 @@ class UnitValueLseGrad:
         lq, lk, _ = self.grads(do_unit, q, k, v_unit, torch.zeros_like(q), lse, spec, relation,
                                scale)
         return _widen(dq) + lq, _widen(dk) + lk, dv
+
+
+def half_head_dim_reason(name: str, q, max_dim: int) -> str | None:
+    """Why a CUDA kernel of fp16/bf16 inputs and head dims a multiple of 8 up to ``max_dim``
+    refuses these queries (None: it takes them)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the {name} backend takes float16 or bfloat16, not {q.dtype}."
+    d = q.shape[-1]
+    if d % 8 or d > max_dim:
+        return f"the {name} backend needs head_dim a multiple of 8 up to {max_dim}, not {d}."
+    return None

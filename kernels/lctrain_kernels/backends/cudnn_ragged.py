@@ -1,28 +1,20 @@
-"""The cudnn_ragged backend: document-masked blocks on cuDNN's ragged (THD) attention.
+"""The cudnn_ragged backend: masked blocks on cuDNN's ragged (THD) attention.
 
-Each block becomes one or two ragged calls (:mod:`lctrain_kernels.ragged`): every document's
-piece is a batch entry that cuDNN reads and writes in place through per-entry element offsets
-and lengths, so a packed block runs its visible work on cuDNN's fused kernels, with no copies.
-The graphs are built with ``nvidia-cudnn-frontend`` (``pip install nvidia-cudnn-frontend``)
-on the libcudnn that torch loaded, and cached by what they are compiled for: direction,
-causal or not, batch and longest entry rounded up to powers of two, the block's rows, heads,
-head dim, dtype, scale, the tensors' token strides and the device. Lengths and offsets are
-data, so the plans built in a run's first steps serve every later mix of documents.
-
-Contract kept for cuDNN: q/k/v keep their heads packed in each token, in the forward with any
-token stride (e.g. a head-group slice), in the backward one after the other; the statistics
-are token-major float32 ``(T, Hq)``, which cuDNN reads and writes ragged in both directions on
-Hopper; dK/dV come back summed per GQA group.
-cuDNN computes the backward's ``delta`` itself, so a gradient of the lse takes one more
-backward (``backends.base.UnitValueLseGrad``). Limits: CUDA with compute capability 9.0 or
-newer, cuDNN 9.19 or newer (:data:`MIN_CUDNN`), fp16/bf16, head_dim a multiple of 8 up to 128.
+Each block is one or two ragged calls (:mod:`lctrain_kernels.ragged`), each document's piece a
+batch entry cuDNN reads and writes in place through per-entry element offsets and lengths. The
+graphs are built with ``nvidia-cudnn-frontend`` on the libcudnn torch loaded, and cached by what
+they are compiled for (direction, causal, batch and longest entry rounded up to powers of two,
+rows, heads, head dim, dtype, scale, token strides, device), so a run's first steps build every
+plan it needs. Contract kept for cuDNN: heads packed in each token (any token stride in the
+forward, packed in the backward), token-major float32 statistics ``(T, Hq)``, dK/dV summed per
+GQA group. Limits: compute capability 9.0+, cuDNN 9.19+ (:data:`MIN_CUDNN`), fp16/bf16,
+head_dim a multiple of 8 up to 128.
 """
 from __future__ import annotations
 
 import torch
 
-from lctrain_kernels.backends.base import BackendUnavailable
-from lctrain_kernels.backends.sdpa import half_head_dim_reason
+from lctrain_kernels.backends.base import BackendUnavailable, half_head_dim_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 from lctrain_kernels.ragged import RaggedBackend, RaggedCall, bucket
 
@@ -65,10 +57,8 @@ def _rows_layout(x: torch.Tensor) -> torch.Tensor:
 
 
 def _compact(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with its tokens packed one after the other (a copy for a head-group slice): in
-    the ragged backward cuDNN computed dK and dV wrong from a Q or K/V with a wider token
-    stride than their gradients (forward and dQ were right), so the backward gives it
-    tensors of one layout."""
+    """``x`` with its tokens packed (a copy for a head-group slice): cuDNN's ragged backward
+    computed dK and dV wrong from inputs with a wider token stride than their gradients."""
     return x if x.stride(1) == x.shape[2] * x.shape[3] and _token_stride(x) else x.contiguous()
 
 
@@ -189,10 +179,9 @@ class CudnnEngine:
         self._columns: dict[tuple, tuple] = {}  # (call, device, shapes) -> device columns
 
     def _columns_for(self, call: RaggedCall, q, k, strides: tuple[int, int, int]) -> dict:
-        """Lengths and element offsets of a call's entries on the device, by uid; cached, as
-        every layer of a step runs the same blocks; ``strides`` are q's, k's and v's token
-        strides. Each use is recorded on the current stream, so an entry dropped from the
-        cache is not reused while a kernel reads it."""
+        """Lengths and element offsets of a call's entries on the device, by uid (``strides``:
+        q's, k's, v's token strides); cached, as every layer runs the same blocks, and recorded
+        on the current stream, so an entry dropped from the cache is not reused in flight."""
         hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
         key = (call, q.device, hq, hkv, d, strides)
         if key not in self._columns:
@@ -244,8 +233,7 @@ _ENGINE: list[CudnnEngine] = []
 
 
 def _engine() -> CudnnEngine:
-    """The process's one engine: its graphs and handles serve every backend object (the
-    backend registry builds a new object per lookup)."""
+    """The process's one engine (the registry builds a new backend object per lookup)."""
     if not _ENGINE:
         _ENGINE.append(CudnnEngine())
     return _ENGINE[0]
@@ -263,8 +251,7 @@ class CudnnRaggedBackend(RaggedBackend):
         super().__init__(_engine())
 
     def setup_reason(self, device: torch.device) -> str | None:
-        """None if this process can run the backend on ``device`` at all, else why not (the
-        GPU, the cuDNN torch loaded, torch's deterministic mode)."""
+        """None if this process can run the backend on ``device`` at all, else why not."""
         if torch.are_deterministic_algorithms_enabled():
             return ("the cudnn_ragged backend's backward is not guaranteed to be deterministic, "
                     "and torch.use_deterministic_algorithms is on; use triton, whose kernels are.")

@@ -1,32 +1,26 @@
 """The flash_attn_cute backend: FlashAttention 4's CuTe kernels for every block, dense or not.
 
-FlashAttention 4 (the ``flash-attn-4`` package, kernels written in NVIDIA's CUTLASS DSL for
-Hopper and Blackwell) runs variable-length batches: entry ``b`` starts at row
-``cu_seqlens[b]`` and is ``seqused[b]`` rows long, so every dense piece of a block
-(:mod:`lctrain_kernels.ragged`: one batch entry per document piece) is read and written where
-it lies, as on cuDNN's ragged attention, and a dense block is a batch of one entry per row.
-
-FlashAttention aligns its causal mask to the bottom-right corner of each entry; lctrain's
-pieces are top-left triangles. They agree on square entries. A causal piece with more query
-rows than keys (a block cut by key rows, the last document of a diagonal block) is the local
-mask ``j <= i + (sk - sq) + right`` with ``right = sq - sk``, no left bound: the same triangle.
-So a causal call runs as one causal launch for its square entries and one local launch per
-other shape (:func:`launches`).
-
-Its statistics are head-major ``(Hq, T)`` float32; the ragged contract's are token-major, so
-each launch reads and writes a head-major copy. The backward computes ``delta`` itself, so a
-gradient of the lse takes one more backward (``backends.base.UnitValueLseGrad``). Limits:
-CUDA with compute capability 9.0 or newer, fp16/bf16, head_dim a multiple of 8 up to 256,
-torch's deterministic mode off.
+FlashAttention 4 (the ``flash-attn-4`` package, written in NVIDIA's CuTe DSL) runs varlen batches:
+entry ``b`` starts at row ``cu_seqlens[b]`` and is ``seqused[b]`` rows long, so every piece of a
+block (:mod:`lctrain_kernels.ragged`) is read and written where it lies, and a dense block is a
+batch of one entry per row. Its causal mask is aligned to the bottom-right corner of an entry,
+lctrain's pieces are top-left triangles: they agree on square entries, and a piece with more
+query rows than keys is the local mask ``j <= i + (sk - sq) + right`` with ``right = sq - sk``.
+So a causal call runs as one causal launch for its square entries and one windowed launch per
+other shape (:func:`launches`). Its statistics are head-major ``(Hq, T)``; each launch reads
+and writes a head-major copy. Limits: compute capability 9.0+, fp16/bf16, head_dim a multiple
+of 8 up to 256, torch's deterministic mode off.
 """
 from __future__ import annotations
 
+import contextlib
+import re
+import warnings
 from dataclasses import dataclass
 
 import torch
 
-from lctrain_kernels.backends.base import BackendUnavailable
-from lctrain_kernels.backends.sdpa import half_head_dim_reason
+from lctrain_kernels.backends.base import BackendUnavailable, half_head_dim_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 from lctrain_kernels.ragged import RaggedBackend, RaggedCall
 
@@ -40,6 +34,28 @@ def _load():
             "'lctrain[fa4]'` (flash-attn-4 and NVIDIA's CUTLASS DSL), or pick cudnn or "
             "cudnn_ragged.") from exc
     return interface._flash_attn_fwd, interface._flash_attn_bwd
+
+
+_UNTRACED = re.compile(r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument")
+
+
+@contextlib.contextmanager
+def quiet_dsl():
+    """Drop the CuTe DSL's "Argument aux_data (position N) cannot be converted to a
+    JitArgument ..." warnings while FlashAttention 4 compiles its kernels (one per argument and
+    kernel: dozens a run, about an argument the kernels never read); every other warning is
+    shown as before."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not (issubclass(category, UserWarning) and _UNTRACED.match(str(message))):
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 @dataclass(frozen=True)
@@ -73,17 +89,16 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class CuteEngine:
-    """Runs one :class:`~lctrain_kernels.ragged.RaggedCall` on FlashAttention 4's varlen
-    kernels (the Engine protocol); ``fwd`` and ``bwd`` are its ``_flash_attn_fwd`` and
-    ``_flash_attn_bwd``."""
+    """Runs one :class:`~lctrain_kernels.ragged.RaggedCall` on FlashAttention 4's
+    ``_flash_attn_fwd`` and ``_flash_attn_bwd`` (the Engine protocol)."""
 
     def __init__(self, fwd, bwd):
         self._fwd, self._bwd = fwd, bwd
         self._columns: dict[tuple, tuple[list, dict]] = {}  # (launch, device) -> columns
 
     def _args(self, launch: Launch, device: torch.device) -> dict:
-        """Offsets, lengths and mask arguments of a launch; the device columns are cached, as
-        every layer of a step runs the same blocks."""
+        """Offsets, lengths and mask arguments of a launch; cached, as every layer runs the
+        same blocks."""
         key = (launch, device)
         if key not in self._columns:
             ends = [r + n for r, n in zip(launch.q_rows, launch.q_lens)]
@@ -109,18 +124,20 @@ class CuteEngine:
     def forward(self, call, q, k, v, out, lse_t, scale):
         qf, kf, vf, of = _flat(q), _flat(k), _flat(v), out.view(-1, *out.shape[2:])
         lse_h = lse_t.t().contiguous()  # (Hq, T): rows of other calls keep their values
-        for launch in launches(call):
-            self._fwd(qf, kf, vf, softmax_scale=scale, out=of, lse=lse_h, return_lse=True,
-                      **self._args(launch, q.device))
+        with quiet_dsl():
+            for launch in launches(call):
+                self._fwd(qf, kf, vf, softmax_scale=scale, out=of, lse=lse_h, return_lse=True,
+                          **self._args(launch, q.device))
         lse_t.copy_(lse_h.t())
 
     def backward(self, call, do, q, k, v, out, lse_t, dq, dk, dv, scale):
         lse_h = lse_t.t().contiguous()
         flat = [_flat(x) for x in (q, k, v, out, do)]
         grads = [x.view(-1, *x.shape[2:]) for x in (dq, dk, dv)]
-        for launch in launches(call):
-            self._bwd(*flat, lse_h, softmax_scale=scale, dq=grads[0], dk=grads[1],
-                      dv=grads[2], **self._args(launch, q.device))
+        with quiet_dsl():
+            for launch in launches(call):
+                self._bwd(*flat, lse_h, softmax_scale=scale, dq=grads[0], dk=grads[1],
+                          dv=grads[2], **self._args(launch, q.device))
 
 
 _ENGINE: list[CuteEngine] = []
@@ -137,8 +154,7 @@ class FlashAttnCuteBackend(RaggedBackend):
         super().__init__(_ENGINE[0])
 
     def setup_reason(self, device: torch.device) -> str | None:
-        """None if this process can run the backend on ``device`` at all, else why not (the
-        GPU, torch's deterministic mode)."""
+        """None if this process can run the backend on ``device`` at all, else why not."""
         if torch.are_deterministic_algorithms_enabled():
             return ("the flash_attn_cute backend's backward is not guaranteed to be "
                     "deterministic, and torch.use_deterministic_algorithms is on; use triton.")

@@ -1,9 +1,5 @@
-"""The reference backend: :mod:`lctrain_kernels.reference` behind the Backend protocol.
-
-Runs every relation (FULL, CAUSAL, PARTIAL), every float dtype and every device, with float32
-math (float64 for float64 inputs). It is the correctness oracle of all other backends and the
-path "auto" takes on a CPU.
-"""
+"""The reference backend: :mod:`lctrain_kernels.reference` behind the Backend protocol; every
+relation, float dtype and device, in float32 math (float64 for float64 inputs)."""
 from __future__ import annotations
 
 import torch

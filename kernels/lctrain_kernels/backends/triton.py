@@ -1,14 +1,7 @@
-"""The triton backend: lctrain's own Triton flash attention behind the Backend protocol.
-
-It runs every relation of a block — FULL, CAUSAL and PARTIAL (offset diagonals, packed
-documents) — with masks in global positions, skipping the key tiles no query can see, so
-document-masked blocks cost only their visible work. CUDA tensors of float16 / bfloat16 /
-float32 with head dims 16..256; on a CPU only under ``TRITON_INTERPRET=1`` (tests).
-
-The backward folds a gradient of the lse into the kernels' delta, at no extra cost. The
-launchers are plain functions: ``torch.compile`` sees the whole attention as the one operator
-``torch.ops.lctrain.dist_attention`` that calls this backend.
-"""
+"""The triton backend: lctrain's Triton flash attention (:mod:`lctrain_kernels.triton`) behind the
+Backend protocol. Every relation, masks in global positions with the key tiles no query sees
+skipped; CUDA fp16/bf16/fp32, head dims 16..256 (on a CPU under ``TRITON_INTERPRET=1``). The
+lse's gradient folds into the kernels' delta at no extra cost."""
 from __future__ import annotations
 
 from lctrain_kernels.masks import MaskSpec, Relation

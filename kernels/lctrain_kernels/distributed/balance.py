@@ -1,18 +1,13 @@
 """Balancing packed documents over the ranks: an order of the documents that evens out the work.
 
-A schedule's balance (`Schedule.work_per_rank`) is exact for ONE causal sequence. A packed row
-of documents does less work — only the pairs inside each document — and where the documents
-lie decides which rank does it: with two ranks of the contiguous layout and a 52K document in
-the second half, rank 1 has twice rank 0's work, and every step waits for it.
-
-Attention never crosses a document, and every other part of a decoder layer works token by
-token, so the documents of a row may stand in any order: the losses and gradients are those of
-the original order (only sums are added up in another order). :func:`balanced_order` picks an
-order whose busiest rank has the least work under the schedule's own plan: it counts the
-visible pairs of every block of the plan (:func:`document_work`, exact integers, vectorised
-over the documents), starts from the given order and a few sorted ones, then swaps documents
-while that lowers the maximum, within a fixed number of evaluations. Only host integers are
-involved (the document lengths every rank has), so every rank finds the same order.
+A schedule's balance is exact for one causal sequence; a packed row does only the pairs inside
+each document, and where the documents lie decides which rank does them. Attention never
+crosses a document and the rest of a layer works token by token, so the documents may stand in
+any order with the same losses and gradients (sums added in another order).
+:func:`balanced_order` counts the visible pairs of every block of the schedule's own plan
+(:func:`document_work`, exact integers, vectorised over the documents), starts from the given
+order and a few sorted ones, then swaps documents while that lowers the busiest rank's work,
+within a fixed budget. Host integers only: every rank finds the same order.
 """
 from __future__ import annotations
 
@@ -66,17 +61,8 @@ def _work(regions: tuple[np.ndarray, ...], lengths: np.ndarray, world_size: int)
 
 
 def document_work(lengths, seq_len: int, world_size: int, kind: str = "distflash") -> list[int]:
-    """Causal pairs inside documents that each rank computes under schedule ``kind``.
-
-    Args:
-        lengths: document lengths in sequence order, summing to ``seq_len``.
-        seq_len: the whole sequence (divisible as the schedule's layout needs).
-        world_size: ranks.
-        kind: the schedule ("distflash", "ring", "zigzag").
-
-    Returns:
-        One integer per rank: the visible (query, key) pairs of the blocks it computes.
-    """
+    """The visible causal (query, key) pairs each rank computes under schedule ``kind``, for
+    documents of ``lengths`` (in sequence order, summing to ``seq_len``)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.sum() != seq_len:
         raise ValueError(f"document lengths sum to {int(lengths.sum())}, not {seq_len}")
@@ -91,9 +77,8 @@ def work_balance(lengths, seq_len: int, world_size: int, kind: str = "distflash"
 
 def _dealt(lengths: np.ndarray, by_length: np.ndarray, seq_len: int, world_size: int,
            kind: str) -> np.ndarray:
-    """Longest first, each document into the chunk of the layout whose rank has the least
-    work so far (its documents' squared lengths) among those it still fits in; documents that
-    fit in none fill the gaps left, in chunk order, and cross a chunk boundary."""
+    """Longest first, each document into the chunk whose rank has the least work so far among
+    those it fits in; those that fit nowhere fill the gaps, crossing a chunk boundary."""
     layout = make_schedule(world_size, kind).layout
     owners = list(range(world_size))  # chunk -> rank; zigzag's second half runs back
     if layout == "zigzag":
@@ -123,17 +108,9 @@ def _dealt(lengths: np.ndarray, by_length: np.ndarray, seq_len: int, world_size:
 
 def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflash",
                    evaluations: int = EVALUATIONS) -> tuple[int, ...]:
-    """An order of the documents whose busiest rank does the least work found.
-
-    Args:
-        lengths: document lengths in sequence order, summing to ``seq_len``.
-        seq_len, world_size, kind: as :func:`document_work`.
-        evaluations: the search's budget of cost evaluations.
-
-    Returns:
-        Indices into ``lengths``, the new order; ``range(len(lengths))`` when no order found
-        lowers the busiest rank's work.
-    """
+    """An order of the documents (indices into ``lengths``) whose busiest rank does the least
+    work found within ``evaluations`` cost evaluations; the given order when none is better.
+    Arguments as :func:`document_work`."""
     lengths = np.asarray(lengths, dtype=np.int64)
     identity = tuple(range(len(lengths)))
     if world_size == 1 or len(lengths) < 2:

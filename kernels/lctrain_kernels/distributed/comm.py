@@ -1,30 +1,16 @@
 """Point-to-point exchange of one schedule step, posted as one batch and waited on later.
 
-A message of a step (k and v of a rank, a run of query rows, a partial result, gradients) is a
-list of tensors. Each tensor travels as its own send of its bytes (a flat uint8 view of the
-tensor, contiguous first if it is not): k and v are sent from where they lie, with no copy
-into a staging buffer, and gloo's need for contiguous tensors is met. The receiver allocates
-each tensor with its shape and dtype from the same schedule and receives straight into it.
-
-:class:`Exchanger` posts all sends and receives of a step with ``dist.batch_isend_irecv`` and
-returns a :class:`Pending` without waiting. The executor waits only when it needs the data,
-one step later, so the transfer runs while the current block computes. With NCCL the
-transfers run on NCCL's own streams and ``work.wait()`` makes the current CUDA stream wait for
-them — the host never synchronises (no ``torch.cuda.synchronize``, ``.item()`` or ``.cpu()``
-here). Received tensors are fresh, so the buffer being computed on and the one being filled
-are always different (double buffering without a shared pool to get wrong).
-
-Both sides of a message derive it from the same schedule in the same order, so every send
-meets its receive within the same batch. The process group is always an argument, never a
-module global. Notes (NCCL):
-
-* as for any batched P2P, the group's communicator should already be initialised (any
-  collective, or ``init_process_group(device_id=...)``) before the first batch;
-* create the group with :func:`nccl_options` (high-priority streams), so that the transfer
-  kernels' thread blocks are handed out ahead of a running attention kernel's waiting ones.
-  That alone did not move the forward's first transfer in the 64K trace on 2 x H200 (it still
-  began at the first block's last wave: cuDNN's forward holds every SM to its end); the
-  executor's head start (``Engine._let_transfers_in``) did.
+A message (k and v of a rank, query rows, a partial result, gradients) is a list of tensors, each
+sent as its own flat byte view from where it lies (contiguous first if needed, as gloo wants);
+the receiver allocates each tensor from the same schedule and receives straight into it.
+:class:`Exchanger` posts a step's sends and receives with ``dist.batch_isend_irecv`` and returns
+a :class:`Pending`; the executor waits one step later, so the transfer runs while the current
+block computes. With NCCL ``work.wait()`` only orders the current stream after the transfer: the
+host never synchronises. Received tensors are fresh, so the buffer computed on and the one being
+filled always differ. Both sides derive a message from the same plan in the same order, so every
+send meets its receive in the same batch; the process group is always an argument. On NCCL the
+group's communicator must exist before the first batch, and :func:`nccl_options` gives its
+streams high priority, so transfer blocks are dispatched ahead of queued compute blocks.
 """
 from __future__ import annotations
 
@@ -41,18 +27,14 @@ Spec = tuple[tuple[int, ...], torch.dtype]
 
 
 def nccl_options(timeout: timedelta | None = None):
-    """Options for the NCCL process group that carries the attention's transfers: its streams
-    get high priority, so their thread blocks are dispatched ahead of queued compute blocks (a
-    kernel that already holds every SM still needs the executor's head start).
+    """Options for the NCCL group that carries the attention's transfers: high-priority streams.
 
     Args:
-        timeout: the group's timeout, when ``init_process_group`` / ``new_group`` is given one
-            too (the two must agree); None keeps NCCL's default.
+        timeout: the group's timeout, when the group is given one too; None: NCCL's default.
 
     Returns:
-        ``ProcessGroupNCCL.Options`` for ``init_process_group(pg_options=...)``,
-        ``new_group(pg_options=...)`` or a DeviceMesh ``backend_override``; None when this
-        torch build has no NCCL.
+        ``ProcessGroupNCCL.Options`` for ``init_process_group`` / ``new_group(pg_options=...)``
+        or a DeviceMesh ``backend_override``; None when this torch has no NCCL.
     """
     if not dist.is_available() or not dist.is_nccl_available():
         return None
@@ -84,12 +66,8 @@ class Pending:
 
 
 class Exchanger:
-    """Posts batches of point-to-point transfers inside one explicit process group.
-
-    Args:
-        group: the process group (ranks below are ranks IN this group); None for one rank,
-            which never communicates.
-    """
+    """Posts batches of point-to-point transfers inside ``group`` (ranks are group ranks;
+    None: one rank, which never communicates)."""
 
     def __init__(self, group):
         self.group = group
@@ -100,21 +78,10 @@ class Exchanger:
 
     def post(self, sends: list[tuple[list[torch.Tensor], int, int]],
              recvs: list[tuple[list[Spec], int, int]], device: torch.device) -> Pending:
-        """Post every send and receive of a batch at once; do not wait.
-
-        Args:
-            sends: ``(tensors, dst, tag)``, the tensors of one message (any layout).
-            recvs: ``(specs, src, tag)``, specs ``[(shape, dtype), ...]`` of one message's
-                tensors; fresh tensors are allocated for them.
-            device: where received tensors live.
-
-        Returns:
-            A :class:`Pending` whose ``received`` lists follow the order of ``recvs``.
-
-        A send and its receive carry the same tag (gloo matches on it; NCCL matches on order),
-        and both sides must list the messages between any two ranks in the same order. Empty
-        tensors travel as nothing (both sides know their shapes).
-        """
+        """Post every send ``(tensors, dst, tag)`` and receive ``(specs, src, tag)`` (specs
+        ``[(shape, dtype), ...]`` allocated on ``device``) of a batch; do not wait. A send and
+        its receive share a tag (gloo matches on it, NCCL on order); empty tensors travel as
+        nothing. The :class:`Pending`'s ``received`` lists follow ``recvs``."""
         received = [[torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
                     for specs, _, _ in recvs]
         pending = Pending(received=received)

@@ -10,28 +10,17 @@ The loop over a plan's steps (``overlap=True``)::
         compute step k                     # the transfers above run meanwhile
     wait, absorb; post(results of the last step); wait, absorb
 
-With ``overlap=False`` (the ablation) each step posts its own inputs and waits at once.
-Waiting before posting lets a rank forward k/v it has just received (the rings). On CUDA a
-posted batch is given a ~15 µs head start before the step's attention kernel, so the transfer
-kernel gets its SMs before a persistent attention kernel takes them all
-(:meth:`Engine._let_transfers_in`).
+With ``overlap=False`` (the ablation) each step posts its own inputs and waits at once. Waiting
+before posting lets a rank forward k/v it has just received (the rings). On CUDA a posted batch
+gets a short head start before the step's attention kernel (:meth:`Engine._let_transfers_in`).
+Every block is cut at the layout's chunk boundaries into local calls of ``block_forward`` /
+``block_backward`` with global positions; EMPTY pieces are skipped and adjacent fully visible
+ones fused into one FULL call. Results are kept as they arrive and combined once per row
+(:class:`~lctrain_kernels.combine.OutAcc`, :class:`~lctrain_kernels.combine.GradAcc`).
 
-Every block of the plan is cut at the layout's chunk boundaries into local calls of
-:func:`lctrain_kernels.blocks.block_forward` / ``block_backward`` with the global start
-positions in a :class:`~lctrain_kernels.masks.MaskSpec`; EMPTY pieces are skipped, and pieces
-that are entirely visible and adjacent in memory are fused into one FULL call (the zigzag
-ring's "all queries against the first half of the keys"). Partial outputs and gradients are
-kept as they arrive and combined once per row, in float32, when the rank reads them out
-(:mod:`lctrain_kernels.distributed.accumulate`).
-
-Head groups bound all of these buffers: attention is independent per head, so with
-``head_groups`` G the heads are cut into G groups (query heads with the key/value heads they
-read, so G divides Hkv) that run one after the other (:func:`forward_in_groups`,
-:func:`backward_in_groups`), each with its own plan walk on contiguous copies of its heads. The
-received k/v, float32 accumulators, helped results and gradient buffers of a walk are then those
-of Hq/G heads; the outputs are written into full-size tensors. Exact: every head computes what it
-computes in one walk. Cost: G walks of smaller messages and kernels (and a copy of each group's
-inputs and results).
+Head groups bound all of these buffers: with ``head_groups`` G (a divisor of Hkv) the heads run
+in G groups one after the other (:func:`forward_in_groups`, :func:`backward_in_groups`), each a
+walk of its own on contiguous copies of its heads, so every buffer holds Hq/G heads; exact.
 """
 from __future__ import annotations
 
@@ -40,12 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from lctrain_kernels.blocks import block_backward, block_forward
-from lctrain_kernels.distributed.accumulate import GradAcc, OutAcc, lse_dtype
+from lctrain_kernels.backends import block_backward, block_forward
+from lctrain_kernels.combine import GradAcc, OutAcc, lse_dtype
 from lctrain_kernels.distributed.comm import Exchanger, Pending
 from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import Block, Message, Plan, make_schedule
 from lctrain_kernels.masks import MaskSpec, Relation, classify
+from lctrain_kernels.vocabulary import schedule_layout
 
 
 #: GPU clock cycles (~15 µs at 2 GHz) the compute stream yields to freshly posted transfers.
@@ -53,10 +43,8 @@ _HEAD_START_CYCLES = 30_000
 
 
 def head_slices(groups: int, hq: int, hkv: int) -> list[tuple[slice, slice]]:
-    """(query heads, key/value heads) of each of ``groups`` head groups, in order.
-
-    Query head i reads key/value head i // (hq / hkv), so group g takes query heads
-    [g·hq/G, (g+1)·hq/G) and key/value heads [g·hkv/G, (g+1)·hkv/G).
+    """(query heads, key/value heads) of each of ``groups`` head groups: group g takes query
+    heads [g·hq/G, (g+1)·hq/G) and the key/value heads they read.
 
     Raises:
         ValueError: ``groups`` is not a positive divisor of ``hkv``.
@@ -69,16 +57,8 @@ def head_slices(groups: int, hq: int, hkv: int) -> list[tuple[slice, slice]]:
 
 
 def forward_in_groups(run, q, k, v, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``run(q, k, v) -> (out, lse)`` over head groups, one after the other.
-
-    Args:
-        run: the attention forward of contiguous (B, n, h, D) inputs of any head count.
-        q: (B, n, Hq, D); k, v: (B, n, Hkv, D).
-        groups: number of head groups (1: one call on the inputs as they are).
-
-    Returns:
-        (out (B, n, Hq, D) contiguous, lse (B, Hq, n) contiguous).
-    """
+    """``run(q, k, v) -> (out, lse)`` over head groups of contiguous (B, n, h, D) copies, one
+    after the other (1: one call on the inputs as they are); out (B, n, Hq, D), lse (B, Hq, n)."""
     if groups == 1:
         return run(q, k, v)
     out, lse = None, None
@@ -93,11 +73,8 @@ def forward_in_groups(run, q, k, v, groups: int) -> tuple[torch.Tensor, torch.Te
 
 
 def backward_in_groups(run, do, q, k, v, out, lse, dlse, groups: int):
-    """``run(do, q, k, v, out, lse, dlse) -> (dq, dk, dv)`` over head groups, one after the other.
-
-    Returns:
-        (dq (B, n, Hq, D), dk, dv (B, n, Hkv, D)), contiguous, in the dtypes ``run`` gives.
-    """
+    """``run(do, q, k, v, out, lse, dlse) -> (dq, dk, dv)`` over head groups, one after the
+    other."""
     if groups == 1:
         return run(do, q, k, v, out, lse, dlse)
     grads = None
@@ -176,17 +153,9 @@ def pruned_plan(kind: str, direction: str, geo: Geometry) -> Plan:
 
 
 class Engine:
-    """Runs the steps of a plan on one rank; subclasses say what messages carry and compute.
-
-    Args:
-        plan: the (pruned) plan of this direction.
-        geo: sizes, layout and mask of the call.
-        exchanger: the point-to-point exchanger of the group.
-        overlap: post the next step's transfers before computing the current one.
-        device: where received buffers live.
-        compute: False moves the same messages without computing anything (results are
-            uninitialised buffers) — how the attention bench times communication alone.
-    """
+    """Runs the steps of a (pruned) plan on one rank; subclasses say what messages carry and
+    what a step computes. ``compute=False`` moves the same messages without computing
+    (:func:`messages_only`)."""
 
     def __init__(self, plan: Plan, geo: Geometry, exchanger: Exchanger, overlap: bool,
                  device: torch.device, compute: bool = True):
@@ -235,14 +204,9 @@ class Engine:
         self._receive(self._post(batch(last, last - 1)))
 
     def _let_transfers_in(self, pending: Pending) -> None:
-        """On CUDA, with transfers just posted, hold the compute stream for ~15 µs first.
-
-        The transfer kernel (NCCL) and the step's attention kernel become ready at the same
-        moment; a persistent attention kernel that starts first holds every SM until its end,
-        and the transfer then runs after it instead of beside it (seen in profiles of the
-        forward, while in the backward, where a small kernel precedes the big one, the
-        transfer overlapped).
-        """
+        """On CUDA, with transfers just posted, hold the compute stream briefly: a persistent
+        attention kernel that starts first holds every SM to its end, and the transfer kernel,
+        ready at the same moment, would run after it instead of beside it."""
         if pending.works and self.device.type == "cuda":
             torch.cuda._sleep(_HEAD_START_CYCLES)
 
@@ -329,11 +293,8 @@ class ForwardEngine(Engine):
 
 class BackwardEngine(Engine):
     """Backward: k/v and (q, dO, out, lse[, dlse]) rows travel in, dq and (dk, dv) travel home.
-
-    ``dlse`` (B, Hq, n), the gradient of this rank's lse, is given when a loss uses the lse;
-    then it travels with the query rows, and every rank must pass one (or none): the messages
-    of both ends come from the same plan.
-    """
+    ``dlse`` (B, Hq, n), when a loss uses the lse, travels with the query rows: every rank
+    passes one, or none."""
 
     def __init__(self, plan, geo, exchanger, overlap, do, q, k, v, out, lse, scale: float,
                  backend: str, compute: bool = True, dlse: torch.Tensor | None = None):
@@ -391,3 +352,20 @@ class BackwardEngine(Engine):
             if not own_kv:
                 msg = Message("dkv", self.rank, blk.kv_owner, blk.kv_owner, blk.kv_rows)
                 self.results[msg] = [dk.result(kt), dv.result(vt)]
+
+
+def messages_only(direction: str, q: torch.Tensor, k: torch.Tensor, group,
+                  schedule: str = "distflash", doc_bounds=None) -> None:
+    """Move the messages of one direction of a schedule's causal plan without computing: how
+    the attention bench times communication alone. q (B, n, Hq, D) and k (B, n, Hkv, D) are
+    this rank's rows (their values unused); ``doc_bounds`` prune the plan as in training."""
+    exch = Exchanger(group)
+    geo = Geometry(q.shape[1] * exch.world_size, exch.world_size, schedule_layout(schedule),
+                   True, None if doc_bounds is None else tuple(doc_bounds))
+    plan = pruned_plan(schedule, direction, geo)
+    if direction == "forward":
+        ForwardEngine(plan, geo, exch, False, q, k, k, 1.0, "reference", compute=False).run()
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        BackwardEngine(plan, geo, exch, False, q, q, k, k, q, lse, 1.0, "reference",
+                       compute=False).run()

@@ -1,20 +1,12 @@
-"""How a global sequence maps onto the ranks of a sequence-parallel group.
+"""How a global sequence maps onto the ranks of a sequence-parallel group: the one source of
+truth for the attention executor, the data pipeline and the tests.
 
-This module is the ONE source of truth for the split: the attention executor, the data pipeline
-(``lctrain.data`` shards input ids, labels and position ids with :func:`shard`) and the tests all
-go through it, so a token's global position is never guessed twice.
+* ``"contiguous"``: N tokens cut into P equal chunks, rank r holds chunk r (DistFlashAttn, ring);
+* ``"zigzag"``: 2P chunks, rank r holds chunk r then chunk 2P−1−r (a head and the mirrored tail),
+  so every rank has the same causal work (the zigzag ring, torch's context_parallel).
 
-Two layouts:
-
-* ``"contiguous"`` — the sequence of N tokens is cut into P equal chunks; rank r holds chunk r,
-  tokens ``[r·N/P, (r+1)·N/P)``. DistFlashAttn and the plain ring use it.
-* ``"zigzag"`` — the sequence is cut into 2P equal chunks; rank r holds chunk r followed by chunk
-  2P−1−r (a "head" and the mirrored "tail"), so that under a causal mask every rank holds the
-  same amount of work. The zigzag ring (and torch's context_parallel) use it.
-
-A rank's local tensor is its chunks concatenated in that order ("local order"). ``unshard`` is an
-all-gather followed by the reordering that puts every token back at its global position. The
-layout names and the divisibility rule live in :mod:`lctrain_kernels.vocabulary`.
+A rank's local tensor is its chunks concatenated in that order; :func:`unshard` all-gathers and
+puts every token back at its global position.
 """
 from __future__ import annotations
 
@@ -25,19 +17,11 @@ from lctrain_kernels.vocabulary import check_seq_len, chunks_per_rank
 
 
 def layout_positions(seq_len: int, world_size: int, rank: int, layout: str) -> list[tuple[int, int]]:
-    """Global ``(start, stop)`` spans held by ``rank``, in local order.
-
-    Args:
-        seq_len: global sequence length N.
-        world_size: number of ranks P.
-        rank: the rank asked about, 0 ≤ rank < P.
-        layout: "contiguous" or "zigzag".
-
-    Returns:
-        One span for "contiguous", two (head, tail) for "zigzag".
+    """Global ``(start, stop)`` spans held by ``rank`` of ``world_size``, in local order: one
+    for "contiguous", two (head, tail) for "zigzag".
 
     Raises:
-        ValueError: bad layout, rank out of range, or N not divisible by the chunking.
+        ValueError: bad layout, rank out of range, or a length not divisible by the chunking.
     """
     chunk = check_seq_len(seq_len, world_size, layout)
     if not 0 <= rank < world_size:
@@ -50,11 +34,8 @@ def layout_positions(seq_len: int, world_size: int, rank: int, layout: str) -> l
 
 def local_spans(seq_len: int, world_size: int, rank: int, layout: str,
                 start: int, stop: int) -> list[tuple[int, int, int]]:
-    """Split local rows ``[start, stop)`` of ``rank`` into globally contiguous pieces.
-
-    Returns:
-        ``[(local_start, global_start, length), ...]`` in local order, empty pieces left out.
-    """
+    """Local rows ``[start, stop)`` of ``rank`` as globally contiguous pieces
+    ``[(local_start, global_start, length), ...]``, in local order."""
     pieces, offset = [], 0
     for g0, g1 in layout_positions(seq_len, world_size, rank, layout):
         lo, hi = max(start, offset), min(stop, offset + g1 - g0)
@@ -87,20 +68,12 @@ def _rank_and_size(group, rank, world_size) -> tuple[int, int]:
 
 def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1, *,
           rank: int | None = None, world_size: int | None = None) -> torch.Tensor:
-    """This rank's tokens of a full-sequence tensor, in local order (differentiable).
-
-    Args:
-        x: the full tensor, identical on every rank, sequence along ``dim``.
-        group: the sequence-parallel process group; None means a single rank.
-        layout: "contiguous" or "zigzag" (``make_schedule(P, kind).layout``).
-        dim: the sequence dimension.
-        rank, world_size: override the group's (e.g. to shard data for another rank).
-
-    Returns:
-        A contiguous tensor with ``x.shape[dim] // P`` rows along ``dim``.
+    """This rank's tokens of ``x`` (the full tensor, the same on every rank, sequence along
+    ``dim``), in local order: contiguous, differentiable. ``group`` None: one rank; ``rank``,
+    ``world_size`` override the group's (to shard data for another rank).
 
     Raises:
-        ValueError: bad layout, or the length along ``dim`` not divisible by the chunking.
+        ValueError: bad layout, or a length not divisible by the chunking.
     """
     rank, world_size = _rank_and_size(group, rank, world_size)
     dim = dim % x.dim()
@@ -130,22 +103,12 @@ class _Unshard(torch.autograd.Function):
 
 
 def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
-    """Rebuild the full-sequence tensor on every rank: all-gather, then reorder.
-
-    Differentiable: the full result's gradient is summed over the ranks and each rank keeps its
-    own rows, which is the exact gradient of a loss summed over the ranks.
-
-    Args:
-        x_local: this rank's rows (as returned by :func:`shard`), sequence along ``dim``.
-        group: the process group; None (or a single rank) returns ``x_local`` unchanged.
-        layout: the layout ``x_local`` was sharded with.
-        dim: the sequence dimension.
-
-    Returns:
-        The tensor with P × ``x_local.shape[dim]`` rows along ``dim``, in global order.
+    """The full-sequence tensor on every rank from each rank's rows (as :func:`shard` gave
+    them): all-gather, then reorder. Differentiable: the gradient is summed over the ranks and
+    each keeps its rows. None (or one rank) returns ``x_local`` unchanged.
 
     Raises:
-        ValueError: bad layout, or a local length the layout cannot have produced.
+        ValueError: bad layout.
     """
     chunks_per_rank(layout)
     if group is None or dist.get_world_size(group) == 1:

@@ -1,47 +1,74 @@
 """The attention operator: ``torch.ops.lctrain.dist_attention`` and its backward.
 
-Every attention lctrain computes — on one device or over a sequence-parallel group — is this
-one custom op; local attention is a group of one, whose plan is a single block covering the
-whole sequence with no communication (run straight through ``blocks``, without the plan walk).
-Its public entry points are in :mod:`lctrain_kernels.api`, which checks the arguments once and
-turns them into the op's plain values.
-
-Forward: the op runs the schedule's forward plan (:mod:`~lctrain_kernels.distributed.executor`)
-and returns this rank's output rows and their global log-sum-exp. Backward (the op
-``lctrain::dist_attention_backward``): the backward plan from the saved q, k, v, the FINAL out
-and lse — never the forward again — and the lse's gradient when a loss uses it (each backend
-folds it into its ``delta``, see :mod:`lctrain_kernels.backends.base`). That is what
-rematerialization-aware checkpointing relies on: marking ``torch.ops.lctrain.dist_attention``
-as must-save keeps (out, lse) and skips the attention forward and its communication in the
-recompute, for local and distributed attention alike.
-
-The op takes plain values only, so ``torch.compile`` can trace it (``register_fake`` gives the
-shapes): the group by name (``group.group_name``, resolved with ``_resolve_process_group``; ""
-means a single rank), the document bounds as an int list (empty for none), the schedule and
-backend names, the overlap flag, the number of head groups run one after the other
-(:func:`~lctrain_kernels.distributed.executor.forward_in_groups`).
+Every attention lctrain computes, on one device or over a sequence-parallel group, is this one
+custom op; on a group of one the plan is a single block covering the sequence, run without the
+plan walk. Forward: the schedule's forward plan (:mod:`~lctrain_kernels.distributed.executor`),
+returning this rank's rows and their global log-sum-exp. Backward
+(``lctrain::dist_attention_backward``): the backward plan from the saved q, k, v and the FINAL out
+and lse, never the forward again, with the lse's gradient when a loss uses it. Checkpointing
+that keeps this op's (out, lse) thus runs the attention forward and its communication once.
+The op takes plain values only (``register_fake`` gives shapes, so ``torch.compile`` traces it):
+the group by name ("" for one rank), document bounds as ints, schedule and backend names, the
+overlap flag and the head groups; :func:`op_options` makes them from the public arguments.
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from lctrain_kernels.blocks import block_backward, block_forward
-from lctrain_kernels.distributed.accumulate import OutAcc, lse_dtype
+from lctrain_kernels.backends import block_backward, block_forward, check_backend_name
+from lctrain_kernels.combine import OutAcc, lse_dtype
 from lctrain_kernels.distributed.comm import Exchanger
 from lctrain_kernels.distributed.executor import (BackwardEngine, ForwardEngine, Geometry,
                                                   backward_in_groups, forward_in_groups,
                                                   pruned_plan)
-from lctrain_kernels.masks import MaskSpec
-from lctrain_kernels.vocabulary import schedule_layout
+from lctrain_kernels.masks import MaskSpec, doc_bounds_from
+from lctrain_kernels.vocabulary import check_schedule, check_seq_len, schedule_layout
+
+
+def op_options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap,
+               head_groups) -> tuple:
+    """Validate the public arguments once, on the host, as the op's plain arguments: (group
+    name, causal, document bounds, scale, schedule, backend, overlap, head groups). Only the
+    shapes of ``q`` (B, S, Hq, D) and ``k`` (B, S, Hkv, D) are read.
+
+    Raises:
+        ValueError: a bad schedule, length, cu_seqlens, scale or head_groups.
+        BackendUnavailable: an unknown backend name.
+    """
+    check_schedule(schedule)
+    world = 1 if group is None else dist.get_world_size(group)
+    seq_len = q.shape[1] * world
+    check_seq_len(seq_len, world, schedule_layout(schedule))
+    bounds = doc_bounds_from(cu_seqlens)
+    if bounds is not None and bounds[-1] != seq_len:
+        held, fix = "", ""
+        if world > 1:
+            held = f" ({world} ranks × {q.shape[1]} rows)"
+            fix = "; pass the GLOBAL cu_seqlens, the same on every rank"
+        raise ValueError(f"cu_seqlens must end at the sequence length {seq_len}{held}, got "
+                         f"{bounds[-1]}{fix}.")
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}.")
+    if (isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1
+            or k.shape[2] % head_groups):
+        raise ValueError(f"head_groups must be a positive divisor of the {k.shape[2]} key/value "
+                         f"heads, got {head_groups!r}.")
+    name = backend if isinstance(backend, str) else getattr(backend, "name", None)
+    if not isinstance(name, str):
+        raise ValueError(f"backend must be a backend name or a Backend object, got {backend!r}.")
+    return (group.group_name if world > 1 else "", bool(causal), list(bounds or ()), scale,
+            schedule, check_backend_name(name), bool(overlap), int(head_groups))
 
 
 def _whole(causal: bool, doc_bounds: list[int]) -> MaskSpec:
-    """The one block of a single rank: every query against every key, from position 0. Every
-    schedule's plan for one rank reduces to it, so it runs without walking a plan."""
+    """The one block of a single rank: every query against every key, from position 0."""
     return MaskSpec(causal, doc_bounds=tuple(doc_bounds) if doc_bounds else None)
 
 

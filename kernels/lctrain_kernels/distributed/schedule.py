@@ -1,58 +1,41 @@
-"""Who computes which attention block when, and what travels where — DistFlashAttn's schedule.
+"""Who computes which attention block when, and what travels where: DistFlashAttn's schedule.
 
-Setting. P ranks; with the "contiguous" layout rank r holds chunk r of q, k, v (N/P tokens).
-Causal attention of chunk r needs the keys/values of chunks 0..r, so the work is the lower
-triangle of P × P blocks: the diagonal blocks (q_r, kv_r) are causally masked (half a block of
-work each), the blocks (q_r, kv_c), c < r, are full. In units of one full block the total is
-P²/2, so a perfect split gives every rank P/2.
+P ranks; in the "contiguous" layout rank r holds chunk r of q, k, v (N/P tokens). Causal attention
+of chunk r needs the k, v of chunks 0..r: the lower triangle of P × P blocks, diagonal blocks
+(q_r, kv_r) half a block of work, blocks (q_r, kv_c), c < r, full. That is P²/2 in all, P/2 per
+rank when balanced. The plain "ring" passes k, v to the neighbour each step; at step t rank r
+computes (q_r, kv_{r−t}) if r ≥ t and idles otherwise: rank P−1 does P−½ blocks, rank 0 ½.
 
-A plain ring ("ring") passes k, v to the neighbour each step; at step t rank r computes
-(q_r, kv_{r−t}) when r ≥ t and idles otherwise: rank P−1 does P−½ blocks, rank 0 only ½.
+"distflash" lets the idle ranks help. Block (q_r, kv_c) has distance d = r − c, and P−d blocks
+share a distance. At step t = 1..⌊(P−1)/2⌋ every rank r sends to peer (r+t) mod P:
 
-DistFlashAttn ("distflash") balances that by letting the idle ranks help. With distance
-d = r − c of a block (q_r, kv_c), there are P−d blocks at distance d. At step t = 1..⌊(P−1)/2⌋
-every rank r sends to peer (r+t) mod P:
+* its k, v if r + t < P: the receiver computes its own full block (q_{r+t}, kv_r), distance t;
+* its q if r + t ≥ P: the receiver r+t−P owns the keys q_r needs at distance P−t and computes
+  that block for r; the partial (out, lse) goes back to r, who merges it through the lse
+  (``lctrain_kernels.combine``).
 
-* its k, v if r + t < P — the receiver r+t computes its own full block (q_{r+t}, kv_r),
-  distance t;
-* its q if r + t ≥ P — the receiver r+t−P is the owner of the keys (q_r needs kv_{r+t−P}, distance
-  P−t) and computes that block on r's behalf; the partial result (out, lse) goes back to r,
-  who merges it (``lctrain_kernels.combine``: lse = logaddexp, out weighted by exp(lse_i − lse)).
+Each step is one shift-by-t permutation (every send meets its receive in the same step), every
+rank computes one full block per step, and distances t and P−t are covered together: for odd P
+that is everything. For even P the P/2 blocks at distance P/2 are split by query rows: the
+owner computes the first half of its rows against the received k, v, the keys' owner the second
+half (it receives those q rows and returns out, lse). Every rank then does exactly P/2 blocks:
+balance 1.0 for every P, where the published schedule idles P/2 ranks at its last step.
 
-So each step's messages are one shift-by-t permutation (every send has its receive in the same
-step: mismatched batched point-to-point is a known hang), every rank computes exactly one full
-block per step, and distances t and P−t are covered together. For odd P that is everything. For
-even P the distance P/2 is left: P/2 blocks (q_r, kv_{r−P/2}) for r ≥ P/2. Each is split by QUERY
-rows at token granularity: the owner r computes the first half of its rows against kv_{r−P/2}
-(received), the keys' owner r−P/2 the second half (receives those q rows, returns out/lse). Every
-rank then does exactly P/2 blocks — balance 1.0 for every P, better than the published
-schedule's (P+1)/P, in which P/2 ranks idle at the last step.
+Overlap: the executor posts step t+1's inputs and step t−1's results before computing step t.
+The first step's inputs and the last step's results have nothing to hide behind, so for P > 1
+each diagonal block is split by key rows: all q rows against the first half of the keys (⅜ of
+a block, causal from the top-left corner: one dense call) runs first, while the first messages
+travel, and rows [½, 1) against keys [½, 1) (⅛, causal) last, while results travel home.
 
-Overlap. The executor posts step t+1's messages (and step t−1's results going home) before it
-computes step t, so transfers hide behind compute. Two spots have nothing to hide behind: the
-first step's inputs and the last step's results. So for P > 1 distflash splits every diagonal
-block by key rows: all q rows against the first half of the keys (⅜ block, causal from the
-top-left corner: ONE call of the dense kernels) runs first, while the first messages travel;
-q rows [½, 1) against keys [½, 1) (⅛ block, causal) runs last, while the last partial results
-travel home. (Splitting by query rows instead — a ⅛ quarter first, then [½, 1) × [0, ½) full and
-[½, 1) × [½, 1) causal last — costs one more kernel call and gives the first step less to hide
-behind.)
+Backward runs the same steps. A block's backward needs q, dO and the FINAL out and lse of its
+rows: a "q" message carries (q, dO, out, lse[, dlse]). A block computed by its query owner keeps
+dq and sends dk, dv to the keys' owner ("dkv"); a helped block sends dq home ("dq").
 
-Backward runs the same steps. Each block's backward needs q, dO, the FINAL merged out and lse of
-its query rows and the block's k, v: a "q" message then carries (q, dO, out, lse). A block
-computed by its query owner keeps dq and sends dk, dv to the keys' owner ("dkv"); a helped block
-keeps dk, dv and sends dq home ("dq").
-
-"zigzag" is the ring over the head-tail layout (rank r holds chunks r and 2P−1−r of 2P): every
-step is ½ block for every rank, at the price of ring forwarding (P steps of communication).
-
-With documents (global cu_seqlens, identical on every rank) the executor prunes blocks whose
-mask is EMPTY (``Plan.pruned``): they are neither computed nor sent, and because every rank
-prunes the same plan, sends and receives still match. Non-causal attention uses every block:
-distflash then sends k, v straight from rank r−t to rank r at step t (no forwarding).
-
-Everything here is pure Python (no torch.distributed); plans are exact and checked by
-``Plan.validate``.
+"zigzag" is the ring over the head-tail layout: ½ block per rank per step, P steps of
+forwarding. With documents the executor prunes the blocks the mask leaves EMPTY
+(:meth:`Plan.pruned`, the same on every rank, so sends still meet receives). Non-causal
+distflash sends k, v straight from rank r−t to r at step t. Pure Python, checked by
+:meth:`Plan.validate`.
 """
 from __future__ import annotations
 
@@ -167,7 +150,7 @@ class Plan:
         return replace(self, steps=tuple(_with_outputs(base, self.direction)))
 
     def validate(self) -> None:
-        """Check that every block finds its inputs and every forwarded k/v was received first.
+        """Check that every block finds its inputs and every forwarded k/v arrived first.
 
         Raises:
             ValueError: naming the step and the block or message at fault.
@@ -322,15 +305,9 @@ def _twice_causal_area(q0: int, ql: int, k0: int, kl: int) -> int:
 
 
 def make_schedule(world_size: int, kind: str = "distflash") -> Schedule:
-    """Build a schedule: "distflash" (balanced, default), "ring" or "zigzag".
-
-    Args:
-        world_size: number of ranks P ≥ 1 (odd or even).
-        kind: the schedule name.
-
-    Returns:
-        A :class:`Schedule`; ``.layout`` names the layout ``shard`` must use,
-        ``.work_per_rank()`` the causal work figures, ``.plan(direction, causal)`` the steps.
+    """The schedule ``kind`` ("distflash", "ring" or "zigzag") for ``world_size`` ranks (any
+    P ≥ 1): ``.layout`` is the layout ``shard`` must use, ``.work_per_rank()`` the causal work
+    figures, ``.plan(direction, causal)`` the steps.
 
     Raises:
         ValueError: unknown kind or a world size below 1.

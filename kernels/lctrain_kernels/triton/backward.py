@@ -1,42 +1,24 @@
 """Flash-attention backward in Triton: delta, then dK/dV and dQ in two kernels without atomics.
 
-With ``P = softmax(S)``, ``S = scale * Q K^T`` recomputed tile by tile from the saved natural
-``lse`` (``P = exp2(S * log2(e) - lse * log2(e))``), the gradients are
+With ``P = exp2(S * log2(e) - lse * log2(e))`` recomputed tile by tile from the saved lse::
 
-    dV = P^T dO          dP = dO V^T          dS = P * (dP - delta)
-    dQ = scale * dS K    dK = scale * dS^T Q  delta_i = sum_d dO[i, d] * O[i, d]
+    dV = P^T dO      dP = dO V^T      dS = P * (dP - delta)      delta = rowsum(dO * O) - dlse
+    dQ = scale * dS K                 dK = scale * dS^T Q
 
-``O`` and ``lse`` are the FINAL ones of the query rows (merged over every key block in the
-distributed case), which makes the gradient of each key block exact on its own. A gradient
-flowing into ``lse`` itself folds in for free: ``d lse_i / d S_ij = P_ij`` turns ``delta`` into
-``delta - dlse`` (done by the launcher).
+``O`` and ``lse`` are the FINAL (merged) ones, so each key block's gradient is exact on its own;
+the lse's gradient ``dlse`` folds into delta (the launcher subtracts it).
 
-1. :func:`attn_bwd_delta_kernel` — ``delta`` (B, Hq, Sq) in float32.
-2. :func:`attn_bwd_dkdv_kernel` — one program per key tile of one (batch, KV head). K and V
-   stay on chip; the program walks the query tiles that can see the key tile (the same
-   masked / unmasked / masked stage split as the forward, seen from the keys:
-   ``key_intervals``), for every query head of its GQA group, as one flat loop per stage.
-   dK and dV of the whole group are summed in registers: no atomics, no repeated K/V.
-3. :func:`attn_bwd_dq_kernel` — one program per query tile of one (batch, query head), walking
-   key tiles like the forward and accumulating dQ in registers.
+1. :func:`attn_bwd_delta_kernel`: delta (B, Hq, Sq) float32.
+2. :func:`attn_bwd_dkdv_kernel`: one program per key tile of one (batch, KV head); K and V stay
+   on chip while it walks the query tiles that see them (the stage split seen from the keys),
+   for every query head of its GQA group in one flat loop, summing dK and dV in registers.
+3. :func:`attn_bwd_dq_kernel`: one program per query tile, walking key tiles like the forward.
 
-Why dQ is a kernel of its own: dQ rows are sums over KEY tiles, while step 2 is parallel over
-key tiles, so computing dQ there would need every program to atomically add its share into
-one shared dQ buffer. Step 3 instead owns its query rows and sums them in registers. That
-costs recomputing ``S`` and ``dP`` once more (7 tile matrix products: 4 in step 2, 3 in
-step 3, instead of 5) but needs no atomic adds and no zeroed float32 dQ buffer, is
-deterministic (the same inputs give the same bits on every run), and lets each kernel's tiles
-be tuned on their own (``configs.py``), as in FlashAttention-2's deterministic path and
-Triton's fused-attention tutorial.
-
-FlashAttention-2's default, dQ added by the dK/dV kernel with atomic adds (5 products), was
-slower on an H200 at every tile configuration tried, at short and long sequences alike.
-
-Every q, k, v and dO tile is read with a TMA copy where the inputs allow it (``TMA``, see
-``launch.tma_ok``): the copy engine writes it straight into shared memory, so no thread holds
-its addresses and the dK/dV accumulators get the registers (both kernels run faster with it,
-the dQ kernel with far fewer registers per thread). In step 2 the group's heads are one 3-D descriptor
-(head, row, dim), so the flat loop over (head, tile) needs no descriptor per head.
+dQ has a kernel of its own because its rows are sums over KEY tiles: computing it in step 2 would
+need atomic adds into a shared float32 buffer. Owning its rows costs recomputing S and dP once
+more but needs no atomics or zeroed buffer, is deterministic, and each kernel's tiles are tuned
+on their own (FlashAttention-2's deterministic path, Triton's fused-attention tutorial). Tiles
+are TMA copies where the inputs allow; step 2 reads its group's heads through one 3-D descriptor.
 """
 from __future__ import annotations
 
@@ -84,12 +66,9 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr
                 offs_m, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, TMA: tl.constexpr):
-    """Add the query tiles ``[start, end)`` of all GROUP query heads to dk, dv (BLOCK_N, D).
-
-    The heads and tiles are walked as ONE flat loop (head = it // tiles): an outer loop over
-    the heads would keep the pipelined inner loop's state alive across it and spill registers.
-    The pointers are those of the group's first head; heads are ``stride_qh`` (q),
-    ``stride_dh`` (dO) and ``Sq`` (lse, delta) apart.
+    """Add the query tiles ``[start, end)`` of all GROUP query heads to dk, dv (BLOCK_N, D), as
+    ONE flat loop (an outer loop over heads would keep the inner loop's state alive and spill).
+    Pointers are the group's first head's; heads are ``stride_qh``, ``stride_dh``, ``Sq`` apart.
     """
     LOG2E: tl.constexpr = 1.4426950408889634
     n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M

@@ -1,19 +1,11 @@
-"""Combining partial attention results in one memory pass: sums (gradients), lse merges (outputs).
+"""Combining partial results in one memory pass: sums (gradients) and lse merges (outputs).
 
-The distributed attention collects, for each of its rows, several partial results: one per
-key block for the output (normalised ``out`` with its ``lse``), one per block for each gradient.
-:mod:`lctrain_kernels.combine` keeps them and combines them once, when all have arrived. These
-kernels do that combine for up to :data:`MAX_INPUTS` inputs at a time:
-
-* :func:`sum_kernel`:   ``dst = x_0 + x_1 + ...`` in float32, rounded once to ``dst``'s dtype;
-* :func:`merge_kernel`: ``lse = log sum_i exp(lse_i)``, ``dst = sum_i exp(lse_i - lse) x_i``
-  (every weight at most 1; a row that no input saw stays ``out = 0``, ``lse = -inf``).
-
-Each program takes ``BLOCK_R`` rows (one row = one (batch, position, head) and its head dim)
-and reads every input row once and writes the result once: for three bf16 inputs 8 bytes per
-element, where an eager float32 accumulator moves about 36 (widen, add, add, add, cast). The
-destination may be one of the inputs (an in-place fold): every element is read before it is
-written, by the same program. Unused input slots receive the first input and are never read.
+For up to :data:`MAX_INPUTS` inputs at a time (:mod:`lctrain_kernels.combine` groups more):
+:func:`sum_kernel` gives ``dst = x_0 + x_1 + ...`` and :func:`merge_kernel` ``lse = log sum_i
+exp(lse_i)``, ``dst = sum_i exp(lse_i - lse) x_i`` (a row no input saw stays 0 / -inf), in float32,
+rounded once. Each program reads ``BLOCK_R`` rows (one (batch, position, head) each) of every
+input once and writes the result once; ``dst`` may be one of the inputs (every element is read
+before it is written, by the same program). Unused input slots get the first input, never read.
 """
 from __future__ import annotations
 
@@ -125,13 +117,8 @@ def _check_count(n: int) -> None:
 
 
 def sum_fused(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """``dst = sum(parts)`` in one kernel (float32 arithmetic, one rounding to ``dst.dtype``).
-
-    Args:
-        dst: (B, S, H, D) destination, any float dtype; may be one of ``parts``.
-        parts: 1 to MAX_INPUTS tensors of dst's shape, any float dtypes and strides with a
-            contiguous head dim (the caller checks shapes and strides).
-    """
+    """``dst = sum(parts)`` in one kernel: 1 to MAX_INPUTS (B, S, H, D) tensors of any float
+    dtypes with a contiguous head dim (the caller checks shapes and strides)."""
     _check_count(len(parts))
     grid, n_rows, pad, block, warps = _launch_shape(dst)
     if n_rows == 0:
@@ -145,13 +132,8 @@ def sum_fused(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 def merge_fused(dst: torch.Tensor, dst_lse: torch.Tensor,
                 parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Merge partial (out, lse) pairs into ``dst`` and ``dst_lse`` in one kernel.
-
-    Args:
-        dst: (B, S, H, D) merged output, any float dtype; may be one of the parts' outputs.
-        dst_lse: (B, H, S) float32 merged lse; may be one of the parts' lse.
-        parts: 1 to MAX_INPUTS pairs (out (B, S, H, D), lse (B, H, S)), head dim contiguous.
-    """
+    """Merge 1 to MAX_INPUTS pairs (out (B, S, H, D), lse (B, H, S)) into ``dst`` and the
+    float32 ``dst_lse`` in one kernel."""
     _check_count(len(parts))
     grid, n_rows, pad, block, warps = _launch_shape(dst)
     if n_rows == 0:

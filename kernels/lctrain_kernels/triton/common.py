@@ -1,33 +1,19 @@
-"""Pieces shared by the forward and backward Triton kernels: masks as per-row intervals.
+"""Pieces shared by the Triton kernels: masks as per-row intervals, tile loads, rounding.
 
-Every mask lctrain needs (causal with any global offset, packed documents, both, or none) has
-one shape: each row sees one contiguous interval of the other side. Query row ``i`` sees the
-keys ``[kv_lo[i], kv_hi[i])`` (local key indices), and key row ``j`` is seen by the queries
-``[q_lo[j], q_hi[j])``:
+Every mask lctrain needs (causal at any global offset, documents, both, none) gives each row one
+contiguous interval of the other side: query ``i`` sees keys ``[kv_lo[i], kv_hi[i])``, key ``j``
+is seen by queries ``[q_lo[j], q_hi[j])``. Causal: ``kv_hi[i] = clamp(i + q_start - k_start + 1,
+0, Sk)``; documents: the query's document, cut by the causal bound. From its rows' intervals a
+tile learns, by four reductions, ``[start, end)`` (their union: tiles outside are never touched)
+and ``[full_lo, full_hi)`` (their intersection rounded inwards to whole tiles: no mask needed),
+and walks ``[start, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked, ``[full_hi, end)``
+masked, the stage split of Triton's fused-attention tutorial. Mask modes (a constexpr):
 
-* no mask:   ``kv = [0, Sk)``;
-* causal:    ``kv_hi[i] = clamp(i + (q_start - k_start) + 1, 0, Sk)`` (key global position at
-  most the query's); seen from a key, ``q_lo[j] = clamp(j - (q_start - k_start), 0, Sq)``;
-* documents: the interval is the query's document, cut by the causal bound when causal.
-
-The kernels work on tiles of ``BLOCK`` rows against tiles of columns. From the rows' intervals
-one tile of rows learns, with four reductions and no per-tile metadata:
-
-* ``[start, end)``: the union of all intervals — tiles outside it are never touched, so the
-  empty tiles of a causal mask or of foreign documents cost nothing;
-* ``[full_lo, full_hi)``: the intersection, rounded inwards to whole column tiles — every
-  pair there is visible, so those tiles skip the elementwise mask and the bounds checks.
-
-A row tile then walks ``[start, full_lo)`` masked, ``[full_lo, full_hi)`` unmasked and
-``[full_hi, end)`` masked (the "stage split" of Triton's fused-attention tutorial, where the
-diagonal tiles of a causal mask are the masked ones). Mask modes (a constexpr):
-
-    MASK_NONE = 0    intervals are [0, n_cols): only the ragged tail tile is masked
+    MASK_NONE = 0    intervals [0, n_cols): only the ragged tail tile is masked
     MASK_CAUSAL = 1  computed from the offset q_start - k_start: no arrays read
-    MASK_RANGES = 2  read from int32 arrays built by :func:`interval_arrays` (documents)
+    MASK_RANGES = 2  read from int32 arrays (:func:`interval_arrays`, documents)
 
-Exponentials are base 2: ``exp(x) = exp2(x * log2(e))``, with ``log2(e)`` folded into the
-softmax scale, and the log-sum-exp converted back to the natural log on the way out.
+Exponentials are base 2, ``log2(e)`` folded into the softmax scale; the lse leaves as natural log.
 """
 from __future__ import annotations
 
@@ -46,18 +32,14 @@ LN2 = 0.6931471805599453
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (Triton's own ``TRITON_INTERPRET``).
-
-    Read at launch time, never at import: the interpreter needs autotuning off and (for bf16)
-    an upcast right after each load, because it holds bf16 as raw integers.
-    """
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read at
+    launch time): no autotuning there, and bf16 must be upcast right after each load."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _device_bounds(doc_bounds, device) -> torch.Tensor:
-    """The bounds as an int64 tensor on ``device`` without stalling the host: a plain copy from
-    pageable memory would synchronise the stream (and break compute/communication overlap),
-    so CUDA gets a pinned buffer and an asynchronous copy."""
+    """The bounds on ``device`` without stalling the host (a pinned, asynchronous copy on CUDA:
+    a pageable one would synchronise and break the overlap of compute and communication)."""
     host = torch.tensor(doc_bounds, dtype=torch.int64)
     if torch.device(device).type != "cuda":
         return host.to(device)
@@ -66,20 +48,9 @@ def _device_bounds(doc_bounds, device) -> torch.Tensor:
 
 def interval_arrays(sq: int, sk: int, q_start: int, k_start: int, causal: bool,
                     doc_bounds, device, *, for_keys: bool):
-    """Per-row visible intervals of a document mask, as int32 device arrays.
-
-    Args:
-        sq, sk: query and key rows of the block.
-        q_start, k_start: global positions of the first query and key row.
-        causal: also hide keys after the query.
-        doc_bounds: global ``cu_seqlens`` as host ints ``(0, ..., N)``.
-        device: where the arrays live.
-        for_keys: False: ``(kv_lo, kv_hi)`` of shape (sq,), the keys each query sees;
-            True: ``(q_lo, q_hi)`` of shape (sk,), the queries that see each key.
-
-    Returns:
-        Two int32 tensors ``(lo, hi)`` with ``0 <= lo <= hi <= other side's length``.
-    """
+    """Per-row visible intervals of a document mask as int32 device arrays ``(lo, hi)``:
+    the keys each query sees, shape (sq,), or with ``for_keys`` the queries that see each key,
+    shape (sk,); ``doc_bounds`` are the global ``cu_seqlens`` as host ints."""
     bounds = _device_bounds(doc_bounds, device)  # (n_docs + 1,)
     rows, start, n_other, other_start = (sk, k_start, sq, q_start) if for_keys else \
         (sq, q_start, sk, k_start)
@@ -98,11 +69,8 @@ def interval_arrays(sq: int, sk: int, q_start: int, k_start: int, causal: bool,
 @triton.jit
 def load_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.constexpr,
               CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr):
-    """Load a (ROWS, HEAD_DIM_PAD) tile whose first row is ``row0`` of a (n_rows, HEAD_DIM) slab.
-
-    The row offset is applied to the base pointer in 64 bits, so slabs over 2**31 elements
-    (e.g. 512K tokens x 32 heads x 128) stay addressable. Padded columns load as zero.
-    """
+    """Load the (ROWS, HEAD_DIM_PAD) tile from row ``row0`` of a (n_rows, HEAD_DIM) slab; the
+    row offset is 64-bit (slabs over 2**31 elements), padded columns load as zero."""
     base = ptr + row0.to(tl.int64) * stride_row
     ptrs = base + offs_r[:, None] * stride_row + offs_d[None, :]
     if CHECK_ROWS:
@@ -124,9 +92,8 @@ def load_rows(ptr, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.conste
 @triton.jit
 def slab_desc(ptr, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
               HEAD_DIM_PAD: tl.constexpr):
-    """A TMA descriptor of the (n_rows, HEAD_DIM) slab at ``ptr`` read in (ROWS, HEAD_DIM_PAD)
-    tiles. Rows and columns past the slab load as zero (hardware bounds). Kernels without TMA
-    pass None where a descriptor would go (Triton 3.6 cannot return None from a function)."""
+    """A TMA descriptor of the (n_rows, HEAD_DIM) slab at ``ptr``, read in (ROWS, HEAD_DIM_PAD)
+    tiles (past the slab: zero). Without TMA kernels pass None where a descriptor would go."""
     return tl.make_tensor_descriptor(ptr, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
                                      block_shape=[ROWS, HEAD_DIM_PAD])
 
@@ -135,12 +102,8 @@ def slab_desc(ptr, n_rows, stride_row, HEAD_DIM: tl.constexpr, ROWS: tl.constexp
 def load_tile(desc, ptr, head, row0, stride_row, n_rows, offs_r, offs_d, HEAD_DIM: tl.constexpr,
               CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
               TMA: tl.constexpr, GROUPED: tl.constexpr):
-    """The (ROWS, HEAD_DIM_PAD) tile at row ``row0``: one TMA copy through ``desc`` straight
-    into shared memory, or (no TMA) per-thread loads as :func:`load_rows`.
-
-    ``GROUPED``: ``desc`` covers (heads, rows, dims) and ``head`` picks the head (``ptr``
-    already points at that head, for the pointer path); otherwise ``head`` is unused.
-    """
+    """The tile at row ``row0``: one TMA copy through ``desc``, or per-thread loads
+    (:func:`load_rows`); ``GROUPED``: ``desc`` covers (heads, rows, dims), ``head`` picks one."""
     if TMA:
         if GROUPED:
             x = desc.load([head, row0, 0]).reshape(offs_r.shape[0], offs_d.shape[0])
@@ -211,3 +174,22 @@ def tile_ranges(lo, hi, valid, n_cols, BLOCK: tl.constexpr):
     full_lo = tl.where(has_full, full_lo, start)
     full_hi = tl.where(has_full, full_hi, start)
     return start, full_lo, full_hi, hi_max
+
+
+DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The ``KIND`` constant :func:`round_to` takes for each storage dtype."""
+
+
+@triton.jit
+def round_to(x, KIND: tl.constexpr):
+    """float32 ``x`` rounded to float32 (KIND 0), bfloat16 (1) or float16 (2), kept in float32.
+    bfloat16 rounds to nearest even by its bits: the interpreter truncates a cast, the GPU
+    rounds, and the fused kernels' CPU tests must see the GPU's rounding."""
+    if KIND == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + ((bits >> 16) & 1) + 0x7FFF) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    elif KIND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x

@@ -1,34 +1,21 @@
-"""Tile configurations: a small autotune set per kernel, pruning, and the interpreter's fixed tiles.
+"""Tile configurations: a small autotune set per kernel, pruning, and the interpreter's tiles.
 
-Each kernel is tuned over a handful of (BLOCK_M, BLOCK_N, num_stages, num_warps) points around
-the shapes known to run well on Hopper (Triton's fused-attention tutorial and torch's
-flex_attention defaults for H100: forward 128 x 64 tiles, 3 stages, 8 warps; backward dK/dV
-64 x 128 and dQ 128 x 64, 3 stages, 8 warps). On an H200 the forward runs fastest with
-128 x 128 tiles and 3 stages (the 229,376 bytes of shared memory it needs just fit Hopper's
-232,448), so that point leads the list. For head dim
-128 in bf16 (sm_90a, Triton 3.6) the dK/dV kernel's two float32 accumulators leave little
-room: 64 x 128 tiles spill a little (40 bytes a thread with per-thread loads, 16 with TMA
-loads, outside the loop), 32 x 128 and 32 x 64 do not, so those are in the set too; the
-autotuner picked 64 x 128 with TMA and 32 x 64 without on an H200. ``prune`` drops, before
-any compilation, the configurations whose pipelined tiles cannot fit in the device's shared
-memory or whose float32 accumulators would spill registers for this head dim and dtype; a
-config that still fails to compile is skipped by the autotuner (OutOfResources).
-
-The autotune key is (HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET, TMA) plus the tensors' dtypes, where
-SEQ_BUCKET is ``next_power_of_2(max(Sq, Sk))`` capped at 16K: every long sequence shares one
-tuning, done at its first call.
-
-Under the interpreter there is no timing to tune on, so one small but real-sized tile is used
-(several tiles per test sequence, so the stage split is exercised).
+Each kernel is tuned over a few (BLOCK_M, BLOCK_N, num_stages, num_warps) points around the
+shapes known to run well on Hopper (Triton's fused-attention tutorial, torch's flex_attention
+defaults), smaller dK/dV tiles included for head dim 128, whose two float32 accumulators leave
+few registers. :func:`prune` drops, before compiling, the points whose pipelined tiles cannot fit
+the device's shared memory or whose accumulators would spill; a point that still fails to
+compile is skipped by the autotuner. The autotune key is (HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET,
+TMA) and the dtypes, SEQ_BUCKET capped at 16K: every long sequence shares one tuning. Under the
+interpreter one small real-sized tile runs (several tiles per test, so the stage split runs).
 """
 from __future__ import annotations
 
 import torch
 import triton
 
-#: (BLOCK_M, BLOCK_N, num_stages, num_warps) — BLOCK_M runs over queries, BLOCK_N over keys.
-#: The last point of each list is a small fallback, tuned only when no larger point fits
-#: (head dim 256, float32 inputs).
+#: (BLOCK_M, BLOCK_N, num_stages, num_warps), BLOCK_M over queries; the last point of each list
+#: is a fallback, tuned only when no larger one fits.
 FWD_POINTS = [(128, 128, 3, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 3, 4), (64, 64, 2, 4)]
 DKDV_POINTS = [(64, 128, 3, 8), (32, 128, 3, 8), (32, 128, 2, 8), (32, 64, 3, 4), (32, 64, 2, 4)]
 DQ_POINTS = [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4), (64, 32, 2, 4)]

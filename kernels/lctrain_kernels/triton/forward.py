@@ -1,32 +1,13 @@
 """Flash-attention forward in Triton: online softmax over key tiles, base-2 exponentials.
 
-One program owns a tile of BLOCK_M query rows of one (batch, query head) and keeps the
-running state of FlashAttention-2 in registers while it walks the visible key tiles:
-
-    m_i  (BLOCK_M,)          running row maximum of the scaled scores, in log2 units
-    l_i  (BLOCK_M,)          running sum of exp2(score - m_i)
-    acc  (BLOCK_M, D)        running sum of exp2(score - m_i) * v, float32
-
-For each key tile: ``s = q @ k^T * scale * log2(e)``; ``m_new = max(m_i, rowmax(s))``;
-``p = exp2(s - m_new)``; the old state is rescaled by ``alpha = exp2(m_i - m_new)`` and
-``acc += p @ v``. At the end ``out = acc / l_i`` and ``lse = (m_i + log2(l_i)) * ln(2)`` (the
-natural log-sum-exp that the merge of partial results and the backward pass need).
-
-GQA: query head ``h`` reads key/value head ``h // GROUP`` by index; K/V are never repeated.
-
-The key range of the tile comes from :func:`tile_ranges` (see ``common.py``): tiles that no
-row can see are never visited, fully visible tiles run without the elementwise mask (the fast
-inner loop), and only boundary tiles (causal diagonal, document edges, the ragged key tail)
-pay for the mask. A row that sees no key at all ends with ``l_i = 0``: it stores out = 0 and
-lse = -inf (the running maximum is kept at -inf and the exponent shifted by 0 to avoid NaN).
-
-For causal masks the programs are launched heaviest first (last query tile first), which
-evens out the tail of the grid.
-
-Where the inputs allow it (``TMA``, see ``launch.tma_ok``) the q, k and v tiles are copied by
-TMA, Hopper's tensor memory accelerator, straight into shared memory, bounds and zero padding
-done by the hardware, which is markedly faster on Hopper; otherwise each thread loads its
-share through pointers.
+One program owns BLOCK_M query rows of one (batch, query head) and keeps FlashAttention-2's
+running state: the row maximum ``m_i`` (log2 units), the sum ``l_i`` of ``exp2(s - m_i)`` and the
+float32 accumulator ``acc``. Per key tile: ``s = q k^T * scale * log2(e)``, ``m_new = max(m_i,
+rowmax(s))``, ``p = exp2(s - m_new)``, the state rescaled by ``exp2(m_i - m_new)``, ``acc += p v``.
+At the end ``out = acc / l_i`` and ``lse = (m_i + log2(l_i)) * ln(2)``. Query head ``h`` reads K/V
+head ``h // GROUP``. Key tiles come from :func:`~lctrain_kernels.triton.common.tile_ranges`
+(unseen ones skipped, fully visible ones unmasked); a row that sees nothing stores out = 0 and
+lse = -inf. Causal programs start with the heaviest tiles; tiles are TMA copies where possible.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Launchers of the Triton attention kernels: checks, mask plan, buffers, grid, autotuning.
 
-Layout: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) with ``Hq % Hkv == 0`` (BSHD, as flash-attn);
-any strides as long as the head dim is contiguous (other inputs are copied). lse is
-(B, Hq, Sq) float32, natural log. The mask is given in GLOBAL positions, as in
-``lctrain_kernels.masks.MaskSpec``: ``causal`` (key position <= query position), ``q_start`` /
-``k_start`` (global position of the first query / key row) and ``doc_bounds`` (global
-``cu_seqlens`` as host ints; attention never crosses a document boundary).
-
-:func:`mask_plan` turns that into one of three kernel modes (see ``common.py``), dropping
-what cannot matter for the block (a single document, a causal block that is entirely in the
-past). On a GPU each kernel is autotuned (``configs.py``); under ``TRITON_INTERPRET=1`` or
-with an explicit ``config`` one fixed tile configuration is launched instead.
+q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) with ``Hq % Hkv == 0``, any strides with a contiguous head
+dim; lse (B, Hq, Sq) float32, natural log. The mask is given in GLOBAL positions as in
+:class:`~lctrain_kernels.masks.MaskSpec`; :func:`mask_plan` turns it into a kernel mode, dropping
+what cannot matter for the block. Autotuned on a GPU (``configs``); one fixed tile under the
+interpreter or with an explicit ``config``.
 """
 from __future__ import annotations
 
@@ -47,11 +41,8 @@ FP32_TUNED = {kind: autotuned(kernel, kind, FP32_POINTS[kind]) for kind, kernel 
 
 
 def check_inputs(q, k, v) -> tuple[int, int, int, int, int, int]:
-    """Validate the (q, k, v) of one block; returns (B, Sq, Hq, D, Sk, Hkv).
-
-    Raises:
-        ValueError: on a shape, dtype or device the kernels cannot take (one sentence why).
-    """
+    """(B, Sq, Hq, D, Sk, Hkv) of one block's q, k, v, or ValueError saying why the kernels
+    cannot take them."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"triton attention takes 4-D (batch, seq, heads, head_dim) tensors, got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
@@ -83,11 +74,8 @@ def check_inputs(q, k, v) -> tuple[int, int, int, int, int, int]:
 
 
 def mask_plan(sq, sk, causal, q_start, k_start, doc_bounds) -> tuple[int, int, tuple | None]:
-    """(mask mode, causal offset q_start - k_start, doc bounds still needed or None).
-
-    Raises:
-        ValueError: if the block reaches beyond the last document bound.
-    """
+    """(mask mode, causal offset q_start - k_start, doc bounds still needed or None);
+    ValueError if the block reaches beyond the last document bound."""
     bounds = tuple(int(x) for x in doc_bounds) if doc_bounds is not None else None
     if bounds is not None:
         end = max(q_start + sq, k_start + sk)
@@ -124,13 +112,8 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels may read these tensors' tiles with TMA copies.
-
-    TMA (Hopper's tensor memory accelerator, sm_90+) copies a whole tile from global into
-    shared memory in one instruction: no per-thread addresses in registers, bounds checked
-    (and zero-filled) by the hardware. It needs 16-byte aligned base addresses and strides.
-    The interpreter runs the TMA path too, so the CPU tests cover it.
-    """
+    """Whether the kernels may read these tensors' tiles with TMA copies (sm_90+, or the
+    interpreter, which runs that path too; 16-byte aligned addresses and strides)."""
     if not hasattr(triton.language, "make_tensor_descriptor"):
         return False
     if not interpreting():
@@ -145,12 +128,8 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 def _use_tma(tma: bool | None, *tensors: torch.Tensor) -> bool:
-    """The tile-load path of one launch: TMA where :func:`tma_ok` allows it (``tma=None``),
-    per-thread pointer loads (``False``), or TMA required (``True``).
-
-    Raises:
-        ValueError: ``tma=True`` for inputs that TMA cannot read.
-    """
+    """TMA where :func:`tma_ok` allows it (``tma=None``), never (False), or required (True:
+    a ValueError for inputs TMA cannot read)."""
     if tma is False:
         return False
     ok = tma_ok(*tensors)
@@ -201,30 +180,31 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
+def _strides(**tensors: torch.Tensor) -> dict:
+    """The kernels' ``stride_<name>b``, ``_<name>s`` and ``_<name>h`` of (B, S, H, D) tensors."""
+    return {f"stride_{n}{a}": st for n, t in tensors.items() for a, st in zip("bsh", _strides3(t))}
+
+
 def flash_forward(q, k, v, *, scale: float | None = None, causal: bool = False,
                   q_start: int = 0, k_start: int = 0, doc_bounds=None, out=None, lse=None,
                   config: dict | None = None, tma: bool | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block: ``softmax(q k^T * scale + mask) v`` and its log-sum-exp.
+    """Attention of one block, ``softmax(q k^T * scale + mask) v``, and its log-sum-exp.
 
     Args:
-        q: (B, Sq, Hq, D) queries. k, v: (B, Sk, Hkv, D) keys and values.
+        q: (B, Sq, Hq, D) queries; k, v: (B, Sk, Hkv, D).
         scale: softmax scale; default ``D ** -0.5``.
-        causal, q_start, k_start, doc_bounds: the mask in global positions (module docstring).
-        out: optional (B, Sq, Hq, D) output buffer (any float dtype). lse: optional (B, Hq, Sq)
-            float32 buffer.
-        config: fixed tiles ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` (optionally
-            ``"WARP_SPECIALIZE"``) instead of autotuning.
-        tma: read tiles with TMA copies where :func:`tma_ok` allows (None), never (False), or
-            always (True: an error where it cannot).
+        causal, q_start, k_start, doc_bounds: the mask in global positions.
+        out, lse: optional (B, Sq, Hq, D) and (B, Hq, Sq) float32 output buffers.
+        config: fixed tiles ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` instead of
+            autotuning.
+        tma: TMA tile copies where possible (None), never (False) or required (True).
 
     Returns:
-        ``(out, lse)``: out (B, Sq, Hq, D) in q's dtype (or ``out``'s), lse (B, Hq, Sq) float32.
-        Rows that see no key get out = 0 and lse = -inf.
+        ``(out, lse)``; rows that see no key get out = 0 and lse = -inf.
 
     Raises:
-        ValueError: on inputs the kernel cannot take (see :func:`check_inputs`), or ``tma=True``
-            where TMA cannot read them.
+        ValueError: inputs the kernels cannot take, or ``tma=True`` where TMA cannot read them.
     """
     B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
     scale = D ** -0.5 if scale is None else float(scale)
@@ -235,15 +215,11 @@ def flash_forward(q, k, v, *, scale: float | None = None, causal: bool = False,
     if lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError("lse= must be a contiguous float32 tensor.")
     kv_lo, kv_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, False)
-    args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KV_LO=kv_lo, KV_HI=kv_hi,
-                sm_scale=scale, causal_off=plan[1],
-                **dict(zip(("stride_qb", "stride_qs", "stride_qh"), _strides3(q))),
-                **dict(zip(("stride_kb", "stride_ks", "stride_kh"), _strides3(k))),
-                **dict(zip(("stride_vb", "stride_vs", "stride_vh"), _strides3(v))),
-                **dict(zip(("stride_ob", "stride_os", "stride_oh"), _strides3(out))),
-                Hq=Hq, GROUP=Hq // Hkv, Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk),
-                HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
-                MASK_MODE=plan[0], WARP_SPECIALIZE=False,
+    args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, KV_LO=kv_lo, KV_HI=kv_hi, sm_scale=scale,
+                causal_off=plan[1], **_strides(q=q, k=k, v=v, o=out), Hq=Hq, GROUP=Hq // Hkv,
+                Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk), HEAD_DIM=D,
+                HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)), MASK_MODE=plan[0],
+                WARP_SPECIALIZE=False,
                 **_flags(q.dtype, _use_tma(tma, q, k, v)))
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     _launch(fwd_tuned, attn_fwd_kernel, "fwd", grid, args, config)
@@ -267,23 +243,20 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
                    q_start: int = 0, k_start: int = 0, doc_bounds=None, dlse=None,
                    dq=None, dk=None, dv=None, dq_config: dict | None = None,
                    dkdv_config: dict | None = None, tma: bool | None = None):
-    """Gradients of one block from the FINAL (merged) ``out`` and ``lse`` of its query rows.
+    """Gradients of one block from the FINAL (merged) ``out`` and ``lse`` of its rows.
 
     Args:
-        do: (B, Sq, Hq, D) gradient of ``out``. q, k, v, scale and the mask as in
-            :func:`flash_forward`. out: (B, Sq, Hq, D); lse: (B, Hq, Sq) float32.
-        dlse: optional (B, Hq, Sq) gradient of ``lse``, folded into delta (``delta =
-            rowsum(dO * O) - dlse``: ``d lse_i / d s_ij = P_ij``).
-        dq, dk, dv: optional output buffers (any float dtype, e.g. float32 accumulators).
+        do: (B, Sq, Hq, D) gradient of ``out``; q, k, v, scale, the mask and ``tma`` as in
+            :func:`flash_forward`.
+        dlse: optional (B, Hq, Sq) gradient of ``lse``, folded into delta.
+        dq, dk, dv: optional output buffers (any float dtype).
         dq_config, dkdv_config: fixed tiles for the two kernels instead of autotuning.
-        tma: the tile-load path, as in :func:`flash_forward`.
 
     Returns:
-        ``(dq, dk, dv)``: dq (B, Sq, Hq, D), dk and dv (B, Sk, Hkv, D) summed over each GQA group,
-        in the inputs' dtype unless buffers were given.
+        ``(dq, dk, dv)``, dk and dv summed over each GQA group.
 
     Raises:
-        ValueError: on inputs the kernels cannot take, or ``tma=True`` where TMA cannot read them.
+        ValueError: inputs the kernels cannot take, or ``tma=True`` where TMA cannot read them.
     """
     B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
     if do.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != (B, Hq, Sq):
@@ -298,23 +271,17 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
     dk = _buffer(dk, k.shape, k.dtype, q, "dk")
     dv = _buffer(dv, v.shape, v.dtype, q, "dv")
     common = dict(Q=q, K=k, V=v, DO=do, Lse=lse, Delta=delta, sm_scale=scale,
-                  causal_off=plan[1],
-                  **dict(zip(("stride_qb", "stride_qs", "stride_qh"), _strides3(q))),
-                  **dict(zip(("stride_kb", "stride_ks", "stride_kh"), _strides3(k))),
-                  **dict(zip(("stride_vb", "stride_vs", "stride_vh"), _strides3(v))),
-                  **dict(zip(("stride_db", "stride_ds", "stride_dh"), _strides3(do))),
-                  Hq=Hq, GROUP=Hq // Hkv, Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk),
-                  HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
-                  MASK_MODE=plan[0], **_flags(q.dtype, _use_tma(tma, q, k, v, do)))
+                  causal_off=plan[1], **_strides(q=q, k=k, v=v, d=do), Hq=Hq, GROUP=Hq // Hkv,
+                  Sq=Sq, Sk=Sk, SEQ_BUCKET=seq_bucket(Sq, Sk), HEAD_DIM=D,
+                  HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)), MASK_MODE=plan[0],
+                  **_flags(q.dtype, _use_tma(tma, q, k, v, do)))
     q_lo, q_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, True)
     dkdv_args = dict(common, DK=dk, DV=dv, Q_LO=q_lo, Q_HI=q_hi, Hkv=Hkv,
-                     **dict(zip(("stride_dkb", "stride_dks", "stride_dkh"), _strides3(dk))),
-                     **dict(zip(("stride_dvb", "stride_dvs", "stride_dvh"), _strides3(dv))))
+                     **_strides(dk=dk, dv=dv))
     grid = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
     _launch(dkdv_tuned, attn_bwd_dkdv_kernel, "dkdv", grid, dkdv_args, dkdv_config)
     kv_lo, kv_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, False)
-    dq_args = dict(common, DQ=dq, KV_LO=kv_lo, KV_HI=kv_hi,
-                   **dict(zip(("stride_dqb", "stride_dqs", "stride_dqh"), _strides3(dq))))
+    dq_args = dict(common, DQ=dq, KV_LO=kv_lo, KV_HI=kv_hi, **_strides(dq=dq))
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * Hq)  # noqa: E731
     _launch(dq_tuned, attn_bwd_dq_kernel, "dq", grid, dq_args, dq_config)
     return dq, dk, dv
