@@ -101,21 +101,23 @@ def test_reordered_documents_carry_every_column_and_bound():
     assert reorder_documents(batch, range(4)) is batch
 
 
-def _cfg(out: Path, data: Path, balance: bool):
+def _cfg(out: Path, data: Path):
     sets = {"data.source": str(data), "data.seq_len": 96, "train.max_steps": 4,
-            "train.log_every": 1,
             "train.warmup_steps": 1, "train.lr": 3e-3, "parallel.cp": 2, "parallel.fsdp": "off",
-            "parallel.attention_backend": "reference", "parallel.balance_documents": balance,
-            "checkpoint.export_final": False, "data.cache_dir": str(out.parent / "cache")}
+            "parallel.attention_backend": "reference", "checkpoint.export_final": False}
     return load_recipe(None, [f"{k}={v}" for k, v in sets.items()], output_dir=str(out))
 
 
-def _train(rank, world, cfgs):
-    from lctrain.train.runner import run_worker
+def _train(rank, world, cfgs, balances):
+    """Each run of the runner, the documents balanced or (the test's reference) not."""
+    from lctrain.parallel.context import ContextParallel
+    from lctrain.train import runner
 
     records = []
-    for cfg in cfgs:
-        assert run_worker(cfg) == 0
+    for cfg, balance in zip(cfgs, balances):
+        runner.ContextParallel = lambda *args, **kw: ContextParallel(*args, **{**kw,
+                                                                              "balance": balance})
+        assert runner.run_worker(cfg) == 0
         path = Path(cfg.train.output_dir) / "metrics.jsonl"
         records.append([json.loads(line) for line in path.read_text().splitlines()])
     return records
@@ -126,8 +128,7 @@ def test_two_ranks_train_on_balanced_rows_as_on_the_packed_order(tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": "".join(rng.choice("abcdef ") for _ in range(
         rng.choice([2, 4, 6, 60])))}) + "\n" for _ in range(120)))
-    packed, balanced = _cfg(tmp_path / "packed", data, False), _cfg(tmp_path / "balanced", data,
-                                                                     True)
+    packed, balanced = _cfg(tmp_path / "packed", data), _cfg(tmp_path / "balanced", data)
     rows = prepare_data(balanced.data, load_tokenizer(balanced))
     batches = iter_batches(rows, batch_size=1, dp_rank=0, dp_size=1, seed=balanced.train.seed)
     moved = 0
@@ -135,7 +136,7 @@ def test_two_ranks_train_on_balanced_rows_as_on_the_packed_order(tmp_path):
         lengths = [b - a for a, b in zip(batch.cu_seqlens, batch.cu_seqlens[1:])]
         moved += balanced_order(lengths, 96, 2) != tuple(range(len(lengths)))
     assert moved >= 1  # the test's rows do get reordered
-    want, got = run_on_ranks(_train, 2, [packed, balanced])[0]
+    want, got = run_on_ranks(_train, 2, [packed, balanced], [False, True])[0]
     assert len(want) == 4 and [r["loss"] for r in got] == pytest.approx(
         [r["loss"] for r in want], rel=1e-5)
     before = [r["attention_balance"] for r in want]  # the busiest rank's work over the mean

@@ -1,5 +1,5 @@
-"""Checkpointing policies on a tiny Llama: identical gradients, attention forward run counts,
-what the attention backward receives, and the host offload of remat-offload."""
+"""Checkpointing on a tiny Llama: identical gradients, attention forward run counts, what the
+attention backward receives, and the parked layers' host offload (remat, train.offload=layers)."""
 import copy
 import weakref
 
@@ -7,14 +7,17 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lctrain.config import LayerPlan
 from lctrain.errors import UserError
 from lctrain.model.structure import decoder_layer_slots
-from lctrain.parallel.activation_checkpoint import POLICIES, AttentionCounter, apply_checkpointing
+from lctrain.parallel.activation_checkpoint import AttentionCounter, apply_checkpointing
 from tiny_llama import lctrain_attention, tiny_llama
 
 LAYERS = 3
 DIST = "lctrain_test_dist"
 REFERENCE = "lctrain_test_reference"
+POLICIES = ("none", "full", "remat", "parked")
+"""Every layer's kind, and remat with every layer parked in host memory."""
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,8 @@ def base_model():
 def _model(base, policy, attn=DIST, **kwargs):
     model = copy.deepcopy(base)
     model.set_attn_implementation(attn)
-    apply_checkpointing(model, policy, **kwargs)
+    apply_checkpointing(model, LayerPlan.parse("remat", "layers") if policy == "parked" else policy,
+                        **kwargs)
     return model
 
 
@@ -82,7 +86,7 @@ def test_generic_fallback_without_no_split_modules():
     net = Net()
     assert apply_checkpointing(net, "full") == 3
     assert all(type(b).__name__ == "CheckpointWrapper" for b in net.blocks)
-    with pytest.raises(UserError, match="unknown"):
+    with pytest.raises(UserError, match="'sometimes' is not one of none, remat, full"):
         apply_checkpointing(net, "sometimes")
     with pytest.raises(UserError, match="decoder layers"):
         apply_checkpointing(torch.nn.Linear(2, 2), "full")
@@ -108,7 +112,7 @@ def test_same_gradients_and_attention_runs(base_model, attn):
             torch.testing.assert_close(grad, ref_grads[name], rtol=1e-6, atol=1e-7,
                                        msg=f"{policy}: {name}")
     assert runs == {"none": LAYERS, "full": 2 * LAYERS, "remat": LAYERS,
-                    "remat-offload": LAYERS}
+                    "parked": LAYERS}
 
 
 class _AttentionTrace(TorchDispatchMode):
@@ -127,13 +131,13 @@ class _AttentionTrace(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("policy", ["remat", "remat-offload"])
+@pytest.mark.parametrize("policy", ["remat", "parked"])
 def test_backward_gets_recomputed_qkv_and_saved_out_lse(base_model, policy):
     model = _model(base_model, policy, offload_min_bytes=0)
     ids, labels = _batch(seed=2)
     with _AttentionTrace() as trace:
         loss = model(input_ids=ids, labels=labels).loss
-        if policy == "remat-offload":  # the kept (out, lse) wait on the host meanwhile
+        if policy == "parked":  # the kept (out, lse) wait on the host meanwhile
             assert all(t.untyped_storage().nbytes() == 0 for _, outs in trace.forward for t in outs)
         loss.backward()
     assert len(trace.forward) == len(trace.backward) == LAYERS
@@ -148,7 +152,7 @@ def test_backward_gets_recomputed_qkv_and_saved_out_lse(base_model, policy):
 
 def test_offload_releases_layer_inputs(base_model):
     alive = {}
-    for policy in ("remat", "remat-offload"):
+    for policy in ("remat", "parked"):
         model = _model(base_model, policy, offload_min_bytes=0)
         inputs = []
         hook = model.model.layers[1].register_forward_pre_hook(
@@ -158,11 +162,11 @@ def test_offload_releases_layer_inputs(base_model):
         alive[policy] = inputs[0]() is not None
         loss.backward()
         hook.remove()
-    assert alive == {"remat": True, "remat-offload": False}
+    assert alive == {"remat": True, "parked": False}
 
 
 def test_offload_keeps_small_tensors_in_place(base_model):
-    model = _model(base_model, "remat-offload")  # default threshold: 1 MiB, far above these
+    model = _model(base_model, "parked")  # default threshold: 1 MiB, far above these
     ids, labels = _batch(seed=4)
     with _AttentionTrace() as trace:
         loss = model(input_ids=ids, labels=labels).loss
@@ -181,11 +185,11 @@ def _gpu_model(layers=4):
 
 
 @pytest.mark.gpu
-def test_remat_offload_moves_memory_to_host_on_gpu(base_model):
+def test_parked_layers_move_memory_to_host_on_gpu(base_model):
     base, tokens, hidden = _gpu_model(), 4096, 256
     ids = torch.randint(0, 512, (1, tokens), device="cuda")
     kept, grads = {}, {}
-    for policy in ("remat", "remat-offload"):
+    for policy in ("remat", "parked"):
         model = _model(base, policy)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -196,20 +200,20 @@ def test_remat_offload_moves_memory_to_host_on_gpu(base_model):
         grads[policy] = {n: p.grad for n, p in model.named_parameters()}
     # per layer: its input and the attention output, fp32 (the lse is under the 1 MiB threshold)
     parked = 4 * 2 * tokens * hidden * 4
-    assert kept["remat"] - kept["remat-offload"] >= 0.9 * parked, kept
+    assert kept["remat"] - kept["parked"] >= 0.9 * parked, kept
     for name, grad in grads["remat"].items():
-        torch.testing.assert_close(grads["remat-offload"][name], grad)
+        torch.testing.assert_close(grads["parked"][name], grad)
 
 
 @pytest.mark.gpu
-def test_remat_offload_pins_exact_sizes_and_reuses_them(base_model):
+def test_parked_layers_pin_exact_sizes_and_reuse_them(base_model):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from lctrain.parallel.offload import Offloader
 
     base, tokens, hidden = _gpu_model(), 3000, 256  # 3000 x 256 x 4 bytes: no power of two
     ids = torch.randint(0, 512, (1, tokens), device="cuda")
-    model = _model(base, "remat-offload")
+    model = _model(base, "parked")
     pools = {id(a.pool): a.pool for m in model.modules() if isinstance(m, CheckpointWrapper)
              for a in m.checkpoint_fn.args if isinstance(a, Offloader)}
     sizes = []

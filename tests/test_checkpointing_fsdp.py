@@ -10,9 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lctrain.parallel.activation_checkpoint import POLICIES, AttentionCounter, apply_checkpointing
+from lctrain.config import LayerPlan
+from lctrain.parallel.activation_checkpoint import AttentionCounter, apply_checkpointing
 
 LAYERS = 3
+POLICIES = {"none": "none", "full": "full", "remat": "remat",
+            "parked": LayerPlan.parse("full=1,remat=2", "layers=2")}
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +51,9 @@ def test_policies_under_fsdp2(world_mesh, base_model, param_dtype):
 
     ids = torch.randint(0, 97, (1, 40))
     grads, runs = {}, {}
-    for policy in POLICIES:
+    for policy, layers_plan in POLICIES.items():
         model = copy.deepcopy(base_model)
-        apply_checkpointing(model, policy, offload_min_bytes=0)
+        apply_checkpointing(model, layers_plan, offload_min_bytes=0)
         layers = decoder_layers(model)
         assert all(type(l).__name__ == ("CheckpointWrapper" if policy != "none" else
                                          "LlamaDecoderLayer") for l in layers)
@@ -60,8 +63,8 @@ def test_policies_under_fsdp2(world_mesh, base_model, param_dtype):
         runs[policy] = counter.total
         grads[policy] = {n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
                          for n, p in model.named_parameters()}
-    assert runs == {"none": LAYERS, "full": 2 * LAYERS, "remat": LAYERS, "remat-offload": LAYERS}
-    for policy in POLICIES[1:]:
+    assert runs == {"none": LAYERS, "full": 2 * LAYERS, "remat": LAYERS, "parked": LAYERS + 1}
+    for policy in list(POLICIES)[1:]:
         for name, grad in grads["none"].items():
             if param_dtype is None:
                 torch.testing.assert_close(grads[policy][name], grad, rtol=1e-6, atol=1e-7)

@@ -124,7 +124,7 @@ def test_seq_len_must_fit_the_layout_chunking():
         load_recipe(None, ["parallel.cp=4", "parallel.schedule=zigzag"], seq_len=1001)
     with pytest.raises(ConfigError, match=r"513 is not divisible by 2 \(parallel.cp"):
         load_recipe(None, seq_len=513)
-    assert load_recipe(None, ["parallel.cp=3", "parallel.schedule=ring"], seq_len=513).data.seq_len == 513
+    assert load_recipe(None, ["parallel.cp=3"], seq_len=513).data.seq_len == 513
 
 
 def test_unknown_keys_in_a_file_name_the_file(tmp_path):
@@ -204,10 +204,10 @@ def test_parse_size_list_and_memory():
 
 
 def test_parallel_names_come_from_the_kernels():
-    """Every schedule and backend lctrain_kernels knows is a valid recipe value, with its
-    layout's chunking; anything else is refused with the choices."""
+    """The product's schedules and every backend lctrain_kernels knows are valid recipe values,
+    with their layout's chunking; anything else is refused with the choices."""
     vocabulary = pytest.importorskip("lctrain_kernels.vocabulary")
-    for kind in vocabulary.SCHEDULES:
+    for kind in ("distflash", "zigzag"):
         cfg = load_recipe(None, [f"parallel.schedule={kind}", "parallel.cp=3"], seq_len=60)
         assert cfg.parallel.layout == vocabulary.schedule_layout(kind)
         assert cfg.parallel.seq_chunks == 3 * vocabulary.chunks_per_rank(cfg.parallel.layout)
@@ -246,3 +246,83 @@ def test_a_data_source_error_says_where_the_value_came_from(tmp_path):
     assert str(info.value) == (f"data.eval_source {str(folder)!r} is a folder; give a file or a "
                                f"glob such as {folder / '*.jsonl'} "
                                f"(from --set data.eval_source={folder})")
+
+
+def test_recipe_fields_are_at_most_fifty():
+    """The typed fields a recipe can set, not counting the free model.config mapping."""
+    from lctrain.config.schema import SECTIONS
+
+    names = [f"{section}.{f.name}" for section, cls in SECTIONS.items()
+             for f in dataclasses.fields(cls) if (section, f.name) != ("model", "config")]
+    assert len(names) <= 50, names
+
+
+@pytest.mark.parametrize("key, value", [
+    ("model.fused_norms", "false"), ("model.fused_rope", "false"), ("model.fused_mlp", "false"),
+    ("model.fused_loss", "false"), ("model.grouped_attention", "false"),
+    ("model.deferred_norms", "false"), ("parallel.dp", "1"), ("parallel.balance_documents", "true"),
+    ("train.layer_policies", "remat=2"), ("train.state_offload", "optimizer"),
+    ("train.offload_prefetch", "false"), ("train.planned", "x"), ("train.log_every", "2"),
+    ("data.eval_seed", "3"), ("data.cache_dir", "/tmp"), ("checkpoint.enabled", "false"),
+    ("checkpoint.on_signal", "false"), ("checkpoint.asynchronous", "on"),
+])
+def test_removed_settings_are_refused_naming_their_replacement(tmp_path, key, value):
+    from lctrain.config import REMOVED
+
+    with pytest.raises(ConfigError) as info:
+        load_recipe(None, [f"{key}={value}"])
+    message = str(info.value)
+    assert "\n" not in message and key in message and REMOVED[key] in message
+    assert f"--set {key}={value}" in message
+    section, name = key.split(".")
+    recipe = tmp_path / "old.yaml"  # a recipe file, and a run's saved config.yaml
+    text = yaml.safe_load((REPO / "recipes" / "lctrain_recipes" / "tiny.yaml").read_text())
+    text.setdefault(section, {})[name] = yaml.safe_load(value)
+    recipe.write_text(yaml.safe_dump(text))
+    with pytest.raises(ConfigError, match=f"{key} \\(in {recipe}\\) is no longer a setting"):
+        load_recipe(recipe)
+    from lctrain.config import read_resolved
+
+    with pytest.raises(ConfigError, match="is no longer a setting"):
+        read_resolved(recipe)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.checkpointing=remat-offload"], "use train.checkpointing=remat with train.offload=layers"),
+    (["train.checkpointing=full-offload=1,remat=1"], "train.checkpointing=full with train.offload"),
+    (["train.checkpointing=full-paired=2"], "paired layers are gone"),
+    (["parallel.schedule=ring"], "lctrain bench attention --peers"),
+    (["parallel.schedule=context_parallel"], "lctrain bench attention --peers"),
+    (["train.offload=all"], "train.offload=state"),
+    (["train.checkpointing=sometimes"], "runs such as full=4,remat=28"),
+    (["train.checkpointing=remat=0"], "'remat=0'"),
+    (["train.offload=layers,layers=2"], "each at most once"),
+    (["train.offload=optimizer,state"], "optimizer or state"),
+    (["train.checkpointing=auto", "train.offload=layers=2"], "chooses the parked layers itself"),
+    (["train.offload=layers"], "so no layer keeps tensors to park"),
+    (["train.offload=state", "parallel.fsdp=off"], "FSDP2's CPU offload"),
+])
+def test_checkpointing_language_mistakes_are_one_sentence(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load_recipe(None, overrides)
+    assert "\n" not in str(info.value) and words in str(info.value)
+
+
+def test_checkpointing_language_parses_and_prints_what_it_parsed(tmp_path):
+    from lctrain.config import LayerPlan
+
+    cfg = load_recipe(None, ["train.checkpointing= full=1, remat=1", "train.offload=optimizer,layers=1"])
+    assert (cfg.train.checkpointing, cfg.train.offload) == ("full=1,remat=1", "layers=1,optimizer")
+    plan = cfg.train.layers
+    assert plan.kinds(2) == ("full", "remat") and plan.parked_layers(2) == (True, False)
+    assert plan.state == "optimizer" and not plan.auto
+    saved = yaml.safe_load(save_resolved(cfg, tmp_path / "config.yaml").read_text())["train"]
+    assert (saved["checkpointing"], saved["offload"]) == ("full=1,remat=1", "layers=1,optimizer")
+    every = LayerPlan.parse("none=1,remat=3", "layers,state")
+    assert every.parked_layers(4) == (False, True, True, True) and every.offload == "layers,state"
+    assert LayerPlan.parse("remat").kinds(3) == ("remat",) * 3
+    assert LayerPlan.parse("auto").auto and LayerPlan.parse("auto").checkpointing == "auto"
+    with pytest.raises(ConfigError, match="covers 2 layers but the model has 3"):
+        LayerPlan.parse("full=1,remat=1").kinds(3)
+    with pytest.raises(ConfigError, match="parks 4 layers but the model has 3"):
+        LayerPlan.parse("full", "layers=4").parked_layers(3)

@@ -78,7 +78,7 @@ def _beat(out: Path, rank: int) -> dict:
 def test_a_stopped_rank_on_two_gpus_is_named_and_nccl_dumps_its_collectives(tmp_path):
     out = tmp_path / "hang"
     cfg = load_recipe(None, ["parallel.cp=2", "train.collective_timeout=10",
-                             "checkpoint.enabled=false", *EXACT], output_dir=str(out),
+                             "checkpoint.keep=0", *EXACT], output_dir=str(out),
                       max_steps=100_000)
     stopped = {}
 

@@ -65,8 +65,7 @@ def test_trainable_count_matches_peft(lora):
 def test_layer_formula_matches_a_real_lora_layer(lora, fused):
     """Transformers' norms and MLPs (as on a CPU) and fused ones (as on a GPU; here in
     Triton's interpreter)."""
-    from lctrain.model.rms_norm import fuse_rms_norms
-    from lctrain.model.swiglu import fuse_mlps
+    from lctrain.model.fused import fuse_mlps, fuse_rms_norms
 
     peft_model = _lora_model(lora, torch.bfloat16)
     if fused:  # peft keeps a trained norm's frozen original beside it: more than 5

@@ -3,11 +3,10 @@ import json
 
 import pytest
 
-from lctrain.config import load_recipe
+from lctrain.config import LayerPlan, load_recipe
 from lctrain.errors import UserError
 from lctrain.memory import (
     HOST_USABLE,
-    POLICIES,
     PRESETS,
     estimate,
     estimate_recipe,
@@ -16,6 +15,8 @@ from lctrain.memory import (
 )
 
 GIB = 1 << 30
+PARKED = LayerPlan.parse("remat", "layers")
+POLICIES = {"none": "none", "full": "full", "remat": "remat", "parked": PARKED}
 
 
 @pytest.mark.parametrize("name, billions", [("llama-7b", 6.74), ("llama3-8b", 8.03),
@@ -49,7 +50,7 @@ def test_formula_matches_transformers_models(fields):
 
 def test_monotonic_in_seq_len():
     arch = load_architecture("llama-7b")
-    for policy in POLICIES:
+    for policy in POLICIES.values():
         runs = [estimate(arch, s, 8, 2, policy) for s in (4096, 16384, 65536, 262144, 524288)]
         totals = [r.per_gpu_bytes["total"] for r in runs]
         saved = [r.details["saved_activations"] for r in runs]
@@ -59,10 +60,11 @@ def test_monotonic_in_seq_len():
 
 def test_policies_order_activations():
     arch = load_architecture("llama3-8b")
-    saved = {p: estimate(arch, 131072, 8, 4, p).details["saved_activations"] for p in POLICIES}
-    assert saved["remat-offload"] < saved["full"] < saved["remat"] < saved["none"]
-    host = {p: estimate(arch, 131072, 8, 4, p).details["host_offload"] for p in POLICIES}
-    assert host["remat-offload"] == 32 * (131072 // 4) * (2 * 4096 * 2 + 4 * 32)  # input, out, lse
+    saved = {p: estimate(arch, 131072, 8, 4, v).details["saved_activations"]
+             for p, v in POLICIES.items()}
+    assert saved["parked"] < saved["full"] < saved["remat"] < saved["none"]
+    host = {p: estimate(arch, 131072, 8, 4, v).details["host_offload"] for p, v in POLICIES.items()}
+    assert host["parked"] == 32 * (131072 // 4) * (2 * 4096 * 2 + 4 * 32)  # input, out, lse
     assert host["none"] == host["full"] == host["remat"] == 0
     # remat keeps exactly the attention output (bf16) and fp32 lse per layer beyond full
     extra = 32 * (131072 // 4) * (2 * 4096 + 4 * 32)
@@ -71,7 +73,7 @@ def test_policies_order_activations():
 
 def test_cp_halves_activations():
     arch = load_architecture("mistral-7b")
-    for policy in POLICIES:
+    for policy in POLICIES.values():
         one = estimate(arch, 65536, 4, 1, policy).details["saved_activations"]
         two = estimate(arch, 65536, 4, 2, policy).details["saved_activations"]
         assert 2 * two == one, policy
@@ -107,21 +109,21 @@ def test_max_seq_len_is_the_boundary():
     assert tiny_gpu.fits is False and tiny_gpu.max_seq_len == 0
 
 
-def test_host_memory_bounds_remat_offload():
+def test_host_memory_bounds_parked_layers():
     """2 x H200 with 251 GiB of host memory: 512K does not fit the HOST (measured: the workers
     were OOM-killed), and the longest length is where the machine's pinned bytes meet it."""
     arch, host, gpus = load_architecture("llama-7b"), 251 * GIB, int(torch_randint(1, 3)) * 2
     kw = dict(gpu_memory=139 * GIB, seq_chunks=2, host_memory=host, gpus_per_node=gpus)
-    est = estimate(arch, 512 * 1024, gpus, 2, "remat-offload", **kw)
+    est = estimate(arch, 512 * 1024, gpus, 2, PARKED, **kw)
     assert est.fits is False and est.details["host_offload_per_node"] > HOST_USABLE * host
     longest = est.max_seq_len
     assert 0 < longest < 512 * 1024 and longest % 2 == 0
 
     def pinned(seq):
-        return estimate(arch, seq, gpus, 2, "remat-offload").details["host_offload"] * gpus
+        return estimate(arch, seq, gpus, 2, PARKED).details["host_offload"] * gpus
 
     assert pinned(longest) <= HOST_USABLE * host < pinned(longest + 2)
-    assert estimate(arch, longest, gpus, 2, "remat-offload", **kw).fits
+    assert estimate(arch, longest, gpus, 2, PARKED, **kw).fits
     remat = estimate(arch, 512 * 1024, gpus, 2, "remat", **kw)  # nothing pinned: GPU bound only
     assert remat.max_seq_len == estimate(arch, 512 * 1024, gpus, 2, "remat", gpu_memory=139 * GIB,
                                          seq_chunks=2).max_seq_len
@@ -144,12 +146,13 @@ def test_recipe_estimate_uses_the_recipe(tmp_path):
     cfg = load_recipe("recipes/llama-7b-256k.yaml")
     est = estimate_recipe(cfg, seq_len=262144, gpus=2, gpu_memory=141 * GIB)
     assert est.policy == cfg.train.checkpointing and est.cp == cfg.parallel.cp
+    assert est.details["offload"] == cfg.train.offload == "layers"
     assert est.parameters_count == load_architecture("llama-7b").parameters()
     assert est.master_dtype == cfg.model.dtype == "float32" and est.dtype == "bfloat16"  # bf16 compute
     config = tmp_path / "config.json"
     config.write_text(json.dumps(PRESETS["llama3-8b"]))
     by_path = estimate_recipe(cfg, model=str(tmp_path), seq_len=262144, gpus=8,
-                              gpu_memory=80 * GIB, cp=8, policy="remat-offload")
+                              gpu_memory=80 * GIB, cp=8, checkpointing="full")
     assert by_path.parameters_count == load_architecture("llama3-8b").parameters()
     bare = estimate_recipe(None, model="mistral-7b", seq_len=8192, gpus=8, gpu_memory=80 * GIB)
     assert bare.cp == 1 and bare.master_dtype == "float32"
@@ -159,7 +162,8 @@ def test_recipe_estimate_uses_the_recipe(tmp_path):
     ({"model": "llama-9000"}, "neither a preset"),
     ({"model": "llama-7b", "cp": 3}, "cp that divides"),
     ({"model": "llama-7b", "seq_len": 1001, "cp": 2}, "multiple of 2"),
-    ({"model": "llama-7b", "policy": "sometimes"}, "unknown"),
+    ({"model": "llama-7b", "checkpointing": "sometimes"}, "runs such as"),
+    ({"model": "llama-7b", "checkpointing": "remat=3"}, "covers 3 layers but the model has 32"),
 ])
 def test_user_errors_are_one_sentence(kwargs, words):
     args = {"seq_len": 4096, "gpus": 4, "gpu_memory": 80 * GIB, **kwargs}
@@ -186,16 +190,15 @@ def test_unchecked_layers_on_top_cost_their_kept_tensors_not_a_remat_layers_back
     recompute, whose backward starts after the unchecked layers above have freed their
     tensors."""
     from lctrain.memory.activations import layer_saved, remat_kept
-    from lctrain.memory.tiers import with_unchecked
+    from lctrain.memory.placement import with_unchecked
 
     arch = load_architecture("llama-7b")
     layers, c = arch.num_layers, 2
 
-    def peak(policy, runs=None):
-        return estimate(arch, seq_len, 1, 1, policy, layer_policies=runs,
-                        tile_tokens=tile).details["peak_allocated"]
+    def peak(policy):
+        return estimate(arch, seq_len, 1, 1, policy, tile_tokens=tile).details["peak_allocated"]
 
-    peaks = [peak("auto", with_unchecked(layers, n)) for n in range(layers + 1)]
+    peaks = [peak(LayerPlan().placed(with_unchecked(layers, n), 0)) for n in range(layers + 1)]
     assert peaks[0] == peak("remat") and peaks[-1] == peak("none")
     extra = layer_saved(arch, seq_len, c, tile_tokens=tile) - remat_kept(arch, seq_len, c)
     steps = [b - a for a, b in zip(peaks, peaks[1:])]

@@ -11,33 +11,33 @@ import pytest
 from typer.testing import CliRunner
 
 from lctrain.cli import app
-from lctrain.config import load_recipe
-from lctrain.config.tiers import per_layer
+from lctrain.config import LayerPlan, load_recipe
 from lctrain.memory import estimate, estimate_recipe, load_architecture
-from lctrain.memory.activations import input_kept, remat_kept
-from lctrain.memory.estimate import Setup, breakdown, max_seq_len
+from lctrain.memory.activations import input_kept, kept_during_layers, remat_kept
+from lctrain.memory.estimate import Setup, breakdown
+from lctrain.memory.placement import place
 from lctrain.memory.plan import Machine, fastest, longest, step_seconds
 from lctrain.memory.recipe import plan_recipe
-from lctrain.memory.tiers import place
 
 GIB = 1 << 30
 
 
-def _split_bytes(arch, tokens, c, counts, in_flight=2):
-    """(GPU bytes with ``in_flight`` offloaded layers on the GPU, host bytes) of a placement."""
+def _split_bytes(arch, tokens, c, counts):
+    """(most kept GPU bytes during the backward, host bytes) of a placement in the planner's
+    order (parked full, parked remat, full, remat), walked as the offloader walks it."""
     big, small = remat_kept(arch, tokens, c), input_kept(arch, tokens, c)
     rg, rh, fg, fh = counts
-    item = big if rh else small
-    return rg * big + fg * small + min(in_flight, rh + fh) * item, rh * big + fh * small
+    kept = [small] * fh + [big] * rh + [small] * fg + [big] * rg
+    parked = [True] * (fh + rh) + [False] * (fg + rg)
+    return max(kept_during_layers(kept, parked)), rh * big + fh * small
 
 
 @pytest.mark.parametrize("trial", range(8))
 def test_placement_keeps_the_most_attention_outputs_gpu_first(trial):
-    """Brute force over every split of 6 layers into the four policies: the placement keeps
-    as many attention outputs as any placement that fits, and of those parks the fewest bytes
-    in host memory; with two offloaded layers in flight (prefetching) or one."""
+    """Brute force over every split of 6 layers into remat / full, kept on the GPU or parked:
+    the placement keeps as many attention outputs as any placement that fits, and of those
+    parks the fewest bytes in host memory, the parked layers lowest."""
     arch = dataclasses.replace(load_architecture("llama-7b"), num_layers=6)
-    flying = 1 + trial % 2
     tokens, c = 4096, 2
     big = remat_kept(arch, tokens, c)
     import random
@@ -48,39 +48,31 @@ def test_placement_keeps_the_most_attention_outputs_gpu_first(trial):
     for rg, rh, fg in itertools.product(range(7), repeat=3):
         fh = 6 - rg - rh - fg
         if fh >= 0:
-            gpu, host = _split_bytes(arch, tokens, c, (rg, rh, fg, fh), flying)
+            gpu, host = _split_bytes(arch, tokens, c, (rg, rh, fg, fh))
             if gpu <= gpu_room and host <= host_room:
                 feasible.append((rg, rh, fg, fh))
-    runs = place(arch, tokens, c, gpu_room, host_room, in_flight=flying)
-    if not feasible:  # then the fewest full-paired pairs that fit, the rest full, GPU first
-        small = input_kept(arch, tokens, c)
-        fits = [(p, fg) for p in range(1, 4) for fg in range(7 - 2 * p)
-                if (p + fg + min(flying, 6 - 2 * p - fg)) * small <= gpu_room
-                and (6 - 2 * p - fg) * small <= host_room]
-        if not fits:
-            assert runs is None
-            return
-        pairs = min(p for p, _ in fits)
-        kinds = per_layer(runs)
-        assert kinds.count("chained") == pairs and len(kinds) == 6
-        assert kinds.count("full") - pairs == max(fg for p, fg in fits if p == pairs)
-        assert runs[-1] == ("full-paired", 2 * pairs)
+    found = place(arch, tokens, c, gpu_room, host_room)
+    if not feasible:
+        assert found is None
         return
-    counts = {name: per_layer(runs).count(name) for name in
-              ("remat", "remat-offload", "full", "full-offload")}
-    got = (counts["remat"], counts["remat-offload"], counts["full"], counts["full-offload"])
-    gpu, host = _split_bytes(arch, tokens, c, got, flying)
+    plan = LayerPlan().placed(*found)
+    kinds, parked = plan.kinds(6), plan.parked_layers(6)
+    got = tuple(sum(k == kind and p == hosted for k, p in zip(kinds, parked))
+                for kind, hosted in (("remat", False), ("remat", True), ("full", False),
+                                     ("full", True)))
+    gpu, host = _split_bytes(arch, tokens, c, got)
     assert gpu <= gpu_room and host <= host_room and sum(got) == 6
     most_remat = max(rg + rh for rg, rh, _, _ in feasible)
     assert got[0] + got[1] == most_remat
-    assert host == min(_split_bytes(arch, tokens, c, f, flying)[1] for f in feasible
+    assert host == min(_split_bytes(arch, tokens, c, f)[1] for f in feasible
                        if f[0] + f[1] == most_remat)
-    assert [name for name, _ in runs] == [n for n in ("full-offload", "remat-offload", "full",
-                                                      "remat") if counts[n]]  # offloaded first
+    assert list(parked) == sorted(parked, reverse=True)  # the parked layers lowest
+    order = [k for k, p in zip(kinds, parked) if p] + [k for k, p in zip(kinds, parked) if not p]
+    assert order == ["full"] * got[3] + ["remat"] * got[1] + ["full"] * got[2] + ["remat"] * got[0]
 
 
 def _base(model="llama-7b", gpus=2, **kw):
-    return Setup(arch=load_architecture(model), gpus=gpus, cp=1, policy="none", **kw)
+    return Setup(arch=load_architecture(model), gpus=gpus, cp=1, **kw)
 
 
 def _chunks(cp):
@@ -90,8 +82,8 @@ def _chunks(cp):
 def test_with_room_to_spare_nothing_is_traded_for_memory():
     choice = fastest(_base(), Machine(2, 1 << 50, 1 << 50, 2), 4096, _chunks)
     s = choice.setup
-    assert (s.cp, s.policy, s.tile_tokens, s.head_groups, s.state_offload) == (1, "none", 0, 1,
-                                                                               "none")
+    assert (s.cp, s.policy, s.tile_tokens, s.head_groups, s.layers.offload) == (1, "none", 0, 1,
+                                                                                "none")
 
 
 def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
@@ -104,23 +96,25 @@ def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
     short = fastest(base, machine, 16 * 1024, _chunks).setup
     assert (short.policy, short.tile_tokens, short.head_groups) == ("none", 0, 1)
     mixed = fastest(base, machine, 64 * 1024, _chunks)
-    (remat, n_remat), (none, n_none) = mixed.setup.runs
+    (remat, n_remat), (none, n_none) = mixed.setup.layers.runs
     assert (remat, none) == ("remat", "none") and n_none > 0 and n_remat > 0
-    one_more = dataclasses.replace(mixed.setup, runs=(("remat", n_remat - 1), ("none", n_none + 1)))
+    one_more = dataclasses.replace(mixed.setup, layers=LayerPlan.parse(
+        f"remat={n_remat - 1},none={n_none + 1}"))
     assert breakdown(one_more, 64 * 1024)[0]["total"] > machine.gpu_memory
-    all_remat = dataclasses.replace(mixed.setup, runs=(("remat", 32),))
+    all_remat = dataclasses.replace(mixed.setup, layers=LayerPlan.parse("remat"))
     assert step_seconds(all_remat, 64 * 1024, mixed.details) > mixed.step_s
     hosted = fastest(base, machine, 192 * 1024, _chunks)
-    assert {name for name, _ in hosted.setup.runs} == {"remat", "remat-offload"}
-    assert hosted.setup.state_offload == "none"
+    assert hosted.setup.layers.checkpointing == "remat" and hosted.setup.layers.parked > 0
+    assert hosted.setup.layers.state == "none"
     no_host = fastest(base, dataclasses.replace(machine, host_memory=None), 192 * 1024, _chunks)
-    assert {name for name, _ in no_host.setup.runs} == {"remat", "full"}
+    assert {name for name, _ in no_host.setup.layers.runs} == {"remat", "full"}
+    assert no_host.setup.layers.offload == "none"
     assert no_host.details["host_offload"] == 0 and no_host.step_s > hosted.step_s
 
 
 def test_choices_are_what_their_commands_run(tmp_path):
-    """Each choice's --set items make a recipe whose estimate (layer policies given) is the
-    planned one, within the GPU and the host budget; one length further no option fits."""
+    """Each choice's --set items make a recipe whose estimate (runs and parked layers given) is
+    the planned one, within the GPU and the host budget; one length further no option fits."""
     gpu, host = 139 * GIB, 251 * GIB
     plan = plan_recipe(load_recipe("llama-7b-256k"), gpus=2, gpu_memory=gpu, host_memory=host,
                        seq_len=512 * 1024)
@@ -140,7 +134,7 @@ def test_choices_are_what_their_commands_run(tmp_path):
 
 @pytest.mark.parametrize("model, gpus, host, dtype, at_least", [
     ("llama-7b", 2, 251, "float32", 1 << 20),      # 2 x H200: >= 1M
-    ("llama3-8b", 1, 128, "float32", 512 * 1024),  # 1 x H200 with 128 GiB: >= 512K (pairs)
+    ("llama3-8b", 1, 128, "float32", 512 * 1024),  # 1 x H200 with 128 GiB: >= 512K
     ("llama3-8b", 1, 128, "bfloat16", 512 * 1024),  # ... and with bf16 weights and states
     ("llama3-8b", 1, 1024, "float32", 1_200_000),  # ALST's host: 1.2M on one H200
 ])
@@ -148,26 +142,13 @@ def test_targets(model, gpus, host, dtype, at_least):
     best = longest(_base(model, gpus, master_dtype=dtype),
                    Machine(gpus, 139 * GIB, host * GIB, gpus), _chunks)
     assert best.seq_len >= at_least
-    est = estimate(best.setup.arch, best.seq_len, gpus, best.setup.cp, "auto",
+    layers = best.setup.layers
+    assert not layers.auto and layers.parked_layers(32)[:layers.parked or 32] == (True,) * (
+        layers.parked or 32)  # the lowest layers parked
+    est = estimate(best.setup.arch, best.seq_len, gpus, best.setup.cp, layers,
                    master_dtype=dtype, gpu_memory=139 * GIB, host_memory=host * GIB,
-                   layer_policies=best.setup.runs, tile_tokens=best.setup.tile_tokens,
-                   head_groups=best.setup.head_groups, state_offload=best.setup.state_offload,
-                   offload_prefetch=best.setup.offload_prefetch)
+                   tile_tokens=best.setup.tile_tokens, head_groups=best.setup.head_groups)
     assert est.fits
-
-
-def test_the_longest_plan_waits_for_its_copies_where_that_reaches_further():
-    """With every layer parked, one in flight instead of two reaches further; the plan says
-    so in its --set line, and its step estimate counts the copies it waits for."""
-    machine = Machine(1, 139 * GIB, 1024 * GIB, 1)
-    best = longest(_base("llama3-8b", 1), machine, _chunks)
-    assert not best.setup.offload_prefetch
-    assert "train.offload_prefetch=false" in best.overrides()
-    prefetching = dataclasses.replace(best.setup, runs=None, offload_prefetch=True)
-    assert max_seq_len(prefetching, machine.gpu_memory, 1, machine.host_budget) < best.seq_len
-    waiting = step_seconds(best.setup, best.seq_len, best.details)
-    assert waiting > step_seconds(dataclasses.replace(best.setup, offload_prefetch=True),
-                                  best.seq_len, best.details)
 
 
 def test_cli_plan_table_commands_and_json():
@@ -177,22 +158,14 @@ def test_cli_plan_table_commands_and_json():
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "fastest at 256K" in result.output and "lctrain finetune RECIPE" in result.output
-    row = next(ln for ln in result.output.splitlines() if ln.startswith("parked layers come back"))
-    assert "when needed" in row  # the longest plan's parked layers: train.offload_prefetch=false
+    data = json.loads(runner.invoke(app, [*args, "--json"]).output)
     line = next(ln.strip() for ln in result.output.splitlines() if "--seq-len 256k" in ln)
     sets = [a for i, a in enumerate(shlex.split(line)) if shlex.split(line)[i - 1] == "--set"]
-    assert "train.planned=fastest 256K for llama-7b on 2 x 139GiB GPUs, 251GiB host memory" in sets
-    data = json.loads(runner.invoke(app, [*args, "--json"]).output)
+    fastest_choice = data["fastest"]
+    assert f"train.checkpointing={fastest_choice['checkpointing']}" in sets
+    assert f"train.offload={fastest_choice['offload']}" in sets
+    row = next(ln for ln in result.output.splitlines() if ln.startswith("checkpointing"))
+    assert fastest_choice["checkpointing"] in row  # the table prints the parsed form too
     assert data["fastest"]["seq_len"] == 256 * 1024 and data["longest"]["seq_len"] > 1 << 20
     bad = runner.invoke(app, [*args, "--cp", "2"])
     assert bad.exit_code != 0 and "--plan chooses cp" in bad.output
-
-
-def test_placement_pairs_layers_only_when_full_layers_do_not_fit():
-    arch = dataclasses.replace(load_architecture("llama-7b"), num_layers=6)
-    tokens, c = 4096, 2
-    small = input_kept(arch, tokens, c)
-    assert place(arch, tokens, c, 6 * small, 0) == (("full", 6),)
-    assert place(arch, tokens, c, 4 * small, 0) == (("full", 2), ("full-paired", 4))
-    assert place(arch, tokens, c, 3 * small, 0) == (("full-paired", 6),)
-    assert place(arch, tokens, c, 2 * small, 0) is None

@@ -58,12 +58,27 @@ def _alone(cfg, resume: bool = False) -> list[dict]:
     return _metrics(cfg)
 
 
-def _on_two_ranks(rank, world, first, resumed):
-    from lctrain.train.runner import run_worker
+def _in_the_background(setup, trainer):
+    """The run's checkpointer, writing in the background as on GPUs."""
+    import os
 
-    run_worker(first)
+    from lctrain.checkpoint.writer import Checkpointer
+
+    return Checkpointer(Path(setup.cfg.train.output_dir) / "checkpoints",
+                        module=trainer.distributed.module, optimizer=trainer.optimizer,
+                        keep=setup.cfg.checkpoint.keep, asynchronous=True,
+                        local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _on_two_ranks(rank, world, first, resumed):
+    from lctrain.train import runner
+
+    saving = runner.make_checkpointer
+    runner.make_checkpointer = _in_the_background  # the first run's saves
+    runner.run_worker(first)
+    runner.make_checkpointer = saving
     for cfg in resumed:
-        run_worker(cfg, resume=True)
+        runner.run_worker(cfg, resume=True)
     return [_metrics(c) for c in (first, *resumed)] if rank == 0 else None
 
 
@@ -76,10 +91,9 @@ def _same_losses(resumed: list[dict], straight: list[dict]) -> None:
 
 
 def test_resume_on_another_layout_continues_the_same_run(tmp_path):
-    one = _cfg(tmp_path / "one", **{"parallel.cp": 1, "parallel.fsdp": "off",
-                                    "checkpoint.asynchronous": "off"})
+    one = _cfg(tmp_path / "one", **{"parallel.cp": 1, "parallel.fsdp": "off"})
     straight_one = _alone(one)
-    two = _cfg(tmp_path / "two", **{"checkpoint.asynchronous": "on"})
+    two = _cfg(tmp_path / "two")
     _from_step_2(one, tmp_path / "one-at-cp2")
     _from_step_2(one, tmp_path / "one-at-dp2")
     resumed = [_cfg(tmp_path / "one-at-cp2"),

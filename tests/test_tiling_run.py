@@ -1,7 +1,7 @@
 """Whole training runs on two gloo ranks with the long-context settings: tiles, head groups,
 per-layer checkpointing with host-parked layers, AdamW states on the host (HostAdamW) and
 FSDP2's CPU offload — the same per-step losses as the plain run, an exact resume with host
-states, and a banner that names the settings and the plan they came from."""
+states, and a banner that names the settings in the recipe's words."""
 from __future__ import annotations
 
 import json
@@ -40,17 +40,14 @@ def _run_all(rank, world, cfgs, resume):
 
 
 def test_long_context_settings_train_like_the_plain_run(tmp_path, capfd):
-    tiers = {"train.checkpointing": "auto", "train.layer_policies": "full-offload=1,remat=1",
+    tiers = {"train.checkpointing": "full=1,remat=1", "train.offload": "layers=1,optimizer",
              "train.tile_tokens": 24, "parallel.head_groups": 2}
     plain = _cfg(tmp_path / "plain")
-    host_adam = _cfg(tmp_path / "host", **tiers, **{"train.state_offload": "optimizer",
-                                                    "train.planned": "a test plan",
-                                                    "train.offload_prefetch": "false"})
-    short = _cfg(tmp_path / "resumed", **tiers, **{"train.state_offload": "optimizer",
-                                                   "train.max_steps": 2})
-    resumed = _cfg(tmp_path / "resumed", **tiers, **{"train.state_offload": "optimizer"})
+    host_adam = _cfg(tmp_path / "host", **tiers)
+    short = _cfg(tmp_path / "resumed", **tiers, **{"train.max_steps": 2})
+    resumed = _cfg(tmp_path / "resumed", **tiers)
     offload_all = _cfg(tmp_path / "all", **{"train.checkpointing": "auto",
-                                            "train.state_offload": "all", "train.tile_tokens": 40,
+                                            "train.offload": "state", "train.tile_tokens": 40,
                                             "parallel.fsdp": "auto"})
     cfgs = [plain, host_adam, short, resumed, offload_all]
     got = run_on_ranks(_run_all, 2, cfgs, [False, False, False, True, False])[0]
@@ -60,11 +57,10 @@ def test_long_context_settings_train_like_the_plain_run(tmp_path, capfd):
         assert losses == pytest.approx(want, rel=1e-4), name
     assert len(got[2]) == 2 and got[3][:2] == got[2]  # the resume appended step 3
     out = capfd.readouterr().out
-    assert "checkpointing auto: full-offload=1,remat=1 (from train.layer_policies)" in out
-    assert ("memory: tile_tokens 24, head_groups 2, state_offload optimizer, offloaded layers "
-            "fetched when needed (train.offload_prefetch false)") in out
-    assert "settings from lctrain estimate-memory --plan: a test plan" in out
-    assert "checkpointing auto: none=2 (from the memory model)" in out  # room for all
+    assert ("memory: checkpointing full=1,remat=1, offload layers=1,optimizer, tile_tokens 24, "
+            "head_groups 2") in out
+    assert ("memory: checkpointing none (placed by the memory model), offload state, "
+            "tile_tokens 40") in out  # room for every layer
 
 
 def test_host_adamw_is_adamw():

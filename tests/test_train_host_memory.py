@@ -1,5 +1,5 @@
-"""remat-offload's pinned host memory is checked before training starts (running out of it ends
-in the kernel's OOM killer mid-step, with no message)."""
+"""The parked layers' pinned host memory is checked before training starts (running out of it
+ends in the kernel's OOM killer mid-step, with no message)."""
 from __future__ import annotations
 
 import pytest
@@ -28,14 +28,14 @@ def test_too_little_host_memory_is_one_clear_error(cuda_machine):
     cfg = load_recipe("llama-7b-256k", seq_len="512k")
     parked = _parked(cfg)
     assert parked > 100 * GIB  # every GPU parks every layer's input and attention output
-    with pytest.raises(UserError, match=r"remat-offload at data.seq_len 524288 parks about \d+ "
+    with pytest.raises(UserError, match=r"train.offload layers at data.seq_len 524288 parks about \d+ "
                                         r"GiB .* 2 processes .* only 200 GiB is available"):
         check_host_memory(cfg, local_processes=2, gpus=2, available=200 * GIB)
     check_host_memory(cfg, local_processes=1, gpus=2, available=int(parked / 0.85))
 
 
-def test_only_remat_offload_on_gpus_is_checked(cuda_machine, monkeypatch, tmp_path):
-    cfg = load_recipe("llama-7b-256k", ["train.checkpointing=remat"], seq_len="512k")
+def test_only_parked_layers_on_gpus_are_checked(cuda_machine, monkeypatch, tmp_path):
+    cfg = load_recipe("llama-7b-256k", ["train.offload=none"], seq_len="512k")
     check_host_memory(cfg, local_processes=8, gpus=8, available=1 * GIB)
     cfg = load_recipe("llama-7b-256k", ["train.host_memory=1GiB"], seq_len="512k",
                       output_dir=str(tmp_path))

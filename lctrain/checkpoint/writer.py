@@ -1,24 +1,6 @@
-"""Writing training checkpoints: atomically, and in the background while training goes on.
-
-**Atomic publish.** Every rank writes into ``checkpoints/.tmp-step-N`` (DCP shards, this rank's
-RNG state; rank 0 also trainer.json), each file flushed to disk (fsync). Only when every rank's
-write has completed — DCP's closing collective gathers every rank's result on rank 0 before it
-writes ``.metadata`` — does rank 0 flush the folder and rename it to ``step-N`` (one atomic
-rename), then flush the parent folder. A crash or kill at any moment leaves either the complete
-checkpoint or a ``.tmp-`` folder, which no reader picks and the next run clears. Old checkpoints
-beyond ``keep`` are renamed to ``.del-`` (atomic) before they are deleted, so no half-deleted
-folder ever carries a checkpoint's name.
-
-**In the background** (``asynchronous``): DCP's ``async_save`` copies the state to host memory
-(pinned on GPUs; on a side stream while the next step computes) and writes it from a thread,
-over a gloo group of the checkpointer's own, so the training's collectives never interleave
-with the checkpoint's. An optimizer step-pre-hook waits for the copy before any weight changes.
-At most one save is in flight: the next save, and `Checkpointer.close` at the end of the run,
-wait for the previous one; rank 0 publishes from the writing thread as soon as DCP has
-finished. A failed write (a full disk, say) is reported at the next save or at the end. Where a
-host copy of the state would not fit in half the machine's available memory, saves stay
-synchronous and rank 0 says so.
-"""
+"""Writing training checkpoints atomically (every rank writes ``.tmp-step-N``, rank 0 renames
+it ``step-N`` once all have), and on GPUs in the background: DCP copies the state to host
+memory and writes it from a thread, one save in flight, a failure said at the next save or end."""
 from __future__ import annotations
 
 import functools
@@ -44,16 +26,7 @@ from lctrain.checkpoint.safe_load import check_tensors_only, fsync_dir, fsync_tr
 
 
 class Checkpointer:
-    """Saves one run's checkpoints (collective: every rank makes one and calls its methods).
-
-    Args:
-        root: the checkpoints folder (created if missing; stale ``.tmp-`` / ``.del-`` folders
-            of an earlier, killed run are removed).
-        module, optimizer: what is saved (FSDP2-sharded or replicated).
-        keep: complete checkpoints to keep (≥ 1).
-        asynchronous: write in the background (see the module docstring).
-        local_processes: training processes on this machine (they share its host memory).
-    """
+    """Saves one run's checkpoints into ``root``, the newest ``keep`` (collective)."""
 
     def __init__(self, root: str | os.PathLike, *, module, optimizer, keep: int,
                  asynchronous: bool, local_processes: int = 1) -> None:
@@ -71,17 +44,7 @@ class Checkpointer:
         _barrier(self.group)
 
     def save(self, step: int, trainer_state: dict) -> Path:
-        """Checkpoint the module and optimizer now, with ``trainer_state`` as trainer.json.
-
-        Returns at once when asynchronous (after the previous save has finished), else once
-        the checkpoint is published.
-
-        Returns:
-            The folder the checkpoint is (or will be) published as.
-
-        Raises:
-            UserError: this or the previous write failed (e.g. "No space left on device").
-        """
+        """Checkpoint now with ``trainer_state``; the folder (UserError: a write failed)."""
         self.wait()
         final, tmp = self.root / f"step-{step:08d}", self.root / f".tmp-step-{step:08d}"
         if final.exists():  # this step is saved already (same step, same state)
@@ -116,14 +79,7 @@ class Checkpointer:
         return final
 
     def wait(self) -> Path | None:
-        """Wait for the save in flight (if any) to be written and published.
-
-        Returns:
-            Its folder, or None when none was in flight.
-
-        Raises:
-            UserError: its write failed.
-        """
+        """Wait for the save in flight; its folder, or None (UserError: its write failed)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -133,11 +89,7 @@ class Checkpointer:
         return pending.final
 
     def close(self) -> Path | None:
-        """Wait for the last save, then release the staging memory (every rank, at the end).
-
-        Returns:
-            The folder of the save that was in flight, or None.
-        """
+        """Wait for the last save, then release the staging memory (every rank, at the end)."""
         try:
             return self.wait()
         finally:
@@ -149,9 +101,7 @@ class Checkpointer:
                 self._stager = None
 
     def _use_async(self, size: int) -> bool:
-        """Whether this save goes to the background; on the first, build the stager and the
-        optimizer hook, or — where the host copy would not fit in memory — say so and stay
-        synchronous (all ranks agree)."""
+        """Whether this save goes to the background (not when a host copy would not fit)."""
         if not self.asynchronous:
             return False
         if self._stager is not None:
@@ -203,8 +153,7 @@ class _Pending:
 
 
 def publish(tmp: Path, final: Path, *, keep: int) -> None:
-    """Flush ``tmp`` to disk, rename it to ``final`` (atomic), then retire checkpoints beyond
-    the newest ``keep`` (renamed to ``.del-``, then deleted)."""
+    """Flush ``tmp``, rename it to ``final`` (atomic), retire checkpoints beyond ``keep``."""
     fsync_tree(tmp)
     os.replace(tmp, final)
     fsync_dir(final.parent)
@@ -222,8 +171,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _write_rng(path: Path) -> None:
-    """This rank's RNG states as safetensors: torch's (and CUDA's) byte states, Python's
-    Mersenne Twister words; Python's version and Gaussian carry-over in the metadata."""
+    """This rank's RNG states (torch, CUDA, Python) as safetensors."""
     from safetensors.torch import save_file
 
     version, words, gauss = random.getstate()
@@ -254,8 +202,7 @@ def state_bytes(state: dict) -> int:
 
 
 def _new_stager():
-    """DCP's stager: the host copy is taken in a background thread (pinned memory, on a side
-    stream, on GPUs)."""
+    """DCP's stager: the host copy taken in a background thread (pinned on GPUs)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -265,10 +212,7 @@ def _new_stager():
 
 @functools.cache
 def _stager_reusable() -> bool:
-    """Whether one DefaultStager can stage more than once. torch 2.11's closes its copier at
-    the end of every staging, so a second save through it fails (``KeyError: <class
-    'type'>``); there every save gets a new stager (2.11 keeps no host buffers between saves
-    anyway). Probed once, on a one-element CPU state."""
+    """Whether one DefaultStager stages more than once (torch 2.11's does not; probed once)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
@@ -284,8 +228,7 @@ def _stager_reusable() -> bool:
 
 
 def _host_copy_fits(size: int, processes: int) -> bool:
-    """Whether this machine can hold a host copy of ``size`` bytes for each of its
-    ``processes`` in half its available memory."""
+    """Whether ``processes`` host copies of ``size`` bytes fit half the available memory."""
     from lctrain.memory.host import available_host_bytes
 
     available = available_host_bytes()
@@ -300,9 +243,7 @@ def _run_write(step: int, tmp: Path, write, size: int) -> None:
 
 
 def _write_error(step: int, tmp: Path, error: BaseException, size: int) -> UserError:
-    """One sentence for a failed checkpoint write of about ``size`` bytes per rank, with the
-    operating system's reason. A full disk does not always surface as one: torch's writer
-    reports a short write ("unexpected pos"), so the free space is looked at too."""
+    """One sentence for a failed write, with the system's reason (a full disk said as such)."""
     reason = root_cause(error)
     try:
         free = shutil.disk_usage(tmp.parent).free

@@ -7,23 +7,9 @@ import os
 import typer
 
 from lctrain.cli.common import user_errors
-from lctrain.cli.options import (
-    CheckpointingOpt,
-    CpOpt,
-    Format,
-    FormatOpt,
-    GpuMemoryOpt,
-    GpusOpt,
-    GpusPerNodeOpt,
-    HostMemoryOpt,
-    JsonFlag,
-    ModelOpt,
-    PlanFlag,
-    RecipeArg,
-    SeqLenOpt,
-    SetOpt,
-    WideOpt,
-)
+from lctrain.cli.options import (CheckpointingOpt, CpOpt, Format, FormatOpt, GpuMemoryOpt, GpusOpt,
+                                 GpusPerNodeOpt, HostMemoryOpt, JsonFlag, ModelOpt, PlanFlag,
+                                 RecipeArg, SeqLenOpt, SetOpt, WideOpt)
 from lctrain.config import load_recipe, parse_memory, parse_size
 from lctrain.config.hub import check_hub_model, looks_like_hub_name
 from lctrain.errors import ConfigError
@@ -54,23 +40,23 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
     if plan:
         return _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides or [],
                      host_memory, gpus_per_node, json_output or fmt == Format.json, fmt, wide)
-    policy = checkpointing.value if checkpointing is not None else None
     with user_errors():
         memory = parse_memory(gpu_memory, what="--gpu-memory")
         host = None if host_memory is None else parse_memory(host_memory, what="--host-memory")
         tokens = None if seq_len is None else parse_size(seq_len, what="--seq-len")
-        cfg = _recipe(recipe, model, overrides or [], tokens, cp, policy)
+        cfg = _recipe(recipe, model, overrides or [], tokens, cp, checkpointing)
         if tokens is None:
             if cfg is None:
                 raise ConfigError("--seq-len is needed with --model (there is no recipe to take "
                                   "it from), e.g. --seq-len 128k")
             tokens = cfg.data.seq_len
         if gpus is None:  # the recipe's own layout, or one GPU for a bare model
-            gpus = 1 if cfg is None else max(cfg.parallel.dp, 1) * (cp or cfg.parallel.cp)
+            gpus = 1 if cfg is None else cp or cfg.parallel.cp
         from lctrain.memory import estimate_recipe as estimate
 
         result = estimate(cfg, model=model, seq_len=tokens, gpus=gpus, gpu_memory=memory, cp=cp,
-                          policy=policy, host_memory=host, gpus_per_node=gpus_per_node)
+                          checkpointing=checkpointing, host_memory=host,
+                          gpus_per_node=gpus_per_node)
     payload = result.to_json()
     if json_output or fmt == Format.json:
         typer.echo(json.dumps(payload, indent=2, default=str))
@@ -95,7 +81,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
         if tokens is None and cfg is not None and recipe is not None:
             tokens = cfg.data.seq_len
         if gpus is None:
-            gpus = 1 if cfg is None else max(cfg.parallel.dp, 1) * cfg.parallel.cp
+            gpus = 1 if cfg is None else cfg.parallel.cp
         from lctrain.memory import plan_recipe
 
         result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
@@ -113,7 +99,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
         emit(f"\n{name}:\n  {command}")
 
 
-def _recipe(recipe, model, overrides, tokens, cp, policy):
+def _recipe(recipe, model, overrides, tokens, cp, checkpointing):
     """The recipe to estimate, or None when only --model is given (a hub name there must be one
     the hub or its local cache can give: `lctrain.config.hub.check_hub_model`)."""
     if model is not None and model not in PRESETS and looks_like_hub_name(model) \
@@ -125,6 +111,5 @@ def _recipe(recipe, model, overrides, tokens, cp, policy):
                               "or drop --set")
         return None
     extra = [f"parallel.cp={cp}"] if cp is not None else []
-    extra += [f"train.checkpointing={policy}"] if policy is not None else []
-    extra += ["train.layer_policies=null"] if policy not in (None, "auto") else []
+    extra += [f"train.checkpointing={checkpointing}"] if checkpointing is not None else []
     return load_recipe(recipe, [*overrides, *extra], seq_len=tokens)

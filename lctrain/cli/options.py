@@ -1,8 +1,5 @@
-"""Options shared by the commands, as ``Annotated`` aliases (one definition, one help text).
-
-Sizes are taken as text and parsed by the command (``lctrain.config.parse_size`` /
-``parse_memory``), so a bad size is reported like every other user error: one sentence.
-"""
+"""Options shared by the commands, as ``Annotated`` aliases; sizes are parsed by the command,
+so a bad one is one sentence like every other user error."""
 from __future__ import annotations
 
 import enum
@@ -11,14 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from lctrain.config.schema import ATTENTION_BACKENDS
-from lctrain.config.training import CHECKPOINTING_CHOICES
 from lctrain.memory.presets import PRESETS
 from lctrain_kernels.vocabulary import SCHEDULES
-
-
-Policy = enum.Enum("Policy", [(name.replace("-", "_"), name) for name in CHECKPOINTING_CHOICES],
-                   type=str)
-"""Activation checkpointing policies (``train.checkpointing``), as a choice for Typer."""
 
 
 class DType(str, enum.Enum):
@@ -80,9 +71,10 @@ GpusPerNodeOpt = Annotated[Optional[int], typer.Option(
 CpOpt = Annotated[Optional[int], typer.Option(
     "--cp", min=1, metavar="N", show_default=False,
     help="Context-parallel degree (default: the recipe's parallel.cp).")]
-CheckpointingOpt = Annotated[Optional[Policy], typer.Option(
-    "--checkpointing", metavar="none|full|remat|remat-offload|auto", show_default=False,
-    help="Activation checkpointing policy (default: the recipe's train.checkpointing).")]
+CheckpointingOpt = Annotated[Optional[str], typer.Option(
+    "--checkpointing", metavar="none|remat|full|auto|RUNS", show_default=False,
+    help="How each layer is kept, e.g. remat or full=4,remat=28 (default: the recipe's "
+         "train.checkpointing).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the same as --format json).")]
 PlanFlag = Annotated[bool, typer.Option(
     "--plan", help="Plan instead: the longest sequence this machine trains and its settings, "

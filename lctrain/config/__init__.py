@@ -1,47 +1,17 @@
 """Typed, frozen recipe configuration; YAML is only how it is stored.
 
     cfg = load_recipe("llama-7b-64k", ["train.lr=1e-5"], seq_len="128k")
-    cfg.data.seq_len          # 131072
-    save_resolved(cfg, "runs/x/config.yaml")
-"""
-from lctrain.config.loader import (
-    build_recipe,
-    load_recipe,
-    parse_override,
-    read_resolved,
-    save_resolved,
-)
-from lctrain.config.paths import (
-    DEFAULT_RECIPE,
-    absolute_paths,
-    is_placeholder,
-    local_data,
-    require_model_path,
-    shipped_recipes,
-)
+    save_resolved(cfg, "runs/x/config.yaml")"""
+from lctrain.config.layers import LayerPlan
+from lctrain.config.loader import (REMOVED, build_recipe, load_recipe, parse_override,
+                                   read_resolved, save_resolved)
+from lctrain.config.paths import (DEFAULT_RECIPE, absolute_paths, is_placeholder, local_data,
+                                  require_model_path, shipped_recipes)
 from lctrain.config.resume import RESUMABLE, check_run_folder, load_resumed
-from lctrain.config.schema import (
-    BUILTIN_TOKENIZERS,
-    BYTE_PAIR_TOKENIZER_VOCAB,
-    BYTE_TOKENIZER_VOCAB,
-    SCHEDULE_LAYOUTS,
-    CheckpointConfig,
-    DataConfig,
-    LoraConfig,
-    ModelConfig,
-    ParallelConfig,
-    RecipeConfig,
-    TrainConfig,
-)
-from lctrain.config.sizes import format_bytes, format_tokens, parse_memory, parse_size, parse_size_list
+from lctrain.config.schema import (BUILTIN_TOKENIZERS, BYTE_PAIR_TOKENIZER_VOCAB,
+                                   BYTE_TOKENIZER_VOCAB, SCHEDULE_LAYOUTS, CheckpointConfig,
+                                   DataConfig, LoraConfig, ModelConfig, ParallelConfig,
+                                   RecipeConfig, TrainConfig)
+from lctrain.config.sizes import (format_bytes, format_tokens, parse_memory, parse_size,
+                                  parse_size_list)
 from lctrain.errors import ConfigError
-
-__all__ = [
-    "BUILTIN_TOKENIZERS", "BYTE_PAIR_TOKENIZER_VOCAB", "BYTE_TOKENIZER_VOCAB", "DEFAULT_RECIPE",
-    "RESUMABLE", "SCHEDULE_LAYOUTS", "CheckpointConfig", "ConfigError", "DataConfig", "LoraConfig",
-    "ModelConfig", "ParallelConfig", "RecipeConfig", "TrainConfig", "absolute_paths",
-    "build_recipe", "check_run_folder", "format_bytes", "format_tokens", "is_placeholder",
-    "load_recipe", "load_resumed", "local_data", "parse_memory", "parse_override", "parse_size",
-    "parse_size_list", "read_resolved", "require_model_path", "save_resolved",
-    "shipped_recipes",
-]

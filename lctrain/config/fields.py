@@ -1,14 +1,6 @@
-"""Type checks for the config dataclasses, driven by their annotations.
-
-Every config dataclass calls :func:`check_fields` first thing in ``__post_init__``. It compares
-each value with the field's annotation (``int``, ``float``, ``bool``, ``str``, ``dict``,
-``tuple[float, float]``, ``tuple[str, ...]``, ``Literal[...]`` and ``X | None``), applies the few
-lossless conversions YAML needs (an int where a float is expected, a list for a tuple, one string
-for a ``tuple[str, ...]`` of one, ``"3e-3"`` which YAML reads as a string, a size such as
-``"256k"`` for fields marked :data:`SIZE`, a memory size such as ``"240GiB"`` for fields marked
-:data:`MEMORY`) and otherwise raises a one-sentence :class:`ConfigError` naming the key, the
-value and what is expected.
-"""
+"""Type checks for the config dataclasses, driven by their annotations: the lossless
+conversions YAML needs (an int for a float, a list for a tuple, ``"3e-3"``, sizes for fields
+marked :data:`SIZE` / :data:`MEMORY`), else a one-sentence ConfigError naming key and value."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,11 +32,7 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def check_fields(obj: Any, section: str) -> None:
-    """Check and normalise every field of the frozen dataclass ``obj`` in place.
-
-    Raises:
-        ConfigError: a value does not match its field's annotation (``key`` = ``section.field``).
-    """
+    """Check and normalise every field of ``obj`` in place (ConfigError keyed section.field)."""
     hints = _hints(type(obj))
     for field in dataclasses.fields(obj):
         key = f"{section}.{field.name}"
@@ -55,9 +43,7 @@ def check_fields(obj: Any, section: str) -> None:
 
 
 def coerce(key: str, annotation: Any, value: Any, *, unit: str | None = None) -> Any:
-    """Return ``value`` converted to ``annotation`` or raise ConfigError naming ``key``.
-
-    ``unit`` ("tokens" or "bytes") lets an int field take a size string ("256k", "240GiB")."""
+    """``value`` converted to ``annotation`` (``unit``: "tokens" or "bytes" sizes), or ConfigError."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -118,25 +104,17 @@ def _to_float(key: str, value: Any, unit: str | None) -> float:
     return number
 
 
-def _to_bool(key: str, value: Any, unit: str | None) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise _fail(key, "true or false", value)
+def _exactly(kind: type, expected: str):
+    """A handler that takes values of ``kind`` as they are."""
+    def check(key: str, value: Any, unit: str | None):
+        if isinstance(value, kind):
+            return value
+        raise _fail(key, expected, value)
+    return check
 
 
-def _to_str(key: str, value: Any, unit: str | None) -> str:
-    if isinstance(value, str):
-        return value
-    raise _fail(key, "a string", value)
-
-
-def _to_dict(key: str, value: Any, unit: str | None) -> dict:
-    if isinstance(value, dict):
-        return value
-    raise _fail(key, "a mapping", value)
-
-
-_SCALARS = {int: _to_int, float: _to_float, bool: _to_bool, str: _to_str, dict: _to_dict}
+_SCALARS = {int: _to_int, float: _to_float, bool: _exactly(bool, "true or false"),
+            str: _exactly(str, "a string"), dict: _exactly(dict, "a mapping")}
 
 
 def _coerce_tuple(key: str, args: tuple, value: Any) -> tuple:

@@ -1,14 +1,6 @@
-"""Hub names: whether a model, tokenizer or dataset given by hub name can be read here.
-
-A model, tokenizer or dataset given by hub name must come from the hub or a local cache. When
-neither can give it — offline mode (HF_HUB_OFFLINE) or a hub that does not answer within
-`HUB_PROBE_TIMEOUT_S`, and no copy in the cache — `check_hub_model`, `check_hub_tokenizer` and
-`check_hub_dataset` say so at once, where transformers and datasets would retry for about 20 s
-and then fail in several lines. When the hub does not answer but the cache holds the name,
-`cache_only` tells the loaders to read the cache at once instead of retrying first. The hub is
-probed once per process (`hub_answers`). Standard library, and huggingface_hub's or datasets'
-cache lookup when a name is checked.
-"""
+"""Hub names: whether a model, tokenizer or dataset given by hub name can be read here, said
+at once in one sentence (offline, or the hub does not answer, and no cached copy) where
+transformers and datasets would retry for about 20 s. The hub is probed once per process."""
 from __future__ import annotations
 
 import functools
@@ -36,63 +28,27 @@ def looks_like_hub_name(name: str) -> bool:
     return _HUB_NAME.fullmatch(name) is not None
 
 
-def check_hub_model(name: str, *, what: str = "model.path") -> None:
-    """Refuse at once a hub name that neither the hub nor its local cache can give.
-
-    A name whose config.json is in the local hub cache passes (transformers reads it from
-    there); otherwise the hub must be reachable: offline mode (``HF_HUB_OFFLINE`` or
-    ``TRANSFORMERS_OFFLINE``) is refused without a probe, else the hub (``HF_ENDPOINT``, default
-    huggingface.co) must answer one request within `HUB_PROBE_TIMEOUT_S` (`hub_answers`).
-
-    Args:
-        name: the hub name (``owner/name``).
-        what: the setting or option it came from (the message and the error's key).
-
-    Raises:
-        ConfigError: offline mode or an unreachable hub, and the name is not in the cache.
-    """
+def check_hub_model(name: str, *, what: str = "model.path", files: tuple[str, ...] = (
+        "config.json",), subject: str = "the config of model", local: str = "model") -> None:
+    """Refuse at once (ConfigError) a hub name whose cache lacks ``files`` when offline or unanswered."""
     from huggingface_hub import constants
 
-    cached = _in_hub_cache(name, ("config.json",))
-    if cached is not False:
+    if _in_hub_cache(name, files) is not False:
         return
-    _refuse_uncached(f"the config of model {name!r}", what, flags=_TRANSFORMERS_OFFLINE,
+    _refuse_uncached(f"{subject} {name!r}", what, flags=_TRANSFORMERS_OFFLINE,
                      where=f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it",
-                     fix=f"point {what} at a local model folder")
+                     fix=f"point {what} at a local {local} folder")
 
 
 def check_hub_tokenizer(name: str, *, what: str = "data.tokenizer") -> None:
-    """`check_hub_model` for a tokenizer given by hub name: it passes when the local hub cache
-    holds its tokenizer_config.json, tokenizer.json or config.json (what ``AutoTokenizer``
-    reads first), or when the hub answers.
-
-    Raises:
-        ConfigError: offline mode or an unreachable hub, and the name is not in the cache.
-    """
-    from huggingface_hub import constants
-
-    if _in_hub_cache(name, _TOKENIZER_FILES) is not False:
-        return
-    _refuse_uncached(f"the tokenizer {name!r}", what, flags=_TRANSFORMERS_OFFLINE,
-                     where=f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it",
-                     fix=f"point {what} at a local tokenizer folder")
+    """`check_hub_model` for a tokenizer (the files ``AutoTokenizer`` reads first)."""
+    check_hub_model(name, what=what, files=_TOKENIZER_FILES, subject="the tokenizer",
+                    local="tokenizer")
 
 
 def check_hub_dataset(name: str, *, cache_dir: str | None = None,
                       what: str = "data.source") -> None:
-    """`check_hub_model` for a dataset given by hub name, read with ``datasets.load_dataset``:
-    it passes when the datasets cache (``cache_dir``, else ``HF_DATASETS_CACHE``) holds a
-    prepared copy (which ``datasets`` falls back on when the hub cannot be asked), or when the
-    hub answers. Offline mode is ``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE``.
-
-    Args:
-        name: the hub name (``owner/name``).
-        cache_dir: the cache folder given to ``load_dataset`` (None: its default).
-        what: the setting it came from (the message and the error's key).
-
-    Raises:
-        ConfigError: offline mode or an unreachable hub, and the datasets cache lacks it.
-    """
+    """`check_hub_model` for a ``datasets`` dataset (its cache: ``cache_dir`` or the default)."""
     from datasets import config
     from datasets.naming import camelcase_to_snakecase
 
@@ -109,14 +65,7 @@ def check_hub_dataset(name: str, *, cache_dir: str | None = None,
 
 
 def cache_only(source: str) -> bool:
-    """Whether transformers should read ``source`` from the local hub cache alone (its
-    ``local_files_only``): ``source`` is a hub name, not a local path, and the hub cannot be
-    asked now — offline mode, or no answer to `hub_answers`. Otherwise transformers asks an
-    unreachable hub for every file, retrying for about 20 s each, before it reads the cache.
-
-    A name the cache lacks was refused before (`check_hub_model`, `check_hub_tokenizer`); here
-    it only makes transformers say so at once.
-    """
+    """Whether transformers should read hub name ``source`` from the cache alone."""
     if os.path.exists(os.path.expanduser(source)) or not looks_like_hub_name(source):
         return False
     return _offline_flag(_TRANSFORMERS_OFFLINE) is not None or not hub_answers(hub_endpoint())
@@ -129,16 +78,12 @@ def hub_endpoint() -> str:
 
 @functools.lru_cache(maxsize=None)
 def hub_answers(endpoint: str) -> bool:
-    """Whether the hub at ``endpoint`` answers within `HUB_PROBE_TIMEOUT_S` (`_answers`), asked
-    once per process and endpoint, so that the config, tokenizer and model loads of a run agree
-    and an unreachable hub costs one probe, not one per load."""
+    """Whether the hub at ``endpoint`` answers, asked once per process."""
     return _answers(endpoint, HUB_PROBE_TIMEOUT_S)
 
 
 def _in_hub_cache(name: str, files: tuple[str, ...]) -> bool | None:
-    """Whether the local hub cache holds one of ``files`` of the model repository ``name``;
-    None when ``name`` is not a repository id huggingface_hub accepts (transformers will say
-    so)."""
+    """Whether the hub cache holds one of ``files`` of ``name`` (None: not a repository id)."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -149,16 +94,7 @@ def _in_hub_cache(name: str, files: tuple[str, ...]) -> bool | None:
 
 def _refuse_uncached(subject: str, what: str, *, flags: tuple[str, ...], where: str,
                      fix: str) -> None:
-    """Raise the one-sentence error for ``subject``, a hub name its cache lacks, when offline
-    mode is set (no probe) or the hub does not answer; return when the hub answers.
-
-    Args:
-        subject: what could not be read, e.g. ``the tokenizer 'owner/name'``.
-        what: the setting or option it came from; a recipe key is the error's key.
-        flags: the environment variables that set offline mode for the library that reads it.
-        where: the clause saying which cache lacks it.
-        fix: what the user can do instead, as a clause.
-    """
+    """Raise the one-sentence error for ``subject`` when offline or the hub does not answer."""
     key = None if what.startswith("-") else what
     head = f"Could not read {subject} ({what}): it is a hub name, but"
     flag = _offline_flag(flags)
@@ -182,10 +118,7 @@ def _is_true(variable: str) -> bool:
 
 
 def _answers(url: str, timeout: float) -> bool:
-    """Whether a server answers a HEAD request for ``url`` within ``timeout`` seconds (any HTTP
-    status counts, and so does a TLS failure: something answered, and transformers will name
-    what). Proxies set in the environment are used, as huggingface_hub uses them; the probe runs
-    in a thread so that a name lookup that hangs cannot hold the caller past ``timeout``."""
+    """Whether a server answers a HEAD request for ``url`` within ``timeout`` (in a thread)."""
     import ssl
     import threading
     import urllib.error

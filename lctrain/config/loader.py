@@ -1,10 +1,6 @@
-"""Recipe YAML -> :class:`RecipeConfig`, with ``--set`` overrides; and back to YAML.
-
-YAML is only how a recipe is stored: it is read into plain data, overrides are applied to that
-data (each ``--set a.b=c`` value is parsed as a YAML scalar, so ``3e-4``, ``true``, ``null`` and
-``[0.9, 0.99]`` mean what they say), then the typed dataclasses are built and checked. Unknown
-keys are errors naming the key, the file (or the ``--set``) and the closest known key.
-"""
+"""Recipe YAML -> :class:`RecipeConfig`, with ``--set`` overrides (YAML scalars: ``3e-4``,
+``null``, ``[0.9, 0.99]``); and back to YAML. Unknown keys name the key, the file or ``--set``
+and the closest known key; removed ones (:data:`REMOVED`) name their replacement."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,18 +15,16 @@ import yaml
 from lctrain.config.fields import suggest
 from lctrain.config.paths import (absolute_paths, check_model_path, decode_text, local_data,
                                   ordinary_permissions, read_recipe_text)
-from lctrain.config.schema import _SECTIONS, RecipeConfig
+from lctrain.config.schema import SECTIONS as _SECTIONS, RecipeConfig
 from lctrain.config.sizes import parse_size
 from lctrain.errors import ConfigError
 
 class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 scalars: ``1e-4`` is a float (1.1 reads a string) and
-    only true/false are booleans (1.1 also turns on/off/yes/no into booleans)."""
+    """PyYAML's safe loader with YAML 1.2 scalars (``1e-4`` a float, only true/false booleans)."""
 
 
 def _unique_keys(loader: _Yaml12Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    """A mapping whose keys must be unique: YAML says so, and a repeated setting would
-    otherwise let the last one win without a word."""
+    """A mapping whose keys must be unique (a repeated setting would win without a word)."""
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":
@@ -59,28 +53,50 @@ _Yaml12Loader.add_implicit_resolver(
 _FREE_FORM = {("model", "config")}
 """Fields whose value is a free mapping: any key below them is accepted (a transformers config)."""
 
+_FUSED = ("use model.fused_kernels, one switch for lctrain's fused RMSNorm, RoPE, SwiGLU and "
+          "loss kernels, the attention projections in head groups and the deferred norms (true "
+          "by default)")
+REMOVED = {
+    **{f"model.{name}": _FUSED for name in ("fused_norms", "fused_rope", "fused_mlp", "fused_loss",
+                                            "grouped_attention", "deferred_norms")},
+    "parallel.dp": "the data-parallel degree is the world size / parallel.cp; drop it",
+    "parallel.balance_documents": "packed documents are always balanced over the cp ranks; "
+                                  "drop it",
+    "train.layer_policies": "use train.checkpointing runs, e.g. full=4,remat=28",
+    "train.state_offload": "use train.offload (optimizer, or state for parameters, gradients "
+                           "and AdamW states)",
+    "train.offload_prefetch": "parked layers always come back while the layer above runs its "
+                              "backward; drop it",
+    "train.planned": "lctrain estimate-memory --plan prints what it planned; drop it",
+    "train.log_every": "every step is logged; drop it",
+    "data.eval_seed": "train.seed chooses the held-out documents; drop it",
+    "data.cache_dir": "set the XDG_CACHE_HOME environment variable instead (the cache is "
+                      "$XDG_CACHE_HOME/lctrain/data)",
+    "checkpoint.enabled": "use checkpoint.keep=0 to save nothing",
+    "checkpoint.on_signal": "a run that saves checkpoints always saves its last step when a "
+                            "stop signal ends it; drop it",
+    "checkpoint.asynchronous": "checkpoints are written in the background on GPUs and in the "
+                               "foreground on CPUs; drop it",
+}
+"""Recipe settings that are gone -> what replaces them (each refused in one sentence)."""
+
+
+def _check_key(section: str, name: str, where: str) -> None:
+    """Refuse a key the section lacks, naming ``where`` (``in FILE`` or ``--set ...``)."""
+    key, known = f"{section}.{name}", [f.name for f in dataclasses.fields(_SECTIONS[section])]
+    if key in REMOVED:
+        raise ConfigError(f"{key} ({where}) is no longer a setting: {REMOVED[key]}", key=key)
+    if name not in known:
+        close = suggest(key, [f"{section}.{k}" for k in known])
+        raise ConfigError(f"unknown key {key} {where}{close} (known: {', '.join(known)})")
+
 
 def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] = (),
                 seq_len: int | str | None = None, output_dir: str | None = None,
                 max_steps: int | None = None) -> RecipeConfig:
-    """Read a recipe, apply overrides and return the checked, frozen config.
-
-    Args:
-        path: a recipe YAML file, the name of a shipped recipe, or None for the embedded
-            default (``lctrain_recipes/tiny.yaml``).
-        overrides: ``"a.b=c"`` strings, applied in order (``model.config.rope_theta=1e6`` reaches
-            into the model's transformers config).
-        seq_len: replaces ``data.seq_len`` (an int or a size such as ``"256k"``).
-        output_dir: replaces ``train.output_dir``.
-        max_steps: replaces ``train.max_steps``.
-
-    Returns:
-        The RecipeConfig.
-
-    Raises:
-        ConfigError: missing file, bad YAML, unknown key, wrong type, value out of range, or a
-            model path / data source that does not exist; the message names the source.
-    """
+    """Read a recipe (a file, a shipped recipe's name, or None: the embedded default), apply
+    ``overrides`` (``"a.b=c"``) and the ``seq_len`` / ``output_dir`` / ``max_steps`` flags, and
+    return the checked, frozen config (ConfigError naming where a bad value came from)."""
     text, source = read_recipe_text(path)
     raw = parse_yaml(text, source)
     origins = apply_overrides(raw, overrides, seq_len=seq_len, output_dir=output_dir,
@@ -91,14 +107,7 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str] = (), *,
                     seq_len: int | str | None = None, output_dir: str | None = None,
                     max_steps: int | None = None) -> dict[str, str]:
-    """Apply ``--set`` overrides and the command's flags to plain recipe data, in place.
-
-    Returns:
-        {dotted key: where its value came from} for the loader's messages.
-
-    Raises:
-        ConfigError: a malformed override or a key the schema lacks.
-    """
+    """Apply ``--set`` overrides and flags in place; returns {key: where its value came from}."""
     origins: dict[str, str] = {}
     if not isinstance(raw, dict):  # build_recipe says so, naming the file
         return origins
@@ -116,13 +125,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str] = (), *,
 
 
 def build_checked(raw: dict[str, Any], source: str, origins: dict[str, str]) -> RecipeConfig:
-    """`build_recipe`, then the model path and data source must exist; local paths become
-    absolute (a run's saved recipe names the same files from any folder). A keyed error says
-    where its value came from (``origins``, else ``source``).
-
-    Raises:
-        ConfigError: as `build_recipe`, or a missing model path / data source.
-    """
+    """`build_recipe`, then the model path and data must exist; errors name where values came from."""
     try:
         cfg = build_recipe(raw, source)
         check_model_path(cfg.model.path)
@@ -154,12 +157,8 @@ def build_recipe(raw: dict[str, Any], source: str = "the recipe") -> RecipeConfi
         if not isinstance(values, dict):
             raise ConfigError(f"section {name} in {source} must be a mapping of settings, got "
                               f"{values!r}", key=name)
-        known = [f.name for f in dataclasses.fields(cls)]
         for key in values:
-            if key not in known:
-                close = suggest(f"{name}.{key}", [f"{name}.{k}" for k in known])
-                raise ConfigError(f"unknown key {name}.{key} in {source}{close} "
-                                  f"(known: {', '.join(known)})")
+            _check_key(name, key, f"in {source}")
         sections[name] = cls(**values)
     return RecipeConfig(**sections)
 
@@ -188,10 +187,7 @@ def set_key(raw: dict[str, Any], key: str, value: Any, *, where: str) -> None:
     if not rest:
         raise ConfigError(f"{where} names the whole section {section}; name one setting such "
                           f"as {section}.{dataclasses.fields(_SECTIONS[section])[0].name}")
-    known = [f.name for f in dataclasses.fields(_SECTIONS[section])]
-    if rest[0] not in known:
-        close = suggest(key, [f"{section}.{name}" for name in known])
-        raise ConfigError(f"unknown key {key} in {where}{close} (known: {', '.join(known)})")
+    _check_key(section, rest[0], f"in {where}")
     if len(rest) > 1 and (section, rest[0]) not in _FREE_FORM:
         raise ConfigError(f"{section}.{rest[0]} is a single setting; write "
                           f"--set {section}.{rest[0]}=VALUE")
@@ -222,14 +218,7 @@ def save_resolved(cfg: RecipeConfig, path: str | os.PathLike) -> Path:
 
 
 def read_resolved(path: str | os.PathLike) -> RecipeConfig:
-    """Read a run's saved ``config.yaml`` (as `save_resolved` wrote it) back into a RecipeConfig.
-
-    Unlike `load_recipe`, the model path and data source are not checked for existence: the
-    run's data may be gone, and whoever needs the model reports a missing one.
-
-    Raises:
-        ConfigError: the file cannot be read or is not a valid recipe.
-    """
+    """A run's saved ``config.yaml`` as a RecipeConfig, paths unchecked (ConfigError)."""
     try:
         text = decode_text(Path(path).read_bytes(), str(path))
     except OSError as error:

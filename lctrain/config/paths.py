@@ -1,8 +1,5 @@
-"""Where recipes, models and data live: shipped recipes, local paths and hub names.
-
-Pure standard library, so that the CLI can check a recipe's paths before it starts any process
-(and before importing torch); a hub name is checked by `lctrain.config.hub`.
-"""
+"""Where recipes, models and data live: shipped recipes, local paths and hub names (standard
+library only, so the CLI checks paths before importing torch)."""
 from __future__ import annotations
 
 import glob
@@ -27,23 +24,14 @@ DATA_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": 
 
 
 def shipped_recipes() -> dict[str, str]:
-    """Names of the shipped recipes (package ``lctrain_recipes``, folder recipes/lctrain_recipes)
-    -> their YAML text."""
+    """The shipped recipes (package ``lctrain_recipes``): name -> YAML text."""
     root = importlib.resources.files("lctrain_recipes")
     return {entry.name: entry.read_text(encoding="utf-8")
             for entry in root.iterdir() if entry.name.endswith(".yaml")}
 
 
 def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
-    """Return ``(yaml_text, source_name)`` for a recipe file, a shipped recipe name or None.
-
-    ``None`` gives the embedded default (tiny.yaml). A path that does not exist but names a
-    shipped recipe (``llama-7b-64k``, ``llama-7b-64k.yaml`` or ``recipes/llama-7b-64k.yaml`` from
-    another folder) gives that shipped recipe.
-
-    Raises:
-        ConfigError: the file does not exist and no shipped recipe has that name.
-    """
+    """``(yaml_text, source)`` of a file, a shipped recipe's name or None (ConfigError: none)."""
     shipped = shipped_recipes()
     if path is None:
         return shipped[DEFAULT_RECIPE], f"the embedded recipe {DEFAULT_RECIPE}"
@@ -66,8 +54,7 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
 
 
 def decode_text(data: bytes, source: str) -> str:
-    """``data`` as UTF-8 text (a byte-order mark allowed), or a ConfigError naming the place of
-    the first byte that is not."""
+    """``data`` as UTF-8 text (BOM allowed), or a ConfigError naming the first bad byte."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
@@ -88,14 +75,7 @@ class LocalData:
 
 
 def local_data(source: str, *, what: str = "data.source") -> LocalData | None:
-    """Resolve ``data.source`` (or the setting named ``what``) to local files, or None for
-    ``builtin`` and hub names. ``what`` is the dotted recipe key and the error's ``key``, so the
-    loader says where the value came from (the recipe file or a ``--set``).
-
-    Raises:
-        ConfigError: the source looks local (a suffix, a glob, a path that exists) but matches
-            no readable file, mixes suffixes, or has a suffix no builder reads.
-    """
+    """``data.source`` (or ``what``) as local files; None for builtin and hub names (ConfigError)."""
     if source == "builtin":
         return None
     expanded = os.path.expanduser(source)
@@ -126,20 +106,12 @@ def local_data(source: str, *, what: str = "data.source") -> LocalData | None:
 
 
 def is_placeholder(path: str | None) -> bool:
-    """True for a ``model.path`` still holding a recipe's placeholder, such as
-    ``<folder of Llama-3.1-8B>``: a value in angle brackets, which no real path or hub name is."""
+    """True for a ``model.path`` still a recipe's placeholder (a value in angle brackets)."""
     return isinstance(path, str) and path.startswith("<") and path.endswith(">")
 
 
 def check_model_path(path: str | None) -> None:
-    """Raise ConfigError when ``model.path`` is neither a model folder (with a readable
-    config.json whose sizes can build a model) nor a hub name that the hub or its local cache
-    can give (`check_hub_model`).
-
-    A placeholder (see `is_placeholder`) passes here, so that a recipe for a real model can still
-    be read, printed and sized with ``estimate-memory --model``; anything that needs the model
-    itself calls `require_model_path`, which refuses it.
-    """
+    """ConfigError unless ``model.path`` is a model folder, a readable hub name or a placeholder."""
     if path is None or is_placeholder(path):
         return
     expanded = os.path.expanduser(path)
@@ -157,14 +129,7 @@ def check_model_path(path: str | None) -> None:
 
 
 def require_model_path(path: str | None) -> str:
-    """``model.path`` for code that loads the model or its tokenizer.
-
-    Returns:
-        The path with ``~`` expanded for a local folder, or the hub name as given.
-
-    Raises:
-        ConfigError: the path is unset or still the recipe's placeholder, or not a model folder.
-    """
+    """``model.path`` to load (``~`` expanded); ConfigError: unset, placeholder, not a model."""
     if path is None or is_placeholder(path):
         shown = f"is still the placeholder {path!r}" if path else "is not set"
         raise ConfigError(f"model.path {shown}: this recipe fine-tunes a pretrained model, so set "
@@ -177,18 +142,7 @@ def require_model_path(path: str | None) -> str:
 
 def read_model_config(file: str | os.PathLike, *, fix: str = "the model folder is damaged",
                       key: str | None = "model.path") -> object:
-    """The parsed JSON of a model's ``config.json``, as `check_model_path` and ``estimate-memory
-    --model`` read it: one reader, so that a damaged file gets one message wherever it is met.
-
-    Args:
-        file: the config.json.
-        fix: what the message says after naming the fault (the folder is damaged, or fix the
-            file when the user named the file itself).
-        key: the recipe key the error is about (for the loader's attribution), or None.
-
-    Raises:
-        ConfigError: the file cannot be read, is not UTF-8 or is not valid JSON (with its line).
-    """
+    """A model's parsed ``config.json`` (ConfigError naming ``key``; ``fix`` says what to do)."""
     import json
 
     try:
@@ -204,7 +158,7 @@ def read_model_config(file: str | os.PathLike, *, fix: str = "the model folder i
 
 
 def _check_model_folder(folder: Path, path: str) -> None:
-    from lctrain.config.model_shapes import check_model_shapes
+    from lctrain.config.schema import check_model_shapes
 
     file = folder / "config.json"
     if not file.is_file():
@@ -218,10 +172,7 @@ def _check_model_folder(folder: Path, path: str) -> None:
 
 
 def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
-    """The recipe with its local paths absolute (``~`` expanded): model.path and
-    data.tokenizer when they are local folders, data.source when it is local files (a glob
-    stays a glob), data.cache_dir and train.output_dir. Hub names and ``builtin`` / ``bytes``
-    stay as they are."""
+    """The recipe with its local paths absolute (``~`` expanded); hub names and built-ins stay."""
     def local(path: str | None) -> str | None:
         if path is None or not os.path.exists(os.path.expanduser(path)):
             return path
@@ -234,16 +185,14 @@ def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
     if local_data(source) is not None:
         source = os.path.abspath(os.path.expanduser(source))
     tokenizer = cfg.data.tokenizer if cfg.data.tokenizer == "bytes" else local(cfg.data.tokenizer)
-    data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer,
-                               cache_dir=folder(cfg.data.cache_dir))
+    data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer)
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, path=local(cfg.model.path)), data=data,
         train=dataclasses.replace(cfg.train, output_dir=folder(cfg.train.output_dir)))
 
 
 def ordinary_permissions(path: str | os.PathLike) -> None:
-    """Give a file the permissions a plain ``open()`` would have (0666 less the umask): files
-    made by ``tempfile.mkstemp`` or safetensors are private (0600) otherwise."""
+    """Give a file a plain ``open()``'s permissions (0666 less the umask; mkstemp's are 0600)."""
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o666 & ~mask)

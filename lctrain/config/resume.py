@@ -1,18 +1,6 @@
-"""A run's folder belongs to one run: what ``--resume`` may change, and what it takes from it.
-
-A run writes its recipe, as given (all defaults and overrides applied, local paths absolute),
-to ``output_dir/config.yaml`` when it starts. From then on:
-
-- a fresh run into that folder is refused unless its recipe is the same (a run that had not
-  yet saved a checkpoint may be started again) — a folder never mixes two runs;
-- ``lctrain finetune --output-dir R --resume`` takes ``R/config.yaml`` as the recipe
-  (`load_resumed`); a recipe named on the command line and the command's ``--set`` / flags
-  override it. Only the settings in `RESUMABLE` — how long, how often, on how many processes,
-  how memory is traded — may differ from the run's; any other difference is refused with a
-  sentence naming the setting and both values (`resume_changes`);
-- the resumed run updates config.yaml with the settings it changed (it is the same run), and
-  says which ones.
-"""
+"""A run's folder belongs to one run: a fresh run into it must have the same recipe;
+``--resume`` continues from its config.yaml (`load_resumed`), and only the settings in
+`RESUMABLE` may change (`resume_changes`)."""
 from __future__ import annotations
 
 import os
@@ -27,28 +15,15 @@ from lctrain.config.schema import RecipeConfig
 from lctrain.errors import ConfigError
 
 RESUMABLE = (
-    "train.max_steps", "train.epochs", "train.log_every",
-    "train.collective_timeout", "train.max_nonfinite_steps", "train.eval_every",
-    "train.report_to",
-    "train.batch_size", "train.grad_accum",
-    "train.checkpointing", "train.host_memory", "train.loss_chunk_tokens",
-    "train.tile_tokens", "train.layer_policies", "train.state_offload", "train.planned",
-    "train.offload_prefetch",
-    "parallel.cp", "parallel.dp", "parallel.schedule", "parallel.attention_backend",
-    "parallel.fsdp", "parallel.head_groups", "parallel.balance_documents", "model.fused_norms",
-    "model.fused_rope", "model.fused_mlp", "model.fused_loss", "model.grouped_attention",
-    "model.deferred_norms",
-    "data.cache_dir",
-    "checkpoint.every", "checkpoint.keep", "checkpoint.enabled", "checkpoint.export_final",
-    "checkpoint.asynchronous", "checkpoint.on_signal",
+    "train.max_steps", "train.epochs", "train.collective_timeout", "train.max_nonfinite_steps",
+    "train.eval_every", "train.report_to", "train.batch_size", "train.grad_accum",
+    "train.checkpointing", "train.offload", "train.host_memory", "train.loss_chunk_tokens",
+    "train.tile_tokens", "parallel.cp", "parallel.schedule", "parallel.attention_backend",
+    "parallel.fsdp", "parallel.head_groups", "model.fused_kernels",
+    "checkpoint.every", "checkpoint.keep", "checkpoint.export_final",
 )
-"""Settings a resumed run may change: the run's length (the learning-rate decay is re-planned
-from the rate reached, `lctrain.train.optim.LrPlan.resumed`), logging and checkpoint intervals,
-how faults are handled (timeouts, non-finite steps, saving on a stop signal),
-the process layout and the memory trade-offs (the checkpoint is resharded; batch_size and
-grad_accum may change as long as dp × batch_size × grad_accum — the global batch — stays, which
-the runner checks against the checkpoint). Everything else — the model, the data and its
-packing, the seed, the optimizer's settings, LoRA — defines what is trained and must stay."""
+"""Settings a resumed run may change: its length, intervals, faults, layout and memory trade-offs
+(the global batch must stay); the others define what is trained."""
 
 _IGNORED = ("train.output_dir",)
 """Where the folder is: a moved run folder is still its run."""
@@ -74,11 +49,7 @@ def differences(saved: RecipeConfig, new: RecipeConfig) -> list[tuple[str, Any, 
 
 def resume_changes(saved: RecipeConfig, new: RecipeConfig,
                    source: str | os.PathLike) -> list[tuple[str, Any, Any]]:
-    """The settings ``new`` changes in the run whose recipe (``source``) is ``saved``.
-
-    Raises:
-        ConfigError: a setting outside `RESUMABLE` differs (the first one, both values).
-    """
+    """The settings ``new`` changes in ``saved``'s run (ConfigError: one not in `RESUMABLE`)."""
     changes = differences(saved, new)
     for key, old, value in changes:
         if key not in RESUMABLE:
@@ -98,16 +69,7 @@ def describe_changes(changes: list[tuple[str, Any, Any]]) -> str:
 
 
 def check_run_folder(cfg: RecipeConfig, *, resume: bool) -> list[tuple[str, Any, Any]]:
-    """Check that ``cfg`` may run in its output folder (see the module docstring).
-
-    Returns:
-        On resume, the settings it changes; else [].
-
-    Raises:
-        ConfigError: the folder cannot be written (no permission, a full disk), resume
-            without a saved recipe, a change that is not allowed, or a fresh run into a folder
-            that holds another run.
-    """
+    """Check that ``cfg`` may run in its folder; on resume, the settings it changes (ConfigError)."""
     out = Path(cfg.train.output_dir)
     check_writable(out)
     saved_file = out / "config.yaml"
@@ -125,12 +87,7 @@ def check_run_folder(cfg: RecipeConfig, *, resume: bool) -> list[tuple[str, Any,
 
 
 def check_writable(folder: Path) -> None:
-    """Create ``folder`` if needed and write (and flush) a few bytes in it.
-
-    Raises:
-        ConfigError: it cannot be created or written, with the system's reason ("Permission
-            denied", "No space left on device", "Read-only file system", ...).
-    """
+    """Create ``folder`` and write a few bytes in it (ConfigError with the system's reason)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".lctrain-probe-")
@@ -150,20 +107,7 @@ def check_writable(folder: Path) -> None:
 def load_resumed(recipe: str | os.PathLike | None, overrides: Iterable[str] = (), *,
                  seq_len: int | str | None = None, output_dir: str | None = None,
                  max_steps: int | None = None) -> RecipeConfig:
-    """The recipe ``lctrain finetune --resume`` continues with: the run's own config.yaml,
-    then the recipe named on the command line (if any), then the overrides.
-
-    Args:
-        recipe: a recipe file or shipped name whose settings override the run's; None: the run's
-            recipe alone (the folder comes from ``output_dir``, else the default recipe's).
-        overrides, seq_len, output_dir, max_steps: as in `lctrain.config.load_recipe`.
-
-    Returns:
-        The checked recipe (only `RESUMABLE` settings differ from the run's).
-
-    Raises:
-        ConfigError: no run in the folder, a bad override, or a change that is not allowed.
-    """
+    """The recipe ``--resume`` continues with: the run's, then ``recipe``, then the overrides."""
     overrides = list(overrides)
     if recipe is not None or output_dir is None:
         cfg = load_recipe(recipe, overrides, seq_len=seq_len, output_dir=output_dir,

@@ -1,9 +1,5 @@
-"""Human-friendly sizes: token counts ("256k") and memory amounts ("80GiB").
-
-Token counts are binary: ``k`` = 1024 and ``m`` = 1024², as long-context lengths are usually
-quoted (a "256K context" is 262144 tokens). Memory amounts accept ``GiB``/``G`` (binary) and
-``GB`` (decimal, 10⁹), plus the same for M, K and T.
-"""
+"""Sizes as people write them: token counts ("256k", k = 1024) and memory ("80GiB" or "80G"
+binary, "80GB" decimal)."""
 from __future__ import annotations
 
 import re
@@ -11,13 +7,8 @@ import re
 from lctrain.errors import ConfigError
 
 _TOKEN_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
-_MEMORY_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
-    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
-}
+_MEMORY_UNITS = {"": 1, "b": 1, **{f"{p}{s}": base ** (i + 1) for i, p in enumerate("kmgt")
+                                    for s, base in (("", 1024), ("ib", 1024), ("b", 1000))}}
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
 
 
@@ -27,18 +18,7 @@ def _split(text: str) -> tuple[str, str] | None:
 
 
 def parse_size(value: int | str, *, what: str = "size") -> int:
-    """Parse a token count such as ``512``, ``"64k"``, ``"256K"`` or ``"1m"``.
-
-    Args:
-        value: an int, or a string: a whole number with an optional k/m/g suffix (powers of 1024).
-        what: how the value is named in the error message (e.g. ``"--seq-len"``).
-
-    Returns:
-        The count as an int.
-
-    Raises:
-        ConfigError: the text is not a whole number with a known suffix, or not positive.
-    """
+    """A token count such as ``512``, ``"64k"`` or ``"1m"`` (ConfigError naming ``what``)."""
     if isinstance(value, bool):
         raise ConfigError(f"{what} must be a number of tokens such as 4096 or 256k, got {value!r}")
     if isinstance(value, int):
@@ -63,19 +43,7 @@ def parse_size_list(text: str, *, what: str = "size list") -> list[int]:
 
 
 def parse_memory(value: int | str, *, what: str = "memory size") -> int:
-    """Parse a memory amount such as ``"80GiB"``, ``"80GB"``, ``"80G"`` or a byte count.
-
-    Args:
-        value: an int (bytes) or a string with unit B, K/KiB/KB, M/MiB/MB, G/GiB/GB or T/TiB/TB;
-            the bare letter and the ``iB`` forms are binary (1024-based), ``B`` forms decimal.
-        what: how the value is named in the error message.
-
-    Returns:
-        The amount in bytes.
-
-    Raises:
-        ConfigError: the text is not an amount with a known unit, or not positive.
-    """
+    """Bytes of an int, ``80GiB`` / ``80G`` (binary) or ``80GB`` (decimal); ConfigError."""
     if isinstance(value, int) and not isinstance(value, bool):
         amount = value
     else:

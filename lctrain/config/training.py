@@ -1,30 +1,14 @@
-"""The ``train`` and ``checkpoint`` sections of a recipe: how the run trains and saves.
-
-Part of the typed recipe (`lctrain.config.schema`, which assembles the sections into a
-`RecipeConfig` and checks the rules that span them); the field types come from
-:mod:`lctrain.config.fields`, the ranges are checked here.
-"""
+"""The ``train`` and ``checkpoint`` sections of a recipe: how the run trains and saves."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
 from lctrain.config.fields import MEMORY, SIZE, check_fields, require, suggest
-from lctrain.config.tiers import parse_layer_policies
-
-CHECKPOINTING_POLICIES = ("none", "full", "remat", "remat-offload")
-"""Activation checkpointing policies (``train.checkpointing``), implemented by
-`lctrain.parallel.activation_checkpoint` and modelled by `lctrain.memory`."""
+from lctrain.config.layers import LayerPlan
 
 REPORT_TO = ("jsonl", "tensorboard")
 """Where a run's metrics go (``train.report_to``): metrics.jsonl, TensorBoard event files."""
-
-CHECKPOINTING_CHOICES = (*CHECKPOINTING_POLICIES, "auto")
-"""``train.checkpointing`` values: a policy for every layer, or ``auto`` — a policy per layer
-(`lctrain.config.tiers`), chosen by the memory model or given as ``train.layer_policies``."""
-
-STATE_OFFLOADS = ("none", "optimizer", "all")
-"""``train.state_offload`` values: what of the training state lives in host memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,15 +16,13 @@ class TrainConfig:
     """The optimisation loop."""
 
     seed: int = 0
-    """Seed for model init, data order and everything random (0 to 2³² − 1)."""
+    """Seed for model init, data order, the held-out documents and everything random."""
     max_steps: int | None = None
-    """Optimizer steps to run; null = as many as train.epochs gives. With both set, the run
-    stops at whichever comes first."""
+    """Optimizer steps to run; null: as train.epochs gives (the first limit wins)."""
     epochs: float | None = None
-    """Passes over the packed rows (fractions allowed): the run lasts ceil(epochs × rows /
-    rows per step) steps; null = train.max_steps decides (one epoch when both are null)."""
+    """Passes over the packed rows; null: train.max_steps decides (one epoch if both null)."""
     batch_size: int = 1
-    """Packed sequences per dp rank per micro-step."""
+    """Packed sequences per data-parallel rank per micro-step."""
     grad_accum: int = 1
     """Micro-steps accumulated per optimizer step."""
     lr: float = 2e-5
@@ -57,68 +39,36 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 = no clipping."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """Compute dtype: bf16 autocast / FSDP2 bf16 params, no, or auto (bf16 on GPUs that have it)."""
-    checkpointing: Literal[CHECKPOINTING_CHOICES] = "none"
-    """Activation checkpointing per decoder layer: none, full (recompute everything), remat
-    (recompute all but the distributed attention, whose output and LSE are kept),
-    remat-offload (remat with saved activations in host memory), or auto: each layer its own
-    of remat / remat-offload / full / full-offload, GPU first, then host memory, then
-    recompute — chosen at start by the memory model, or given by train.layer_policies."""
-    layer_policies: str | None = None
-    """With checkpointing auto: the layers' policies in forward order as POLICY=COUNT runs,
-    e.g. full-offload=4,remat-offload=16,remat=12 (counts add up to the layers); null = the
-    memory model chooses for this GPU and host memory."""
-    offload_prefetch: bool = True
-    """With layers whose kept tensors wait in host memory (remat-offload, full-offload), bring
-    each one's back while the layer above it runs its backward, so the copy overlaps compute;
-    false: when its own recompute starts, which holds one such layer on the GPU instead of two
-    and waits for each copy (``lctrain estimate-memory --plan`` turns it off where that is what
-    reaches the longest length)."""
-    state_offload: Literal[STATE_OFFLOADS] = "none"
-    """Where parameters, gradients and AdamW states live: none (the GPU), optimizer (AdamW's
-    two states in pinned host memory, streamed through the GPU for the update), all
-    (parameters, gradients and states in host memory through FSDP2's CPU offload; the update
-    runs on the CPU)."""
-    planned: str | None = None
-    """What the settings were planned for (``lctrain estimate-memory --plan`` writes it into
-    its --set line); the training banner repeats it."""
+    checkpointing: str = "none"
+    """How each layer is kept for its backward: none, remat, full, auto or runs such as
+    full=4,remat=28 (`lctrain.config.layers`)."""
+    offload: str = "none"
+    """What waits in host memory: none, or layers / layers=N, and optimizer or state."""
     host_memory: int | None = field(default=None, metadata=MEMORY)
-    """Host memory per machine that remat-offload may pin, e.g. 240GiB; null = MemAvailable
-    of /proc/meminfo, which reads too low on virtual machines whose memory grows as it is used."""
+    """Host memory per machine, e.g. 240GiB; null: MemAvailable of /proc/meminfo."""
     loss_chunk_tokens: int = field(default=4096, metadata=SIZE)
     """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once)."""
     tile_tokens: int = field(default=0, metadata=SIZE)
-    """Run each decoder layer's MLP and norms over the local tokens in tiles of this many
-    (recomputed per tile in the backward), so their working memory stops growing with the
-    tokens per GPU; 0 = untiled. Same results; one more MLP forward per step."""
-    log_every: int = 1
-    """Log metrics every N optimizer steps."""
+    """Run each layer's MLP and norms in tiles of this many tokens; 0 = untiled."""
     collective_timeout: float = 1800.0
-    """Seconds a rank may wait in one operation of a step (a collective, one decoder layer's
-    forward or backward, a checkpoint save) before the run is stopped with the operation and
-    the ranks that did not arrive named (a stopped, frozen or dead rank); long enough for the
-    slowest layer and save."""
+    """Seconds a rank may wait in one operation of a step before the run stops, naming it."""
     max_nonfinite_steps: int = 5
-    """Steps in a row whose loss or gradient norm is not finite (their updates are skipped)
-    after which the run stops with an error."""
+    """Skipped non-finite steps in a row after which the run stops."""
     eval_every: int = 0
-    """Compute the validation loss (data.eval_source / data.eval_fraction) every N optimizer
-    steps and after the last; 0 = only after the last."""
+    """Compute the validation loss every N optimizer steps and after the last; 0 = the last."""
     report_to: tuple[str, ...] = REPORT_TO
-    """Where metrics go, from rank 0: ``jsonl`` (output_dir/metrics.jsonl) and/or
-    ``tensorboard`` (event files beside it, for ``tensorboard --logdir``)."""
+    """Where metrics go: jsonl (output_dir/metrics.jsonl) and/or tensorboard."""
     output_dir: str = "runs/lctrain"
     """Folder for config.yaml, metrics.jsonl and checkpoints/."""
 
     def __post_init__(self) -> None:
         check_fields(self, "train")
-        for name in ("batch_size", "grad_accum", "loss_chunk_tokens", "log_every"):
+        plan = LayerPlan.parse(self.checkpointing, self.offload)
+        object.__setattr__(self, "checkpointing", plan.checkpointing)  # the parsed form
+        object.__setattr__(self, "offload", plan.offload)
+        for name in ("batch_size", "grad_accum", "loss_chunk_tokens"):
             value = getattr(self, name)
             require(value >= 1, f"train.{name}", f"is {value} but must be at least 1")
-        if self.layer_policies is not None:
-            parse_layer_policies(self.layer_policies)
-            require(self.checkpointing == "auto", "train.layer_policies",
-                    f"is set but train.checkpointing is {self.checkpointing}; set "
-                    "train.checkpointing=auto to give each layer its policy")
         require(self.tile_tokens >= 0, "train.tile_tokens",
                 f"is {self.tile_tokens} but must be 0 (untiled) or a number of tokens per tile")
         require(self.max_steps is None or self.max_steps >= 1, "train.max_steps",
@@ -151,29 +101,29 @@ class TrainConfig:
                     f"tensorboard{suggest(name, REPORT_TO)}")
             require(self.report_to.count(name) == 1, "train.report_to", f"names {name} twice")
 
+    @property
+    def layers(self) -> LayerPlan:
+        """train.checkpointing and train.offload, parsed."""
+        return LayerPlan.parse(self.checkpointing, self.offload)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """When training state is saved (atomically) under output_dir/checkpoints/."""
+    """When training state is saved under output_dir/checkpoints/ (background on GPUs)."""
 
     every: int = 0
     """Save every N optimizer steps; 0 = only at the end."""
     keep: int = 2
-    """Keep the last K checkpoints, deleting older ones."""
-    enabled: bool = True
-    """False: never save (benchmarks, throw-away runs); --resume then has nothing to resume."""
+    """Keep the last K checkpoints; 0 = never save (nothing to resume or export)."""
     export_final: bool = True
-    """At the end of training also write output_dir/final/, a Hugging Face folder of the last
-    checkpoint as ``lctrain export`` writes it (full weights; the adapter for a LoRA run).
-    Needs ``enabled``."""
-    on_signal: bool = True
-    """When SIGTERM, SIGINT (Ctrl-C) or SIGHUP stops the run, save a checkpoint of the last
-    completed step before exiting (needs ``enabled``)."""
-    asynchronous: Literal["auto", "on", "off"] = "auto"
-    """Write checkpoints in the background while training goes on (a host copy of the state
-    is taken first; at most one save in flight); auto = on for GPU runs, off on the CPU."""
+    """At the end also write output_dir/final/, as ``lctrain export`` writes it."""
 
     def __post_init__(self) -> None:
         check_fields(self, "checkpoint")
         require(self.every >= 0, "checkpoint.every", f"is {self.every} but must be ≥ 0 (0 = at the end)")
-        require(self.keep >= 1, "checkpoint.keep", f"is {self.keep} but must be at least 1")
+        require(self.keep >= 0, "checkpoint.keep", f"is {self.keep} but must be ≥ 0 (0 = never save)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether checkpoints are saved at all (keep > 0)."""
+        return self.keep > 0

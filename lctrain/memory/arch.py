@@ -1,18 +1,5 @@
-"""Decoder architectures as the memory model sees them: shapes only, no weights.
-
-An :class:`Architecture` is read from a transformers ``config.json`` (a file, a model folder, a
-recipe's ``model.config`` mapping) or taken from a built-in preset, and counts its parameters in
-closed form for the Llama family of dense decoders (Llama, Mistral, Qwen2, ...):
-
-    embeddings   V·h                       (+ V·h for an untied output head)
-    per layer    attention  h·(Hq·d) + 2·h·(Hkv·d) + (Hq·d)·h   (q, k, v with GQA, o)
-                            + biases: Hq·d + 2·Hkv·d for q/k/v bias (Qwen2), + h for o
-                 MLP        3·h·I  (gate, up, down; + 2·I + h with mlp_bias)
-                 norms      2·h    (RMSNorm weights before attention and MLP)
-    final norm   h
-
-Llama-7B (V 32000, h 4096, I 11008, 32 layers, 32 heads, untied) gives 6 738 415 616.
-"""
+"""Decoder architectures as the memory model sees them: shapes only, from a transformers
+config or a preset, with the Llama family's parameters counted in closed form."""
 from __future__ import annotations
 
 import os
@@ -24,8 +11,7 @@ from lctrain.model.families import family
 
 _UNTIED_BY_DEFAULT = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "olmo", "olmo2", "phi3",
                       "granite", "starcoder2", "cohere"}
-"""model_types whose transformers config defaults to an untied output head; any other type
-follows transformers' generic default (tied) when ``tie_word_embeddings`` is absent."""
+"""model_types whose config defaults to an untied head (others: tied, as transformers)."""
 
 _SILU_NAMES = {"silu", "swish"}
 """``hidden_act`` values transformers maps to a SiLU."""
@@ -37,35 +23,7 @@ _QKV_BIAS = {"qwen2"}
 
 @dataclass(frozen=True, kw_only=True)
 class Architecture:
-    """The shapes of a dense decoder-only transformer.
-
-    Attributes:
-        name: a label for reports (preset name, folder or model_type).
-        vocab_size: V, rows of the embedding and of the output head.
-        hidden_size: h, width of the residual stream.
-        intermediate_size: I, width of the gated MLP.
-        num_layers: decoder layers.
-        num_heads: query heads Hq.
-        num_kv_heads: key/value heads Hkv (GQA when < Hq).
-        head_dim: d (h / Hq unless the config says otherwise).
-        tied_embeddings: the output head shares the embedding matrix.
-        qkv_bias: q, k and v projections have biases.
-        o_bias: the attention output projection has a bias.
-        mlp_bias: the MLP projections have biases.
-        fused_norms: the RMSNorms run fused (`lctrain.model.rms_norm`): each keeps its input
-            and one float32 scale per token for the backward, not a float32 copy of its input.
-        fused_mlp: the MLP's SiLU product runs fused (`lctrain.model.swiglu`): it keeps the gate
-            and up projections for the backward, not the SiLU's output as well.
-        fused_loss: the chunked loss runs its kernel (`lctrain.train.loss_kernel`): no float32
-            copy of a chunk's logits, and no head-gradient product in the compute dtype.
-        grouped_attention: with head groups, the attention's projections and RoPE run in the
-            groups too (`lctrain.model.grouped_attention`): no q, k, v kept, no full-size dq,
-            dk, dv.
-        norm_in_tiles: in tiled layers the norm before the MLP runs inside the MLP's tiles
-            (`lctrain.parallel.tiling`): its output is not kept.
-        norm_in_attention: where the attention's projections run in head groups, the norm
-            before the attention runs inside that block too: its output is not kept.
-    """
+    """A dense decoder's shapes, and which of lctrain's modules run (each keeping less)."""
 
     name: str
     vocab_size: int
@@ -125,12 +83,7 @@ class Architecture:
 
 
 def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Architecture:
-    """Build an Architecture from transformers config fields (a ``config.json`` mapping).
-
-    Raises:
-        UserError: a required field (vocab_size, hidden_size, intermediate_size,
-            num_hidden_layers, num_attention_heads) is missing.
-    """
+    """An Architecture from transformers config fields (UserError: a size is missing)."""
     model_type = str(config.get("model_type", "unknown"))
     label = name or model_type
     cfg = config.get("text_config") or config  # multimodal configs keep the decoder apart
@@ -159,15 +112,7 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
 
 
 def load_architecture(model: str) -> Architecture:
-    """A preset name (``llama-7b``, ...), a ``config.json`` file or a model folder holding one.
-
-    A damaged config.json is reported as `check_model_path` reports it for finetune (the file,
-    the line of a JSON error, the folder damaged), by the same reader.
-
-    Raises:
-        UserError: neither a preset nor an existing path; a folder without config.json; a
-            config.json that cannot be read, is not JSON or not a JSON object.
-    """
+    """A preset, a ``config.json`` or a model folder (UserError: none of those)."""
     from lctrain.config.paths import read_model_config
     from lctrain.memory.presets import PRESETS
 

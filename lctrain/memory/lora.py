@@ -1,26 +1,6 @@
-"""LoRA in the memory model: what trains, and what a frozen weight no longer keeps.
-
-A LoRA run (`lctrain.model.lora`) trains, per targeted projection W (in × out), A (r × in) and
-B (out × r), and in full a copy of each module named in ``lora.trainable_modules`` (peft keeps
-the frozen original too). Only those trainable parameters have gradients, AdamW states, FSDP2
-gradient buffers and foreach temporaries; the frozen base model costs its parameters alone.
-
-Activations change too, because autograd keeps a tensor only for the gradients it must compute
-(checked against a real layer in the tests). In a decoder layer (notation of
-`lctrain.memory.activations`):
-
-- a frozen RMSNorm weight needs no normalised value (c·T·h less per norm; a fused norm keeps
-  none either way, and its input instead of a float32 copy);
-- a fused MLP (`Architecture.fused_mlp`) keeps no SiLU(gate), as in full fine-tuning;
-- an input feeding only frozen projections is not kept: the first norm's output (q, k, v), the
-  second's (gate, up), the down projection's input (c·T·I);
-- an adapter keeps its r-wide middle A·x (c·T·r), and its input x (shared with the projection);
-- with dropout > 0 each adapter draws its own mask and keeps the dropped input, (c + m)·T·in,
-  m = 1 byte for the GPU's boolean mask, and its x is then kept by nobody.
-
-Only the Llama family's module names are known here (``q_proj`` ... ``down_proj``,
-``embed_tokens``, ``input_layernorm``, ``post_attention_layernorm``, ``norm``).
-"""
+"""LoRA in the memory model: only adapters and fully trained copies have gradients and AdamW
+states, and frozen weights keep fewer activations (a tensor is kept only for the gradients
+autograd computes). Only the Llama family's module names are known."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,14 +19,7 @@ MASK_BYTES = 1
 
 @dataclass(frozen=True)
 class LoraShape:
-    """A recipe's lora section in the memory model's terms.
-
-    Attributes:
-        rank: adapter rank r.
-        targets: adapted projections (names from :data:`PROJECTIONS`).
-        trainable: fully trained modules (projections, layer norms, embed_tokens, norm).
-        dropout: whether the adapters apply dropout to their input.
-    """
+    """A recipe's lora section in the memory model's terms."""
 
     rank: int
     targets: frozenset[str]
@@ -55,11 +28,7 @@ class LoraShape:
 
 
 def lora_shape(lora: LoraConfig) -> LoraShape | None:
-    """The memory model's view of ``lora`` (None when LoRA is off).
-
-    Raises:
-        UserError: a module name this model does not know.
-    """
+    """The memory model's view of ``lora`` (None when off; UserError: an unknown module name)."""
     if not lora.enabled:
         return None
     targets = (PROJECTIONS if tuple(lora.target_modules) == (LORA_ALL_LINEAR,)
@@ -106,8 +75,7 @@ def trainable_parameters(arch: Architecture, lora: LoraShape) -> int:
 
 def layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
                 mask_bytes: int = MASK_BYTES) -> int:
-    """Bytes one decoder layer saves for its backward in a LoRA run (no checkpointing); the
-    counterpart of `lctrain.memory.activations.layer_saved` (see the module docstring)."""
+    """Bytes one decoder layer keeps for its backward in a LoRA run (no checkpointing)."""
     t, h, shapes = tokens, arch.hidden_size, projection_shapes(arch)
 
     def kept(consumers: tuple[str, ...]) -> bool:  # does any consumer keep this input?
@@ -131,10 +99,7 @@ def layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
 
 def tiled_layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
                       mask_bytes: int = MASK_BYTES) -> int:
-    """`layer_saved` of a LoRA run whose MLP and norms run in tiles (`lctrain.parallel.tiling`):
-    each tiled module keeps only its input (the norm before the MLP keeps nothing where it runs
-    in the MLP's tiles, `Architecture.norm_in_tiles`); the attention projections' adapters keep
-    what they keep untiled (the MLP's are inside the tiles)."""
+    """`layer_saved` of a LoRA run in tiles."""
     t, h, shapes = tokens, arch.hidden_size, projection_shapes(arch)
     attention_projections = PROJECTIONS[:4]
     kept_qkv = any(n in lora.trainable or (n in lora.targets and not lora.dropout)

@@ -1,16 +1,5 @@
-"""Built-in architectures (shapes only, no weights) for ``estimate-memory --model NAME``.
-
-Each preset is the architecture part of the model's published ``config.json``, so it reads
-exactly as a downloaded config would (see `lctrain.memory.arch.from_config_dict`).
-
-    llama-7b          Llama-2-7B                             6.74 B parameters
-    llama3-8b         Llama-3-8B (GQA 8)                     8.03 B
-    llama3.1-8b       Llama-3.1-8B (GQA 8, RoPE llama3, 128K) 8.03 B
-    mistral-7b        Mistral-7B-v0.1 (4K sliding window)    7.24 B
-    mistral-7b-v0.3   Mistral-7B-v0.3 (no window, 32K)       7.25 B
-    qwen2.5-7b        Qwen2.5-7B (GQA 4)                     7.62 B
-    qwen3-8b          Qwen3-8B (GQA 8, q/k norms)            8.19 B
-"""
+"""Built-in architectures (shapes only) for ``estimate-memory --model NAME``: each is the
+architecture part of the model's published ``config.json``."""
 from __future__ import annotations
 
 PRESETS: dict[str, dict] = {

@@ -1,13 +1,9 @@
-"""`MemoryEstimate`: the result of the memory model, as JSON and as a table.
-
-:func:`estimate_table` renders the JSON form (``MemoryEstimate.to_json()``), so the command
-line shows exactly what ``--format json`` writes: one row per part of the per-GPU memory,
-the total against the GPU's memory, the pinned host memory, whether it fits and the longest
-sequence that does. :func:`plan_table` renders a plan (`lctrain.memory.plan.plan`) the same
-way: one column per choice.
-"""
+"""`MemoryEstimate`, the memory model's result, and its tables: the JSON form rendered as
+``--format json`` writes it (`estimate_table`), a plan with one column per choice
+(`plan_table`) and the commands that run a plan (`plan_commands`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from lctrain.config.sizes import format_bytes, format_tokens
@@ -19,27 +15,7 @@ COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "other")
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
-    """Per-GPU memory of one training step (see `lctrain.memory.estimate`).
-
-    Attributes:
-        model: architecture label (preset name, path or model_type).
-        parameters_count: all parameters of the model.
-        seq_len, gpus, cp, policy, dtype, master_dtype: the setup estimated.
-        gpu_memory: bytes per GPU the estimate was checked against (None: not checked).
-        host_memory: host bytes per machine checked for remat-offload's pinned memory (None:
-            not checked).
-        per_gpu_bytes: parameters, gradients, optimizer, activations, other (transients and
-            allocator headroom) and their total, at the step's peak.
-        details: how the peak was reached: phase ("activations" or "optimizer"),
-            tokens_per_gpu, shard_degree, peak_allocated (compare with
-            torch.cuda.max_memory_allocated), headroom, the transient parts, and host_offload
-            (pinned host bytes per process under remat-offload; with host_memory also
-            host_offload_per_node).
-        fits: total ≤ gpu_memory, and the machine's pinned bytes within host_memory when given
-            (None when no gpu_memory was given).
-        max_seq_len: the longest sequence (a multiple of the layout's chunking) that fits;
-            0 if none does; None when no gpu_memory was given.
-    """
+    """Per-GPU memory of one step: setup, parts, details, and whether (and how far) it fits."""
 
     model: str
     parameters_count: int
@@ -58,26 +34,11 @@ class MemoryEstimate:
 
     def to_json(self) -> dict:
         """A JSON-ready dict; ``per_gpu_bytes`` keys are the components plus ``total``."""
-        return {
-            "model": self.model, "parameters_count": self.parameters_count,
-            "seq_len": self.seq_len, "gpus": self.gpus, "cp": self.cp, "policy": self.policy,
-            "dtype": self.dtype, "master_dtype": self.master_dtype,
-            "gpu_memory": self.gpu_memory, "host_memory": self.host_memory,
-            "per_gpu_bytes": dict(self.per_gpu_bytes),
-            "details": dict(self.details), "fits": self.fits, "max_seq_len": self.max_seq_len,
-        }
+        return dataclasses.asdict(self)
 
 
 def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
-    """A table of ``MemoryEstimate.to_json()``: the parts, the total, the verdict.
-
-    Args:
-        estimate: the JSON form of an estimate.
-        gpu_memory: bytes per GPU (default: the estimate's own ``gpu_memory``).
-
-    Returns:
-        A two-column `lctrain.report.table.Table` (what, amount).
-    """
+    """A two-column table (what, amount) of ``MemoryEstimate.to_json()``."""
     per_gpu = estimate.get("per_gpu_bytes") or {}
     details = estimate.get("details") or {}
     gpu_memory = gpu_memory or estimate.get("gpu_memory")
@@ -106,11 +67,13 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
                                         f"(rank {details['lora_rank']})"))
     if estimate.get("seq_len"):
         facts.append(("sequence length", tokens(int(estimate["seq_len"]))))
-    for key in ("model", "gpus", "cp", "policy", "dtype", "master_dtype"):
+    for key in ("model", "gpus", "cp", "dtype", "master_dtype"):
         if estimate.get(key) is not None:
             facts.append((key.replace("_", " "), str(estimate[key])))
-    for key, default in (("layer_policies", None), ("tile_tokens", 0), ("head_groups", 1),
-                         ("state_offload", "none")):
+    if details.get("checkpointing"):
+        placed = " (placed by auto)" if estimate.get("policy") == "auto" else ""
+        facts.append(("checkpointing", details["checkpointing"] + placed))
+    for key, default in (("offload", "none"), ("tile_tokens", 0), ("head_groups", 1)):
         if details.get(key, default) != default:
             facts.append((key.replace("_", " "), str(details[key])))
     if details.get("phase"):
@@ -124,10 +87,8 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
 
 
 _PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "parallel"),
-              ("checkpointing", "checkpointing", None), ("layer policies", "layer_policies", None),
+              ("checkpointing", "checkpointing", None), ("offload", "offload", None),
               ("tile tokens", "tile_tokens", "tokens"), ("head groups", "head_groups", None),
-              ("state in host memory", "state_offload", None),
-              ("parked layers come back", "offload_prefetch", "prefetch"),
               ("GPU memory, total", "total", "bytes"),
               ("GPU peak allocated", "peak_allocated", "bytes"),
               ("host memory per GPU", "host_offload", "bytes"),
@@ -136,8 +97,7 @@ _PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "paral
 
 
 def plan_table(plan: dict) -> Table:
-    """A table of `lctrain.memory.plan.plan`'s result: one column per choice (the longest, the
-    fastest at the asked length), one row per setting or figure."""
+    """A table of a plan: one column per choice, one row per setting or figure."""
     machine = plan["machine"]
     host = machine.get("host_memory")
     gpus = f"{machine['gpus']} x {format_bytes(machine['gpu_memory'])}"
@@ -178,42 +138,25 @@ def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:
         return f"{value:,.0f} s" if value >= 10 else f"{value:.2g} s"
     if kind == "rate":
         return f"{value:,.0f}"
-    if kind == "prefetch":  # train.offload_prefetch; only where layers are parked
-        if "offload" not in (choice.get("layer_policies") or ""):
-            return ""
-        return "ahead (prefetched)" if value else "when needed"
     return str(value)
 
 
 def plan_commands(plan: dict, recipe: str, overrides: list[str]) -> dict[str, str]:
-    """``lctrain finetune`` command lines that run each choice of a plan (the recipe's own
-    ``--set`` items first, then the planned ones and ``train.planned``, which the training banner
-    repeats).
-
-    Args:
-        plan: `lctrain.memory.plan.plan`'s result.
-        recipe: the recipe as given on the command line ("RECIPE" when there was none).
-        overrides: the ``--set`` items the plan was made with.
-    """
+    """``lctrain finetune`` command lines that run each choice of a plan."""
     import shlex
 
-    machine = plan["machine"]
-    host = machine.get("host_memory")
-    where = (f"{machine['gpus']} x {_memory_text(machine['gpu_memory'])} GPUs, "
-             f"{_memory_text(host) + ' host memory' if host else 'no host memory'}")
+    host = plan["machine"].get("host_memory")
     commands = {}
-    for name, choice in (("longest", plan.get("longest")), ("fastest", plan.get("fastest"))):
+    for name in ("longest", "fastest"):
+        choice = plan.get(name)
         if choice is None:
             continue
-        what = "longest" if name == "longest" else "fastest"
         items = [*overrides, *choice["overrides"]]
         if host:
             items.append(f"train.host_memory={_memory_text(host)}")
-        items.append(f"train.planned={what} {tokens(choice['seq_len'])} for {plan['model']} on "
-                     f"{where}")
         args = ["lctrain", "finetune", recipe, "--seq-len", format_tokens(choice["seq_len"])]
         args += [part for item in items for part in ("--set", item)]
-        commands[f"{what} ({tokens(choice['seq_len'])} tokens)"] = shlex.join(args)
+        commands[f"{name} ({tokens(choice['seq_len'])} tokens)"] = shlex.join(args)
     return commands
 
 

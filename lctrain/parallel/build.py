@@ -9,8 +9,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from lctrain.config import RecipeConfig
-from lctrain.config.tiers import format_layer_policies, per_layer
+from lctrain.config import LayerPlan, RecipeConfig
 from lctrain.model import load_model
 from lctrain.model.flops import FlopModel
 from lctrain.model.grouped_attention import apply_grouped_attention
@@ -25,17 +24,7 @@ from lctrain.parallel.tiling import apply_tiling
 
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
-    """What every part of one rank's run is built from.
-
-    Attributes:
-        cfg: the recipe, with ``parallel.dp`` resolved.
-        pmesh: the dp × cp mesh and this rank's place in it.
-        cp: how this rank holds and attends over its part of every sequence.
-        accelerator: device, mixed precision, autocast and backward.
-        stop: the stop-signal flag of this process (`lctrain.launch.stopping.StopRequest`;
-            None where nothing stops early, as in an evaluation).
-        control: the gloo group the ranks agree on it over (None: one rank).
-    """
+    """What one rank's run is built from (``stop`` and ``control``: None where nothing stops)."""
 
     cfg: RecipeConfig
     pmesh: ParallelMesh
@@ -57,34 +46,19 @@ class RunSetup:
 
 @dataclasses.dataclass(frozen=True)
 class ModelParts:
-    """The model as the loop trains it.
-
-    Attributes:
-        model: the causal LM (inside ``distributed.module``).
-        distributed: the `CausalLMLoss` around it, spread over the ranks.
-        flops: its FLOP model (for MFU).
-        n_params: its parameter count.
-        layer_policies: the layers' checkpointing policies of an ``auto`` run (runs text).
-    """
+    """The model as the loop trains it, and how its layers are kept (``auto`` placed)."""
 
     model: nn.Module
     distributed: Distributed
     flops: FlopModel
     n_params: int
-    layer_policies: str | None = None
+    layers: LayerPlan = LayerPlan()
 
 
 def build_model(setup: RunSetup, root: Callable[[nn.Module, int, bool], nn.Module], *,
-                layer_runs: tuple[tuple[str, int], ...] | None = None) -> ModelParts:
-    """Model with the schedule's attention, checkpointing policy, then FSDP2 or replication.
-
-    Args:
-        setup: the rank's run.
-        root: what wraps the causal LM as the module the ranks call, given the model,
-            ``train.loss_chunk_tokens`` and whether the fused loss kernel may run (the training
-            loss, or an evaluation's model).
-        layer_runs: with ``train.checkpointing: auto``, the layers' policies as runs.
-    """
+                layers: LayerPlan | None = None) -> ModelParts:
+    """The model with attention, LoRA, tiles, checkpointing (``layers``: the plan, ``auto``
+    placed) under ``root``, then FSDP2 or replication."""
     cfg, accelerator = setup.cfg, setup.accelerator
     model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
                        dtype=getattr(torch, cfg.model.dtype), device=accelerator.device,
@@ -92,45 +66,34 @@ def build_model(setup: RunSetup, root: Callable[[nn.Module, int, bool], nn.Modul
                        trust_remote_code=cfg.model.trust_remote_code,
                        seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
     n_params = sum(p.numel() for p in model.parameters())
-    if accelerator.device.type == "cuda":  # Triton kernels, imported only where they run
-        from lctrain.model.rms_norm import fuse_rms_norms
-        from lctrain.model.rope import fuse_rope
-        from lctrain.model.swiglu import fuse_mlps
+    fused = cfg.model.fused_kernels
+    if fused and accelerator.device.type == "cuda":  # Triton kernels, imported where they run
+        from lctrain.model.fused import fuse_mlps, fuse_rms_norms, fuse_rope
 
-        if cfg.model.fused_norms:  # one kernel per norm and direction instead of eager ops
-            fuse_rms_norms(model)
-        if cfg.model.fused_rope:  # the same for RoPE (its modeling module's global)
-            fuse_rope(model.config.model_type)
-        if cfg.model.fused_mlp:  # and for the MLP's SiLU product (its class, like the norms)
-            fuse_mlps(model)
+        fuse_rms_norms(model)
+        fuse_rope(model.config.model_type)
+        fuse_mlps(model)
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     flops = _flop_model(model)
     setup.cp.check_model(model.config)
-    if cfg.model.grouped_attention:  # projections in the head groups (after LoRA: none on it)
-        apply_grouped_attention(model, cfg.parallel.head_groups, fused_rope=cfg.model.fused_rope,
-                                defer_norm=cfg.model.deferred_norms)
-    # the adapters inside the tiles
-    apply_tiling(model, cfg.train.tile_tokens, defer_norm=cfg.model.deferred_norms)
-    runs = layer_runs
-    apply_checkpointing(model, cfg.train.checkpointing,  # before FSDP2 wraps the layers
-                        layer_policies=per_layer(runs) if runs else None,
-                        offload_prefetch=cfg.train.offload_prefetch)
-    module = root(model, cfg.train.loss_chunk_tokens,
-                  cfg.model.fused_loss and accelerator.device.type == "cuda")
+    if fused:  # projections in the head groups (after LoRA: none on it)
+        apply_grouped_attention(model, cfg.parallel.head_groups, fused_rope=True,
+                                defer_norm=True)
+    apply_tiling(model, cfg.train.tile_tokens, defer_norm=fused)  # the adapters inside the tiles
+    layers = layers or cfg.train.layers
+    apply_checkpointing(model, layers)  # before FSDP2 wraps the layers
+    module = root(model, cfg.train.loss_chunk_tokens, fused and accelerator.device.type == "cuda")
     bf16 = accelerator.mixed_precision == "bf16"
     distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
                              strategy=_strategy(setup),
                              param_dtype=torch.bfloat16 if bf16 else None,
-                             offload=cfg.train.state_offload == "all")
-    return ModelParts(model, distributed, flops, n_params,
-                      format_layer_policies(runs) if runs else None)
+                             offload=layers.state == "state")
+    return ModelParts(model, distributed, flops, n_params, layers)
 
 
 def _flop_model(model: nn.Module) -> FlopModel:
-    """The FLOP model of ``model`` as trained: its matrix parameters — all but input
-    embeddings (lookups) and the frozen originals that peft keeps beside the trained copies of
-    ``lora.trainable_modules`` (never run) — with the frozen ones (LoRA's base weights) apart."""
+    """The FLOP model of ``model`` as trained (peft's frozen originals left out)."""
     head = model.get_output_embeddings().weight
     lookups = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
                for p in m.parameters(recurse=False) if p is not head}
@@ -141,10 +104,9 @@ def _flop_model(model: nn.Module) -> FlopModel:
 
 
 def _strategy(setup: RunSetup) -> str:
-    """FSDP2 when asked ("on") or when the state lives on the host (its CPU offload), or by
-    default on GPUs with several ranks; else replication."""
+    """FSDP2 when asked, for state on the host, or on several GPUs; else replication."""
     fsdp, pmesh = setup.cfg.parallel.fsdp, setup.pmesh
-    if fsdp == "on" or setup.cfg.train.state_offload == "all" or (
+    if fsdp == "on" or setup.cfg.train.layers.state == "state" or (
             fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1):
         return "fsdp"
     return "replicate"

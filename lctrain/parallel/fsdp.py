@@ -1,25 +1,6 @@
-"""Parameter and gradient distribution over all dp × cp ranks.
-
-Two strategies with ONE gradient convention: after the backward, every parameter's gradient is
-the SUM over all ranks of the local gradients. The loop divides each rank's summed token loss by
-the GLOBAL number of label tokens before the backward, so that sum is exactly the gradient of
-the mean token loss — no extra division by the world size is wanted anywhere.
-
-- ``fsdp`` (GPUs): FSDP2 ``fully_shard`` on each decoder layer (resharded after its forward),
-  then on the root module; bf16 compute copies of fp32 sharded parameters, fp32 gradient
-  reduce-scatter. FSDP2 would AVERAGE gradients over its mesh by default; on NCCL the divide
-  factor is set to 1 so that it sums (a pre-multiplied sum). gloo has no pre-multiplied sum, so
-  on CPU (used to test this path) FSDP2 keeps averaging and the gradients are multiplied by the
-  world size afterwards — exact for a power-of-two world, within one rounding otherwise.
-- ``replicate`` (CPU, or FSDP off): every rank keeps the full model; after the backward the
-  gradients are summed with one all-reduce per dtype over all ranks.
-
-``offload=True`` (``train.state_offload: all``) gives FSDP2 its CPU offload policy: the sharded
-parameters, their gradients and so the optimizer's states live in pinned host memory, each unit
-is copied in when it is gathered, gradients go back after the reduce-scatter, and the optimizer
-steps on the CPU. It applies on one rank too (FSDP2 over a mesh of one), where nothing is
-sharded but everything but the gathered units leaves the GPU.
-"""
+"""Parameters and gradients over all ranks; after the backward every gradient is the SUM over
+ranks. ``fsdp``: FSDP2 per decoder layer and root (CPU offload for ``train.offload: state``);
+``replicate``: one all-reduce per dtype."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -31,13 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 class Distributed:
-    """How the trainable module is spread over the ranks (see the module docstring).
-
-    Attributes:
-        module: the module to call (FSDP2-wrapped in place when ``strategy == "fsdp"``).
-        strategy: "fsdp" or "replicate".
-        group: the all-ranks process group (None in a 1-process run without one).
-    """
+    """The module the ranks call, spread by ``strategy`` ("fsdp" or "replicate") over ``group``."""
 
     def __init__(self, module: nn.Module, strategy: str, group: dist.ProcessGroup | None, *,
                  post_scale: float = 1.0, norm_device: torch.device | None = None) -> None:
@@ -57,12 +32,7 @@ class Distributed:
                     p.grad.mul_(self.post_scale)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Clip all gradients to a global L2 norm of ``max_norm`` (None or ≤ 0: no clipping).
-
-        Returns:
-            The global gradient norm before clipping, a 0-d float32 tensor on the device (no
-            host synchronisation).
-        """
+        """Clip to a global L2 norm (None or ≤ 0: no clipping); the norm before, on the device."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
         if hasattr(total, "full_tensor"):  # DTensor under FSDP2: reduce the shard norms
@@ -91,26 +61,7 @@ def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup
 def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: DeviceMesh | None,
                strategy: str, param_dtype: torch.dtype | None = torch.bfloat16,
                reshard_after_forward: bool = True, offload: bool = False) -> Distributed:
-    """Apply FSDP2 or replication to ``module`` (in place).
-
-    Args:
-        module: the root module the loop calls (its own parameters — embeddings, final norm,
-            output head — form the root FSDP2 unit).
-        layers: the decoder layers, each its own FSDP2 unit.
-        world_mesh: 1-D DeviceMesh over all ranks (None: a 1-process run without a group).
-        strategy: "fsdp" (FSDP2; needs a mesh) or "replicate".
-        param_dtype: FSDP2 compute dtype of unsharded parameters (None: keep the stored dtype).
-        reshard_after_forward: free each layer's unsharded parameters after its forward
-            (re-gathered for the backward).
-        offload: keep the sharded parameters, gradients (and so the optimizer states) in
-            pinned host memory (FSDP2's ``CPUOffloadPolicy``; "fsdp" only).
-
-    Returns:
-        A `Distributed` handle.
-
-    Raises:
-        ValueError: unknown strategy, or "fsdp" without a mesh.
-    """
+    """Apply FSDP2 (``layers`` units, ``module`` root; ``offload``: CPU) or replication."""
     group = world_mesh.get_group() if world_mesh is not None else None
     if strategy == "replicate":
         if offload:

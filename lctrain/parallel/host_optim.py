@@ -1,25 +1,5 @@
-"""AdamW whose two moment estimates live in pinned host memory (``train.state_offload:
-optimizer``).
-
-AdamW keeps two float32 states per trainable weight — twice the weights' own bytes. On one GPU with
-an 8B-parameter model that is 60 GiB of GPU memory that the activations of a long sequence could
-use. `HostAdamW` keeps them in page-locked host memory instead and streams them through the GPU at
-each step, in chunks of at most :data:`CHUNK_BYTES` (both states of a chunk): while the update of
-one chunk runs on the GPU, the next chunk's states come in and the previous chunk's go back, on two
-side streams (one per direction) ordered with events. The update itself is torch's own AdamW math
-(``torch.optim.adamw.adamw``, foreach) on the GPU, so the step stays fast: what it adds is copying
-the states in and out once (about 2 × 2 × 4 bytes per parameter over PCIe).
-
-Why not FSDP2's CPU offload for this? That keeps parameters and gradients on the host too and
-runs the update on the CPU; it frees more GPU memory (``state_offload: all``) but needs host
-memory for all of the state. Keeping the parameters and gradients on the GPU and only the
-states on the host is what fits a machine whose host memory is no larger than the GPU's.
-
-The states are ordinary optimizer state (DTensors with host-resident shards under FSDP2), so
-checkpoints save and resume them as they are; after a load, which moves state to the
-parameters' device, they are parked on the host again. Without a GPU there is nothing to
-stream: the same code updates host states in place (the CPU tests use that path).
-"""
+"""AdamW whose moments live in pinned host memory (``train.offload: optimizer``), streamed
+through the GPU in chunks at each step while parameters and gradients stay on the GPU."""
 from __future__ import annotations
 
 import torch
@@ -28,8 +8,7 @@ from torch.optim.adamw import adamw
 from lctrain.parallel.offload import PinnedPool
 
 CHUNK_BYTES = 256 << 20
-"""Bytes of state (both moments) streamed per chunk; at most three chunks are on the GPU at a
-time (one coming in, one updating, one going back)."""
+"""Bytes of state (both moments) streamed per chunk (at most three chunks on the GPU)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -38,12 +17,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class HostAdamW(torch.optim.AdamW):
-    """`torch.optim.AdamW` (no amsgrad) with ``exp_avg`` / ``exp_avg_sq`` in pinned host memory.
-
-    Args:
-        params, lr, betas, eps, weight_decay: as for `torch.optim.AdamW`.
-        chunk_bytes: state bytes streamed to the GPU at once.
-    """
+    """`torch.optim.AdamW` with its moments in pinned host memory, ``chunk_bytes`` at a time."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, chunk_bytes: int = CHUNK_BYTES) -> None:
@@ -57,8 +31,7 @@ class HostAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step over every parameter with a gradient, its states streamed: the next
-        chunk's states come in while the current chunk updates and the last one goes back."""
+        """One AdamW step, the states streamed through the GPU chunk by chunk."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -106,8 +79,7 @@ class HostAdamW(torch.optim.AdamW):
         return state
 
     def _host_like(self, p: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
-        """A host tensor shaped like ``p`` (a DTensor with a host shard for a DTensor), zeros or
-        a copy of ``value``; pinned when a GPU is there to copy to."""
+        """A host tensor like ``p`` (pinned on GPUs), zeros or a copy of ``value``."""
         local = _local(p)
         if local.is_cuda:
             raw = self.pool.take(local.numel() * local.element_size())
@@ -128,8 +100,7 @@ class HostAdamW(torch.optim.AdamW):
         return host
 
     def _bring(self, chunk: list[torch.Tensor]):
-        """(host states, the same on the compute device, the event of their arrival) of a
-        chunk, both moments of each parameter in turn; off a GPU the host tensors themselves."""
+        """(host states, their device copies, the arrival event) of a chunk."""
         hosts = [_local(self._state(p)[k]) for p in chunk for k in ("exp_avg", "exp_avg_sq")]
         device = _local(chunk[0]).device
         if device.type != "cuda":

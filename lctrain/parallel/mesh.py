@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lctrain.errors import UserError
-from lctrain_kernels.distributed.comm import nccl_options
+from lctrain_kernels.distributed import nccl_options
 
 
 @dataclass(frozen=True)
@@ -75,19 +75,11 @@ class ParallelMesh:
             dist.barrier(group=self.world_group)
 
 
-def check_parallel_sizes(world_size: int, cp: int, dp: int | None = None) -> tuple[int, int]:
-    """Resolve and validate (dp, cp) for ``world_size`` processes.
-
-    Args:
-        world_size: number of processes in the run.
-        cp: context-parallel size (ranks per sequence).
-        dp: data-parallel size, or None for world_size // cp.
-
-    Returns:
-        (dp, cp).
+def check_parallel_sizes(world_size: int, cp: int) -> tuple[int, int]:
+    """(dp, cp) for ``world_size`` processes: dp = world_size / cp.
 
     Raises:
-        UserError: cp or dp below 1, or dp · cp different from the world size.
+        UserError: cp below 1, or a world size cp does not divide.
     """
     if cp < 1:
         raise UserError(f"parallel.cp must be at least 1, got {cp}.")
@@ -95,20 +87,15 @@ def check_parallel_sizes(world_size: int, cp: int, dp: int | None = None) -> tup
         raise UserError(f"The world size {world_size} is not divisible by parallel.cp = {cp}; "
                         f"run on a multiple of {cp} processes or choose a cp that divides "
                         f"{world_size}.")
-    resolved_dp = world_size // cp if dp is None else dp
-    if resolved_dp < 1 or resolved_dp * cp != world_size:
-        raise UserError(f"parallel.dp = {dp} × parallel.cp = {cp} must equal the world size "
-                        f"{world_size}; leave dp unset to use {world_size // cp}.")
-    return resolved_dp, cp
+    return world_size // cp, cp
 
 
-def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu",
+def build_mesh(cp: int, *, device_type: str = "cpu",
                timeout: timedelta | None = None) -> ParallelMesh:
-    """Build the dp × cp mesh over the default process group.
+    """Build the dp × cp mesh over the default process group (dp = world size / cp).
 
     Args:
         cp: context-parallel size.
-        dp: data-parallel size (None: world size // cp).
         device_type: "cuda" (NCCL) or "cpu" (gloo).
         timeout: the timeout of the dp and cp groups (None: torch's default, which a new group
             takes whatever the default group's is); give the default group's.
@@ -121,11 +108,11 @@ def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu",
         UserError: sizes that do not fit the world (see `check_parallel_sizes`).
     """
     if not dist.is_initialized():
-        dp, cp = check_parallel_sizes(1, cp, dp)
+        dp, cp = check_parallel_sizes(1, cp)
         return ParallelMesh(dp=dp, cp=cp, dp_rank=0, cp_rank=0, mesh=None, world_mesh=None,
                             device_type=device_type)
     world = dist.get_world_size()
-    dp, cp = check_parallel_sizes(world, cp, dp)
+    dp, cp = check_parallel_sizes(world, cp)
     mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"),
                             backend_override=_group_options(device_type, dp, cp, timeout) or None)
     world_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("world",))
@@ -141,7 +128,7 @@ def build_mesh(cp: int, dp: int | None = None, *, device_type: str = "cpu",
 
 def _group_options(device_type: str, dp: int, cp: int, timeout: timedelta | None) -> dict:
     """DeviceMesh backend overrides: the cp group carries the attention's transfers on
-    high-priority NCCL streams (lctrain_kernels.distributed.comm.nccl_options); with a timeout,
+    high-priority NCCL streams (lctrain_kernels.distributed.nccl_options); with a timeout,
     every group that is not the default one (a dimension spanning all ranks reuses it) gets it."""
     cuda = device_type == "cuda"
     options = {}

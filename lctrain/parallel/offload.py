@@ -1,34 +1,6 @@
-"""Host offload of what rematerialization keeps between a layer's forward and its backward.
-
-Under the ``remat`` policy each decoder layer keeps two kinds of tensors on the GPU until its
-backward (under ``full`` only the first): the layer's INPUT (saved by non-reentrant checkpointing
-through autograd's saved-tensor mechanism) and the attention op's (out, lse) (kept by selective
-checkpointing's cache). The ``remat-offload`` policy moves both to host memory as soon as the
-layer's forward is done with them, and brings them back ahead of use:
-
-- forward: the layer input is copied out when checkpointing saves it (a `saved_tensors_hooks`
-  pack hook around the checkpointed call); the attention outputs are recorded as the op returns
-  them and copied out when the layer's forward ends, after which their GPU storage is released
-  (``untyped_storage().resize_(0)``: the cache keeps its tensor objects, now empty);
-- backward: when a layer's recompute starts (its input is unpacked), its own copies are awaited
-  and the copies of the layer BEFORE it (the next one the backward reaches) are started, so
-  every transfer but the first overlaps a layer's backward. In a run that keeps the last
-  layers on the GPU (``auto``), their recompute starts the first offloaded layer's copies
-  (`Offloader.prefetch_newest`), so that one overlaps too. Without prefetching
-  (``train.offload_prefetch: false``) a layer's copies start when its own recompute needs
-  them: the GPU then holds one offloaded layer's tensors instead of two, and each layer waits
-  for its copy back (a small share of a layer's time at the lengths where that memory counts).
-
-On a GPU all copies run on one side stream, ordered with events, into pinned host buffers;
-``record_stream`` keeps the caching allocator from reusing a block before its copy is done. The
-host is never synchronised. Without a GPU the same logic runs with plain synchronous copies (so
-CPU tests exercise it), which saves nothing but changes nothing either.
-
-The pinned buffers come from `PinnedPool`, not from ``pin_memory=True``: torch's pinned
-allocator rounds every block up to a power of two, so a 1.5 GiB layer input pins 2 GiB. On
-2 × H200 (251 GiB of host memory) a 384K-token Llama-7B step needed 97 GiB per GPU but pinned
-128 and was killed by the kernel's OOM killer; exact-size buffers need 97.
-"""
+"""Parking what a checkpointed layer keeps (its input; under remat the attention's out, lse) in
+pinned host memory until its backward: copied out when saved, brought back when the layer
+above recomputes (on a GPU on a side stream into exact-size buffers; else plain copies)."""
 from __future__ import annotations
 
 import contextlib
@@ -39,14 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class PinnedPool:
-    """Page-locked host buffers of EXACTLY the requested size, reused from step to step.
-
-    Each buffer is an ordinary host allocation pinned in place with ``cudaHostRegister``
-    (torch's ``pin_memory=True`` rounds up to a power of two). A buffer goes back to the pool
-    when the copy that used it is garbage: by then its copy back to the GPU has been queued on
-    the same side stream as any later copy into it, so stream order protects it. Buffers stay
-    registered (and alive) until the pool is collected.
-    """
+    """Page-locked host buffers of exactly the requested size, reused from step to step."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = {}
@@ -63,8 +28,9 @@ class PinnedPool:
         err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB of host memory "
-                               f"failed (CUDA error {int(err)}); remat-offload needs that much "
-                               f"page-locked memory: lower data.seq_len or use remat.")
+                               f"failed (CUDA error {int(err)}); parked layers need that much "
+                               f"page-locked memory: lower data.seq_len or park fewer layers "
+                               f"(train.offload).")
         self._all.append(buf)
         self.pinned_bytes += nbytes
         return buf
@@ -147,7 +113,7 @@ class LayerStash:
         """saved_tensors_hooks pack: park the layer input (small tensors stay)."""
         if not self.offloader.wants(tensor):
             return tensor
-        copy = _Copy(tensor, self.offloader.stream_for(tensor), release=False,
+        copy = _Copy(tensor, self.offloader.stream_for_device(tensor.device), release=False,
                      pool=self.offloader.pool)
         self.inputs.append(copy)
         return copy
@@ -157,8 +123,7 @@ class LayerStash:
         if isinstance(packed, torch.Tensor):
             return packed
         self.wait()
-        if self.offloader.prefetch:
-            self._prefetch_previous()
+        self._prefetch_previous()
         if packed.back is None:  # a second backward through a retained graph
             packed.fetch(None)
         return packed.take()
@@ -175,7 +140,7 @@ class LayerStash:
             key = tensor.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
-                self.parked.append(_Copy(tensor, self.offloader.stream_for(tensor), release=True,
+                self.parked.append(_Copy(tensor, self.offloader.stream_for_device(tensor.device), release=True,
                                          pool=self.offloader.pool))
         self.outputs = []
         self.fetched = False
@@ -206,8 +171,7 @@ class LayerStash:
 
 
 class _RecordOutputs(TorchDispatchMode):
-    """Sits above selective checkpointing's caching mode and records the outputs of the ops it
-    must save (those are what the cache keeps)."""
+    """Records the outputs of the ops selective checkpointing must save (what its cache keeps)."""
 
     def __init__(self, stash: LayerStash, saved) -> None:
         super().__init__()
@@ -221,17 +185,10 @@ class _RecordOutputs(TorchDispatchMode):
 
 
 class Offloader:
-    """Creates one `LayerStash` per checkpointed layer call and owns the copy stream.
+    """One `LayerStash` per parked layer call, and the copy stream (tensors < ``min_bytes`` stay)."""
 
-    Args:
-        min_bytes: tensors smaller than this stay where they are.
-        prefetch: start a layer's copies back while the layer above it runs its backward
-            (False: when its own recompute starts).
-    """
-
-    def __init__(self, min_bytes: int = 1 << 20, prefetch: bool = True) -> None:
+    def __init__(self, min_bytes: int = 1 << 20) -> None:
         self.min_bytes = min_bytes
-        self.prefetch = prefetch
         self.pool = PinnedPool()  # used on GPUs only
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: weakref.ref | None = None
@@ -243,9 +200,6 @@ class Offloader:
             return False
         return not whole or (tensor.storage_offset() == 0
                              and tensor.untyped_storage().nbytes() == nbytes)
-
-    def stream_for(self, tensor: torch.Tensor):
-        return self.stream_for_device(tensor.device)
 
     def stream_for_device(self, device: torch.device):
         """The side stream for copies to/from ``device`` (None off a GPU)."""
@@ -264,24 +218,18 @@ class Offloader:
         return stash
 
     def contexts(self, stash: LayerStash, make_contexts, saved):
-        """(forward, recompute) contexts: checkpointing's own (``make_contexts``: selective
-        checkpointing's for remat, none for full), plus recording the outputs of the ops that
-        ``saved`` names (None: nothing but the input is parked) and parking them in the
-        forward, and waiting for the copies in the recompute."""
+        """(forward, recompute) contexts: checkpointing's own, parking ``saved`` ops' outputs."""
         forward_mode, recompute_mode = make_contexts()
         return _forward_context(stash, forward_mode, saved), _recompute_context(stash, recompute_mode)
 
     def prefetching_contexts(self, make_contexts):
-        """(forward, recompute) contexts of a layer that keeps its tensors on the GPU in a run
-        with offloaded layers: its recompute starts bringing back the newest stash (the first
-        offloaded layer the backward will reach), which no unpack would start in time."""
+        """Contexts of a GPU-kept layer whose recompute starts the newest stash's copies back."""
         forward_mode, recompute_mode = make_contexts()
         return forward_mode, _prefetch_context(self, recompute_mode)
 
     def prefetch_newest(self) -> None:
-        """Start the copies back of the most recently created stash (idempotent; nothing
-        without prefetching)."""
-        newest = self._last() if self._last is not None and self.prefetch else None
+        """Start the copies back of the most recently created stash (idempotent)."""
+        newest = self._last() if self._last is not None else None
         if newest is not None:
             newest.fetch()
 
@@ -318,14 +266,7 @@ def _on(stream):
 
 
 def host_memory_bytes(module: torch.nn.Module, optimizer=None) -> int:
-    """Host memory this GPU process keeps for training: the pinned buffers of its offloaded
-    layers and of a host-state optimizer, and parameters, gradients and optimizer states that
-    live on the host (FSDP2's CPU offload). What `lctrain.memory` calls ``host_offload``.
-
-    Args:
-        module: the trained module (its checkpoint wrappers hold the offloaders).
-        optimizer: the optimizer (a `lctrain.parallel.host_optim.HostAdamW` holds a pool).
-    """
+    """Host bytes this process keeps for training (pinned pools, host-resident state)."""
     pools = {}
     for m in module.modules():
         for arg in getattr(getattr(m, "checkpoint_fn", None), "args", ()):

@@ -1,31 +1,6 @@
-"""Sequence tiling of the token-wise parts of each decoder layer (MLP and norms).
-
-At long context the largest transients of a decoder layer are not the attention's: the gated
-MLP holds four (tokens × intermediate) tensors for its backward — 2.3 GiB per layer per 32K
-tokens of a Llama-7B in bf16 — and each RMSNorm an fp32 copy of its input. These parts treat
-every token on its own, so they can run over the local sequence in tiles:
-
-- forward: the module runs tile by tile into one output buffer, under no_grad; only its INPUT
-  is saved for the backward (a view of nothing new: a tensor the layer holds anyway);
-- backward: each tile is recomputed with autograd on, back-propagated at once and dropped, so
-  the workspace is one tile's (``tile_tokens`` × intermediate), whatever the tokens per GPU.
-  The input gradient is written into one buffer; the weight gradients of the tiles are summed
-  in float32 and rounded once into the weights' dtype, as an untiled matmul does.
-
-Exact: the values are those of the untiled module (each token's computation is unchanged); the
-weight gradients differ from untiled ones only in the order of the float32 summation over
-tokens. The random state of the forward is replayed in the backward (as torch's checkpointing
-does), so a module with dropout sees the same masks in its recompute. Cost: one more forward
-of the tiled modules per step.
-
-    apply_tiling(model, tile_tokens=8192)   # after LoRA, before checkpointing and FSDP2
-
-Applied from outside, like the checkpointing policies: each decoder layer's children named in
-:data:`TILED_CHILDREN`, and the decoder's final norm, are wrapped in place in a `TiledModule` (a
-torch ``ActivationWrapper``, so parameter names, ``state_dict()`` and distributed checkpoints read
-as without it). The layer's own forward is untouched: the residual adds around the wrapped modules
-save nothing.
-"""
+"""Sequence tiling of each decoder layer's MLP and norms: the forward keeps only the input, the
+backward recomputes one tile at a time (weight gradients summed in float32, random state
+replayed). ``apply_tiling(model, 8192)`` after LoRA, before checkpointing and FSDP2."""
 from __future__ import annotations
 
 import contextlib
@@ -41,24 +16,14 @@ from lctrain.model.structure import decoder_layers, unwrap_layer
 
 TILED_CHILDREN = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm", "mlp")
-"""Names of decoder-layer children that act on each token alone and take and return one
-(..., hidden) tensor: the gated MLP and the norms around it (Llama, Mistral, Qwen2, Gemma)."""
+"""Decoder-layer children that act on each token alone: the gated MLP and the norms."""
 
 PRE_MLP_NORM = "post_attention_layernorm"
-"""The norm right before the MLP in the layers of
-`lctrain.model.families` (``norm_before_mlp``) (in Gemma's it is not: there it follows the
-attention)."""
+"""The norm right before the MLP in the families whose layers have one there."""
 
 
 class TiledModule(ActivationWrapper):
-    """Runs a token-wise module over its input's tokens in tiles (see the module docstring).
-
-    Args:
-        module: a module mapping (..., in) to (..., out) token by token, one tensor argument.
-        tile_tokens: tokens per tile (> 0); inputs of at most this many tokens run untiled.
-        pre: a token-wise module applied before ``module`` inside each tile (the layer's norm
-            before its MLP, `lctrain.model.deferred_norm`); it stays registered where it was.
-    """
+    """Runs a token-wise ``module`` in tiles of ``tile_tokens``, ``pre`` first in each tile."""
 
     def __init__(self, module: nn.Module, tile_tokens: int, pre: nn.Module | None = None) -> None:
         super().__init__(module)
@@ -98,27 +63,9 @@ class _Chain:
 
 
 def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) -> int:
-    """Wrap the token-wise children of every decoder layer of ``model`` (in place) in tiles.
-
-    With ``defer_norm``, in the layers of `lctrain.model.families` (``norm_before_mlp``) the
-    norm before the MLP runs inside the MLP's tiles (`lctrain.model.deferred_norm`), so the layer keeps the norm's
-    input only; a norm already deferred to the attention block
-    (`lctrain.model.grouped_attention`) is left to it. Calling it again replaces the tile size;
-    ``tile_tokens`` 0 unwraps. Call it before
-    `lctrain.parallel.activation_checkpoint.apply_checkpointing` and FSDP2 (either order with LoRA is
-    wrong: LoRA first, so the adapters are inside the tiles).
-
-    Args:
-        model: a transformers decoder (or a module holding repeated blocks).
-        tile_tokens: tokens per tile; 0 = no tiling.
-        defer_norm: run the norm before the MLP inside its tiles where the layer allows it.
-
-    Returns:
-        The number of modules wrapped (tiled or deferred to the tiles).
-
-    Raises:
-        UserError: a negative tile size, or decoder layers without an ``mlp`` child.
-    """
+    """Wrap every decoder layer's token-wise children (in place) in tiles of ``tile_tokens``
+    (0 unwraps; ``defer_norm``: the norm before the MLP in its tiles); returns how many.
+    UserError: a negative size, or layers without an ``mlp``."""
     if tile_tokens < 0:
         raise UserError(f"train.tile_tokens is {tile_tokens} but must be 0 (off) or a positive "
                         "number of tokens per tile, e.g. 8192")
@@ -169,8 +116,7 @@ def _tile_child(parent: nn.Module, name: str, tile_tokens: int) -> bool:
 
 
 class _TiledApply(torch.autograd.Function):
-    """y = module(x) over tiles of x's tokens; params are the module's trainable parameters,
-    passed in so that their gradients are returned from the one backward."""
+    """y = module(x) over tiles of x's tokens, returning the ``params``' gradients."""
 
     @staticmethod
     def forward(ctx, x, module, tile, *params):

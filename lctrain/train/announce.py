@@ -30,13 +30,7 @@ def banner(setup: RunSetup, parts: ModelParts, trainer: Trainer, rows: int) -> s
 
 
 def _lora_line(cfg: RecipeConfig, model: nn.Module) -> str:
-    """The banner line of a LoRA run: the adapters' settings, the layers they sit on and how
-    many of the wrapped model's parameters train.
-
-    The counts are read from ``model`` as built (peft's wrapper, maybe sharded by FSDP2, whose
-    parameters report their whole size): what the optimizer updates against everything the
-    model holds, the frozen originals of ``lora.trainable_modules`` included, as peft counts.
-    """
+    """The banner line of a LoRA run: settings, adapted layers, trainable parameters."""
     from peft.tuners.lora import LoraLayer
 
     lora = cfg.lora
@@ -54,22 +48,15 @@ def _lora_line(cfg: RecipeConfig, model: nn.Module) -> str:
 
 
 def _memory_settings(cfg: RecipeConfig, parts: ModelParts) -> list[str]:
-    """Banner lines for the long-context settings in use, and the plan they came from."""
-    t, lines = cfg.train, []
-    if parts.layer_policies:
-        chosen = "train.layer_policies" if t.layer_policies else "the memory model"
-        lines.append(f"checkpointing auto: {parts.layer_policies} (from {chosen})")
-    settings = [f"{k} {v}" for k, v in (("tile_tokens", t.tile_tokens),
-                                         ("head_groups", cfg.parallel.head_groups),
-                                         ("state_offload", t.state_offload))
+    """Banner lines for the long-context settings, in the recipe's words (``auto`` as placed)."""
+    layers = parts.layers
+    placed = " (placed by the memory model)" if cfg.train.layers.auto else ""
+    settings = [f"{k} {v}" for k, v in (("checkpointing", layers.checkpointing + placed),
+                                         ("offload", layers.offload),
+                                         ("tile_tokens", cfg.train.tile_tokens),
+                                         ("head_groups", cfg.parallel.head_groups))
                 if v not in (0, 1, "none")]
-    if not t.offload_prefetch:
-        settings.append("offloaded layers fetched when needed (train.offload_prefetch false)")
-    if settings:
-        lines.append("memory: " + ", ".join(settings))
-    if t.planned:
-        lines.append(f"settings from lctrain estimate-memory --plan: {t.planned}")
-    return lines
+    return ["memory: " + ", ".join(settings)] if settings else []
 
 
 def summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by: int) -> str:

@@ -1,19 +1,6 @@
-"""AdamW with a linear warm-up and a cosine decay to a floor.
-
-The learning rate of step s (counting optimizer steps from 0) is
-
-    lr · (s + 1) / warmup                                  for s < warmup
-    lr · (r + (1 − r) · ½ · (1 + cos(π · t)))             afterwards, t = (s − warmup) / (total − warmup)
-
-where r = min_lr_ratio. A run resumed with another total length continues from the rate it
-had reached: after the resume step s₀ the decay is r + (m₀ − r) · ½ · (1 + cos(π · t)) with
-t = (s − s₀) / (total − s₀), m₀ the multiplier at s₀ (`LrPlan.resumed`), so the rate never jumps.
-Weight decay applies to matrices only (not to norms or biases).
-
-AdamW is torch's fused implementation (one kernel per group of tensors, on GPUs and CPUs): it
-is the fastest, and it takes ``found_inf``, with which the loop skips a non-finite step on the
-device (`lctrain.train.nonfinite`).
-"""
+"""AdamW (torch's fused one, which skips a non-finite step on the device) with a linear warm-up
+and a cosine decay to ``min_lr_ratio``; a resumed run of another length decays on from the
+rate reached (`LrPlan.resumed`). Weight decay applies to matrices only."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,13 +15,7 @@ from lctrain.parallel.host_optim import HostAdamW
 
 @dataclass(frozen=True)
 class LrPlan:
-    """The learning-rate multiplier of every step (callable, for `LambdaLR`): linear warm-up,
-    then a cosine decay to ``min_lr_ratio`` at ``total_steps``.
-
-    A run resumed with another length (``--max-steps``) does not jump to where the new cosine
-    would be at the resume step: `resumed` anchors the rest of the decay at the rate reached
-    there, so the rate is continuous and still reaches the floor at the new end.
-    """
+    """The learning-rate multiplier of every step; a resumed run decays from ``anchor_value``."""
 
     warmup_steps: int
     total_steps: int
@@ -70,11 +51,7 @@ class LrPlan:
 
     @classmethod
     def from_json(cls, data: dict) -> LrPlan:
-        """The plan `to_json` wrote.
-
-        Raises:
-            ValueError: not such a plan.
-        """
+        """The plan `to_json` wrote (ValueError: not such a plan)."""
         try:
             plan = cls(**data)
         except TypeError as error:
@@ -96,20 +73,7 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
                     start_step: int = 0, resumed: LrPlan | None = None,
                     host_states: bool = False
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the trainable parameters plus its warm-up/cosine scheduler.
-
-    Call this AFTER FSDP2 has been applied, so the optimizer holds the sharded parameters.
-    ``host_states``: AdamW's states in pinned host memory (`lctrain.parallel.host_optim`).
-
-    Args:
-        start_step: optimizer steps already taken (a resumed run): the scheduler starts there.
-        resumed: the plan the resumed run followed (its checkpoint's); re-planned to
-            ``total_steps`` without a jump (`LrPlan.resumed`).
-
-    Returns:
-        (optimizer, scheduler); step the scheduler once per optimizer step. The scheduler's
-        ``lr_lambdas[0]`` is the `LrPlan`.
-    """
+    """AdamW (`HostAdamW` with ``host_states``) and its scheduler from ``start_step``, after FSDP2."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
