@@ -24,7 +24,7 @@ def save_tiny_model(folder: Path, seed: int) -> Path:
     """A tiny random Llama (GQA, untied head) with the byte tokenizer, as a model folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lctrain.export.tokenizer import byte_tokenizer_fast
+    from lctrain.export.write import byte_tokenizer_fast
 
     config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=64, vocab_size=260,

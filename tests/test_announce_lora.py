@@ -9,7 +9,7 @@ from lctrain.config import load_recipe
 RANK, ALPHA = 4, 12.0
 SMALL = {"data.seq_len": 128, "data.max_documents": 8, "train.warmup_steps": 1,
          "train.max_steps": 1, "train.loss_chunk_tokens": 48, "parallel.cp": 1,
-         "parallel.attention_backend": "reference", "checkpoint.enabled": "false"}
+         "parallel.attention_backend": "reference", "checkpoint.keep": 0}
 
 
 def _banner(tmp_path, capsys, **sets) -> tuple[str, object]:

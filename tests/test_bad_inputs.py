@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 
 RUN = ["finetune", "--nproc", "1", "--set", "parallel.cp=1", "--seq-len", "64", "--max-steps",
-       "1", "--set", "train.warmup_steps=0", "--set", "checkpoint.enabled=false"]
+       "1", "--set", "train.warmup_steps=0", "--set", "checkpoint.keep=0"]
 """A one-step, one-process tiny run (the worker runs inside the test process)."""
 
 
@@ -111,8 +111,8 @@ CASES = [  # (id, command from the files, words of the one sentence)
     ("output folder not creatable", lambda f: [*RUN, "--output-dir", "/proc/lctrain-run"],
      ["/proc/lctrain-run cannot be written"]),
     ("attention backend not installed",
-     lambda f: [*RUN, "--set", "parallel.attention_backend=flash_attn"],
-     ["flash_attn backend needs the flash-attn package"]),
+     lambda f: [*RUN, "--set", "parallel.attention_backend=flash_attn_cute"],
+     ["flash_attn_cute backend needs FlashAttention 4", "lctrain[fa4]"]),
     ("more GPUs per node than GPUs",
      lambda f: ["estimate-memory", "--gpus-per-node", "8", "--gpus", "2", "--seq-len", "4k"],
      ["--gpus-per-node 8 is more than the 2 GPUs"]),
@@ -170,14 +170,14 @@ def test_a_worker_reports_a_missing_backend_and_a_full_disk_as_sentences(tmp_pat
     recipe = save_resolved(load_recipe(None), tmp_path / "recipe.yaml")
 
     def missing_backend(cfg, *, resume=False):
-        get_backend("flash_attn")  # the kernels' BackendUnavailable, as a rank meets it
+        get_backend("flash_attn_cute")  # the kernels' BackendUnavailable, as a rank meets it
 
     def full_disk(cfg, *, resume=False):
         with open("/dev/full", "w") as handle:  # the device that is always full
             handle.write("x")
             handle.flush()
 
-    for worker, words in ((missing_backend, "flash-attn"), (full_disk, "No space left on device")):
+    for worker, words in ((missing_backend, "FlashAttention 4"), (full_disk, "No space left on device")):
         errors = tmp_path / worker.__name__
         errors.mkdir()
         code = worker_main(worker, ["--config", str(recipe), "--error-dir", str(errors)])
@@ -191,6 +191,24 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+def _background_save_fails_at_the_end(root: Path) -> None:
+    """Written in the background (as on GPUs, through the writer): the failure is said when
+    the run waits for the save."""
+    import torch
+
+    from lctrain.checkpoint.writer import Checkpointer
+    from lctrain.errors import UserError
+
+    module = torch.nn.Linear(512, 512)  # 1 MiB of weights: more than the disk holds
+    saver = Checkpointer(root, module=module, optimizer=torch.optim.AdamW(module.parameters()),
+                         keep=1, asynchronous=True)
+    saver.save(1, {"step": 1})
+    with pytest.raises(UserError, match=r"Writing the checkpoint of step 1 .*No space left"):
+        saver.close()
+    assert not list(root.glob("step-*"))
+    shutil.rmtree(root)
+
+
 def test_a_full_disk_is_said(tmp_path):
     """A real full file system (a small tmpfs; needs the right to mount one): a full output
     folder is refused before the run, and a checkpoint that does not fit stops the run with
@@ -199,17 +217,16 @@ def test_a_full_disk_is_said(tmp_path):
     if not _mount_tmpfs(disk, "320k"):
         pytest.skip("mounting a tmpfs needs privileges this machine does not give")
     try:
-        for background in ("off", "on"):  # written in the background, it fails at the end
-            run = disk / f"run-{background}"
-            code, output = _invoke([*RUN, "--set", "checkpoint.enabled=true", "--set",
-                                    f"checkpoint.asynchronous={background}", "--output-dir",
-                                    str(run)], tmp_path)
-            errors = [line for line in output.splitlines() if line.startswith("error: ")]
-            assert code == 1 and len(errors) == 1, output
-            assert "Writing the checkpoint of step 1" in errors[0]
-            assert "(No space left on device" in errors[0]
-            assert not list((run / "checkpoints").glob("step-*"))
-            shutil.rmtree(run)
+        run = disk / "run"
+        code, output = _invoke([*RUN, "--set", "checkpoint.keep=1", "--output-dir", str(run)],
+                               tmp_path)
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        assert code == 1 and len(errors) == 1, output
+        assert "Writing the checkpoint of step 1" in errors[0]
+        assert "(No space left on device" in errors[0]
+        assert not list((run / "checkpoints").glob("step-*"))
+        shutil.rmtree(run)
+        _background_save_fails_at_the_end(disk / "background")
         fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
         try:  # fill what is left
             while os.write(fd, b"\0" * 4096):

@@ -57,13 +57,13 @@ def test_help_lists_the_commands():
     for command in ("finetune", "estimate-memory", "bench", "report"):
         assert command in result.stdout
     bench = _invoke("bench", "--help")
-    for command in ("kernel", "attention", "step", "tiles", "report"):
+    for command in ("kernel", "attention", "step", "report"):
         assert command in bench.stdout
 
 
 @pytest.mark.parametrize("command", [[], ["finetune"], ["estimate-memory"], ["report"],
                                      ["bench", "kernel"], ["bench", "attention"],
-                                     ["bench", "step"], ["bench", "tiles"], ["bench", "report"]])
+                                     ["bench", "step"], ["bench", "report"]])
 def test_help_shows_words_not_type_placeholders(command):
     text = _invoke(*command, "--help").stdout
     assert "Usage:" in text
@@ -112,7 +112,6 @@ def test_python_dash_m_lctrain_works():
     ["estimate-memory", "--model", "no-such-org/no-such-model", "--seq-len", "1k"],
     ["bench", "kernel", "--plot", "kernel.txt"],
     ["bench", "step", "--variant", "train.lrr=1"],
-    ["bench", "tiles", "--tiles", "128x64"],
     ["bench", "report", "no-such-file.json"],
     ["report", "no-such-run"],
     ["bench", "kernel", "--seq-len", "16k,32q"],
@@ -307,7 +306,7 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
 
     _fake_module(monkeypatch, "lctrain.memory", estimate_recipe=estimate_recipe)
     result = _invoke("estimate-memory", "llama-7b-256k", "--seq-len", "512k", "--gpus", "8",
-                     "--gpu-memory", "80GiB", "--cp", "8", "--checkpointing", "remat-offload",
+                     "--gpu-memory", "80GiB", "--cp", "8", "--checkpointing", "full=4,remat=28",
                      "--host-memory", "1TiB", "--gpus-per-node", "4")
     assert result.exit_code == 0, result.output
     for text in ("activations", "64.0 GiB", "176K", "6.74 B", "NO"):
@@ -315,7 +314,7 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
     cfg, kwargs = calls[-1]
     assert cfg.data.seq_len == 524288 and cfg.parallel.cp == 8
     assert kwargs == dict(model=None, seq_len=524288, gpus=8, gpu_memory=80 * 2**30, cp=8,
-                          policy="remat-offload", host_memory=2**40, gpus_per_node=4)
+                          checkpointing="full=4,remat=28", host_memory=2**40, gpus_per_node=4)
     asked = []  # a hub name is first checked against the hub and its cache (offline here)
     monkeypatch.setattr("lctrain.cli.estimate.check_hub_model",
                         lambda name, what: asked.append((name, what)))
@@ -324,7 +323,7 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
     assert result.exit_code == 0 and json.loads(result.stdout) == payload
     assert asked == [("meta-llama/Llama-2-7b-hf", "--model")]
     assert calls[-1] == (None, dict(model="meta-llama/Llama-2-7b-hf", seq_len=65536, gpus=1,
-                                    gpu_memory=80 * 10**9, cp=None, policy=None,
+                                    gpu_memory=80 * 10**9, cp=None, checkpointing=None,
                                     host_memory=None, gpus_per_node=None))
     assert json.loads(_invoke("estimate-memory", "--format", "json").stdout) == payload
     assert calls[-1][1]["gpus"] == 2  # the tiny recipe's cp = 2: its own GPU count

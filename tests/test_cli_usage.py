@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from lctrain.cli import app
 
 COMMANDS = [["finetune"], ["estimate-memory"], ["export"], ["eval"], ["report"],
-            ["bench", "kernel"], ["bench", "attention"], ["bench", "step"], ["bench", "tiles"],
+            ["bench", "kernel"], ["bench", "attention"], ["bench", "step"],
             ["bench", "report"]]
 
 

@@ -98,13 +98,15 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode(ids, skip_special_tokens=False) == f"<bos>{text}<eos>"
 
 
-def test_builtin_corpus_packs_whole(tmp_path):
-    cfg = load_recipe(None, [f"data.cache_dir={tmp_path}"], seq_len=256)
+def test_builtin_corpus_packs_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the cache: tmp_path/lctrain/data
+    cfg = load_recipe(None, seq_len=256)
     tok = load_tokenizer(cfg)
     rows = prepare_data(cfg.data, tok)
     total = sum(len(text.encode()) + 2 for text in builtin_documents())
     assert len(rows) == -(-total // 256)
-    assert rows.info["built_tokens"] and len(list(tmp_path.glob("*/rows-*.npz"))) == 1
+    assert rows.info["built_tokens"]
+    assert len(list((tmp_path / "lctrain" / "data").glob("*/rows-*.npz"))) == 1
     again = prepare_data(cfg.data, tok)
     assert not again.info["built_tokens"] and not again.info["built_rows"]
     for r in (0, len(rows) // 2, len(rows) - 1):
@@ -133,24 +135,23 @@ def test_local_jsonl_txt_and_parquet(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps([{"text": t} for t in texts]))
     expected = sum(len(t.encode()) + 2 for t in texts)
     tok = ByteTokenizer()
-    cache = f"data.cache_dir={tmp_path / 'cache'}"
-    for cfg in (_cfg(tmp_path / "a.jsonl", "data.text_field=body", cache),
-                _cfg(tmp_path / "doc*.txt", cache), _cfg(tmp_path / "a.parquet", cache),
-                _cfg(tmp_path / "a.json", cache),
-                _cfg(tmp_path / "a.jsonl", "data.text_field=body", "data.max_documents=2", cache)):
+    for cfg in (_cfg(tmp_path / "a.jsonl", "data.text_field=body"),
+                _cfg(tmp_path / "doc*.txt"), _cfg(tmp_path / "a.parquet"),
+                _cfg(tmp_path / "a.json"),
+                _cfg(tmp_path / "a.jsonl", "data.text_field=body", "data.max_documents=2")):
         rows = prepare_data(cfg.data, tok)
         limit = cfg.data.max_documents
         want = expected if limit is None else sum(len(t.encode()) + 2 for t in texts[:limit])
         assert _real_tokens(rows, tok.pad_token_id) == want
         assert rows.info["format"] == "text"
     with pytest.raises(DataError, match=r"a\.jsonl:1 has fields \['body'\]"):
-        prepare_data(_cfg(tmp_path / "a.jsonl", cache).data, tok)
+        prepare_data(_cfg(tmp_path / "a.jsonl").data, tok)
 
 
 def test_hub_dataset_offline_and_bad_tokenizer_are_user_errors(tmp_path):
     tok = ByteTokenizer()
     with pytest.raises(UserError, match="no-such-owner/no-such-dataset"):
-        prepare_data(_cfg("no-such-owner/no-such-dataset", f"data.cache_dir={tmp_path}").data, tok)
+        prepare_data(_cfg("no-such-owner/no-such-dataset").data, tok)
     with pytest.raises(UserError, match="/no/such/tokenizer"):
         load_tokenizer(load_recipe(None, ["data.tokenizer=/no/such/tokenizer"]))
 

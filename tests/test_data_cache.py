@@ -27,9 +27,18 @@ class RecordingTokenizer(ByteTokenizer):
         return super().encode(text, add_special_tokens)
 
 
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """The data cache of each test: $XDG_CACHE_HOME/lctrain/data (spawned ranks inherit it)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+def _root(tmp_path):
+    return tmp_path / "xdg" / "lctrain" / "data"
+
+
 def _cfg(tmp_path, source, *sets, seq_len=64):
-    return load_recipe(None, [f"data.source={source}", f"data.cache_dir={tmp_path / 'cache'}",
-                              *sets], seq_len=seq_len).data
+    return load_recipe(None, [f"data.source={source}", *sets], seq_len=seq_len).data
 
 
 def _rows_digest(rows):
@@ -61,8 +70,8 @@ def test_second_run_reuses_tokens_and_rows(tmp_path):
     changed_tok = RecordingTokenizer()
     changed = prepare_data(_cfg(tmp_path, src), changed_tok)
     assert changed.info["built_tokens"] and texts[5].upper() in changed_tok.seen
-    folders = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
-    assert len(folders) == 2 and not list((tmp_path / "cache").glob(".tmp-*"))
+    folders = [p for p in _root(tmp_path).iterdir() if p.is_dir()]
+    assert len(folders) == 2 and not list(_root(tmp_path).glob(".tmp-*"))
 
 
 def test_failed_preparation_leaves_no_cache(tmp_path):
@@ -70,7 +79,7 @@ def test_failed_preparation_leaves_no_cache(tmp_path):
     src.write_text(json.dumps({"text": "ok"}) + "\n" + "{broken\n")
     with pytest.raises(DataError, match=r"d\.jsonl:2 is not valid JSON"):
         prepare_data(_cfg(tmp_path, src), ByteTokenizer())
-    assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == []
+    assert [p.name for p in _root(tmp_path).iterdir() if p.is_dir()] == []
     src.write_text(json.dumps({"text": "ok"}) + "\n")
     assert len(prepare_data(_cfg(tmp_path, src), ByteTokenizer())) == 1
 
@@ -122,8 +131,7 @@ def test_preparation_says_how_far_it_has_got(tmp_path, monkeypatch, capsys):
     path.write_text("".join(json.dumps({"text": f"document {i} " * (1 + i % 7)}) + "\n"
                             for i in range(count)))
     monkeypatch.setattr(prepare, "PROGRESS_EVERY_S", 0.0)
-    cfg = load_recipe(None, [f"data.source={path}", "data.seq_len=256",
-                             f"data.cache_dir={tmp_path / 'cache'}"])
+    cfg = load_recipe(None, [f"data.source={path}", "data.seq_len=256"])
     rows = prepare_data(cfg.data, ByteTokenizer(), show_progress=True)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"preparing data from {path} ")

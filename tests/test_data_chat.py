@@ -15,7 +15,7 @@ import pytest
 
 from lctrain.config import load_recipe
 from lctrain.data import IGNORE, ByteTokenizer, prepare_data
-from lctrain.data.chat import encode_chat
+from lctrain.data.formats import encode_chat
 from lctrain.errors import DataError
 
 CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
@@ -98,7 +98,7 @@ def test_chat_labels_through_preparation(bpe, tmp_path):
     convs = [_conversation(rng, 2) for _ in range(6)]
     src = tmp_path / "chat.jsonl"
     src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
-    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}",
+    cfg = load_recipe(None, [f"data.source={src}",
                              "data.long_samples=truncate_left"], seq_len=512)
     rows = prepare_data(cfg.data, bpe)
     assert rows.info["format"] == "chat" and len(rows) >= 1
@@ -143,7 +143,7 @@ def test_chat_errors(bpe, tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
                                             {"role": "assistant", "content": "b"}]}) + "\n")
-    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}"], seq_len=64)
+    cfg = load_recipe(None, [f"data.source={src}"], seq_len=64)
     with pytest.raises(DataError, match="has no chat template; give it one"):
         prepare_data(cfg.data, bpe)
     # a template that renders earlier replies differently from the last one
@@ -184,7 +184,7 @@ def test_a_message_without_string_content_is_an_error_naming_the_record(bpe, tmp
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps(good) + "\n" + json.dumps(
         {"messages": [{"role": "user", "content": "hi"}, reply]}) + "\n")
-    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}",
+    cfg = load_recipe(None, [f"data.source={src}",
                              "data.format=chat"], seq_len=64)
     with pytest.raises(DataError) as info:
         prepare_data(cfg.data, tok)
@@ -195,7 +195,7 @@ def test_a_message_without_string_content_is_an_error_naming_the_record(bpe, tmp
 def test_a_malformed_message_is_an_error_even_where_the_record_would_be_skipped(tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
-    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}"], seq_len=64)
+    cfg = load_recipe(None, [f"data.source={src}"], seq_len=64)
     with pytest.raises(DataError, match=r"c\.jsonl:1: message 0 \(user\) has no content;"):
         prepare_data(cfg.data, ByteTokenizer())
 
@@ -217,7 +217,7 @@ def test_a_conversation_whose_replies_are_all_empty_is_a_counted_skip(bpe, tmp_p
               {"role": "assistant", "content": ""}]]
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
-    cfg = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}"], seq_len=256)
+    cfg = load_recipe(None, [f"data.source={src}"], seq_len=256)
     rows = prepare_data(cfg.data, tok)
     assert rows.info["samples"] == 2 and rows.info["skipped"] == {
         "empty assistant reply": [2, f"{src}:1"]}
@@ -256,7 +256,7 @@ def test_no_chat_template_names_the_fixes_and_the_first_one_works(tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
                                             {"role": "assistant", "content": "b"}]}) + "\n")
-    pretrained = load_recipe(None, [f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}",
+    pretrained = load_recipe(None, [f"data.source={src}",
                                     "data.format=chat", f"model.path={folder}",
                                     "model.config=null", "data.tokenizer=null"], seq_len=64)
     with pytest.raises(DataError) as info:

@@ -35,8 +35,7 @@ def _write(path, records):
 
 
 def _prepare(tmp_path, source, *sets, seq_len=64):
-    cfg = load_recipe(None, [f"data.source={source}", f"data.cache_dir={tmp_path / 'cache'}",
-                             *sets], seq_len=seq_len)
+    cfg = load_recipe(None, [f"data.source={source}", *sets], seq_len=seq_len)
     return prepare_data(cfg.data, TOK)
 
 

@@ -32,7 +32,7 @@ def _cfg(out: Path, source: Path, **sets):
     base = {"data.source": str(source), "data.seq_len": 128, "train.warmup_steps": 2,
             "train.loss_chunk_tokens": 64, "train.lr": 1e-2, "train.min_lr_ratio": 1.0, "parallel.attention_backend": "reference",
             "parallel.cp": 2, "train.grad_accum": 2, "parallel.fsdp": "off", "train.max_steps": 3,
-            "checkpoint.enabled": False}
+            "checkpoint.keep": 0}
     base.update(sets)
     return load_recipe(None, [f"{k}={v}" for k, v in base.items()], output_dir=str(out))
 

@@ -1,6 +1,6 @@
 """Validation data: documents held out before packing, validation settings, evaluation batches.
 
-- ``data.eval_fraction`` holds out round(f × n) whole documents chosen by ``data.eval_seed``:
+- ``data.eval_fraction`` holds out round(f × n) whole documents chosen by ``train.seed``:
   the validation rows hold exactly their tokens, the training rows exactly the others' (both
   packing families), the choice is stable across runs and lengths and moves with the seed;
 - ``data.eval_source`` is prepared as its own source with the training's settings;
@@ -29,20 +29,20 @@ def _docs(path, n, rng):
 
 
 def _data(tmp_path, source, *sets, seq_len=32):
-    return load_recipe(None, [f"data.source={source}", f"data.cache_dir={tmp_path / 'c'}",
-                              *sets], seq_len=seq_len).data
+    return load_recipe(None, [f"data.source={source}", *sets], seq_len=seq_len).data
 
 
 @pytest.mark.parametrize("mode", ["split", "drop"])
 def test_held_out_documents_are_never_trained_on(tmp_path, mode):
     rng = random.Random(random.randrange(2**31))
     texts = _docs(tmp_path / "d.jsonl", 40, rng)
+    seed = rng.randrange(100)  # train.seed chooses the held-out documents
     data = _data(tmp_path, tmp_path / "d.jsonl", "data.eval_fraction=0.25",
-                 f"data.eval_seed={rng.randrange(100)}", f"data.long_samples={mode}",
-                 "data.document_mask=true", seq_len=128)
+                 f"data.long_samples={mode}", "data.document_mask=true", seq_len=128)
     tok = ByteTokenizer()
-    train, valid = prepare_data(data, tok), prepare_data(data, tok, part="eval")
-    chosen = held_out(40, 0.25, data.eval_seed)
+    train, valid = prepare_data(data, tok, seed=seed), prepare_data(data, tok, part="eval",
+                                                                    seed=seed)
+    chosen = held_out(40, 0.25, seed)
     assert len(chosen) == 10 and len(set(chosen.tolist())) == 10
     docs = [tok.encode(t) for t in texts]
     want_eval = sorted(tuple(docs[i]) for i in chosen)
@@ -71,11 +71,11 @@ def test_held_out_documents_are_never_trained_on(tmp_path, mode):
     assert rows_summary(valid)[0].startswith("validation data:")
     # the same documents at another length, and with another seed others
     longer = prepare_data(_data(tmp_path, tmp_path / "d.jsonl", "data.eval_fraction=0.25",
-                                f"data.eval_seed={data.eval_seed}", f"data.long_samples={mode}",
-                                seq_len=256), tok, part="eval")
+                                f"data.long_samples={mode}", seq_len=256), tok, part="eval",
+                          seed=seed)
     if mode == "drop":
         assert sorted(documents(longer)) == want_eval
-    other = held_out(40, 0.25, data.eval_seed + 1)
+    other = held_out(40, 0.25, seed + 1)
     assert other.tolist() != chosen.tolist()
 
 

@@ -97,7 +97,7 @@ def test_a_failed_rank_keeps_its_log(tmp_path, monkeypatch):
         (launch / "workers.log").write_text("rank 1: killed\n")
         raise UserError("rank 1 (pid 7) was ended by SIGTERM; nothing was kept")
 
-    monkeypatch.setattr(eval_run.launch, "dispatch", died)
+    monkeypatch.setattr(eval_run.launcher, "dispatch", died)
     cfg, request = resolve("tiny", task="ppl")
     with pytest.raises(UserError) as caught:
         eval_run.evaluate(cfg, request, nproc=1)

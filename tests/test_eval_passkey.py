@@ -14,7 +14,7 @@ from lctrain.data import ByteTokenizer
 from lctrain.errors import UserError
 from lctrain.eval.passkey import (FILLER, INTRO, NEEDLE, QUESTION, PasskeyCase, answer_tokens,
                                   parse_answer, passkey_cases, passkey_prompt, summarize)
-from lctrain.export.tokenizer import byte_tokenizer_fast
+from lctrain.export.write import byte_tokenizer_fast
 
 
 @pytest.fixture(scope="module", params=["bytes", "transformers"])

@@ -58,7 +58,7 @@ def _on_two_ranks(rank, world, cfgs, folder, prompt, steps, cli_runs):
     from accelerate import Accelerator
 
     from lctrain.eval.decode import generate, register_eval_attention
-    from lctrain.eval.model import EvalModel
+    from lctrain.eval.run import EvalModel
     from lctrain.model import load_model
     from lctrain.parallel.context import ContextParallel
     from lctrain.parallel.mesh import build_mesh
@@ -101,19 +101,19 @@ def two_ranks(tmp_path_factory, model_folder):
 
     def cfg(name, **sets):
         base = {"data.source": str(source), "data.seq_len": 128, "data.eval_fraction": 0.2,
-                "data.eval_seed": rng.randrange(1000), "train.eval_every": 2,
+                "train.eval_every": 2,
                 "train.max_steps": 3, "train.warmup_steps": 1, "train.loss_chunk_tokens": 48,
                 "train.lr": 3e-3, "parallel.attention_backend": "reference",
-                "parallel.fsdp": "off", "checkpoint.enabled": False}
+                "parallel.fsdp": "off", "checkpoint.keep": 0}
         base.update(sets)
         return load_recipe(None, [f"{k}={v}" for k, v in base.items()],
                            output_dir=str(tmp / name))
 
     seed = rng.randrange(1000)
-    cfgs = [cfg("cp2", **{"parallel.cp": 2, "train.grad_accum": 2, "checkpoint.enabled": True,
-                          "checkpoint.every": 2, "checkpoint.keep": 2, "data.eval_seed": seed}),
+    cfgs = [cfg("cp2", **{"parallel.cp": 2, "train.grad_accum": 2, "checkpoint.every": 2,
+                          "checkpoint.keep": 2, "train.seed": seed}),
             cfg("dp2", **{"parallel.cp": 1, "train.grad_accum": 1, "train.report_to": "jsonl",
-                          "data.eval_seed": seed})]
+                          "train.seed": seed})]
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     prompt = torch.randint(0, 256, (96,), generator=gen).tolist()
     ppl_data, ppl_json = texts(tmp / "eval.jsonl", 10, rng, longest=500), tmp / "ppl.json"
@@ -147,7 +147,7 @@ def test_validation_loss_is_exact_across_layouts_and_tracked(two_ranks):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4)
         assert y.get("eval_loss", 0.0) == pytest.approx(x.get("eval_loss", 0.0), rel=1e-4)
     # by hand: every held-out row, plain transformers on the final weights
-    rows = prepare_data(cp2.data, ByteTokenizer(), part="eval")
+    rows = prepare_data(cp2.data, ByteTokenizer(), part="eval", seed=cp2.train.seed)
     assert len(rows) >= 2  # dp = 2 splits them (a filler evens out an odd count)
     model = eager_model(out / "final")
     losses = [loss for r in range(len(rows)) for _, loss in eager_losses(model, rows[r])]
@@ -332,7 +332,8 @@ def test_eval_mistakes_are_one_sentence(tmp_path, model_folder):
          "'x' is not a number"),
         (["eval", str(model_folder), "--task", "passkey", "--lengths", "64"], "too short"),
         (["eval", str(model_folder), "--plot", str(tmp_path / "p.txt")], "must end in one of"),
-        (["eval", "tiny", "--set", "parallel.schedule=context_parallel"], "context_parallel"),
+        (["eval", "tiny", "--set", "parallel.schedule=context_parallel"],
+         "lctrain bench attention --peers"),
         (["eval", "tiny", "--task", "ppl", "--trials", "3"], "--trials is a setting of --task "
                                                              "passkey"),
         (["eval", "tiny", "--task", "passkey", "--bucket", "4k"], "--bucket is a setting of "

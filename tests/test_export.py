@@ -41,7 +41,7 @@ def test_byte_tokenizer_export_tokenizes_as_lctrain(tmp_path):
     from transformers import AutoTokenizer
 
     from lctrain.data.tokenizer import ByteTokenizer, encode_documents
-    from lctrain.export.tokenizer import byte_tokenizer_fast
+    from lctrain.export.write import byte_tokenizer_fast
 
     byte_tokenizer_fast().save_pretrained(tmp_path)
     exported, ours = AutoTokenizer.from_pretrained(tmp_path), ByteTokenizer()
@@ -91,7 +91,7 @@ def _saved_run(tmp_path: Path, name: str, **sets):
 
 def test_tied_embeddings_export_and_shards(tmp_path):
     from lctrain.export import export_run, write
-    from lctrain.export.weights import trained_model
+    from lctrain.export.run import trained_model
 
     model = _saved_run(tmp_path, "tied", **{"model.config.tie_word_embeddings": "true"})
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight

@@ -147,7 +147,7 @@ def test_lora_trains_adapters_only_and_resumes_exactly(runs):
     assert straight[-1]["loss"] < straight[0]["loss"]
 
     from lctrain.config import read_resolved
-    from lctrain.export.weights import base_weights, skeleton
+    from lctrain.export.run import base_weights, skeleton
     from lctrain.checkpoint.reader import read_model_weights
 
     run, original = runs["root"] / "lora", load_file(runs["base"] / "model.safetensors")

@@ -75,7 +75,7 @@ def _recipe(folder: Path, data: Path, out: Path, **sets):
 
     base = {"model.path": folder, "model.config": "null", "data.tokenizer": "null",
             "data.source": data, "train.max_steps": 2, "train.warmup_steps": 0,
-            "train.lr": 1e-3, "train.loss_chunk_tokens": 48, "checkpoint.enabled": "false",
+            "train.lr": 1e-3, "train.loss_chunk_tokens": 48, "checkpoint.keep": 0,
             "parallel.attention_backend": "reference", "parallel.fsdp": "off", **sets}
     return load_recipe(None, [f"{k}={v}" for k, v in base.items()], seq_len=SEQ,
                        output_dir=str(out))

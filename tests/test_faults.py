@@ -7,9 +7,9 @@ left, the first resume with the exact command the previous run printed:
    kernel or extension), chosen at random, while a second run into the same folder is refused;
    the job ends with the rank, the signal, the last step and the last checkpoint named;
 2. SIGTERM on rank 1 alone: both ranks stop after the same step, save a checkpoint
-   (checkpoint.on_signal; no regular save falls there), rank 0 says how to resume; exit 143;
+   (no regular save falls there), rank 0 says how to resume; exit 143;
 3. SIGTERM or SIGINT (Ctrl-C) on a launcher process at a random moment of a resumed run that
-   saves every step in the background (so a save is often in flight): exit 128 + the signal,
+   saves every step: exit 128 + the signal,
    the checkpoint of the stopped step complete, no half-written one left;
 4. ``kill -9`` on a launcher process as soon as its ranks are up (each asks for its
    parent-death signal first thing, so what holds then holds at any later moment): the agent
@@ -198,15 +198,15 @@ def _term_rank_1(out: Path, capfd) -> int:
 
 def _stop_launcher(out: Path, log: Path) -> None:
     """Step 3: SIGTERM (``kill PID``, a scheduler's preemption) or SIGINT (Ctrl-C) on a launcher
-    process at a random moment of a run that saves every step in the background."""
+    process at a random moment of a run that saves every step (in the background, as on GPUs,
+    `test_checkpointing_atomic` stops the writer itself)."""
     start = _newest(out)[0]
     signum = random.choice([signal.SIGTERM, signal.SIGINT])
     _fresh(out)
     with log.open("w") as sink:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "lctrain", "finetune", str(out / "config.yaml"), "--resume",
-             "--set", "checkpoint.every=1", "--set", "checkpoint.asynchronous=on",
-             "--max-steps", "40"],  # room for the next faults, however late this stop lands
+             "--set", "checkpoint.every=1", "--max-steps", "40"],  # room for the next faults, however late this stop lands
             stdout=sink, stderr=subprocess.STDOUT, cwd=out.parent)
         _wait(lambda: _training(out, start + random.randint(1, 3)), "the resumed loop")
         time.sleep(random.uniform(0.0, 0.3))

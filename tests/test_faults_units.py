@@ -278,7 +278,7 @@ def test_a_model_with_non_finite_weights_is_never_saved(tmp_path):
     from lctrain.parallel.context import ContextParallel
     from lctrain.parallel.mesh import build_mesh
     from lctrain.launch import rank
-    from lctrain.train import runner, saving
+    from lctrain.train import runner
     from lctrain.checkpoint.reader import list_checkpoints
 
     cfg = load_recipe(None, ["data.seq_len=64", "data.max_documents=4", "parallel.cp=1",
@@ -290,15 +290,15 @@ def test_a_model_with_non_finite_weights_is_never_saved(tmp_path):
         setup = runner.RunSetup(cfg=cfg, pmesh=pmesh, cp=cp, accelerator=accelerator)
         parts = runner.build_model(setup)
         trainer = runner.build_trainer(setup, parts, None)
-        checkpointer = saving.make_checkpointer(setup, trainer)
+        checkpointer = runner.make_checkpointer(setup, trainer)
         trainer.step = 1
-        saving.save(setup, trainer, checkpointer)
+        runner.save(setup, trainer, checkpointer)
         weight = next(parts.model.parameters())
         with torch.no_grad():
             weight[0, 0] = float("inf")
         trainer.step = 2
         with pytest.raises(UserError) as error:
-            saving.save(setup, trainer, checkpointer)
+            runner.save(setup, trainer, checkpointer)
     kept = list_checkpoints(tmp_path / "run" / "checkpoints")
     assert [s for s, _ in kept] == [1]
     assert str(error.value) == (

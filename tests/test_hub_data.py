@@ -91,10 +91,11 @@ def test_a_cached_hub_tokenizer_loads_at_once_with_the_hub_out_of_reach(tmp_path
 
 @pytest.mark.parametrize("key", ["data.source", "data.eval_source"])
 def test_an_uncached_hub_dataset_is_refused_at_once(tmp_path, monkeypatch, key):
-    """Offline mode (as the test session runs) and the datasets cache (data.cache_dir) empty."""
+    """Offline mode (as the test session runs) and the datasets cache empty."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    cfg = load_recipe(None, [f"{key}={DATASET}", f"data.cache_dir={tmp_path}"])
+    _datasets_cache(monkeypatch, tmp_path)
+    cfg = load_recipe(None, [f"{key}={DATASET}"])
     part = "eval" if key == "data.eval_source" else "train"
     assert _refusal(lambda: prepare_data(cfg.data, ByteTokenizer(), part=part)) == (
         f"Could not read the hub dataset '{DATASET}' ({key}): it is a hub name, but "
@@ -103,9 +104,17 @@ def test_an_uncached_hub_dataset_is_refused_at_once(tmp_path, monkeypatch, key):
         f".jsonl/.parquet/.txt files or use {key}=builtin")
 
 
-def test_an_uncached_hub_dataset_with_the_hub_out_of_reach_is_refused_at_once(tmp_path,
-                                                                             unreachable):
-    cfg = load_recipe(None, [f"data.source={DATASET}", f"data.cache_dir={tmp_path}"])
+def _datasets_cache(monkeypatch, folder) -> None:
+    """``folder`` as the datasets cache (HF_DATASETS_CACHE, as datasets reads it)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", folder)
+
+
+def test_an_uncached_hub_dataset_with_the_hub_out_of_reach_is_refused_at_once(
+        tmp_path, unreachable, monkeypatch):
+    _datasets_cache(monkeypatch, tmp_path)
+    cfg = load_recipe(None, [f"data.source={DATASET}"])
     assert _refusal(lambda: prepare_data(cfg.data, ByteTokenizer())) == (
         f"Could not read the hub dataset '{DATASET}' (data.source): it is a hub name, but the hub "
         f"{CLOSED} cannot be reached from this machine and the datasets cache ({tmp_path}) does "
@@ -132,8 +141,8 @@ def test_a_cached_hub_dataset_passes(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     texts = ["the first document", "the second one"]
     _cached_dataset(cache, texts)
-    cfg = load_recipe(None, [f"data.source={DATASET}", f"data.cache_dir={cache}",
-                             "data.seq_len=64"])
+    _datasets_cache(monkeypatch, cache)
+    cfg = load_recipe(None, [f"data.source={DATASET}", "data.seq_len=64"])
     rows = prepare_data(cfg.data, ByteTokenizer())  # offline mode: datasets reads its cache
     assert rows.info["samples"] == len(texts)
     assert rows.info["tokens"] == sum(len(t.encode()) + 2 for t in texts)
@@ -149,10 +158,10 @@ def test_a_cached_hub_dataset_passes(tmp_path, monkeypatch):
 def test_finetune_says_it_in_one_line_within_seconds(tmp_path, setting):
     """A fresh process, as a user runs it: huggingface_hub reads its settings when imported."""
     start = time.monotonic()
+    env = {**unreachable_env(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "c")}  # no data
     done = subprocess.run([sys.executable, "-m", "lctrain", "finetune", "--set", setting,
-                           "--set", "parallel.cp=1", "--set", f"data.cache_dir={tmp_path / 'c'}",
-                           "--nproc", "1", "--output-dir", str(tmp_path / "run")],
-                          env=unreachable_env(tmp_path / "hf"), capture_output=True, text=True,
+                           "--set", "parallel.cp=1", "--nproc", "1", "--output-dir", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     key, name = setting.split("=")

@@ -25,7 +25,7 @@ from lctrain.model import (
     register_attention,
     resolve_config,
 )
-from lctrain.model.hf_config import fold_rope_spellings, merge_overrides
+from lctrain.model.load import fold_rope_spellings, merge_overrides
 from model_folders import make_model_folder
 
 

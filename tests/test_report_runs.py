@@ -13,7 +13,7 @@ from lctrain.config import load_recipe
 
 SMALL = {"data.seq_len": 128, "data.max_documents": 16, "train.warmup_steps": 1,
          "train.loss_chunk_tokens": 48, "parallel.attention_backend": "reference",
-         "parallel.cp": 1, "checkpoint.enabled": "false"}
+         "parallel.cp": 1, "checkpoint.keep": 0}
 
 
 def _overrides(**extra) -> list[str]:

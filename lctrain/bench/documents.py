@@ -1,29 +1,14 @@
-"""Packed-document mixes for the attention benchmarks: ``--documents SPEC`` as document lengths.
+"""Packed-document mixes for the benchmarks: ``--documents SPEC`` as the documents of a row.
 
-A benchmark row of ``total`` tokens is cut into documents (the ``cu_seqlens`` of the attention)
-by one of these specs (sizes take k = 1024 and m = 1024², as ``--seq-len`` does):
+    8                        8 documents of (nearly) equal length
+    8x8k                     8 documents of 8K (sizes as for --seq-len); they must fill the row
+    20k,12k,3x2k,rest        listed lengths in order; ``rest`` takes whatever is left
+    lognormal:mean=12k       log-normal lengths until the row is full (``median=`` may replace
+      [,sigma=1.0][,seed=0]  ``mean=``)
+    lengths:PATH[@ROW]       a file of lengths laid end to end and cut into rows; row ROW
+    data:PATH[@ROW]          a data file tokenized with the recipe's tokenizer, cut likewise
 
-    8                               8 documents of (nearly) equal length: a bare whole number
-                                    counts documents, a size (8k) is a length
-    8x8k                            8 documents of 8K; the lengths must fill the row exactly
-    20k,12k,9k,7k,5k,4k,3x2k,1k     listed lengths in order (``NxL`` repeats L); a last item
-                                    ``rest`` adds one document with whatever is left
-    lognormal:mean=12k              lengths drawn from a log-normal distribution until the row
-      [,sigma=1.0][,seed=0]         is full (the last one cut there, as packing does); ``median=``
-                                    may replace ``mean=``; sigma is the log-space deviation
-    lengths:PATH[@ROW]              a file of document lengths (integers, whitespace or comma
-                                    separated) laid end to end and cut into rows of ``total``;
-                                    row ROW (default 0)
-    data:PATH[@ROW]                 a data file as ``data.source`` takes it (.jsonl, .parquet,
-                                    .txt, ...), tokenized with the recipe's tokenizer (each
-                                    document ends in eos) and cut into rows as training packs
-                                    them; row ROW
-
-The work that counts is the attention inside each document only: the FLOP model of
-`lctrain.model.flops` over the documents' bounds (causal forward = 2·ΣL²·H·D, non-causal twice
-that, backward 2.5× the forward). A benchmark of several lengths parses the spec once per
-length (:func:`parse_each`, which reads a file once); its correctness check at a shorter length
-runs the same mix scaled down (:meth:`Documents.scaled`).
+Rates count the attention inside each document only (`lctrain.model.flops`).
 """
 from __future__ import annotations
 
@@ -31,6 +16,7 @@ import math
 import random
 import re
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 
 from lctrain.model.flops import BACKWARD_FACTOR, attention_flops
@@ -39,28 +25,19 @@ from lctrain.config import ConfigError, RecipeConfig, format_tokens, parse_size
 
 @dataclass(frozen=True)
 class Documents:
-    """Document lengths of one packed row.
-
-    Attributes:
-        lengths: tokens of each document, in order; they sum to the row's length.
-        spec: the spec they came from.
-    """
+    """Document lengths of one packed row (summing to the row's length) and their spec."""
 
     lengths: tuple[int, ...]
     spec: str
 
     @property
     def total(self) -> int:
-        """Tokens of the row."""
         return sum(self.lengths)
 
     @property
     def cu_seqlens(self) -> tuple[int, ...]:
         """Document bounds ``(0, L0, L0 + L1, ..., total)``, as the attention takes them."""
-        bounds = [0]
-        for n in self.lengths:
-            bounds.append(bounds[-1] + n)
-        return tuple(bounds)
+        return (0, *accumulate(self.lengths))
 
     def forward_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
         """Useful forward FLOPs: `lctrain.model.flops.attention_flops` over these bounds."""
@@ -71,8 +48,7 @@ class Documents:
         return (1 + BACKWARD_FACTOR) * self.forward_flops(heads, head_dim, causal)
 
     def summary(self) -> str:
-        """One line such as ``10 documents of 1k..20k tokens, median 5k``, or ``8 documents of
-        8k tokens`` when they are all alike."""
+        """One line such as ``10 documents of 1k..20k tokens, median 5k``."""
         ordered = sorted(self.lengths)
         mid = ordered[len(ordered) // 2]
         count = f"{len(ordered)} document{'s' * (len(ordered) != 1)} of "
@@ -82,16 +58,8 @@ class Documents:
                 f"median {format_tokens(mid)}")
 
     def scaled(self, total: int) -> Documents:
-        """The same mix over ``total`` tokens: every bound scaled by ``total / self.total`` and
-        rounded; a document that shrinks to nothing joins the next one (a shorter check of a
-        long row keeps the row's shape, not its lengths).
-
-        Args:
-            total: tokens of the scaled row (at most :attr:`total`).
-
-        Returns:
-            :class:`Documents` over ``total`` tokens, spec ``"SPEC scaled to TOTAL"``.
-        """
+        """The same mix over ``total`` tokens (at most `total`): every bound scaled and rounded;
+        a document that shrinks to nothing joins the next one."""
         if total == self.total:
             return self
         bounds = [round(b * total / self.total) for b in self.cu_seqlens]
@@ -102,21 +70,11 @@ class Documents:
 
 def parse_documents(spec: str, total: int, *, recipe: RecipeConfig | None = None,
                     tokenizer=None) -> Documents:
-    """The documents of a row of ``total`` tokens described by ``spec`` (module docstring).
-
-    Args:
-        spec: the ``--documents`` text.
-        total: tokens of the row (the benchmark's sequence length).
-        recipe: the recipe whose data settings (``text_field``) and tokenizer read a
-            ``data:`` spec; needed only for that form.
-        tokenizer: the recipe's tokenizer if already loaded (else loaded from ``recipe``).
-
-    Returns:
-        :class:`Documents` whose lengths sum to ``total``.
+    """The documents of a row of ``total`` tokens described by ``spec`` (module docstring);
+    ``recipe`` and ``tokenizer`` (else the recipe's) read a ``data:`` spec.
 
     Raises:
-        ConfigError: the spec is malformed, its lengths do not fill ``total`` (or overflow
-            it), its file is missing, or a ``data:`` spec comes without a recipe.
+        ConfigError: a malformed spec, one that does not fill ``total``, a missing file or recipe.
         DataError: a ``data:`` file cannot be read or tokenized.
     """
     return parse_each(spec, [total], recipe=recipe, tokenizer=tokenizer)[total]
@@ -124,19 +82,8 @@ def parse_documents(spec: str, total: int, *, recipe: RecipeConfig | None = None
 
 def parse_each(spec: str | int, totals, *, recipe: RecipeConfig | None = None,
                tokenizer=None) -> dict[int, Documents]:
-    """:func:`parse_documents` for each of several row lengths; a file is read once.
-
-    Args:
-        spec: the ``--documents`` text (an int N: N equal documents).
-        totals: row lengths (the benchmark's sequence lengths).
-        recipe, tokenizer: as for :func:`parse_documents`.
-
-    Returns:
-        ``{total: Documents}`` for every length.
-
-    Raises:
-        ConfigError, DataError: as :func:`parse_documents`, for the first length that fails.
-    """
+    """`parse_documents` for each of ``totals`` (a file is read once): {total: Documents}.
+    ``spec`` may be an int N (N equal documents)."""
     text = str(spec).strip()
     if min(totals, default=1) < 1:
         raise ConfigError(f"--documents needs a positive sequence length, got {min(totals)}")
@@ -277,15 +224,11 @@ def _cut(stream: list[int], total: int, row: int, spec: str) -> list[int]:
 
 
 def training_rows(spec: str, total: int, count: int) -> list[Documents]:
-    """``count`` rows of ``total`` tokens to train on (``lctrain bench step --documents``).
-
-    Rows of real data differ, so a ``lognormal:`` spec draws each row with its own seed (the
-    spec's seed, then one more per row); a fixed mix (``8x8k``, listed lengths, a count) is the
-    same in every row.
+    """``count`` rows of ``total`` tokens to train on (``lctrain bench step --documents``); a
+    ``lognormal:`` spec draws each row with the next seed, a fixed mix repeats.
 
     Raises:
-        ConfigError: a malformed spec, or one that reads a file: train on a file's own rows
-            with ``--set data.source=FILE`` instead.
+        ConfigError: a malformed spec, or one that reads a file.
     """
     head = spec.strip().split(":", 1)[0].strip().lower()
     if head in ("lengths", "data"):

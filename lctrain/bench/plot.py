@@ -1,15 +1,7 @@
-"""``--plot`` of ``lctrain bench``: one picture per result, drawn for people.
-
-* kernel — fwd+bwd TFLOP/s against the sequence length, one line per backend (and documents
-  mix);
-* attention — fwd+bwd TFLOP/s per GPU against the TOTAL sequence length, one line per
-  variant, the single-GPU kernel as a dashed reference;
-* step — MFU (or tokens/s where MFU is unknown, e.g. on a CPU) against the sequence length,
-  one line per configuration.
-
-Titles name the machine, dtype and shape; lengths are ticked 64K, 128K, ...; the legend sits
-beside the data. Tile sweeps have no plot (their table is the result). A result with no number
-to plot writes no file: that is an error, not an empty picture.
+"""``--plot`` of ``lctrain bench``: fwd+bwd TFLOP/s (kernel, attention per GPU, with the
+single-GPU kernel dashed) or MFU (step; tokens/s where MFU is unknown) against the sequence
+length, one line per backend, variant or configuration. A result with no number to plot is an
+error, not an empty picture.
 """
 from __future__ import annotations
 
@@ -56,13 +48,10 @@ def _label(result: BenchResult, row: dict, key: str) -> str:
 
 
 def plot(result: BenchResult, path: str | Path) -> Path:
-    """Draw the result (see the module docstring) into ``path``.
-
-    Returns:
-        The file written.
+    """Draw the result into ``path``; returns the file written.
 
     Raises:
-        UserError: no row has a number to plot (nothing is written), or this kind has no plot.
+        UserError: no row has a number to plot, or this kind has no plot.
     """
     check(result.kind, path)
     key, y, ylabel, scale = _series(result)

@@ -1,16 +1,5 @@
-"""Where the time of a measured iteration goes: ``--profile DIR`` of ``lctrain bench``.
-
-After a configuration has been timed, a few more iterations run under ``torch.profiler``; the
-timeline is written as a chrome trace (open it in Perfetto or chrome://tracing) and the device
-time of every kernel is summed by category:
-
-* attention — the attention kernels (cuDNN, flash, lctrain's Triton kernels);
-* communication — NCCL (or gloo) transfers;
-* bookkeeping — merges, sums, casts, copies and fills around them;
-* other — everything else.
-
-The wall time per iteration is reported beside it, so the share no kernel covers (launch gaps,
-waits for a peer) shows too. On a CPU the categories hold the operators' own CPU time.
+"""Where the time of a measured iteration goes: ``--profile DIR`` of ``lctrain bench``: a chrome
+trace, and the device time of the kernels (a CPU's operators) by category beside the wall time.
 """
 from __future__ import annotations
 
@@ -33,24 +22,17 @@ ITERATIONS = 3
 
 
 def category(name: str) -> str:
-    """The category of a kernel or operator name (see the module docstring)."""
+    """The category of a kernel or operator name."""
     return step_category(name, CATEGORIES)
 
 
 def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None, device: torch.device,
             trace: str | Path, sync: Callable[[], None] | None = None) -> dict:
-    """Run ``ITERATIONS`` iterations of ``bwd(fwd())`` under the profiler.
-
-    Args:
-        fwd, bwd: the iteration, as for `lctrain.bench.timing.measure`.
-        device: where it runs.
-        trace: the chrome trace file to write.
-        sync: waits for every rank (distributed runs), called before and after the
-            iterations; default: wait for this device only.
+    """Run ``ITERATIONS`` iterations of ``bwd(fwd())`` (as for `lctrain.bench.timing.measure`)
+    under the profiler, writing a chrome trace to ``trace``; ``sync`` also waits for every rank.
 
     Returns:
-        Flat row fields: ``profile_wall_ms`` and ``profile_<category>_ms`` per iteration, and
-        ``trace`` (the file written).
+        Row fields: ``profile_wall_ms``, ``profile_<category>_ms`` per iteration, ``trace``.
     """
     def wait():
         if device.type == "cuda":

@@ -1,20 +1,10 @@
 """The one result contract of every ``lctrain bench`` run: rows and meta, as JSON.
 
-A result file is one JSON object::
+    {"lctrain_bench": 1, "kind": "kernel" | "attention" | "step" | "tiles", "title": "...",
+     "meta": {"machine": {...}, "command": "lctrain bench ...", ...}, "rows": [{...}, ...]}
 
-    {"lctrain_bench": 1,                 # version of this contract
-     "kind": "kernel" | "attention" | "step" | "tiles",
-     "title": "...",
-     "meta": {"machine": {...versions, CUDA, driver, GPUs, date...},   # lctrain.report.versions
-              "command": "lctrain bench ...",                          # as typed, when run by the CLI
-              "flop_model": "...", ...fixed parameters of the run...},
-     "rows": [{...one flat dict per measured configuration...}]}
-
-Row keys are plain: ``seq_len`` (tokens, total), ``*_ms`` (milliseconds, median), ``*_tflops``
-(TFLOP/s per GPU), ``max_rel_err``, ``correct``, ``status`` ("ok" or one sentence why there is
-no number). :mod:`lctrain.bench.views` says how each kind is shown; ``lctrain bench report``
-reads these files back (:func:`load`), merges several of one kind (:func:`merge`) and renders
-them.
+Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status`` ("ok" or
+why there is no number).
 """
 from __future__ import annotations
 
@@ -33,15 +23,8 @@ _OLD_TITLES = {"attention kernels": "kernel", "distributed attention": "attentio
 
 @dataclass
 class BenchResult:
-    """Rows of one benchmark run.
-
-    Attributes:
-        kind: which bench made it (one of ``KINDS``).
-        title: what was measured, in words.
-        rows: one flat dict per measured configuration (JSON values only).
-        meta: run-wide facts: ``machine`` (see `lctrain.report.versions.environment`),
-            ``command``, the FLOP model and the fixed parameters.
-    """
+    """Rows of one benchmark run: ``kind`` (one of ``KINDS``), ``title``, ``rows`` (flat dicts
+    of JSON values) and ``meta`` (machine, command, FLOP model, fixed parameters)."""
 
     kind: str
     title: str
@@ -54,7 +37,7 @@ class BenchResult:
                            "meta": self.meta, "rows": self.rows}, indent=indent, default=str)
 
     def save(self, path: str | Path) -> Path:
-        """Write :meth:`to_json` to ``path`` (creating its folder); returns the path."""
+        """Write `to_json` to ``path`` (creating its folder); returns the path."""
         return save_document(path, self.to_json())
 
     def measured(self) -> list[dict]:
@@ -63,11 +46,7 @@ class BenchResult:
 
 
 def from_dict(data, source: str = "result") -> BenchResult:
-    """A BenchResult from a parsed result file.
-
-    Args:
-        data: the parsed JSON.
-        source: how to name the file in errors.
+    """A BenchResult from a parsed result file (``source`` names it in errors).
 
     Raises:
         UserError: not a bench result (no rows, unknown kind).
@@ -104,10 +83,8 @@ def load(path: str | Path) -> BenchResult:
 
 
 def merge(results: list[BenchResult]) -> BenchResult:
-    """One result from several runs of the same kind (e.g. one table measured in parts).
-
-    Meta entries equal in every part stay in meta; the others move into each row of their
-    part (a row's own value wins), so no fact is lost.
+    """One result from several runs of the same kind: meta entries equal in every part stay
+    in meta, the others move into each row of their part (a row's own value wins).
 
     Raises:
         UserError: no results, or results of different kinds.

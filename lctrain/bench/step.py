@@ -1,29 +1,9 @@
 """``lctrain bench step``: time whole training steps of a recipe through the real runner.
 
-Each configuration (the recipe at one sequence length with one group of ``--set`` overrides,
-see :func:`configurations`) runs unchanged through `lctrain.train.runner.finetune` (same
-model, data, parallel layout, checkpointing policy and loop as ``lctrain finetune``) for
-``warmup + steps`` optimizer steps into a scratch output folder; the runner's
-``metrics.jsonl`` is read back and the first ``warmup`` steps (allocator growth, autotuning)
-are dropped. One row per configuration, median over the timed steps:
-
-- tokens/s of the whole job, and step time;
-- MFU as the runner logs it (``lctrain.train.metrics``): 6·N per token plus the attention FLOPs
-  of the documents actually trained on (7·Σ n²·H·D·L for causal documents of n tokens, the
-  model of `lctrain.model.flops`), over GPUs × the GPU's dense bf16 peak; recomputation is not
-  counted as useful work;
-- peak memory, the largest of any rank (the CUDA allocator's peak; on a CPU the process's peak
-  RSS) beside the memory model's prediction for the same recipe
-  (`lctrain.memory.estimate_recipe`: ``details.peak_allocated``, the figure comparable with
-  ``torch.cuda.max_memory_allocated``); on GPUs also the host memory rank 0 keeps for training
-  (pinned activations and state, ``host_memory_bytes``) beside the model's ``host_offload``;
-- attention forwards per optimizer step: the runner's ``attention_forward_calls`` (counted by
-  `lctrain.parallel.activation_checkpoint.AttentionCounter` on the run's first step, on every rank);
-  beside the expected L (none, remat, remat-offload) or 2·L (full) per micro-step.
-
-A configuration that cannot run (out of memory, refused for host memory, a bad override) gives
-a row whose status says why; the others still run. The training runs' own output goes to
-stderr, so stdout carries only the result.
+Each configuration runs through `lctrain.train.runner.finetune` into a scratch folder; its
+metrics.jsonl gives one row (medians over the timed steps): tokens/s, step time, MFU, peak
+memory beside the memory model's, attention forwards per step beside the expected count. A
+configuration that cannot run gives a row whose status says why.
 """
 from __future__ import annotations
 
@@ -45,10 +25,9 @@ import torch
 from lctrain.bench.documents import training_rows
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
-from lctrain.config.tiers import parse_layer_policies
+from lctrain.config.layers import LayerPlan
 from lctrain.model import load_tokenizer
 from lctrain.errors import UserError
-from lctrain.memory.tiers import chained_layers, recomputed_layers
 from lctrain.report.versions import environment
 from lctrain.train.memory_trace import ENV as MEMORY_TRACE
 from lctrain.train.step_profile import ENV as STEP_PROFILE
@@ -58,21 +37,11 @@ _GIB = float(1 << 30)
 
 def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int | None],
                    variants: list[str] | None = None) -> list[tuple[str, RecipeConfig]]:
-    """The recipe at every sequence length × every variant, resolved.
-
-    Args:
-        recipe: a recipe file or shipped name (None: the embedded tiny recipe).
-        overrides: ``--set`` overrides applied to every configuration.
-        seq_lens: sequence lengths (None in the list: the recipe's own).
-        variants: groups of extra overrides, each one text of space-separated ``key=value``
-            items (shell quoting allowed), e.g. ``"train.checkpointing=remat
-            parallel.schedule=zigzag"``; None or empty: one configuration per length.
-
-    Returns:
-        ``(label, config)`` pairs; the label is the variant's text ("" without variants).
+    """``(label, config)``: the recipe with ``overrides`` at every sequence length (None: the
+    recipe's own) × every variant (space-separated ``key=value`` overrides, also the label).
 
     Raises:
-        ConfigError: a bad recipe, override or length (one sentence).
+        ConfigError: a bad recipe, override or length.
     """
     groups = variants or [""]
     out = []
@@ -88,34 +57,11 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         documents: str | None = None, memory_trace: str | None = None,
         profile: str | None = None, progress: Callable[[str], None] | None = None
         ) -> BenchResult:
-    """Run ``warmup + steps`` training steps of every configuration and report them.
-
-    Args:
-        configs: one resolved recipe, or ``(label, recipe)`` pairs (:func:`configurations`);
-            each recipe's output_dir only holds a scratch folder.
-        steps: optimizer steps to time (≥ 1).
-        nproc: processes (default as ``lctrain finetune``: all GPUs, or dp × cp on a CPU).
-        warmup: untimed steps first.
-        save_every: also checkpoint every N steps (0: never), as ``checkpoint.asynchronous``
-            says (in the background or not): the steps are then timed with saves in flight,
-            ``checkpoint_s`` is how long the loop waited for each save, and the step time is
-            also split into the steps right after a save started (``step_after_save_s``: in
-            the background, the save is written meanwhile) and the others
-            (``step_without_save_s``).
-        documents: train on rows packed from documents of this ``--documents`` mix
-            (`lctrain.bench.documents.training_rows`: a log-normal mix draws every row anew)
-            of random token ids, instead of the recipe's data; the recipe's
-            ``data.document_mask`` says whether attention keeps them apart.
-        memory_trace: a folder: each configuration's last step records the GPU allocator
-            into its numbered subfolder (`lctrain.train.memory_trace`; nothing on a CPU).
-        profile: a folder: each configuration's last step runs under the profiler, every rank
-            writing a chrome trace and a kernel summary into its numbered subfolder
-            (`lctrain.train.step_profile`); rank 0's wall and category times join the row
-            (``profile_<category>_ms``).
-        progress: called with one line before and after each configuration.
-
-    Returns:
-        A BenchResult of kind "step" with one row per configuration.
+    """Run ``warmup`` untimed and ``steps`` timed steps of every configuration (one recipe, or
+    `configurations`); one row each. ``save_every`` N steps a checkpoint is saved (0: never);
+    ``documents`` trains on random ids packed as that mix; ``memory_trace`` and ``profile`` are
+    folders for each configuration's last step (`lctrain.train.memory_trace`,
+    `lctrain.train.step_profile`); ``progress`` gets a line before and after each.
 
     Raises:
         UserError: steps < 1, warmup < 0 or save_every < 0.
@@ -126,10 +72,12 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
                         f"{save_every})")
     if isinstance(configs, RecipeConfig):
         configs = [("", configs)]
+    from lctrain.launch.launcher import default_nproc
+
     say = progress or (lambda line: None)
     rows = []
     for index, (label, cfg) in enumerate(configs, 1):
-        n = nproc if nproc is not None else _default_nproc(cfg)
+        n = nproc if nproc is not None else default_nproc(cfg)
         head = f"configuration {index}/{len(configs)}: {cfg.data.seq_len} tokens" + (
             f", {label}" if label else "")
         say(f"{head}: {warmup} warm-up + {steps} timed steps on {n} processes")
@@ -153,12 +101,6 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
     return BenchResult(kind="step", title="training steps", rows=rows, meta=meta)
 
 
-def _default_nproc(cfg: RecipeConfig) -> int:
-    from lctrain.train.runner import default_nproc
-
-    return default_nproc(cfg)
-
-
 def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int,
          documents: str | None = None) -> dict:
     """One configuration's row fields (raises UserError when it cannot run)."""
@@ -166,14 +108,15 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
     from lctrain.train.runner import finetune
 
     layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
-    scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=_parent(cfg)))
-    data = None if documents is None else Path(tempfile.mkdtemp(prefix=".bench-data-",
-                                                                dir=_parent(cfg)))
+    parent = Path(cfg.train.output_dir)
+    parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=parent))
+    data = None if documents is None else Path(tempfile.mkdtemp(prefix=".bench-data-", dir=parent))
     mix = {}
     try:
         if data is not None:
             cfg, mix = _with_documents(cfg, data, documents, nproc, warmup + steps)
-        with _stdout_to_stderr():
+        with _stdout_to_stderr(), _environment("XDG_CACHE_HOME", data and str(data)):
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc, own_process=True)
         if code != 0:
@@ -192,10 +135,9 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
 
 def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int,
                     steps: int) -> tuple[RecipeConfig, dict]:
-    """The recipe reading rows packed from documents of ``spec`` (a tokenized JSONL file of
-    random ids in ``folder``, one row's documents after another), and the row fields naming
-    the mix."""
-    dp = cfg.parallel.dp or max(1, nproc // cfg.parallel.cp)
+    """The recipe reading rows packed as ``spec`` from random ids (a tokenized JSONL file in
+    ``folder``), and the row fields naming the mix."""
+    dp = max(1, nproc // cfg.parallel.cp)
     count = steps * dp * cfg.train.batch_size * cfg.train.grad_accum
     rows = training_rows(spec, cfg.data.seq_len, count)
     vocab = min(len(load_tokenizer(cfg)), 32000)
@@ -205,14 +147,13 @@ def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int,
             for n in row.lengths:
                 f.write(json.dumps({"input_ids": rng.integers(3, vocab, n).tolist()}) + "\n")
     data = dataclasses.replace(cfg.data, source=str(folder / "documents.jsonl"),
-                               format="tokenized", long_samples="split",
-                               cache_dir=str(folder / "cache"), max_documents=None)
+                               format="tokenized", long_samples="split", max_documents=None)
     return dataclasses.replace(cfg, data=data), {"documents": spec, "mix": rows[0].summary()}
 
 
 def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
-    """The save fields of a row: the median wait for a save, and the median time of the timed
-    steps that ran right after a save started against that of the others."""
+    """The save fields of a row: the median wait for a save, and the median time of the steps
+    right after a save started and of the others."""
     saved = {r["step"] for r in records if "checkpoint_s" in r}
     timed = [r for r in records if r["step"] > warmup]
     after = [r for r in timed if r["step"] - 1 in saved]
@@ -225,8 +166,7 @@ def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
 
 @contextlib.contextmanager
 def _environment(name: str, folder: str | None) -> Iterator[None]:
-    """Set ``name`` to ``folder`` (made absolute) for the training processes started meanwhile
-    (they inherit the environment); nothing when ``folder`` is None."""
+    """Set ``name`` to the absolute ``folder`` (unless None) for processes started meanwhile."""
     if folder is None:
         yield
         return
@@ -271,22 +211,16 @@ def _stdout_to_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-def _parent(cfg: RecipeConfig) -> str:
-    parent = Path(cfg.train.output_dir)
-    parent.mkdir(parents=True, exist_ok=True)
-    return str(parent)
-
 
 def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,
                   save_every: int = 0) -> RecipeConfig:
-    """The recipe with the step count, a per-step log (metrics.jsonl only), no validation, a
-    scratch output folder and checkpoints only every ``save_every`` steps (none when 0; never a
-    final export)."""
-    train = dataclasses.replace(cfg.train, max_steps=total_steps, epochs=None, log_every=1,
+    """The recipe for a timed run: ``total_steps``, metrics.jsonl only, no validation, the
+    scratch ``output_dir``, checkpoints every ``save_every`` steps (0: none), no export."""
+    train = dataclasses.replace(cfg.train, max_steps=total_steps, epochs=None,
                                 output_dir=str(output_dir), eval_every=0, report_to=("jsonl",))
     data = dataclasses.replace(cfg.data, eval_source=None, eval_fraction=0.0)
-    checkpoint = dataclasses.replace(cfg.checkpoint, enabled=save_every > 0, every=save_every,
-                                     keep=1, export_final=False)
+    checkpoint = dataclasses.replace(cfg.checkpoint, every=save_every, keep=int(save_every > 0),
+                                     export_final=False)
     return dataclasses.replace(cfg, data=data, train=train, checkpoint=checkpoint)
 
 
@@ -300,21 +234,16 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
          predicted: dict) -> dict:
     timed = [r for r in records if r["step"] > warmup] or records
     measured = max((r.get("peak_memory_bytes") or 0) for r in records)
-    host = max((r.get("host_memory_bytes") or 0) for r in records) if cuda_run(records) else None
+    gpu_run = any("host_memory_bytes" in r for r in records)  # GPU runs log host memory
+    host = max((r.get("host_memory_bytes") or 0) for r in records) if gpu_run else None
     calls = records[0].get("attention_forward_calls") if records else None  # the run's 1st step
-    per_micro = 2 if cfg.train.checkpointing == "full" else 1
-    runs = predicted.get("layer_policies")
-    if cfg.train.checkpointing == "auto" and runs:  # each full layer runs attention twice
-        parsed = parse_layer_policies(runs)  # and a pair runs its lower layer once more
-        per_micro = 1 + (recomputed_layers(parsed) + chained_layers(parsed)) / layers
+    runs = predicted["checkpointing"]  # each full layer runs attention twice
+    per_micro = 1 + LayerPlan.parse(runs).count("full", layers) / layers
     cuda = torch.cuda.is_available()
     return {
         "gpus": nproc, "cp": cfg.parallel.cp, "schedule": cfg.parallel.schedule,
-        "policy": cfg.train.checkpointing, "layer_policies": runs,
-        "fused_norms": cfg.model.fused_norms and cuda,
-        "fused_mlp": cfg.model.fused_mlp and cuda, "fused_loss": cfg.model.fused_loss and cuda,
-        "grouped_attention": cfg.model.grouped_attention,
-        "deferred_norms": cfg.model.deferred_norms,
+        "policy": cfg.train.checkpointing, "checkpointing": runs,
+        "offload": predicted["offload"], "fused_kernels": cfg.model.fused_kernels,
         "steps": len(timed),
         "tokens_per_s": _median(timed, "tokens_per_s"),
         "step_time_s": _median(timed, "step_time_s"),
@@ -334,11 +263,6 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     }
 
 
-def cuda_run(records: list[dict]) -> bool:
-    """Whether the run logged host memory (GPU runs do)."""
-    return any("host_memory_bytes" in r for r in records)
-
-
 def _median(records: list[dict], key: str) -> float | None:
     values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
     return statistics.median(values) if values else None
@@ -347,7 +271,6 @@ def _median(records: list[dict], key: str) -> float | None:
 def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
     """(decoder layers, the memory model's per-GPU prediction for this run)."""
     from lctrain.memory import estimate_recipe, recipe_architecture
-
     from lctrain.memory.host import available_host_bytes
 
     arch = recipe_architecture(cfg)
@@ -359,7 +282,8 @@ def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
     return arch.num_layers, {"peak_allocated": est.details["peak_allocated"],
                              "total": est.per_gpu_bytes["total"],
                              "host_offload": est.details["host_offload"],
-                             "layer_policies": est.details.get("layer_policies")}
+                             "checkpointing": est.details["checkpointing"],
+                             "offload": est.details["offload"]}
 
 
 def _progress_line(row: dict) -> str:

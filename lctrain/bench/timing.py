@@ -1,12 +1,5 @@
-"""The one timing helper of every lctrain benchmark.
-
-A measurement is ``warmup`` untimed iterations, then ``repeats`` timed ones; an iteration is a
-forward, then (optionally) a backward that receives what the forward returned, as training
-runs them. On a GPU each iteration is bracketed by CUDA events recorded on the current stream
-(three per iteration: before the forward, between, after the backward) and the host waits only
-once, after the last one, so the timing adds no synchronisation to the work; on a CPU the host
-clock times each part. Reported figures are medians (with min and max beside them), never
-means: one slow outlier (a clock change, an allocator growth) does not move them.
+"""The one timing helper of every lctrain benchmark: medians of forward and backward times, with
+CUDA events on a GPU (the host waits once, after the last) and the host clock on a CPU.
 """
 from __future__ import annotations
 
@@ -44,18 +37,8 @@ class Timings:
 
 def measure(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None = None, *,
             device: torch.device, repeats: int, warmup: int) -> Timings:
-    """Time ``bwd(fwd())`` (or ``fwd()`` alone): ``warmup`` untimed, ``repeats`` timed.
-
-    Args:
-        fwd: the forward; its return value is handed to ``bwd``.
-        bwd: the backward, or None to time the forward alone.
-        device: where the work runs (CUDA events on a GPU, the host clock elsewhere).
-        repeats: timed iterations (≥ 1).
-        warmup: untimed iterations first (autotuning, allocator growth, caches).
-
-    Returns:
-        The milliseconds of every timed iteration.
-    """
+    """Time ``bwd(fwd())`` (or ``fwd()`` alone when ``bwd`` is None) on ``device``: ``warmup``
+    untimed iterations, then ``repeats`` (≥ 1) timed ones; returns their milliseconds."""
     for _ in range(warmup):
         state = fwd()
         if bwd is not None:

@@ -1,67 +1,63 @@
 """How each kind of bench result is shown: its columns, its title, its summary table.
 
-The bench prints :func:`table` — one row per measurement, in a compact set of columns that
-fits an 80-column terminal (``--wide`` adds the rest: times, spreads, errors, counts).
-``lctrain bench report`` also prints :func:`summary` — the measurements pivoted the way the
-README shows them (lengths down, variants across). Nothing here imports torch: result files
-are rendered on any machine. Rows of packed documents carry their spec (``documents``) and the
-mix's summary at their length (``mix``), too long for a column: the notes say them, once per
-spec and length; with several specs a ``mix`` column numbers them (the summary spells them).
+`table` has one row per measurement in columns that fit 80 characters (``--wide`` adds the
+rest); `summary` pivots them as the docs show them (lengths down, variants across). Document
+mixes are spelled in the notes. Nothing here imports torch.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from lctrain.bench.result import BenchResult
 from lctrain.report.table import Column, Table
 from lctrain.report.versions import machine_label
 
+def _wide(key: str, label: str, kind: str = "text", unit: str = "") -> Column:
+    """A column shown only with ``--wide``."""
+    return Column(key, label, kind, unit, compact=False)
+
+
 _STATUS = Column("status", "status", "status")
 _RATES = [Column("fwd_tflops", "fwd", "tflops"), Column("bwd_tflops", "bwd", "tflops"),
           Column("total_tflops", "fwd+bwd", "tflops")]
-_TIMES = [Column("fwd_ms", "fwd", "ms", compact=False), Column("bwd_ms", "bwd", "ms", compact=False),
-          Column("total_ms_min", "fwd+bwd min", "ms", compact=False),
-          Column("total_ms_max", "fwd+bwd max", "ms", compact=False),
-          Column("repeats", "repeats", "number", compact=False)]
+_TIMES = [_wide("fwd_ms", "fwd", "ms"), _wide("bwd_ms", "bwd", "ms"),
+          _wide("total_ms_min", "fwd+bwd min", "ms"), _wide("total_ms_max", "fwd+bwd max", "ms"),
+          _wide("repeats", "repeats", "number")]
 _PROFILE = [Column(f"profile_{cat}_ms", label, "ms") for cat, label in (
     ("wall", "wall"), ("attention", "attention"), ("communication", "comm."),
     ("bookkeeping", "bookkeeping"), ("other", "other"))]
-_STEP_PROFILE = [Column(f"profile_{cat}_ms", label, "ms", compact=False) for cat, label in (
+_STEP_PROFILE = [_wide(f"profile_{cat}_ms", label, "ms") for cat, label in (
     ("wall", "profiled"), ("attention", "attention"), ("matmul", "matmul"),
     ("communication", "comm."), ("copies", "copies"), ("other", "other"))]
 
 COLUMNS = {
     "kernel": [Column("backend", "backend"), Column("seq_len", "length", "tokens"), *_RATES,
                Column("of_dense", "of dense", "percent"), Column("max_rel_err", "error", "sci"),
-               _STATUS, Column("of_dense_fwd", "fwd of dense", "percent", compact=False),
-               Column("of_dense_bwd", "bwd of dense", "percent", compact=False),
-               Column("relation", "mask", compact=False), *_TIMES,
-               Column("correct", "correct", "bool", compact=False), *_PROFILE],
+               _STATUS, _wide("of_dense_fwd", "fwd of dense", "percent"),
+               _wide("of_dense_bwd", "bwd of dense", "percent"), _wide("relation", "mask"),
+               *_TIMES, _wide("correct", "correct", "bool"), *_PROFILE],
     "attention": [Column("variant", "variant"), Column("seq_len", "length", "tokens"), *_RATES,
                   Column("vs_single", "vs 1 GPU", "ratio"), Column("balance", "balance", "number"),
-                  _STATUS, Column("gpus", "GPUs", "number", compact=False),
-                  Column("hidden_share", "hidden", "percent", compact=False), *_TIMES,
-                  Column("comm_only_ms", "comm. only", "ms", compact=False),
-                  Column("max_rel_err", "error", "sci", compact=False),
-                  Column("correct", "correct", "bool", compact=False), *_PROFILE],
+                  _STATUS, _wide("gpus", "GPUs", "number"),
+                  _wide("hidden_share", "hidden", "percent"), *_TIMES,
+                  _wide("comm_only_ms", "comm. only", "ms"), _wide("max_rel_err", "error", "sci"),
+                  _wide("correct", "correct", "bool"), *_PROFILE],
     "step": [Column("seq_len", "length", "tokens"), Column("label", "variant"),
-             Column("step_time_s", "step", "seconds"),
-             Column("tokens_per_s", "tokens/s", "number"), Column("mfu", "MFU", "percent"),
-             Column("peak_gib", "peak", "number", "GiB"),
+             Column("step_time_s", "step", "seconds"), Column("tokens_per_s", "tokens/s", "number"),
+             Column("mfu", "MFU", "percent"), Column("peak_gib", "peak", "number", "GiB"),
              Column("model_peak_gib", "est.", "number", "GiB"),
              Column("host_gib", "host", "number", "GiB"),
              Column("model_host_gib", "est. host", "number", "GiB"), _STATUS,
-             Column("gpus", "GPUs", "number", compact=False),
-             Column("cp", "cp", "number", compact=False),
-             Column("schedule", "schedule", compact=False),
-             Column("policy", "checkpointing", compact=False),
-             Column("attn_fwd_per_step", "attn fwd", "number", "per step", compact=False),
-             Column("attn_fwd_expected", "expected", "number", compact=False),
-             Column("loss_first", "loss first", "loss", compact=False),
-             Column("loss_last", "loss last", "loss", compact=False),
-             Column("save_every", "save every", "number", compact=False),
-             Column("checkpoint_s", "save wait", "seconds", compact=False),
-             Column("step_after_save_s", "step after save", "seconds", compact=False),
-             Column("step_without_save_s", "step without", "seconds", compact=False),
-             Column("attention_balance", "balance", "number", compact=False), *_STEP_PROFILE],
+             _wide("gpus", "GPUs", "number"), _wide("cp", "cp", "number"),
+             _wide("schedule", "schedule"), _wide("policy", "checkpointing"),
+             _wide("attn_fwd_per_step", "attn fwd", "number", "per step"),
+             _wide("attn_fwd_expected", "expected", "number"),
+             _wide("loss_first", "loss first", "loss"), _wide("loss_last", "loss last", "loss"),
+             _wide("save_every", "save every", "number"),
+             _wide("checkpoint_s", "save wait", "seconds"),
+             _wide("step_after_save_s", "step after save", "seconds"),
+             _wide("step_without_save_s", "step without", "seconds"),
+             _wide("attention_balance", "balance", "number"), *_STEP_PROFILE],
     "tiles": [Column("kernel", "kernel"), Column("config", "tiles"),
               Column("seq_len", "length", "tokens"), Column("ms", "time", "ms"),
               Column("tflops", "rate", "tflops"), Column("max_rel_err", "error", "sci"), _STATUS],
@@ -74,8 +70,7 @@ _WHAT = {"kernel": "Attention kernels, one device, {rate}",
 
 
 def describe(result: BenchResult) -> str:
-    """The machine and shape of a result in words, e.g. "2 × NVIDIA H200, bfloat16, 32 heads ×
-    128, causal"."""
+    """The machine and shape of a result in words, e.g. "2 × H200, bfloat16, 32 heads × 128"."""
     meta = result.meta
     parts = [machine_label(meta.get("machine") or {})]
     if meta.get("dtype"):
@@ -99,12 +94,11 @@ def describe(result: BenchResult) -> str:
 
 
 def title(result: BenchResult) -> str:
-    """The table title: what, on which machine and shape."""
     return f"{_WHAT[result.kind]} — {describe(result)}"
 
 
 def table(result: BenchResult) -> Table:
-    """The result's rows in its kind's columns (see the module docstring)."""
+    """The result's rows in its kind's columns."""
     notes = _document_notes(result)
     if result.kind == "attention":
         notes.append("length = total sequence; each GPU holds length / GPUs tokens; "
@@ -121,7 +115,6 @@ def table(result: BenchResult) -> Table:
 
 
 def _specs(result: BenchResult) -> list[str]:
-    """The documents specs the rows ran, in order of appearance."""
     return list(dict.fromkeys(row["documents"] for row in result.rows
                               if row.get("documents") is not None))
 
@@ -166,38 +159,31 @@ def short_variant(text: str | None) -> str:
 
 def _label(row: dict) -> str | None:
     label = short_variant(row.get("variant"))
-    placed = row.get("layer_policies")
+    placed = row.get("layer_policies") or (row.get("checkpointing")  # older rows: the former
+                                            if row.get("policy") == "auto" else None)
     if label and placed and "layer_policies=" not in label:
         label += f" ({placed})"
     return label or None
 
 
 def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column], list[dict]]:
-    """Variants shown by their last key parts (``checkpointing=remat cp=4``), with the layer
-    policies an ``auto`` run placed; without variants, schedule and checkpointing become
-    compact columns where the rows differ in them."""
+    """Variants by their last key parts, with the layers an ``auto`` run placed; without
+    variants, schedule and checkpointing are compact columns where the rows differ."""
     rows = [{**row, "label": _label(row)} for row in result.rows]
     labelled = any(row["label"] for row in rows)
     out = []
     for column in columns:
         if column.key in ("schedule", "policy"):
             differ = len({row.get(column.key) for row in rows}) > 1
-            column = Column(column.key, column.label, column.kind, column.unit,
-                            compact=differ and not labelled)
+            column = replace(column, compact=differ and not labelled)
         out.append(column)
     return out, rows
 
 
 def summary(result: BenchResult) -> Table:
-    """The README form: lengths down, variants (or backends) across, fwd+bwd TFLOP/s.
-
-    Attention cells carry the ratio to one GPU in parentheses, document cells with a dense
-    reference their share of its rate ("of dense", %); a variant with no measurement at all is
-    left out. Rows of packed documents give one line per length and spec, the dense reference
-    (rows without a spec) in each line of its length. The notes give each variant's largest
-    error, the balance figures and why a cell is empty (—). Step and tile results keep their
-    compact table.
-    """
+    """The docs' form: lengths (and document mixes) down, variants or backends across,
+    fwd+bwd TFLOP/s with the ratio to one GPU or the share of the dense rate; step and tile
+    results keep their compact table."""
     if result.kind == "step" or result.kind == "tiles":
         whole = table(result)
         if all(row.get("status") == "ok" for row in result.rows):  # nothing to say per row
@@ -242,7 +228,6 @@ def _summary_cell(row: dict | None) -> str | None:
 
 
 def _summary_notes(result: BenchResult, names: list[str], series: str) -> list[str]:
-    """Documents, errors, balance and why a cell or a whole variant has no number."""
     notes, balance = _document_notes(result), []
     for name in dict.fromkeys(row.get(series) for row in result.rows):
         rows = [r for r in result.rows if r.get(series) == name]

@@ -1,27 +1,9 @@
-"""Training checkpoints: what a checkpoint folder holds, finding one, and loading it into any
-process layout. Writing them (atomic publish, in the background) is `checkpoint_writer`.
+"""Reading training checkpoints: finding one, and loading it into any process layout.
 
-Layout under ``output_dir/checkpoints/``:
-
-    step-00000100/            a complete checkpoint (only complete ones carry this name)
-        .metadata, *.distcp   model + optimizer state (tensors only), written by every rank
-                              through DCP (FSDP2 shards and replicated tensors alike)
-        trainer.json          step, data position (rows and tokens consumed over all ranks),
-                              global batch, process layout, learning-rate plan (rank 0)
-        rng-rank{r}.safetensors  torch / CUDA / Python RNG states of rank r
-    .tmp-step-00000200/       a save in progress (never read; cleared by the next run)
-    .del-step-00000050/       an old checkpoint being deleted (never read; cleared likewise)
-
-**Elastic resume.** DCP stores global tensors with their shard coordinates, so `load_checkpoint`
-reads them into whatever sharding the resumed run has (FSDP2 over another number of ranks, or
-replicated). The data position is global — packed rows consumed by all dp ranks together — so
-any dp × cp layout with the same global batch continues the stream exactly. A rank the writing
-run did not have keeps its seeded RNG state (training draws no random numbers after the model
-is built: the data order is a function of the seed and the position).
-
-**Nothing is unpickled** (`lctrain.checkpoint.safe_load`). `read_model_weights` reads model weights
-in one process on the CPU, whatever the number of ranks that wrote them (``lctrain export``).
-Loading is collective (every rank calls `load_checkpoint`); `read_model_weights` is not.
+A checkpoint is ``output_dir/checkpoints/step-NNNNNNNN/``: DCP's model and optimizer tensors
+(global, with shard coordinates), ``trainer.json`` (step, global data position, layout,
+learning-rate plan) and ``rng-rank{r}.safetensors``, so a run resumes on any layout with the
+same global batch. Nothing is unpickled (`lctrain.checkpoint.safe_load`).
 """
 from __future__ import annotations
 
@@ -66,11 +48,8 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG states from ``path`` into the current
-    sharding (any dp × cp layout, FSDP2 or replicated).
-
-    Returns:
-        trainer.json's content (step, rows_consumed, tokens_consumed, seq_len, rows_per_step,
-        layout, lr_plan).
+    sharding (a rank the writing run did not have keeps its seeded RNG state); returns
+    trainer.json's content.
 
     Raises:
         UserError: the checkpoint is damaged, altered, from an older lctrain, or holds other
@@ -88,10 +67,11 @@ def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     optim_state = {"state": state["optim"]["state"], "param_groups": optim_state["param_groups"]}
     set_state_dict(module, optimizer, model_state_dict=state["model"],
                    optim_state_dict=optim_state)
-    rng = path / f"rng-rank{_rank()}.safetensors"
-    if rng.exists():  # a rank the writing run did not have keeps its seeded state
+    rng = path / f"rng-rank{dist.get_rank() if dist.is_initialized() else 0}.safetensors"
+    if rng.exists():
         _read_rng(rng)
-    _barrier(None)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     return trainer
 
 
@@ -121,33 +101,16 @@ def read_trainer_state(path: str | os.PathLike) -> dict:
     return state
 
 
-def find_resume_checkpoint(root: str | os.PathLike) -> Path:
-    """The checkpoint ``--resume`` continues from.
-
-    Raises:
-        UserError: there is none.
-    """
-    path = latest_checkpoint(root)
-    if path is None:
-        raise UserError(f"There is no checkpoint to resume from in {root}; run without --resume "
-                        "to start fresh, or point train.output_dir at the earlier run.")
-    return path
-
-
 def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[int, Path]:
-    """The complete checkpoint of ``step`` under ``root`` (the newest when None).
-
-    Returns:
-        (step, folder).
+    """(step, folder) of the complete checkpoint of ``step`` under ``root`` (the newest when None).
 
     Raises:
-        UserError: there is no complete checkpoint, or none of ``step`` (the message lists the
-            steps there are).
+        UserError: there is no complete checkpoint, or none of ``step``.
     """
     found = list_checkpoints(root)
     if not found:
         raise UserError(f"There is no complete checkpoint in {root}; train with "
-                        "checkpoint.enabled true (a checkpoint is saved after the last step).")
+                        "checkpoint.keep above 0 (a checkpoint is saved after the last step).")
     if step is None:
         return found[-1]
     for saved, path in found:
@@ -158,19 +121,9 @@ def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[i
 
 
 def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read saved model weights on the CPU, in this process alone, without the optimizer state.
-
-    The checkpoint stores each weight under a prefix (the ``model`` entry, then the trained
-    module's own prefix, e.g. ``model.model.``) and, for FSDP2, in shards: only the requested
-    weights are read, assembled into whole tensors of their saved dtype. The prefix is found as
-    the one under which the most of ``names`` are stored.
-
-    Args:
-        path: a checkpoint folder (``.../checkpoints/step-XXXXXXXX``).
-        names: parameter and buffer names as in the model's ``state_dict()``.
-
-    Returns:
-        {name: tensor} for every name the checkpoint holds (names it lacks are left out).
+    """Read saved model weights (``names`` as in the model's ``state_dict()``) on the CPU, in
+    this process alone, as whole tensors of their saved dtype: {name: tensor} for those the
+    checkpoint holds, under the key prefix that holds the most of ``names``.
 
     Raises:
         UserError: the folder is no readable checkpoint, or it holds none of ``names``.
@@ -216,7 +169,12 @@ def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
             holds checkpoints of an earlier run.
     """
     if resume:
-        return find_resume_checkpoint(root)
+        path = latest_checkpoint(root)
+        if path is None:
+            raise UserError(f"There is no checkpoint to resume from in {root}; run without "
+                            "--resume to start fresh, or point train.output_dir at the earlier "
+                            "run.")
+        return path
     if list_checkpoints(root):
         raise UserError(f"{Path(root).parent} already holds checkpoints of an earlier run; pass "
                         "--resume to continue it, or choose another train.output_dir (or delete "
@@ -226,7 +184,7 @@ def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
 
 def finished_checkpoint(root: str | os.PathLike, steps: int) -> tuple[int, Path] | None:
     """The newest checkpoint under ``root`` as (step, folder) when its step is ``steps`` or
-    later — the run it belongs to has nothing left to train — else None.
+    later (nothing is left to train), else None.
 
     Raises:
         UserError: that checkpoint's trainer.json is missing or damaged.
@@ -239,12 +197,9 @@ def finished_checkpoint(root: str | os.PathLike, steps: int) -> tuple[int, Path]
 
 
 def export_is_current(folder: str | os.PathLike, checkpoint: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds a model exported from ``checkpoint`` or a later one: a model's or
-    an adapter's config.json, and files written no earlier than the checkpoint's trainer.json.
-
-    An export leaves no record of its step, so its files' times stand for it; a folder copied
-    without them counts as older, and is then exported again (the safe side).
-    """
+    """Whether ``folder`` holds a model exported from ``checkpoint`` or a later one: a config.json
+    or adapter_config.json, and files no older than the checkpoint's trainer.json (an export
+    records no step, so its files' times stand for it)."""
     folder = Path(folder)
     if not any((folder / name).is_file() for name in ("config.json", "adapter_config.json")):
         return False
@@ -271,8 +226,8 @@ def _read_rng(path: Path) -> None:
 
 
 def _load_error(path: Path, error: BaseException) -> UserError:
-    inner = _user_error_inside(error)
-    if inner is not None:
+    inner = next((e for e in _causes(error) if isinstance(e, UserError)), None)
+    if inner is not None:  # e.g. `SafeLoadPlanner` refusing a pickled entry
         return inner
     return UserError(f"The checkpoint {path} cannot be loaded into this model "
                      f"({root_cause(error)}); it was written for another model or LoRA "
@@ -282,38 +237,23 @@ def _load_error(path: Path, error: BaseException) -> UserError:
 def root_cause(error: BaseException) -> str:
     """The reason inside ``error``: the first operating-system error (DCP wraps each rank's
     exception in a CheckpointException), else the innermost exception's type and first line."""
-    chain, todo = [], [error]
-    while todo:
-        item = todo.pop(0)
+    chain = []
+    for item in _causes(error):
         if isinstance(item, OSError) and item.strerror:
             return item.strerror
         chain.append(item)
-        failures = getattr(item, "failures", None) or {}
-        todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
-        todo.extend(e for e in (item.__cause__, item.__context__) if e is not None)
     innermost = chain[-1]
     lines = str(innermost).strip().splitlines()
     name = type(innermost).__name__
     return f"{name}: {lines[0][:300]}" if lines else name
 
 
-def _user_error_inside(error: BaseException) -> UserError | None:
-    """A UserError that DCP wrapped (e.g. `SafeLoadPlanner` refusing a pickled entry)."""
+def _causes(error: BaseException):
+    """``error`` and the exceptions inside it (DCP's per-rank failures, causes), outermost first."""
     todo = [error]
     while todo:
         item = todo.pop(0)
-        if isinstance(item, UserError):
-            return item
+        yield item
         failures = getattr(item, "failures", None) or {}
         todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
         todo.extend(e for e in (item.__cause__, item.__context__) if e is not None)
-    return None
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier(group) -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group=group)

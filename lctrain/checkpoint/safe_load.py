@@ -1,20 +1,9 @@
 """Reading checkpoint files without running code that a file could carry.
 
-Python's pickle runs whatever callable a file names, so a tampered file in a run folder would
-execute on ``--resume`` or ``lctrain export``. lctrain therefore never unpickles checkpoint
-content:
-
-- its own files are JSON (``trainer.json``) and safetensors (``rng-rank{r}.safetensors``);
-- DCP's tensor data is read by torch with ``torch.load(weights_only=True)`` (torch's own
-  restricted unpickler: tensors, storages and plain containers only);
-- DCP's non-tensor entries ("bytes" items, read with ``torch.load(weights_only=False)``) are
-  never written (`check_tensors_only`) and never read (`SafeLoadPlanner` refuses them);
-- DCP's ``.metadata`` is a pickle of its dataclasses (`torch.distributed.checkpoint.metadata`).
-  `SafeReader` reads it with `MetadataUnpickler`, which resolves only the names such a file
-  holds: DCP's metadata and file-system storage classes, ``torch.Size``, dtypes, layouts
-  (``torch.serialization._get_layout``, a lookup by name), DCP's memory-format enum and
-  ``pathlib`` paths. Any other name — ``os.system``, ``builtins.eval``, a class with a
-  harmful ``__setstate__`` — is refused, so a tampered file is an error, never a call.
+Unpickling runs whatever a file names, so nothing is unpickled: lctrain's own files are JSON
+and safetensors, DCP's tensors are read with ``weights_only``, DCP's pickled "bytes" entries
+are never written nor read, and DCP's ``.metadata`` is read by `MetadataUnpickler`, which
+resolves only the names such a file holds.
 """
 from __future__ import annotations
 
@@ -110,8 +99,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def check_tensors_only(state: Any, prefix: str = "") -> None:
-    """Refuse (as a bug) a state to save that holds anything but tensors in nested dicts: DCP
-    would pickle it, and `SafeLoadPlanner` would then refuse to read it back.
+    """Refuse (as a bug) a state to save that holds anything but tensors in nested dicts, which
+    DCP would pickle.
 
     Raises:
         TypeError: a leaf that is not a tensor.

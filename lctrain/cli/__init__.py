@@ -1,13 +1,4 @@
-"""The ``lctrain`` command line (Typer). Each command parses, makes one library call, renders.
-
-    lctrain finetune [RECIPE] [--seq-len 256k] [--set a.b=c ...]
-    lctrain estimate-memory [RECIPE] --seq-len 512k --gpus 8 --gpu-memory 80GiB
-    lctrain bench kernel|attention|step|tiles|report ...
-    lctrain export RUN_DIR --output DIR [--step N] [--dtype bfloat16] [--merge]
-    lctrain eval TARGET --task ppl|passkey [--seq-len 128k] [--cp N] [--lengths 32k,64k] ...
-    lctrain report RUN_DIR...
-    lctrain --version
-"""
+"""The ``lctrain`` command line (Typer): each command parses, makes one library call, renders."""
 from __future__ import annotations
 
 import typer
@@ -40,8 +31,7 @@ def _main(version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True,
         help="Print the versions of lctrain, torch, triton, transformers and CUDA, and exit.")
           ) -> None:
-    """Fine-tune language models on very long contexts with DistFlashAttn (balanced,
-    overlapped sequence-parallel attention)."""
+    pass
 
 
 app.command("finetune")(finetune)

@@ -1,4 +1,4 @@
-"""``lctrain bench kernel|attention|step|tiles|report``: measure, compare, plot, report."""
+"""``lctrain bench kernel|attention|step|report``: measure, compare, plot, report."""
 from __future__ import annotations
 
 from typing import Annotated, Optional
@@ -6,35 +6,16 @@ from typing import Annotated, Optional
 import typer
 
 from lctrain.cli.common import split_names, user_errors
-from lctrain.cli.options import (
-    BackendOpt,
-    BackendsOpt,
-    DocumentMixesOpt,
-    DocumentsOpt,
-    DocumentsRecipeOpt,
-    DTypeOpt,
-    Format,
-    FormatOpt,
-    HeadDimOpt,
-    HeadsOpt,
-    JsonFileOpt,
-    KvHeadsOpt,
-    NprocOpt,
-    PlotOpt,
-    ProfileOpt,
-    RecipeArg,
-    RepeatsOpt,
-    SchedulesOpt,
-    SeqLensOpt,
-    SetOpt,
-    WarmupOpt,
-    WideOpt,
-)
+from lctrain.cli.options import (BackendOpt, BackendsOpt, DocumentMixesOpt, DocumentsOpt,
+                                 DocumentsRecipeOpt, DTypeOpt, Format, FormatOpt, HeadDimOpt,
+                                 HeadsOpt, JsonFileOpt, KvHeadsOpt, NprocOpt, PlotOpt, ProfileOpt,
+                                 RecipeArg, RepeatsOpt, SchedulesOpt, SeqLensOpt, SetOpt,
+                                 WarmupOpt, WideOpt)
 from lctrain.config import load_recipe, parse_size, parse_size_list
 from lctrain_kernels.vocabulary import SCHEDULES
 
-app = typer.Typer(help="Measure local attention kernels, the distributed attention, whole "
-                       "training steps and kernel tiles; turn result files into tables.",
+app = typer.Typer(help="Measure local attention kernels, the distributed attention and whole "
+                       "training steps; turn result files into tables.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 CheckLenOpt = Annotated[Optional[str], typer.Option(
@@ -51,8 +32,7 @@ def _dtype(value) -> str | None:
     return None if value is None else value.value
 
 
-def _recipe(name: str | None):
-    """The --recipe of a --documents data:FILE spec, loaded (None without one)."""
+def _recipe(name: str | None):  # the --recipe of a --documents data:FILE spec
     return None if name is None else load_recipe(name)
 
 
@@ -173,8 +153,8 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
                                     help="Untimed steps first (allocator growth, autotuning)."),
          save_every: int = typer.Option(
              0, "--save-every", min=0, metavar="N",
-             help="Also write a checkpoint every N steps (checkpoint.asynchronous: in the "
-                  "background or not), to time steps with a save in flight; 0: none."),
+             help="Also write a checkpoint every N steps (in the background on GPUs), to time "
+                  "steps with a save in flight; 0: none."),
          documents: Optional[str] = typer.Option(
              None, "--documents", metavar="SPEC", show_default=False,
              help="Train on rows packed from documents of this mix (8x8k, lognormal:median=16k, "
@@ -200,8 +180,7 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
     Example:
       lctrain bench step llama-7b-64k --seq-len 32k,64k --steps 3 \\
           --variant train.checkpointing=full --variant train.checkpointing=remat
-      lctrain bench step llama-7b-64k --steps 6 --save-every 2 \\
-          --variant checkpoint.asynchronous=on --variant checkpoint.asynchronous=off
+      lctrain bench step llama-7b-64k --steps 6 --save-every 2
       lctrain bench step llama-7b-256k --seq-len 128k --documents lognormal:median=16k \\
           --variant data.document_mask=true --variant data.document_mask=false
     """
@@ -214,36 +193,6 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
         result = run(configs, steps=steps, nproc=nproc, warmup=warmup, save_every=save_every,
                      documents=documents, memory_trace=memory_trace, profile=profile,
                      progress=out.progress)
-        out.publish(result)
-
-
-@app.command("tiles")
-def tiles(seq_len: SeqLensOpt = None,
-          kernel: str = typer.Option("fwd,dkdv,dq", "--kernel", metavar="NAMES",
-                                     help="Kernels to sweep: fwd, dkdv, dq."),
-          points: Optional[str] = typer.Option(
-              None, "--tiles", metavar="LIST", show_default=False,
-              help="Comma-separated tiles BLOCK_MxBLOCK_NsSTAGESwWARPS, e.g. 128x64s3w8 "
-                   "(default: a wide sweep per kernel)."),
-          heads: HeadsOpt = None, head_dim: HeadDimOpt = None, dtype: DTypeOpt = None,
-          repeats: RepeatsOpt = 5, warmup: WarmupOpt = 1, json_file: JsonFileOpt = None,
-          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
-    """Time fixed tile configurations of lctrain's Triton kernels against the autotuned ones
-    (one GPU).
-
-    \b
-    Example:
-      lctrain bench tiles --seq-len 16k,64k --kernel dkdv --tiles 64x128s3w8,32x128s3w8
-    """
-    with user_errors():
-        from lctrain.bench.publish import Publisher
-        from lctrain.bench.tiles import parse_point, run
-
-        out = Publisher("tiles", fmt.value, wide, json_file)
-        chosen = None if points is None else [parse_point(p) for p in split_names(points)]
-        result = run(seq_lens=_sizes(seq_len), kernels=split_names(kernel), points=chosen,
-                     heads=heads, head_dim=head_dim, dtype=_dtype(dtype), repeats=repeats,
-                     warmup=warmup, progress=out.progress)
         out.publish(result)
 
 

@@ -1,62 +1,35 @@
-"""Records → samples: token ids and which of them are training targets.
+"""Records → samples: int32 token ids and, per token, whether it is a training target.
 
-A sample is ``(ids, targets)``: int32 token ids and a bool flag per token saying whether the
-model is trained to predict that token from the ones before it. Packing turns the flags into
-labels (the label of position i is token i+1 when token i+1 is a target, else -100), so a loss
-mask is a property of the tokens and survives packing, shifting and sharding unchanged.
-
-Formats (``data.format``):
-
-* ``text`` — the string in ``data.text_field``, tokenized as a document (bos/eos as the
-  tokenizer adds them, always ending in eos); every token is a target;
-* ``prompt_completion`` — ``prompt`` and ``completion`` strings: the prompt (with the
-  tokenizer's leading specials such as bos) is context only, the completion and a closing eos
-  are targets. Nothing is inserted between the two: a separator belongs in the data;
-* ``chat`` — a ``messages`` list of ``{"role", "content"}`` rendered by the tokenizer's chat
-  template (`lctrain.data.chat`); the assistant turns are targets;
-* ``tokenized`` — ``input_ids`` as given (nothing added) and optional ``labels`` in the
-  transformers convention (unshifted: each label equals its input id, or -100 for no loss).
-
-``auto`` detects the format from the first record's fields: ``input_ids`` → tokenized,
-``messages`` → chat, ``prompt`` and ``completion`` → prompt_completion, ``data.text_field`` →
-text. Later records must have the same shape.
-
-Bad records are errors naming the record (a field missing, a value of the wrong type, an id
-outside the vocabulary, a chat message without a string role and content). Records that hold
-nothing to train on — an empty document, an empty completion, a conversation without an
-assistant turn or whose assistant replies are all empty strings, labels that are all -100 — are
-skipped and counted (`Skips`), with the first one's location, for the banner. The rule is the
-record's: a conversation with some non-empty reply is kept whole, as its template renders it.
+Formats: ``text`` (every token a target), ``prompt_completion`` (the completion and a closing
+eos), ``chat`` (the assistant turns) and ``tokenized`` (optional unshifted ``labels``); ``auto``
+detects it from the first record. Records with nothing to train on are skipped and counted.
+A chat template without ``{% generation %}`` markers is rendered by prefixes: the characters
+between the rendering of ``messages[:i]`` with the generation prompt and that of
+``messages[:i + 1]`` are assistant message i's.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
-from lctrain.data.chat import check_chat_tokenizer, check_messages, encode_chat
 from lctrain.data.records import Record
 from lctrain.data.tokenizer import ByteTokenizer, encode_documents
 from lctrain.errors import DataError
 
-FORMATS = ("text", "prompt_completion", "chat", "tokenized")
-"""The formats a record can have (``data.format`` also takes ``auto``)."""
-
-MASKED_FORMATS = ("prompt_completion", "chat")
-"""Formats whose samples carry a loss mask by construction (tokenized ones may, with labels)."""
+FORMATS = ("text", "prompt_completion", "chat", "tokenized")  # data.format also takes auto
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One sample: token ids and the per-token target flags."""
+    """One sample: (n,) int32 ``ids``, (n,) bool ``targets`` and the record's location."""
 
     ids: np.ndarray
-    """(n,) int32 token ids."""
     targets: np.ndarray
-    """(n,) bool: token t is trained on (predicted from tokens < t)."""
     where: str
-    """The record it came from."""
 
 
 @dataclass
@@ -66,28 +39,20 @@ class Skips:
     reasons: dict[str, list] = field(default_factory=dict)
 
     def add(self, reason: str, where: str) -> None:
-        entry = self.reasons.setdefault(reason, [0, where])
-        entry[0] += 1
-
-    @property
-    def total(self) -> int:
-        return sum(count for count, _ in self.reasons.values())
+        self.reasons.setdefault(reason, [0, where])[0] += 1
 
     def describe(self) -> str:
-        """``"3 skipped (empty document: 3, first at a.jsonl:7)"``, or "" when none."""
+        """``"3 skipped (empty document: 3, first at a.jsonl:7)"``, or ""."""
         if not self.reasons:
             return ""
         parts = [f"{reason}: {count}, first at {where}"
                  for reason, (count, where) in self.reasons.items()]
-        return f"{self.total} skipped ({'; '.join(parts)})"
+        total = sum(count for count, _ in self.reasons.values())
+        return f"{total} skipped ({'; '.join(parts)})"
 
 
 def detect_format(record: Record, text_field: str) -> tuple[str, str]:
-    """The format of ``record`` from its fields, and why (for the banner).
-
-    Raises:
-        DataError: no known field is present.
-    """
+    """The format of ``record`` from its fields, and why; a DataError when no field says."""
     fields = record.fields
     if "input_ids" in fields:
         return "tokenized", "records have input_ids"
@@ -103,15 +68,10 @@ def detect_format(record: Record, text_field: str) -> tuple[str, str]:
 
 
 class Encoder:
-    """Turns records of one format into samples with one tokenizer.
-
-    Args:
-        fmt: one of FORMATS.
-        tokenizer: ByteTokenizer or a transformers tokenizer.
-        text_field: the text format's field.
+    """Turns records of format ``fmt`` (one of FORMATS) into samples with ``tokenizer``.
 
     Raises:
-        DataError: the chat format with a tokenizer that has no chat template.
+        DataError: the chat format with a tokenizer that cannot render chats.
     """
 
     def __init__(self, fmt: str, tokenizer: Any, text_field: str) -> None:
@@ -124,21 +84,18 @@ class Encoder:
             self._prefix = leading_specials(tokenizer)
 
     def encode(self, records: Sequence[Record]) -> list[Sample]:
-        """The samples of ``records`` (a batch, so fast tokenizers run batched); records with
-        nothing to train on are counted in ``self.skips`` and left out.
+        """The samples of ``records`` (batched for fast tokenizers); records with nothing to
+        train on are counted in ``self.skips``.
 
         Raises:
             DataError: a record lacks a field or has a value of the wrong type.
         """
-        method = {"text": self._text, "prompt_completion": self._prompt_completion,
-                  "chat": self._chat, "tokenized": self._tokenized}[self.fmt]
-        samples = method(records)
         kept = []
-        for sample in samples:
-            if sample is not None and not sample.targets.any():
-                self.skips.add("no target token", sample.where)
-            elif sample is not None:
+        for sample in filter(None, getattr(self, "_" + self.fmt)(records)):
+            if sample.targets.any():
                 kept.append(sample)
+            else:
+                self.skips.add("no target token", sample.where)
         return kept
 
     def _text(self, records: Sequence[Record]) -> list[Sample | None]:
@@ -264,8 +221,7 @@ def plain_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 
 def leading_specials(tokenizer: Any) -> list[int]:
-    """The special ids the tokenizer puts before a text (bos for most), found by encoding a
-    probe with and without special tokens."""
+    """The special ids the tokenizer puts before a text (bos for most)."""
     if isinstance(tokenizer, ByteTokenizer):
         return [tokenizer.bos_token_id]
     probe = "lctrain"
@@ -275,3 +231,108 @@ def leading_specials(tokenizer: Any) -> list[int]:
         if full[start:start + len(bare)] == bare:
             return full[:start]
     return []
+
+
+def check_chat_tokenizer(tokenizer: Any) -> None:
+    """Raise a DataError unless ``tokenizer`` can render chats."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"data.format is chat but the tokenizer {name!r} has no chat template; "
+                        f"give it one (a chat_template.jinja file in its folder, or a "
+                        f"\"chat_template\" entry in its tokenizer_config.json), use a tokenizer "
+                        f"folder that has one (data.tokenizer; for a random init also "
+                        f"data.tokenizer=bytes, whose own chat format needs none), or give the "
+                        f"records as prompt and completion (data.format=prompt_completion)")
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"data.format is chat but the tokenizer {name!r} is not a fast (Rust) "
+                        f"tokenizer, whose character offsets locate the assistant's tokens; use "
+                        f"a tokenizer folder with a tokenizer.json")
+
+
+def check_messages(messages: Sequence[Any], where: str) -> None:
+    """Raise a DataError unless every message has a string role and a string content (a
+    missing or null content is malformed; an empty string is allowed)."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise DataError(f"{where}: each message must be an object with a string role, got "
+                            f"{message!r:.80}")
+        if "content" not in message:
+            raise DataError(f"{where}: message {i} ({message['role']}) has no content; each "
+                            f"message must be an object with a string role and a string content")
+        content = message["content"]
+        if not isinstance(content, str):
+            kind = "null" if content is None else f"of type {type(content).__name__}"
+            raise DataError(f"{where}: message {i} ({message['role']}) has content {kind}, not "
+                            f"a string; each message must be an object with a string role and "
+                            f"a string content")
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[dict], where: str) -> tuple[list[int], list[bool]]:
+    """Token ids of a conversation and, per token, whether it is the assistant's.
+
+    Raises:
+        DataError: a malformed message, a template that fails on the conversation, or one
+            whose partial renderings are not prefixes of the whole (``where`` names the record).
+    """
+    check_messages(messages, where)
+    if isinstance(tokenizer, ByteTokenizer):
+        try:
+            return tokenizer.encode_chat(messages)
+        except ValueError as error:
+            raise DataError(f"{where}: {error}; the bytes tokenizer's chat format needs text "
+                            f"content") from None
+    try:
+        if _GENERATION.search(tokenizer.chat_template):
+            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+        text, spans = assistant_spans(tokenizer, messages, where)
+        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = np.array([start for start, _ in out["offset_mapping"]], dtype=np.int64)  # (n,)
+        mask = np.zeros(len(starts), dtype=bool)
+        for a, b in spans:  # a token is the assistant's when its first character is
+            mask |= (starts >= a) & (starts < b)
+        return list(out["input_ids"]), mask.tolist()
+    except DataError:
+        raise
+    except Exception as error:  # noqa: BLE001 - jinja2 errors, raise_exception in templates
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{where}: the chat template cannot render this conversation ({text}); "
+                        f"fix the record or the template") from None
+
+
+def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's rendered text and the character spans of its assistant turns."""
+    def render(part, prompt):
+        return tokenizer.apply_chat_template(list(part), tokenize=False,
+                                             add_generation_prompt=prompt)
+
+    text = render(messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        if not i and message["content"] == "":
+            continue  # an empty opening reply: no content to find, nothing of it is trained on
+        through = render(messages[:i + 1], False)
+        if i:
+            before = render(messages[:i], True)
+            start = len(before)
+            ok = text.startswith(before) and text.startswith(through) and len(through) >= start
+        else:  # an opening reply: where its content starts (-1: the template changed it)
+            content = message["content"].strip()
+            start = through.find(content) if content else -1
+            ok = text.startswith(through) and start >= 0
+        if not ok:
+            raise DataError(f"{where}: the chat template renders the conversation up to message "
+                            f"{i} differently from the whole conversation, so the assistant's "
+                            f"tokens cannot be found; use a template with {{% generation %}} "
+                            f"markers around the assistant's replies")
+        end = len(through.rstrip())
+        if end > start:
+            spans.append((start, end))
+    return text, spans
+

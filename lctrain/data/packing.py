@@ -1,63 +1,41 @@
-"""Packing samples into rows of exactly ``seq_len`` tokens, with labels shifted before any split.
+"""Packing samples into rows of exactly ``seq_len`` tokens, with labels shifted before any split,
+and batching the rows.
 
-The samples lie end to end in one token stream (`TokenStream`: ids, per-token target flags and
-the sample boundaries). A row is a list of pieces of that stream, padded at the end; how the
-pieces are chosen is ``data.long_samples`` (`plan_rows`):
-
-* ``split`` — the stream is cut every seq_len tokens: one piece per row, nothing lost or
-  duplicated, a sample longer than the rest of a row continuing at the start of the next, only
-  the very last row padded;
-* ``truncate_left`` / ``truncate_right`` / ``drop`` — every sample lies whole in one row. A
-  sample longer than seq_len keeps its last / first seq_len tokens, or is left out (with
-  truncation, one that keeps no target token is left out too). Rows are filled best-fit
-  decreasing (each sample, longest first, goes into the fullest row it still fits; a new row
-  when none) and padded; within a row the samples keep their order.
-
-Each row (`PackedRows.row`) carries:
-
-* ``input_ids``    — the row's tokens, then padding;
-* ``labels``       — the next token where it is a target, else -100, computed HERE, before the
-  row is ever split across cp ranks (so no label is lost at a shard boundary). With
-  ``document_mask`` the next token is the next one of the same sample (which may lie past the
-  row's end when a sample continues or was truncated on the right) and a sample's last token
-  has no label; without it, the next token of the row (crossing samples) and none at the last
-  one. Padding never has a label;
-* ``position_ids`` — restarting at 0 for every sample piece with ``document_mask``, else 0..S-1;
-* ``doc_lens``     — the row's attention segments, summing to S: its sample pieces (then the
-  padding) with ``document_mask``, else ``[S]``.
+``data.long_samples``: ``split`` cuts the stream of samples every seq_len tokens; the others
+keep each sample whole in one row (best-fit decreasing), a longer one truncated or left out.
+With ``document_mask`` labels and position ids stay within each sample. Each epoch is a
+permutation drawn from ``(seed, epoch)``, so dp ranks see disjoint rows and a resume is exact.
 """
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from lctrain.errors import DataError
 
-IGNORE = -100
-"""Label of positions that contribute no loss."""
-
+IGNORE = -100  # the label of positions without loss
 WHOLE_SAMPLE_MODES = ("truncate_left", "truncate_right", "drop")
-"""``long_samples`` values that keep each sample inside one row."""
 
 
 @dataclass(frozen=True)
 class TokenStream:
-    """All samples end to end."""
+    """All samples end to end: (T,) int32 ``ids``, (T,) bool/uint8 ``targets`` (may be
+    memory maps) and (n + 1,) int64 sample ``bounds``."""
 
     ids: np.ndarray
-    """(T,) int32 token ids (may be a read-only memory map)."""
     targets: np.ndarray
-    """(T,) bool or uint8: the token is trained on."""
     bounds: np.ndarray
-    """(n + 1,) int64 sample starts, then T."""
 
     @classmethod
     def from_samples(cls, ids: Sequence[Sequence[int]],
                      targets: Sequence[Sequence[bool]] | None = None) -> TokenStream:
-        """A stream of in-memory samples (every token a target unless ``targets`` says)."""
+        """A stream of in-memory samples (every token a target by default)."""
         lengths = [len(x) for x in ids]
         flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=sum(lengths))
         flags = (np.ones(flat.size, bool) if targets is None else
@@ -71,20 +49,15 @@ class TokenStream:
 
 @dataclass(frozen=True)
 class RowPlan:
-    """Which stream pieces make each row, and what happened to samples longer than a row."""
+    """The stream pieces of each row (row r is pieces ``offsets[r]:offsets[r+1]``), and the
+    samples longer than a row: their count, those left out, the first one's index (or -1)."""
 
-    starts: np.ndarray
-    """(pieces,) int64 stream start of each piece."""
-    stops: np.ndarray
-    """(pieces,) int64 stream stop of each piece."""
-    offsets: np.ndarray
-    """(rows + 1,) int64: row r is pieces offsets[r]:offsets[r+1]."""
+    starts: np.ndarray  # (pieces,) int64
+    stops: np.ndarray  # (pieces,) int64
+    offsets: np.ndarray  # (rows + 1,) int64
     long: int = 0
-    """Samples longer than seq_len (split: continued in the next row; else truncated or left out)."""
     left_out: int = 0
-    """Samples left out: too long under ``drop``, or no target token left after truncation."""
     first_long: int = -1
-    """Index of the first sample longer than seq_len, -1 if none."""
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0] - 1)
@@ -92,19 +65,11 @@ class RowPlan:
 
 def plan_rows(stream: TokenStream, seq_len: int, mode: str,
               samples: np.ndarray | None = None) -> RowPlan:
-    """Choose the pieces of every row (see the module docstring).
-
-    Args:
-        stream: the samples.
-        seq_len: tokens per row.
-        mode: ``split``, ``truncate_left``, ``truncate_right`` or ``drop``.
-        samples: sorted indices of the samples to pack (a training or validation part, see
-            `lctrain.data.split`); None = all. Under ``split`` the chosen samples lie end to
-            end in their order, so a row may hold pieces of samples that are not neighbours in
-            the stream.
+    """Choose the pieces of every row for ``mode`` (``data.long_samples``), of the sorted
+    ``samples`` (None: all).
 
     Raises:
-        DataError: the stream (or the chosen part) has no token, or every sample was left out.
+        DataError: the chosen samples have no token, or every one was left out.
     """
     chosen = np.arange(stream.bounds.size - 1) if samples is None else np.asarray(samples,
                                                                                  np.int64)
@@ -149,8 +114,7 @@ def plan_rows(stream: TokenStream, seq_len: int, mode: str,
 
 def _split_pieces(bounds: np.ndarray, chosen: np.ndarray,
                   seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(starts, stops, offsets) of ``split`` rows over the chosen samples laid end to end: a
-    piece ends at every sample end and every multiple of seq_len of the joined tokens."""
+    """(starts, stops, offsets) of ``split`` rows over the chosen samples laid end to end."""
     lengths = bounds[chosen + 1] - bounds[chosen]
     joined = np.concatenate([[0], np.cumsum(lengths)])  # sample starts in the joined tokens
     total = int(joined[-1])
@@ -190,15 +154,8 @@ def _best_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
 
 
 class PackedRows:
-    """The packed rows of a token stream: ``len(rows)``, ``rows[r]`` / ``rows.row(r)``.
-
-    Args:
-        stream: the samples.
-        plan: the rows' pieces (`plan_rows`).
-        seq_len, document_mask, pad_id: the row length, whether samples are kept apart, and
-            the id written into padding.
-        info: what the preparation reports (format, counts, cache; see `lctrain.data.prepare`).
-    """
+    """The packed rows of a token stream (``len(rows)``, ``rows.row(r)``); ``info`` holds
+    what the preparation reports (`lctrain.data.prepare.rows_summary`)."""
 
     def __init__(self, stream: TokenStream, plan: RowPlan, *, seq_len: int, document_mask: bool,
                  pad_id: int, info: dict[str, Any] | None = None) -> None:
@@ -236,7 +193,7 @@ class PackedRows:
                 "doc_lens": doc_lens}
 
     def _labels_within_samples(self, a: int, b: int) -> np.ndarray:
-        """Labels of stream positions a..b-1: the next token of the same sample if a target."""
+        """Labels of stream positions a..b-1 within their samples."""
         bounds, total = self.stream.bounds, self.stream.total
         nxt = np.arange(a + 1, b + 1, dtype=np.int64)  # (n,)
         sample_end = bounds[np.searchsorted(bounds, nxt - 1, side="right")]
@@ -253,13 +210,7 @@ class PackedRows:
 
 def pack(samples: Sequence[Sequence[int]], *, seq_len: int, document_mask: bool, pad_id: int,
          targets: Sequence[Sequence[bool]] | None = None, long_samples: str = "split") -> PackedRows:
-    """Pack in-memory samples (token id lists) into rows; see the module docstring.
-
-    Args:
-        samples: token ids of each sample.
-        seq_len, document_mask, pad_id: as `PackedRows`.
-        targets: per-token target flags of each sample (default: every token).
-        long_samples: ``split``, ``truncate_left``, ``truncate_right`` or ``drop``.
+    """Pack in-memory samples (token id lists, ``targets`` flags: default all) into rows.
 
     Raises:
         DataError: the samples hold no token, or all are left out.
@@ -267,3 +218,159 @@ def pack(samples: Sequence[Sequence[int]], *, seq_len: int, document_mask: bool,
     stream = TokenStream.from_samples(samples, targets)
     return PackedRows(stream, plan_rows(stream, seq_len, long_samples), seq_len=seq_len,
                       document_mask=document_mask, pad_id=pad_id)
+
+
+_COLUMNS = ("input_ids", "labels", "position_ids")
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One micro-batch of packed rows (global, or one cp rank's shard of it)."""
+
+    input_ids: torch.Tensor  # (B, S) int64
+    labels: torch.Tensor  # (B, S) int64, already shifted; -100 = no loss
+    position_ids: torch.Tensor  # (B, S) int64, global (restarting per document when masked)
+    cu_seqlens: tuple[int, ...] | None  # global document bounds (0, ..., S); None: one a row
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The same batch with its tensors on ``device``."""
+        return PackedBatch(*(getattr(self, n).to(device, non_blocking=True) for n in _COLUMNS),
+                           cu_seqlens=self.cu_seqlens)
+
+    def label_tokens(self) -> torch.Tensor:
+        """Positions that carry a label (0-dim tensor, not synced to host)."""
+        return (self.labels != -100).sum()
+
+
+def iter_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 start_step: int = 0) -> Iterator[PackedBatch]:
+    """Yield this dp rank's micro-batches forever, from micro-step ``start_step`` on.
+
+    Args:
+        ds: packed rows. batch_size: rows per dp rank per micro-step.
+        dp_rank, dp_size: this rank's data-parallel index and group count.
+        seed: seeds the per-epoch shuffles. start_step: the first micro-step to yield.
+
+    Yields:
+        PackedBatch with (batch_size, S) tensors, unsharded.
+
+    Raises:
+        DataError: no rows. ValueError: bad geometry, or mixed document boundaries.
+    """
+    n_rows = len(ds)
+    if n_rows == 0:
+        raise DataError("the packed data has no rows; check data.source")
+    if batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or start_step < 0:
+        raise ValueError(f"bad batch geometry: batch_size={batch_size}, dp_rank={dp_rank}, "
+                         f"dp_size={dp_size}, start_step={start_step}")
+    order = _EpochOrder(n_rows, seed)
+    for step in itertools.count(start_step):
+        first = (step * dp_size + dp_rank) * batch_size
+        yield _collate([ds.row(order[j]) for j in range(first, first + batch_size)])
+
+
+def eval_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
+                 limit: int | None = None) -> Iterator[PackedBatch]:
+    """This dp rank's evaluation batches: every row (of the first ``limit``) once, in order.
+
+    Every rank yields the same number of batches, since FSDP2 forwards run in step; a slot
+    past the last row holds row 0 with every label masked.
+
+    Raises:
+        DataError: no rows.
+    """
+    n_rows = len(ds) if limit is None else min(limit, len(ds))
+    if n_rows == 0:
+        raise DataError("the evaluation data has no rows; check its source")
+    per_step = dp_size * batch_size
+    for step in range(-(-n_rows // per_step)):
+        first = (step * dp_size + dp_rank) * batch_size
+        rows = [ds.row(r) if r < n_rows else _masked(ds.row(0))
+                for r in range(first, first + batch_size)]
+        yield _collate(rows)
+
+
+def _masked(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {**row, "labels": np.full_like(row["labels"], -100)}
+
+
+def plan_steps(*, rows: int, rows_per_step: int, max_steps: int | None,
+               epochs: float | None) -> int:
+    """Optimizer steps of a run: the fewer of ``max_steps`` and ``epochs`` passes over
+    ``rows`` (rounded up), one epoch when neither is set. ``rows_per_step`` is
+    dp × batch_size × grad_accum."""
+    if epochs is None and max_steps is not None:
+        return max_steps
+    by_epochs = max(1, math.ceil((1.0 if epochs is None else epochs) * rows / rows_per_step - 1e-9))
+    return by_epochs if max_steps is None else min(max_steps, by_epochs)
+
+
+def steps_summary(*, rows: int, rows_per_step: int, steps: int, max_steps: int | None,
+                  epochs: float | None) -> list[str]:
+    """Banner lines: the steps, why, the epochs they make; a warning when one step takes
+    more rows than the data has."""
+    if epochs is None and max_steps is not None:
+        why = "train.max_steps"
+    elif epochs is None:
+        why = "one epoch: train.max_steps and train.epochs are both null"
+    elif max_steps is not None and steps == max_steps:
+        why = f"train.max_steps, reached before train.epochs {epochs:g}"
+    else:
+        why = f"train.epochs {epochs:g}"
+    lines = [f"steps: {steps:,} × {rows_per_step:,} row{'s' * (rows_per_step != 1)} = "
+             f"{steps * rows_per_step / rows:.2f} epochs of {rows:,} rows ({why})"]
+    if rows < rows_per_step:
+        lines.append(f"warning: the data makes {rows:,} packed row{'s' * (rows != 1)} but one step "
+                     f"takes {rows_per_step:,} (dp × batch_size × grad_accum), so every step "
+                     f"trains on the same rows again; add data or lower train.grad_accum")
+    return lines
+
+
+class _EpochOrder:
+    """Stream index -> row number: epoch e is the permutation drawn from ``(seed, e)``."""
+
+    def __init__(self, n_rows: int, seed: int) -> None:
+        self.n_rows, self.seed = n_rows, seed
+        self._cache: dict[int, np.ndarray] = {}
+
+    def __getitem__(self, index: int) -> int:
+        epoch, offset = divmod(index, self.n_rows)
+        if epoch not in self._cache:
+            if len(self._cache) > 1:
+                self._cache.pop(min(self._cache))
+            self._cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+        return int(self._cache[epoch][offset])
+
+
+def _collate(rows: list[dict[str, np.ndarray]]) -> PackedBatch:
+    tensors = [torch.from_numpy(np.stack([np.asarray(r[n], dtype=np.int64) for r in rows]))
+               for n in _COLUMNS]  # (B, S) each
+    bounds = {tuple(int(x) for x in np.cumsum([0, *r["doc_lens"]])) for r in rows}
+    if len(bounds) > 1:
+        raise ValueError("the rows of one batch have different document boundaries; use "
+                         "batch_size 1 with document_mask")
+    (cu_seqlens,) = bounds
+    return PackedBatch(*tensors, cu_seqlens=None if len(cu_seqlens) == 2 else cu_seqlens)
+
+
+def reorder_documents(batch: PackedBatch, order) -> PackedBatch:
+    """``batch`` with its documents in ``order`` (every column moved with its tokens,
+    ``cu_seqlens`` following); the identity order returns ``batch`` itself."""
+    order = [int(i) for i in order]
+    if order == list(range(len(order))):
+        return batch
+    bounds = batch.cu_seqlens
+    index = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in order])
+    lengths = [bounds[i + 1] - bounds[i] for i in order]
+    return PackedBatch(*(getattr(batch, n)[:, index] for n in _COLUMNS),
+                       cu_seqlens=tuple(int(x) for x in np.cumsum([0, *lengths])))
+
+
+def shard_batch(batch: PackedBatch, *, cp_rank: int, cp_size: int, layout: str) -> PackedBatch:
+    """This cp rank's part of ``batch`` in the attention's ``layout`` ("contiguous" or
+    "zigzag"): (B, S / cp_size) tensors, cu_seqlens unchanged (global)."""
+    from lctrain_kernels.distributed import shard
+
+    parts = [shard(getattr(batch, n), layout=layout, dim=1, rank=cp_rank, world_size=cp_size)
+             for n in _COLUMNS]
+    return PackedBatch(*parts, cu_seqlens=batch.cu_seqlens)

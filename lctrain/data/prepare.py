@@ -1,67 +1,89 @@
 """Data preparation, once per machine and visibly: records → samples → token stream → rows.
 
-    rows = prepare_data(cfg.data, tokenizer, leader=local_rank == 0, show_progress=rank == 0)
-    for line in rows_summary(rows): print(line)
-
-The leader reads the source record by record (`lctrain.data.records`), turns records into
-samples (`lctrain.data.formats`: the format, detected when ``data.format`` is auto, and the loss
-mask), writes the token stream into the cache (`lctrain.data.cache`) and plans the rows
-(`lctrain.data.packing`); with ``show_progress`` it shows how far it has got. Every other
-process of the machine waits for the cache and memory-maps it; so does every later run with the
-same source files, tokenizer and settings, which then starts at once. The function takes a
-`DataConfig`, so any set of rows (an evaluation set from another source, say) is prepared the
-same way.
+The leader writes the encoded source into the cache (`default_cache_dir`: one folder per
+`digest` of all the content depends on, appearing by atomic rename) and plans the rows; other
+processes and later runs memory-map it. ``data.eval_fraction`` holds documents out of the
+training rows (drawn from ``train.seed``); both parts share the token stream.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import hashlib
 import json
+import os
+import shutil
 import sys
 import time
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from lctrain.config import DataConfig
-from lctrain.data import cache
 from lctrain.data.formats import Encoder, Skips, detect_format
 from lctrain.data.packing import PackedRows, RowPlan, TokenStream, plan_rows
-from lctrain.data.records import Record, RecordReader, source_identity
-from lctrain.data.split import part_samples
+from lctrain.data.records import RecordReader, source_identity
 from lctrain.data.tokenizer import ByteTokenizer, pad_token_id
 from lctrain.errors import DataError
 
-_BATCH = 512
-PROGRESS_EVERY_S = 10.0
-"""Seconds between the progress lines of a preparation whose output is not a terminal."""
-"""Records tokenized together (fast tokenizers encode a batch in parallel)."""
+_BATCH = 512  # records tokenized together
+PROGRESS_EVERY_S = 10.0  # between progress lines when the output is not a terminal
+PARTS = ("train", "eval")
+LAYOUT_VERSION = 3  # bumped whenever what a cache folder holds changes
+
+
+def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
+    """Sorted int64 indices of the round(fraction × documents) held-out documents.
+
+    Raises:
+        DataError: the fraction holds out no document, or every document.
+    """
+    count = int(round(fraction * documents))
+    if count < 1:
+        raise DataError(f"data.eval_fraction {fraction:g} of {documents} documents holds out "
+                        f"none; raise it to at least {1 / documents:.2g} or use "
+                        f"data.eval_source")
+    if count >= documents:
+        raise DataError(f"data.eval_fraction {fraction:g} of {documents} documents holds out all "
+                        f"of them and leaves none to train on; lower it or use data.eval_source")
+    rng = np.random.default_rng([seed, documents])
+    return np.sort(rng.choice(documents, size=count, replace=False)).astype(np.int64)
+
+
+def part_samples(data: DataConfig, part: str, documents: int, seed: int = 0) -> np.ndarray | None:
+    """The sample indices of ``part`` of the source's ``documents`` (None: all of them).
+
+    Raises:
+        DataError: see `held_out`. ValueError: ``eval`` without a fraction, or another part.
+    """
+    if part not in PARTS:
+        raise ValueError(f"unknown data part {part!r}; use one of {PARTS}")
+    if data.eval_fraction == 0:
+        if part == "eval":
+            raise ValueError("the eval part of data.source needs data.eval_fraction > 0")
+        return None
+    chosen = held_out(documents, data.eval_fraction, seed)
+    return chosen if part == "eval" else np.setdiff1d(np.arange(documents, dtype=np.int64), chosen)
 
 
 def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
                  show_progress: bool = False, part: str = "train",
-                 source_key: str = "data.source") -> PackedRows:
+                 source_key: str = "data.source", seed: int = 0) -> PackedRows:
     """The packed rows of ``data``, from the cache or prepared into it.
 
     Args:
-        data: the data settings (source, format, seq_len, long_samples, cache_dir, ...).
-        tokenizer: from `load_tokenizer`.
-        leader: this process builds what the cache lacks; the others wait for it. Exactly one
-            process per machine (and cache folder) should be the leader.
-        show_progress: print what is being prepared and how far it has got (rank 0).
-        part: ``train`` — data.source without the documents data.eval_fraction holds out (all
-            of it when that is 0); ``eval`` — the validation rows: data.eval_source prepared
-            with the same settings, or the held-out documents (`lctrain.data.split`).
-        source_key: the recipe key ``data.source`` holds the value of, named in messages about
-            the source (``data.eval_source`` when preparing that one).
-
-    Returns:
-        PackedRows whose ``info`` says what was found (see `rows_summary`).
+        leader: this process builds what the cache lacks (one per machine); the others wait.
+        part: ``train`` (without the held-out documents) or ``eval`` (data.eval_source, or
+            the held-out documents).
+        source_key: the recipe key named in messages about the source.
+        seed: ``train.seed``, which chooses the documents data.eval_fraction holds out.
 
     Raises:
-        DataError: unreadable source, bad record, no token to train on, unwritable cache, no
-            validation data for ``eval``, or an eval_fraction that holds out none or all.
+        DataError: unreadable source, bad record, no token to train on, unwritable cache, or
+            no validation data for ``eval``.
     """
     if part == "eval" and data.eval_source is not None:
         own = dataclasses.replace(data, source=data.eval_source, eval_source=None,
@@ -73,44 +95,38 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
     if part == "eval" and data.eval_fraction == 0:
         raise DataError("there is no validation data; set data.eval_source (a file) or "
                         "data.eval_fraction (a share of data.source's documents)")
-    root = Path(data.cache_dir).expanduser() if data.cache_dir else cache.default_cache_dir()
-    folder = root / cache.digest(["tokens", source_identity(data), tokenizer_identity(tokenizer),
+    root = default_cache_dir()
+    folder = root / digest(["tokens", source_identity(data), tokenizer_identity(tokenizer),
                                   data.format, data.text_field, data.max_documents])
     built = {"tokens": False, "rows": False}
     start = time.perf_counter()
-    if leader:
-        with cache.exclusive(folder.with_name(folder.name + ".lock")):
-            if not (folder / "meta.json").exists():
-                cache.build_folder(folder, lambda tmp: _write_tokens(tmp, data, tokenizer,
-                                                                     show_progress, source_key))
-                built["tokens"] = True
-            meta = _meta(folder)
-            samples = part_samples(data, part, meta["samples"])
-            rows_file = _rows_file(folder, data, meta, part if samples is not None else None)
-            if not rows_file.exists():
-                stream = _open_stream(folder, meta)
-                cache.write_file(rows_file, lambda tmp: _save_plan(
-                    tmp, plan_rows(stream, data.seq_len, _mode(data, meta), samples)))
-                built["rows"] = True
-    else:
-        cache.wait_for(folder / "meta.json")
+    lock = folder.with_name(folder.name + ".lock")
+    with exclusive(lock) if leader else contextlib.nullcontext():
+        if leader and not (folder / "meta.json").exists():
+            build_folder(folder, lambda tmp: _write_tokens(tmp, data, tokenizer,
+                                                                 show_progress, source_key))
+            built["tokens"] = True
+        wait_for(folder / "meta.json")
         meta = _meta(folder)
-        samples = part_samples(data, part, meta["samples"])
-        rows_file = _rows_file(folder, data, meta, part if samples is not None else None)
-        cache.wait_for(rows_file)
+        samples = part_samples(data, part, meta["samples"], seed)
+        rows_file = _rows_file(folder, data, meta, part if samples is not None else None, seed)
+        if leader and not rows_file.exists():
+            stream = _open_stream(folder, meta)
+            _save_plan(rows_file, plan_rows(stream, data.seq_len, _mode(data, meta), samples))
+            built["rows"] = True
+        wait_for(rows_file)
     stream = _open_stream(folder, meta)
     info = {**meta, "cache": str(folder), "built_tokens": built["tokens"],
             "built_rows": built["rows"], "seconds": time.perf_counter() - start,
             "long_samples": _mode(data, meta), "source": data.source, "part": part,
-            **_part_counts(stream, data, part, samples)}
+            **_part_counts(stream, data, part, samples, seed)}
     return PackedRows(stream, _load_plan(rows_file), seq_len=data.seq_len,
                       document_mask=data.document_mask, pad_id=pad_token_id(tokenizer), info=info)
 
 
 def _part_counts(stream: TokenStream, data: DataConfig, part: str,
-                 samples: np.ndarray | None) -> dict:
-    """What a part of the source holds: its documents, tokens and target tokens, and how many
-    documents were held out (nothing when the part is the whole source)."""
+                 samples: np.ndarray | None, seed: int) -> dict:
+    """A part's documents, tokens, targets and held-out count ({} for the whole source)."""
     if samples is None:
         return {}
     held = samples if part == "eval" else np.setdiff1d(np.arange(stream.bounds.size - 1), samples)
@@ -123,20 +139,18 @@ def _part_counts(stream: TokenStream, data: DataConfig, part: str,
     return {"part_samples": int(samples.size), "part_tokens": tokens, "part_targets": targets,
             "part_longest": longest,
             "held_out": int(held.size), "eval_fraction": data.eval_fraction,
-            "eval_seed": data.eval_seed}
+            "seed": seed}
 
 
 def tokenizer_identity(tokenizer: Any) -> list:
-    """What identifies how ``tokenizer`` turns text into ids: its class, full definition (the
-    tokenizer.json of fast tokenizers, else the vocabulary), chat template, special ids and the
-    ids of a probe text with special tokens (which catches bos/eos settings)."""
+    """What identifies how ``tokenizer`` turns text into ids (for the cache key)."""
     probe = "lctrain probe"
     if isinstance(tokenizer, ByteTokenizer):
         return ["bytes", tokenizer.vocab_size, tokenizer.encode(probe)]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     definition = backend.to_str() if backend is not None else json.dumps(
         sorted(tokenizer.get_vocab().items()))
-    return [type(tokenizer).__name__, cache.digest(definition), tokenizer.chat_template,
+    return [type(tokenizer).__name__, digest(definition), tokenizer.chat_template,
             len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
             tokenizer.pad_token_id, list(tokenizer(probe, add_special_tokens=True)["input_ids"])]
 
@@ -149,13 +163,12 @@ def _mode(data: DataConfig, meta: dict) -> str:
     return "drop" if masked else "split"
 
 
-def _rows_file(folder: Path, data: DataConfig, meta: dict, part: str | None) -> Path:
-    """The row plan's file: one per seq_len and packing mode, and per part of the source when
-    documents are held out (part None: the whole source, as always)."""
+def _rows_file(folder: Path, data: DataConfig, meta: dict, part: str | None, seed: int) -> Path:
+    """The row plan's file: per seq_len, packing mode and (None: whole source) part."""
     key = ["rows", data.seq_len, _mode(data, meta)]
     if part is not None:
-        key += [part, data.eval_fraction, data.eval_seed]
-    return folder / f"rows-{cache.digest(key)}.npz"
+        key += [part, data.eval_fraction, seed]
+    return folder / f"rows-{digest(key)}.npz"
 
 
 def _meta(folder: Path) -> dict:
@@ -170,9 +183,16 @@ def _open_stream(folder: Path, meta: dict) -> TokenStream:
 
 
 def _save_plan(path: Path, plan: RowPlan) -> None:
-    with open(path, "wb") as handle:
-        np.savez(handle, starts=plan.starts, stops=plan.stops, offsets=plan.offsets,
-                 counts=np.array([plan.long, plan.left_out, plan.first_long]))
+    """Write ``plan`` to a temporary file beside ``path``, then rename it to ``path``."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        with open(tmp, "wb") as handle:
+            np.savez(handle, starts=plan.starts, stops=plan.stops, offsets=plan.offsets,
+                     counts=np.array([plan.long, plan.left_out, plan.first_long]))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _load_plan(path: Path) -> RowPlan:
@@ -183,8 +203,7 @@ def _load_plan(path: Path) -> RowPlan:
 
 def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
                   source_key: str) -> None:
-    """Read, encode and write the token stream of ``data`` into ``folder`` (meta.json last);
-    ``source_key`` names the recipe key of ``data.source`` in messages."""
+    """Read, encode and write the token stream of ``data`` into ``folder`` (meta.json last)."""
     reader = RecordReader(data, source_key=source_key)
     progress = _Progress(reader, data.source, show)
     records = iter(reader)
@@ -198,7 +217,7 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
     lengths: list[int] = []
     with open(folder / "ids.bin", "wb") as ids, open(folder / "targets.bin", "wb") as flags, \
             open(folder / "wheres.txt", "w", encoding="utf-8") as wheres:
-        for batch in _batches(first, records):
+        for batch in chain([first], iter(lambda: list(islice(records, _BATCH)), [])):
             counts["records"] += len(batch)
             for sample in encoder.encode(batch):
                 sample.ids.tofile(ids)
@@ -220,20 +239,12 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def _batches(first: list[Record], rest: Iterator[Record]) -> Iterator[list[Record]]:
-    yield first
-    while batch := list(islice(rest, _BATCH)):
-        yield batch
-
-
 class _Progress:
-    """What the leader shows while preparing: a rich bar on a terminal, else a line every
-    `PROGRESS_EVERY_S` seconds; nothing when not shown."""
+    """A rich bar on a terminal, else a line every `PROGRESS_EVERY_S` seconds."""
 
     def __init__(self, reader: RecordReader, source: str, show: bool) -> None:
-        self.reader, self.show, self.every_s = reader, show, PROGRESS_EVERY_S
+        self.reader, self.show, self.every_s, self.bar = reader, show, PROGRESS_EVERY_S, None
         self.start = self.last = time.perf_counter()
-        self.bar = None
         if not show:
             return
         print(f"preparing data from {source} (tokenizing and packing once; later runs and the "
@@ -256,8 +267,8 @@ class _Progress:
                             info=info)
         elif time.perf_counter() - self.last >= self.every_s:
             self.last = time.perf_counter()
-            done, total = self.reader.done, self.reader.total
-            share = f"{100 * done / total:.0f} % read, " if total else ""
+            total = self.reader.total
+            share = f"{100 * self.reader.done / total:.0f} % read, " if total else ""
             print(f"preparing data: {share}{info}", flush=True)
 
     def close(self, counts: dict) -> None:
@@ -269,8 +280,7 @@ class _Progress:
 
 
 def rows_summary(rows: PackedRows) -> list[str]:
-    """Lines for the run's banner: the data's format (and how it was found), samples, tokens,
-    targets, skipped records, long samples, rows, padding, and the cache."""
+    """The banner's lines about the data: format, counts, skips, long samples, rows, cache."""
     info, plan, seq_len = rows.info, rows.plan, rows.seq_len
     samples = info.get("part_samples", info["samples"])
     tokens = info.get("part_tokens", info["tokens"])
@@ -283,8 +293,8 @@ def rows_summary(rows: PackedRows) -> list[str]:
              f"({100 * targets / max(tokens, 1):.0f} %)" + (f"; {skipped}" if skipped else "")]
     if "held_out" in info:
         lines.append(f"held out for validation: {info['held_out']:,} of {info['samples']:,} "
-                     f"documents (data.eval_fraction {info['eval_fraction']:g}, data.eval_seed "
-                     f"{info['eval_seed']}), never trained on")
+                     f"documents (data.eval_fraction {info['eval_fraction']:g}, train.seed "
+                     f"{info['seed']}), never trained on")
     real = int((plan.stops - plan.starts).sum())
     lines.append(f"rows: {len(rows):,} × {seq_len:,} tokens, {_mode_text(info['long_samples'])}, "
                  f"{100 * (1 - real / (len(rows) * seq_len)):.1f} % padding")
@@ -319,3 +329,57 @@ def _where(folder: Path, index: int) -> str:
         line = next(islice(handle, index, None), "?")
     return line.rstrip("\n")
 
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/lctrain/data``, or ``~/.cache/lctrain/data``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lctrain" / "data"
+
+
+def digest(parts: Any) -> str:
+    """A short hex hash of JSON-serialisable ``parts`` (with the layout version)."""
+    text = json.dumps([LAYOUT_VERSION, parts], sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` inside the block.
+
+    Raises:
+        DataError: the folder cannot be written.
+    """
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a+")
+    except OSError as error:
+        raise DataError(f"cannot write the data cache in {lock_path.parent} ({error.strerror}); "
+                        f"set XDG_CACHE_HOME to a writable folder") from None
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_folder(folder: Path, build: Callable[[Path], None]) -> None:
+    """Run ``build(tmp)`` into a fresh temporary folder, then rename it to ``folder`` (a stale
+    one without ``meta.json`` is replaced)."""
+    if folder.exists() and not (folder / "meta.json").exists():
+        shutil.rmtree(folder)
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        build(tmp)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def wait_for(path: Path, *, poll_s: float = 0.2) -> None:
+    """Block until ``path`` exists (the leader is writing it)."""
+    while not path.exists():
+        time.sleep(poll_s)

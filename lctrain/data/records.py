@@ -1,42 +1,29 @@
-"""Reading a data source record by record, each record with the place it came from.
+"""Reading a data source record by record, each record with its location for messages.
 
-A record is one sample before tokenization: a mapping of field names to values
-(``{"text": ...}``, ``{"prompt": ..., "completion": ...}``, ``{"messages": [...]}``,
-``{"input_ids": [...]}``). Each comes with its location — ``file:line`` for JSON lines,
-``file: record i`` for a JSON array, ``file: row i`` for parquet, the file for a .txt document,
-``builtin topic 'name'``, ``name[split] row i`` for a hub dataset — so that every error and every
-skipped record can be named.
-
-Sources (``data.source``):
-
-* ``builtin`` — the help topics that ship with Python itself (``pydoc_data.topics``): 79
-  documents, about 0.5 MB of English prose and code, present offline on every machine;
-* ``.jsonl`` — one JSON object per line, strict UTF-8 (a byte-order mark is allowed); blank
-  lines are not records; a line that is not UTF-8, not JSON or not an object is an error;
-* ``.json`` — a JSON array of objects, or JSON lines;
-* ``.parquet`` — one record per row;
-* ``.txt`` — each file is one document (its text under ``data.text_field``), strict UTF-8;
-* any other name — a Hugging Face hub dataset, read through ``datasets`` from the hub or the
-  datasets cache; refused at once when neither can give it
-  (`lctrain.config.hub.check_hub_dataset`).
-
-`RecordReader.done` / ``total`` tell how far reading has got (bytes for JSON and text files,
-records otherwise), which is what the preparation's progress display shows.
+Sources (``data.source``): ``builtin`` (Python's own help topics, present offline), ``.jsonl``
+(strict UTF-8, one object a line), ``.json`` (an array of objects, or JSON lines),
+``.parquet``, ``.txt`` (one document a file), or a Hugging Face hub dataset name.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
 from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
 from typing import Any, Iterator
 
 from lctrain.config import DataConfig, local_data
 from lctrain.config.hub import check_hub_dataset
 from lctrain.errors import DataError
 
+_BOM = b"\xef\xbb\xbf"
+
 
 def builtin_documents() -> list[str]:
-    """The built-in corpus: every ``pydoc_data.topics`` help topic, sorted by topic name."""
+    """The built-in corpus: every ``pydoc_data.topics`` help topic, by topic name."""
     from pydoc_data.topics import topics
 
     return [topics[name] for name in sorted(topics)]
@@ -44,46 +31,29 @@ def builtin_documents() -> list[str]:
 
 @dataclass(frozen=True)
 class Record:
-    """One record of the source and where it is."""
+    """One record's fields and its location (``file:line``, ``file: row i``, ...)."""
 
     fields: dict[str, Any]
-    """The record's fields."""
     where: str
-    """Its location, for messages: ``file:line``, ``file: row i``, ..."""
 
 
 class RecordReader:
-    """Iterate over the records of ``data.source`` (the first ``data.max_documents`` of them).
-
-    ``source_key`` is the recipe key the source was set by (``data.eval_source`` for validation
-    rows prepared from their own source), named in messages.
-
-    Attributes:
-        total: the size of the source in ``unit`` (bytes of local JSON / text files, else
-            records; 0 when unknown).
-        done: how much of it has been read so far.
-        unit: ``"B"`` or ``"records"``.
-    """
+    """The records of ``data.source`` (the first ``data.max_documents``); ``source_key`` is
+    the recipe key named in messages. ``done`` of ``total`` tells how far reading has got (bytes
+    of local JSON and text files, else records; total 0 when unknown)."""
 
     def __init__(self, data: DataConfig, *, source_key: str = "data.source") -> None:
-        self.data = data
-        self.source_key = source_key
+        self.data, self.source_key, self.done = data, source_key, 0
         self.local = local_data(data.source)
-        self.done = 0
         if self.local is None:
-            builtin = data.source == "builtin"
-            self.total, self.unit = (len(builtin_documents()) if builtin else 0), "records"
+            self.total = len(builtin_documents()) if data.source == "builtin" else 0
         elif self.local.builder == "parquet":
-            self.total, self.unit = _parquet_rows(self.local.files), "records"
+            self.total = _parquet_rows(self.local.files)
         else:
-            self.total, self.unit = sum(os.path.getsize(f) for f in self.local.files), "B"
+            self.total = sum(os.path.getsize(f) for f in self.local.files)
 
     def __iter__(self) -> Iterator[Record]:
-        limit = self.data.max_documents
-        for count, record in enumerate(self._records()):
-            if limit is not None and count >= limit:
-                return
-            yield record
+        return islice(self._records(), self.data.max_documents)
 
     def _records(self) -> Iterator[Record]:
         key = self.data.text_field
@@ -97,8 +67,7 @@ class RecordReader:
         if self.local is None:
             yield from self._hub()
             return
-        readers = {"json": self._json, "parquet": self._parquet, "text": self._text}
-        read = readers[self.local.builder]
+        read = getattr(self, "_" + self.local.builder)  # _json, _parquet or _text
         for path in self.local.files:
             try:
                 yield from read(path)
@@ -120,8 +89,8 @@ class RecordReader:
                 if not raw.strip():
                     continue
                 where = f"{path}:{lineno}"
-                text = _utf8(raw[3:] if lineno == 1 and raw.startswith(b"\xef\xbb\xbf") else raw,
-                             where, lineno_in_text=False)
+                text = _utf8(raw.removeprefix(_BOM) if lineno == 1 else raw, where,
+                             lineno_in_text=False)
                 try:
                     fields = json.loads(text)
                 except json.JSONDecodeError as error:
@@ -131,32 +100,28 @@ class RecordReader:
 
     def _parquet(self, path: str) -> Iterator[Record]:
         pq = _optional("pyarrow.parquet", "pyarrow", ".parquet files")
-        row = 0
         try:
             batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-            for batch in batches:
-                for fields in batch.to_pylist():
-                    self.done += 1
-                    yield Record(fields, f"{path}: row {row}")
-                    row += 1
+            for row, fields in enumerate(f for batch in batches for f in batch.to_pylist()):
+                self.done += 1
+                yield Record(fields, f"{path}: row {row}")
         except (OSError, ValueError) as error:  # pyarrow's errors derive from these
             raise DataError(f"could not read {path} as parquet ({_first_line(error)}); check "
                             f"the file") from None
 
     def _text(self, path: str) -> Iterator[Record]:
-        with open(path, "rb") as handle:
-            raw = handle.read()
+        raw = Path(path).read_bytes()
         self.done += len(raw)
-        text = _utf8(raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw, path, lineno_in_text=True)
+        text = _utf8(raw.removeprefix(_BOM), path, lineno_in_text=True)
         yield Record({self.data.text_field: text}, path)
 
     def _hub(self) -> Iterator[Record]:
         datasets = _optional("datasets", "datasets", "hub datasets")
         name, split = self.data.source, self.data.split
         # refused at once when neither the hub nor the datasets cache can give it
-        check_hub_dataset(name, cache_dir=self.data.cache_dir, what=self.source_key)
+        check_hub_dataset(name, what=self.source_key)
         try:
-            dataset = datasets.load_dataset(name, split=split, cache_dir=self.data.cache_dir)
+            dataset = datasets.load_dataset(name, split=split)
         except Exception as error:  # noqa: BLE001 - offline, unknown name, no such split...
             key = self.source_key
             raise DataError(f"could not load the hub dataset {name!r} split {split!r} "
@@ -182,17 +147,14 @@ def _utf8(raw: bytes, where: str, *, lineno_in_text: bool) -> str:
 
 def _json_document(path: str) -> list | None:
     """The records of a .json file holding one JSON array; None when it is JSON lines."""
-    with open(path, "rb") as handle:
-        raw = handle.read()
-    text = _utf8(raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw, path, lineno_in_text=True)
+    text = _utf8(Path(path).read_bytes().removeprefix(_BOM), path, lineno_in_text=True)
     if not text.lstrip().startswith("["):
         return None
     try:
-        records = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{error.lineno} is not valid JSON ({error.msg} at column "
                         f"{error.colno}); fix the file") from None
-    return records
 
 
 def _object(fields: Any, where: str) -> dict[str, Any]:
@@ -213,8 +175,6 @@ def _parquet_rows(files: list[str]) -> int:
 
 def _optional(module: str, package: str, what: str):
     """Import ``module``, or a DataError saying which package reading ``what`` needs."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -228,12 +188,9 @@ def _first_line(error: BaseException) -> str:
 
 
 def source_identity(data: DataConfig) -> list:
-    """What identifies the source's content cheaply, for the cache key: each local file's
-    absolute path, size and modification time; the built-in corpus's text length and Python
-    version; a hub dataset's name and split."""
+    """What identifies the source's content cheaply, for the cache key (local files: path,
+    size and modification time)."""
     if data.source == "builtin":
-        import sys
-
         return ["builtin", sys.version, sum(len(t) for t in builtin_documents())]
     local = local_data(data.source)
     if local is None:

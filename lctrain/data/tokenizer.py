@@ -1,26 +1,8 @@
-"""Tokenizers: the model's own, any transformers tokenizer, or a built-in one for random inits.
+"""Tokenizers (``data.tokenizer``): the model's own (null), any transformers tokenizer, or a
+built-in one for random inits: ``bytes`` (UTF-8 bytes, then bos, eos, pad) and ``byte-pairs``
+(two bytes a token, a vocabulary as large as real ones', for benchmark twins).
 
-Which one (``data.tokenizer``):
-
-- null, the default: the tokenizer stored with ``model.path``, through ``AutoTokenizer``. A
-  pretrained model reads only its own tokenizer's ids, so the built-in ones are refused with a
-  model path (`lctrain.config` says so before anything runs);
-- a tokenizer folder or hub name: that tokenizer, whose vocabulary must fit the model's;
-- ``bytes``: UTF-8 bytes as ids 0–255, then bos 256, eos 257, pad 258 (259 ids). No files, no
-  download: the embedded tiny default;
-- ``byte-pairs``: two UTF-8 bytes a token (id 256·b0 + b1), a lone last byte as 65,536 + b, then
-  bos, eos, pad (65,795 ids). For random-init twins of real models in benchmarks: tokens carry
-  about as many bytes as a real tokenizer's, and the ids spread over a large vocabulary, so the
-  embedding and the output head see dense gradients as they would in a real run.
-
-Documents: each one becomes what the tokenizer's own ``add_special_tokens=True`` makes of it —
-the family's convention: Llama 2 and Mistral prepend ``<s>``, Llama 3 ``<|begin_of_text|>``,
-Qwen and GPT-2 nothing — followed by eos unless the tokenizer already ended it with eos (Llama
-3's ``<|end_of_text|>``, Qwen's ``<|endoftext|>``, ``</s>``): the end of every document is marked,
-as in the model's pretraining, even where the packed row continues with the next one.
-
-Both built-in tokenizers have a small chat format of their own (`ByteTokenizer.encode_chat`)
-for chat data.
+A document is what the tokenizer's ``add_special_tokens=True`` makes of it, ending in eos.
 """
 from __future__ import annotations
 
@@ -29,12 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lctrain.config import (
-    BYTE_PAIR_TOKENIZER_VOCAB,
-    BYTE_TOKENIZER_VOCAB,
-    RecipeConfig,
-    require_model_path,
-)
+from lctrain.config import (BYTE_PAIR_TOKENIZER_VOCAB, BYTE_TOKENIZER_VOCAB, RecipeConfig,
+                            require_model_path)
 from lctrain.config.hub import cache_only, check_hub_tokenizer, looks_like_hub_name
 from lctrain.errors import ConfigError, DataError
 
@@ -73,16 +51,12 @@ class ByteTokenizer:
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False
                     ) -> tuple[list[int], list[bool]]:
-        """Token ids of a conversation in the byte tokenizer's own chat format, and which of
-        them are the assistant's (the tokens a chat fine-tune trains on).
-
-        The format: ``<bos>``, then per message ``<|ROLE|>`` + newline + content, ended by
-        ``<eos>`` for the assistant and by a newline for any other role; with
-        ``add_generation_prompt`` a final ``<|assistant|>`` + newline opens the reply. The
-        assistant's content and its ``<eos>`` are marked True, headers and other turns False.
+        """Token ids of a conversation and which of them are the assistant's: ``<bos>``, then
+        per message ``<|ROLE|>\\n`` + content + (``<eos>`` for the assistant, else ``\\n``);
+        ``add_generation_prompt`` appends ``<|assistant|>\\n``.
 
         Raises:
-            ValueError: a message is not a mapping with a string ``role`` and ``content``.
+            ValueError: a message without a string ``role`` and ``content``.
         """
         ids, assistant = [self.bos_token_id], [False]
         for message in messages:
@@ -135,19 +109,15 @@ class BytePairTokenizer(ByteTokenizer):
 
 
 BUILTIN = {"bytes": ByteTokenizer, "byte-pairs": BytePairTokenizer}
-"""The tokenizers that need no files, by ``data.tokenizer`` name (vocabularies as
-`lctrain.config.BUILTIN_TOKENIZERS` states them)."""
 
 
 def load_tokenizer(cfg: RecipeConfig, vocab_size: int | None = None) -> Any:
-    """The recipe's tokenizer (see the module docstring); with ``vocab_size`` (the model's, as
-    `lctrain.model.load_tokenizer` gives it) checked against the model's vocabulary.
+    """The recipe's tokenizer, checked against the model's ``vocab_size`` when given.
 
     Raises:
-        ConfigError: model.path is unset or a placeholder where its tokenizer is wanted, a hub
-            name that neither the hub nor its local cache can give (`check_hub_tokenizer`), or
-            the tokenizer has more ids than the model has embeddings.
-        DataError: the tokenizer folder / hub name cannot be loaded (missing, or offline).
+        ConfigError: no usable model.path where its tokenizer is wanted, a hub name neither
+            the hub nor its cache can give, or more ids than the model has embeddings.
+        DataError: the tokenizer cannot be loaded.
     """
     name = cfg.data.tokenizer
     if name in BUILTIN:
@@ -166,35 +136,25 @@ def load_tokenizer(cfg: RecipeConfig, vocab_size: int | None = None) -> Any:
         where = "the tokenizer" if name else "the tokenizer of model.path"
         raise DataError(f"could not load {where} {source!r} ({reason}); point data.tokenizer at a "
                         f"local tokenizer folder") from None
-    if vocab_size is not None:
-        check_vocabulary(tokenizer, cfg, vocab_size)
-    return tokenizer
-
-
-def check_vocabulary(tokenizer: Any, cfg: RecipeConfig, vocab: int) -> None:
-    """Raise ConfigError when the tokenizer has ids the model (``vocab`` embeddings) lacks."""
-    if len(tokenizer) > vocab:
-        shown = cfg.data.tokenizer or cfg.model.path
+    if vocab_size is not None and len(tokenizer) > vocab_size:  # ids without an embedding
+        shown, vocab = cfg.data.tokenizer or cfg.model.path, vocab_size
         raise ConfigError(f"the tokenizer {shown!r} has {len(tokenizer)} tokens but the model's "
                           f"vocab_size is {vocab}, so ids {vocab} and up have no embedding; use "
                           f"the model's own tokenizer (data.tokenizer=null) or one that matches it",
                           key="data.tokenizer")
+    return tokenizer
 
 
 def encode_documents(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each document, as the module docstring says (ending in eos when it has one)."""
+    """Token ids of each document, with the tokenizer's specials and a closing eos."""
     if isinstance(tokenizer, ByteTokenizer):
         return [tokenizer.encode(text) for text in texts]
     ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
     eos = tokenizer.eos_token_id
-    if eos is None:
-        return [list(doc) for doc in ids]
-    return [list(doc) if doc and doc[-1] == eos else [*doc, eos] for doc in ids]
+    return [list(doc) if eos is None or (doc and doc[-1] == eos) else [*doc, eos] for doc in ids]
 
 
 def pad_token_id(tokenizer: Any) -> int:
-    """The id written into padding (never a label, never attended to by real tokens)."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
+    """The id written into padding (never a label)."""
+    ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    return int(next((i for i in ids if i is not None), 0))

@@ -1,9 +1,5 @@
-"""One rank of a self-launched evaluation (`lctrain.eval.run.evaluate` starts N of them through
-torch.distributed.run):
-
-    python -m lctrain.eval --config RECIPE.yaml [--config-sha256 HEX] [--error-dir DIR]
-        [--store FILE] --request REQUEST.json
-"""
+"""One rank of a self-launched evaluation: ``python -m lctrain.eval --config RECIPE.yaml
+--request REQUEST.json [...]``."""
 import sys
 
 from lctrain.launch.lifetime import die_with_launcher

@@ -1,12 +1,13 @@
-"""`lctrain bench report` on files written by ``lctrain eval --json``: each shown as the eval
-command shows it (its table and the lines under it), so published evaluation tables are made
-from their result files like the bench's."""
+"""`lctrain bench report` on files written by ``lctrain eval --json``, shown as the eval
+command shows them."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from lctrain.errors import UserError
+from lctrain.eval.report import load, plot as _draw, table
+from lctrain.report.output import say, show
 
 
 def eval_results(files: list[str]) -> list:
@@ -15,8 +16,6 @@ def eval_results(files: list[str]) -> list:
     Raises:
         UserError: evaluation and bench results mixed (they share no table).
     """
-    from lctrain.eval.result import load
-
     marked = [_is_eval(path) for path in files]
     if not any(marked):
         return []
@@ -34,10 +33,6 @@ def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_f
     Raises:
         UserError: --rows or --json (bench-only options), or --plot with several files.
     """
-    from lctrain.eval.report import plot as draw
-    from lctrain.eval.report import table
-    from lctrain.report.output import say, show
-
     if rows or json_file is not None:
         raise UserError("--rows and --json merge bench results; an lctrain eval result is "
                         "shown as it is (use the file itself for its JSON)")
@@ -46,12 +41,11 @@ def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_f
     for result in results:
         show(table(result), fmt, wide)
     if plot is not None:
-        say(f"wrote the plot to {draw(results[0], plot)}")
+        say(f"wrote the plot to {_draw(results[0], plot)}")
 
 
 def _is_eval(path: str) -> bool:
-    """Whether ``path`` holds an lctrain eval document (unreadable files are left to the
-    bench loader, which names the problem)."""
+    """Whether ``path`` holds an lctrain eval document (unreadable: left to the bench loader)."""
     try:
         data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
     except (OSError, ValueError):

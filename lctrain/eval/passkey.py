@@ -1,24 +1,9 @@
-"""The passkey retrieval test: a number hidden in filler text, asked for at the end.
+"""The passkey retrieval test (Mohtashami & Jaggi): a number hidden in filler text, asked for
+at the end.
 
-A prompt of exactly ``length`` tokens (the form of Mohtashami & Jaggi's landmark-attention test,
-used since by LongLoRA, YaRN and others)::
-
-    <bos> There is an important info hidden inside a lot of irrelevant text. Find it and
-    memorize it. I will quiz you about the important information there.
-    The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.
-    The grass is green. ...            <- filler, repeated to fill the length
-    The pass key is 71432. Remember it. 71432 is the pass key.     <- the needle, at a depth
-    ... The grass is green. The sky is blue.
-    What is the pass key? The pass key is
-
-The prompt is assembled from token ids (each piece tokenized once, without special tokens, the
-tokenizer's leading specials in front), so its length is exact: the filler is a window of the
-endlessly repeated sentences that ends with a whole sentence (only its first one may be cut).
-The needle goes at the sentence boundary of the filler at or before ``depth`` × the filler's
-tokens (depth 0: right after the introduction; 1: right before the question), and
-`PasskeyPrompt` records where it landed in tokens. The model then decodes a few tokens greedily
-(`lctrain.eval.decode`: the prompt runs distributed over the cp ranks); the answer is the first
-run of digits in what it wrote, and it is right when it equals the passkey.
+The prompt is assembled from token ids, so its length is exact: introduction, a window of the
+repeated filler sentences with the needle at the sentence boundary at or before ``depth`` of
+it, then the question. The answer is the first run of digits the model decodes.
 """
 from __future__ import annotations
 
@@ -42,16 +27,8 @@ _DIGITS = re.compile(r"\d+")
 
 @dataclass(frozen=True)
 class PasskeyPrompt:
-    """One test prompt.
-
-    Attributes:
-        ids: the prompt's token ids (exactly the length asked for).
-        passkey: the number hidden in it, as text.
-        depth: the depth asked for (0 = start of the filler, 1 = its end).
-        needle_start, needle_stop: the needle's token span in ``ids``.
-        filler_start, filler_tokens: where the filler (with the needle taken out) starts, and
-            its length in tokens; the needle sits ``needle_start - filler_start`` tokens into it.
-    """
+    """One test prompt: its ids, the passkey, the depth asked for (0: start of the filler,
+    1: its end), the needle's token span, and the filler's start and length (needle excluded)."""
 
     ids: list[int]
     passkey: str
@@ -63,7 +40,7 @@ class PasskeyPrompt:
 
     @property
     def placed_depth(self) -> float:
-        """Where the needle landed, as a share of the filler before it."""
+        """Where the needle landed, as a share of the filler."""
         return (self.needle_start - self.filler_start) / max(self.filler_tokens, 1)
 
 
@@ -71,8 +48,7 @@ def passkey_prompt(tokenizer: Any, length: int, depth: float, passkey: str) -> P
     """The test prompt of ``length`` tokens with ``passkey`` hidden at ``depth``.
 
     Raises:
-        UserError: ``length`` is too short for the introduction, needle and question, or
-            ``depth`` is outside [0, 1].
+        UserError: ``length`` too short for the fixed text, or ``depth`` outside [0, 1].
     """
     if not 0.0 <= depth <= 1.0:
         raise UserError(f"passkey depth {depth:g} is outside [0, 1]; give depths such as "
@@ -117,11 +93,6 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else "·" for c in text.strip())
 
 
-def decode_text(tokenizer: Any, ids: list[int]) -> str:
-    """``ids`` as text, special tokens left out."""
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
 @dataclass(frozen=True)
 class PasskeyCase:
     """One (length, depth, trial) of a passkey run, with its random passkey."""
@@ -134,20 +105,15 @@ class PasskeyCase:
 
 def passkey_cases(lengths: list[int], depths: list[float], trials: int,
                   seed: int) -> list[PasskeyCase]:
-    """Every case of a run, in order, each with a 5-digit passkey drawn from ``seed`` (the same
-    list on every rank)."""
+    """Every case of a run, each with a 5-digit passkey drawn from ``seed`` (same on every rank)."""
     rng = random.Random(seed)
     return [PasskeyCase(length, depth, trial, str(rng.randint(10000, 99999)))
             for length in lengths for depth in depths for trial in range(trials)]
 
 
 def summarize(cases: list[PasskeyCase], outcomes: list[dict]) -> list[dict]:
-    """Result rows, one per (length, depth): accuracy over the trials and the first answer.
-
-    Args:
-        cases: the run's cases.
-        outcomes: per case, {"answer": text, "needle_start": int, "placed_depth": float}.
-    """
+    """Result rows, one per (length, depth): accuracy over the trials and the first answer;
+    ``outcomes`` hold per case its answer text, needle_start and placed_depth."""
     rows: dict[tuple[int, float], dict] = {}
     for case, outcome in zip(cases, outcomes):
         got = parse_answer(outcome["answer"])

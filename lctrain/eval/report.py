@@ -1,22 +1,65 @@
-"""How an evaluation's result is shown: a table for people, and a plot.
+"""An evaluation's result: its JSON document (what ``--json FILE`` writes), a table, and a
+plot (perplexity by position, or passkey accuracy as a length × depth heatmap).
 
-* ppl — one row per position bucket: positions, target tokens scored, mean loss, perplexity;
-  the last row is over every position. Plot: perplexity against position (bucket middles).
-* passkey — one row per (length, depth): where the needle went, accuracy over the trials, the
-  expected number and the first trial's answer. Plot: accuracy as a length × depth heatmap.
-
-Tables are `lctrain.report.table.Table` (compact at any width, markdown, csv); plots go through
-`lctrain.report.plotting` (a bad target fails before any work: `check_plot`).
+The document is ``{"lctrain_eval": 1, "task": "ppl" | "passkey", "title", "meta", "rows"}``:
+ppl rows are position buckets then an ``"all"`` row; passkey rows are (length, depth) pairs
+with every trial under ``samples``.
 """
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.eval.result import EvalResult
 from lctrain.report import plotting
 from lctrain.report.human import gib, parameters, significant, tokens
+from lctrain.report.output import save_document
 from lctrain.report.table import Column, Table
+
+SCHEMA = 1
+TASKS = ("ppl", "passkey")
+check_plot = plotting.check_target  # a ``--plot`` target, checked before any work
+
+
+@dataclass
+class EvalResult:
+    """Rows of one evaluation and the facts they were measured under."""
+
+    task: str
+    title: str
+    rows: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The result as its JSON document."""
+        return json.dumps({"lctrain_eval": SCHEMA, "task": self.task, "title": self.title,
+                           "meta": self.meta, "rows": self.rows}, indent=indent, default=str)
+
+    def save(self, path: str | Path) -> Path:
+        """Write :meth:`to_json` to ``path``; returns the path."""
+        return save_document(path, self.to_json())
+
+
+def load(path: str | Path) -> EvalResult:
+    """Read a result file.
+
+    Raises:
+        UserError: missing, not JSON, or not an evaluation result.
+    """
+    target = Path(path).expanduser()
+    try:
+        data = json.loads(target.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read {target}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{target} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("task") not in TASKS or \
+            not isinstance(data.get("rows"), list):
+        raise UserError(f"{target} is not an lctrain eval result (task ppl or passkey with rows)")
+    return EvalResult(task=data["task"], title=str(data.get("title") or data["task"]),
+                      rows=data["rows"], meta=dict(data.get("meta") or {}))
+
 
 COLUMNS = {
     "ppl": [Column("bucket", "positions"), Column("tokens", "scored", "number", "tokens"),
@@ -35,7 +78,7 @@ COLUMNS = {
 
 
 def describe(result: EvalResult) -> list[str]:
-    """Lines under the table: what ran, where, how long and how much memory it took."""
+    """Lines under the table: what ran, where, how long, how much memory."""
     m = result.meta
     lines = []
     if m.get("parameters"):
@@ -76,24 +119,13 @@ def table(result: EvalResult) -> Table:
                  notes=describe(result))
 
 
-def check_plot(path: str | Path) -> Path:
-    """Check a ``--plot`` target before any work.
-
-    Raises:
-        UserError: matplotlib missing, or a file type it does not write.
-    """
-    return plotting.check_target(path)
-
-
 def plot(result: EvalResult, path: str | Path) -> Path:
-    """Draw the result into ``path`` (see the module docstring).
+    """Draw the result into ``path``.
 
     Raises:
-        UserError: nothing to plot (no bucket with a scored token), or matplotlib missing.
+        UserError: nothing to plot, or matplotlib missing.
     """
-    if result.task == "ppl":
-        return _plot_ppl(result, path)
-    return _plot_passkey(result, path)
+    return (_plot_ppl if result.task == "ppl" else _plot_passkey)(result, path)
 
 
 def _plot_ppl(result: EvalResult, path: str | Path) -> Path:
@@ -107,9 +139,8 @@ def _plot_ppl(result: EvalResult, path: str | Path) -> Path:
     ax.plot(xs, ys, marker="o")
     ax.set_xlim(0, result.meta.get("seq_len") or max(xs) * 2)
     ticks = [r["start"] for r in result.rows if r.get("bucket") != "all"]
-    step = max(1, len(ticks) // 8)
-    ax.set_xticks(ticks[::step])
-    ax.set_xticklabels([tokens(t) for t in ticks[::step]])
+    ticks = ticks[::max(1, len(ticks) // 8)]
+    ax.set_xticks(ticks, [tokens(t) for t in ticks])
     if max(ys) / max(min(ys), 1e-9) > 20:
         ax.set_yscale("log")
     return plotting.finish(fig, ax, path, legend=False)
@@ -126,10 +157,8 @@ def _plot_passkey(result: EvalResult, path: str | Path) -> Path:
                               "needle depth (share of the filler before it)")
     image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="upper")
     ax.grid(False)
-    ax.set_xticks(range(len(lengths)))
-    ax.set_xticklabels([tokens(n) for n in lengths])
-    ax.set_yticks(range(len(depths)))
-    ax.set_yticklabels([f"{100 * d:g}%" for d in depths])
+    ax.set_xticks(range(len(lengths)), [tokens(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths])
     for y, row in enumerate(grid):
         for x, value in enumerate(row):
             if value == value:  # not NaN

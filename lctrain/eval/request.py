@@ -1,22 +1,8 @@
 """What ``lctrain eval`` is asked: the target, the task, and the recipe it runs under.
 
-A target is one of
-
-- a **run folder** (``train.output_dir`` of ``lctrain finetune``: config.yaml, checkpoints/) —
-  its model as the run built it (model.config or model.path, LoRA), with the weights of its
-  newest checkpoint (or ``--step N``), its tokenizer, data, cp and precision;
-- a **checkpoint** of a run (``RUN/checkpoints/step-NNNNNNNN``) — the same as the run folder
-  with ``--step N``;
-- a **model folder** (config.json: an ``lctrain export`` or any transformers model) — the
-  folder's model and tokenizer, the built-in corpus unless ``--data`` says, cp = the local GPUs
-  (1 on a CPU), mixed precision auto;
-- a **recipe** (a YAML file or a shipped name) — the model the recipe starts from (its
-  model.path, or its seeded random init).
-
-`resolve` turns the command's options into the recipe the evaluation's ranks run under (no
-checkpointing, no checkpoint saving, the evaluated length as ``data.seq_len``, ``--set``
-overrides on top) and an `EvalRequest` that travels to every rank. Nothing here imports
-torch.
+A target is a run folder (its newest checkpoint, or ``--step N``), one of its checkpoints, a
+model folder (config.json), or a recipe. `resolve` turns the command's options into that
+recipe and an `EvalRequest` for every rank. Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -30,31 +16,20 @@ from lctrain.config import (ParallelConfig, RecipeConfig, build_recipe, load_rec
                             read_resolved)
 from lctrain.config.loader import parse_override, set_key
 from lctrain.config.paths import check_model_path, shipped_recipes
-from lctrain.errors import ConfigError, UserError
+from lctrain.errors import UserError
 from lctrain_kernels.vocabulary import check_seq_len
 
-CHECKPOINT_NAME = re.compile(r"step-\d{8}")
-"""A checkpoint folder's name (`lctrain.checkpoint.reader`), without importing torch."""
+CHECKPOINT_NAME = re.compile(r"step-\d{8}")  # as `lctrain.checkpoint.reader` names them
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-DEFAULT_BUCKETS = 16
-"""Position buckets of a perplexity run when ``--bucket`` is not given."""
+DEFAULT_BUCKETS = 16  # position buckets of a perplexity run without --bucket
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalRequest:
-    """What every rank of an evaluation needs besides the recipe (JSON-serialisable).
-
-    Attributes:
-        task: ``ppl`` or ``passkey``.
-        target: the target as given; kind: ``run``, ``model`` or ``recipe``.
-        checkpoint, step: the run's checkpoint folder and its step (runs only).
-        part: ppl data: ``eval`` (the run's validation data) or ``train`` (the whole source).
-        max_rows: ppl: evaluate only the first N rows (None: all).
-        bucket: ppl: positions per bucket.
-        lengths, depths, trials, seed: passkey: prompt lengths, needle depths, trials per
-            (length, depth) and the seed of the passkeys.
-        result_file: where rank 0 writes the `lctrain.eval.result.EvalResult`.
-    """
+    """What every rank of an evaluation needs besides the recipe (JSON-serialisable): the
+    task; the target and its kind (run, model, recipe); a run's checkpoint and step; for ppl
+    the data part (``eval``: the validation data), row limit and bucket width; for passkey the
+    lengths, depths, trials and seed; and where rank 0 writes the result."""
 
     task: str
     target: str
@@ -76,9 +51,8 @@ class EvalRequest:
     @classmethod
     def from_json(cls, text: str) -> EvalRequest:
         fields = json.loads(text)
-        for key in ("lengths", "depths"):
-            fields[key] = tuple(fields[key])
-        return cls(**fields)
+        return cls(**{**fields, "lengths": tuple(fields["lengths"]),
+                      "depths": tuple(fields["depths"])})
 
 
 def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | None = None,
@@ -87,13 +61,12 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
             lengths: list[int] | None = None, depths: list[float] | None = None,
             trials: int | None = None, seed: int | None = None
             ) -> tuple[RecipeConfig, EvalRequest]:
-    """The recipe and request of ``lctrain eval TARGET`` (see the module docstring); None
-    means not given.
+    """The recipe and request of ``lctrain eval TARGET``; None means not given.
 
     Raises:
-        UserError: a target that is none of the three, ``--step`` for a target that is not a
-            run, no checkpoint (of that step), a bad override, length, depth or data source,
-            or an option of the other task.
+        UserError: no such target, ``--step`` for a target that is not a run, no checkpoint
+            (of that step), a bad override, length, depth or data source, or an option of the
+            other task.
     """
     if task not in ("ppl", "passkey"):
         raise UserError(f"--task {task!r} is not one of ppl, passkey")
@@ -128,7 +101,11 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
             format_given="data.format" in explicit)
     parallel = ParallelConfig(**raw["parallel"])
     for length in lengths:  # before the recipe, which would name the longest data.seq_len
-        _check_length(parallel, length)
+        try:
+            check_seq_len(length, parallel.cp, parallel.layout, what="passkey length",
+                          ranks="--cp")
+        except ValueError as error:
+            raise UserError(str(error)) from None
     cfg = _build(raw, source, task)
     if task == "passkey" and not lengths:
         lengths = [cfg.data.seq_len]
@@ -151,7 +128,7 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
 
 
 def _check_task_options(task: str, ppl: dict, passkey: dict) -> None:
-    """Refuse options of the other task (they would be ignored)."""
+    """Refuse options of the other task."""
     other = passkey if task == "ppl" else ppl
     for name, value in other.items():
         if value is not None:
@@ -161,7 +138,7 @@ def _check_task_options(task: str, ppl: dict, passkey: dict) -> None:
 
 
 def _target_recipe(target: str) -> tuple[dict, str, str]:
-    """(the target's recipe as plain data, its kind, how to name it in errors)."""
+    """(the target's recipe as plain data, its kind, its name in errors)."""
     path = Path(target).expanduser()
     if path.is_dir() and (path / "config.yaml").is_file():
         return read_resolved(path / "config.yaml").to_dict(), "run", str(path / "config.yaml")
@@ -173,7 +150,9 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
         if (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists():
             raise UserError(f"{target} holds a LoRA adapter, not a whole model; evaluate the "
                             "run folder, or export it with --merge and evaluate that")
-        cuda = _gpus()
+        import torch  # here only: resolving a run or a recipe needs none
+
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return ({"model": {"path": str(path)}, "data": {"tokenizer": None},
                  "parallel": {"cp": max(cuda, 1)}, "train": {"mixed_precision": "auto"}},
                 "model", str(path))
@@ -194,28 +173,15 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
 
 
 def _names_shipped_recipe(path: Path) -> bool:
-    """Whether ``path``, which does not exist, names a shipped recipe the way
-    `lctrain.config.paths.read_recipe_text` accepts (``tiny``, ``tiny.yaml``,
-    ``recipes/tiny.yaml``)."""
+    """Whether the missing ``path`` names a shipped recipe (``tiny``, ``recipes/tiny.yaml``)."""
     name = path.name if path.name.endswith(".yaml") else f"{path.name}.yaml"
     return name in shipped_recipes() and path.parent in (Path("."), Path("recipes"))
 
 
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: str | None,
             lengths: list[int], kind: str, format_given: bool = False) -> None:
-    """The settings every evaluation runs under, on top of the target's and --set's.
-
-    ``--data`` replaces the target's data, so its format is detected from its own records
-    (data.format auto) rather than taken from the run, which may have trained on another
-    format (a chat run evaluated on plain text); ``--set data.format=...`` (``format_given``)
-    still says it explicitly.
-    """
+    """The settings every evaluation runs under, on top of the target's and --set's
+    (``--data`` detects its own format unless ``--set data.format`` gives it)."""
     sections = {name: raw.setdefault(name, {}) for name in ("data", "parallel", "train",
                                                            "checkpoint")}
     if seq_len is not None:
@@ -224,13 +190,15 @@ def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: 
         sections["data"]["seq_len"] = max(lengths)
     if cp is not None:
         sections["parallel"]["cp"] = cp
-    sections["parallel"]["dp"] = 0
     if data is not None:
         sections["data"].update(source=data, eval_source=None, eval_fraction=0.0)
         if not format_given:
             sections["data"]["format"] = "auto"
-    sections["train"].update(checkpointing="none", eval_every=0, report_to=["jsonl"])
-    sections["checkpoint"].update(enabled=False)
+    state = [item for item in str(sections["train"].get("offload", "none")).split(",")
+             if item.strip() in ("optimizer", "state")]  # no layers to park: no checkpointing
+    sections["train"].update(checkpointing="none", offload=",".join(state) or "none",
+                             eval_every=0, report_to=["jsonl"])
+    sections["checkpoint"].update(keep=0)
 
 
 def _build(raw: dict, source: str, task: str) -> RecipeConfig:
@@ -238,16 +206,5 @@ def _build(raw: dict, source: str, task: str) -> RecipeConfig:
     check_model_path(cfg.model.path)
     if task == "ppl":  # passkey prompts are generated: the data may be gone
         local_data(cfg.data.source)
-    if cfg.parallel.schedule == "context_parallel":
-        raise ConfigError("lctrain eval runs lctrain's own schedules, but parallel.schedule is "
-                          "context_parallel (torch's ring, a training peer); add --set "
-                          "parallel.schedule=distflash", key="parallel.schedule")
     return cfg
 
-
-def _check_length(parallel: ParallelConfig, length: int) -> None:
-    try:
-        check_seq_len(length, parallel.cp, parallel.layout, what="passkey length",
-                      ranks="--cp")
-    except ValueError as error:
-        raise UserError(str(error)) from None

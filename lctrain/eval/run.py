@@ -1,66 +1,129 @@
 """Running an evaluation on every local rank: what ``lctrain eval`` calls.
 
-    cfg, request = resolve("runs/tiny", task="ppl", cp=2)        # lctrain.eval.request
-    result = evaluate(cfg, request)                               # an EvalResult
+    cfg, request = resolve("runs/tiny", task="ppl", cp=2)
+    result = evaluate(cfg, request)
 
-`evaluate` starts the ranks the way ``lctrain finetune`` does (`lctrain.launch.launcher.dispatch`:
-this process alone, or ``python -m lctrain.eval`` on every local GPU / on cp gloo processes of
-a CPU machine, or each rank of a torchrun job), each running `eval_worker`: the run's process
-group, dp × cp mesh and `ContextParallel`; the model built by the training's own
-`lctrain.train.runner.build_model` around an `lctrain.eval.model.EvalModel`, with the
-``lctrain_eval`` attention (`lctrain.eval.decode`); a run's checkpoint loaded into it; then the
-task (`lctrain.eval.tasks`). Rank 0 writes the result file, which this process reads back.
-Launch files live in a temporary folder, removed unless a rank failed in a way that left
-only its log (then named in the error).
+The ranks start as training's do; each builds the model as training does around an
+`EvalModel` (the FSDP2 root, holding the causal LM under the loss module's attribute name, so
+any run's DCP checkpoint loads into it), loads the checkpoint and runs the task: `run_ppl`
+sums token losses per bucket of global positions, then all-reduces them; `run_passkey` spreads
+the prompts over the dp groups, each prefilled over its cp group and decoded greedily. Rank 0
+writes the result file, which this process reads back.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
+import math
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from accelerate.utils import set_seed
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from lctrain.config import RecipeConfig
+from lctrain.data import eval_batches, prepare_data, rows_summary
 from lctrain.errors import UserError
-from lctrain.eval.decode import register_eval_attention
-from lctrain.eval.model import EvalModel, load_weights
+from lctrain.eval.decode import generate, register_eval_attention
+from lctrain.eval.passkey import answer_tokens, passkey_cases, passkey_prompt, summarize
+from lctrain.eval.report import EvalResult, load
 from lctrain.eval.request import EvalRequest
-from lctrain.eval.result import EvalResult, load
-from lctrain.eval.tasks import run_passkey, run_ppl
-from lctrain.parallel.context import ContextParallel
-from lctrain.parallel.mesh import build_mesh
-from lctrain.report.versions import environment
 from lctrain.launch import launcher, rank
-from lctrain.parallel.mesh import peak_memory_bytes
+from lctrain.model import CPContext, load_tokenizer
+from lctrain.model.structure import output_head
 from lctrain.parallel.build import RunSetup, build_model
+from lctrain.parallel.context import ContextParallel
+from lctrain.parallel.forward import bucket_sums, forward_sums
+from lctrain.parallel.mesh import build_mesh, peak_memory_bytes
+from lctrain.report.human import tokens as token_text
+from lctrain.report.versions import environment
 
-WORKER_MODULE = "lctrain.eval"
-"""What each self-launched rank of an evaluation runs (``python -m lctrain.eval``)."""
+WORKER_MODULE = "lctrain.eval"  # what each self-launched rank runs
+
+
+class EvalModel(nn.Module):
+    """decoder → final hidden states → per-position loss sums, or next-token logits.
+
+    ``chunk_tokens`` bounds the logits held at once; ``kernel`` (the training loss's fused
+    kernel switch) is not used.
+    """
+
+    def __init__(self, model: nn.Module, chunk_tokens: int, kernel: bool = False) -> None:
+        super().__init__()
+        self.model, self.chunk_tokens = model, chunk_tokens
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *,
+                cp_context: CPContext | None = None, labels: torch.Tensor | None = None,
+                width: int = 1, buckets: int = 1, kv=None, at: int | None = None
+                ) -> torch.Tensor:
+        """Loss sums per position bucket (with ``labels``), or the logits after global
+        position ``at``.
+
+        Args:
+            input_ids, position_ids: (B, S_local) this rank's shard, global position ids.
+            labels: (B, S_local) shifted labels; width, buckets: the position buckets.
+            kv: a `lctrain.eval.decode.KVShards` that keeps or uses this rank's keys and values.
+
+        Returns:
+            (2, buckets) float64 sums and counts; or (B, V) float32 logits (zeros on a rank
+            without position ``at``).
+        """
+        extra = {} if kv is None else {"lctrain_kv": kv}
+        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                          use_cache=False, cp_context=cp_context, **extra
+                                          ).last_hidden_state  # (B, S_local, H)
+        weight = output_head(self.model).weight  # (V, H)
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else weight.dtype
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        if labels is not None:
+            return bucket_sums(hidden, weight, labels, position_ids, width=width,
+                               buckets=buckets, chunk_tokens=self.chunk_tokens)
+        here = position_ids == at  # (B, S_local)
+        index = here.int().argmax(dim=1)  # (B,) where it is (0 when it is not here)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        last = hidden[rows, index] * here.any(dim=1, keepdim=True).to(dtype)  # (B, H) or zeros
+        return (last @ weight.T).float()  # (B, V)
+
+
+def load_weights(module: nn.Module, checkpoint: str | Path) -> None:
+    """Load a checkpoint folder's model weights into the distributed `EvalModel` (every rank).
+
+    Raises:
+        UserError: the checkpoint does not hold this model's weights.
+    """
+    state = get_model_state_dict(module)
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(checkpoint))
+    except (RuntimeError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise UserError(f"the checkpoint {checkpoint} does not hold the weights of the run's "
+                        f"model ({type(error).__name__}: {first[:200]}); its config.yaml "
+                        "describes another model") from None
+    set_model_state_dict(module, state)
 
 
 def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = None
              ) -> EvalResult | None:
-    """Run ``request`` on every rank ``cfg`` asks for; the result (None on ranks other than 0
-    of a torchrun job, which render nothing).
-
-    Args:
-        cfg: the recipe from `lctrain.eval.request.resolve`.
-        request: what to evaluate.
-        nproc: processes (default: every GPU, or cp processes on a CPU).
+    """Run ``request`` on every rank ``cfg`` asks for (``nproc``: default every GPU, or cp
+    processes on a CPU); the result, None on ranks other than 0 of a torchrun job.
 
     Raises:
-        UserError: the ranks cannot start (layout, device), a rank failed with a user error,
-            or a rank failed otherwise (the message names its log).
+        UserError: the ranks cannot start, or a rank failed (the message names its log).
     """
-    if request.task == "passkey":
-        check_passkey_lengths(cfg, request)
+    if request.task == "passkey":  # a length too short for the fixed text, before any rank
+        passkey_prompt(load_tokenizer(cfg), min(request.lengths), 0.0, "12345")
     scratch = Path(tempfile.mkdtemp(prefix="lctrain-eval-"))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(scratch)))
     request = dataclasses.replace(request, result_file=str(scratch / "result.json"))
@@ -88,9 +151,8 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
 
 
 def worker_entry(argv: list[str] | None = None) -> int:
-    """``python -m lctrain.eval``: read ``--request FILE`` (an `EvalRequest`), then run
-    `eval_worker` as `lctrain.launch.rank.worker_main` runs a training rank (``--config``,
-    ``--error-dir``); returns the exit code."""
+    """``python -m lctrain.eval``: read ``--request FILE``, then run `eval_worker` as a training
+    rank runs; returns the exit code."""
     parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}", add_help=False)
     parser.add_argument("--request", required=True, help="the EvalRequest as JSON")
     known, rest = parser.parse_known_args(argv)
@@ -98,20 +160,8 @@ def worker_entry(argv: list[str] | None = None) -> int:
     return rank.worker_main(functools.partial(eval_worker, request=request), rest)
 
 
-def check_passkey_lengths(cfg: RecipeConfig, request: EvalRequest) -> None:
-    """Refuse, before any rank starts, a passkey length too short for the prompt's fixed text.
-
-    Raises:
-        UserError: the shortest length cannot hold the introduction, needle and question.
-    """
-    from lctrain.model import load_tokenizer
-    from lctrain.eval.passkey import passkey_prompt
-
-    passkey_prompt(load_tokenizer(cfg), min(request.lengths), 0.0, "12345")
-
-
 def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest) -> int:
-    """This rank's part of an evaluation (every rank calls it); returns 0.
+    """This rank's part of an evaluation; returns 0.
 
     Raises:
         UserError: the checkpoint does not fit the model, bad data, a length the layout
@@ -120,8 +170,7 @@ def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest
     del resume  # an evaluation has nothing to resume
     with rank.worker_process(cfg) as accelerator:
         device = accelerator.device
-        pmesh = build_mesh(cfg.parallel.cp, cfg.parallel.dp or None, device_type=device.type)
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=pmesh.dp))
+        pmesh = build_mesh(cfg.parallel.cp, device_type=device.type)
         cp = ContextParallel(pmesh, cfg.parallel.schedule, cfg.parallel.attention_backend,
                              device=device)
         cp.attention = register_eval_attention()  # "lctrain" + keys kept for decoding
@@ -164,9 +213,136 @@ def _meta(setup: RunSetup, parts, request: EvalRequest, load_s: float, peak: int
 
 
 def _title(request: EvalRequest, setup: RunSetup) -> str:
-    what = {"run": "run", "model": "model", "recipe": "recipe"}[request.kind]
+    name = "Loss by position" if request.task == "ppl" else "Passkey retrieval"
     step = f" step {request.step}" if request.step is not None else ""
     where = f"{setup.pmesh.world_size} × {setup.pmesh.device_type} (cp {setup.pmesh.cp})"
-    if request.task == "ppl":
-        return f"Loss by position — {what} {request.target}{step}, {where}"
-    return f"Passkey retrieval — {what} {request.target}{step}, {where}"
+    return f"{name} — {request.kind} {request.target}{step}, {where}"
+
+
+def progress_printer(main: bool) -> Callable[[str], None]:
+    """Progress lines from rank 0 on stdout when it is a terminal."""
+    return (lambda line: print(line, flush=True)) if main and sys.stdout.isatty() else (
+        lambda line: None)
+
+
+def run_ppl(setup, parts, request) -> tuple[list[dict], dict]:
+    """Loss and perplexity per position bucket over the request's rows."""
+    cfg, pmesh, cp = setup.cfg, setup.pmesh, setup.cp
+    say = progress_printer(setup.main)
+    tokenizer = load_tokenizer(cfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", pmesh.rank))
+    rows = prepare_data(cfg.data, tokenizer, leader=local_rank == 0,
+                        show_progress=setup.main and sys.stdout.isatty(), part=request.part,
+                        seed=cfg.train.seed)
+    for line in rows_summary(rows):
+        say(line)
+    seq_len, width = cfg.data.seq_len, request.bucket
+    buckets = math.ceil(seq_len / width)
+    count = len(rows) if request.max_rows is None else min(request.max_rows, len(rows))
+    module = parts.distributed.module
+
+    def call(shard):
+        return module(shard.input_ids, shard.position_ids, cp_context=cp.context(shard),
+                      labels=shard.labels, width=width, buckets=buckets)
+
+    batches = eval_batches(rows, batch_size=cfg.train.batch_size, dp_rank=pmesh.dp_rank,
+                           dp_size=pmesh.dp, limit=count)
+    start = _start_clock(setup)
+    sums = forward_sums(call, _counted(batches, say, count, pmesh.dp * cfg.train.batch_size),
+                        cp=cp, pmesh=pmesh, accelerator=setup.accelerator,
+                        shape=(2, buckets)).tolist()
+    seconds = time.perf_counter() - start
+    out = []
+    for b in range(buckets):
+        lo, hi = b * width, min((b + 1) * width, seq_len)
+        name = f"{token_text(lo)}–{token_text(hi)}"
+        out.append(_ppl_row(name, lo, hi, sums[0][b], sums[1][b]))
+    out.append(_ppl_row("all", 0, seq_len, sum(sums[0]), sum(sums[1])))
+    meta = {"rows": count, "rows_available": len(rows), "data_source": rows.info["source"],
+            "data_part": request.part, "bucket": width, "seconds": seconds,
+            "document_mask": cfg.data.document_mask,
+            "tokens_per_s": count * seq_len / seconds if seconds > 0 else None,
+            "seconds_per_row": seconds * pmesh.dp / count}
+    return out, meta
+
+
+def _ppl_row(name: str, lo: int, hi: int, loss_sum: float, count: float) -> dict:
+    loss = loss_sum / count if count else None
+    ppl = math.exp(loss) if loss is not None and loss < 700 else None
+    return {"bucket": name, "start": lo, "stop": hi, "tokens": int(count), "loss": loss,
+            "ppl": ppl}
+
+
+def _counted(batches: Iterator, say: Callable[[str], None], rows: int,
+             per_batch: int) -> Iterator:
+    """``batches``, saying how many rows of all dp ranks are done after each."""
+    for index, batch in enumerate(batches, 1):
+        yield batch
+        say(f"ppl: {min(index * per_batch, rows):,} of {rows:,} rows")
+
+
+def run_passkey(setup, parts, request) -> tuple[list[dict], dict]:
+    """The passkey test over the request's lengths × depths × trials."""
+    cfg, pmesh = setup.cfg, setup.pmesh
+    say = progress_printer(setup.main)
+    tokenizer = load_tokenizer(cfg)
+    cases = passkey_cases(list(request.lengths), list(request.depths), request.trials,
+                          request.seed)
+    steps = max(answer_tokens(tokenizer, case.passkey) for case in cases)
+    mine = list(range(pmesh.dp_rank, len(cases), pmesh.dp))
+    slots = -(-len(cases) // pmesh.dp)  # every dp group runs as many prompts (in step)
+    start = _start_clock(setup)
+    outcomes: dict[int, dict] = {}
+    for slot in range(slots):
+        index = mine[slot] if slot < len(mine) else None
+        case = cases[0 if index is None else index]
+        prompt = passkey_prompt(tokenizer, case.length, case.depth, case.passkey)
+        began = time.perf_counter()
+        if setup.accelerator.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(setup.accelerator.device)
+        ids, _ = generate(parts.distributed.module, prompt.ids, steps, cp=setup.cp,
+                          accelerator=setup.accelerator, vocab=len(tokenizer))
+        if index is None:
+            continue
+        outcomes[index] = {"answer": tokenizer.decode(ids, skip_special_tokens=True),
+                           "needle_start": prompt.needle_start,
+                           "placed_depth": prompt.placed_depth,
+                           "seconds": time.perf_counter() - began,
+                           "peak_memory_bytes": peak_memory_bytes(setup.accelerator.device)}
+        say(f"passkey {token_text(case.length)} at depth {case.depth:g}: expected "
+            f"{case.passkey}, got {outcomes[index]['answer'].strip()!r}")
+    merged = _gather(outcomes, pmesh)
+    rows = summarize(cases, [merged[i] for i in range(len(cases))])
+    for row in rows:
+        mine_cases = [merged[i] for i, c in enumerate(cases)
+                      if (c.length, c.depth) == (row["seq_len"], row["depth"])]
+        row["seconds"] = sum(o["seconds"] for o in mine_cases) / len(mine_cases)
+        row["peak_memory_bytes"] = max(o["peak_memory_bytes"] for o in mine_cases)
+    meta = {"cases": len(cases), "generated_tokens": steps,
+            "seconds": time.perf_counter() - start,
+            "peak_memory_bytes": max(row["peak_memory_bytes"] for row in rows)}
+    return rows, meta
+
+
+def _gather(outcomes: dict[int, dict], pmesh) -> dict[int, dict]:
+    """Every rank's outcomes, a case's peak memory the largest of its cp ranks'."""
+    if pmesh.world_group is None or pmesh.world_size == 1:
+        return outcomes
+    everyone: list = [None] * pmesh.world_size
+    dist.all_gather_object(everyone, outcomes, group=pmesh.world_group)
+    merged: dict[int, dict] = {}
+    for part in everyone:
+        for index, outcome in part.items():
+            if index in merged:
+                outcome = {**merged[index], "peak_memory_bytes": max(
+                    merged[index]["peak_memory_bytes"], outcome["peak_memory_bytes"])}
+            merged[index] = outcome
+    return merged
+
+
+def _start_clock(setup) -> float:
+    """Start timing the task (and, on a GPU, its peak memory)."""
+    if setup.accelerator.device.type == "cuda":
+        torch.cuda.synchronize(setup.accelerator.device)
+        torch.cuda.reset_peak_memory_stats(setup.accelerator.device)
+    return time.perf_counter()

@@ -1,11 +1,8 @@
 """`export_run`: one checkpoint of a run → a Hugging Face folder (what ``lctrain export`` calls).
 
-It reads the run's ``config.yaml`` (the resolved recipe) to rebuild the model, the checkpoint's
-model weights (`lctrain.export.weights`), writes the kind of folder the run calls for
-(`lctrain.export.write`) with the run's tokenizer (`lctrain.export.tokenizer`), and makes the
-folder appear whole. Everything runs on the CPU in this one process; the memory needed is about
-the saved weights once (float32 master weights: 4 bytes per parameter), plus the converted
-copy when the export's dtype differs.
+The model is built on ``meta`` from the run's config.yaml as training built it (with LoRA), so
+parameter names match the checkpoint's, and the weights read from it are assigned in place, on
+the CPU in this one process; the folder appears whole.
 """
 from __future__ import annotations
 
@@ -14,28 +11,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from lctrain.checkpoint.reader import find_checkpoint, read_model_weights
 from lctrain.config import LoraConfig, RecipeConfig, read_resolved
 from lctrain.errors import UserError
+from lctrain.export import write
+from lctrain.model import load_model
+from lctrain.model.lora import apply_lora
 
 DTYPES = ("float32", "bfloat16")
-"""Data types an export can be written in."""
+LORA_PARTS = (".lora_A.", ".lora_B.", ".modules_to_save.")  # what LoRA adds to the base
 
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What an export wrote.
-
-    Attributes:
-        output: the folder.
-        step: the checkpoint's step.
-        kind: "full" (every weight trained), "adapter" (LoRA adapter) or "merged" (LoRA merged
-            into the base weights).
-        dtype: the data type of the written weights.
-        tokenizer: where the tokenizer came from ("bytes" for lctrain's byte tokenizer).
-        base: the base model folder the adapter is to be loaded onto (adapters only).
-        files: the files written, relative to ``output``.
-    """
+    """What an export wrote: the folder, the step, its kind ("full", "adapter" or "merged"),
+    the dtype, where the tokenizer came from, the base model of an adapter, and the files
+    (relative to ``output``)."""
 
     output: Path
     step: int
@@ -52,27 +45,17 @@ def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = No
     """Export one checkpoint of a finished (or running) training run.
 
     Args:
-        run_dir: the run's folder (its ``train.output_dir``: config.yaml, checkpoints/).
-        output: the folder to write; it must not exist or be empty unless ``replace``.
+        run_dir: the run's ``train.output_dir``. output: new or empty unless ``replace``.
         step: the checkpoint's step (default: the newest).
-        dtype: ``float32`` or ``bfloat16`` (default: the dtype the weights were trained in,
-            ``model.dtype``, so nothing is rounded unless asked).
-        merge: for a LoRA run, write the base weights with the adapters merged in instead of
-            the adapter.
-        replace: replace an existing ``output`` (``finetune``'s own ``final/``).
-
-    Returns:
-        An `ExportResult`.
+        dtype: one of DTYPES (default: ``model.dtype``, so nothing is rounded unless asked).
+        merge: for a LoRA run, merge the adapters into the base weights.
 
     Raises:
-        UserError: no such run, no checkpoint (of ``step``), an output folder that is not
-            empty or cannot be written, ``merge`` for a run without LoRA, a dtype that is not
-            supported, or a checkpoint that does not match the run's recipe.
+        UserError: no such run or checkpoint, an output that is not empty or not writable,
+            ``merge`` without LoRA, another dtype, or a checkpoint unlike the run's recipe.
     """
     run = Path(run_dir).expanduser()
     cfg = run_config(run)
-    from lctrain.checkpoint.reader import find_checkpoint
-
     step, checkpoint = find_checkpoint(run / "checkpoints", step)
     out = Path(output).expanduser()
     _check_output(out, replace)
@@ -87,18 +70,13 @@ def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = No
 
 
 def export_final(cfg: RecipeConfig) -> ExportResult:
-    """Write ``train.output_dir/final/`` from the run's newest checkpoint (replacing an older
-    ``final/``): full weights, or the adapter for a LoRA run, in the training dtype."""
+    """Write (or replace) ``train.output_dir/final/`` from the run's newest checkpoint."""
     run = Path(cfg.train.output_dir)
     return export_run(run, output=run / "final", replace=True)
 
 
 def run_config(run: Path) -> RecipeConfig:
-    """The resolved recipe of the run in folder ``run``.
-
-    Raises:
-        UserError: there is no such folder, or it holds no config.yaml.
-    """
+    """The resolved recipe of the run in folder ``run``; a UserError when there is none."""
     if not run.is_dir():
         raise UserError(f"There is no run folder {run}; pass the train.output_dir of an lctrain "
                         "finetune run.")
@@ -109,8 +87,7 @@ def run_config(run: Path) -> RecipeConfig:
 
 
 def _check_output(out: Path, replace: bool) -> None:
-    """Refuse an output that is a file, lies under a file, or is a folder with files in it
-    (unless ``replace``), before anything is loaded or written."""
+    """Refuse an output that is or lies under a file, or is not empty (unless ``replace``)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"The output {out} is a file; name a new folder.")
     above = next((folder for folder in out.parents if folder.exists()), None)
@@ -124,19 +101,15 @@ def _check_output(out: Path, replace: bool) -> None:
 
 def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype: str,
             merge: bool, replace: bool) -> ExportResult:
-    from lctrain.export import tokenizer as tok
-    from lctrain.export import write
-    from lctrain.export.weights import trained_model
-
     torch_dtype = getattr(torch, dtype)
     kind = "merged" if merge else "adapter" if cfg.lora.enabled else "full"
     base = None
     # staged first: an output that cannot be written fails before minutes of loading
     with write.staged_folder(out, replace=replace) as folder:
-        tokenizer, is_bytes = tok.run_tokenizer(cfg)
+        tokenizer, is_bytes = write.run_tokenizer(cfg)
         model = trained_model(cfg, checkpoint)
         if is_bytes:
-            tok.align_special_ids(model.config, getattr(model, "generation_config", None))
+            write.align_special_ids(model)
         try:
             if kind == "full":
                 write.write_full(model, folder, torch_dtype)
@@ -144,7 +117,7 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
                 write.write_merged(model, folder, torch_dtype)
             else:
                 base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, is_bytes)
-            tok.save_tokenizer(tokenizer, folder)
+            write.save_tokenizer(tokenizer, folder)
         except OSError as error:  # a full disk, a quota: the writes, not the reads above
             raise write.unwritable(out, error) from None
     source = ("bytes" if is_bytes else "none (byte-pairs has no transformers tokenizer)"
@@ -155,12 +128,7 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
 
 def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: torch.dtype,
                    tokenizer, is_bytes: bool) -> str:
-    """Write the adapter (and, for a random-init run, its base model under ``base/``);
-    return the base model's folder or hub name."""
-    from lctrain.export import tokenizer as tok
-    from lctrain.export import write
-    from lctrain.export.weights import base_weights, skeleton
-
+    """Write the adapter (and a random init's base model under ``base/``); return the base."""
     if cfg.model.path is not None:
         local = Path(cfg.model.path).expanduser()
         base = str(local.resolve()) if local.is_dir() else cfg.model.path
@@ -168,8 +136,56 @@ def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: tor
         base = str((out / "base").resolve())
         plain = skeleton(dataclasses.replace(cfg, lora=LoraConfig()))
         if is_bytes:
-            tok.align_special_ids(plain.config, getattr(plain, "generation_config", None))
+            write.align_special_ids(plain)
         write.write_base(plain, base_weights(model.state_dict()), folder / "base", dtype)
-        tok.save_tokenizer(tokenizer, folder / "base")
+        write.save_tokenizer(tokenizer, folder / "base")
     write.write_adapter(model, folder, dtype, base)
     return base
+
+
+def trained_model(cfg: RecipeConfig, checkpoint: Path) -> nn.Module:
+    """The model of ``checkpoint`` (a peft model for a LoRA run) on the CPU, in its saved dtype.
+
+    Raises:
+        UserError: the model cannot be built, or the checkpoint does not match it.
+    """
+    model = skeleton(cfg)
+    state = model.state_dict(keep_vars=True)
+    weights = read_model_weights(checkpoint, list(state))
+    by_identity = {id(state[name]): tensor for name, tensor in weights.items()}
+    missing = [name for name, placeholder in state.items() if id(placeholder) not in by_identity]
+    if missing:
+        raise UserError(f"The checkpoint {checkpoint} has no weight {missing[0]} (and "
+                        f"{len(missing) - 1} more missing); the run's config.yaml describes "
+                        "another model than the one trained.")
+    wrong = [(n, tuple(t.shape), tuple(state[n].shape)) for n, t in weights.items()
+             if t.shape != state[n].shape]
+    if wrong:
+        name, saved, built = wrong[0]
+        raise UserError(f"The checkpoint's {name} has shape {saved} but the run's recipe builds "
+                        f"{built}; the config.yaml does not describe the trained model.")
+    # tied weights (one parameter under two names) get the one tensor read for either name
+    model.load_state_dict({n: by_identity[id(p)] for n, p in state.items()}, assign=True)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        model.tie_weights()  # assign gave each tied name a Parameter of its own
+    model.eval()
+    return model
+
+
+def skeleton(cfg: RecipeConfig) -> nn.Module:
+    """The recipe's model with its LoRA adapters, on the ``meta`` device (no weights)."""
+    model = load_model(cfg.model.path, config=cfg.model.config, seed=cfg.train.seed,
+                       dtype=getattr(torch, cfg.model.dtype), device="meta",
+                       trust_remote_code=cfg.model.trust_remote_code,
+                       seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
+    return model
+
+
+def base_weights(peft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights a LoRA run started from: its state without adapters and trained copies,
+    under the base model's names."""
+    return {name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            .replace(".original_module.", "."): tensor
+            for name, tensor in peft_state.items() if not any(p in name for p in LORA_PARTS)}

@@ -1,17 +1,8 @@
-"""Writers of the three export kinds, each into a folder that transformers or peft loads alone.
-
-- full (a run that trained every weight): ``save_pretrained`` of the model — config.json,
-  generation_config.json, safetensors shards of at most 5 GB (``model.safetensors`` when one
-  shard is enough, else ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``);
-- merged (a LoRA run, ``--merge``): the same, of the base weights with every adapter added in,
-  W + B·A·alpha/r computed in float32 (peft's ``merge_and_unload``), and the fully trained
-  modules replaced by their trained copies;
-- adapter (a LoRA run): peft's ``save_pretrained`` — adapter_config.json (rank, alpha, targets,
-  ``modules_to_save``, ``base_model_name_or_path``) and adapter_model.safetensors — for
-  ``PeftModel.from_pretrained(base_model, folder)``. A random-init run has no base model folder,
-  so its base weights (as initialised, frozen through training) go to ``base/`` beside the
-  adapter, and the adapter names that folder as its base.
-
+"""What an export writes: the weights — full (``save_pretrained``, shards of at most 5 GB),
+merged (the adapters merged in, in float32) or adapter (peft's files; a random init's base
+weights go to ``base/`` beside it) — and the run's tokenizer. lctrain's byte tokenizer is
+written as an equivalent ``PreTrainedTokenizerFast`` (a BPE with GPT-2's 256 byte characters
+and no merges, ``<bos>`` before every text, special names in text read as bytes).
 `staged_folder` makes the output appear whole or not at all.
 """
 from __future__ import annotations
@@ -20,15 +11,19 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from lctrain.config import RecipeConfig
+from lctrain.data import BytePairTokenizer, ByteTokenizer
 from lctrain.errors import UserError
+from lctrain.model import load_tokenizer
+from lctrain.model.lora import ADAPTER_NAME
 
 MAX_SHARD_SIZE = "5GB"
-"""Largest safetensors shard (transformers' sharding; the Hugging Face Hub's usual size)."""
+BYTE_SPECIALS = {"<bos>": 256, "<eos>": 257, "<pad>": 258}
 
 
 def write_full(model: nn.Module, folder: Path, dtype: torch.dtype,
@@ -40,17 +35,14 @@ def write_full(model: nn.Module, folder: Path, dtype: torch.dtype,
 
 
 def write_merged(peft_model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """Merge every adapter into its base weight (in float32), then write the plain model."""
+    """Merge every adapter into its base weight in float32, then write the plain model."""
     peft_model.to(torch.float32)
-    merged = peft_model.merge_and_unload(progressbar=False)
-    write_full(merged, folder, dtype)
+    write_full(peft_model.merge_and_unload(progressbar=False), folder, dtype)
 
 
 def write_adapter(peft_model: nn.Module, folder: Path, dtype: torch.dtype,
                   base_name: str) -> None:
     """peft's adapter files, naming ``base_name`` as the model to load the adapter onto."""
-    from lctrain.model.lora import ADAPTER_NAME
-
     peft_model.to(dtype)
     peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = base_name
     # lctrain never resizes the vocabulary (embeddings trained in full travel as
@@ -60,8 +52,7 @@ def write_adapter(peft_model: nn.Module, folder: Path, dtype: torch.dtype,
 
 def write_base(base: nn.Module, weights: dict[str, torch.Tensor], folder: Path,
                dtype: torch.dtype) -> None:
-    """Write ``weights`` (from `lctrain.export.weights.base_weights`) as the plain model
-    ``base`` (built on ``meta``, with the run's config)."""
+    """Write ``weights`` as the plain model ``base`` (built on ``meta``)."""
     base.load_state_dict(weights, assign=True)
     if getattr(base.config, "tie_word_embeddings", False):
         base.tie_weights()
@@ -70,16 +61,11 @@ def write_base(base: nn.Module, weights: dict[str, torch.Tensor], folder: Path,
 
 @contextlib.contextmanager
 def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
-    """Yield a fresh folder beside ``output`` to write into; move it to ``output`` at the end.
-
-    ``output`` is replaced only when ``replace`` is set or it is an empty folder (the caller
-    has checked). On an error the staged folder, and the parent folders made for it, are
-    deleted and ``output`` is left as it was, so a failed export leaves nothing behind.
+    """Yield a fresh folder beside ``output``; move it to ``output`` at the end. On an error
+    the staged folder and the parents made for it are deleted, ``output`` left as it was.
 
     Raises:
-        UserError: the staged folder cannot be made or moved into place (no permission, a
-            read-only or pseudo file system such as /proc, a full disk), with the system's
-            reason. Errors of the caller's writes pass through (see `unwritable`).
+        UserError: the staged folder cannot be made or moved into place.
     """
     made = [folder for folder in (output.parent, *output.parent.parents) if not folder.exists()]
     staging = output.parent / f".{output.name}.export-tmp"
@@ -110,15 +96,14 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
 
 
 def unwritable(output: Path, error: OSError) -> UserError:
-    """The one-sentence error of an output folder that cannot be written, worded as
-    ``lctrain finetune`` words an unwritable ``train.output_dir`` (with the system's reason)."""
+    """The error of an output folder that cannot be written, with the system's reason."""
     return UserError(f"The output {output} cannot be written "
                      f"({error.strerror or type(error).__name__}); choose a folder you may "
                      "write to, on a disk with free space.")
 
 
 def _remove_empty(folders: list[Path]) -> None:
-    """Remove the folders an export made (deepest first) that are still empty."""
+    """Remove the folders an export made that are still empty (deepest first)."""
     for folder in folders:
         with contextlib.suppress(OSError):
             folder.rmdir()
@@ -127,3 +112,63 @@ def _remove_empty(folders: list[Path]) -> None:
 def listing(folder: Path) -> tuple[str, ...]:
     """The files under ``folder``, as sorted relative paths."""
     return tuple(sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()))
+
+
+def byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values to printable characters."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def byte_tokenizer_fast():
+    """A transformers ``PreTrainedTokenizerFast`` equivalent to ``ByteTokenizer``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: b for b, char in byte_to_char().items()}
+    vocab.update(BYTE_SPECIALS)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B",
+        special_tokens=[("<bos>", BYTE_SPECIALS["<bos>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        split_special_tokens=True, clean_up_tokenization_spaces=False,
+        model_max_length=int(1e30))
+
+
+def run_tokenizer(cfg: RecipeConfig) -> tuple[Any, bool]:
+    """(the run's tokenizer as a transformers one, whether it stands in for the byte
+    tokenizer); None for ``byte-pairs``, which none reproduces.
+
+    Raises:
+        DataError: the run's tokenizer cannot be loaded any more.
+    """
+    tokenizer = load_tokenizer(cfg)
+    if isinstance(tokenizer, BytePairTokenizer):
+        return None, False
+    if isinstance(tokenizer, ByteTokenizer):
+        return byte_tokenizer_fast(), True
+    return tokenizer, False
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """Write ``tokenizer``'s files into ``folder`` (nothing for None)."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+
+
+def align_special_ids(model: nn.Module) -> None:
+    """Point the model config's bos/eos/pad ids at the byte tokenizer's specials (a random init
+    keeps its family's, which are bytes here), and the generation config's if derived from it."""
+    configs = [model.config]
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(generation, "_from_model_config", False):
+        configs.append(generation)
+    for config in configs:
+        for name in ("bos", "eos", "pad"):
+            setattr(config, f"{name}_token_id", BYTE_SPECIALS[f"<{name}>"])

@@ -1,22 +1,10 @@
 """Why a self-launched run failed, in one report: the rank, what happened to it, the step.
 
-Three witnesses, read by the launcher once torch.distributed.run has ended:
-
-- error records (``output_dir/.launch/errors/rank{R}.json``): a rank that raised writes its
-  exception (`record_error`); the watchdog writes its hang report the same way (kind "hang");
-- the supervisor's ``failures.json``: each failed rank's pid and exit code as torch.distributed.run
-  saw them — a negative code is the signal that killed the process, which no record can tell,
-  since a killed process writes nothing;
-- the heartbeats (`lctrain.launch.watchdog`): the steps each rank completed.
-
-`explain` weighs them. The ranks that see a peer die report a secondary error ("connection
-reset by peer", a failed collective, a hang report naming the dead rank), so the order is: the
-earliest user error (it names its own cause); else a rank that recorded nothing and was killed
-by a signal that lctrain did not send and that is no stop request (a rank that recorded its
-failure and was then aborted is explained by its record); else the earliest hang report; else
-the earliest exception (with its traceback); else a rank ended by a stop signal (a second
-request ends a rank at once); else a run stopped on request (every failed rank exited with
-128 + a stop signal).
+The launcher weighs three witnesses (`explain`): the error records ranks write when they raise
+or hang (``output_dir/.launch/errors/rank{R}.json``), the agent's ``failures.json`` (exit codes:
+a negative one is the signal that killed a rank that could record nothing) and the heartbeats
+(the last step). Ranks that see a peer die report secondary errors, so a user error comes
+first, then a rank killed by a signal nobody asked for, a hang, an exception, a stop signal.
 """
 from __future__ import annotations
 
@@ -30,21 +18,16 @@ from pathlib import Path
 from lctrain.errors import UserError
 from lctrain.launch.lifetime import describe_death
 from lctrain.launch.stopping import stopped_by
+from lctrain.launch.watchdog import read_rank_files
 
 
 def record_error(error_dir: str | os.PathLike | None, exc: BaseException | None = None, *,
                  kind: str | None = None, message: str | None = None) -> None:
-    """Write this rank's failure as ``rank{R}.json`` (atomically) for the launcher to report.
-
-    Args:
-        error_dir: the folder (None, or a folder that does not exist — no lctrain launcher —:
-            nothing is done).
-        exc: the exception (kind "user" for a UserError, else "bug" with its traceback).
-        kind, message: a failure that is no exception (kind "hang" and its report).
-    """
+    """Write this rank's failure as ``rank{R}.json`` (atomically) into ``error_dir`` when it
+    exists: ``exc`` (kind "user" for a UserError, else "bug"), or ``kind`` and ``message``."""
     if error_dir is None or not Path(error_dir).is_dir():
         return
-    rank = int(os.environ.get("RANK", "0"))  # the launcher's rank number for this process
+    rank = int(os.environ.get("RANK", "0"))
     if exc is not None:
         kind = kind or ("user" if isinstance(exc, UserError) else "bug")
         message = message or str(exc) or type(exc).__name__
@@ -59,13 +42,7 @@ def record_error(error_dir: str | os.PathLike | None, exc: BaseException | None 
 
 def read_records(error_dir: str | os.PathLike) -> list[dict]:
     """Every readable error record in ``error_dir``, earliest first."""
-    records = []
-    for path in Path(error_dir).glob("rank*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return sorted(records, key=lambda r: r["time"])
+    return sorted(read_rank_files(error_dir), key=lambda r: r["time"])
 
 
 def first_error(error_dir: str | os.PathLike) -> dict | None:
@@ -75,7 +52,7 @@ def first_error(error_dir: str | os.PathLike) -> dict | None:
 
 
 def read_failures(path: str | os.PathLike) -> dict[int, dict]:
-    """The supervisor's ``failures.json``: {rank: {"pid", "exitcode"}} ({} when absent)."""
+    """The agent's ``failures.json``: {rank: {"pid", "exitcode"}} ({} when absent)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -85,15 +62,8 @@ def read_failures(path: str | os.PathLike) -> dict[int, dict]:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the launcher reports.
-
-    Attributes:
-        kind: "user" (a rank's one-sentence error), "signal" (a rank was killed), "hang" (a
-            watchdog's report), "bug" (an exception, reported with its traceback), "stopped"
-            (a stop signal; rank 0 has said where to resume) or "unknown".
-        message: the sentence (or the traceback, for "bug").
-        exit_code: the launcher's exit code for "stopped"; 1 otherwise.
-    """
+    """What the launcher reports: ``kind`` is "user", "signal", "hang", "bug" (``message`` is
+    then the traceback), "stopped" (``exit_code`` 128 + the signal) or "unknown"."""
 
     kind: str
     message: str
@@ -102,14 +72,8 @@ class Outcome:
 
 def explain(records: list[dict], failures: dict[int, dict], *, killed: set[int],
             last_step: int | None) -> Outcome:
-    """Weigh the witnesses of a failed run (see the module docstring).
-
-    Args:
-        records: `read_records` of the error folder.
-        failures: `read_failures` of the supervisor's file.
-        killed: pids the launcher killed itself (not a cause).
-        last_step: the last step the job completed (from the heartbeats), if known.
-    """
+    """Weigh the witnesses of a failed run (module docstring): `read_records`, `read_failures`,
+    the pids the launcher ``killed`` itself (no cause) and the ``last_step``, if known."""
     by_kind: dict[str, list[dict]] = {}
     for record in records:  # earliest first
         by_kind.setdefault(record.get("kind") or ("user" if record.get("user") else "bug"),

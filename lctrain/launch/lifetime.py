@@ -1,27 +1,9 @@
 """How long the processes of a run live: they die with their launcher, one run owns its folder.
 
-A self-launched run is a tree of processes::
-
-    lctrain finetune                  the launcher (`lctrain.launch.launcher.spawn_workers`)
-    └─ python -m lctrain.launch.agent      torch.distributed.run, in its own session
-       ├─ python -m lctrain.train --config …  rank 0  (torch.distributed.run gives every
-       └─ python -m lctrain.train --config …  rank 1   worker a session of its own)
-
-Sessions keep a terminal's Ctrl-C and a ``kill`` of the launcher's process group away from the
-workers: the launcher alone decides what a signal means (`lctrain.launch.stopping`). Sessions
-also mean that nothing ties a worker to the launcher, so each child asks the kernel for a
-parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, Linux): when the launcher dies — by
-``kill -9``, ``timeout -s KILL``, an out-of-memory kill — the supervisor gets SIGKILL, and when
-the supervisor dies its workers get SIGKILL, so no rank keeps training on its own. A process
-whose launcher died before the request was made (the window between fork and the request)
-finds out by looking up its ancestors (`die_with_launcher`).
-
-`RunLock` makes one output folder belong to one run at a time: an ``fcntl.flock`` on
-``output_dir/.launch/lock``, which the kernel releases when the holder dies however it dies, so
-a crashed run never leaves the folder locked.
-
-This module uses the standard library only: the supervisor and the workers call it before
-importing torch.
+The agent and the ranks run in sessions of their own (a terminal's Ctrl-C reaches the launcher
+alone) and ask the kernel for SIGKILL when their parent dies (``PR_SET_PDEATHSIG``), so nothing
+outlives a killed launcher. `RunLock` is an ``flock`` on ``output_dir/.launch/lock``, which the
+kernel releases however its holder dies. Standard library only: used before torch is imported.
 """
 from __future__ import annotations
 
@@ -36,16 +18,13 @@ from pathlib import Path
 from lctrain.errors import UserError
 
 LAUNCHER_PID_ENV = "LCTRAIN_LAUNCHER_PID"
-"""Set by the launcher for the processes it starts: the pid they must not outlive."""
+"""The launcher's pid, which the processes it starts must not outlive."""
 _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(signum: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``signum`` to this process when its parent thread exits.
-
-    Returns:
-        Whether the request was made (False off Linux).
-    """
+    """Ask the kernel to send ``signum`` to this process when its parent thread exits; returns
+    whether it was asked (not off Linux)."""
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
@@ -53,33 +32,21 @@ def die_with_parent(signum: int = signal.SIGKILL) -> bool:
 
 
 def die_with_launcher(levels: int) -> None:
-    """Die with the launcher named in the environment, ``levels`` generations above this process.
-
-    Sets the parent-death signal, then checks that the launcher is still an ancestor: if it died
-    before the signal was asked for, this process was re-parented (to init or a sub-reaper) and
-    exits at once. Without the environment variable (a launcher other than lctrain's) only the
-    parent-death signal is set.
-
-    Args:
-        levels: 1 for the launcher's child (the supervisor), 2 for its grandchildren (the ranks).
-    """
+    """Die with the launcher named in `LAUNCHER_PID_ENV`, ``levels`` generations up (1: the
+    agent, 2: the ranks): set the parent-death signal, then exit at once if the launcher is no
+    longer that ancestor (it died first). Without the variable only the signal is set."""
     die_with_parent()
     wanted = os.environ.get(LAUNCHER_PID_ENV)
     if not wanted:
         return
     pid = os.getpid()
     for _ in range(levels):
-        pid = parent_pid(pid)
+        stat = _stat(pid)
+        pid = int(stat[1]) if stat else 0
     if pid != int(wanted):
         print(f"lctrain: the launcher (pid {wanted}) is gone; this process stops too.",
               file=sys.stderr, flush=True)
         os._exit(1)
-
-
-def parent_pid(pid: int) -> int:
-    """The parent of process ``pid`` (0 when it is gone)."""
-    stat = _stat(pid)
-    return int(stat[1]) if stat else 0
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -133,11 +100,8 @@ def describe_death(signum: int) -> str:
 
 
 class RunLock:
-    """Exclusive ownership of an output folder for the life of this process (or until released).
-
-    Usage: ``with RunLock(folder): ...``. The lock file is ``folder/.launch/lock``; it holds the
-    owner's pid and host for the message another run gets.
-    """
+    """``with RunLock(folder):`` owns ``folder`` (``folder/.launch/lock`` holds the owner's pid
+    and host, for the message another run gets)."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
@@ -174,8 +138,6 @@ class RunLock:
         self._fd = fd
 
     def _unwritable(self, error: OSError) -> UserError:
-        """The output folder cannot be written, as `lctrain.config.resume.check_writable` says
-        it (one sentence with the system's reason)."""
         return UserError(f"train.output_dir {self.folder} cannot be written "
                          f"({error.strerror or type(error).__name__}); choose a folder you may "
                          "write to, on a disk with free space")

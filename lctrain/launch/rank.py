@@ -1,15 +1,9 @@
-"""One rank's process: how a started process becomes a rank of the run, and what it does when
-its watchdog finds a hang.
+"""One rank's process: joining the run (`worker_process`, `worker_main`) and ending on a hang.
 
-In every worker process `worker_process` makes the process a rank: accelerate's `Accelerator`
-reads the launcher's environment, joins the process group (gloo on CPU, NCCL on GPUs) with the
-recipe's collective timeout (`group_timeout`), picks the device and sets mixed precision; a
-lone process gets a one-rank group, so that every code path (mesh, counts, DCP checkpoints) is
-the same. On GPUs torch's NCCL flight recorder is on and dumps each rank's last collectives to
-``output_dir/.launch/nccl_trace_rank_R`` when a collective times out. `worker_main` is the body of
-``python -m lctrain.train`` (and ``python -m lctrain.eval``): it reads the recipe the launcher
-wrote (checked against its SHA-256), joins the process group through the launcher's file
-store and records a failure for the launcher (`lctrain.launch.failures`).
+`worker_process` makes this process a rank through accelerate (gloo on CPUs, NCCL on GPUs with
+torch's flight recorder dumping to ``output_dir/.launch/nccl_trace_rank_R`` on a timeout); a
+lone process gets a one-rank group, so every code path is the same. `worker_main` is the body
+of ``python -m lctrain.train`` and ``python -m lctrain.eval``.
 """
 from __future__ import annotations
 
@@ -39,9 +33,8 @@ from lctrain.memory.host import check_host_memory
 from lctrain.launch.failures import record_error
 
 USER_ERROR_EXIT = 2
-"""Exit code of a rank that stopped on a user error (one sentence, recorded for the launcher)."""
+"""Exit code of a rank that stopped on a user error."""
 WORKER_MODULE = "lctrain.train"
-"""What each self-launched process runs (``python -m lctrain.train``: `worker_main`)."""
 
 
 class Worker(Protocol):
@@ -69,9 +62,8 @@ def read_recipe(path: str, sha256: str | None) -> RecipeConfig:
 
 
 def group_timeout(cfg: RecipeConfig) -> timedelta:
-    """The process groups' timeout: ``train.collective_timeout`` plus a margin, so that the
-    watchdog (`lctrain.launch.watchdog`), which names the late ranks, speaks first; on NCCL
-    torch's own timeout then dumps the flight recorder."""
+    """``train.collective_timeout`` plus a margin, so that the watchdog, which names the late
+    ranks, speaks before torch's own timeout (which dumps NCCL's flight recorder)."""
     seconds = cfg.train.collective_timeout
     return timedelta(seconds=seconds + max(10.0, seconds / 10))
 
@@ -82,9 +74,8 @@ def nccl_wait(cfg: RecipeConfig) -> float:
 
 
 def hang_handler(cfg: RecipeConfig, device_type: str) -> Callable[[str], None]:
-    """What a rank's watchdog does on a hang (`lctrain.launch.watchdog`): record the report for
-    the launcher, print it, and end the process. On NCCL it first waits for torch's own timeout
-    (`group_timeout`), which dumps the flight recorder and aborts the process itself."""
+    """What a rank's watchdog does on a hang: record and print the report, then end the
+    process (on NCCL after torch's own timeout has dumped the flight recorder)."""
     errors = launch_dir(cfg) / "errors"
     wait = nccl_wait(cfg) if device_type == "cuda" else 0.0
 
@@ -98,8 +89,7 @@ def hang_handler(cfg: RecipeConfig, device_type: str) -> Callable[[str], None]:
 
 
 def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
-    """A self-launched rank: read the recipe, join the process group, run ``worker``, record a
-    failure for the parent."""
+    """A self-launched rank: read the recipe, join the group, run ``worker``, record a failure."""
     parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
     parser.add_argument("--config", required=True, help="resolved recipe YAML")
     parser.add_argument("--config-sha256", default=None, help="the recipe file's SHA-256")
@@ -125,9 +115,7 @@ def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
 
 
 def _init_group_from_file(store: str, cfg: RecipeConfig) -> None:
-    """Join the launcher's process group through the file store ``store`` (rank and world
-    size from torch.distributed.run's environment), with the recipe's `group_timeout` and, on
-    GPUs, the NCCL flight recorder on."""
+    """Join the launcher's process group through the file store ``store``."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -139,19 +127,12 @@ def _init_group_from_file(store: str, cfg: RecipeConfig) -> None:
 
 @contextlib.contextmanager
 def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
-    """This process as one rank of the run, for the duration of the block.
-
-    The process group is the caller's when one exists (tests); otherwise accelerate makes it
-    from the launcher's environment with `group_timeout`, or — a lone process — a one-rank group
-    is made here. A group made for the block is destroyed at its end. Under a launcher on GPUs,
-    remat-offload's host memory is checked for this machine's processes. The recipe, not the
-    launcher, decides mixed precision and sharding.
-
-    Yields:
-        The `Accelerator`: device, mixed precision (``train.mixed_precision``) and autocast.
+    """This process as one rank of the run for the duration of the block; yields the
+    `Accelerator` (device, mixed precision, autocast). The process group is the caller's, else
+    accelerate's from the launcher's environment, else a one-rank group made here.
 
     Raises:
-        UserError: accelerate was set up to shard the model itself, or remat-offload would pin
+        UserError: accelerate was set up to shard the model itself, or parked layers would pin
             more host memory than this machine has.
     """
     cuda = torch.cuda.is_available()
@@ -161,8 +142,7 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     timeout = group_timeout(cfg)
     if timeout == timedelta(seconds=600):  # accelerate drops a timeout equal to its default
         timeout += timedelta(seconds=1)
-    # One accumulation step, whatever the environment says: the loop accumulates train.grad_accum
-    # micro-batches itself and accelerate must not scale their losses (lctrain.train.loop).
+    # one accumulation step: the loop accumulates itself and accelerate must not scale losses
     accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed_precision(cfg, cuda),
                               gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
@@ -181,8 +161,7 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
 
 
 def check_accelerate_mode(mode: DistributedType) -> None:
-    """Refuse accelerate's own model sharding (``accelerate launch --use_fsdp / --use_deepspeed``
-    or its config file): lctrain shards the model itself (FSDP2, ``parallel.fsdp``).
+    """Refuse accelerate's own model sharding: lctrain shards the model itself (FSDP2).
 
     Raises:
         UserError: accelerate was set up for FSDP, DeepSpeed or Megatron-LM.
@@ -203,20 +182,16 @@ def mixed_precision(cfg: RecipeConfig, cuda: bool) -> str:
 
 
 def nccl_flight_recorder(folder: Path) -> None:
-    """Turn on torch's NCCL flight recorder (the last collectives of each rank, in memory) and
-    its dump on a timeout into ``folder/nccl_trace_rank_R``, unless the environment already
-    says otherwise. Read when the NCCL process groups are made, so call this before."""
+    """Turn on torch's NCCL flight recorder and its dump on a timeout into
+    ``folder/nccl_trace_rank_R`` (unless the environment says otherwise); call it before the
+    NCCL groups are made."""
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / "nccl_trace_rank_"))
 
 
 def _ensure_process_group(device: torch.device, timeout: timedelta) -> str | None:
-    """Make a one-rank group when none exists (a lone process, not under a launcher).
-
-    Returns:
-        The temporary folder of its file store (to delete at the end), or None.
-    """
+    """Make a one-rank group when none exists; returns its store's temporary folder, or None."""
     if dist.is_initialized():
         return None
     backend = "nccl" if device.type == "cuda" else "gloo"

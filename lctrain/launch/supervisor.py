@@ -1,20 +1,11 @@
-"""The launcher's watch over its ranks, from the start of torch.distributed.run to its report.
+"""The launcher's watch over its ranks: the agent process between them, and the supervisor.
 
-`Supervisor.wait` blocks until the agent (`lctrain.launch.agent`) ends, polling every `POLL_S`:
-
-- a stop signal (SIGTERM, SIGINT, SIGHUP) on the launcher is passed on to every rank (the agent's
-  children) as a request (`lctrain.launch.stopping.LAUNCHER_REQUEST`, the signal's number in
-  ``.launch/stop``); the ranks stop together after their current step; a second signal kills
-  every rank and the agent at once and returns 128 + its number;
-- once a rank has recorded a failure (`lctrain.launch.failures.record_error`) and exited, the
-  remaining ranks get `KILL_GRACE_S` seconds to end by themselves, then SIGKILL: a stopped rank
-  never does, and torch.distributed.run would wait 30 s before its own SIGKILL. A record
-  whose rank stays alive (on NCCL, a hang report waits for torch's timeout to dump the flight
-  recorder) starts the same count after ``record_wait`` seconds.
-
-`report` turns the witnesses into what the user reads: a rank's error, the rank a signal killed
-and the last step, or the hang and the ranks that did not arrive, with where the last complete
-checkpoint is and the command that resumes.
+``python -m lctrain.launch.supervisor FAILURES.json [torch.distributed.run args]`` is the agent
+(`agent_main`): torch.distributed.run, tied to the launcher and leaving stop signals to it, which
+writes the failed ranks' exit codes (a negative one is the signal that killed a rank) to
+FAILURES.json. The `Supervisor` passes a stop signal on to every rank and kills them all on a
+second one, and ends the other ranks `KILL_GRACE_S` seconds after one recorded a failure and
+exited; `report` says why the run ended.
 """
 from __future__ import annotations
 
@@ -29,27 +20,45 @@ from pathlib import Path
 
 from lctrain.errors import UserError
 from lctrain.launch.failures import explain, read_failures, read_records
-from lctrain.launch.lifetime import alive, children, signal_name
-from lctrain.launch.stopping import LAUNCHER_REQUEST, catches_request, watched_signals
+from lctrain.launch.lifetime import alive, children, die_with_launcher, signal_name
+from lctrain.launch.stopping import (LAUNCHER_REQUEST, STOP_SIGNALS, catches_request,
+                                    watched_signals)
 from lctrain.launch.watchdog import read_heartbeats
 
 POLL_S = 0.2
-"""How often the launcher looks at its ranks."""
 KILL_GRACE_S = 3.0
 """Seconds the other ranks get to end by themselves after a rank failed and exited."""
 
 
-class Supervisor:
-    """Watch the agent process ``agent`` and its ranks (see the module docstring).
+def agent_main(argv: list[str]) -> int:
+    """Run torch.distributed.run with ``argv[1:]``; returns 0, or 1 when a rank failed."""
+    die_with_launcher(levels=1)
+    for sig in STOP_SIGNALS:  # the launcher's to handle; not SIG_IGN, which ranks would inherit
+        signal.signal(sig, lambda signum, frame: None)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
 
-    Args:
-        agent: the running ``python -m lctrain.launch.agent`` process.
-        launch_dir: ``output_dir/.launch``: the ranks' error records (``errors/``) and the stop
-            request file (``stop``).
-        on_signal_text: what to say when a stop signal arrives (the launcher's stderr).
-        record_wait: seconds a rank that recorded a failure may stay alive before the others
-            are killed anyway.
-    """
+    failures_path, args = argv[0], parse_args(argv[1:])
+    if hasattr(args, "signals_to_handle"):  # torch >= 2.8 would install handlers for them
+        args.signals_to_handle = "SIGQUIT"
+    try:
+        run(args)
+    except ChildFailedError as error:
+        failures = {str(rank): {"pid": f.pid, "exitcode": f.exitcode, "local_rank": f.local_rank}
+                    for rank, f in error.failures.items()}
+        tmp = f"{failures_path}.tmp"
+        with open(tmp, "w") as handle:
+            json.dump(failures, handle)
+        os.replace(tmp, failures_path)
+        return 1
+    return 0
+
+
+class Supervisor:
+    """Watch the running ``agent`` process (`agent_main`) and its ranks, whose error records
+    and stop request file are in ``launch_dir``; ``on_signal_text`` is said on a stop signal.
+    A rank that recorded a failure may stay alive ``record_wait`` seconds (on NCCL a hang
+    report waits for torch's timeout) before the others are killed anyway."""
 
     def __init__(self, agent: subprocess.Popen, launch_dir: Path, *, on_signal_text: str,
                  record_wait: float = 60.0) -> None:
@@ -61,12 +70,8 @@ class Supervisor:
         self._kill_at: float | None = None
 
     def wait(self) -> int | None:
-        """Block until the agent ends.
-
-        Returns:
-            None when the agent ended by itself (its exit code is ``agent.returncode``), or
-            128 + the signal when a second stop signal made this process kill every rank.
-        """
+        """Block until the agent ends; returns None when it ended by itself (see
+        ``agent.returncode``), or 128 + the signal when a second stop signal killed every rank."""
         previous = self._install()
         try:
             while True:
@@ -129,9 +134,8 @@ def _send(pid: int, signum: int) -> None:
 
 
 def last_completed_step(output_dir: Path) -> int | None:
-    """The last step the run completed: the newest of the ranks' heartbeats and rank 0's last
-    metrics line (written just before its heartbeat says so); None before the ranks reached
-    training (the metrics may then still be those of an earlier run)."""
+    """The last step the run completed, from the heartbeats and rank 0's last metrics line;
+    None before the ranks reached training (the metrics may be an earlier run's)."""
     steps = [b["completed"] for b in read_heartbeats(output_dir / ".launch" / "ranks").values()]
     if not steps:
         return None
@@ -145,14 +149,8 @@ def last_completed_step(output_dir: Path) -> int | None:
 
 def report(supervisor: Supervisor, *, launch_dir: Path, failures: Path, log: Path,
            checkpoint_hint: str) -> int:
-    """Say why the ranks ended; returns the launcher's exit code.
-
-    Args:
-        supervisor: the supervisor that watched the run (after `Supervisor.wait`).
-        launch_dir: ``output_dir/.launch`` (error records, heartbeats).
-        failures: the agent's failures file.
-        log: the workers' log.
-        checkpoint_hint: where the last complete checkpoint is and how to resume (a clause).
+    """Say why the ranks ended (after `Supervisor.wait`); returns the launcher's exit code.
+    ``checkpoint_hint`` is a clause: where the last checkpoint is and how to resume.
 
     Raises:
         UserError: a rank's error, a hang, or a rank killed by a signal, as one sentence.
@@ -179,3 +177,10 @@ def report(supervisor: Supervisor, *, launch_dir: Path, failures: Path, log: Pat
     print("\n".join(tail), file=sys.stderr)
     print(f"training failed (exit code {code}); the workers' log is {log}", file=sys.stderr)
     return code or 1
+
+
+if __name__ == "__main__":
+    code = agent_main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the ranks have ended; torch's teardown would only cost time

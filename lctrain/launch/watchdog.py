@@ -1,29 +1,10 @@
 """Hang detection: every rank says what it waits in; a rank that waits too long names who is late.
 
-A stopped process (``kill -STOP``, a machine that froze, a rank swapping to death) or a
-collective that some rank never joins leaves the others waiting inside a collective, where a
-gloo timeout, when it finally comes, names no rank. So each rank keeps a heartbeat:
-
-- the training loop marks where its main thread is (`Watchdog.enter`: the operation and the step;
-  an attribute write, no I/O, no synchronisation);
-- a daemon thread writes ``output_dir/.launch/ranks/rank{R}.json`` — pid, host, the steps
-  completed, the operation and the wall time — within milliseconds of a completed step and at
-  least every ``beat`` seconds, from its own thread (the thread runs while the main thread waits
-  in a collective: torch releases the GIL there);
-- inside the forward and backward, every decoder layer restarts the operation's clock
-  (`Watchdog.watch_layers`: its forward, and the gradient reaching its input), so the timeout
-  bounds one layer's work, not a whole step — a step at a very long context may take far longer
-  than the timeout and still be watched;
-- when this rank has been in one operation (or one layer of it) for longer than
-  ``train.collective_timeout``, the thread reads every rank's file and reports, in one sentence, the operation, the step and the
-  ranks that did not arrive: those whose heartbeat stopped (a stopped or dead process) and
-  those still busy elsewhere. Then it ends the process (`Watchdog` ``on_hang``).
-
-Only the training steps are watched (from the first `enter` to `idle`): data preparation and
-model loading wait for no one in a collective. A pause of the whole process (a stopped
-terminal job, a suspended machine) is not counted: a tick that comes far too late restarts the
-clock. On NCCL, torch's own timeout (the process group's, set a little longer) adds the flight
-recorder's dump of the last collectives of every rank (`lctrain.launch.launcher`).
+Each rank's main thread marks its operation and step (`Watchdog.enter`, an attribute write;
+each decoder layer restarts the clock), and a daemon thread writes a heartbeat file after each
+step and every ``beat`` seconds. When one operation lasts longer than
+``train.collective_timeout``, the thread reads every rank's heartbeat and reports, in one
+sentence, the ranks that did not arrive (`on_hang`). A pause of the whole process is not counted.
 """
 from __future__ import annotations
 
@@ -44,14 +25,18 @@ def heartbeat_dir(output_dir: str | os.PathLike) -> Path:
 
 def read_heartbeats(folder: str | os.PathLike, world_size: int | None = None) -> dict[int, dict]:
     """The heartbeat of every rank that wrote one: {rank: record}."""
-    found = {}
+    return {int(record["rank"]): record for record in read_rank_files(folder)
+            if world_size is None or record.get("rank", -1) < world_size}
+
+
+def read_rank_files(folder: str | os.PathLike) -> list[dict]:
+    """Every readable ``rank*.json`` in ``folder`` (heartbeats, error records)."""
+    found = []
     for path in Path(folder).glob("rank*.json"):
         try:
-            record = json.loads(path.read_text())
+            found.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-        if world_size is None or record.get("rank", -1) < world_size:
-            found[int(record["rank"])] = record
     return found
 
 
@@ -66,15 +51,9 @@ class _Mark:
 
 
 class Watchdog:
-    """One rank's heartbeat and hang detector (see the module docstring).
-
-    Args:
-        folder: the heartbeat folder (`heartbeat_dir`), shared by all ranks.
-        rank, world_size: this rank and the number of ranks.
-        timeout: seconds one operation may last before the ranks that did not arrive are named.
-        on_hang: called (from the watchdog thread) with the one-sentence report; it should
-            end the process.
-    """
+    """One rank's heartbeat and hang detector in ``folder`` (`heartbeat_dir`, shared by all
+    ranks): after ``timeout`` seconds in one operation, ``on_hang`` is called from the
+    watchdog thread with the one-sentence report, and should end the process."""
 
     def __init__(self, folder: str | os.PathLike, *, rank: int, world_size: int, timeout: float,
                  on_hang: Callable[[str], None]) -> None:
@@ -91,8 +70,7 @@ class Watchdog:
 
     # main thread -------------------------------------------------------------------------
     def enter(self, operation: str, step: int) -> None:
-        """The main thread now runs (or waits in) ``operation`` of ``step`` (an attribute write:
-        the file says so at the next beat)."""
+        """The main thread now runs (or waits in) ``operation`` of ``step``."""
         self._mark = _Mark(operation, step, self._mark.completed, time.monotonic())
 
     def completed(self, step: int) -> None:
@@ -101,13 +79,12 @@ class Watchdog:
         self._changed.set()
 
     def progress(self) -> None:
-        """The main thread moved on inside its operation: the operation's clock restarts (an
-        attribute write)."""
+        """The main thread moved on inside its operation: the operation's clock restarts."""
         self._mark.since = time.monotonic()
 
     def watch_layers(self, layers) -> None:
-        """Call `progress` when each of ``layers`` (torch modules) starts its forward and when
-        the gradient of its input is computed (its backward is done); undone at exit."""
+        """Call `progress` when each of ``layers`` starts its forward and when the gradient of
+        its input is computed; undone at exit."""
         def on_gradient(grad):
             self.progress()
 

@@ -1,19 +1,22 @@
 """The model: load or build a causal LM, with lctrain's attention swapped in from outside.
 
-    from lctrain.model import load_model, CPContext
-    model = load_model("path/or/hub-name", config=None, seed=0)       # attn "lctrain"
-    model = load_model("/models/Llama-3.1-8B", seed=0, seq_len=131072,  # overrides on top
-                       config={"rope_parameters": {"rope_type": "llama3", "factor": 16.0}})
+    model = load_model("path/or/hub-name", config=None, seed=0)
     hidden = model.get_decoder()(input_ids=ids, position_ids=global_pos,
                                  cp_context=CPContext(group=cp_group, cu_seqlens=cu))
 
-`check_model(cfg)` runs every check of a recipe's model (config, features, weights present)
-before any weight loads; `resolve_config` gives the transformers config a run trains.
+The names below load on first use, so that `lctrain.model.families` (read by the memory model
+and the command line) imports no torch.
 """
-from lctrain.model.attention import ATTENTION_NAME, CPContext, lctrain_attention, register_attention
-from lctrain.model.features import check_model_config
-from lctrain.model.hf_config import resolve_config
-from lctrain.model.load import check_model, load_model, load_tokenizer
+import importlib
 
-__all__ = ["ATTENTION_NAME", "CPContext", "check_model", "check_model_config", "lctrain_attention",
-           "load_model", "load_tokenizer", "register_attention", "resolve_config"]
+_WHERE = {"ATTENTION_NAME": "attention", "CPContext": "attention", "lctrain_attention": "attention",
+          "register_attention": "attention", "check_model_config": "features",
+          "check_model": "load", "load_model": "load", "load_tokenizer": "load",
+          "resolve_config": "load"}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"lctrain.model.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'lctrain.model' has no attribute {name!r}")

@@ -7,22 +7,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Family:
-    """What lctrain may do with one transformers ``model_type``.
+    """What lctrain may do with one transformers ``model_type``."""
 
-    Attributes:
-        prefix: the class-name prefix of its modules (``LlamaRMSNorm``, ``LlamaMLP``, ...).
-        fused: its RMSNorm, RoPE (transformers' Llama formula) and gated MLP can run as
-            lctrain_kernels' fused kernels.
-        grouped: its attention module is q/k/v projections, RoPE, the attention and an output
-            projection, nothing else, so its projections can run inside head groups.
-        norm_before_mlp: its layer runs ``post_attention_layernorm`` right before the MLP, so
-            the norm can run inside the MLP's tiles.
-    """
-
-    prefix: str
-    fused: bool = True
-    grouped: bool = True
-    norm_before_mlp: bool = True
+    prefix: str  # the class-name prefix of its modules (``LlamaRMSNorm``, ...)
+    fused: bool = True  # its RMSNorm, RoPE and gated MLP can run as fused kernels
+    grouped: bool = True  # attention is q/k/v, RoPE, attention, o only: head groups can run it
+    norm_before_mlp: bool = True  # post_attention_layernorm right before the MLP: in its tiles
 
 
 FAMILIES = {

@@ -1,19 +1,11 @@
 """What lctrain can train exactly, checked on a model's config before any weight loads.
 
-lctrain swaps the model's attention function (through transformers' attention interface) for
-exact causal, document-masked attention, and computes the loss straight from the output head.
-A model that asks for more — a sliding window shorter than the sequence, soft-capped or scaled
-logits, ALiBi, attention sinks, bidirectional attention, dropout on the attention weights —
-would train silently wrong, so it is refused here in one sentence that names the setting as the
-model's config.json names it (``attn_pdrop`` for GPT-2, ``attention_dropout`` for Llama).
-`check_attention_call` checks the same things again on every attention call, as a guard for
-anything the config did not show (transformers hands some settings, such as Mistral's window,
-to the attention function as call arguments rather than module attributes).
-
-Positions: a RoPE model trains past ``max_position_embeddings`` (with a warning that says what to
-set); a model with learned absolute positions cannot. RoPE types whose frequencies follow the
-longest position of each forward call (``dynamic``, ``longrope``) would differ between the cp
-ranks that share one sequence, so past their native length they are refused under cp > 1.
+lctrain's attention is exact causal (document-masked) attention and its loss reads the output
+head directly, so a model that asks for more — a window shorter than the sequence, soft-capped
+or scaled logits, ALiBi, sinks, bidirectional attention, attention dropout — is refused in one
+sentence naming the setting as its config.json does; `check_attention_call` checks each call
+again. A RoPE model trains past ``max_position_embeddings`` with a warning; RoPE types whose
+frequencies follow each call's longest position are refused there under cp > 1.
 """
 from __future__ import annotations
 
@@ -24,26 +16,14 @@ from typing import Any, Iterator
 from lctrain.errors import ConfigError
 
 _ATTENTION_DROPOUT = re.compile(r"(att|attn|attention).*(drop)|drop.*(att|attn)")
-"""Config keys of dropout on the attention weights, in every family's spelling."""
-
+# layer_types lctrain trains (sliding ones while the window covers the row; the last three: MLPs)
 _TRAINABLE_LAYERS = {"full_attention", "sliding_attention", "dense", "sparse", "moe"}
-"""``layer_types`` entries lctrain trains (sliding ones only while the window covers the row;
-the last three describe MLPs)."""
-
-_LOGIT_SCALES = ("logit_scale", "logits_scaling")
-"""Config keys that rescale the output logits (Cohere, Granite), which lctrain's loss would skip."""
+_LOGIT_SCALES = ("logit_scale", "logits_scaling")  # Cohere, Granite
 
 
 def check_model_config(config: Any, *, seq_len: int | None = None, cp: int = 1) -> list[str]:
-    """Refuse what lctrain cannot train exactly; return warnings for what it trains as asked.
-
-    Args:
-        config: the transformers config of the model (folder + overrides).
-        seq_len: tokens per training row (None: skip the length checks).
-        cp: context-parallel ranks sharing one sequence.
-
-    Returns:
-        Warnings, one sentence each (for example a ``seq_len`` past ``max_position_embeddings``).
+    """Refuse what lctrain cannot train exactly at ``seq_len`` (None: no length checks) over
+    ``cp`` ranks; return warnings, one sentence each.
 
     Raises:
         ConfigError: one sentence naming the setting, its value and the fix.
@@ -60,12 +40,9 @@ def check_attention_call(module: Any, query: Any, value: Any, attention_mask: An
     """Raise ConfigError when one attention call asks for more than exact causal attention.
 
     Args:
-        module: the calling attention module (its ``config`` names the settings).
-        query, value: (B, Hq, S, D) and (B, Hkv, S, Dv).
-        attention_mask: transformers' mask (lctrain builds its own, so it must be None).
-        dropout: the attention dropout probability of this call.
-        kwargs: the call's other keyword arguments.
-        global_len: tokens of the whole sequence (all cp shards together).
+        module: the calling attention module. query, value: (B, Hq, S, D) and (B, Hkv, S, Dv).
+        attention_mask: must be None (lctrain builds its own mask).
+        kwargs: the call's other keyword arguments. global_len: tokens of the whole sequence.
     """
     config = getattr(module, "config", None)
     if dropout:
@@ -156,9 +133,8 @@ def _check_windows(config: Any, seq_len: int | None) -> None:
                           f"attention cannot compute; it trains full_attention layers (and "
                           f"sliding_attention ones whose window covers data.seq_len)")
     window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) is False or not window:
-        return
-    if kinds and "sliding_attention" not in kinds:
+    if getattr(config, "use_sliding_window", True) is False or not window or (
+            kinds and "sliding_attention" not in kinds):
         return
     if seq_len is not None and window < seq_len:
         raise ConfigError(_window_message(window, seq_len), key="model.config.sliding_window")
@@ -174,7 +150,8 @@ def _window_message(window: int, length: int) -> str:
 def _check_positions(config: Any, seq_len: int, cp: int) -> list[str]:
     limit = getattr(config, "max_position_embeddings", None)
     rope = getattr(config, "rope_parameters", None)
-    name = _real_name(config, "max_position_embeddings")
+    name = (getattr(config, "attribute_map", None) or {}).get(  # GPT-2 says n_positions
+        "max_position_embeddings", "max_position_embeddings")
     if not limit or seq_len <= limit:
         return []
     if not rope:
@@ -216,7 +193,7 @@ def _per_call_rope_message(config: Any, rope: dict, kind: str, seq_len: int, lim
 
 
 def _items(mapping: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, value) of every setting, nested sub-configs included, RoPE excluded."""
+    """(dotted key, value) of every setting, nested ones included, RoPE excluded."""
     for key, value in mapping.items():
         if key == "rope_parameters":
             continue
@@ -227,15 +204,7 @@ def _items(mapping: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any
 
 
 def _key_with_value(config: Any, pattern: re.Pattern, value: Any) -> str | None:
-    """The config key matching ``pattern`` that holds ``value`` (to name a call's setting)."""
-    if config is None:
-        return None
-    for key, held in _items(config.to_dict()):
-        if pattern.search(key.rsplit(".", 1)[-1]) and held == value:
-            return key
-    return None
-
-
-def _real_name(config: Any, attribute: str) -> str:
-    """How config.json spells ``attribute`` (GPT-2 says n_positions for max_position_embeddings)."""
-    return (getattr(config, "attribute_map", None) or {}).get(attribute, attribute)
+    """The config key matching ``pattern`` that holds ``value``."""
+    items = _items(config.to_dict()) if config is not None else ()
+    return next((key for key, held in items
+                 if pattern.search(key.rsplit(".", 1)[-1]) and held == value), None)

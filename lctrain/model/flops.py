@@ -1,18 +1,9 @@
 """The one FLOP model of lctrain: attention FLOPs for the benchmarks, a model's training FLOPs
 for MFU, and the GPUs' dense bf16 peaks.
 
-Attention costs 4·H·D floating-point operations per visible (query, key) pair in the forward
-(two matrix products of 2·D each, per head). Causal attention sees half of the S² pairs, so
-
-    causal forward   = 2·S²·H·D        (non-causal: 4·S²·H·D)
-    backward         = 2.5 × forward   (five products against the forward's two)
-    forward+backward = 3.5 × forward   (7·S²·H·D causal)
-
-With packed documents only the pairs inside each document count, Σ n² instead of S² (the
-"useful" FLOPs; `lctrain.bench.documents.Documents` counts through this model): a kernel
-that skips the empty tiles shows it as a higher rate, one that does not, as a lower one. For
-the distributed attention S is the TOTAL sequence and the figure is divided by the number of
-GPUs ("TFLOP/s per GPU"), so a perfect split of the work matches the one-GPU rate.
+Attention costs 4·H·D FLOPs per visible (query, key) pair in the forward: causal forward =
+2·S²·H·D, backward = 2.5 × forward. Packed documents count Σ n² instead of S². Distributed
+attention counts the total sequence and divides by the GPUs.
 """
 from __future__ import annotations
 
@@ -26,30 +17,16 @@ MODEL = "causal fwd 2*S^2*H*D (4*H*D per visible pair), bwd 2.5x fwd; per GPU: /
 
 def attention_flops(seq_len: int, heads: int, head_dim: int, causal: bool = True,
                     bounds: tuple[int, ...] | None = None) -> float:
-    """Forward FLOPs of attention over one sequence of ``seq_len`` tokens.
-
-    Args:
-        seq_len: tokens in the sequence (the total one for distributed attention).
-        heads: query heads H.
-        head_dim: head dimension D.
-        causal: causal mask (half the pairs) or full attention.
-        bounds: document boundaries (0, ..., seq_len), or None for one document.
-
-    Returns:
-        4·H·D × the visible (query, key) pairs.
-    """
+    """Forward FLOPs of attention over ``seq_len`` tokens with ``heads`` × ``head_dim``: 4·H·D
+    per visible (query, key) pair, within the documents of ``bounds`` (0, ..., seq_len)."""
     lengths = [seq_len] if bounds is None else [b - a for a, b in zip(bounds, bounds[1:])]
     pairs = sum(n * n for n in lengths) * (0.5 if causal else 1.0)
     return 4.0 * pairs * heads * head_dim
 
 
 def rates(forward_flops: float, fwd_ms: float | None, bwd_ms: float | None) -> dict:
-    """TFLOP/s of a forward, its backward and both, from their times in milliseconds.
-
-    Returns:
-        ``{"fwd_tflops", "bwd_tflops", "total_tflops"}`` (a rate whose time is missing is
-        left out).
-    """
+    """``{"fwd_tflops", "bwd_tflops", "total_tflops"}`` from the times in milliseconds (a rate
+    whose time is missing is left out)."""
     out = {}
     if fwd_ms:
         out["fwd_tflops"] = forward_flops / fwd_ms / 1e9
@@ -81,26 +58,16 @@ def peak_flops(device: torch.device) -> float | None:
 
 @dataclass(frozen=True)
 class FlopModel:
-    """Training FLOPs (forward + backward, recomputation not counted) of a decoder-only LM.
+    """Training FLOPs (forward + backward, recomputation not counted) of a decoder-only LM."""
 
-    Attributes:
-        per_token: for the parameters that take part in matrix products (all but the input
-            embedding: the projections, MLPs, output head and LoRA adapters), 6 × those
-            trained and 4 × those frozen — a frozen weight still passes the gradient to its
-            input (2 per token) but gets no weight gradient (the other 2).
-        per_attention_unit: causal attention of a document of n tokens costs
-            7 · n² · H · D per layer (forward 2 · n² · H · D, backward 2.5 × that); this is
-            7 · layers · H · D, to be multiplied by Σ n² over the documents actually trained on.
-    """
-
-    per_token: float
-    per_attention_unit: float
+    per_token: float  # 6 × the trained matrix parameters + 4 × the frozen (no weight gradient)
+    per_attention_unit: float  # 7 · layers · H · D, to multiply by Σ n² over the documents
 
     @classmethod
     def for_model(cls, model_config, n_matmul_params: int, frozen_matmul_params: int = 0
                   ) -> FlopModel:
-        """The FLOP model of a model of ``model_config`` with ``n_matmul_params`` matrix
-        parameters, ``frozen_matmul_params`` of which are not trained (LoRA's base weights)."""
+        """The FLOP model of ``n_matmul_params`` matrix parameters, ``frozen_matmul_params`` of
+        them not trained."""
         layers = model_config.num_hidden_layers
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads

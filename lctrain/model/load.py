@@ -1,66 +1,60 @@
-"""Build the causal language model: a model folder or hub name (with the recipe's config
-overrides on top), or a random init from a config.
+"""Build the causal language model from a model folder or hub name, or a seeded random init,
+after its config is resolved and checked and before any weight loads.
 
-Whichever the source, the transformers config is resolved first (`lctrain.model.hf_config`) and
-checked against what lctrain can train exactly (`lctrain.model.features`) before any weight
-loads. The model comes back with the "lctrain" attention selected (registered through
-transformers' public `AttentionInterface`), its KV cache off (training), and its parameters on
-the requested device in the requested dtype. Random initialisation is seeded, so every rank
-builds the very same weights (FSDP2 then shards them; replication keeps them).
+The recipe's ``model.config`` overrides the folder's config.json (``rope_theta`` /
+``rope_scaling`` folded into ``rope_parameters``, which merges key by key while it keeps the
+folder's ``rope_type``); they may change how the model computes but not its weights.
 """
 from __future__ import annotations
 
 import glob
 import os
+import re
 from typing import Any
 
 import torch
 
+from lctrain.config import require_model_path
 from lctrain.config.hub import cache_only
-from lctrain.errors import UserError
+from lctrain.errors import ConfigError, UserError
 from lctrain.model.attention import register_attention
 from lctrain.model.features import check_model_config
-from lctrain.model.hf_config import first_line, resolve_config
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
-"""How a model folder's weight files are named (safetensors, or the older pickled format)."""
+# config keys whose change leaves the weights as they are
+_COMPUTE_ONLY = re.compile(r"^(rope_parameters|max_position_embeddings|sliding_window|"
+                           r"use_sliding_window|max_window_layers|layer_types|use_cache|"
+                           r"(bos|eos|pad)_token_id|.*(dropout|pdrop|softcap).*)$")
 
 
 def load_model(source: str | None, *, config: dict[str, Any] | None, seed: int,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                attn_implementation: str | None = None, trust_remote_code: bool = False,
                seq_len: int | None = None, cp: int = 1) -> torch.nn.Module:
-    """Load or build an AutoModelForCausalLM.
+    """Load or build an AutoModelForCausalLM, in train mode with ``config.use_cache = False``.
 
     Args:
         source: a local model folder or a hub name; None to build from ``config``.
-        config: with ``source``, overrides of its config (RoPE scaling, max_position_embeddings,
-            ...); without, the transformers config fields (with ``model_type``) of a randomly
-            initialised model.
+        config: overrides of the source's config, or the whole config of a random init.
         seed: seed of the random initialisation (identical on every rank).
-        dtype: parameter dtype.
-        device: where the parameters live.
         attn_implementation: defaults to the registered "lctrain" attention.
-        trust_remote_code: allow model code from the folder or the hub to run.
-        seq_len: tokens per training row, to check windows and positions against (None: the
-            attention call checks the window when it runs).
-        cp: context-parallel ranks sharing a sequence (for RoPE types that depend on it).
-
-    Returns:
-        The model, in train mode, with ``config.use_cache = False``.
+        seq_len, cp: the row length and cp ranks to check windows and positions against.
 
     Raises:
-        UserError: no source and no config, a placeholder or missing path, a folder without
-            weights, a hub name that cannot be fetched, an invalid config, or a model feature
-            lctrain cannot train exactly.
+        UserError: no usable source or config, a folder without weights, a hub name that
+            cannot be fetched, or a model feature lctrain cannot train exactly.
     """
+    from transformers import AutoModelForCausalLM
+
     attn = attn_implementation or register_attention()
     hf_config = resolve_config(source, config, trust_remote_code=trust_remote_code)
     check_model_config(hf_config, seq_len=seq_len, cp=cp)
     if source is None:
         torch.manual_seed(seed)
         with torch.device(device):
-            model = _from_config(hf_config, dtype=dtype, attn=attn, trust=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn,
+                                                     dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
     else:
         model = _from_pretrained(source, hf_config, dtype=dtype, attn=attn,
                                  trust=trust_remote_code).to(device)
@@ -70,23 +64,12 @@ def load_model(source: str | None, *, config: dict[str, Any] | None, seed: int,
 
 
 def check_model(cfg: Any) -> list[str]:
-    """Check a recipe's model before any process starts or any weight loads.
-
-    Resolves the config (folder + overrides, or the random init's), checks it against what
-    lctrain trains exactly at ``data.seq_len`` and ``parallel.cp``, and checks that a local
-    folder holds weights.
-
-    Args:
-        cfg: the `lctrain.config.RecipeConfig`.
-
-    Returns:
-        Warnings to show the user, one sentence each.
+    """Check a recipe's model (config, features, weights present) before any weight loads;
+    return warnings, one sentence each.
 
     Raises:
         UserError: what `load_model` would raise for this recipe, short of loading weights.
     """
-    from lctrain.config import require_model_path
-
     model = cfg.model
     hf_config = resolve_config(model.path, model.config, trust_remote_code=model.trust_remote_code)
     warnings = check_model_config(hf_config, seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
@@ -96,11 +79,7 @@ def check_model(cfg: Any) -> list[str]:
 
 
 def check_weights(source: str) -> None:
-    """Raise UserError when the local folder ``source`` holds no weight files (a hub name passes).
-
-    Raises:
-        UserError: a folder with config.json but no ``*.safetensors`` (or ``*.bin``) weights.
-    """
+    """Raise UserError when the local folder ``source`` holds no weight files (a hub name passes)."""
     folder = os.path.expanduser(source)
     if not os.path.isdir(folder):
         return
@@ -110,21 +89,13 @@ def check_weights(source: str) -> None:
                         f"build a random init with model.config alone.")
 
 
-def _from_config(hf_config: Any, *, dtype, attn: str, trust: bool) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=dtype,
-                                            trust_remote_code=trust)
-
-
 def _from_pretrained(source: str, hf_config: Any, *, dtype, attn: str,
                      trust: bool) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     check_weights(source)
     local = os.path.expanduser(source)
-    # With the hub out of reach, the weights come from the local hub cache at once; the look-up
-    # of a PEFT adapter config is told too, as transformers does not pass local_files_only on.
+    # hub out of reach: the local hub cache, for the adapter look-up too (not passed on)
     only = cache_only(source)
     cache = {"local_files_only": True, "adapter_kwargs": {"local_files_only": True}} if only else {}
     try:
@@ -138,15 +109,160 @@ def _from_pretrained(source: str, hf_config: Any, *, dtype, attn: str,
 
 
 def load_tokenizer(cfg: Any) -> Any:
-    """The recipe's tokenizer (`lctrain.data.load_tokenizer`), checked against the vocabulary
-    of the recipe's model.
-
-    Raises:
-        ConfigError: the tokenizer has more ids than the model has embeddings (and what
-            `lctrain.data.load_tokenizer` raises).
-    """
+    """The recipe's tokenizer (`lctrain.data.load_tokenizer`), checked against the model's
+    vocabulary."""
     from lctrain.data import load_tokenizer as load
 
     model = cfg.model
     config = resolve_config(model.path, model.config, trust_remote_code=model.trust_remote_code)
     return load(cfg, config.get_text_config().vocab_size)
+
+
+def resolve_config(path: str | None, overrides: dict[str, Any] | None, *,
+                   trust_remote_code: bool = False) -> Any:
+    """The transformers config of model ``path`` (None: a random init from ``overrides``)
+    with the recipe's ``overrides`` on top.
+
+    Raises:
+        UserError: no model, an unreadable folder, an unknown model type, an invalid config,
+            or overrides that change the folder's model type or weights.
+    """
+    fields = fold_rope_spellings(dict(overrides or {}), where="model.config")
+    if path is None:
+        return _random_init_config(fields)
+    source = require_model_path(path)
+    base, raw = _folder_config(source, path, trust_remote_code)
+    if not fields:
+        return base
+    wanted = fields.get("model_type", raw.get("model_type"))
+    if wanted != raw.get("model_type"):
+        raise ConfigError(f"model.config.model_type is {wanted!r} but the model in {path} is a "
+                          f"{raw.get('model_type')!r}; overrides on top of model.path cannot "
+                          f"change the model type, so remove model.config.model_type",
+                          key="model.config.model_type")
+    merged = merge_overrides(raw, fields)
+    config = _build(type(base), merged, where=f"model.config on top of {path}")
+    folded = fold_rope_spellings(raw, where="the model's config.json", strict=False)
+    structural = [k for k in sorted(merged)
+                  if merged[k] != folded.get(k) and not _COMPUTE_ONLY.match(k)]
+    if structural:
+        _check_same_weights(base, config, structural, path)
+    return config
+
+
+def fold_rope_spellings(fields: dict[str, Any], *, where: str,
+                        strict: bool = True) -> dict[str, Any]:
+    """``fields`` with ``rope_theta`` / ``rope_scaling`` folded into ``rope_parameters``
+    (``rope_scaling: null`` is ``rope_type: default``); where both spellings set a key,
+    ``rope_parameters`` wins.
+
+    Raises:
+        ConfigError: ``strict`` and two spellings give one setting different values.
+    """
+    fields = dict(fields)
+    has_scaling, has_theta = "rope_scaling" in fields, "rope_theta" in fields
+    if not (has_scaling or has_theta):
+        return fields
+    rope: dict[str, Any] = {}
+    scaling = fields.pop("rope_scaling", None)
+    if has_scaling:
+        rope = {"rope_type": "default"} if scaling is None else dict(scaling)
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+    if has_theta:
+        rope["rope_theta"] = fields.pop("rope_theta")
+    given = fields.get("rope_parameters") or {}
+    for key, value in rope.items():
+        if strict and key in given and given[key] != value:
+            raise ConfigError(f"{where} sets RoPE's {key} twice, as {given[key]!r} in "
+                              f"rope_parameters and as {value!r} in the older rope_scaling / "
+                              f"rope_theta spelling; keep rope_parameters only",
+                              key="model.config.rope_parameters")
+    fields["rope_parameters"] = {**rope, **given}
+    return fields
+
+
+def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The folder's config fields with ``overrides`` on top, merged as the module docstring
+    says."""
+    merged = fold_rope_spellings(base, where="the model's config.json", strict=False)
+    for key, value in fold_rope_spellings(overrides, where="model.config").items():
+        if key == "rope_parameters" and isinstance(value, dict):
+            merged[key] = _merge_rope(merged.get(key) or {}, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _merge_rope(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    if base and all(isinstance(v, dict) for v in base.values()) and all(
+            isinstance(v, dict) for v in override.values()):  # per layer type (Gemma 3 style)
+        return {**base, **{k: _merge_rope(base.get(k, {}), v) for k, v in override.items()}}
+    kind = override.get("rope_type", base.get("rope_type", "default"))
+    if kind == base.get("rope_type", "default"):
+        return {**base, **override}
+    kept = {"rope_theta": base["rope_theta"]} if "rope_theta" in base else {}
+    return {**kept, **override}
+
+
+def _random_init_config(fields: dict[str, Any]) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise UserError("model.config needs a model_type (for example model_type: llama) to "
+                        "build a randomly initialised model.")
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"model.config.model_type '{model_type}' is not a model type this "
+                        "transformers knows; use one such as llama, mistral or qwen2.")
+    return _build(CONFIG_MAPPING[model_type], fields, where=f"model.config ('{model_type}')")
+
+
+def _folder_config(source: str, shown: str, trust: bool) -> tuple[Any, dict[str, Any]]:
+    """(the folder's config as transformers reads it, its config.json fields as written)."""
+    from transformers import AutoConfig
+
+    only = cache_only(source)
+    try:
+        base = AutoConfig.from_pretrained(source, trust_remote_code=trust, local_files_only=only)
+        raw, _ = type(base).get_config_dict(source, local_files_only=only)
+    except (OSError, ValueError) as exc:
+        first = first_line(exc)
+        raise UserError(f"Could not read the config of model '{shown}' (offline, unknown hub "
+                        f"name, or not a model folder): {first}; point model.path at a local "
+                        f"folder holding config.json.") from None
+    return base, dict(raw)
+
+
+def _build(config_class: Any, fields: dict[str, Any], *, where: str) -> Any:
+    try:
+        return config_class.from_dict(dict(fields))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"{where} is not a valid config: {exc}") from None
+
+
+def _check_same_weights(base: Any, config: Any, keys: list[str], path: str) -> None:
+    """Raise ConfigError when ``config`` gives the model other weights than ``base``."""
+    from transformers import AutoModelForCausalLM
+
+    def shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        return {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: once
+
+    before, after = shapes(base), shapes(config)
+    if before == after:
+        return
+    differ = sorted(set(before) ^ set(after)) or sorted(
+        n for n in before if before[n] != after[n])
+    raise ConfigError(f"model.config overrides {', '.join(keys)} change the weights of the model "
+                      f"in {path} (first difference: {differ[0]}); overrides on top of model.path "
+                      f"may change RoPE, the context length, dropout or windows but not the "
+                      f"architecture, so remove them (or set model.config=null)",
+                      key="model.config")
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line without its final period, or its type name."""
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__

@@ -2,25 +2,10 @@
 
     model = apply_lora(model, cfg.lora, seed=cfg.train.seed)   # before checkpointing and FSDP2
 
-`apply_lora` checks the recipe's module names against the model (one sentence for a name that
-matches nothing, a module of the wrong kind, or the output head), builds a peft ``LoraConfig``
-and wraps the model in peft's ``PeftModelForCausalLM``. What then trains:
-
-- every targeted linear layer, ``y = W·x``, becomes ``y = W·x + B·A·dropout(x)·alpha/r`` with
-  A (r × in, Kaiming-uniform) and B (out × r, zeros) trained and W frozen — so the first step
-  starts from exactly the base model;
-- every module named in ``lora.trainable_modules`` is trained in full as peft's
-  ``modules_to_save``: peft keeps the original module (frozen) and trains a copy, so a checkpoint
-  holds the base model and the trained copy both, and the adapter export carries the copy;
-- everything else is frozen: no gradient, no optimizer state, no gradient reduce-scatter.
-
-The rest of lctrain sees an ordinary module. Parameter names gain peft's parts
-(``base_model.model.``, ``.base_layer``, ``.lora_A.default``, ``.original_module``,
-``.modules_to_save.default``); the decoder layers stay where they were, of the same classes (so
-`lctrain.parallel.activation_checkpoint.find_decoder_layers` and FSDP2 find them); the attention is
-untouched (``remat`` still keeps its output and runs it once per layer); DCP checkpoints hold
-every weight. The output head can be neither adapted nor wrapped: the chunked loss multiplies by
-its weight directly, bypassing any module forward.
+Targeted linear layers gain trained A and B (B zero, so training starts from the base model);
+``lora.trainable_modules`` are trained in full as peft's ``modules_to_save``. The decoder
+layers keep their places and classes. The output head can be neither adapted nor trained: the
+chunked loss multiplies by its weight directly.
 """
 from __future__ import annotations
 
@@ -34,27 +19,19 @@ from lctrain.config.schema import LORA_ALL_LINEAR, LoraConfig
 from lctrain.errors import ConfigError
 from lctrain.model.structure import decoder_layers
 
-ADAPTER_NAME = "default"
-"""peft's name of the one adapter lctrain trains (it appears in parameter names)."""
+ADAPTER_NAME = "default"  # peft's name of the one adapter, in parameter names
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int) -> nn.Module:
-    """Wrap ``model`` with LoRA adapters as ``lora`` says (in place; returns the peft model).
-
-    The adapters are initialised from ``seed`` (the same on every rank, as FSDP2 needs) without
-    disturbing the global random state.
-
-    Args:
-        model: a transformers causal LM (any device, also ``meta``).
-        lora: the recipe's lora section, with ``rank > 0``.
-        seed: seed of the adapters' initialisation.
+    """Wrap ``model`` (any device, also ``meta``) with LoRA adapters as ``lora`` says,
+    initialised from ``seed`` without disturbing the global random state.
 
     Returns:
         The peft ``PeftModelForCausalLM`` around ``model``.
 
     Raises:
         ConfigError: a module name that matches nothing, or a module that cannot be adapted or
-            trained in full (see `resolve_modules`).
+            trained in full.
     """
     import peft
 
@@ -67,36 +44,29 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             warnings.catch_warnings():
         torch.manual_seed(seed)
-        # peft asks transformers a deprecated question; the answer is right, the warning noise
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        # autocast_adapter_dtype=False: adapters take the base weights' dtype (float32 master
-        # weights in lctrain's recipes), so all trainable weights of an FSDP2 unit share it
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # peft's
+        # adapters in the base weights' dtype, so an FSDP2 unit's trainable weights share one
         return peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME,
                                    autocast_adapter_dtype=False)
 
 
 def resolve_modules(model: nn.Module, lora: LoraConfig) -> tuple[list[str], list[str]]:
-    """Check the recipe's module names against ``model`` and resolve them for peft.
-
-    A module matches a name when its qualified name is the name or ends in ``.name``.
+    """Check the recipe's module names against ``model`` (a name matches a qualified name
+    equal to it or ending in ``.name``) and resolve them for peft.
 
     Returns:
-        (target names for peft's ``target_modules``: the recipe's names, or for ``all-linear``
-        the distinct names of the decoder layers' linear layers; the qualified names of all
-        modules matched by ``trainable_modules``, for peft's ``modules_to_save``).
+        (peft's ``target_modules``, the qualified names for ``modules_to_save``).
 
     Raises:
-        ConfigError: a name matches no module; a target is not a linear layer; either list
-            reaches the output head; a trainable module holds an adapted layer or is a
-            container; the embeddings are trained in full while tied to the output head.
+        ConfigError: a name matches no module; a target is not linear; either list reaches the
+            output head; a trainable module holds an adapted layer, is a container, or is the
+            embedding tied to the head.
     """
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
     linear = _decoder_linear_names(model)
-    if tuple(lora.target_modules) == (LORA_ALL_LINEAR,):
-        targets = linear
-    else:
-        targets = list(lora.target_modules)
+    all_linear = tuple(lora.target_modules) == (LORA_ALL_LINEAR,)
+    targets = linear if all_linear else list(lora.target_modules)
     adapted = set()
     for name in targets:
         for qualified, module in _matching(modules, name, "lora.target_modules", model, linear):
@@ -113,11 +83,10 @@ def resolve_modules(model: nn.Module, lora: LoraConfig) -> tuple[list[str], list
                                            _leaf_names(model)):
             _check_trainable(model, module, head, qualified, name, adapted)
             trainable.append(qualified)
-    for a in trainable:
-        inner = [b for b in trainable if b.startswith(a + ".")]
-        if inner:
-            raise ConfigError(f"lora.trainable_modules matches both {a} and {inner[0]} inside it; "
-                              "name only one of them", key="lora.trainable_modules")
+    nested = [(a, b) for a in trainable for b in trainable if b.startswith(a + ".")]
+    if nested:
+        raise ConfigError(f"lora.trainable_modules matches both {nested[0][0]} and {nested[0][1]} "
+                          "inside it; name only one of them", key="lora.trainable_modules")
     return targets, trainable
 
 
@@ -161,22 +130,12 @@ def _check_trainable(model: nn.Module, module: nn.Module, head: nn.Module, quali
 
 def _decoder_linear_names(model: nn.Module) -> list[str]:
     """Distinct names of the linear layers inside the decoder layers, in first-seen order."""
-    names: list[str] = []
-    for layer in decoder_layers(model):
-        for qualified, module in layer.named_modules():
-            leaf = qualified.rsplit(".", 1)[-1]
-            if isinstance(module, nn.Linear) and leaf not in names:
-                names.append(leaf)
-    return names
+    return list(dict.fromkeys(q.rsplit(".", 1)[-1] for layer in decoder_layers(model)
+                              for q, m in layer.named_modules() if isinstance(m, nn.Linear)))
 
 
 def _leaf_names(model: nn.Module) -> list[str]:
-    """Distinct last parts of the names of modules that hold parameters themselves (not the
-    output head)."""
-    head, names = model.get_output_embeddings(), []
-    for qualified, module in model.named_modules():
-        leaf = qualified.rsplit(".", 1)[-1]
-        own = any(True for _ in module.parameters(recurse=False))
-        if qualified and own and module is not head and leaf not in names:
-            names.append(leaf)
-    return names
+    """Distinct last name parts of the modules that hold parameters (not the output head)."""
+    head = model.get_output_embeddings()
+    return list(dict.fromkeys(q.rsplit(".", 1)[-1] for q, m in model.named_modules() if q
+                              and m is not head and any(True for _ in m.parameters(False))))

@@ -1,9 +1,5 @@
-"""Where the parts of a causal LM are: its repeated decoder layers and its output head.
-
-Parallelism is applied from outside the model, so whoever wraps layers (the checkpointing
-policies) or shards them (FSDP2) asks here where they are. One finder serves all of them, so
-the layers that are checkpointed are the very layers that FSDP2 makes its units.
-"""
+"""Where the parts of a causal LM are: its decoder layers (one finder for checkpointing and
+FSDP2 alike) and its output head."""
 from __future__ import annotations
 
 from torch import nn
@@ -12,26 +8,20 @@ from lctrain.errors import UserError
 
 
 def decoder_layer_slots(model: nn.Module) -> list[tuple[nn.ModuleList, int]]:
-    """The repeated decoder blocks of ``model`` as (container, index) pairs, in order.
+    """The decoder blocks of ``model`` as (container, index) pairs, in order: replacing
+    ``container[index]`` replaces the layer.
 
-    Looked for, in this order: ``model.get_decoder().layers`` when it holds
-    ``config.num_hidden_layers`` blocks (Llama, Mistral, Qwen, ...); the blocks of the classes
-    named by ``model._no_split_modules`` (transformers' own list of the classes that must not be
-    split); the largest `nn.ModuleList` of identical blocks with parameters. A block wrapped in
-    place (a checkpoint wrapper) counts as the block it wraps.
-
-    Args:
-        model: a transformers causal LM, or any module holding a list of repeated blocks.
-
-    Returns:
-        ``[(container, index), ...]``: ``container[index]`` is a layer; replacing it there
-        replaces the layer in the model.
+    Looked for in ``get_decoder().layers`` (``num_hidden_layers`` of them), then the classes of
+    ``_no_split_modules``, then the largest list of identical blocks; wrappers count as the
+    block they wrap.
 
     Raises:
-        UserError: no list of repeated blocks found (an architecture lctrain cannot split).
+        UserError: no list of repeated blocks found.
     """
-    layers = _decoder_accessor_layers(model)
-    if layers is not None:
+    count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    get_decoder = getattr(model, "get_decoder", None)
+    layers = getattr(get_decoder(), "layers", None) if count is not None and get_decoder else None
+    if isinstance(layers, nn.ModuleList) and len(layers) == count:
         return [(layers, i) for i in range(len(layers))]
     names = set(getattr(model, "_no_split_modules", None) or ())
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
@@ -52,11 +42,7 @@ def decoder_layer_slots(model: nn.Module) -> list[tuple[nn.ModuleList, int]]:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers themselves (wrappers included), in order (see `decoder_layer_slots`).
-
-    Raises:
-        UserError: no list of repeated blocks found.
-    """
+    """The decoder layers themselves (wrappers included), in order (`decoder_layer_slots`)."""
     return [container[index] for container, index in decoder_layer_slots(model)]
 
 
@@ -65,21 +51,8 @@ def unwrap_layer(module: nn.Module) -> nn.Module:
     return getattr(module, "_checkpoint_wrapped_module", module)
 
 
-def _decoder_accessor_layers(model: nn.Module) -> nn.ModuleList | None:
-    count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    get_decoder = getattr(model, "get_decoder", None)
-    if count is None or get_decoder is None:
-        return None
-    layers = getattr(get_decoder(), "layers", None)
-    return layers if isinstance(layers, nn.ModuleList) and len(layers) == count else None
-
-
 def output_head(model: nn.Module) -> nn.Linear:
-    """The output projection (vocab × hidden), checked to be a plain bias-free linear map.
-
-    Raises:
-        ValueError: the head has a bias or is not a linear layer.
-    """
+    """The output projection (vocab × hidden); a ValueError unless a bias-free linear layer."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ValueError(f"{type(model).__name__}'s output head is not a bias-free linear layer, "

@@ -1,10 +1,7 @@
 """Numbers as people read them: 64K tokens, 1.2 ms, 531 TFLOP/s, 6.74 B parameters.
 
-Every function takes the raw value a result stores (tokens, milliseconds, TFLOP/s, bytes) and
-returns text; none rounds away a digit that the magnitude shows (three significant digits, but
-never fewer than the integer part: 5,312 stays 5,312). Columns of one table share one unit,
-chosen from the column's values by :func:`time_unit` and :func:`rate_unit`, so that the unit
-can stand in the header and the cells stay short.
+Three significant digits, never fewer than the integer part; :func:`time_unit` and
+:func:`rate_unit` choose one unit for a whole column.
 """
 from __future__ import annotations
 
@@ -14,11 +11,8 @@ _K, _M = 1024, 1024 * 1024
 
 
 def significant(value: float, digits: int = 3) -> str:
-    """``value`` with ``digits`` significant digits and thousands separators.
-
-    531.2 -> "531", 5312.4 -> "5,312", 53.12 -> "53.1", 0.001234 -> "0.00123", 0 -> "0";
-    an int keeps every digit (12 -> "12").
-    """
+    """``value`` with ``digits`` significant digits and thousands separators: 531.2 -> "531",
+    5312.4 -> "5,312", 0.001234 -> "0.00123"; an int keeps every digit."""
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     if value == 0:
@@ -35,8 +29,8 @@ def significant(value: float, digits: int = 3) -> str:
 
 
 def tokens(count: int) -> str:
-    """A token count as typed on the command line: 65536 -> "64K", 1048576 -> "1M",
-    1000 -> "1,000" (never rounded: a count that is not whole K keeps every digit)."""
+    """A token count as typed on the command line: 65536 -> "64K", 1048576 -> "1M", 1000 ->
+    "1,000" (never rounded)."""
     count = int(count)
     if count and count % _M == 0:
         return f"{count // _M}M"
@@ -59,8 +53,7 @@ def time_unit(milliseconds: list[float]) -> tuple[str, float]:
     finite = [abs(v) for v in milliseconds if v is not None and math.isfinite(v)]
     if not finite:
         return "ms", 1.0
-    largest = max(finite)
-    if largest < 1.0:
+    if max(finite) < 1.0:
         return "µs", 1e3
     if min(finite) >= 1000.0:
         return "s", 1e-3
@@ -68,8 +61,7 @@ def time_unit(milliseconds: list[float]) -> tuple[str, float]:
 
 
 def duration(seconds: float) -> str:
-    """A wall time: 0.0123 -> "12.3 ms", 8.68 -> "8.68 s", 754 -> "12 min 34 s",
-    7384 -> "2 h 3 min"."""
+    """A wall time: 0.0123 -> "12.3 ms", 8.68 -> "8.68 s", 754 -> "12 min 34 s"."""
     if seconds < 1.0:
         return f"{significant(seconds * 1e3)} ms"
     if seconds < 60.0:

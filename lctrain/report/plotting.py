@@ -1,11 +1,5 @@
-"""Plots for people: matplotlib made ready (or one sentence why not), and readable axes.
-
-Every plot lctrain draws goes through here: :func:`check_target` runs BEFORE the work that
-produces the data (so a missing matplotlib or an unknown file type costs nothing), and
-:func:`figure` / :func:`finish` give every picture the same habits — a title that says what,
-where and in which shape, axes named in words with units, sequence lengths ticked as 64K,
-128K, ... on a log-2 axis, and a legend beside the data instead of on it.
-"""
+"""Plots: matplotlib made ready (or one sentence why not) and one house style. Call
+:func:`check_target` before the work that produces the data."""
 from __future__ import annotations
 
 import importlib.util
@@ -34,11 +28,7 @@ def check_target(path: str | Path) -> Path:
 
 
 def figure(title: str, xlabel: str, ylabel: str):
-    """A new (figure, axes) with the house style.
-
-    Raises:
-        UserError: matplotlib is not installed.
-    """
+    """A new (figure, axes) with the house style; a UserError without matplotlib."""
     try:
         import matplotlib
 
@@ -60,8 +50,7 @@ def length_axis(ax, lengths: list[int]) -> None:
     ticks = sorted(set(int(n) for n in lengths))
     if ticks and ticks[0] > 0:
         ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([tokens(n) for n in ticks])
+        ax.set_xticks(ticks, [tokens(n) for n in ticks])
         ax.minorticks_off()
         pad = 2 ** 0.25
         ax.set_xlim(ticks[0] / pad, ticks[-1] * pad)

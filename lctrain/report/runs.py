@@ -1,16 +1,6 @@
-"""``lctrain report RUN_DIR...``: what one or more training runs did, side by side.
-
-A run folder holds ``config.yaml`` (the resolved recipe) and ``metrics.jsonl`` (one record per
-logged step: loss, tokens/s, step time, MFU, peak memory; ``eval_loss`` where evaluated),
-maybe ``environment.json`` (versions and GPUs). The summary has one row per run:
-
-    run | the settings that differ between the runs | steps | final loss | best loss |
-    eval loss | tokens/s | MFU | peak memory | time
-
-tokens/s and MFU are medians over the logged steps (the first step, which pays one-time
-costs, is left out when there are others); peak memory is the largest logged; time is the sum
-of step times. The lora settings count as differing only where some run has LoRA on.
-:func:`plot_losses` draws the loss curves of the runs in one picture.
+"""``lctrain report RUN_DIR...``: what training runs did, side by side, from their config.yaml
+and metrics.jsonl: one row per run with the settings that differ, the losses, median tokens/s
+and MFU (the first step left out), the peak memory and the time; and their loss curves.
 """
 from __future__ import annotations
 
@@ -19,23 +9,19 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from lctrain.errors import UserError
+from lctrain.report import plotting
 from lctrain.report.table import Column, Table
 
-_IGNORED = ("train.output_dir",)  # differs between any two runs, says nothing
+_IGNORED = ("train.output_dir",)  # differs between any two runs
 
 
 @dataclass(frozen=True)
 class Run:
-    """One run folder, read.
-
-    Attributes:
-        name: how the run is labelled (the folder's name, or its path where names repeat).
-        folder: the folder.
-        settings: the resolved recipe as flat dotted keys.
-        records: the metrics records, in step order.
-        environment: environment.json's content, or None.
-    """
+    """One run folder read: its label, the recipe as flat dotted keys, the metrics records
+    in step order, and environment.json's content (or None)."""
 
     name: str
     folder: Path
@@ -56,13 +42,7 @@ def _flatten(data, prefix: str = "") -> dict:
 
 
 def load_run(folder: str | Path, name: str | None = None) -> Run:
-    """Read a run folder.
-
-    Raises:
-        UserError: the folder, its metrics.jsonl or its config.yaml is missing or unreadable.
-    """
-    import yaml
-
+    """Read a run folder; a UserError when it, metrics.jsonl or config.yaml is unreadable."""
     path = Path(folder).expanduser()
     metrics, config = path / "metrics.jsonl", path / "config.yaml"
     if not path.is_dir():
@@ -92,11 +72,8 @@ def load_runs(folders: list[str]) -> list[Run]:
 
 
 def differing(runs: list[Run]) -> list[str]:
-    """The setting keys whose values are not the same in every run.
-
-    The lora settings are left out when no run has LoRA on (``lora.rank`` 0 or absent, as in
-    a recipe from before LoRA): they change nothing in such runs.
-    """
+    """The setting keys whose values differ between the runs (lora.* only when LoRA is on
+    in some run)."""
     keys = list(dict.fromkeys(k for run in runs for k in run.settings))
     unused = () if any(lora_on(run) for run in runs) else ("lora.",)
     return [k for k in keys if k not in _IGNORED and not k.startswith(unused)
@@ -104,8 +81,7 @@ def differing(runs: list[Run]) -> list[str]:
 
 
 def lora_on(run: Run) -> bool:
-    """Whether the run trained LoRA adapters (``lora.rank`` above 0, as the recipe's schema
-    switches LoRA on)."""
+    """Whether the run trained LoRA adapters (``lora.rank`` above 0)."""
     rank = run.settings.get("lora.rank")
     return isinstance(rank, int) and not isinstance(rank, bool) and rank > 0
 
@@ -120,7 +96,7 @@ def _median(values: list) -> float | None:
 
 
 def row(run: Run, keys: list[str] = ()) -> dict:
-    """The summary fields of one run (see the module docstring), with the settings ``keys``."""
+    """The summary fields of one run, with the settings ``keys``."""
     recs = run.records
     steady = recs[1:] if len(recs) > 1 else recs
     losses = [r["loss"] for r in recs if isinstance(r.get("loss"), (int, float))]
@@ -163,13 +139,11 @@ def summary(runs: list[Run]) -> Table:
 
 
 def plot_losses(runs: list[Run], path: str | Path) -> Path:
-    """Loss against step, one line per run (evaluation losses as dashed lines).
+    """Loss against step, one line per run (evaluation losses dashed).
 
     Raises:
         UserError: no run logged a loss, or matplotlib is missing.
     """
-    from lctrain.report import plotting
-
     curves = [(run, [(r["step"], r["loss"]) for r in run.records
                      if isinstance(r.get("loss"), (int, float))]) for run in runs]
     if not any(points for _, points in curves):

@@ -1,27 +1,15 @@
-"""Tables that fit: one model of a table, rendered for a terminal, a pipe, Markdown or CSV.
+"""Tables that fit: rows of raw values and :class:`Column` descriptions, rendered as aligned
+text (in parts that fit a narrow terminal, no value cut), Markdown or CSV (raw values).
 
-A :class:`Table` is rows of raw values (what JSON keeps) plus :class:`Column` descriptions: the
-row key, a short label, and a *kind* that says how to show the value (a token count as 64K, a
-duration in the column's unit, a FLOP rate, a ratio, ...). Units go into the header (two header
-lines: label, unit), so the cells stay short; long status texts become numbered notes under
-the table instead of wide cells. Compact columns are shown by default; the others only with
-``wide``. A column that no row fills is left out.
-
-Formats (:func:`render`):
-
-* ``table`` — plain aligned text; on a terminal too narrow for it, printed in parts that each
-  fit (the naming columns repeated), never cutting or folding a value; anywhere else (a pipe,
-  a file, a CI log) with no width limit at all;
-* ``markdown`` — a pipe table, for documents and issue notes;
-* ``csv`` — every column (compact or not) with raw, unrounded values, keys as headers.
-
-JSON is the result's own (see `lctrain.bench.result.BenchResult.to_json`).
+A column's *kind* says how its values are shown; units go into a second header line and long
+status texts into numbered notes, so cells stay short. Columns no row fills are left out.
 """
 from __future__ import annotations
 
 import csv
 import io
 import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,21 +21,10 @@ _INLINE_STATUS = 16  # longer status texts become numbered notes under the table
 
 @dataclass(frozen=True)
 class Column:
-    """One column of a table.
-
-    Attributes:
-        key: the row key holding the raw value.
-        label: the header's first line, e.g. "fwd".
-        kind: how values are shown: text, tokens (64K), ms, seconds, tflops, ratio (0.95×),
-            percent (a fraction shown as %), number (3 significant digits), sci (3.7e-03),
-            gib (bytes shown in GiB), bytes (each cell with its own unit), params (6.74 B),
-            loss (four decimals),
-            bool (yes/no), figure (text shown as given, right-aligned), status ("ok" or a
-            numbered note).
-        unit: the header's second line for kinds whose unit is fixed (e.g. "tokens/s");
-            ms, seconds and tflops pick theirs from the column's values.
-        compact: shown by default (else only with ``wide``).
-    """
+    """One column: the row ``key``, the header ``label``, the ``kind`` (text, tokens, ms,
+    seconds, tflops, ratio, percent, number, sci, gib, bytes, params, loss, bool, figure: text
+    right-aligned, status: "ok" or a numbered note), a fixed ``unit`` line, and whether it is
+    shown without ``wide``."""
 
     key: str
     label: str
@@ -58,15 +35,8 @@ class Column:
 
 @dataclass
 class Table:
-    """Rows of raw values and the columns to show them in.
-
-    Attributes:
-        title: printed above the table; a ``{rate}`` in it is replaced by the one FLOP-rate unit
-            of all ``tflops`` columns, whose headers then carry no unit line.
-        columns: the columns, in order.
-        rows: one dict per row, keyed by ``Column.key``.
-        notes: lines printed under the table (status notes are added when rendering).
-    """
+    """Rows of raw values and the columns to show them in; a ``{rate}`` in the title becomes
+    the one FLOP-rate unit of all ``tflops`` columns. ``notes`` are printed under the table."""
 
     title: str
     columns: list[Column]
@@ -165,20 +135,10 @@ def _status_cell(text: str, notes: list[str]) -> str:
 
 def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bool = False,
            width: int | None = None) -> str:
-    """The table as text.
+    """The table as text in ``fmt`` ("table", "markdown" or "csv"), ending with a newline.
 
-    Args:
-        table: what to render.
-        fmt: "table", "markdown" or "csv" (JSON belongs to the result, not the table).
-        wide: every column, not only the compact ones.
-        terminal: for ``table``: fit a terminal of ``width`` columns — a table wider than that
-            is printed in parts, each repeating the first two (naming) columns and holding as
-            many of the others as fit; no value is ever cut or folded. Otherwise plain
-            aligned text of any width.
-        width: the terminal's width (default 80).
-
-    Returns:
-        The text, ending with a newline.
+    ``wide`` shows every column; ``terminal`` fits a "table" to ``width`` (default 80) by
+    printing it in parts that each repeat the first two columns.
 
     Raises:
         ValueError: an unknown format.
@@ -192,8 +152,7 @@ def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bo
         raise ValueError(f"unknown table format {fmt!r}; choose from table, markdown, csv.")
     limit = (width or 80) if terminal else None
     out = [_wrap(cells.title, limit)] if cells.title else []
-    for part in _parts(cells, limit):
-        out.append(_grid(cells, part))
+    out += [_grid(cells, part) for part in _parts(cells, limit)]
     out += [_wrap(note, limit) for note in cells.notes]
     return "\n".join(out) + "\n"
 
@@ -201,8 +160,6 @@ def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bo
 def _wrap(text: str, width: int | None) -> str:
     if width is None or len(text) <= width:
         return text
-    import textwrap
-
     return "\n".join(textwrap.wrap(text, width, subsequent_indent="    ", break_long_words=False,
                                    break_on_hyphens=False))
 
@@ -272,6 +229,5 @@ def _csv(table: Table) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(keys)
-    for row in table.rows:
-        writer.writerow(["" if row.get(k) is None else row.get(k) for k in keys])
+    writer.writerows(["" if row.get(k) is None else row.get(k) for k in keys] for row in table.rows)
     return buffer.getvalue()

@@ -69,10 +69,10 @@ def machine_label(info: dict) -> str:
 
 def describe(info: dict) -> str:
     """``environment()`` as the lines ``lctrain --version`` prints."""
-    lines = [f"lctrain {info.get('lctrain') or 'unknown'}"]
-    for name in ("torch", "triton", "transformers", "accelerate", "datasets"):
-        lines.append(f"{name} {info.get(name) or 'not installed'}")
-    lines.append(f"python {info.get('python')}")
+    lines = [f"lctrain {info.get('lctrain') or 'unknown'}",
+             *(f"{name} {info.get(name) or 'not installed'}"
+               for name in ("torch", "triton", "transformers", "accelerate", "datasets")),
+             f"python {info.get('python')}"]
     if info.get("gpu"):
         lines.append(f"CUDA {info.get('cuda')}, driver {info.get('driver') or 'unknown'}, "
                      f"{machine_label(info)}")

@@ -1,12 +1,7 @@
-"""Training: where the ranks run (launch), what each runs (runner: parts → loop), the loop, loss,
-checkpoints and metrics.
+"""Training: ``finetune(cfg, resume=False, nproc=None)`` starts every rank; ``run_worker`` is one.
 
-    from lctrain.train import finetune
-    exit_code = finetune(load_recipe("tiny"), resume=False, nproc=None)
-
-The names below load on first use: the processes a run starts (``python -m lctrain.train``,
-``python -m lctrain.launch.agent``) tie themselves to their launcher before anything heavy
-is imported (`lctrain.launch.lifetime`).
+The names load on first use, so that a started rank ties itself to its launcher before
+anything heavy is imported (`lctrain.launch.lifetime`).
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""One rank of a self-launched run (`lctrain.launch.launcher.spawn_workers` starts N of them
-through torch.distributed.run):
+"""One rank of a self-launched run: ``python -m lctrain.train --config RECIPE.yaml ...``.
 
-    python -m lctrain.train --config RECIPE.yaml [--config-sha256 HEX] [--error-dir DIR]
-        [--store FILE] [--resume]
-
-The rank ties its life to the launcher's and installs its stop-signal handlers first, before
-the heavy imports (`lctrain.launch.lifetime`, `lctrain.launch.stopping`). It ends with
-``os._exit`` once its streams are flushed: everything it writes (checkpoints, metrics, error
-records) is closed by then, and the interpreter's teardown of torch, transformers and the rest
-costs seconds of CPU for nothing.
+It ties its life to the launcher and installs its stop-signal handlers before the heavy
+imports, and ends with ``os._exit`` once its streams are flushed (everything it wrote is
+closed by then; the interpreter's teardown would only cost time).
 """
 import functools
 import os

@@ -1,13 +1,6 @@
-"""A run's end: rank 0 writes ``output_dir/final/`` (`export_final`), and a run resumed after it
-has trained all its steps trains nothing (`finished`).
-
-Resuming a finished run would load the model and rewrite ``final/`` from the same checkpoint,
-which for a large model costs minutes and replaces a folder the user may already use. Instead
-it says in one sentence that the run is complete and where its final model is, and writes
-``final/`` only when the recipe exports one and it is missing or older than the last checkpoint
-(an export that was off, or failed). When ``train.max_steps`` alone sets the run's length, this
-is known before any process starts (`finished_before_launch`); when ``train.epochs`` does, only
-after the data is prepared (`lctrain.train.runner.run_worker` asks `finished` there).
+"""A run's end: rank 0 writes ``output_dir/final/`` (`export_final`), and a resumed run that has
+trained all its steps trains nothing (`finished`): it says so, and writes ``final/`` only when
+the recipe exports one and it is missing or older than the last checkpoint.
 """
 from __future__ import annotations
 
@@ -24,8 +17,7 @@ from lctrain.launch.lifetime import RunLock
 
 def finished_before_launch(cfg: RecipeConfig, *, resume: bool) -> bool:
     """On ``resume``, whether the run has trained all its steps, when ``train.max_steps`` alone
-    sets its length (known before any process starts); `finished` has then said so. Rank 0
-    holds the run's lock while it looks (and writes ``final/`` if it must).
+    sets its length (else the runner asks `finished` once the data is prepared).
 
     Raises:
         UserError: the run folder cannot be resumed; as `finished`.
@@ -40,12 +32,8 @@ def finished_before_launch(cfg: RecipeConfig, *, resume: bool) -> bool:
 
 
 def finished(cfg: RecipeConfig, steps: int, *, main: bool) -> bool:
-    """Whether the run in ``train.output_dir`` has already trained its ``steps`` steps.
-
-    If so, nothing is trained and no process group is needed: rank 0 (``main``) says so in one
-    sentence with where the final model is, and writes ``final/`` only when the recipe exports
-    one and it is missing or older than the newest checkpoint (an export that was off, or
-    failed). The other ranks just return.
+    """Whether the run in ``train.output_dir`` has already trained its ``steps`` steps; if so,
+    rank 0 (``main``) says so in one sentence and writes ``final/`` if it must.
 
     Raises:
         UserError: the newest checkpoint is damaged; ``final/`` cannot be written.

@@ -1,25 +1,9 @@
 """Where a training step's GPU memory peak comes from: ``lctrain bench step --memory-trace DIR``.
 
-With ``LCTRAIN_MEMORY_TRACE=DIR`` in the environment (the bench sets it), every rank of a CUDA
-run records the CUDA caching allocator's history (torch's ``_record_memory_history``) over one
-optimizer step, the run's last, after the first steps have grown the allocator and tuned the
-kernels, and writes
-
-- ``rank{R}-step{N}.pickle``: the allocator snapshot (open it at https://pytorch.org/memory_viz);
-- ``rank{R}-step{N}-peak.txt``: the step's peak of allocated bytes, the Python stack of the
-  allocation that reached it, and the blocks alive at that moment grouped by the code that
-  allocated them (the innermost frame in lctrain, lctrain_kernels or transformers), largest
-  first. Blocks allocated before the step (parameters, optimizer states, caches) form one line.
-
-While recording, a checkpointed layer's recompute runs to the layer's end instead of stopping
-once its saved tensors are back (``set_checkpoint_early_stop(False)``): with torch 2.11 the
-recorder's stack capture loses the exception that early stopping raises inside a custom
-autograd function (pytorch/pytorch#179536), so the traced step may hold one more layer output
-at the end of a recompute than an untraced one.
-
-The peak is replayed from the history's allocation and free events (a block handed to another
-stream counts until its free completes, as ``torch.cuda.max_memory_allocated`` counts it), so
-it is the step's own peak, not the run's.
+With ``LCTRAIN_MEMORY_TRACE=DIR`` set, every rank of a CUDA run records the allocator over the
+run's last step and writes ``rank{R}-step{N}.pickle`` (for https://pytorch.org/memory_viz) and
+``-peak.txt``: the step's own peak, the stack that reached it and what was alive then. While
+recording, recomputation does not stop early (pytorch/pytorch#179536).
 """
 from __future__ import annotations
 
@@ -35,8 +19,7 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 ENV = "LCTRAIN_MEMORY_TRACE"
-OWN_CODE = ("/lctrain/", "/lctrain_kernels/", "/transformers/")
-"""Path parts of the frames that name an allocation's site (innermost one wins)."""
+OWN_CODE = ("/lctrain/", "/lctrain_kernels/", "/transformers/")  # frames that name a site
 _ENTRIES = 2_000_000
 
 
@@ -50,8 +33,7 @@ def trace_folder() -> Path | None:
 def traced_step(folder: Path | None, device: torch.device, rank: int, step: int,
                 module: torch.nn.Module | None = None, optimizer=None):
     """Record the allocator's history around one step and write its snapshot and peak report
-    into ``folder`` (nothing when ``folder`` is None or ``device`` is not a GPU). ``module``
-    and ``optimizer`` name the tensors alive when the step begins."""
+    into ``folder`` (nothing without a folder or off a GPU)."""
     if folder is None or device.type != "cuda":
         yield
         return
@@ -105,9 +87,8 @@ def peak_report(events: list[dict], before: int, top: int = 30) -> str:
 
 def inventory(device: torch.device, module: torch.nn.Module | None = None, optimizer=None,
               top: int = 15) -> str:
-    """What holds the memory allocated on ``device`` now: the storages of the parameters,
-    their gradients and the optimizer's states, and every other tensor the garbage collector
-    can reach, by shape and dtype (largest first). Each storage counts once."""
+    """What holds the memory on ``device`` now: parameters, gradients, optimizer states and
+    every other tensor the garbage collector reaches, by shape and dtype (each storage once)."""
     seen: set[int] = set()
 
     def storage_bytes(tensors) -> int:
@@ -161,7 +142,7 @@ def _is_tensor_on(obj, device: torch.device) -> bool:
 
 def _replay(events: list[dict], before: int) -> tuple[int, int | None, list[int]]:
     """(peak bytes, index of the event that reached it, indices of the step's allocations
-    alive then). Frees of blocks allocated before the step lower the running total too."""
+    alive then)."""
     current, peak, at = before, before, None
     open_allocs: dict[int, int] = {}  # address -> event index
     live_at_peak: list[int] = []

@@ -1,35 +1,21 @@
-"""What a run reports: metrics.jsonl, a progress display on rank 0, throughput and MFU.
+"""What a run reports: metrics.jsonl and rank 0's progress display.
 
-Every logged step appends one JSON object to ``output_dir/metrics.jsonl``:
-
-    {"step", "loss", "tokens", "tokens_per_s", "step_time_s", "lr", "grad_norm",
-     "peak_memory_bytes", "mfu"}
-
-and, at the steps where the validation loss is computed (``train.eval_every`` and the last),
-``"eval_loss"`` (mean token loss over every validation row, in nats) and ``"eval_time_s"``.
-
-``tokens`` counts all tokens of the step over all ranks (dp · batch · grad_accum · seq_len);
-``step_time_s`` is the mean wall time of the steps since the previous log; ``peak_memory_bytes``
-is the CUDA allocator's peak on a GPU, the process's peak resident memory on a CPU; ``mfu`` is
-model FLOPs (`FlopModel`: 6 · matmul parameters per token, plus 7 · n² · H · D per layer for
-the causal attention of each document of n tokens actually trained on — packed documents cost
-far less than one causal sequence of their total length) per second and GPU over the GPU's
-dense bf16 peak, or null off a GPU or on an unknown one.
+Each logged step appends one JSON object to ``output_dir/metrics.jsonl``: step, loss, tokens
+(of the step, over all ranks), tokens_per_s, step_time_s, lr, grad_norm, peak_memory_bytes
+(the CUDA allocator's peak, or the process's peak RSS on a CPU), mfu (`lctrain.model.flops`;
+null off a known GPU) and, where the validation loss is computed, eval_loss and eval_time_s.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import resource
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from lctrain.report.human import duration
+
 
 class MetricsLog:
     """Appends one JSON line per logged step (rank 0 only; a no-op elsewhere)."""
@@ -37,11 +23,9 @@ class MetricsLog:
     def __init__(self, path: str | os.PathLike, *, enabled: bool, resume_step: int | None) -> None:
         self.path = Path(path)
         self.enabled = enabled
-        if enabled:
-            self._start(resume_step)
-
-    def _start(self, resume_step: int | None) -> None:
-        """A fresh run truncates; a resumed one drops lines past the checkpoint it resumed."""
+        if not enabled:
+            return
+        # a fresh run truncates; a resumed one drops the lines past the checkpoint it resumed
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if resume_step is not None and self.path.exists():
@@ -60,8 +44,7 @@ class MetricsLog:
 
 
 class Progress:
-    """Rank 0's display: a rich progress bar on a terminal (with the time remaining), one plain
-    line per log otherwise (with an ETA); the validation loss where it was computed."""
+    """Rank 0's display: a rich progress bar on a terminal, else one line per log with an ETA."""
 
     def __init__(self, total_steps: int, start_step: int, *, enabled: bool,
                  steps_per_epoch: float | None = None) -> None:
@@ -93,8 +76,7 @@ class Progress:
             print(f"step {step}/{self.total}  {info}{self._eta(step)}", flush=True)
 
     def _eta(self, step: int) -> str:
-        """``  ETA 3 min 12 s``: the steps left at the mean pace since the start (empty at the
-        end, or before a step is done)."""
+        """``  ETA 3 min 12 s`` at the mean pace since the start (empty at the end or before)."""
         done = step - self._start_step
         if done <= 0 or step >= self.total:
             return ""

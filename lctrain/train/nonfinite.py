@@ -1,25 +1,9 @@
 """Steps whose loss or gradient norm is not finite: skipped on the device, reported at a sync.
 
-A NaN or an infinity in one step (an overflow, a bad batch, a learning rate far too high) must
-not reach the weights: AdamW would spread it into every parameter and both moment buffers, and
-every later checkpoint would be garbage. Deciding on the host would cost a host synchronisation
-every step, so the decision is made on the device and only read where the loop synchronises
-anyway (log steps and checkpoint saves):
-
-- the decision is the global gradient norm's finiteness. The norm is computed after the
-  gradients are summed over all ranks, so it is the same number on every rank: every rank
-  skips the same steps, with no collective added. A non-finite loss on any rank reaches it
-  because the loop poisons that rank's gradients (`poison_if_nonfinite`);
-- the skip is fused AdamW's own: given ``found_inf`` (the flag, a device tensor), its kernel
-  leaves parameters, moments and step counts untouched — the mechanism torch's GradScaler uses.
-  The gradients are dropped with every step's ``zero_grad``;
-- the learning-rate schedule runs on the host and cannot see the flag, so it steps every time
-  and is wound back by the number of skipped steps at the next sync (`NonFiniteSteps.settle`):
-  with ``train.log_every`` 1 (the default) that is the same step, otherwise the steps in between
-  use a rate that many steps ahead, and the saved schedule is always the exact one;
-- three device counters (skipped in total, the current streak, the longest streak since the
-  last sync) travel with the log's one host transfer; a streak of ``train.max_nonfinite_steps``
-  stops the run (`Diverged`).
+The global gradient norm decides, so every rank skips the same steps without a host sync
+(a rank's non-finite loss poisons its gradients); fused AdamW's ``found_inf`` leaves the
+weights and states untouched. The learning-rate schedule is wound back at the next sync, and
+a streak of ``train.max_nonfinite_steps`` stops the run (`Diverged`).
 """
 from __future__ import annotations
 
@@ -29,12 +13,8 @@ import torch
 
 
 def poison_if_nonfinite(loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` times 1 when finite, times NaN otherwise, so that its backward's gradients are NaN.
-
-    A non-finite loss usually gives non-finite gradients anyway; this makes it certain, so the
-    gradient norm (summed over ranks) carries every rank's loss check. Multiplying by 1 changes
-    neither the loss nor its gradients by a bit.
-    """
+    """``loss`` times 1 when finite (bit-identical), times NaN otherwise, so that its gradients
+    and the global gradient norm are NaN too."""
     finite = torch.isfinite(loss)
     scale = torch.where(finite, torch.ones_like(loss), torch.full_like(loss, float("nan")))
     return loss * scale
@@ -51,13 +31,7 @@ class Diverged(Exception):
 
 @dataclass(frozen=True)
 class Settled:
-    """What the device counters said at a sync.
-
-    Attributes:
-        new: steps skipped since the previous sync.
-        run: the current streak of non-finite steps.
-        longest: the longest streak since the previous sync.
-    """
+    """At a sync: steps skipped since the previous one, the current streak, the longest one."""
 
     new: int
     run: int

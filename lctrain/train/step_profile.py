@@ -1,20 +1,8 @@
 """Where a training step's time goes: ``lctrain bench step --profile DIR``.
 
-With ``LCTRAIN_STEP_PROFILE=DIR`` in the environment (the bench sets it), every rank runs the
-run's last optimizer step under ``torch.profiler`` and writes
-
-- ``rank{R}-step{N}.json``: the step's timeline as a chrome trace (Perfetto, chrome://tracing);
-- ``rank{R}-step{N}-kernels.json``: the step's wall time, the device time of its kernels summed
-  by category (below), and the kernels that took the most time, with their counts;
-- ``rank{R}-step{N}-kernels.txt``: the same as a table.
-
-Categories (first match wins, on the lower-cased kernel name; on a CPU the operators' own
-time): attention (cuDNN, flash and lctrain's Triton attention kernels), matmul (cuBLAS and
-CUTLASS GEMMs: the projections, the MLP, the language-model head), communication (NCCL,
-gloo), copies (memcpy and memset: host offload, FSDP's copies) and other (norms, activations,
-RoPE, casts, the loss's softmax, the optimizer; what eager PyTorch runs one kernel at a time).
-Device time beyond the wall time means kernels overlapped (e.g. copies on a side stream); wall
-time beyond it means the GPU waited (launches, the host, a peer).
+With ``LCTRAIN_STEP_PROFILE=DIR`` set, every rank profiles the run's last step and writes a
+chrome trace and ``rank{R}-step{N}-kernels.json`` / ``.txt``: the wall time, the device time
+of the kernels (a CPU's operators) by `CATEGORIES` and the kernels that took the most time.
 """
 from __future__ import annotations
 
@@ -40,8 +28,7 @@ TOP = 25
 
 
 def category(name: str, categories=CATEGORIES) -> str:
-    """The category of a kernel or operator name: the first of ``categories`` (name, keys)
-    with a key in the lower-cased name, else "other" (see the module docstring)."""
+    """The first of ``categories`` (name, keys) with a key in the lower-cased name, or "other"."""
     low = name.lower()
     return next((cat for cat, keys in categories if any(k in low for k in keys)), "other")
 
@@ -54,8 +41,7 @@ def profile_folder() -> Path | None:
 
 @contextlib.contextmanager
 def profiled_step(folder: Path | None, device: torch.device, rank: int, step: int):
-    """Profile the step run inside and write its trace and kernel summary into ``folder``
-    (nothing when ``folder`` is None)."""
+    """Profile the step run inside into ``folder`` (nothing when it is None)."""
     if folder is None:
         yield
         return
@@ -85,8 +71,7 @@ def own_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
         if cuda:
             if (event.device_type != torch.autograd.DeviceType.CUDA
                     or getattr(event, "is_user_annotation", False)):
-                continue  # an operator, or a named range on the GPU's timeline (the
-                # optimizer's step): its kernels are listed on their own (no double count)
+                continue  # an operator or a named range: its kernels count on their own
             us = getattr(event, "self_device_time_total", 0)
         else:
             us = event.self_cpu_time_total
