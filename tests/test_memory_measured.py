@@ -68,9 +68,10 @@ def _current(items: list[str], row: dict) -> list[str]:
     if row.get("layer_policies"):  # the layers an auto row ran, as they were then written
         settings["train.checkpointing"], layers = _runs(row["layer_policies"])
         settings["layers"] = layers or ""
-    elif row.get("policy") == "auto" and row.get("checkpointing"):  # ... and as written today
+    elif "offload" in row:  # a row of today's bench states the layers and offload it ran
         settings["train.checkpointing"] = row["checkpointing"]
-        offload += [item for item in str(row.get("offload", "")).split(",") if item != "none"]
+        settings.pop("train.offload", None)
+        offload += [item for item in str(row["offload"]).split(",") if item != "none"]
     if "fused_kernels" in row:
         fused = row["fused_kernels"]
     offload = [item for item in (settings.pop("layers", ""), *offload) if item]

@@ -2,8 +2,10 @@
 ``lctrain --version``, kept in every bench result and in every run's environment.json."""
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -46,6 +48,7 @@ def environment() -> dict:
     from lctrain_kernels.api import dotted_version
 
     info: dict = {name: _version(name) for name in _PACKAGES}
+    info["lctrain_commit"] = _commit()
     info["torch"] = torch.__version__  # the build tag (+cu130, +cpu) matters
     info["python"] = platform.python_version()
     cuda = torch.cuda.is_available()
@@ -57,6 +60,23 @@ def environment() -> dict:
     info["gpu"] = torch.cuda.get_device_name(0) if cuda else None
     info["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     return info
+
+
+def _commit() -> str | None:
+    """The commit of the lctrain checkout that runs ("+changes" when its files differ from it);
+    ``LCTRAIN_COMMIT`` names it where the code travelled without its git folder; None else."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        run = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True,
+                                timeout=10, check=True)
+        commit = run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        dirty = run(["git", "status", "--porcelain", "--untracked-files=no", "--", "lctrain",
+                     "kernels"]).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("LCTRAIN_COMMIT") or None
+    return commit + ("+changes" if dirty else "") if commit else None
 
 
 def machine_label(info: dict) -> str:
