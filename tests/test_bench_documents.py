@@ -87,12 +87,13 @@ def test_data_files_are_tokenized_with_the_recipe(tmp_path):
 
 
 def test_useful_flops_count_only_pairs_inside_documents():
+    from lctrain.model.flops import attention_flops
+
     h, d = 32, 128
-    dense, eight = parse_documents("64k", 65536), parse_documents("8x8k", 65536)
-    assert dense.forward_flops(h, d) == 2 * 65536 ** 2 * h * d
-    assert eight.forward_flops(h, d) == dense.forward_flops(h, d) / 8
-    assert eight.forward_flops(h, d, causal=False) == 2 * eight.forward_flops(h, d)
-    assert eight.fwd_bwd_flops(h, d) == 3.5 * eight.forward_flops(h, d)
+    dense, eight = (parse_documents(spec, 65536).cu_seqlens for spec in ("64k", "8x8k"))
+    assert attention_flops(65536, h, d, True, dense) == 2 * 65536 ** 2 * h * d
+    assert attention_flops(65536, h, d, True, eight) == 2 * 65536 ** 2 * h * d / 8
+    assert attention_flops(65536, h, d, False, eight) == 4 * 65536 ** 2 * h * d / 8
 
 
 def _visible_pairs(bounds, causal: bool) -> float:
@@ -112,9 +113,8 @@ def test_useful_flops_are_four_h_d_per_visible_pair_of_the_shared_model(spec, ca
     docs = parse_documents(spec, 97)
     h, d = 3, 16
     pairs = _visible_pairs(docs.cu_seqlens, causal)
-    assert docs.forward_flops(h, d, causal) == 4 * h * d * pairs
-    assert docs.forward_flops(h, d, causal) == attention_flops(97, h, d, causal, docs.cu_seqlens)
-    assert docs.fwd_bwd_flops(h, d, causal) == (1 + BACKWARD_FACTOR) * 4 * h * d * pairs
+    assert attention_flops(97, h, d, causal, docs.cu_seqlens) == 4 * h * d * pairs
+    assert BACKWARD_FACTOR == 2.5  # the backward's FLOPs over the forward's
 
 
 def test_a_bare_count_means_equal_documents_and_each_length_gets_its_own_row(tmp_path):

@@ -255,13 +255,13 @@ def test_bench_commands_parse_and_publish(monkeypatch, tmp_path):
     result = _invoke("bench", "attention", "--seq-len", "64k", "--schedule", "distflash,ring",
                      "--nproc", "4", "--kv-heads", "8", "--overlap-ablation", "--repeats", "9",
                      "--warmup", "1", "--check-len", "4k", "--single-max-len", "128k",
-                     "--time-budget", "480", "--min-time", "2", "--profile", str(tmp_path))
+                     "--min-time", "2", "--profile", str(tmp_path))
     assert result.exit_code == 0, result.output
     kwargs = seen["attention"][0][1]
     assert kwargs["seq_lens"] == [65536] and kwargs["schedules"] == ["distflash", "ring"]
     assert kwargs["nproc"] == 4 and kwargs["kv_heads"] == 8 and kwargs["overlap_ablation"] is True
     assert (kwargs["repeats"], kwargs["warmup"], kwargs["check_len"]) == (9, 1, 4096)
-    assert (kwargs["single_max_len"], kwargs["time_budget_s"], kwargs["min_time_s"]) == (131072, 480, 2)
+    assert (kwargs["single_max_len"], kwargs["min_time_s"]) == (131072, 2)
     assert kwargs["profile_dir"] == str(tmp_path) and kwargs["balance_documents"] is True
     result = _invoke("bench", "step", "llama-7b-64k", "--seq-len", "32k,64k", "--steps", "3",
                      "--warmup", "0", "--variant", "train.checkpointing=full",

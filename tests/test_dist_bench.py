@@ -26,7 +26,7 @@ def test_bench_rows_on_two_cpu_ranks(capfd):
                  warmup=1, backend="reference", single_max_len=32, progress=collect)
     rows = {(r["seq_len"], r["variant"]): r for r in result.rows}
     names = {"single-gpu reference", "distflash", "zigzag", "ring", "distflash (no overlap)",
-             "context_parallel", "ring_flash_attn"}
+             "context_parallel"}
     assert {v for _, v in rows} == names and {s for s, _ in rows} == {32, 64}
     for seq_len in (32, 64):
         for name in ("distflash", "zigzag", "ring", "distflash (no overlap)"):
@@ -49,19 +49,16 @@ def test_bench_rows_on_two_cpu_ranks(capfd):
     assert "progress: ring 64: fwd" in err and "progress: context_parallel 32: torch" in err
 
 
-def test_min_time_budget_and_profile(tmp_path):
-    """Short lengths repeat until min_time_s; a length the budget cannot afford is skipped (the
-    estimate comes first, so 1M tokens are never allocated); --profile writes a trace per rank."""
-    result = run([32, 1 << 20], ["distflash"], nproc=2, heads=2, head_dim=8, dtype=torch.float32,
+def test_min_time_and_profile(tmp_path):
+    """Short lengths repeat until min_time_s; --profile writes a trace per rank."""
+    result = run([32], ["distflash"], nproc=2, heads=2, head_dim=8, dtype=torch.float32,
                  overlap_ablation=False, peers=False, repeats=2, warmup=1, backend="reference",
-                 min_time_s=0.3, time_budget_s=600.0, profile_dir=str(tmp_path))
+                 min_time_s=0.3, profile_dir=str(tmp_path))
     rows = {(r["seq_len"], r["variant"]): r for r in result.rows}
     single, ours = rows[(32, "single-gpu reference")], rows[(32, "distflash")]
     assert ours["status"] == "ok" and ours["correct"] is True
     assert 2 <= single["repeats"] <= 50 and 2 < ours["repeats"] <= 50  # tiny: more than 2
     assert result.meta["min_time_s"] == 0.3
-    assert rows[(1 << 20, "distflash")]["status"] == "skipped: time budget"
-    assert "single-GPU limit" in rows[(1 << 20, "single-gpu reference")]["status"]
     traces = sorted(p.name for p in tmp_path.iterdir())
     assert traces == ["attention-distflash-32-rank0.json", "attention-distflash-32-rank1.json"]
     assert ours["profile_wall_ms"] > 0 and ours["trace"].endswith("rank0.json")
@@ -80,25 +77,26 @@ def test_packed_documents_reach_every_variant_and_count_useful_flops():
     """Documents crossing the chunk boundaries of 2 ranks: the check runs the mix scaled to its
     length, rates count only the pairs inside documents, peers say they take no document mask."""
     from lctrain.bench.documents import parse_documents
+    from lctrain.model.flops import attention_flops
 
     result = run([64], ["distflash"], nproc=2, heads=2, kv_heads=1, head_dim=8, dtype=torch.float32,
                  repeats=2, warmup=1, check_len=32, documents="3x20,rest")
     rows = {r["variant"]: r for r in result.rows}
     docs = parse_documents("3x20,rest", 64)
+    useful = 3.5 * attention_flops(64, 2, 8, True, docs.cu_seqlens)  # forward + backward
     assert set(rows) == {"single-gpu reference", "distflash", "distflash (no overlap)",
-                         "context_parallel", "ring_flash_attn"}
+                         "context_parallel"}
     assert all((r["documents"], r["mix"]) == ("3x20,rest", docs.summary()) for r in rows.values())
     for name in ("distflash", "distflash (no overlap)"):
         row = rows[name]
         assert row["status"] == "ok" and row["correct"] is True and row["max_rel_err"] < 1e-4
-        per_gpu = docs.fwd_bwd_flops(2, 8) / 2  # useful FLOPs of the whole sequence, per GPU
+        per_gpu = useful / 2  # useful FLOPs of the whole sequence, per GPU
         assert row["total_tflops"] == pytest.approx(per_gpu / (row["fwd_ms"] + row["bwd_ms"]) / 1e9)
     single = rows["single-gpu reference"]
     assert single["total_tflops"] == pytest.approx(
-        docs.fwd_bwd_flops(2, 8) / (single["fwd_ms"] + single["bwd_ms"]) / 1e9)
+        useful / (single["fwd_ms"] + single["bwd_ms"]) / 1e9)
     assert 0.0 <= rows["distflash"]["hidden_share"] <= 1.0
-    for peer in ("context_parallel", "ring_flash_attn"):
-        assert "takes no document mask" in rows[peer]["status"]
+    assert "takes no document mask" in rows["context_parallel"]["status"]
     assert result.meta["documents"] == "3x20,rest"
     assert result.meta["check_documents"] == "4 documents of 2..10 tokens, median 10"
     assert result.meta["balance_documents"] is True

@@ -137,7 +137,7 @@ def test_documents_rows_count_useful_flops_and_share_of_the_dense_reference():
                 row = rows[(name, seq_len, spec)]
                 assert row["status"] == "ok" and row["correct"] is True and row["max_rel_err"] < 1e-4
                 assert row["relation"] == "partial" and row["mix"] == docs.summary()
-                useful = docs.fwd_bwd_flops(2, 16)  # only the pairs inside documents
+                useful = 3.5 * attention_flops(seq_len, 2, 16, True, docs.cu_seqlens)
                 assert row["total_tflops"] == pytest.approx(useful / (row["fwd_ms"] + row["bwd_ms"]) / 1e9)
                 assert row["of_dense"] == pytest.approx(row["total_tflops"] / dense["total_tflops"])
                 assert row["of_dense_fwd"] == pytest.approx(row["fwd_tflops"] / dense["fwd_tflops"])

@@ -1,16 +1,8 @@
-"""lctrain_kernels: memory-efficient attention with log-sum-exp, DistFlashAttn, fused layer kernels.
+"""lctrain_kernels: attention with log-sum-exp, DistFlashAttn, fused layer kernels.
 
-Layout everywhere is (batch, seq, heads, head_dim), "BSHD", as flash-attn; keys/values may have
-fewer heads than queries. ``cu_seqlens`` (int32, [n_docs + 1], global positions) marks packed
-documents; attention never crosses a document boundary when it is given.
-
-    out = attention(q, k, v, causal=True, cu_seqlens=None, softmax_scale=None, backend="auto")
-    out, lse = attention_with_lse(...)     # lse: (B, Hq, S) float32, natural log
-    out_loc = dist_attention(q_loc, k_loc, v_loc, group=pg, schedule="distflash")
-
-All four are one operator (:mod:`lctrain_kernels.api`, loaded with torch on first use);
-:mod:`lctrain_kernels.vocabulary` holds the names, :mod:`lctrain_kernels.distributed` the
-sharding and schedules. Depends on torch and triton only.
+``attention``, ``attention_with_lse``, ``dist_attention`` and ``dist_attention_with_lse`` are
+:mod:`lctrain_kernels.api`'s, loaded with torch on first use; :mod:`lctrain_kernels.vocabulary`
+holds the names, :mod:`lctrain_kernels.distributed` the sharding and schedules.
 """
 import importlib
 

@@ -2,17 +2,10 @@
 
 Local attention IS distributed attention on a group of one: the four attention functions check
 their arguments here, once, on the host, and call the one operator
-``torch.ops.lctrain.dist_attention`` (:mod:`lctrain_kernels.distributed.op`), which runs a
-schedule's plan with any local backend (for one rank a single block and no communication).
-Layout is BSHD: q ``(B, S, Hq, D)``, k and v ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0``; the lse is
-``(B, Hq, S)`` float32 (float64 for float64 inputs), natural log. Both outputs are
-differentiable: the backward recomputes the probabilities from q, k, v, out and lse, as
-FlashAttention does, and takes the lse's gradient in the same pass.
-
-The fused kernels of a decoder layer (``rms_norm``, ``swiglu``, ``rope``, ``rope_supports``,
-``rotate_tokens``, ``chunked_cross_entropy``, ``attention_block``; :mod:`lctrain_kernels.fused`)
-load Triton on first use. Backends, masks, blocks, the merge and the reference are exported for
-the benches and decoding.
+``torch.ops.lctrain.dist_attention`` (:mod:`lctrain_kernels.distributed.op`). Layout is BSHD: q
+``(B, S, Hq, D)``, k and v ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0``; the lse is ``(B, Hq, S)``
+float32 (float64 for float64 inputs), natural log. The fused kernels
+(:mod:`lctrain_kernels.fused`) load Triton on first use.
 """
 from __future__ import annotations
 
@@ -82,28 +75,26 @@ def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     Args:
         q: (B, N/P, Hq, D) this rank's queries, sharded with ``make_schedule(P, schedule).layout``.
-        k: (B, N/P, Hkv, D) this rank's keys, ``Hq % Hkv == 0`` (only Hkv heads travel).
-        v: (B, N/P, Hkv, D) this rank's values.
+        k, v: (B, N/P, Hkv, D) this rank's keys and values, ``Hq % Hkv == 0``.
         group: the sequence-parallel process group; None (or one rank) runs local attention.
         causal: key ``j`` visible to query ``i`` only if ``j <= i`` (global positions).
         cu_seqlens: GLOBAL document bounds ``[0, ..., N]`` (tensor or ints, identical on every
             rank); attention never crosses a document. None: one document.
         softmax_scale: scale of ``q k^T``; default ``1 / sqrt(D)``.
         schedule: "distflash" (balanced, default), "ring" or "zigzag".
-        backend: "auto" or a backend name (:mod:`lctrain_kernels.backends`), or a Backend.
-        overlap: post the next step's transfers before computing the current block (False is
-            the ablation that waits right after posting).
-        head_groups: run the heads in this many groups one after the other (a divisor of Hkv):
-            the attention's buffers are those of Hq / head_groups heads; same results.
+        backend: "auto", a backend name (:mod:`lctrain_kernels.backends`) or a Backend.
+        overlap: post the next step's transfers before computing the current block.
+        head_groups: run the heads in this many groups one after the other (a divisor of Hkv),
+            so the buffers hold Hq / head_groups heads; same results.
 
     Returns:
         ``(out, lse)``: (B, N/P, Hq, D) in q's dtype and (B, Hq, N/P) float32 (float64 for
         float64 inputs); both differentiable. A loss that uses the lse on one rank of a group
-        must use it on every rank (its gradient travels with the query rows).
+        must use it on every rank.
 
     Raises:
         ValueError: bad shapes, dtypes, schedule, cu_seqlens, scale, head_groups, or a global
-            length (P × local length) not divisible by the schedule's layout chunking.
+            length not divisible by the schedule's layout chunking.
         BackendUnavailable: the backend is unknown, not installed, or cannot run a block.
     """
     _check_tensors(q, k, v)
@@ -115,8 +106,7 @@ def dist_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
                    cu_seqlens=None, softmax_scale: float | None = None, schedule: str = "distflash",
                    backend="auto", overlap: bool = True, head_groups: int = 1) -> torch.Tensor:
-    """Sequence-parallel attention of this rank's rows: the output of
-    :func:`dist_attention_with_lse` (same arguments and errors), (B, N/P, Hq, D)."""
+    """The output (B, N/P, Hq, D) of :func:`dist_attention_with_lse` (same arguments)."""
     return dist_attention_with_lse(q, k, v, group, causal, cu_seqlens, softmax_scale, schedule,
                                    backend, overlap, head_groups)[0]
 
@@ -124,26 +114,9 @@ def dist_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                        cu_seqlens=None, softmax_scale: float | None = None, backend="auto",
                        head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of a whole sequence on one device, with its log-sum-exp.
-
-    Args:
-        q: (B, S, Hq, D) queries; k, v: (B, S, Hkv, D), ``Hq % Hkv == 0`` (GQA/MQA, K/V never
-            repeated).
-        causal: key ``j`` is visible to query ``i`` only if ``j <= i``.
-        cu_seqlens: packed documents ``[0, ..., S]`` (tensor or list), the same for every batch
-            row; attention never crosses a document. None: one document.
-        softmax_scale: scale of ``q k^T``; default ``1 / sqrt(D)``.
-        backend: "auto", a backend name, or a Backend.
-        head_groups: run the heads in this many groups (a divisor of Hkv); same results.
-
-    Returns:
-        ``(out, lse)``: (B, S, Hq, D) in q's dtype and (B, Hq, S) float32 (float64 for float64
-        inputs); both differentiable.
-
-    Raises:
-        ValueError: inconsistent shapes, dtypes, devices, ``cu_seqlens`` or scale.
-        BackendUnavailable: the backend cannot run this attention.
-    """
+    """Attention of a whole sequence on one device, with its log-sum-exp: q (B, S, Hq, D),
+    k and v (B, S, Hkv, D), ``cu_seqlens`` ``[0, ..., S]`` the same for every batch row; the
+    arguments, results and errors of :func:`dist_attention_with_lse` on a group of one."""
     return dist_attention_with_lse(q, k, v, None, causal, cu_seqlens, softmax_scale,
                                    backend=backend, head_groups=head_groups)
 
@@ -151,7 +124,6 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               cu_seqlens=None, softmax_scale: float | None = None, backend="auto",
               head_groups: int = 1) -> torch.Tensor:
-    """Attention of a whole sequence on one device: the output of :func:`attention_with_lse`
-    (same arguments and errors), (B, S, Hq, D)."""
+    """The output (B, S, Hq, D) of :func:`attention_with_lse` (same arguments)."""
     return attention_with_lse(q, k, v, causal, cu_seqlens, softmax_scale, backend,
                               head_groups)[0]

@@ -8,14 +8,10 @@ combine into the attention over their union::
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
 Both weights are at most 1; a piece in which a row sees nothing has ``lse = -inf``, ``out = 0``
-and weight exactly 0 (never NaN). This is how DistFlashAttn folds blocks computed elsewhere
-into the owner's result. Everything is computed in float32 (float64 when an input is) and
-rounded ONCE into the destination, however many parts there are; on CUDA one Triton kernel
-(:mod:`lctrain_kernels.triton.combine`) reads each part once per group of four.
-
-:class:`OutAcc` and :class:`GradAcc` keep the results of runs of a rank's rows as they come (no
-copy) and combine them once, when read out; while the results held exceed a float32 copy of
-the rows plus one result, they are folded into a float32 base.
+and weight exactly 0 (never NaN). Everything is computed in float32 (float64 when an input is)
+and rounded ONCE into the destination; on CUDA one Triton kernel reads each part once per group
+of four. :class:`OutAcc` and :class:`GradAcc` keep a rank's results as they come and combine
+them once, when read out, folding them into a float32 base when they hold too much.
 """
 from __future__ import annotations
 
@@ -39,10 +35,6 @@ def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
     return lse, w_a, w_b
 
 
-def _as_bshd_weight(w: torch.Tensor) -> torch.Tensor:
-    return w.transpose(1, 2).unsqueeze(-1)  # (B, H, S) -> (B, S, H, 1)
-
-
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial results (out (B, S, H, D), lse (B, H, S)) of the same rows over disjoint
@@ -57,7 +49,8 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                          f"{tuple(out_a.shape)}, got {tuple(lse_a.shape)}.")
     lse, w_a, w_b = _weights(lse_a, lse_b)
     ct = torch.promote_types(torch.promote_types(out_a.dtype, out_b.dtype), lse.dtype)
-    out = out_a.to(ct) * _as_bshd_weight(w_a).to(ct) + out_b.to(ct) * _as_bshd_weight(w_b).to(ct)
+    w_a, w_b = (w.transpose(1, 2).unsqueeze(-1).to(ct) for w in (w_a, w_b))  # (B, S, H, 1)
+    out = out_a.to(ct) * w_a + out_b.to(ct) * w_b
     return out, lse
 
 
@@ -82,11 +75,7 @@ def _check(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 
 def sum_into(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """``dst[...] = sum(parts)`` for (B, S, H, D) tensors, in float32 (float64), rounded once.
-
-    Raises:
-        ValueError: no parts, or a part of another shape.
-    """
+    """``dst[...] = sum(parts)`` for (B, S, H, D) tensors, in float32 (float64), rounded once."""
     _check(dst, parts)
     wide = _wide([dst.dtype] + [p.dtype for p in parts])
     if wide == torch.float32 and _fusable([dst, *parts]):
@@ -106,12 +95,7 @@ def sum_into(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 def merge_many_into(dst: torch.Tensor, dst_lse: torch.Tensor,
                     parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Merge partial ``(out (B, S, H, D), lse (B, H, S))`` pairs over disjoint keys into
-    ``dst`` and ``dst_lse`` (float32 or float64).
-
-    Raises:
-        ValueError: no parts, or a part of another shape.
-    """
+    """Merge partial ``(out, lse)`` pairs over disjoint keys into ``dst`` and ``dst_lse``."""
     _check(dst, [o for o, _ in parts])
     for _, lse in parts:
         if lse.shape != dst_lse.shape:

@@ -11,8 +11,7 @@ launch or send, :func:`classify` sorts a block into::
     PARTIAL  anything else             -> an elementwise mask
 
 In DistFlashAttn block (q_r, kv_c) is CAUSAL for c == r, FULL for c < r, EMPTY for c > r; with
-documents most off-diagonal blocks become EMPTY, which is where packing saves work. All of it
-is host arithmetic (a bisection into the bounds): it never touches the device.
+documents most off-diagonal blocks become EMPTY. All of it is host arithmetic.
 """
 from __future__ import annotations
 
@@ -65,11 +64,7 @@ def _check_bounds(bounds: tuple[int, ...]) -> None:
 
 def doc_bounds_from(cu_seqlens) -> tuple[int, ...] | None:
     """``cu_seqlens`` (int tensor on any device, a sequence of ints, or None) as host ints,
-    with one host read.
-
-    Raises:
-        ValueError: bounds that are not 1-D, do not start at 0 or do not strictly increase.
-    """
+    with one host read; ValueError unless 1-D, from 0 and strictly increasing."""
     if cu_seqlens is None:
         return None
     if isinstance(cu_seqlens, torch.Tensor):
@@ -83,17 +78,13 @@ def doc_bounds_from(cu_seqlens) -> tuple[int, ...] | None:
     return bounds
 
 
-def _doc_of(bounds: tuple[int, ...], pos: int) -> int:
-    return bisect.bisect_right(bounds, pos) - 1
-
-
 def _classify_documents(spec: MaskSpec, sq: int, sk: int) -> Relation:
     bounds = spec.doc_bounds
     q0, q1, k0, k1 = spec.q_start, spec.q_start + sq - 1, spec.k_start, spec.k_start + sk - 1
     if max(q1, k1) >= bounds[-1]:
         raise ValueError(f"block reaches position {max(q1, k1)} but cu_seqlens ends at "
                          f"{bounds[-1]}; the documents must cover the whole sequence.")
-    dq0, dq1, dk0, dk1 = (_doc_of(bounds, p) for p in (q0, q1, k0, k1))
+    dq0, dq1, dk0, dk1 = (bisect.bisect_right(bounds, p) - 1 for p in (q0, q1, k0, k1))
     lo, hi = max(dq0, dk0), min(dq1, dk1)  # documents present on both sides
     if lo > hi:
         return Relation.EMPTY
@@ -112,11 +103,7 @@ def _classify_documents(spec: MaskSpec, sq: int, sk: int) -> Relation:
 
 def classify(spec: MaskSpec, sq: int, sk: int) -> Relation:
     """The :class:`Relation` of a block of ``sq`` queries by ``sk`` keys (FULL wins over CAUSAL
-    where both hold).
-
-    Raises:
-        ValueError: the block reaches beyond the end of ``spec.doc_bounds``.
-    """
+    where both hold); ValueError if it reaches beyond the end of ``spec.doc_bounds``."""
     if sq <= 0 or sk <= 0:
         return Relation.EMPTY
     if spec.doc_bounds is not None:
@@ -134,8 +121,7 @@ def classify(spec: MaskSpec, sq: int, sk: int) -> Relation:
 
 
 def dense_mask(spec: MaskSpec, sq: int, sk: int, device=None) -> torch.Tensor | None:
-    """The block's visibility as a boolean ``(sq, sk)`` tensor (True = visible), or None for a
-    FULL block."""
+    """The block's visibility as a boolean ``(sq, sk)`` tensor, or None for a FULL block."""
     if classify(spec, sq, sk) is Relation.FULL:
         return None
     qpos = torch.arange(spec.q_start, spec.q_start + sq, device=device)  # (sq,)

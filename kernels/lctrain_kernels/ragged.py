@@ -3,25 +3,20 @@
 Inside one document, causal attention between a block's rows and keys is at most two dense
 shapes: the keys before the document's first query row are all visible (a FULL rectangle), the
 keys from that row on form the top-left triangle (CAUSAL). :func:`pieces` cuts a block into
-these, disjoint, their union exactly the block's mask. A ragged (THD) kernel runs a batch
-whose entries start anywhere (an element offset each) and have lengths of their own; every
-piece is one entry, read and written where it lies. Pieces of one kind share a call, so a block
-takes at most two calls, however many documents it holds::
+these, disjoint, their union exactly the block's mask. A ragged (THD) kernel runs a batch whose
+entries start anywhere and have lengths of their own; every piece is one entry, read and written
+where it lies. Pieces of one kind share a call, so a block takes at most two calls::
 
     block rows  |d0 d0 d0|d1 d1|d2 d2 d2 d2|     (documents of a diagonal block)
     causal call   entry 0: rows 0..2 x keys 0..2, entry 1: rows 3..4 x keys 3..4, ...
 
 The two calls read disjoint keys; their rows overlap only where the first document has keys
 both before the block's first query and from it on (an offset diagonal): those rows are merged
-through the lse (:attr:`RaggedPlan.shared_rows`). What a kernel is compiled for, the batch size
-and longest entry, is rounded up to a power of two (:func:`bucket`), so a few plans serve every
-mix of documents; lengths and offsets are data. A call of equal, adjacent entries
-(:attr:`RaggedCall.uniform`) is a plain batch an engine may run on its dense kernel.
-
-Engines run one :class:`RaggedCall` (``backends.cudnn_ragged``, ``backends.flash_attn_cute``;
-the tests run the contract on plain torch). Rows are counted
-over the flattened batch (row ``b * Sq + i``); an engine's lse is TOKEN-major ``(B * Sq, Hq)``
-float32, as the ragged kernels keep their statistics.
+through the lse (:attr:`RaggedPlan.shared_rows`). The batch size and longest entry a kernel is
+compiled for are rounded up to a power of two (:func:`bucket`), so a few plans serve every mix
+of documents. Engines (``backends.cudnn_ragged``, ``backends.flash_attn_cute``) run one
+:class:`RaggedCall`; rows are counted over the flattened batch (row ``b * Sq + i``) and an
+engine's lse is TOKEN-major ``(B * Sq, Hq)`` float32, as the ragged kernels keep it.
 """
 from __future__ import annotations
 
@@ -33,7 +28,7 @@ from typing import Protocol
 import torch
 
 from lctrain_kernels.backends.base import UnitValueLseGrad
-from lctrain_kernels.combine import merge, sum_into
+from lctrain_kernels.combine import lse_dtype, merge, sum_into
 from lctrain_kernels.masks import MaskSpec, Relation
 
 
@@ -64,11 +59,7 @@ def _doc_regions(spec: MaskSpec, sq: int, sk: int):
 
 def pieces(spec: MaskSpec, sq: int, sk: int) -> tuple[Piece, ...]:
     """The exact dense decomposition of a block (module docstring), in block-local rows and
-    document order; only the document of the first query may have a FULL and a CAUSAL piece.
-
-    Raises:
-        ValueError: the block reaches beyond the end of ``spec.doc_bounds``.
-    """
+    document order; only the document of the first query may have a FULL and a CAUSAL piece."""
     parts = []
     for qa, qb, ka, kb in (_doc_regions(spec, sq, sk) if sq > 0 and sk > 0 else ()):
         dq, dk = spec.q_start, spec.k_start
@@ -181,19 +172,17 @@ class Engine(Protocol):
 
     def backward(self, call: RaggedCall, do, q, k, v, out, lse_t, dq, dk, dv,
                  scale: float) -> None:
-        """Write the entries' rows of dq, dk, dv (summed per GQA group) from the final out
-        and token-major lse_t."""
+        """Write the entries' rows of dq, dk, dv (summed per GQA group)."""
 
 
 def _lse_tokens(lse: torch.Tensor) -> torch.Tensor:
     b, h, s = lse.shape
-    dtype = torch.float64 if lse.dtype == torch.float64 else torch.float32
-    return lse.to(dtype).transpose(1, 2).reshape(b * s, h).contiguous()
+    return lse.to(lse_dtype(lse.dtype)).transpose(1, 2).reshape(b * s, h).contiguous()
 
 
 def _new_out(q: torch.Tensor, zero: bool):
     b, s, h, _ = q.shape
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = lse_dtype(q.dtype)
     out = q.new_zeros(q.shape) if zero else q.new_empty(q.shape)  # contiguous
     lse_t = (q.new_full((b * s, h), float("-inf"), dtype=dtype) if zero
              else q.new_empty((b * s, h), dtype=dtype))

@@ -20,16 +20,11 @@ import bisect
 
 import torch
 
+from lctrain_kernels.combine import lse_dtype
 from lctrain_kernels.masks import MaskSpec, Relation, classify, dense_mask
 
-#: default bound on the score elements (B * Hq * rows * Sk) held at once: 64 MiB in float32.
-MAX_SCORES = 1 << 24
-#: at most this many query rows per chunk, so causal/document chunks skip hidden keys.
-MAX_ROWS = 256
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+MAX_SCORES = 1 << 24  # score elements (B * Hq * rows * Sk) held at once: 64 MiB in float32
+MAX_ROWS = 256  # query rows per chunk at most, so causal/document chunks skip hidden keys
 
 
 def _visible_keys(spec: MaskSpec, q0: int, q1: int, sk: int) -> tuple[int, int]:
@@ -45,7 +40,7 @@ def _visible_keys(spec: MaskSpec, q0: int, q1: int, sk: int) -> tuple[int, int]:
 
 
 def _chunks(spec: MaskSpec, q: torch.Tensor, sk: int, max_scores: int):
-    """Yield (rows, keys, relation, mask or None) per chunk of query rows; ``keys`` is the
+    """(rows, keys, mask or None) of each chunk of query rows that sees a key; ``keys`` is the
     local span the chunk can see at all."""
     b, sq, hq, _ = q.shape
     step = max(1, min(MAX_ROWS, max_scores // max(1, b * hq * sk)))
@@ -55,10 +50,9 @@ def _chunks(spec: MaskSpec, q: torch.Tensor, sk: int, max_scores: int):
         k0, k1 = _visible_keys(spec, q0, q0 + (r1 - r0) - 1, sk)
         sub = MaskSpec(spec.causal, q0, spec.k_start + k0, spec.doc_bounds)
         rel = classify(sub, r1 - r0, k1 - k0)
-        mask = None
-        if rel not in (Relation.EMPTY, Relation.FULL):
-            mask = dense_mask(sub, r1 - r0, k1 - k0, q.device)
-        yield slice(r0, r1), slice(k0, k1), rel, mask
+        if rel is not Relation.EMPTY:
+            mask = None if rel is Relation.FULL else dense_mask(sub, r1 - r0, k1 - k0, q.device)
+            yield slice(r0, r1), slice(k0, k1), mask
 
 
 def _group_rows(x: torch.Tensor, hkv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -93,28 +87,16 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 def reference_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec,
                       scale: float, *, max_scores: int = MAX_SCORES
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block with its log-sum-exp (module docstring).
-
-    Args:
-        q: (B, Sq, Hq, D) queries; k, v: (B, Sk, Hkv, D), ``Hq % Hkv == 0``.
-        spec: the block's mask in global positions.
-        scale: softmax scale of ``q k^T``.
-        max_scores: bound on the score elements held at once.
-
-    Returns:
-        ``(out, lse)``: (B, Sq, Hq, D) in q's dtype (0 where a row sees no key) and (B, Hq, Sq)
-        float32 (float64 for float64 inputs), natural log (-inf for such rows).
-    """
+    """``(out, lse)`` of a block, q (B, Sq, Hq, D) against k, v (B, Sk, Hkv, D) under ``spec``,
+    holding at most ``max_scores`` score elements at once."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    g, ct = hq // hkv, _compute_dtype(q.dtype)
+    g, ct = hq // hkv, lse_dtype(q.dtype)
     kt = k.to(ct).permute(0, 2, 3, 1)  # (B, Hkv, D, Sk)
     vh = v.to(ct).transpose(1, 2)  # (B, Hkv, Sk, D)
     out = torch.zeros(b, sq, hq, d, dtype=q.dtype, device=q.device)  # (B, Sq, Hq, D)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=ct, device=q.device)  # (B, Hq, Sq)
-    for rows, keys, rel, mask in _chunks(spec, q, sk, max_scores):
-        if rel is Relation.EMPTY:
-            continue
+    for rows, keys, mask in _chunks(spec, q, sk, max_scores):
         r = rows.stop - rows.start
         qg = _group_rows(q[:, rows], hkv, ct)  # (B, Hkv, G*R, D)
         s = _scores(qg, kt[..., keys], scale, mask, g)  # (B, Hkv, G*R, K)
@@ -129,24 +111,17 @@ def reference_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        out: torch.Tensor, lse: torch.Tensor, spec: MaskSpec, scale: float, *,
                        dlse: torch.Tensor | None = None, max_scores: int = MAX_SCORES
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block from the FINAL (merged) ``out`` (B, Sq, Hq, D) and ``lse``
-    (B, Hq, Sq) of its rows, and the lse's gradient ``dlse`` when a loss uses it.
-
-    Returns:
-        ``(dq, dk, dv)``: (B, Sq, Hq, D) and (B, Sk, Hkv, D) twice (summed over each GQA
-        group), in the inputs' dtype.
-    """
+    """``(dq, dk, dv)`` of a block from the FINAL (merged) ``out`` and ``lse`` of its rows and
+    the lse's gradient ``dlse`` when a loss uses it, in the inputs' dtype."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    g, ct = hq // hkv, _compute_dtype(q.dtype)
+    g, ct = hq // hkv, lse_dtype(q.dtype)
     kh = k.to(ct).transpose(1, 2)  # (B, Hkv, Sk, D)
     vt = v.to(ct).permute(0, 2, 3, 1)  # (B, Hkv, D, Sk)
     dq = torch.zeros(b, sq, hq, d, dtype=q.dtype, device=q.device)  # (B, Sq, Hq, D)
     dk = torch.zeros(b, hkv, sk, d, dtype=ct, device=q.device)  # (B, Hkv, Sk, D)
     dv = torch.zeros(b, hkv, sk, d, dtype=ct, device=q.device)
-    for rows, keys, rel, mask in _chunks(spec, q, sk, max_scores):
-        if rel is Relation.EMPTY:
-            continue
+    for rows, keys, mask in _chunks(spec, q, sk, max_scores):
         r = rows.stop - rows.start
         qg = _group_rows(q[:, rows], hkv, ct)  # (B, Hkv, G*R, D)
         dog = _group_rows(do[:, rows], hkv, ct)  # (B, Hkv, G*R, D)

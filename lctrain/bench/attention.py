@@ -2,9 +2,8 @@
 
 ``run`` launches ``nproc`` processes itself (NCCL on GPUs, gloo on a CPU), then:
 
-1. checks every schedule (and the no-overlap ablation) at a small length against the float32
-   reference of the whole sequence: ``correct`` when it errs at most twice as much as the
-   single-device kernel does on the same inputs;
+1. checks every schedule at a small length against the float32 reference of the whole
+   sequence (`lctrain.bench.attention_check`);
 2. per total length, times forward and backward (CUDA events on every rank; the slowest rank's
    median) of each schedule, distflash without overlap, the peers and the single-GPU kernel;
 3. reports per-GPU TFLOP/s (`lctrain.model.flops`: the whole sequence's FLOPs over the GPUs),
@@ -13,8 +12,7 @@
 
 With ``documents`` every length is packed documents: FLOPs count the pairs inside documents,
 the single-GPU row runs them through "auto", the check runs the shortest length's mix scaled to
-the check length, and the peers (no document mask) say so. ``time_budget_s`` skips what would
-overrun, ``min_time_s`` repeats short measurements, ``profile_dir`` profiles lctrain's schedules.
+the check length, and the peers (no document mask) say so.
 """
 from __future__ import annotations
 
@@ -24,7 +22,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable
@@ -39,6 +36,7 @@ from lctrain.bench.profile import profile
 from lctrain.model.flops import BACKWARD_FACTOR, MODEL, attention_flops, rates
 from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure, repeats_for
+from lctrain.bench.views import progress_line
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
 from lctrain_kernels.api import BackendUnavailable, Relation, auto_order, get_backend
@@ -72,7 +70,6 @@ class BenchConfig:
     warmup: int
     check_len: int
     single_max_len: int
-    time_budget_s: float | None
     min_time_s: float = 0.0
     profile_dir: str | None = None
     progress: Callable[[str], None] | None = None
@@ -82,9 +79,8 @@ class BenchConfig:
 
     def bounds(self, seq_len: int, schedule: str | None = None,
                world: int = 1) -> tuple[int, ...] | None:
-        """Document bounds of the sequence of ``seq_len`` tokens (None: one sequence); for one
-        of lctrain's schedules over ``world`` ranks, in the order training would give them
-        (`lctrain_kernels.distributed.balanced_order`) when ``balance_documents``."""
+        """Document bounds at ``seq_len`` (None: one sequence); for lctrain's ``schedule`` over
+        ``world`` ranks in the order training gives them, when ``balance_documents``."""
         if self.documents is None:
             return None
         bounds = self.documents[seq_len].cu_seqlens
@@ -111,7 +107,7 @@ class _Bench:
         self.group = dist.group.WORLD
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dtype = getattr(torch, cfg.dtype)
-        self.start, self.rate = time.perf_counter(), 250e12 if device.type == "cuda" else 1e9
+        self.rate = 250e12 if device.type == "cuda" else 1e9  # FLOP/s until one is measured
         self.single_backend = _single_backend(cfg.backend, device, self.dtype,
                                               cfg.documents is not None)
 
@@ -125,16 +121,9 @@ class _Bench:
         if self.rank == 0 and self.cfg.progress is not None:
             self.cfg.progress(line)
 
-    def _affordable(self, flops_per_gpu: float) -> bool:
-        if self.cfg.time_budget_s is None:
-            return True
-        est = (self.cfg.warmup + self.cfg.repeats) * _ITERATION * flops_per_gpu / self.rate
-        return self._agree(time.perf_counter() - self.start + est <= self.cfg.time_budget_s)
-
     def _repeats(self, flops_per_gpu: float) -> int:
-        """Timed iterations: at least ``repeats``, more until about ``min_time_s`` of timing
-        (short lengths are noisy), at most 50. The estimate uses the last measured rate, which
-        every rank holds alike (it comes from all-gathered timings), so ranks agree."""
+        """`repeats_for` at the last measured rate, which every rank holds alike (it comes
+        from all-gathered timings), so the ranks agree."""
         estimate_ms = _ITERATION * flops_per_gpu / self.rate * 1e3
         return repeats_for(estimate_ms, self.cfg.repeats, self.cfg.min_time_s)
 
@@ -163,12 +152,9 @@ class _Bench:
         return measure(fwd, bwd, device=self.device, repeats=c.repeats, warmup=1).summary()["total_ms"]
 
     def _time(self, make, flops_per_gpu: float, peer: bool, trace: str | None) -> dict:
-        """Time (fwd, bwd) from ``make()`` on every rank; the slowest rank's medians.
-
-        A peer that fails (unavailable, unsupported shape) gives a status instead of a number;
-        lctrain's own schedules are allowed to fail only for memory, anything else is a bug.
-        With ``trace`` (lctrain's schedules only) a profile follows the timing.
-        """
+        """Time (fwd, bwd) from ``make()`` on every rank; the slowest rank's medians. A failed
+        peer gives a status; lctrain's schedules may fail only for memory (else it is a bug).
+        With ``trace`` (lctrain's schedules only) a profile follows the timing."""
         status, fw, bw, prof = "ok", [], [], {}
         caught = Exception if peer else (PeerUnavailable, torch.cuda.OutOfMemoryError)
         repeats = self._repeats(flops_per_gpu)
@@ -248,20 +234,16 @@ class _Bench:
             base.update(documents=c.documents[seq_len].spec, mix=c.documents[seq_len].summary())
         single = {"status": f"skipped: longer than the single-GPU limit {c.single_max_len}"}
         if seq_len <= c.single_max_len:
-            single = self._single(seq_len) if self._affordable(flops) else {"status": "skipped: time budget"}
+            single = self._single(seq_len)
         rows = [{**base, "variant": f"single-gpu {self.single_backend}", "gpus": 1, **single}]
-        self._say(_progress_line(rows[0]))
+        self._say(progress_line(rows[0]))
         for name, what, overlap in self.variants():
             balance = c.balance(seq_len, what, self.world) if what in SCHEDULES else None
             row = {**base, "variant": name, "balance": balance}
             if what in PEERS and c.documents is not None:
                 rows.append({**row, "status": f"{what} takes no document mask (it would attend "
                                               f"across the documents), so it is not timed"})
-                self._say(_progress_line(rows[-1]))
-                continue
-            if not self._affordable(flops / self.world * (balance or 1.0)):
-                rows.append({**row, "status": "skipped: time budget"})
-                self._say(_progress_line(rows[-1]))
+                self._say(progress_line(rows[-1]))
                 continue
             if what in PEERS:
                 spec = Shape(seq_len, c.heads, c.kv_heads, c.head_dim, self.dtype, self.device)
@@ -276,7 +258,7 @@ class _Bench:
             if single.get("total_tflops") and row.get("total_tflops"):
                 row["vs_single"] = row["total_tflops"] / single["total_tflops"]
             rows.append(row)
-            self._say(_progress_line(row))
+            self._say(progress_line(row))
         return rows
 
     def _hidden_share(self, rows: list[dict], seq_len: int) -> None:
@@ -288,17 +270,6 @@ class _Bench:
         on["comm_only_ms"] = comm
         hidden = (off["total_ms"] - on["total_ms"]) / comm if comm > 0 else None
         on["hidden_share"] = None if hidden is None else min(1.0, max(0.0, hidden))
-
-
-def _progress_line(row: dict) -> str:
-    from lctrain.report.human import milliseconds, rate, ratio, tokens
-
-    head = f"{row['variant']} {tokens(row['seq_len'])}:"
-    if row.get("status") != "ok":
-        return f"{head} {row.get('status')}"
-    text = (f"{head} fwd {milliseconds(row['fwd_ms'])}, bwd {milliseconds(row['bwd_ms'])}, "
-            f"{rate(row['total_tflops'])} per GPU fwd+bwd")
-    return text + (f", {ratio(row['vs_single'])} one GPU" if row.get("vs_single") else "")
 
 
 def _worker(rank: int, world: int, cfg: BenchConfig, tmp: str) -> None:
@@ -336,36 +307,17 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
         dtype: torch.dtype | str | None = None, overlap_ablation: bool = True, peers: bool = True,
         backend: str = "auto", *, documents: str | int | None = None, recipe=None,
         balance_documents: bool = True, repeats: int = 5, warmup: int = 2,
-        check_len: int | None = None,
-        single_max_len: int = 262144, time_budget_s: float | None = None, min_time_s: float = 0.0,
+        check_len: int | None = None, single_max_len: int = 262144, min_time_s: float = 0.0,
         profile_dir: str | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Benchmark distributed attention on ``nproc`` ranks it launches itself.
+    """Benchmark distributed attention on ``nproc`` ranks it launches itself (default every
+    CUDA GPU, or 2 CPU processes under gloo): a result of kind "attention", one row per
+    (seq_len, variant). ``seq_lens`` are TOTAL lengths (batch 1); None picks ``DEFAULTS``.
 
-    Args:
-        seq_lens: TOTAL lengths (batch 1), each split into 2·nproc chunks; None: ``DEFAULTS``.
-        schedules: lctrain schedules to time (default all).
-        nproc: ranks; default every CUDA GPU, or 2 CPU processes (gloo).
-        heads, kv_heads, head_dim, dtype: attention shape and dtype (None: the device's
-            defaults; kv_heads = heads).
-        overlap_ablation: also time distflash with overlap=False (and the hidden share).
-        peers: also time the peers where they can run.
-        backend: local attention backend of lctrain's schedules.
-        documents: a ``--documents`` spec (an int N: N equal documents); None: one sequence.
-        recipe: the recipe whose tokenizer reads a ``data:FILE`` spec.
-        balance_documents: lctrain's schedules get the documents in balanced order, as training.
-        repeats, warmup: timed (median reported) and untimed iterations per measurement.
-        check_len: total length of the correctness check (default min(seq_lens, 2048·nproc)).
-        single_max_len: longest total length timed on a single GPU.
-        time_budget_s: skip measurements that would end later than this after the start.
-        min_time_s: repeat short measurements until about this long (at most 50 iterations).
-        profile_dir: profile each of lctrain's schedules after timing it; traces go here.
-        progress: called on rank 0 with one line per step; picklable (it travels to the ranks).
-
-    Returns:
-        A :class:`BenchResult` of kind "attention", one row per (seq_len, variant).
-
-    Raises:
-        ConfigError: bad sizes, names or documents spec (one sentence each).
+    ``documents`` is a ``--documents`` spec (``recipe`` reads a ``data:FILE`` one), given to
+    lctrain's schedules in balanced order unless not ``balance_documents``; ``check_len``
+    defaults to min(seq_lens, 2048·nproc); ``progress`` must be picklable (it travels to the
+    ranks). The other arguments are the CLI options of the same names. Bad sizes, names or
+    specs raise ConfigError.
     """
     cuda = torch.cuda.is_available()
     base = DEFAULTS["cuda" if cuda else "cpu"]
@@ -375,12 +327,11 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
     nproc = nproc or (torch.cuda.device_count() if cuda else 2)
     kv_heads = kv_heads or heads
     schedules = tuple(schedules or SCHEDULES)
-    _check(seq_lens, schedules, nproc, heads, kv_heads, cuda)
     check_len = check_len or min(min(seq_lens), 2048 * nproc)
-    _check_split(check_len, nproc, "--check-len")
+    _check(seq_lens, schedules, nproc, heads, kv_heads, check_len, cuda)
     docs = None if documents is None else parse_each(documents, seq_lens, recipe=recipe)
     cfg = BenchConfig(seq_lens, schedules, heads, kv_heads, head_dim, dtype, overlap_ablation, peers,
-                      backend, repeats, warmup, check_len, single_max_len, time_budget_s, min_time_s,
+                      backend, repeats, warmup, check_len, single_max_len, min_time_s,
                       profile_dir, progress, docs,
                       None if docs is None else docs[min(seq_lens)].scaled(check_len),
                       balance_documents)
@@ -397,44 +348,32 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
 
 
 def _single_backend(backend: str, device: torch.device, dtype: torch.dtype, documents: bool) -> str:
-    """The backend of the single-GPU row: the named one; for "auto", what "auto" runs for the
-    whole sequence (causal, or packed with documents), the first of its order that loads here;
-    the reference on a CPU."""
+    """The single-GPU row's backend: the named one, or the first that "auto" would try for the
+    whole sequence and that loads here (the reference on a CPU without documents)."""
     if backend != "auto":
         return backend
     if device.type != "cuda" and not documents:
         return "reference"
     order = auto_order(device.type, dtype, Relation.PARTIAL if documents else Relation.CAUSAL)
     for name in order:
-        try:
+        with contextlib.suppress(BackendUnavailable):
             get_backend(name)
-        except BackendUnavailable:
-            continue
-        return name
+            return name
     return order[-1]  # the reference: it runs anywhere
 
 
-def _check(seq_lens, schedules, nproc, heads, kv_heads, cuda) -> None:
+def _check(seq_lens, schedules, nproc, heads, kv_heads, check_len, cuda) -> None:
+    """Names and sizes every schedule and peer runs (zigzag's 2·nproc chunks), or ConfigError."""
     try:
         for s in schedules:
             check_schedule(s)
+        if heads % kv_heads:
+            raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
+        gpus = torch.cuda.device_count()
+        if cuda and nproc > gpus:
+            raise ValueError(f"--nproc {nproc} exceeds the {gpus} visible GPUs; use at most {gpus}")
+        lengths = [(s, "sequence length") for s in seq_lens] + [(check_len, "--check-len")]
+        for length, what in lengths:
+            check_seq_len(length, nproc, "zigzag", what=what, ranks=f"{nproc} ranks")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if heads % kv_heads:
-        raise ConfigError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
-    if cuda and nproc > torch.cuda.device_count():
-        raise ConfigError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs; "
-                          f"use at most {torch.cuda.device_count()}")
-    for s in seq_lens:
-        _check_split(s, nproc, "sequence length")
-
-
-def _check_split(length: int, nproc: int, what: str) -> None:
-    """Every schedule and peer must run it: the zigzag layout's 2·nproc chunks."""
-    try:
-        check_seq_len(length, nproc, "zigzag", what=what, ranks=f"{nproc} ranks")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-__all__ = ["BenchConfig", "DEFAULTS", "SCHEDULES", "run"]

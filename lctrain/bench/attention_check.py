@@ -1,10 +1,9 @@
 """The attention bench's correctness gate: every schedule against the single-device result.
 
 At a small total length every rank builds the same inputs and the float32 reference of the
-whole sequence (output and three gradients), then the single-device kernel's error against it
-in the bench's dtype; each schedule's error is the largest relative error of out, dq, dk, dv
-over all ranks. A schedule is correct when it errs at most twice as much as the single-device
-kernel (or 1e-4, the float32 floor). With documents, everything runs the check's mix.
+whole sequence; a schedule's error is the largest relative error of out, dq, dk, dv over all
+ranks, and it is correct when it errs at most twice as much as the single-device kernel in the
+bench's dtype (or 1e-4, the float32 floor). With documents, everything runs the check's mix.
 """
 from __future__ import annotations
 

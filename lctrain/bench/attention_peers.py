@@ -1,21 +1,14 @@
-"""Other people's distributed attention, set up to be timed next to lctrain's.
+"""Other people's distributed attention, set up to be timed next to lctrain's schedules.
 
-Each peer is a context manager ``peer(group, shape) -> (fwd, bwd)`` run on every rank of the
-group: ``fwd()`` computes this rank's attention output of a causal sequence of ``shape.seq_len``
-total tokens (random bf16 inputs, ``shape.heads`` × ``shape.head_dim``) and returns what ``bwd``
-needs; ``bwd(state)`` runs the backward. Both are timed by the attention bench exactly as
-lctrain's own schedules are. A peer that cannot run here raises :class:`PeerUnavailable` with
-one sentence saying why (the bench reports it as the row's status).
-
-* ``context_parallel`` — torch's ``torch.distributed.tensor.experimental.context_parallel``
-  (ring with head-tail load balancing, rotation by all-gather by default) on the cuDNN SDPA
-  backend. CUDA only: torch has no sharding strategy for the CPU flash op.
-* ``ring_flash_attn`` — the ring-flash-attention package's zigzag ring (needs flash-attn).
+Each peer is a context manager ``peer(group, shape) -> (fwd, bwd)`` run on every rank: ``fwd()``
+computes this rank's output of a causal sequence of ``shape.seq_len`` total tokens (random
+inputs), ``bwd(state)`` its backward. A peer that cannot run here raises `PeerUnavailable` with
+one sentence why (the row's status). ``context_parallel`` is torch's experimental
+context_parallel (a ring with head-tail balance) on cuDNN SDPA, CUDA only.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +38,7 @@ def _randn(shape, spec: Shape, seed: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def context_parallel_peer(group, spec: Shape):
-    """torch's context_parallel with the cuDNN SDPA backend, causal; see the module docstring.
-
-    Raises:
-        PeerUnavailable: without CUDA.
-    """
+    """torch's context_parallel with the cuDNN SDPA backend, causal (needs CUDA)."""
     if spec.device.type != "cuda":
         raise PeerUnavailable("torch context_parallel needs CUDA (it has no CPU sharding "
                               "strategy for SDPA)")
@@ -80,33 +69,4 @@ def context_parallel_peer(group, spec: Shape):
         yield fwd, bwd
 
 
-@contextlib.contextmanager
-def ring_flash_attn_peer(group, spec: Shape):
-    """ring-flash-attention's zigzag ring (flash-attn kernels), causal.
-
-    Raises:
-        PeerUnavailable: if ring_flash_attn (or flash_attn) is not installed, or without CUDA.
-    """
-    if importlib.util.find_spec("ring_flash_attn") is None:
-        raise PeerUnavailable("ring-flash-attn is not installed (pip install ring-flash-attn)")
-    if spec.device.type != "cuda":
-        raise PeerUnavailable("ring-flash-attn needs CUDA")
-    from ring_flash_attn import zigzag_ring_flash_attn_func
-
-    n = spec.seq_len // dist.get_world_size(group)
-    q = _randn((1, n, spec.heads, spec.head_dim), spec, 1).requires_grad_()  # (1, S/P, H, D)
-    k = _randn((1, n, spec.kv_heads, spec.head_dim), spec, 2).requires_grad_()
-    v = _randn((1, n, spec.kv_heads, spec.head_dim), spec, 3).requires_grad_()
-    do = _randn((1, n, spec.heads, spec.head_dim), spec, 4)
-
-    def fwd():
-        return zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
-
-    def bwd(out):
-        out.backward(do)
-        q.grad = k.grad = v.grad = None
-
-    yield fwd, bwd
-
-
-PEERS = {"context_parallel": context_parallel_peer, "ring_flash_attn": ring_flash_attn_peer}
+PEERS = {"context_parallel": context_parallel_peer}

@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from pathlib import Path
 
-from lctrain.model.flops import BACKWARD_FACTOR, attention_flops
 from lctrain.config import ConfigError, RecipeConfig, format_tokens, parse_size
 
 
@@ -38,14 +37,6 @@ class Documents:
     def cu_seqlens(self) -> tuple[int, ...]:
         """Document bounds ``(0, L0, L0 + L1, ..., total)``, as the attention takes them."""
         return (0, *accumulate(self.lengths))
-
-    def forward_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
-        """Useful forward FLOPs: `lctrain.model.flops.attention_flops` over these bounds."""
-        return attention_flops(self.total, heads, head_dim, causal, self.cu_seqlens)
-
-    def fwd_bwd_flops(self, heads: int, head_dim: int, causal: bool = True) -> float:
-        """Useful forward + backward FLOPs (the backward is ``BACKWARD_FACTOR`` x forward)."""
-        return (1 + BACKWARD_FACTOR) * self.forward_flops(heads, head_dim, causal)
 
     def summary(self) -> str:
         """One line such as ``10 documents of 1k..20k tokens, median 5k``."""
@@ -71,12 +62,8 @@ class Documents:
 def parse_documents(spec: str, total: int, *, recipe: RecipeConfig | None = None,
                     tokenizer=None) -> Documents:
     """The documents of a row of ``total`` tokens described by ``spec`` (module docstring);
-    ``recipe`` and ``tokenizer`` (else the recipe's) read a ``data:`` spec.
-
-    Raises:
-        ConfigError: a malformed spec, one that does not fill ``total``, a missing file or recipe.
-        DataError: a ``data:`` file cannot be read or tokenized.
-    """
+    ``recipe`` and ``tokenizer`` (else the recipe's) read a ``data:`` spec. ConfigError for a
+    bad spec, a missing file or recipe; DataError for a ``data:`` file that cannot be read."""
     return parse_each(spec, [total], recipe=recipe, tokenizer=tokenizer)[total]
 
 
@@ -225,11 +212,7 @@ def _cut(stream: list[int], total: int, row: int, spec: str) -> list[int]:
 
 def training_rows(spec: str, total: int, count: int) -> list[Documents]:
     """``count`` rows of ``total`` tokens to train on (``lctrain bench step --documents``); a
-    ``lognormal:`` spec draws each row with the next seed, a fixed mix repeats.
-
-    Raises:
-        ConfigError: a malformed spec, or one that reads a file.
-    """
+    ``lognormal:`` spec draws each row with the next seed, a fixed mix repeats."""
     head = spec.strip().split(":", 1)[0].strip().lower()
     if head in ("lengths", "data"):
         raise ConfigError(f"--documents {spec!r}: bench step packs rows from a mix, not from a "

@@ -1,17 +1,13 @@
 """Single-device attention kernel benchmark: every local backend (and peer), side by side.
 
-For each subject that can run the request (`lctrain.bench.kernel_subjects`): a correctness check
-at a small length (out, lse and the three gradients against the float32 reference on the same
-inputs), then at each length forward and backward timed by `lctrain.bench.timing.measure`, as
-rates of the FLOP model of `lctrain.model.flops`; ``profile_dir`` adds a profile of each.
+Each subject (`lctrain.bench.kernel_subjects`) is first checked at a small length (out, lse and
+the three gradients against the float32 reference), then timed at each length
+(`lctrain.bench.timing.measure`) as rates of the FLOP model of `lctrain.model.flops`.
 
-With ``documents`` (``--documents`` specs, `lctrain.bench.documents`) every sequence is packed
-documents, each spec a mix of its own parsed at each length: rates count only the pairs inside
-documents, each row carries its spec and mix, and the check runs the shortest length's mix
-scaled to the check length. A dense reference (cuDNN on a GPU) is timed without documents, and
-each document row gets ``of_dense``: its useful rate over the dense one. Without sizes the
-defaults fit the device (Llama-7B's attention at 16K-64K in bf16 on a GPU; a small float32 case
-on a CPU).
+With ``documents`` (`lctrain.bench.documents`) every sequence is packed documents, each spec a
+mix of its own: rates count only the pairs inside documents, the check runs the shortest
+length's mix scaled to the check length, and each row gets ``of_dense``, its useful rate over
+that of a dense reference (cuDNN on a GPU) timed without documents.
 """
 from __future__ import annotations
 
@@ -27,6 +23,7 @@ from lctrain.bench.kernel_subjects import subject
 from lctrain.bench.profile import profile
 from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure
+from lctrain.bench.views import progress_line
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
 from lctrain_kernels.api import (BackendUnavailable, MaskSpec, available_backends, classify,
@@ -68,17 +65,10 @@ class _Plan:
     say: Callable[[str], None]
 
 
-def _inputs(seq_len, heads, kv_heads, head_dim, dtype, device):
-    shape_q, shape_kv = (1, seq_len, heads, head_dim), (1, seq_len, kv_heads, head_dim)
-    return (torch.randn(shape_q, dtype=dtype, device=device),  # (1, S, Hq, D)
-            torch.randn(shape_kv, dtype=dtype, device=device),  # (1, S, Hkv, D)
-            torch.randn(shape_kv, dtype=dtype, device=device),
-            torch.randn(shape_q, dtype=dtype, device=device))  # dO
-
-
 def _setup(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal, bounds):
     """(inputs, spec, relation, scale, closures or the reason it cannot run)."""
-    q, k, v, do = _inputs(seq_len, heads, kv_heads, head_dim, dtype, device)
+    shapes = [(1, seq_len, h, head_dim) for h in (heads, kv_heads, kv_heads, heads)]
+    q, k, v, do = (torch.randn(s, dtype=dtype, device=device) for s in shapes)  # (1, S, H, D)
     spec = MaskSpec(causal, doc_bounds=bounds)
     rel, scale = classify(spec, seq_len, seq_len), head_dim ** -0.5
     reason = what.unsupported(q, k, v, spec, rel)
@@ -88,14 +78,8 @@ def _setup(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal, boun
 
 def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal,
                       bounds=None) -> float:
-    """Worst relative error of out, lse, dq, dk, dv against the float32 reference, of a subject
-    (`lctrain.bench.kernel_subjects.subject`) or a bare backend, with document ``bounds``.
-
-    Raises:
-        BackendUnavailable: it cannot run this request (with its reason).
-    """
-    if not hasattr(what, "closures"):
-        what = subject(what.name)
+    """Worst relative error of out, lse, dq, dk, dv of a subject (`kernel_subjects.subject`)
+    against the float32 reference; BackendUnavailable (with its reason) when it cannot run."""
     inputs, spec, _, scale, made = _setup(what, seq_len, heads, kv_heads, head_dim, dtype,
                                           device, causal, bounds)
     if isinstance(made, str):
@@ -107,11 +91,8 @@ def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, c
     q, k, v, do = (x.to(wide) for x in inputs)
     ref_out, ref_lse = reference_forward(q, k, v, spec, scale)
     ref_grads = reference_backward(do, q, k, v, ref_out, ref_lse, spec, scale)
-    errors = []
-    for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
-        diff = (got.to(wide) - want).abs().max()
-        errors.append((diff / want.abs().max().clamp_min(1e-30)).item())
-    return max(errors)
+    return max(((got.to(wide) - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+               for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)))
 
 
 def _measure(what, seq_len, params, bounds, repeats, warmup, trace) -> dict:
@@ -132,8 +113,7 @@ def _measure(what, seq_len, params, bounds, repeats, warmup, trace) -> dict:
 
 
 def default_backends(device: torch.device, documents: bool = False) -> list[str]:
-    """CPU: reference and cpu_flash (reference alone with documents); CUDA: the fast ones (the
-    reference takes minutes per length at 64K+; name it to time it)."""
+    """CPU: reference and cpu_flash (reference alone with documents); CUDA: the fast ones."""
     names = available_backends()
     if device.type != "cuda":
         return [n for n in names if n in (_CPU_DOCUMENTS if documents else _CPU_DEFAULT)]
@@ -152,11 +132,9 @@ def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = 
         what = subject(name)
         err = check_correctness(what, plan.check_len, **plan.params,
                                 bounds=None if mix is None else mix.check.cu_seqlens)
-    except BackendUnavailable as exc:
-        plan.say(f"{head}: {exc}")
-        return [{**base, "seq_len": s, "status": str(exc)} for s in plan.seq_lens]
-    except RuntimeError as exc:  # a kernel error: report it and time the other backends
-        status = f"failed its correctness run ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    except RuntimeError as exc:  # unavailable, or a kernel error: time the other backends
+        status = str(exc) if isinstance(exc, BackendUnavailable) else \
+            f"failed its correctness run ({type(exc).__name__}: {str(exc).splitlines()[0]})"
         plan.say(f"{head}: {status}")
         return [{**base, "seq_len": s, "status": status} for s in plan.seq_lens]
     correct = err <= TOLERANCE.get(plan.params["dtype"], 4e-2)
@@ -181,31 +159,18 @@ def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = 
         if plan.params["device"].type == "cuda":
             torch.cuda.empty_cache()
         row.update(_of_dense(row, (dense or {}).get(seq_len)))
-        plan.say(_progress_line(row))
+        plan.say(progress_line(row))
         rows.append(row)
     return rows
 
 
 def _of_dense(row: dict, dense: dict | None) -> dict:
-    """``of_dense`` (fwd+bwd), ``of_dense_fwd`` and ``of_dense_bwd``: the row's useful rates over
-    the dense reference's at the same length, where both were measured."""
+    """``of_dense`` (fwd+bwd), ``of_dense_fwd``, ``of_dense_bwd``: rates over the dense row's."""
     if dense is None or row.get("status") != "ok" or dense.get("status") != "ok":
         return {}
     return {key: row[rate] / dense[rate] for key, rate in (
         ("of_dense", "total_tflops"), ("of_dense_fwd", "fwd_tflops"),
         ("of_dense_bwd", "bwd_tflops")) if row.get(rate) and dense.get(rate)}
-
-
-def _progress_line(row: dict) -> str:
-    from lctrain.report.human import milliseconds, percent, rate, tokens
-
-    spec = f" {row['documents']}" if row.get("documents") else ""
-    head = f"{row['backend']}{spec} {tokens(row['seq_len'])}:"
-    if row.get("status") != "ok":
-        return f"{head} {row.get('status')}"
-    text = (f"{head} fwd {milliseconds(row['fwd_ms'])}, bwd {milliseconds(row['bwd_ms'])}, "
-            f"{rate(row['total_tflops'])} fwd+bwd")
-    return text + (f", {percent(row['of_dense'])} of dense" if row.get("of_dense") else "")
 
 
 def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
@@ -216,61 +181,16 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
         repeats: int = 5, warmup: int = 2, check_len: int | None = None, device=None,
         profile_dir: str | None = None,
         progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Benchmark the local attention backends (forward, backward, total TFLOP/s).
+    """Benchmark the local attention backends: a result of kind "kernel", one row per (backend,
+    seq_len[, mix]), the dense reference's first ("NAME (dense)"); a row that cannot run says
+    why in ``status``. None picks the device's defaults (``DEFAULTS``, `default_backends`).
 
-    Args:
-        seq_lens: sequence lengths to time (batch 1); None = the device's defaults.
-        backends: backend or peer names; None = the available fast backends (CUDA: cudnn,
-            triton, cudnn_ragged, flash_attn_cute as installed; CPU: reference and cpu_flash,
-            or reference alone with documents).
-        heads, head_dim, dtype, kv_heads: the shape and dtype (or its name); None: the
-            device's defaults (``DEFAULTS``; kv_heads = heads).
-        causal: causal attention (else full).
-        documents: a ``--documents`` spec (an int N: N equal documents) or several, each a mix
-            of its own; or one mix already parsed per length; None: one sequence.
-        recipe: the recipe whose tokenizer reads a ``data:FILE`` spec.
-        dense_reference: with documents, the backend timed without them, the denominator of
-            ``of_dense``: "auto" = cudnn on a GPU (none on a CPU); None or "none": none.
-        repeats, warmup: timed and untimed runs per measurement.
-        check_len: length of the correctness check (default the device's, at most the
-            shortest length).
-        device: default CUDA if available, else CPU.
-        profile_dir: also profile each measurement; chrome traces go here.
-        progress: called with one line per step while running.
-
-    Returns:
-        A :class:`BenchResult` of kind "kernel", one row per (backend, seq_len[, mix]), the
-        dense reference's first ("NAME (dense)"); rows that cannot run say why in ``status``.
-
-    Raises:
-        ConfigError: impossible sizes (heads not divisible, a bad documents spec, ...).
+    ``documents`` is a ``--documents`` spec (an int N: N equal documents), several (a mix
+    each), or one mix already parsed per length; ``recipe`` reads a ``data:FILE`` spec.
+    ``dense_reference`` ("auto": cudnn on a GPU, none on a CPU) is the denominator of
+    ``of_dense``. Impossible sizes or specs raise ConfigError.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    plan, names, dense = _plan(seq_lens, backends, heads, head_dim, dtype, causal, documents,
-                               kv_heads, recipe, dense_reference, repeats, warmup, check_len,
-                               device, profile_dir, progress)
-    rows = []
-    if dense is not None:
-        rows += _run_subject(plan, dense, None, label=f"{dense} (dense)")
-    dense_rows = {row["seq_len"]: row for row in rows}
-    for mix in plan.mixes or [None]:
-        for name in names:
-            rows += _run_subject(plan, name, mix, dense=dense_rows)
-    p = plan.params
-    meta = {"machine": environment(), "dtype": str(p["dtype"]).replace("torch.", ""),
-            "heads": p["heads"], "kv_heads": p["kv_heads"], "head_dim": p["head_dim"],
-            "causal": causal, "repeats": repeats, "warmup": warmup,
-            "check_len": plan.check_len, "device": device.type, "flop_model": MODEL}
-    if plan.mixes:
-        meta.update(documents=[mix.spec for mix in plan.mixes], dense_reference=dense,
-                    check_documents=[mix.check.summary() for mix in plan.mixes])
-    return BenchResult(kind="kernel", title="attention kernels, one device", rows=rows,
-                       meta=meta)
-
-
-def _plan(seq_lens, backends, heads, head_dim, dtype, causal, documents, kv_heads, recipe,
-          dense_reference, repeats, warmup, check_len, device, profile_dir, progress):
-    """(plan, backend names, dense reference or None) of a run, checked; see :func:`run`."""
     base = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     seq_lens = list(seq_lens or base["seq_lens"])
     heads, head_dim = heads or base["heads"], head_dim or base["head_dim"]
@@ -295,7 +215,22 @@ def _plan(seq_lens, backends, heads, head_dim, dtype, causal, documents, kv_head
     plan = _Plan(seq_lens, params, mixes, check_len, repeats, warmup, profile_dir,
                  progress or (lambda line: None))
     names = list(backends) if backends else default_backends(device, bool(mixes))
-    return plan, names, dense
+    rows = []
+    if dense is not None:
+        rows += _run_subject(plan, dense, None, label=f"{dense} (dense)")
+    dense_rows = {row["seq_len"]: row for row in rows}
+    for mix in mixes or [None]:
+        for name in names:
+            rows += _run_subject(plan, name, mix, dense=dense_rows)
+    meta = {"machine": environment(), "dtype": str(dtype).replace("torch.", ""),
+            "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "causal": causal,
+            "repeats": repeats, "warmup": warmup, "check_len": check_len,
+            "device": device.type, "flop_model": MODEL}
+    if mixes:
+        meta.update(documents=[mix.spec for mix in mixes], dense_reference=dense,
+                    check_documents=[mix.check.summary() for mix in mixes])
+    return BenchResult(kind="kernel", title="attention kernels, one device", rows=rows,
+                       meta=meta)
 
 
 def _mixes(documents, seq_lens: list[int], check_len: int, recipe) -> list[_Mix]:
@@ -310,6 +245,3 @@ def _mixes(documents, seq_lens: list[int], check_len: int, recipe) -> list[_Mix]
     short = min(seq_lens)
     return [_Mix(i, at[short].spec, at, at[short].scaled(check_len))
             for i, at in enumerate(parsed, 1)]
-
-
-__all__ = ["DEFAULTS", "TOLERANCE", "check_correctness", "default_backends", "run"]

@@ -1,11 +1,9 @@
 """What ``lctrain bench kernel`` can time: lctrain's local backends and outside peers.
 
-Every subject is set up once per input and hands back two closures, timed exactly alike:
-``fwd() -> (out, lse)`` and ``bwd(state) -> (dq, dk, dv)`` for a fixed upstream gradient.
-:class:`BackendSubject` is one of lctrain_kernels' backends, whose backward takes the forward's
-out and lse as training calls it; :class:`FlexAttention` is torch's compiled ``flex_attention``
-with a causal or document block mask, a peer of lctrain's Triton kernels, whose backward is
-autograd's over a graph kept from one forward (the same work, no second forward).
+Each subject hands back two closures for one input, timed alike: ``fwd() -> (out, lse)`` and
+``bwd(state) -> (dq, dk, dv)``. `BackendSubject`'s backward takes one forward's out and lse, as
+training calls it; `FlexAttention` (torch's compiled ``flex_attention`` with a block mask, a
+peer of lctrain's Triton kernels) runs autograd over a graph kept from one forward.
 """
 from __future__ import annotations
 
@@ -25,23 +23,14 @@ class BackendSubject:
     def __init__(self, name: str):
         self.backend = get_backend(name)  # BackendUnavailable: unknown or not installed
         self.name = name
-
-    def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
-        """None if the backend can run this request, else one sentence why not."""
-        return self.backend.unsupported(q, k, v, spec, relation)
+        self.unsupported = self.backend.unsupported  # None, or one sentence why not
 
     def closures(self, q, k, v, do, spec: MaskSpec, relation: Relation, scale: float) -> Closures:
         """(fwd, bwd) on these inputs; the backward uses one forward's out and lse."""
         backend = self.backend
         out, lse = backend.forward(q, k, v, spec, relation, scale)
-
-        def fwd():
-            return backend.forward(q, k, v, spec, relation, scale)
-
-        def bwd(_state):
-            return backend.backward(do, q, k, v, out, lse, spec, relation, scale)
-
-        return fwd, bwd
+        return (lambda: backend.forward(q, k, v, spec, relation, scale),
+                lambda _state: backend.backward(do, q, k, v, out, lse, spec, relation, scale))
 
 
 class FlexAttention:
@@ -74,8 +63,7 @@ class FlexAttention:
         extra = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
 
         def run(*inputs):
-            out, lse = compiled(*inputs, block_mask=mask, scale=scale, return_lse=True, **extra)
-            return out, lse
+            return compiled(*inputs, block_mask=mask, scale=scale, return_lse=True, **extra)
 
         graph_out, _ = run(qh, kh, vh)
 
@@ -107,11 +95,8 @@ def _mask_mod(spec: MaskSpec, device: torch.device):
 
 
 def subject(name: str):
-    """The subject called ``name``: a peer, or an lctrain backend.
-
-    Raises:
-        BackendUnavailable: an unknown name or a backend that is not installed.
-    """
+    """The subject called ``name``: a peer, or an lctrain backend (BackendUnavailable: an
+    unknown name or a backend that is not installed)."""
     if name == "flex_attention":
         return FlexAttention()
     try:

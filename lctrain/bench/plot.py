@@ -7,22 +7,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lctrain.bench.result import BenchResult
+from lctrain.bench.result import KINDS, BenchResult
 from lctrain.bench.views import describe, short_variant
 from lctrain.errors import UserError
 from lctrain.report import plotting
 from lctrain.report.human import rate_unit
 
-PLOTTABLE = ("kernel", "attention", "step")
-
 
 def check(kind: str, path: str | Path) -> Path:
-    """Check, before running, that a result of ``kind`` can be plotted to ``path``.
-
-    Raises:
-        UserError: this kind has no plot, matplotlib is missing, or a bad file type.
-    """
-    if kind not in PLOTTABLE:
+    """Before running: a UserError unless a result of ``kind`` can be plotted to ``path``."""
+    if kind not in KINDS:
         raise UserError(f"lctrain bench {kind} has no plot (its table is the result); drop --plot")
     return plotting.check_target(path)
 
@@ -48,11 +42,7 @@ def _label(result: BenchResult, row: dict, key: str) -> str:
 
 
 def plot(result: BenchResult, path: str | Path) -> Path:
-    """Draw the result into ``path``; returns the file written.
-
-    Raises:
-        UserError: no row has a number to plot, or this kind has no plot.
-    """
+    """Draw the result into ``path``; returns the file written (UserError: nothing to plot)."""
     check(result.kind, path)
     key, y, ylabel, scale = _series(result)
     lines: dict[str, list[tuple[int, float]]] = {}
@@ -70,13 +60,8 @@ def plot(result: BenchResult, path: str | Path) -> Path:
         xs, ys = zip(*sorted(points))
         reference = name.startswith("single-gpu")
         ax.plot(xs, ys, marker="o", linestyle="--" if reference else "-",
-                color="0.35" if reference else None, label=_legend(name))
+                color="0.35" if reference else None,
+                label=f"one GPU ({name.split(' ', 1)[1]}), reference" if reference else name)
     plotting.length_axis(ax, [x for points in lines.values() for x, _ in points])
     ax.set_ylim(0, 1.08 * max(y for points in lines.values() for _, y in points))
     return plotting.finish(fig, ax, path)
-
-
-def _legend(name: str) -> str:
-    if name.startswith("single-gpu "):
-        return f"one GPU ({name.split(' ', 1)[1]}), reference"
-    return name

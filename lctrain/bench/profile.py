@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from lctrain.train.step_profile import category as step_category, own_times
+from lctrain.train.step_profile import category, own_times
 
 CATEGORIES = (  # first match wins; names are lower-cased kernel or operator names
     ("attention", ("fmha", "cudnn", "flash", "attn_fwd", "attn_bwd", "sdpa", "attention")),
@@ -21,18 +21,11 @@ CATEGORIES = (  # first match wins; names are lower-cased kernel or operator nam
 ITERATIONS = 3
 
 
-def category(name: str) -> str:
-    """The category of a kernel or operator name."""
-    return step_category(name, CATEGORIES)
-
-
 def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None, device: torch.device,
             trace: str | Path, sync: Callable[[], None] | None = None) -> dict:
     """Run ``ITERATIONS`` iterations of ``bwd(fwd())`` (as for `lctrain.bench.timing.measure`)
     under the profiler, writing a chrome trace to ``trace``; ``sync`` also waits for every rank.
-
-    Returns:
-        Row fields: ``profile_wall_ms``, ``profile_<category>_ms`` per iteration, ``trace``.
+    Returns row fields: ``profile_wall_ms``, ``profile_<category>_ms`` per iteration, ``trace``.
     """
     def wait():
         if device.type == "cuda":
@@ -57,7 +50,7 @@ def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None, device: to
     prof.export_chrome_trace(str(path))
     by_category: dict[str, float] = defaultdict(float)
     for name, (ms, _) in own_times(prof, device.type == "cuda").items():
-        by_category[category(name)] += ms / ITERATIONS
+        by_category[category(name, CATEGORIES)] += ms / ITERATIONS
     row = {"profile_wall_ms": wall_ms, "trace": str(path)}
     for cat in ("attention", "communication", "bookkeeping", "other"):
         row[f"profile_{cat}_ms"] = by_category.get(cat, 0.0)

@@ -1,6 +1,6 @@
 """The one result contract of every ``lctrain bench`` run: rows and meta, as JSON.
 
-    {"lctrain_bench": 1, "kind": "kernel" | "attention" | "step" | "tiles", "title": "...",
+    {"lctrain_bench": 1, "kind": "kernel" | "attention" | "step", "title": "...",
      "meta": {"machine": {...}, "command": "lctrain bench ...", ...}, "rows": [{...}, ...]}
 
 Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status`` ("ok" or
@@ -16,9 +16,7 @@ from lctrain.errors import UserError
 from lctrain.report.output import save_document
 
 SCHEMA = 1
-KINDS = ("kernel", "attention", "step", "tiles")
-_OLD_TITLES = {"attention kernels": "kernel", "distributed attention": "attention",
-               "training step": "step"}  # files written before the contract named its kind
+KINDS = ("kernel", "attention", "step")
 
 
 @dataclass
@@ -31,13 +29,12 @@ class BenchResult:
     rows: list[dict] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
 
-    def to_json(self, indent: int | None = 2) -> str:
+    def to_json(self) -> str:
         """The result as the JSON document described in the module docstring."""
         return json.dumps({"lctrain_bench": SCHEMA, "kind": self.kind, "title": self.title,
-                           "meta": self.meta, "rows": self.rows}, indent=indent, default=str)
+                           "meta": self.meta, "rows": self.rows}, indent=2, default=str)
 
     def save(self, path: str | Path) -> Path:
-        """Write `to_json` to ``path`` (creating its folder); returns the path."""
         return save_document(path, self.to_json())
 
     def measured(self) -> list[dict]:
@@ -46,15 +43,11 @@ class BenchResult:
 
 
 def from_dict(data, source: str = "result") -> BenchResult:
-    """A BenchResult from a parsed result file (``source`` names it in errors).
-
-    Raises:
-        UserError: not a bench result (no rows, unknown kind).
-    """
+    """A BenchResult from a parsed result file (``source`` names it in errors)."""
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise UserError(f"{source} is not an lctrain bench result (no list of rows); pass files "
                         "written by lctrain bench --json")
-    kind = data.get("kind") or _OLD_TITLES.get(str(data.get("title", "")).split(" (")[0])
+    kind = data.get("kind")
     if kind not in KINDS:
         raise UserError(f"{source} holds a result of unknown kind {kind!r}; lctrain bench "
                         f"writes {', '.join(KINDS)}")
@@ -64,11 +57,7 @@ def from_dict(data, source: str = "result") -> BenchResult:
 
 
 def load(path: str | Path) -> BenchResult:
-    """Read a result file.
-
-    Raises:
-        UserError: the file is missing, not JSON, or not a bench result.
-    """
+    """Read a result file (UserError: missing, not JSON, or not a bench result)."""
     target = Path(path).expanduser()
     try:
         text = target.read_text(encoding="utf-8")
@@ -84,11 +73,7 @@ def load(path: str | Path) -> BenchResult:
 
 def merge(results: list[BenchResult]) -> BenchResult:
     """One result from several runs of the same kind: meta entries equal in every part stay
-    in meta, the others move into each row of their part (a row's own value wins).
-
-    Raises:
-        UserError: no results, or results of different kinds.
-    """
+    in meta, the others move into each row of their part (a row's own value wins)."""
     if not results:
         raise UserError("no results to merge; pass one or more result files")
     kinds = sorted({r.kind for r in results})

@@ -1,9 +1,8 @@
 """``lctrain bench step``: time whole training steps of a recipe through the real runner.
 
 Each configuration runs through `lctrain.train.runner.finetune` into a scratch folder; its
-metrics.jsonl gives one row (medians over the timed steps): tokens/s, step time, MFU, peak
-memory beside the memory model's, attention forwards per step beside the expected count. A
-configuration that cannot run gives a row whose status says why.
+metrics.jsonl gives one row of medians over the timed steps (tokens/s, MFU, peak memory beside
+the memory model's, ...), or a status that says why it could not run.
 """
 from __future__ import annotations
 
@@ -35,21 +34,12 @@ from lctrain.train.step_profile import ENV as STEP_PROFILE
 _GIB = float(1 << 30)
 
 
-def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int | None],
+def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int] | None,
                    variants: list[str] | None = None) -> list[tuple[str, RecipeConfig]]:
     """``(label, config)``: the recipe with ``overrides`` at every sequence length (None: the
-    recipe's own) × every variant (space-separated ``key=value`` overrides, also the label).
-
-    Raises:
-        ConfigError: a bad recipe, override or length.
-    """
-    groups = variants or [""]
-    out = []
-    for seq_len in seq_lens or [None]:
-        for group in groups:
-            extra = shlex.split(group)
-            out.append((group, load_recipe(recipe, [*overrides, *extra], seq_len=seq_len)))
-    return out
+    recipe's own) × every variant (space-separated ``key=value`` overrides, also the label)."""
+    return [(group, load_recipe(recipe, [*overrides, *shlex.split(group)], seq_len=seq_len))
+            for seq_len in seq_lens or [None] for group in variants or [""]]
 
 
 def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
@@ -62,9 +52,6 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
     ``documents`` trains on random ids packed as that mix; ``memory_trace`` and ``profile`` are
     folders for each configuration's last step (`lctrain.train.memory_trace`,
     `lctrain.train.step_profile`); ``progress`` gets a line before and after each.
-
-    Raises:
-        UserError: steps < 1, warmup < 0 or save_every < 0.
     """
     if steps < 1 or warmup < 0 or save_every < 0:
         raise UserError(f"bench step needs at least 1 timed step (got {steps}), a warm-up of 0 "
@@ -85,7 +72,7 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         try:
             trace = None if memory_trace is None else os.path.join(memory_trace, str(index))
             kernels = None if profile is None else os.path.join(profile, str(index))
-            with _environment(MEMORY_TRACE, trace), _environment(STEP_PROFILE, kernels):
+            with _environment(**{MEMORY_TRACE: trace, STEP_PROFILE: kernels}):
                 row.update(_one(cfg, n, steps, warmup, save_every, documents))
             if kernels is not None:
                 row.update(_profile_fields(Path(kernels), warmup + steps))
@@ -116,7 +103,7 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
     try:
         if data is not None:
             cfg, mix = _with_documents(cfg, data, documents, nproc, warmup + steps)
-        with _stdout_to_stderr(), _environment("XDG_CACHE_HOME", data and str(data)):
+        with _stdout_to_stderr(), _environment(XDG_CACHE_HOME=data and str(data)):
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc, own_process=True)
         if code != 0:
@@ -124,7 +111,10 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
             where = "the output above" if kept is None else f"its workers' log, kept at {kept},"
             raise UserError(f"the benchmarked training run failed with exit code {code}; "
                             f"{where} says why")
-        records = _read_metrics(scratch / "metrics.jsonl")
+        metrics = scratch / "metrics.jsonl"
+        if not metrics.exists():
+            raise UserError(f"the training run wrote no metrics ({metrics} is missing)")
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         if data is not None:
@@ -165,20 +155,18 @@ def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
 
 
 @contextlib.contextmanager
-def _environment(name: str, folder: str | None) -> Iterator[None]:
-    """Set ``name`` to the absolute ``folder`` (unless None) for processes started meanwhile."""
-    if folder is None:
-        yield
-        return
-    saved = os.environ.get(name)
-    os.environ[name] = os.path.abspath(folder)
+def _environment(**folders: str | None) -> Iterator[None]:
+    """Each variable set to its absolute folder (None: untouched) while the block runs."""
+    saved = {name: os.environ.get(name) for name, folder in folders.items() if folder is not None}
+    os.environ.update({name: os.path.abspath(folders[name]) for name in saved})
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _profile_fields(folder: Path, step: int) -> dict:
@@ -211,7 +199,6 @@ def _stdout_to_stderr() -> Iterator[None]:
             os.close(saved)
 
 
-
 def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,
                   save_every: int = 0) -> RecipeConfig:
     """The recipe for a timed run: ``total_steps``, metrics.jsonl only, no validation, the
@@ -222,12 +209,6 @@ def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,
     checkpoint = dataclasses.replace(cfg.checkpoint, every=save_every, keep=int(save_every > 0),
                                      export_final=False)
     return dataclasses.replace(cfg, data=data, train=train, checkpoint=checkpoint)
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        raise UserError(f"the training run wrote no metrics ({path} is missing)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers: int,
@@ -279,11 +260,9 @@ def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
     host = cfg.train.host_memory or available_host_bytes()  # what an auto run places against
     est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=nproc, gpu_memory=memory,
                           host_memory=host, gpus_per_node=nproc)
-    return arch.num_layers, {"peak_allocated": est.details["peak_allocated"],
-                             "total": est.per_gpu_bytes["total"],
-                             "host_offload": est.details["host_offload"],
-                             "checkpointing": est.details["checkpointing"],
-                             "offload": est.details["offload"]}
+    fields = ("peak_allocated", "host_offload", "checkpointing", "offload")
+    return arch.num_layers, {"total": est.per_gpu_bytes["total"],
+                             **{key: est.details[key] for key in fields}}
 
 
 def _progress_line(row: dict) -> str:

@@ -12,6 +12,7 @@ from lctrain.bench.result import BenchResult
 from lctrain.report.table import Column, Table
 from lctrain.report.versions import machine_label
 
+
 def _wide(key: str, label: str, kind: str = "text", unit: str = "") -> Column:
     """A column shown only with ``--wide``."""
     return Column(key, label, kind, unit, compact=False)
@@ -58,15 +59,12 @@ COLUMNS = {
              _wide("step_after_save_s", "step after save", "seconds"),
              _wide("step_without_save_s", "step without", "seconds"),
              _wide("attention_balance", "balance", "number"), *_STEP_PROFILE],
-    "tiles": [Column("kernel", "kernel"), Column("config", "tiles"),
-              Column("seq_len", "length", "tokens"), Column("ms", "time", "ms"),
-              Column("tflops", "rate", "tflops"), Column("max_rel_err", "error", "sci"), _STATUS],
 }
 
 
 _WHAT = {"kernel": "Attention kernels, one device, {rate}",
          "attention": "Distributed attention, {rate} per GPU",
-         "step": "Training steps", "tiles": "Triton kernel tiles"}
+         "step": "Training steps"}
 
 
 def describe(result: BenchResult) -> str:
@@ -81,7 +79,7 @@ def describe(result: BenchResult) -> str:
         parts.append(f"{meta['heads']} heads{gqa} × {meta['head_dim']}")
     if meta.get("causal", True) is not None and result.kind != "step":
         parts.append("causal" if meta.get("causal", True) else "full")
-    docs = meta.get("documents")  # specs, one spec, or a count (files of older versions)
+    docs = meta.get("documents")  # specs (kernel) or one spec
     specs = [str(d) for d in docs] if isinstance(docs, list) else [str(docs)] if docs else []
     if len(specs) > 1:
         parts.append(f"{len(specs)} document mixes")
@@ -91,10 +89,6 @@ def describe(result: BenchResult) -> str:
         compute = "bf16" if meta.get("mixed_precision") in ("bf16", "auto") else meta["model_dtype"]
         parts.append(f"{meta['model_dtype']} weights, {compute} compute")
     return ", ".join(parts)
-
-
-def title(result: BenchResult) -> str:
-    return f"{_WHAT[result.kind]} — {describe(result)}"
 
 
 def table(result: BenchResult) -> Table:
@@ -111,7 +105,8 @@ def table(result: BenchResult) -> Table:
         rows = [{**row, "mix_no": specs.index(row["documents"]) + 1
                  if row.get("documents") is not None else None} for row in rows]
         columns.insert(2, Column("mix_no", "mix", "number"))
-    return Table(title=title(result), columns=columns, rows=rows, notes=notes)
+    return Table(title=f"{_WHAT[result.kind]} — {describe(result)}", columns=columns, rows=rows,
+                 notes=notes)
 
 
 def _specs(result: BenchResult) -> list[str]:
@@ -132,14 +127,9 @@ def _document_notes(result: BenchResult) -> list[str]:
     if mixes:
         notes.append("rates count useful FLOPs only (the pairs inside documents)")
     if mixes and result.kind == "attention":
-        balanced = result.meta.get("balance_documents")
-        if balanced is None:  # a file from before the documents' own figure
-            notes.append("balance = the schedule's figure for one causal sequence, not for "
-                         "these documents")
-        else:
-            order = " in the order that evens it out" if balanced else ""
-            notes.append(f"balance = the busiest GPU's attention work over the mean, for these "
-                         f"documents{order}")
+        order = " in the order that evens it out" if result.meta.get("balance_documents") else ""
+        notes.append(f"balance = the busiest GPU's attention work over the mean, for these "
+                     f"documents{order}")
     if any(row.get("of_dense") for row in result.rows):
         reference = result.meta.get("dense_reference") or "the dense reference"
         notes.append(f"of dense (%) = useful rate over {reference}'s rate on one dense "
@@ -182,9 +172,9 @@ def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column]
 
 def summary(result: BenchResult) -> Table:
     """The docs' form: lengths (and document mixes) down, variants or backends across,
-    fwd+bwd TFLOP/s with the ratio to one GPU or the share of the dense rate; step and tile
-    results keep their compact table."""
-    if result.kind == "step" or result.kind == "tiles":
+    fwd+bwd TFLOP/s with the ratio to one GPU or the share of the dense rate; step results
+    keep their compact table."""
+    if result.kind == "step":
         whole = table(result)
         if all(row.get("status") == "ok" for row in result.rows):  # nothing to say per row
             whole.columns = [c for c in whole.columns if c.key != "status"]
@@ -212,6 +202,22 @@ def summary(result: BenchResult) -> Table:
     unit = "fwd+bwd TFLOP/s" + (" per GPU" if result.kind == "attention" else "")
     return Table(title=f"{what}, {unit} — {describe(result)}", columns=columns, rows=rows,
                  notes=_summary_notes(result, names, series))
+
+
+def progress_line(row: dict) -> str:
+    """One line on a kernel (``backend``) or attention (``variant``) row as it is measured."""
+    from lctrain.report.human import milliseconds, percent, rate, ratio, tokens
+
+    spec = f" {row['documents']}" if row.get("documents") and "backend" in row else ""
+    head = f"{row.get('backend') or row['variant']}{spec} {tokens(row['seq_len'])}:"
+    if row.get("status") != "ok":
+        return f"{head} {row.get('status')}"
+    per_gpu = "" if "backend" in row else " per GPU"
+    text = (f"{head} fwd {milliseconds(row['fwd_ms'])}, bwd {milliseconds(row['bwd_ms'])}, "
+            f"{rate(row['total_tflops'])}{per_gpu} fwd+bwd")
+    if row.get("of_dense"):
+        text += f", {percent(row['of_dense'])} of dense"
+    return text + (f", {ratio(row['vs_single'])} one GPU" if row.get("vs_single") else "")
 
 
 def _summary_cell(row: dict | None) -> str | None:

@@ -49,12 +49,8 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG states from ``path`` into the current
     sharding (a rank the writing run did not have keeps its seeded RNG state); returns
-    trainer.json's content.
-
-    Raises:
-        UserError: the checkpoint is damaged, altered, from an older lctrain, or holds other
-            weights than the model.
-    """
+    trainer.json's content. UserError: the checkpoint is damaged, altered, from an older
+    lctrain, or holds other weights than the model."""
     path = Path(path)
     trainer = read_trainer_state(path)
     model_state, optim_state = get_state_dict(module, optimizer)
@@ -76,11 +72,7 @@ def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict:
-    """A checkpoint's ``trainer.json``, checked.
-
-    Raises:
-        UserError: missing (an older lctrain's checkpoint, or not a checkpoint) or malformed.
-    """
+    """A checkpoint's ``trainer.json``, checked (UserError: missing or malformed)."""
     path = Path(path)
     file = path / "trainer.json"
     if not file.exists():
@@ -102,11 +94,8 @@ def read_trainer_state(path: str | os.PathLike) -> dict:
 
 
 def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[int, Path]:
-    """(step, folder) of the complete checkpoint of ``step`` under ``root`` (the newest when None).
-
-    Raises:
-        UserError: there is no complete checkpoint, or none of ``step``.
-    """
+    """(step, folder) of the complete checkpoint of ``step`` under ``root`` (the newest when
+    None); UserError when there is none."""
     found = list_checkpoints(root)
     if not found:
         raise UserError(f"There is no complete checkpoint in {root}; train with "
@@ -123,10 +112,7 @@ def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[i
 def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
     """Read saved model weights (``names`` as in the model's ``state_dict()``) on the CPU, in
     this process alone, as whole tensors of their saved dtype: {name: tensor} for those the
-    checkpoint holds, under the key prefix that holds the most of ``names``.
-
-    Raises:
-        UserError: the folder is no readable checkpoint, or it holds none of ``names``.
+    checkpoint holds, under the key prefix that holds the most of ``names`` (UserError: none).
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -163,11 +149,7 @@ def _weights_prefix(saved, names: list[str]) -> str | None:
 
 def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
     """The checkpoint a run starts from: the newest under ``root`` with ``resume``, else None.
-
-    Raises:
-        UserError: ``resume`` without a checkpoint, or a fresh run into an output folder that
-            holds checkpoints of an earlier run.
-    """
+    UserError: ``resume`` without a checkpoint, or a fresh run over an earlier run's ones."""
     if resume:
         path = latest_checkpoint(root)
         if path is None:
@@ -184,11 +166,7 @@ def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
 
 def finished_checkpoint(root: str | os.PathLike, steps: int) -> tuple[int, Path] | None:
     """The newest checkpoint under ``root`` as (step, folder) when its step is ``steps`` or
-    later (nothing is left to train), else None.
-
-    Raises:
-        UserError: that checkpoint's trainer.json is missing or damaged.
-    """
+    later (nothing is left to train), else None."""
     path = latest_checkpoint(root)
     if path is None:
         return None

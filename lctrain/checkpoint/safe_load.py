@@ -48,12 +48,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(data: bytes, where: str) -> Any:
-    """DCP metadata from the bytes of a ``.metadata`` file, through `MetadataUnpickler`.
-
-    Raises:
-        UnsafeCheckpoint: the file names something outside DCP's metadata classes.
-        UserError: the file is not a readable pickle.
-    """
+    """DCP metadata from the bytes of a ``.metadata`` file, through `MetadataUnpickler`
+    (UnsafeCheckpoint: it names something else; UserError: not a readable pickle)."""
     try:
         return MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeCheckpoint as error:
@@ -99,12 +95,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def check_tensors_only(state: Any, prefix: str = "") -> None:
-    """Refuse (as a bug) a state to save that holds anything but tensors in nested dicts, which
-    DCP would pickle.
-
-    Raises:
-        TypeError: a leaf that is not a tensor.
-    """
+    """Refuse (TypeError, a bug) a state to save that holds anything but tensors in nested
+    dicts, which DCP would pickle."""
     if isinstance(state, dict):
         for key, value in state.items():
             check_tensors_only(value, f"{prefix}{key}.")

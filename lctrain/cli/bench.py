@@ -1,7 +1,7 @@
 """``lctrain bench kernel|attention|step|report``: measure, compare, plot, report."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Optional
 
 import typer
 
@@ -18,22 +18,9 @@ app = typer.Typer(help="Measure local attention kernels, the distributed attenti
                        "training steps; turn result files into tables.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
-CheckLenOpt = Annotated[Optional[str], typer.Option(
-    "--check-len", metavar="SIZE", show_default=False,
-    help="Length of the correctness check against float32 math, e.g. 8k (default: 4k on a "
-         "GPU, 256 on a CPU; at most the shortest --seq-len).")]
 
-
-def _sizes(text: str | None) -> list[int] | None:
-    return None if text is None else parse_size_list(text, what="--seq-len")
-
-
-def _dtype(value) -> str | None:
-    return None if value is None else value.value
-
-
-def _recipe(name: str | None):  # the --recipe of a --documents data:FILE spec
-    return None if name is None else load_recipe(name)
+def _size(text: str | None, what: str, parse=parse_size):
+    return None if text is None else parse(text, what=what)
 
 
 @app.command("kernel")
@@ -46,7 +33,11 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
                help="With --documents, the backend also timed without documents at each "
                     "length; rows get 'of dense', their useful rate over its rate (auto: "
                     "cudnn on a GPU, none on a CPU; none: skip)."),
-           check_len: CheckLenOpt = None, repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
+           check_len: Optional[str] = typer.Option(
+               None, "--check-len", metavar="SIZE", show_default=False,
+               help="Length of the correctness check against float32 math, e.g. 8k (default: "
+                    "4k on a GPU, 256 on a CPU; at most the shortest --seq-len)."),
+           repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
            profile: ProfileOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
            fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time one device's attention backends (forward, backward, TFLOP/s).
@@ -69,12 +60,13 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
         from lctrain.bench.publish import Publisher
 
         out = Publisher("kernel", fmt.value, wide, json_file, plot)
-        check = None if check_len is None else parse_size(check_len, what="--check-len")
-        result = run(seq_lens=_sizes(seq_len), backends=split_names(backend), heads=heads,
-                     kv_heads=kv_heads, head_dim=head_dim, dtype=_dtype(dtype), causal=causal,
-                     documents=documents, recipe=_recipe(recipe), dense_reference=dense_reference,
-                     repeats=repeats, warmup=warmup, check_len=check, profile_dir=profile,
-                     progress=out.progress)
+        result = run(seq_lens=_size(seq_len, "--seq-len", parse_size_list),
+                     backends=split_names(backend), heads=heads, kv_heads=kv_heads,
+                     head_dim=head_dim, dtype=None if dtype is None else dtype.value,
+                     causal=causal, documents=documents, dense_reference=dense_reference,
+                     recipe=None if recipe is None else load_recipe(recipe),
+                     repeats=repeats, warmup=warmup, check_len=_size(check_len, "--check-len"),
+                     profile_dir=profile, progress=out.progress)
         out.publish(result)
 
 
@@ -91,8 +83,7 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
                   False, "--overlap-ablation", help="Also run distflash without communication "
                                                     "overlap (and the share hidden)."),
               peers: bool = typer.Option(
-                  False, "--peers", help="Also run torch context_parallel (and ring-flash-attn "
-                                         "when installed)."),
+                  False, "--peers", help="Also run torch's context_parallel."),
               check_len: Optional[str] = typer.Option(
                   None, "--check-len", metavar="SIZE", show_default=False,
                   help="Total length of each schedule's correctness check against float32 "
@@ -104,9 +95,6 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
               single_max_len: str = typer.Option(
                   "256k", "--single-max-len", metavar="SIZE",
                   help="Longest total length also timed on one GPU (the reference)."),
-              time_budget: Optional[float] = typer.Option(
-                  None, "--time-budget", min=1.0, metavar="SECONDS", show_default=False,
-                  help="Skip (and say so) the measurements that would end later than this."),
               profile: ProfileOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
               fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time the distributed attention over NPROC ranks for each schedule (TFLOP/s per GPU, ratio
@@ -128,17 +116,16 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
         from lctrain.bench.publish import Publisher
 
         out = Publisher("attention", fmt.value, wide, json_file, plot)
-        extra = {} if backend is None else {"backend": backend}
-        check = None if check_len is None else parse_size(check_len, what="--check-len")
-        result = run(seq_lens=_sizes(seq_len), schedules=split_names(schedule), nproc=nproc,
-                     heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=_dtype(dtype),
-                     documents=documents, recipe=_recipe(recipe),
+        result = run(seq_lens=_size(seq_len, "--seq-len", parse_size_list),
+                     schedules=split_names(schedule), nproc=nproc, heads=heads,
+                     kv_heads=kv_heads, head_dim=head_dim,
+                     dtype=None if dtype is None else dtype.value, backend=backend or "auto",
+                     documents=documents, recipe=None if recipe is None else load_recipe(recipe),
                      balance_documents=balance_documents, overlap_ablation=overlap_ablation,
-                     peers=peers, repeats=repeats,
-                     warmup=warmup, check_len=check, min_time_s=min_time,
+                     peers=peers, repeats=repeats, warmup=warmup,
+                     check_len=_size(check_len, "--check-len"), min_time_s=min_time,
                      single_max_len=parse_size(single_max_len, what="--single-max-len"),
-                     time_budget_s=time_budget, profile_dir=profile, progress=out.progress,
-                     **extra)
+                     profile_dir=profile, progress=out.progress)
         out.publish(result)
 
 
@@ -167,10 +154,9 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
                   "at the step's peak, into DIR/<configuration number>/."),
          profile: Optional[str] = typer.Option(
              None, "--profile", metavar="DIR", show_default=False,
-             help="Also run each configuration's last step under the profiler: a chrome trace "
-                  "and a kernel summary per rank into DIR/<configuration number>/, and rank "
-                  "0's time per kernel category (attention, matmul, comm., copies, other) in "
-                  "the row (--wide)."),
+             help="Also profile each configuration's last step: a chrome trace and a kernel "
+                  "summary per rank into DIR/<configuration number>/, rank 0's time per kernel "
+                  "category in the row (--wide)."),
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory against the
@@ -189,7 +175,8 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
         from lctrain.bench.step import configurations, run
 
         out = Publisher("step", fmt.value, wide, json_file, plot)
-        configs = configurations(recipe, overrides or [], _sizes(seq_len) or [None], variant)
+        lengths = _size(seq_len, "--seq-len", parse_size_list)
+        configs = configurations(recipe, overrides or [], lengths, variant)
         result = run(configs, steps=steps, nproc=nproc, warmup=warmup, save_every=save_every,
                      documents=documents, memory_trace=memory_trace, profile=profile,
                      progress=out.progress)
@@ -200,8 +187,7 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
 def report(files: list[str] = typer.Argument(..., metavar="FILE",
                                              help="Result files written by lctrain bench --json."),
            rows: bool = typer.Option(False, "--rows", help="One row per measurement instead of "
-                                                           "the summary (lengths down, variants "
-                                                           "across)."),
+                                     "the summary (lengths down, variants across)."),
            json_file: JsonFileOpt = None, plot: PlotOpt = None, fmt: FormatOpt = Format.table,
            wide: WideOpt = False) -> None:
     """Turn result files into the README's tables and plots; several files of one bench are

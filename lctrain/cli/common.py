@@ -9,11 +9,8 @@ from typer.core import TyperGroup
 
 from lctrain.errors import as_user_error
 
-USER_ERROR_EXIT = 1
-"""Exit code of a user mistake (bad recipe, size, path, ...)."""
-
+# Click's usage error (Typer's BadParameter is one; Typer may carry its own Click)
 UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-"""Click's usage error (Typer's `typer.BadParameter` is one; Typer may carry its own Click)."""
 
 
 class OneLineUsage(TyperGroup):
@@ -47,26 +44,19 @@ def _usage_exit(error, ctx=None) -> Exception:
     return typer.Exit(error.exit_code)
 
 
-def fail(message: str, code: int = USER_ERROR_EXIT) -> typer.Exit:
-    """Print ``message`` as one line on stderr and return the Exit to raise."""
-    typer.echo(f"error: {' '.join(str(message).split())}", err=True)
-    return typer.Exit(code)
-
-
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """User errors in the block become one sentence and exit code 1; bugs keep a traceback."""
+    """A user error in the block is one line on stderr and exit code 1; bugs keep a traceback."""
     try:
         yield
     except Exception as error:  # noqa: BLE001 - filtered right below
         mistake = as_user_error(error)
         if mistake is None:
             raise
-        raise fail(str(mistake)) from None
+        typer.echo(f"error: {' '.join(str(mistake).split())}", err=True)
+        raise typer.Exit(1) from None
 
 
 def split_names(text: str | None) -> list[str] | None:
     """``"a, b"`` -> ``["a", "b"]``; None stays None."""
-    if text is None:
-        return None
-    return [item.strip() for item in text.split(",") if item.strip()]
+    return None if text is None else [item.strip() for item in text.split(",") if item.strip()]

@@ -100,8 +100,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
 
 
 def _recipe(recipe, model, overrides, tokens, cp, checkpointing):
-    """The recipe to estimate, or None when only --model is given (a hub name there must be one
-    the hub or its local cache can give: `lctrain.config.hub.check_hub_model`)."""
+    """The recipe to estimate, or None when only --model is given (a hub name is checked)."""
     if model is not None and model not in PRESETS and looks_like_hub_name(model) \
             and not os.path.exists(os.path.expanduser(model)):
         check_hub_model(model, what="--model")

@@ -10,6 +10,7 @@ import typer
 from lctrain.cli.common import split_names, user_errors
 from lctrain.cli.options import (CpOpt, Format, FormatOpt, NprocOpt, PlotOpt, SeqLenOpt, SetOpt,
                                  WideOpt)
+from lctrain.errors import UserError
 
 
 class Task(str, enum.Enum):
@@ -107,8 +108,6 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt 
 
 
 def _depths(text: str) -> list[float]:
-    from lctrain.errors import UserError
-
     values = []
     for item in split_names(text) or []:
         try:

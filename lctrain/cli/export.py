@@ -38,11 +38,10 @@ def export(run_dir: RunDirArg, output: ExportOutputOpt, step: StepOpt = None,
     """Export a checkpoint for transformers: config.json, safetensors, tokenizer (no lctrain
     needed to load it). A LoRA run exports its adapter for peft, or with --merge the merged model.
 
+    \b
     Examples:
-
-        lctrain export runs/tiny --output exported/tiny
-
-        lctrain export runs/llama-lora --step 200 --merge --dtype bfloat16 --output merged/
+      lctrain export runs/tiny --output exported/tiny
+      lctrain export runs/llama-lora --step 200 --merge --dtype bfloat16 --output merged/
     """
     with user_errors():
         from lctrain.export import export_run

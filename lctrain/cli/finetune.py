@@ -20,13 +20,11 @@ def finetune(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: Set
     saved in its folder; --set and a recipe may change only its length, intervals, process
     layout and memory settings.
 
+    \b
     Examples:
-
-        lctrain finetune
-
-        lctrain finetune llama-7b-256k --seq-len 256k --set train.lr=1e-5
-
-        lctrain finetune --output-dir runs/tiny --resume --max-steps 40
+      lctrain finetune
+      lctrain finetune llama-7b-256k --seq-len 256k --set train.lr=1e-5
+      lctrain finetune --output-dir runs/tiny --resume --max-steps 40
     """
     with user_errors():
         load = load_resumed if resume else load_recipe  # resume: the run's own config.yaml

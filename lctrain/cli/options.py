@@ -29,9 +29,6 @@ class Format(str, enum.Enum):
     json = "json"
 
 
-_PRESETS = ", ".join(PRESETS)
-
-
 RecipeArg = Annotated[Optional[str], typer.Argument(
     metavar="RECIPE", show_default=False,
     help="Recipe YAML file or shipped recipe name (tiny, llama-7b-64k, ...); default: the "
@@ -54,7 +51,7 @@ NprocOpt = Annotated[Optional[int], typer.Option(
     help="Processes to launch on this machine (default: one per GPU; on a CPU: parallel.cp).")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", metavar="NAME|PATH", show_default=False,
-    help=f"A preset ({_PRESETS}), a model folder or config.json, or a hub name (online) "
+    help=f"A preset ({', '.join(PRESETS)}), a model folder or config.json, or a hub name (online) "
          "instead of a recipe.")]
 GpusOpt = Annotated[Optional[int], typer.Option(
     "--gpus", min=1, metavar="N", show_default=False,

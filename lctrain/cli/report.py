@@ -9,9 +9,8 @@ from lctrain.cli.common import user_errors
 from lctrain.cli.options import Format, FormatOpt, PlotOpt, WideOpt
 
 
-def report(runs: list[str] = typer.Argument(..., metavar="RUN_DIR",
-                                            help="Run folders (train.output_dir of lctrain "
-                                                 "finetune)."),
+def report(runs: list[str] = typer.Argument(
+               ..., metavar="RUN_DIR", help="Run folders (train.output_dir of lctrain finetune)."),
            plot: PlotOpt = None, fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Summarise training runs: the settings that differ, steps, final and best loss, eval loss,
     tokens/s, MFU, peak memory and time; --plot draws their loss curves.

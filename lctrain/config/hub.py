@@ -108,13 +108,9 @@ def _refuse_uncached(subject: str, what: str, *, flags: tuple[str, ...], where: 
 
 
 def _offline_flag(flags: tuple[str, ...]) -> str | None:
-    """The first of ``flags`` set to a true value (offline mode), or None."""
-    return next((f for f in flags if _is_true(f)), None)
-
-
-def _is_true(variable: str) -> bool:
-    """Whether the environment variable is set to a true value, as huggingface_hub reads it."""
-    return os.environ.get(variable, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    """The first of ``flags`` set to a true value as huggingface_hub reads it, or None."""
+    return next((f for f in flags
+                 if os.environ.get(f, "").strip().upper() in {"1", "ON", "YES", "TRUE"}), None)
 
 
 def _answers(url: str, timeout: float) -> bool:

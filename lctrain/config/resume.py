@@ -138,4 +138,3 @@ def _saved(path: Path, *, resume: bool) -> RecipeConfig | None:
     except ConfigError as error:
         raise ConfigError(f"{path} is not a run's recipe ({error}); give another --output-dir "
                           "or delete that folder") from None
-

@@ -68,11 +68,7 @@ def detect_format(record: Record, text_field: str) -> tuple[str, str]:
 
 
 class Encoder:
-    """Turns records of format ``fmt`` (one of FORMATS) into samples with ``tokenizer``.
-
-    Raises:
-        DataError: the chat format with a tokenizer that cannot render chats.
-    """
+    """Turns records of format ``fmt`` (one of FORMATS) into samples with ``tokenizer``."""
 
     def __init__(self, fmt: str, tokenizer: Any, text_field: str) -> None:
         self.fmt, self.tokenizer, self.text_field = fmt, tokenizer, text_field
@@ -85,11 +81,7 @@ class Encoder:
 
     def encode(self, records: Sequence[Record]) -> list[Sample]:
         """The samples of ``records`` (batched for fast tokenizers); records with nothing to
-        train on are counted in ``self.skips``.
-
-        Raises:
-            DataError: a record lacks a field or has a value of the wrong type.
-        """
+        train on are counted in ``self.skips``; a DataError names a missing or mistyped field."""
         kept = []
         for sample in filter(None, getattr(self, "_" + self.fmt)(records)):
             if sample.targets.any():
@@ -270,12 +262,8 @@ def check_messages(messages: Sequence[Any], where: str) -> None:
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[dict], where: str) -> tuple[list[int], list[bool]]:
-    """Token ids of a conversation and, per token, whether it is the assistant's.
-
-    Raises:
-        DataError: a malformed message, a template that fails on the conversation, or one
-            whose partial renderings are not prefixes of the whole (``where`` names the record).
-    """
+    """Token ids of a conversation and, per token, whether it is the assistant's; DataError
+    (naming ``where``) when a message is malformed or the template fails on the conversation."""
     check_messages(messages, where)
     if isinstance(tokenizer, ByteTokenizer):
         try:

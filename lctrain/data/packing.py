@@ -66,11 +66,7 @@ class RowPlan:
 def plan_rows(stream: TokenStream, seq_len: int, mode: str,
               samples: np.ndarray | None = None) -> RowPlan:
     """Choose the pieces of every row for ``mode`` (``data.long_samples``), of the sorted
-    ``samples`` (None: all).
-
-    Raises:
-        DataError: the chosen samples have no token, or every one was left out.
-    """
+    ``samples`` (None: all); DataError when they have no token or every one was left out."""
     chosen = np.arange(stream.bounds.size - 1) if samples is None else np.asarray(samples,
                                                                                  np.int64)
     lengths = np.diff(stream.bounds)[chosen]
@@ -210,11 +206,7 @@ class PackedRows:
 
 def pack(samples: Sequence[Sequence[int]], *, seq_len: int, document_mask: bool, pad_id: int,
          targets: Sequence[Sequence[bool]] | None = None, long_samples: str = "split") -> PackedRows:
-    """Pack in-memory samples (token id lists, ``targets`` flags: default all) into rows.
-
-    Raises:
-        DataError: the samples hold no token, or all are left out.
-    """
+    """Pack in-memory samples (token id lists, ``targets`` flags: default all) into rows."""
     stream = TokenStream.from_samples(samples, targets)
     return PackedRows(stream, plan_rows(stream, seq_len, long_samples), seq_len=seq_len,
                       document_mask=document_mask, pad_id=pad_id)
@@ -244,19 +236,8 @@ class PackedBatch:
 
 def iter_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
                  start_step: int = 0) -> Iterator[PackedBatch]:
-    """Yield this dp rank's micro-batches forever, from micro-step ``start_step`` on.
-
-    Args:
-        ds: packed rows. batch_size: rows per dp rank per micro-step.
-        dp_rank, dp_size: this rank's data-parallel index and group count.
-        seed: seeds the per-epoch shuffles. start_step: the first micro-step to yield.
-
-    Yields:
-        PackedBatch with (batch_size, S) tensors, unsharded.
-
-    Raises:
-        DataError: no rows. ValueError: bad geometry, or mixed document boundaries.
-    """
+    """Yield this dp rank's unsharded (batch_size, S) micro-batches forever, from micro-step
+    ``start_step`` on, each epoch shuffled by ``seed``."""
     n_rows = len(ds)
     if n_rows == 0:
         raise DataError("the packed data has no rows; check data.source")
@@ -274,11 +255,7 @@ def eval_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
     """This dp rank's evaluation batches: every row (of the first ``limit``) once, in order.
 
     Every rank yields the same number of batches, since FSDP2 forwards run in step; a slot
-    past the last row holds row 0 with every label masked.
-
-    Raises:
-        DataError: no rows.
-    """
+    past the last row holds row 0 with every label masked."""
     n_rows = len(ds) if limit is None else min(limit, len(ds))
     if n_rows == 0:
         raise DataError("the evaluation data has no rows; check its source")

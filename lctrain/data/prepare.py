@@ -36,11 +36,8 @@ LAYOUT_VERSION = 3  # bumped whenever what a cache folder holds changes
 
 
 def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
-    """Sorted int64 indices of the round(fraction × documents) held-out documents.
-
-    Raises:
-        DataError: the fraction holds out no document, or every document.
-    """
+    """Sorted int64 indices of the round(fraction × documents) held-out documents (DataError:
+    none, or all of them)."""
     count = int(round(fraction * documents))
     if count < 1:
         raise DataError(f"data.eval_fraction {fraction:g} of {documents} documents holds out "
@@ -54,11 +51,7 @@ def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
 
 
 def part_samples(data: DataConfig, part: str, documents: int, seed: int = 0) -> np.ndarray | None:
-    """The sample indices of ``part`` of the source's ``documents`` (None: all of them).
-
-    Raises:
-        DataError: see `held_out`. ValueError: ``eval`` without a fraction, or another part.
-    """
+    """The sample indices of ``part`` of the source's ``documents`` (None: all of them)."""
     if part not in PARTS:
         raise ValueError(f"unknown data part {part!r}; use one of {PARTS}")
     if data.eval_fraction == 0:
@@ -72,19 +65,9 @@ def part_samples(data: DataConfig, part: str, documents: int, seed: int = 0) -> 
 def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
                  show_progress: bool = False, part: str = "train",
                  source_key: str = "data.source", seed: int = 0) -> PackedRows:
-    """The packed rows of ``data``, from the cache or prepared into it.
-
-    Args:
-        leader: this process builds what the cache lacks (one per machine); the others wait.
-        part: ``train`` (without the held-out documents) or ``eval`` (data.eval_source, or
-            the held-out documents).
-        source_key: the recipe key named in messages about the source.
-        seed: ``train.seed``, which chooses the documents data.eval_fraction holds out.
-
-    Raises:
-        DataError: unreadable source, bad record, no token to train on, unwritable cache, or
-            no validation data for ``eval``.
-    """
+    """The packed rows of ``part`` of ``data`` (``train``: without the documents ``seed`` holds
+    out; ``eval``: data.eval_source or those), from the cache or prepared into it by the
+    ``leader`` (one per machine; the others wait). ``source_key`` is named in messages."""
     if part == "eval" and data.eval_source is not None:
         own = dataclasses.replace(data, source=data.eval_source, eval_source=None,
                                   max_documents=None)
@@ -107,7 +90,7 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
                                                                  show_progress, source_key))
             built["tokens"] = True
         wait_for(folder / "meta.json")
-        meta = _meta(folder)
+        meta = json.loads((folder / "meta.json").read_text())
         samples = part_samples(data, part, meta["samples"], seed)
         rows_file = _rows_file(folder, data, meta, part if samples is not None else None, seed)
         if leader and not rows_file.exists():
@@ -169,10 +152,6 @@ def _rows_file(folder: Path, data: DataConfig, meta: dict, part: str | None, see
     if part is not None:
         key += [part, data.eval_fraction, seed]
     return folder / f"rows-{digest(key)}.npz"
-
-
-def _meta(folder: Path) -> dict:
-    return json.loads((folder / "meta.json").read_text())
 
 
 def _open_stream(folder: Path, meta: dict) -> TokenStream:
@@ -313,7 +292,8 @@ def _mode_text(mode: str) -> str:
 
 def _long_text(rows: PackedRows) -> str:
     plan, info = rows.plan, rows.info
-    where = _where(Path(info["cache"]), plan.first_long)
+    with open(Path(info["cache"]) / "wheres.txt", encoding="utf-8") as handle:
+        where = next(islice(handle, plan.first_long, None), "?").rstrip("\n")
     what = {"split": "continue in the next row", "drop": "were left out",
             "truncate_left": f"keep their last {rows.seq_len:,} tokens",
             "truncate_right": f"keep their first {rows.seq_len:,} tokens"}[info["long_samples"]]
@@ -322,12 +302,6 @@ def _long_text(rows: PackedRows) -> str:
     return (f"long samples: {plan.long:,} longer than {rows.seq_len:,} tokens {what}{extra} "
             f"(longest {info.get('part_longest', info['longest']):,}; first at {where}; "
             f"data.long_samples)")
-
-
-def _where(folder: Path, index: int) -> str:
-    with open(folder / "wheres.txt", encoding="utf-8") as handle:
-        line = next(islice(handle, index, None), "?")
-    return line.rstrip("\n")
 
 
 def default_cache_dir() -> Path:
@@ -344,11 +318,7 @@ def digest(parts: Any) -> str:
 
 @contextlib.contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` inside the block.
-
-    Raises:
-        DataError: the folder cannot be written.
-    """
+    """Hold an exclusive ``flock`` on ``lock_path`` inside the block (DataError: unwritable)."""
     try:
         lock_path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(lock_path, "a+")

@@ -53,11 +53,7 @@ class ByteTokenizer:
                     ) -> tuple[list[int], list[bool]]:
         """Token ids of a conversation and which of them are the assistant's: ``<bos>``, then
         per message ``<|ROLE|>\\n`` + content + (``<eos>`` for the assistant, else ``\\n``);
-        ``add_generation_prompt`` appends ``<|assistant|>\\n``.
-
-        Raises:
-            ValueError: a message without a string ``role`` and ``content``.
-        """
+        ``add_generation_prompt`` appends ``<|assistant|>\\n``."""
         ids, assistant = [self.bos_token_id], [False]
         for message in messages:
             role, content = (message.get("role"), message.get("content")) if isinstance(
@@ -112,13 +108,8 @@ BUILTIN = {"bytes": ByteTokenizer, "byte-pairs": BytePairTokenizer}
 
 
 def load_tokenizer(cfg: RecipeConfig, vocab_size: int | None = None) -> Any:
-    """The recipe's tokenizer, checked against the model's ``vocab_size`` when given.
-
-    Raises:
-        ConfigError: no usable model.path where its tokenizer is wanted, a hub name neither
-            the hub nor its cache can give, or more ids than the model has embeddings.
-        DataError: the tokenizer cannot be loaded.
-    """
+    """The recipe's tokenizer, checked against the model's ``vocab_size`` when given
+    (ConfigError: more ids than the model has embeddings; DataError: it cannot be loaded)."""
     name = cfg.data.tokenizer
     if name in BUILTIN:
         return BUILTIN[name]()

@@ -30,12 +30,8 @@ ATTENTION_NAME = "lctrain_eval"
 
 class KVShards:
     """The keys and values one rank keeps for decoding, per attention module, over the cp
-    ``group`` (None: one rank holds the whole prompt).
-
-    Attributes:
-        prompt: module -> (k, v), (B, Hkv, S_local, D): this rank's shard of the prompt.
-        tail: module -> (k, v), (B, Hkv, t, D): the generated tokens (attended to on cp rank 0).
-        decoding: False while the prompt runs (keys are recorded), True afterwards.
+    ``group`` (None: one rank holds the whole prompt): ``prompt`` (this rank's shard) and ``tail``
+    (the generated tokens), module -> (k, v) (B, Hkv, S, D); ``decoding`` once the prompt ran.
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -93,17 +89,9 @@ def eval_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                    value: torch.Tensor, attention_mask: torch.Tensor | None,
                    scaling: float | None = None, dropout: float = 0.0,
                    **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function of evaluated models (see the module docstring).
-
-    Args:
-        module, query, key, value, attention_mask, scaling, dropout: as
-            `lctrain.model.attention.lctrain_attention`.
-        **kwargs: ``cp_context`` as there; ``lctrain_kv`` (a `KVShards`) in a prefill that
-            keeps its keys and values, or in a decoding step.
-
-    Returns:
-        (out (B, S_local, Hq, D), None).
-    """
+    """transformers attention function of evaluated models: `lctrain_attention`, and with
+    ``lctrain_kv`` (a `KVShards`) a prefill that keeps its keys and values, or a decoding step.
+    Returns (out (B, S_local, Hq, D), None)."""
     kv: KVShards | None = kwargs.get("lctrain_kv")
     if kv is not None and kv.decoding:  # the prefill already checked what this layer asks for
         return kv.attend(module, query, key, value, scaling), None
@@ -124,17 +112,9 @@ def register_eval_attention() -> str:
 
 
 def pick_token(logits: torch.Tensor, group: Any, vocab: int | None = None) -> torch.Tensor:
-    """Greedy next tokens, the same on every rank of ``group``: cp rank 0's argmax.
-
-    Args:
-        logits: (B, V) float32 next-token logits (identical on every rank by construction).
-        group: the cp group, or None.
-        vocab: pick among the first ``vocab`` ids only (a tokenizer smaller than the model's
-            embedding cannot write the others); None: all V.
-
-    Returns:
-        (B, 1) int64 token ids.
-    """
+    """Greedy next tokens (B, 1) from (B, V) logits, the same on every rank of ``group``: cp
+    rank 0's argmax among the first ``vocab`` ids (a tokenizer smaller than the model's
+    embedding cannot write the others; None: all V)."""
     token = logits[:, :vocab].argmax(dim=-1, keepdim=True)  # (B, 1)
     if group is not None and dist.get_world_size(group) > 1:
         dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
@@ -144,19 +124,9 @@ def pick_token(logits: torch.Tensor, group: Any, vocab: int | None = None) -> to
 def generate(module: torch.nn.Module, prompt: list[int], steps: int, *, cp, accelerator,
              keep_logits: bool = False, vocab: int | None = None
              ) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy continuation of ``prompt`` by ``steps`` tokens (collective over the cp group).
-
-    Args:
-        module: the distributed `lctrain.eval.model.EvalModel`.
-        prompt: the prompt's token ids; its length must suit the cp layout.
-        steps: tokens to generate (≥ 1).
-        cp: the run's `lctrain.parallel.context.ContextParallel`.
-        accelerator: autocast.
-        keep_logits: also return the logits of every step (float32 on the host).
-        vocab: generate only ids below this (the tokenizer's size; see `pick_token`).
-
-    Returns:
-        (generated ids, per-step (V,) logits or an empty list).
+    """Greedy continuation of ``prompt`` (a length that suits the cp layout) by ``steps`` ≥ 1
+    tokens of ids below ``vocab``, by the distributed `EvalModel` ``module`` (collective over
+    the cp group). Returns (generated ids, per-step (V,) float32 host logits if ``keep_logits``).
     """
     from lctrain.data import PackedBatch
 

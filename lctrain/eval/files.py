@@ -11,11 +11,8 @@ from lctrain.report.output import say, show
 
 
 def eval_results(files: list[str]) -> list:
-    """The evaluation results among ``files``, loaded; [] when none is one.
-
-    Raises:
-        UserError: evaluation and bench results mixed (they share no table).
-    """
+    """The evaluation results among ``files``, loaded; [] when none is one (UserError: mixed
+    with bench results, which share no table)."""
     marked = [_is_eval(path) for path in files]
     if not any(marked):
         return []
@@ -28,11 +25,7 @@ def eval_results(files: list[str]) -> list:
 
 def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_file, plot
                       ) -> None:
-    """Print each evaluation's table in ``fmt``; ``--plot`` draws a single one.
-
-    Raises:
-        UserError: --rows or --json (bench-only options), or --plot with several files.
-    """
+    """Print each evaluation's table in ``fmt``; ``--plot`` draws a single one."""
     if rows or json_file is not None:
         raise UserError("--rows and --json merge bench results; an lctrain eval result is "
                         "shown as it is (use the file itself for its JSON)")

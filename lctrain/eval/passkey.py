@@ -45,11 +45,8 @@ class PasskeyPrompt:
 
 
 def passkey_prompt(tokenizer: Any, length: int, depth: float, passkey: str) -> PasskeyPrompt:
-    """The test prompt of ``length`` tokens with ``passkey`` hidden at ``depth``.
-
-    Raises:
-        UserError: ``length`` too short for the fixed text, or ``depth`` outside [0, 1].
-    """
+    """The test prompt of ``length`` tokens with ``passkey`` hidden at ``depth`` (UserError:
+    ``length`` too short for the fixed text, or ``depth`` outside [0, 1])."""
     if not 0.0 <= depth <= 1.0:
         raise UserError(f"passkey depth {depth:g} is outside [0, 1]; give depths such as "
                         f"0,0.25,0.5,0.75,1")

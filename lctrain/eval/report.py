@@ -42,11 +42,7 @@ class EvalResult:
 
 
 def load(path: str | Path) -> EvalResult:
-    """Read a result file.
-
-    Raises:
-        UserError: missing, not JSON, or not an evaluation result.
-    """
+    """Read a result file (UserError: missing, not JSON, or not an evaluation result)."""
     target = Path(path).expanduser()
     try:
         data = json.loads(target.read_text(encoding="utf-8"))
@@ -120,11 +116,7 @@ def table(result: EvalResult) -> Table:
 
 
 def plot(result: EvalResult, path: str | Path) -> Path:
-    """Draw the result into ``path``.
-
-    Raises:
-        UserError: nothing to plot, or matplotlib missing.
-    """
+    """Draw the result into ``path`` (UserError: nothing to plot, or matplotlib missing)."""
     return (_plot_ppl if result.task == "ppl" else _plot_passkey)(result, path)
 
 

@@ -61,13 +61,8 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
             lengths: list[int] | None = None, depths: list[float] | None = None,
             trials: int | None = None, seed: int | None = None
             ) -> tuple[RecipeConfig, EvalRequest]:
-    """The recipe and request of ``lctrain eval TARGET``; None means not given.
-
-    Raises:
-        UserError: no such target, ``--step`` for a target that is not a run, no checkpoint
-            (of that step), a bad override, length, depth or data source, or an option of the
-            other task.
-    """
+    """The recipe and request of ``lctrain eval TARGET``; None means not given (UserError:
+    a target, step, override, length, depth or data source that cannot be evaluated)."""
     if task not in ("ppl", "passkey"):
         raise UserError(f"--task {task!r} is not one of ppl, passkey")
     _check_task_options(task, {"--bucket": bucket, "--max-rows": max_rows, "--data": data},
@@ -207,4 +202,3 @@ def _build(raw: dict, source: str, task: str) -> RecipeConfig:
     if task == "ppl":  # passkey prompts are generated: the data may be gone
         local_data(cfg.data.source)
     return cfg
-

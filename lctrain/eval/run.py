@@ -52,11 +52,8 @@ WORKER_MODULE = "lctrain.eval"  # what each self-launched rank runs
 
 
 class EvalModel(nn.Module):
-    """decoder → final hidden states → per-position loss sums, or next-token logits.
-
-    ``chunk_tokens`` bounds the logits held at once; ``kernel`` (the training loss's fused
-    kernel switch) is not used.
-    """
+    """decoder → final hidden states → per-position loss sums, or next-token logits;
+    ``chunk_tokens`` bounds the logits held at once (``kernel``, the loss's switch, is unused)."""
 
     def __init__(self, model: nn.Module, chunk_tokens: int, kernel: bool = False) -> None:
         super().__init__()
@@ -66,18 +63,9 @@ class EvalModel(nn.Module):
                 cp_context: CPContext | None = None, labels: torch.Tensor | None = None,
                 width: int = 1, buckets: int = 1, kv=None, at: int | None = None
                 ) -> torch.Tensor:
-        """Loss sums per position bucket (with ``labels``), or the logits after global
-        position ``at``.
-
-        Args:
-            input_ids, position_ids: (B, S_local) this rank's shard, global position ids.
-            labels: (B, S_local) shifted labels; width, buckets: the position buckets.
-            kv: a `lctrain.eval.decode.KVShards` that keeps or uses this rank's keys and values.
-
-        Returns:
-            (2, buckets) float64 sums and counts; or (B, V) float32 logits (zeros on a rank
-            without position ``at``).
-        """
+        """(2, buckets) float64 loss sums and counts per position bucket of this rank's
+        (B, S_local) shard with ``labels``; else the (B, V) float32 logits after global position
+        ``at`` (zeros on a rank without it). ``kv``: a `KVShards` keeping or using keys."""
         extra = {} if kv is None else {"lctrain_kv": kv}
         hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                           use_cache=False, cp_context=cp_context, **extra
@@ -98,11 +86,8 @@ class EvalModel(nn.Module):
 
 
 def load_weights(module: nn.Module, checkpoint: str | Path) -> None:
-    """Load a checkpoint folder's model weights into the distributed `EvalModel` (every rank).
-
-    Raises:
-        UserError: the checkpoint does not hold this model's weights.
-    """
+    """Load a checkpoint folder's model weights into the distributed `EvalModel` (every rank);
+    UserError when it does not hold this model's weights."""
     state = get_model_state_dict(module)
     try:
         dcp.load({"model": state}, checkpoint_id=str(checkpoint))
@@ -117,11 +102,8 @@ def load_weights(module: nn.Module, checkpoint: str | Path) -> None:
 def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = None
              ) -> EvalResult | None:
     """Run ``request`` on every rank ``cfg`` asks for (``nproc``: default every GPU, or cp
-    processes on a CPU); the result, None on ranks other than 0 of a torchrun job.
-
-    Raises:
-        UserError: the ranks cannot start, or a rank failed (the message names its log).
-    """
+    processes on a CPU); the result, None on ranks other than 0 of a torchrun job. UserError
+    when the ranks cannot start or one failed (the message names its log)."""
     if request.task == "passkey":  # a length too short for the fixed text, before any rank
         passkey_prompt(load_tokenizer(cfg), min(request.lengths), 0.0, "12345")
     scratch = Path(tempfile.mkdtemp(prefix="lctrain-eval-"))
@@ -161,12 +143,7 @@ def worker_entry(argv: list[str] | None = None) -> int:
 
 
 def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest) -> int:
-    """This rank's part of an evaluation; returns 0.
-
-    Raises:
-        UserError: the checkpoint does not fit the model, bad data, a length the layout
-            cannot cut, ...
-    """
+    """This rank's part of an evaluation; returns 0."""
     del resume  # an evaluation has nothing to resume
     with rank.worker_process(cfg) as accelerator:
         device = accelerator.device

@@ -42,18 +42,9 @@ class ExportResult:
 def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = None,
                dtype: str | None = None, merge: bool = False,
                replace: bool = False) -> ExportResult:
-    """Export one checkpoint of a finished (or running) training run.
-
-    Args:
-        run_dir: the run's ``train.output_dir``. output: new or empty unless ``replace``.
-        step: the checkpoint's step (default: the newest).
-        dtype: one of DTYPES (default: ``model.dtype``, so nothing is rounded unless asked).
-        merge: for a LoRA run, merge the adapters into the base weights.
-
-    Raises:
-        UserError: no such run or checkpoint, an output that is not empty or not writable,
-            ``merge`` without LoRA, another dtype, or a checkpoint unlike the run's recipe.
-    """
+    """Export the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` into
+    ``output`` (new or empty unless ``replace``), in one of DTYPES (default ``model.dtype``:
+    nothing rounded unless asked); ``merge``: a LoRA run's adapters into the base weights."""
     run = Path(run_dir).expanduser()
     cfg = run_config(run)
     step, checkpoint = find_checkpoint(run / "checkpoints", step)
@@ -144,11 +135,8 @@ def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: tor
 
 
 def trained_model(cfg: RecipeConfig, checkpoint: Path) -> nn.Module:
-    """The model of ``checkpoint`` (a peft model for a LoRA run) on the CPU, in its saved dtype.
-
-    Raises:
-        UserError: the model cannot be built, or the checkpoint does not match it.
-    """
+    """The model of ``checkpoint`` (a peft model for a LoRA run) on the CPU, in its saved dtype
+    (UserError: the checkpoint does not match the recipe's model)."""
     model = skeleton(cfg)
     state = model.state_dict(keep_vars=True)
     weights = read_model_weights(checkpoint, list(state))

@@ -62,11 +62,7 @@ def write_base(base: nn.Module, weights: dict[str, torch.Tensor], folder: Path,
 @contextlib.contextmanager
 def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
     """Yield a fresh folder beside ``output``; move it to ``output`` at the end. On an error
-    the staged folder and the parents made for it are deleted, ``output`` left as it was.
-
-    Raises:
-        UserError: the staged folder cannot be made or moved into place.
-    """
+    the staged folder and the parents made for it are deleted, ``output`` left as it was."""
     made = [folder for folder in (output.parent, *output.parent.parents) if not folder.exists()]
     staging = output.parent / f".{output.name}.export-tmp"
     try:
@@ -143,11 +139,7 @@ def byte_tokenizer_fast():
 
 def run_tokenizer(cfg: RecipeConfig) -> tuple[Any, bool]:
     """(the run's tokenizer as a transformers one, whether it stands in for the byte
-    tokenizer); None for ``byte-pairs``, which none reproduces.
-
-    Raises:
-        DataError: the run's tokenizer cannot be loaded any more.
-    """
+    tokenizer); None for ``byte-pairs``, which none reproduces."""
     tokenizer = load_tokenizer(cfg)
     if isinstance(tokenizer, BytePairTokenizer):
         return None, False

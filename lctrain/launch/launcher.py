@@ -39,11 +39,8 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
     """Run ``worker`` on every rank the recipe needs; returns the exit code (0 on success).
     Self-launched ranks (``nproc``, default `default_nproc`) run ``python -m MODULE --config
     ... ARGS``, even a single one with ``own_process`` (so a benchmark's runs share nothing).
-
-    Raises:
-        UserError: the output folder is in use, a check before start failed, or a rank
-            failed, died or hung.
-    """
+    UserError: the output folder is in use, a check before start failed, or a rank failed,
+    died or hung."""
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ:  # torchrun, accelerate launch
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's child: die with it
             die_with_parent()
@@ -58,7 +55,6 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
         return spawn_workers(cfg, nproc=n, resume=resume, module=module, args=args)
 
 
-
 def default_nproc(cfg: RecipeConfig) -> int:
     """All local GPUs on a CUDA machine; parallel.cp processes on a CPU-only one."""
     if torch.cuda.is_available():
@@ -67,12 +63,8 @@ def default_nproc(cfg: RecipeConfig) -> int:
 
 
 def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool) -> None:
-    """What can fail before any process starts, on a machine running ``nproc`` of them.
-
-    Raises:
-        UserError: the output folder or its checkpoints do not suit ``resume``, cp does not
-            divide ``nproc``, or the run would not fit in this machine's memory.
-    """
+    """What can fail (UserError) before any process starts, on a machine running ``nproc`` of
+    them: the output folder, cp, this machine's memory."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_run_folder(cfg, resume=resume)
     check_parallel_sizes(nproc, cfg.parallel.cp)
@@ -87,14 +79,8 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
                   args: tuple[str, ...] = ()) -> int:
     """Run ``nproc`` local ranks of ``python -m MODULE ... ARGS`` through torch.distributed.run,
     watched until they end; the recipe (checked by its SHA-256) and the file stores live in a
-    private temporary folder.
-
-    Returns:
-        0, 128 + the signal when a stop signal ended the run, or 1 for a bug in a rank.
-
-    Raises:
-        UserError: a rank's UserError, a rank killed by a signal, or a hang.
-    """
+    private temporary folder. Returns 0, 128 + the signal when a stop signal ended the run, or 1
+    for a bug in a rank; UserError: a rank's UserError, a rank killed by a signal, or a hang."""
     folder = launch_dir(cfg)
     errors, failures, log = folder / "errors", folder / "failures.json", folder / "workers.log"
     for stale in (errors, heartbeat_dir(cfg.train.output_dir)):

@@ -109,12 +109,7 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock.
-
-        Raises:
-            UserError: another live process holds it (the message names the folder and it), or
-                the folder cannot be written.
-        """
+        """Take the lock (UserError: another live process holds it, or an unwritable folder)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

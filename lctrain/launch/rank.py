@@ -49,11 +49,7 @@ def launch_dir(cfg: RecipeConfig) -> Path:
 
 
 def read_recipe(path: str, sha256: str | None) -> RecipeConfig:
-    """The recipe the launcher wrote, read once and checked against its SHA-256.
-
-    Raises:
-        UserError: the file changed since the launcher wrote it, or is not a valid recipe.
-    """
+    """The recipe the launcher wrote, read once and checked against its SHA-256 (UserError)."""
     data = Path(path).read_bytes()
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise UserError(f"the recipe {path} changed after the launcher wrote it; start the run "
@@ -129,12 +125,7 @@ def _init_group_from_file(store: str, cfg: RecipeConfig) -> None:
 def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     """This process as one rank of the run for the duration of the block; yields the
     `Accelerator` (device, mixed precision, autocast). The process group is the caller's, else
-    accelerate's from the launcher's environment, else a one-rank group made here.
-
-    Raises:
-        UserError: accelerate was set up to shard the model itself, or parked layers would pin
-            more host memory than this machine has.
-    """
+    accelerate's from the launcher's environment, else a one-rank group made here."""
     cuda = torch.cuda.is_available()
     own_group = not dist.is_initialized()
     if cuda:
@@ -161,11 +152,8 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
 
 
 def check_accelerate_mode(mode: DistributedType) -> None:
-    """Refuse accelerate's own model sharding: lctrain shards the model itself (FSDP2).
-
-    Raises:
-        UserError: accelerate was set up for FSDP, DeepSpeed or Megatron-LM.
-    """
+    """Refuse (UserError) accelerate's FSDP, DeepSpeed or Megatron-LM: lctrain shards the model
+    itself (FSDP2)."""
     if mode in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         raise UserError(f"accelerate is set up for {mode.value} (an accelerate launch option or "
                         "its config file), but lctrain shards the model itself with FSDP2 "

@@ -150,11 +150,8 @@ def last_completed_step(output_dir: Path) -> int | None:
 def report(supervisor: Supervisor, *, launch_dir: Path, failures: Path, log: Path,
            checkpoint_hint: str) -> int:
     """Say why the ranks ended (after `Supervisor.wait`); returns the launcher's exit code.
-    ``checkpoint_hint`` is a clause: where the last checkpoint is and how to resume.
-
-    Raises:
-        UserError: a rank's error, a hang, or a rank killed by a signal, as one sentence.
-    """
+    ``checkpoint_hint`` is a clause: where the last checkpoint is and how to resume. A rank's
+    error, a hang, or a rank killed by a signal is a one-sentence UserError."""
     code = supervisor.agent.returncode
     if code == 0:
         return 0

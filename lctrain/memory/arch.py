@@ -20,7 +20,6 @@ _QKV_BIAS = {"qwen2"}
 """model_types whose q/k/v projections always carry a bias (no config flag for it)."""
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class Architecture:
     """A dense decoder's shapes, and which of lctrain's modules run (each keeping less)."""

@@ -22,16 +22,10 @@ ATTENTION_NAME = "lctrain"
 
 @dataclass(frozen=True)
 class CPContext:
-    """How one forward call's attention is distributed.
-
-    Attributes:
-        group: the context-parallel process group (None or size 1: local attention).
-        cu_seqlens: GLOBAL document bounds (0, ..., seq_len), the same on every rank; None: one
-            causal sequence per row.
-        schedule: the distributed schedule; the shards are in its layout.
-        backend: local attention backend name ("auto", "reference", "triton", ...).
-        head_groups: heads run in this many groups one after the other (bounds the buffers).
-    """
+    """How one forward call's attention is distributed: the cp ``group`` (None or size 1:
+    local), the GLOBAL document bounds (0, ..., seq_len) on every rank (None: one causal sequence
+    per row), the schedule whose layout the shards are in, the local backend, and the head groups
+    run one after the other (bounding the buffers)."""
 
     group: Any = None
     cu_seqlens: Any = None
@@ -44,22 +38,10 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function backed by lctrain_kernels.
-
-    Args:
-        module: the calling attention module (checked for unsupported features).
-        query: (B, Hq, S_local, D); key, value: (B, Hkv, S_local, D); RoPE applied.
-        attention_mask: must be None (causality and documents come from the kernel).
-        scaling: softmax scale (default 1/sqrt(D)); dropout: must be 0.
-        **kwargs: ``cp_context`` (a `CPContext`) when the call is distributed or has documents.
-
-    Returns:
-        (out (B, S_local, Hq, D), None).
-
-    Raises:
-        ConfigError: the call asks for more than exact causal attention
-            (`lctrain.model.features` names the setting).
-    """
+    """transformers attention function backed by lctrain_kernels: query (B, Hq, S_local, D),
+    key and value (B, Hkv, S_local, D) after RoPE, no mask, no dropout, ``cp_context`` when the
+    call is distributed or has documents; returns (out (B, S_local, Hq, D), None). A call that
+    asks for more than exact causal attention is a ConfigError naming the setting."""
     import lctrain_kernels
 
     query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout,
@@ -85,17 +67,11 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def checked_inputs(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
                    kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Refuse what lctrain's attention cannot honour (ConfigError), then bring q, k, v to the
-    one dtype attention computes in."""
+    """Refuse what lctrain's attention cannot honour (ConfigError), then bring q, k, v to one
+    dtype: the autocast dtype under autocast (as autocast does to SDPA: RoPE's float32 tables
+    make q and k float32 there), else their promoted dtype."""
     check_attention_call(module, query, value, attention_mask, dropout, kwargs,
                          global_len(query.shape[2], kwargs.get("cp_context")))
-    return _one_dtype(query, key, value)
-
-
-def _one_dtype(query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v in the autocast dtype under autocast (as autocast does to SDPA: RoPE's float32
-    tables make q and k float32 there), else in their promoted dtype."""
     device = query.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)

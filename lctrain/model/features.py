@@ -23,11 +23,8 @@ _LOGIT_SCALES = ("logit_scale", "logits_scaling")  # Cohere, Granite
 
 def check_model_config(config: Any, *, seq_len: int | None = None, cp: int = 1) -> list[str]:
     """Refuse what lctrain cannot train exactly at ``seq_len`` (None: no length checks) over
-    ``cp`` ranks; return warnings, one sentence each.
-
-    Raises:
-        ConfigError: one sentence naming the setting, its value and the fix.
-    """
+    ``cp`` ranks (a ConfigError naming the setting, its value and the fix); return warnings,
+    one sentence each."""
     _check_architecture(config)
     for key, value in _items(config.to_dict()):
         _check_setting(key, value)
@@ -37,13 +34,9 @@ def check_model_config(config: Any, *, seq_len: int | None = None, cp: int = 1) 
 
 def check_attention_call(module: Any, query: Any, value: Any, attention_mask: Any,
                          dropout: float, kwargs: dict[str, Any], global_len: int) -> None:
-    """Raise ConfigError when one attention call asks for more than exact causal attention.
-
-    Args:
-        module: the calling attention module. query, value: (B, Hq, S, D) and (B, Hkv, S, Dv).
-        attention_mask: must be None (lctrain builds its own mask).
-        kwargs: the call's other keyword arguments. global_len: tokens of the whole sequence.
-    """
+    """Raise ConfigError when one attention call of ``module`` (query (B, Hq, S, D), value
+    (B, Hkv, S, Dv), ``kwargs`` its other keywords, ``global_len`` tokens in all) asks for more
+    than exact causal attention."""
     config = getattr(module, "config", None)
     if dropout:
         key = _key_with_value(config, _ATTENTION_DROPOUT, dropout)

@@ -61,16 +61,11 @@ def fuse_rms_norms(model: nn.Module) -> int:
     return switch_classes(model, _FusedNorm, lambda m: type(m).__name__ in NORM_CLASSES)
 
 
-def fusable_mlp(module: nn.Module) -> bool:
-    """Whether ``module`` is one of :data:`MLP_CLASSES` with a SiLU activation."""
-    return (type(module).__name__ in MLP_CLASSES
-            and type(getattr(module, "act_fn", None)).__name__ in SILU_CLASSES)
-
-
 def fuse_mlps(model: nn.Module) -> int:
-    """Give every MLP of ``model`` that :func:`fusable_mlp` accepts the fused forward, in place;
-    returns how many MLPs have it."""
-    return switch_classes(model, _FusedMLP, fusable_mlp)
+    """Give every MLP of ``model`` in :data:`MLP_CLASSES` with a SiLU activation the fused
+    forward, in place; returns how many MLPs have it."""
+    return switch_classes(model, _FusedMLP, lambda m: type(m).__name__ in MLP_CLASSES
+                          and type(getattr(m, "act_fn", None)).__name__ in SILU_CLASSES)
 
 
 def fuse_rope(model_type: str) -> bool:

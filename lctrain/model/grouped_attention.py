@@ -36,17 +36,8 @@ def apply_grouped_attention(model: nn.Module, head_groups: int, fused_rope: bool
                             defer_norm: bool = True) -> int:
     """Run every supported attention module of ``model`` (with ``defer_norm``, the norm before
     it too: `lctrain.model.deferred_norm`) in ``head_groups`` groups, in place. Calling it again
-    replaces the group count; fewer than 2 groups unwraps.
-
-    Args:
-        model: a transformers causal LM built with lctrain's attention.
-        head_groups: groups of heads (a divisor of the key/value heads); < 2: off.
-        fused_rope: rotate with the RoPE kernel (CUDA tensors).
-        defer_norm: the layer's ``input_layernorm`` runs inside the block.
-
-    Returns:
-        The number of attention modules wrapped.
-    """
+    replaces the group count; fewer than 2 groups unwraps. ``fused_rope``: rotate with the
+    RoPE kernel (CUDA tensors). Returns the number of attention modules wrapped."""
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     wrapped = 0
     for layer in decoder_layers(model):

@@ -31,19 +31,10 @@ def load_model(source: str | None, *, config: dict[str, Any] | None, seed: int,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                attn_implementation: str | None = None, trust_remote_code: bool = False,
                seq_len: int | None = None, cp: int = 1) -> torch.nn.Module:
-    """Load or build an AutoModelForCausalLM, in train mode with ``config.use_cache = False``.
-
-    Args:
-        source: a local model folder or a hub name; None to build from ``config``.
-        config: overrides of the source's config, or the whole config of a random init.
-        seed: seed of the random initialisation (identical on every rank).
-        attn_implementation: defaults to the registered "lctrain" attention.
-        seq_len, cp: the row length and cp ranks to check windows and positions against.
-
-    Raises:
-        UserError: no usable source or config, a folder without weights, a hub name that
-            cannot be fetched, or a model feature lctrain cannot train exactly.
-    """
+    """Load ``source`` (a model folder or hub name) with ``config`` overrides, or build a random
+    init of ``seed`` from ``config`` alone, as an AutoModelForCausalLM in train mode without a
+    cache (attention: "lctrain" by default); windows and positions are checked against
+    ``seq_len`` over ``cp`` ranks. UserError: a model lctrain cannot load or train exactly."""
     from transformers import AutoModelForCausalLM
 
     attn = attn_implementation or register_attention()
@@ -64,12 +55,8 @@ def load_model(source: str | None, *, config: dict[str, Any] | None, seed: int,
 
 
 def check_model(cfg: Any) -> list[str]:
-    """Check a recipe's model (config, features, weights present) before any weight loads;
-    return warnings, one sentence each.
-
-    Raises:
-        UserError: what `load_model` would raise for this recipe, short of loading weights.
-    """
+    """Check a recipe's model (config, features, weights present) before any weight loads, as
+    `load_model` would; return warnings, one sentence each."""
     model = cfg.model
     hf_config = resolve_config(model.path, model.config, trust_remote_code=model.trust_remote_code)
     warnings = check_model_config(hf_config, seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
@@ -121,12 +108,8 @@ def load_tokenizer(cfg: Any) -> Any:
 def resolve_config(path: str | None, overrides: dict[str, Any] | None, *,
                    trust_remote_code: bool = False) -> Any:
     """The transformers config of model ``path`` (None: a random init from ``overrides``)
-    with the recipe's ``overrides`` on top.
-
-    Raises:
-        UserError: no model, an unreadable folder, an unknown model type, an invalid config,
-            or overrides that change the folder's model type or weights.
-    """
+    with the recipe's ``overrides`` on top (UserError: no model, an unreadable or invalid one,
+    or overrides that change the folder's model type or weights)."""
     fields = fold_rope_spellings(dict(overrides or {}), where="model.config")
     if path is None:
         return _random_init_config(fields)
@@ -154,11 +137,7 @@ def fold_rope_spellings(fields: dict[str, Any], *, where: str,
                         strict: bool = True) -> dict[str, Any]:
     """``fields`` with ``rope_theta`` / ``rope_scaling`` folded into ``rope_parameters``
     (``rope_scaling: null`` is ``rope_type: default``); where both spellings set a key,
-    ``rope_parameters`` wins.
-
-    Raises:
-        ConfigError: ``strict`` and two spellings give one setting different values.
-    """
+    ``rope_parameters`` wins (``strict``: ConfigError when they disagree)."""
     fields = dict(fields)
     has_scaling, has_theta = "rope_scaling" in fields, "rope_theta" in fields
     if not (has_scaling or has_theta):

@@ -24,15 +24,8 @@ ADAPTER_NAME = "default"  # peft's name of the one adapter, in parameter names
 
 def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int) -> nn.Module:
     """Wrap ``model`` (any device, also ``meta``) with LoRA adapters as ``lora`` says,
-    initialised from ``seed`` without disturbing the global random state.
-
-    Returns:
-        The peft ``PeftModelForCausalLM`` around ``model``.
-
-    Raises:
-        ConfigError: a module name that matches nothing, or a module that cannot be adapted or
-            trained in full.
-    """
+    initialised from ``seed`` without disturbing the global random state: the peft
+    ``PeftModelForCausalLM`` around it (ConfigError: as `resolve_modules`)."""
     import peft
 
     targets, trainable = resolve_modules(model, lora)
@@ -52,16 +45,9 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int) -> nn.Module:
 
 def resolve_modules(model: nn.Module, lora: LoraConfig) -> tuple[list[str], list[str]]:
     """Check the recipe's module names against ``model`` (a name matches a qualified name
-    equal to it or ending in ``.name``) and resolve them for peft.
-
-    Returns:
-        (peft's ``target_modules``, the qualified names for ``modules_to_save``).
-
-    Raises:
-        ConfigError: a name matches no module; a target is not linear; either list reaches the
-            output head; a trainable module holds an adapted layer, is a container, or is the
-            embedding tied to the head.
-    """
+    equal to it or ending in ``.name``) and resolve them for peft: (``target_modules``, the
+    qualified names for ``modules_to_save``). ConfigError: a name matches no module, a target is
+    not linear, the output head, or a trainable module that cannot be trained in full."""
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
     linear = _decoder_linear_names(model)

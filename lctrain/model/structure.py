@@ -12,12 +12,8 @@ def decoder_layer_slots(model: nn.Module) -> list[tuple[nn.ModuleList, int]]:
     ``container[index]`` replaces the layer.
 
     Looked for in ``get_decoder().layers`` (``num_hidden_layers`` of them), then the classes of
-    ``_no_split_modules``, then the largest list of identical blocks; wrappers count as the
-    block they wrap.
-
-    Raises:
-        UserError: no list of repeated blocks found.
-    """
+    ``_no_split_modules``, then the largest list of identical blocks (UserError: none);
+    wrappers count as the block they wrap."""
     count = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     get_decoder = getattr(model, "get_decoder", None)
     layers = getattr(get_decoder(), "layers", None) if count is not None and get_decoder else None

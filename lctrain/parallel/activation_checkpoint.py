@@ -32,16 +32,13 @@ def is_attention_forward(func) -> bool:
     return op_name(func) in ATTENTION_FORWARD_OPS
 
 
-def remat_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpointing policy: keep attention forwards, recompute everything else."""
-    if is_attention_forward(func):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def remat_contexts():
-    """`context_fn` for `torch.utils.checkpoint.checkpoint` implementing ``remat``."""
-    return create_selective_checkpoint_contexts(remat_policy)
+    """`context_fn` for `torch.utils.checkpoint.checkpoint` implementing ``remat``: keep
+    attention forwards, recompute everything else."""
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        return (CheckpointPolicy.MUST_SAVE if is_attention_forward(func)
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_checkpointing(model: nn.Module, layers: LayerPlan | str, *,

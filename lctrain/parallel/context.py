@@ -25,25 +25,14 @@ from lctrain.parallel.mesh import ParallelMesh
 
 
 class ContextParallel:
-    """How one rank holds and attends over its part of every sequence.
+    """How one rank holds and attends over its part of every sequence: the mesh's cp group
+    carries the attention's transfers; heads run in ``head_groups`` one after the other;
+    ``balance`` (training) reorders each row's documents so the ranks' attention work is even.
 
-    Args:
-        mesh: the run's dp × cp mesh (its cp group carries the attention's transfers).
-        schedule: ``distflash`` or ``zigzag`` (or another of lctrain_kernels' schedules).
-        backend: the local attention backend ("auto", "triton", ...).
-        device: this rank's device (shards are moved there).
-        head_groups: attention heads run in this many groups one after the other.
-        balance: reorder each row's documents so the ranks' attention work is even (cp > 1,
-            rows of several documents; `lctrain.data.reorder_documents`); training does.
-
-    Attributes:
-        layout: how the schedule lays a sequence out over the cp ranks (``contiguous`` or
-            ``zigzag``); the data is cut in this layout.
-        work_balance: of the last batch :meth:`shard` cut (cp > 1, rows of documents; else
-            None): the busiest rank's attention work over the mean, after any reordering (1.0 is
-            even).
-        attention: the transformers attention function (``attn_implementation``) the model
-            must be built with, registered in transformers' AttentionInterface here.
+    ``layout`` is how the schedule lays a sequence out over the cp ranks (the data is cut so);
+    ``work_balance`` the busiest rank's attention work over the mean in the last batch
+    :meth:`shard` cut (None unless cp > 1 with documents); ``attention`` the
+    ``attn_implementation`` the model must be built with (registered here).
     """
 
     def __init__(self, mesh: ParallelMesh, schedule: str, backend: str, *,
@@ -55,15 +44,8 @@ class ContextParallel:
         self.attention = register_attention()
 
     def shard(self, batch: PackedBatch) -> PackedBatch:
-        """This rank's part of a global micro-batch along the sequence, on this rank's device.
-
-        Args:
-            batch: (B, S) global rows, labels shifted before the cut.
-
-        Returns:
-            (B, S / cp) tensors in the schedule's layout; position ids and ``cu_seqlens`` global
-            (of the balanced order, when the documents were reordered).
-        """
+        """This rank's (B, S / cp) part of a global (B, S) micro-batch in the schedule's layout,
+        on its device; position ids and ``cu_seqlens`` stay global (of any balanced order)."""
         self.work_balance = None
         if self.mesh.cp > 1 and batch.cu_seqlens is not None:
             seq, cp = int(batch.cu_seqlens[-1]), self.mesh.cp
@@ -82,11 +64,7 @@ class ContextParallel:
                          head_groups=self.head_groups)
 
     def check_model(self, config) -> None:
-        """Refuse head groups that do not divide the model's key/value heads.
-
-        Raises:
-            UserError: ``parallel.head_groups`` is not a divisor of the key/value heads.
-        """
+        """UserError when ``parallel.head_groups`` does not divide the model's key/value heads."""
         heads = getattr(config, "num_attention_heads", None)
         kv = getattr(config, "num_key_value_heads", None) or heads
         if isinstance(kv, int) and kv % self.head_groups:

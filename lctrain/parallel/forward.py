@@ -11,11 +11,9 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
-from lctrain.data import PackedBatch, PackedRows, eval_batches
+from lctrain.data import IGNORE, PackedBatch, PackedRows, eval_batches
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.mesh import ParallelMesh
-
-IGNORE = -100
 
 
 def forward_sums(call: Callable[[PackedBatch], torch.Tensor], batches: Iterable[PackedBatch], *,

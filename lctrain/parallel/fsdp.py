@@ -88,14 +88,9 @@ def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: De
         return Distributed(module, strategy, group, norm_device=norm_device)
     if not cuda:
         return Distributed(module, strategy, group, post_scale=float(world))
-    for unit in units:
-        _sum_gradients(unit)
+    for unit in units:  # sum gradients over the mesh instead of averaging them (NCCL)
+        if hasattr(unit, "set_gradient_divide_factor"):
+            unit.set_gradient_divide_factor(1.0)
+        else:  # torch releases before set_gradient_divide_factor
+            unit.set_reduce_scatter_divide_factor(1.0)
     return Distributed(module, strategy, group, norm_device=norm_device)
-
-
-def _sum_gradients(unit) -> None:
-    """Make an FSDP2 unit sum gradients over its mesh instead of averaging them (NCCL)."""
-    if hasattr(unit, "set_gradient_divide_factor"):
-        unit.set_gradient_divide_factor(1.0)
-    else:  # torch releases before set_gradient_divide_factor
-        unit.set_reduce_scatter_divide_factor(1.0)

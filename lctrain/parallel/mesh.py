@@ -28,16 +28,9 @@ from lctrain_kernels.distributed import nccl_options
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """The process layout of one run (every field is this rank's view).
-
-    Attributes:
-        dp, cp: sizes of the data- and context-parallel dimensions (dp · cp = world size).
-        dp_rank, cp_rank: this rank's coordinates.
-        mesh: the 2-D DeviceMesh with dim names ("dp", "cp"), or None in a 1-process run
-            without a process group.
-        world_mesh: 1-D DeviceMesh over all ranks (FSDP2's mesh), or None likewise.
-        device_type: "cuda" or "cpu".
-    """
+    """The process layout of one run as this rank sees it: sizes dp · cp = world size, this
+    rank's coordinates, the 2-D ("dp", "cp") ``mesh`` and the 1-D ``world_mesh`` (FSDP2's),
+    both None in a 1-process run without a process group."""
 
     dp: int
     cp: int
@@ -76,11 +69,7 @@ class ParallelMesh:
 
 
 def check_parallel_sizes(world_size: int, cp: int) -> tuple[int, int]:
-    """(dp, cp) for ``world_size`` processes: dp = world_size / cp.
-
-    Raises:
-        UserError: cp below 1, or a world size cp does not divide.
-    """
+    """(dp, cp) for ``world_size`` processes: dp = world_size / cp (UserError if it is not)."""
     if cp < 1:
         raise UserError(f"parallel.cp must be at least 1, got {cp}.")
     if world_size % cp:
@@ -92,21 +81,10 @@ def check_parallel_sizes(world_size: int, cp: int) -> tuple[int, int]:
 
 def build_mesh(cp: int, *, device_type: str = "cpu",
                timeout: timedelta | None = None) -> ParallelMesh:
-    """Build the dp × cp mesh over the default process group (dp = world size / cp).
-
-    Args:
-        cp: context-parallel size.
-        device_type: "cuda" (NCCL) or "cpu" (gloo).
-        timeout: the timeout of the dp and cp groups (None: torch's default, which a new group
-            takes whatever the default group's is); give the default group's.
-
-    Returns:
-        A `ParallelMesh`. Without an initialised process group (a plain 1-process run) the
-        meshes are None and every group is None.
-
-    Raises:
-        UserError: sizes that do not fit the world (see `check_parallel_sizes`).
-    """
+    """Build the dp × cp mesh over the default process group (dp = world size / cp), on
+    "cuda" (NCCL) or "cpu" (gloo); ``timeout``: the default group's, for the dp and cp groups
+    (None: torch's default, whatever the default group's is). Without a process group (a plain
+    1-process run) the meshes and groups are None."""
     if not dist.is_initialized():
         dp, cp = check_parallel_sizes(1, cp)
         return ParallelMesh(dp=dp, cp=cp, dp_rank=0, cp_rank=0, mesh=None, world_mesh=None,
@@ -120,7 +98,9 @@ def build_mesh(cp: int, *, device_type: str = "cpu",
         # NCCL makes a communicator lazily at a group's first operation; the attention's first
         # batched send/receive may leave a rank out (document pruning), so every rank of the cp
         # group joins one collective here first.
-        dist.all_reduce(torch.zeros(1, device=_group_device(device_type)), group=mesh.get_group("cp"))
+        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
+            else torch.device(device_type)
+        dist.all_reduce(torch.zeros(1, device=device), group=mesh.get_group("cp"))
     return ParallelMesh(dp=dp, cp=cp, dp_rank=mesh.get_local_rank("dp"),
                         cp_rank=mesh.get_local_rank("cp"), mesh=mesh, world_mesh=world_mesh,
                         device_type=device_type)
@@ -143,12 +123,6 @@ def _group_options(device_type: str, dp: int, cp: int, timeout: timedelta | None
         group._timeout = timeout
         options[name] = ("nccl" if cuda else "gloo", group)
     return options
-
-
-def _group_device(device_type: str) -> torch.device:
-    if device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device_type)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -12,11 +12,8 @@ FILE_TYPES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 def check_target(path: str | Path) -> Path:
-    """The plot file to write, checked before any work.
-
-    Raises:
-        UserError: matplotlib is not installed, or the file type is not one it writes.
-    """
+    """The plot file to write, checked before any work (UserError: matplotlib is missing, or
+    the file type is not one it writes)."""
     target = Path(path).expanduser()
     if target.suffix.lower() not in FILE_TYPES:
         raise UserError(f"--plot {path}: the file name must end in one of "

@@ -139,11 +139,8 @@ def summary(runs: list[Run]) -> Table:
 
 
 def plot_losses(runs: list[Run], path: str | Path) -> Path:
-    """Loss against step, one line per run (evaluation losses dashed).
-
-    Raises:
-        UserError: no run logged a loss, or matplotlib is missing.
-    """
+    """Loss against step, one line per run (evaluation losses dashed); UserError: no run
+    logged a loss, or matplotlib is missing."""
     curves = [(run, [(r["step"], r["loss"]) for r in run.records
                      if isinstance(r.get("loss"), (int, float))]) for run in runs]
     if not any(points for _, points in curves):

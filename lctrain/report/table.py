@@ -138,11 +138,7 @@ def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bo
     """The table as text in ``fmt`` ("table", "markdown" or "csv"), ending with a newline.
 
     ``wide`` shows every column; ``terminal`` fits a "table" to ``width`` (default 80) by
-    printing it in parts that each repeat the first two columns.
-
-    Raises:
-        ValueError: an unknown format.
-    """
+    printing it in parts that each repeat the first two columns."""
     if fmt == "csv":
         return _csv(table)
     cells = _cells(table, wide)

@@ -17,11 +17,7 @@ from lctrain.launch.lifetime import RunLock
 
 def finished_before_launch(cfg: RecipeConfig, *, resume: bool) -> bool:
     """On ``resume``, whether the run has trained all its steps, when ``train.max_steps`` alone
-    sets its length (else the runner asks `finished` once the data is prepared).
-
-    Raises:
-        UserError: the run folder cannot be resumed; as `finished`.
-    """
+    sets its length (else the runner asks `finished` once the data is prepared)."""
     t = cfg.train
     if not (resume and t.epochs is None and t.max_steps is not None):
         return False
@@ -33,11 +29,7 @@ def finished_before_launch(cfg: RecipeConfig, *, resume: bool) -> bool:
 
 def finished(cfg: RecipeConfig, steps: int, *, main: bool) -> bool:
     """Whether the run in ``train.output_dir`` has already trained its ``steps`` steps; if so,
-    rank 0 (``main``) says so in one sentence and writes ``final/`` if it must.
-
-    Raises:
-        UserError: the newest checkpoint is damaged; ``final/`` cannot be written.
-    """
+    rank 0 (``main``) says so in one sentence and writes ``final/`` if it must."""
     out = Path(cfg.train.output_dir)
     found = finished_checkpoint(out / "checkpoints", steps)
     if found is None:

@@ -16,15 +16,14 @@ from torch import nn
 
 from lctrain.data import PackedBatch
 from lctrain.model import CPContext
+from lctrain.model.flops import FlopModel
 from lctrain.model.structure import output_head
 from lctrain.parallel.activation_checkpoint import AttentionCounter
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed
-from lctrain.parallel.mesh import ParallelMesh
+from lctrain.parallel.mesh import ParallelMesh, peak_memory_bytes
 from lctrain.train.loss import chunked_cross_entropy
 from lctrain.train.memory_trace import trace_folder, traced_step
-from lctrain.model.flops import FlopModel
-from lctrain.parallel.mesh import peak_memory_bytes
 from lctrain.train.nonfinite import Diverged, NonFiniteSteps, Settled, poison_if_nonfinite
 from lctrain.train.step_profile import profile_folder, profiled_step
 
@@ -62,16 +61,11 @@ class CausalLMLoss(nn.Module):
                                           use_cache=False, cp_context=cp_context
                                           ).last_hidden_state  # (B, S_local, H)
         weight = output_head(self.model).weight  # (V, H)
-        dtype = _compute_dtype(hidden, weight)
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else weight.dtype
         return chunked_cross_entropy(hidden.to(dtype), weight.to(dtype), labels, self.chunk_tokens,
                                      kernel=self.kernel)
-
-
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
 
 
 @dataclass

@@ -20,7 +20,6 @@ from lctrain.data import (PackedRows, iter_batches, plan_steps, prepare_data, ro
                           steps_summary)
 from lctrain.errors import UserError
 from lctrain.launch import launcher, rank
-from lctrain.launch.launcher import default_nproc
 from lctrain.launch.stopping import StopRequest, control_group, stop_exit_code
 from lctrain.launch.watchdog import Watchdog, heartbeat_dir
 from lctrain.memory.host import available_host_bytes
@@ -42,7 +41,6 @@ from lctrain.train.metrics import Progress
 from lctrain.train.nonfinite import Diverged
 from lctrain.train.optim import LrPlan, build_optimizer
 from lctrain.train.tracking import Tracking, check_report_to
-
 
 
 def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = None,
@@ -77,7 +75,7 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
                          control=control_group(pmesh.world_group, device.type, timeout))
         set_seed(cfg.train.seed)
         dataset = build_data(setup)
-        eval_rows = build_eval_data(setup)
+        eval_rows = build_data(setup, "eval") if cfg.data.has_eval else None
         setup = dataclasses.replace(setup, cfg=_with_steps(setup, len(dataset)))
         if resume and finished(setup.cfg, setup.cfg.train.max_steps, main=setup.main):
             return 0  # (a run by train.epochs: its length is known from the data only)
@@ -103,11 +101,6 @@ def build_data(setup: RunSetup, part: str = "train") -> PackedRows:
     if setup.main:
         print("\n".join(rows_summary(rows)), flush=True)
     return rows
-
-
-def build_eval_data(setup: RunSetup) -> PackedRows | None:
-    """The validation rows, prepared as the training rows; None without validation data."""
-    return build_data(setup, "eval") if setup.cfg.data.has_eval else None
 
 
 def _with_steps(setup: RunSetup, rows: int) -> RecipeConfig:
@@ -206,7 +199,7 @@ def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watc
     evaluate = None if eval_rows is None else functools.partial(
         validation_loss, trainer.distributed.module, eval_rows, cp=setup.cp, pmesh=pmesh,
         accelerator=setup.accelerator, batch_size=t.batch_size)
-    trainer.mark = mark = functools.partial(_mark, watch)
+    trainer.mark = mark = lambda operation, step: watch.enter(OPERATIONS[operation], step)
     watch.watch_layers(decoder_layers(parts.model))  # the timeout bounds a layer, not a step
     return LoopHooks(max_steps=t.max_steps, checkpoint_every=cfg.checkpoint.every,
                      tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
@@ -218,10 +211,6 @@ def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watc
                      max_nonfinite_steps=t.max_nonfinite_steps, notice=_notice(setup),
                      mark=mark, completed=watch.completed, evaluate=evaluate,
                      eval_every=t.eval_every)
-
-
-def _mark(watch: Watchdog, operation: str, step: int) -> None:
-    watch.enter(OPERATIONS[operation], step)
 
 
 def _notice(setup: RunSetup):

@@ -24,11 +24,7 @@ _EVENTS = "events.out.tfevents.*"
 
 
 def check_report_to(cfg: RecipeConfig) -> None:
-    """Refuse ``train.report_to`` with tensorboard when it is not installed.
-
-    Raises:
-        ConfigError: the tensorboard package is missing.
-    """
+    """Refuse (ConfigError) ``train.report_to`` with tensorboard when it is not installed."""
     if "tensorboard" in cfg.train.report_to and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.report_to asks for tensorboard but the tensorboard package is "
                           "not installed; pip install tensorboard, or set "

@@ -1,27 +1,18 @@
 """Local attention backends, the rule that picks one, and the entry points of one block.
 
-A backend computes one block (:mod:`lctrain_kernels.masks`) and its backward, following
-:class:`~lctrain_kernels.backends.base.Backend`. By name (``vocabulary.BACKENDS``):
+A backend computes one block (:mod:`lctrain_kernels.masks`) and its backward (``base.Backend``):
 
     reference        plain torch in float32, any mask, any device (the oracle; CPU path)
     cpu_flash        torch's CPU flash op; FULL/CAUSAL blocks
     cudnn            torch's cuDNN SDPA op; CUDA, fp16/bf16, FULL/CAUSAL blocks
     triton           lctrain's Triton kernels; every relation, documents skip tiles
-    cudnn_ragged     cuDNN's ragged attention through nvidia-cudnn-frontend; every relation,
-                     each document's piece one batch entry read in place (Hopper or newer)
-    flash_attn_cute  FlashAttention 4 (flash-attn-4), when installed: the same pieces as varlen
-                     entries (Hopper or newer)
+    cudnn_ragged     cuDNN's ragged attention (nvidia-cudnn-frontend); every relation, Hopper+
+    flash_attn_cute  FlashAttention 4 (flash-attn-4), when installed; every relation, Hopper+
 
-"auto" takes the first of an order that loads and accepts the block, fastest first as measured
-on H100/H200 (``lctrain bench kernel``): on CUDA, FULL/CAUSAL fp16/bf16 blocks go to
-flash_attn_cute > cudnn > triton > reference, masked ones (documents, offset diagonals) and
-float32 ones to flash_attn_cute > cudnn_ragged > triton > reference; on a CPU cpu_flash >
-reference for FULL/CAUSAL blocks, reference otherwise. A backend named explicitly is never
-swapped: if it cannot run the block, :class:`BackendUnavailable` says why.
-
-:func:`block_forward` and :func:`block_backward` classify a block, skip it when EMPTY (before
-any backend is chosen, so callers also skip what would have fed it) and run the backend; the
-backward takes the row's FINAL (merged) output and lse, so the blocks' gradients add up.
+"auto" takes the first backend of :func:`auto_order` that loads and accepts the block, fastest
+first as measured on H100/H200 (``lctrain bench kernel``). A backend named explicitly is never
+swapped: if it cannot run the block, :class:`BackendUnavailable` says why. EMPTY blocks are
+skipped before any backend is chosen.
 """
 from __future__ import annotations
 
@@ -37,10 +28,6 @@ __all__ = ["Backend", "BackendUnavailable", "auto_order", "available_backends", 
            "block_backward", "block_forward", "check_backend_name", "get_backend",
            "select_backend"]
 
-_DENSE_CUDA_ORDER = ("flash_attn_cute", "cudnn", "triton", "reference")
-_MASKED_CUDA_ORDER = ("flash_attn_cute", "cudnn_ragged", "triton", "reference")
-_DENSE_CPU_ORDER = ("cpu_flash", "reference")
-
 
 def backend_names() -> list[str]:
     """Every backend name, installed or not."""
@@ -48,11 +35,7 @@ def backend_names() -> list[str]:
 
 
 def check_backend_name(name: str) -> str:
-    """Return ``name`` if it is "auto" or a known backend.
-
-    Raises:
-        BackendUnavailable: an unknown name.
-    """
+    """``name`` if it is "auto" or a known backend, else BackendUnavailable."""
     if name != "auto" and name not in BACKENDS:
         raise BackendUnavailable(f"unknown attention backend {name!r}; choose one of auto, "
                                  f"{', '.join(BACKENDS)}.")
@@ -60,11 +43,7 @@ def check_backend_name(name: str) -> str:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called ``name``, ready to use.
-
-    Raises:
-        BackendUnavailable: an unknown name, or a backend that cannot load here (why, and the fix).
-    """
+    """The backend called ``name``, or BackendUnavailable saying why it cannot load here."""
     if check_backend_name(name) == "auto":
         raise BackendUnavailable("'auto' is a rule, not a backend; ask select_backend for the "
                                  "backend it picks for a block.")
@@ -93,22 +72,18 @@ def available_backends() -> list[str]:
 
 
 def auto_order(device_type: str, dtype: torch.dtype, relation: Relation) -> tuple[str, ...]:
-    """The backends "auto" tries for a (non-EMPTY) block, best first (module docstring)."""
+    """The backends "auto" tries for a (non-EMPTY) block, best first."""
     dense = relation in (Relation.FULL, Relation.CAUSAL)
     if device_type != "cuda":
-        return _DENSE_CPU_ORDER if dense and device_type == "cpu" else ("reference",)
+        return ("cpu_flash", "reference") if dense and device_type == "cpu" else ("reference",)
     if dense and dtype in (torch.float16, torch.bfloat16):
-        return _DENSE_CUDA_ORDER
-    return _MASKED_CUDA_ORDER
+        return ("flash_attn_cute", "cudnn", "triton", "reference")
+    return ("flash_attn_cute", "cudnn_ragged", "triton", "reference")
 
 
 def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation) -> Backend:
-    """The backend that computes a block of q (B, Sq, Hq, D) against k, v (B, Sk, Hkv, D) under
-    ``spec`` (``relation`` never EMPTY): ``name`` ("auto", a name, or a Backend object).
-
-    Raises:
-        BackendUnavailable: the backend cannot load or run this block, or none can ("auto").
-    """
+    """The backend ``name`` ("auto", a name, or a Backend object) for a block of q against k, v
+    under ``spec`` (``relation`` never EMPTY), or BackendUnavailable saying why none."""
     if not isinstance(name, str):
         backend, name = name, getattr(name, "name", type(name).__name__)
     elif name != "auto":
@@ -136,20 +111,12 @@ def select_backend(name, q, k, v, spec: MaskSpec, relation: Relation) -> Backend
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
                   scale: float, backend="auto") -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Attention of one block, q (B, Sq, Hq, D) against k, v (B, Sk, Hkv, D) at the global
-    positions of ``spec``, with ``backend`` ("auto", a name, or a Backend object).
-
-    Returns:
-        ``(out (B, Sq, Hq, D), lse (B, Hq, Sq) float32)``, or None if nothing is visible.
-
-    Raises:
-        BackendUnavailable: the backend cannot run this block.
-    """
+    """``(out (B, Sq, Hq, D), lse (B, Hq, Sq))`` of q (B, Sq, Hq, D) against k, v
+    (B, Sk, Hkv, D) at the global positions of ``spec``; None if nothing is visible."""
     relation = classify(spec, q.shape[1], k.shape[1])
     if relation is Relation.EMPTY:
         return None
-    chosen = select_backend(backend, q, k, v, spec, relation)
-    return chosen.forward(q, k, v, spec, relation, scale)
+    return select_backend(backend, q, k, v, spec, relation).forward(q, k, v, spec, relation, scale)
 
 
 def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -157,11 +124,7 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    backend="auto", dlse: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Gradients ``(dq, dk, dv)`` of one block from the FINAL (merged) out and lse of its rows
-    and the lse's gradient ``dlse`` when a loss uses it; None if the block is EMPTY.
-
-    Raises:
-        BackendUnavailable: the backend cannot run this block.
-    """
+    and the lse's gradient ``dlse`` when a loss uses it; None if the block is EMPTY."""
     relation = classify(spec, q.shape[1], k.shape[1])
     if relation is Relation.EMPTY:
         return None

@@ -1,16 +1,12 @@
 """What a local attention backend is: the :class:`Backend` protocol, and its error.
 
-Layouts: q ``(B, Sq, Hq, D)``, k and v ``(B, Sk, Hkv, D)`` with ``Hq % Hkv == 0``; lse
-``(B, Hq, Sq)`` float32 (float64 for float64 inputs), natural log; a row that sees no key gets
-out = 0 and lse = -inf. The backward takes the FINAL (merged) out and lse of the block's rows and
-the lse's gradient when a loss uses it. Since ``d lse_i / d s_ij = P_ij``, that gradient only
-moves the flash backward's ``delta``::
-
-    dS = P * (dP - delta)      with   delta = rowsum(dO * O) - dlse
-
-Kernels that compute ``delta`` themselves (torch's SDPA ops, cuDNN, FlashAttention 4) get it
-from one more ordinary backward (:class:`UnitValueLseGrad`): with ``dO_i = dlse_i e_0``,
-``V_j = e_0`` and ``O = 0``, ``dP_ij = dlse_i`` and ``delta = 0``, so its ``dS`` is ``P * dlse``.
+q ``(B, Sq, Hq, D)``, k and v ``(B, Sk, Hkv, D)``; lse ``(B, Hq, Sq)`` float32 (float64 for
+float64 inputs), natural log; a row that sees no key gets out = 0 and lse = -inf. The backward
+takes the FINAL (merged) out and lse of the block's rows and, when a loss uses the lse, its
+gradient ``dlse``, which only moves the flash backward's ``delta`` (``reference``). Kernels that
+compute ``delta`` themselves get it from one more ordinary backward (:class:`UnitValueLseGrad`):
+with ``dO_i = dlse_i e_0``, ``V_j = e_0`` and ``O = 0``, ``dP_ij = dlse_i`` and ``delta = 0``, so
+its ``dS`` is ``P * dlse``.
 """
 from __future__ import annotations
 
@@ -52,8 +48,7 @@ def _widen(x: torch.Tensor) -> torch.Tensor:
 
 
 class UnitValueLseGrad:
-    """Base of the backends whose kernels take no lse gradient: ``backward`` runs
-    :meth:`grads`, and with ``dlse`` one more with unit values (module docstring)."""
+    """Base of the backends whose kernels take no lse gradient (module docstring)."""
 
     def grads(self, do, q, k, v, out, lse, spec: MaskSpec, relation: Relation,
               scale: float) -> Grads:
@@ -76,8 +71,7 @@ class UnitValueLseGrad:
 
 
 def half_head_dim_reason(name: str, q, max_dim: int) -> str | None:
-    """Why a CUDA kernel of fp16/bf16 inputs and head dims a multiple of 8 up to ``max_dim``
-    refuses these queries (None: it takes them)."""
+    """Why fp16/bf16 kernels of head dims a multiple of 8 up to ``max_dim`` refuse q, or None."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"the {name} backend takes float16 or bfloat16, not {q.dtype}."
     d = q.shape[-1]

@@ -3,12 +3,9 @@
 Each block is one or two ragged calls (:mod:`lctrain_kernels.ragged`), each document's piece a
 batch entry cuDNN reads and writes in place through per-entry element offsets and lengths. The
 graphs are built with ``nvidia-cudnn-frontend`` on the libcudnn torch loaded, and cached by what
-they are compiled for (direction, causal, batch and longest entry rounded up to powers of two,
-rows, heads, head dim, dtype, scale, token strides, device), so a run's first steps build every
-plan it needs. Contract kept for cuDNN: heads packed in each token (any token stride in the
-forward, packed in the backward), token-major float32 statistics ``(T, Hq)``, dK/dV summed per
-GQA group. Limits: compute capability 9.0+, cuDNN 9.19+ (:data:`MIN_CUDNN`), fp16/bf16,
-head_dim a multiple of 8 up to 128.
+they are compiled for, so a run's first steps build every plan it needs. cuDNN wants heads
+packed in each token (any token stride in the forward, packed in the backward). Limits: compute
+capability 9.0+, cuDNN 9.19+, fp16/bf16, head_dim a multiple of 8 up to 128.
 """
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ from lctrain_kernels.backends.base import BackendUnavailable, half_head_dim_reas
 from lctrain_kernels.masks import MaskSpec, Relation
 from lctrain_kernels.ragged import RaggedBackend, RaggedCall, bucket
 
-#: The oldest cuDNN the backend is tested with (ragged statistics in both directions).
-MIN_CUDNN = 91900
+MIN_CUDNN = 91900  # the oldest cuDNN tested (ragged statistics in both directions)
 
 # Graph tensor uids.
 _Q, _K, _V, _O, _STATS, _DO, _DQ, _DK, _DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
@@ -50,10 +46,6 @@ def _token_stride(x: torch.Tensor) -> int | None:
     if b > 1 and x.stride(0) != s * x.stride(1):
         return None
     return x.stride(1)
-
-
-def _rows_layout(x: torch.Tensor) -> torch.Tensor:
-    return x if _token_stride(x) is not None else x.contiguous()
 
 
 def _compact(x: torch.Tensor) -> torch.Tensor:
@@ -167,10 +159,6 @@ class _Graphs:
         return g, g.get_workspace_size()
 
 
-def _workspace(nbytes: int, device) -> torch.Tensor:
-    return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-
-
 class CudnnEngine:
     """Runs one :class:`~lctrain_kernels.ragged.RaggedCall` on cuDNN (the Engine protocol)."""
 
@@ -218,8 +206,9 @@ class CudnnEngine:
         nb, sq, sk, tot_q, tot_k = shape
         key = (not call.uniform, backward, call.causal, q.dtype, nb, sq, sk, q.shape[2],
                k.shape[2], q.shape[3], float(scale), *strides, tot_q, tot_k, q.device)
-        graph, workspace = self.graphs.get(key, q.device)
-        graph.execute(pack, _workspace(workspace, q.device), handle=self.graphs.handle(q.device))
+        graph, size = self.graphs.get(key, q.device)
+        workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=q.device)
+        graph.execute(pack, workspace, handle=self.graphs.handle(q.device))
 
     def forward(self, call, q, k, v, out, lse_t, scale):
         self._run(False, call, scale, {_Q: q, _K: k, _V: v, _O: out, _STATS: lse_t})
@@ -229,14 +218,7 @@ class CudnnEngine:
                                       _DQ: dq, _DK: dk, _DV: dv})
 
 
-_ENGINE: list[CudnnEngine] = []
-
-
-def _engine() -> CudnnEngine:
-    """The process's one engine (the registry builds a new backend object per lookup)."""
-    if not _ENGINE:
-        _ENGINE.append(CudnnEngine())
-    return _ENGINE[0]
+_ENGINE: list[CudnnEngine] = []  # the process's one engine (every lookup builds a backend)
 
 
 class CudnnRaggedBackend(RaggedBackend):
@@ -248,7 +230,9 @@ class CudnnRaggedBackend(RaggedBackend):
         if not torch.cuda.is_available():
             raise BackendUnavailable("the cudnn_ragged backend needs a CUDA GPU and none is "
                                      "visible; use backend='reference' (or 'auto').")
-        super().__init__(_engine())
+        if not _ENGINE:
+            _ENGINE.append(CudnnEngine())
+        super().__init__(_ENGINE[0])
 
     def setup_reason(self, device: torch.device) -> str | None:
         """None if this process can run the backend on ``device`` at all, else why not."""
@@ -271,7 +255,8 @@ class CudnnRaggedBackend(RaggedBackend):
         return self.setup_reason(q.device) or half_head_dim_reason(self.name, q, 128)
 
     def forward(self, q, k, v, spec, relation, scale):
-        return super().forward(*(_rows_layout(x) for x in (q, k, v)), spec, relation, scale)
+        q, k, v = (x if _token_stride(x) is not None else x.contiguous() for x in (q, k, v))
+        return super().forward(q, k, v, spec, relation, scale)
 
     def grads(self, do, q, k, v, out, lse, spec, relation, scale):
         q, k, v = _compact(q), _compact(k), _compact(v)

@@ -1,15 +1,13 @@
 """The flash_attn_cute backend: FlashAttention 4's CuTe kernels for every block, dense or not.
 
-FlashAttention 4 (the ``flash-attn-4`` package, written in NVIDIA's CuTe DSL) runs varlen batches:
-entry ``b`` starts at row ``cu_seqlens[b]`` and is ``seqused[b]`` rows long, so every piece of a
-block (:mod:`lctrain_kernels.ragged`) is read and written where it lies, and a dense block is a
-batch of one entry per row. Its causal mask is aligned to the bottom-right corner of an entry,
-lctrain's pieces are top-left triangles: they agree on square entries, and a piece with more
-query rows than keys is the local mask ``j <= i + (sk - sq) + right`` with ``right = sq - sk``.
-So a causal call runs as one causal launch for its square entries and one windowed launch per
-other shape (:func:`launches`). Its statistics are head-major ``(Hq, T)``; each launch reads
-and writes a head-major copy. Limits: compute capability 9.0+, fp16/bf16, head_dim a multiple
-of 8 up to 256, torch's deterministic mode off.
+FlashAttention 4 (``flash-attn-4``, in NVIDIA's CuTe DSL) runs varlen batches: entry ``b`` starts
+at row ``cu_seqlens[b]`` and is ``seqused[b]`` rows long, so every piece of a block
+(:mod:`lctrain_kernels.ragged`) is read and written where it lies. Its causal mask is aligned to
+the bottom-right corner of an entry, lctrain's pieces are top-left triangles: they agree on
+square entries, and a piece with more query rows than keys is the local mask
+``j <= i + (sk - sq) + right`` with ``right = sq - sk``. So a causal call runs as one causal
+launch for its square entries and one windowed launch per other shape (:func:`launches`).
+Limits: compute capability 9.0+, fp16/bf16, head_dim a multiple of 8 up to 256.
 """
 from __future__ import annotations
 
@@ -41,10 +39,8 @@ _UNTRACED = re.compile(r"Argument aux_data \(position \d+\) cannot be converted 
 
 @contextlib.contextmanager
 def quiet_dsl():
-    """Drop the CuTe DSL's "Argument aux_data (position N) cannot be converted to a
-    JitArgument ..." warnings while FlashAttention 4 compiles its kernels (one per argument and
-    kernel: dozens a run, about an argument the kernels never read); every other warning is
-    shown as before."""
+    """Drop the CuTe DSL's "Argument aux_data ... cannot be converted to a JitArgument" warnings
+    (dozens a run, about an argument the kernels never read); every other warning is shown."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -89,16 +85,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class CuteEngine:
-    """Runs one :class:`~lctrain_kernels.ragged.RaggedCall` on FlashAttention 4's
-    ``_flash_attn_fwd`` and ``_flash_attn_bwd`` (the Engine protocol)."""
+    """Runs one :class:`~lctrain_kernels.ragged.RaggedCall` on FlashAttention 4 (ragged.Engine)."""
 
     def __init__(self, fwd, bwd):
         self._fwd, self._bwd = fwd, bwd
         self._columns: dict[tuple, tuple[list, dict]] = {}  # (launch, device) -> columns
 
     def _args(self, launch: Launch, device: torch.device) -> dict:
-        """Offsets, lengths and mask arguments of a launch; cached, as every layer runs the
-        same blocks."""
+        """Offsets, lengths and mask arguments of a launch (cached: every layer runs them)."""
         key = (launch, device)
         if key not in self._columns:
             ends = [r + n for r, n in zip(launch.q_rows, launch.q_lens)]

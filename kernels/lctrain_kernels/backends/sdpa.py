@@ -1,8 +1,8 @@
 """Backends on torch's own fused attention ops that return the log-sum-exp: cuDNN, and the CPU op.
 
-``scaled_dot_product_attention`` hides the lse, but the aten ops behind it return it, and their
-backward ops accept an output and lse we pass in: the MERGED ones of several blocks. They compute
-``delta`` themselves (``base.UnitValueLseGrad``). Schemas relied on (torch 2.11 .. 2.13)::
+The aten ops behind ``scaled_dot_product_attention`` return the lse, and their backward ops
+accept an output and lse we pass in: the MERGED ones of several blocks. Schemas relied on (torch
+2.11 .. 2.13)::
 
     _scaled_dot_product_cudnn_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p,
         is_causal, return_debug_mask, *, scale) -> (out, lse, cum_seq_q, cum_seq_k, ...)
@@ -12,12 +12,10 @@ backward ops accept an output and lse we pass in: the MERGED ones of several blo
     _scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *, attn_mask,
         scale) -> (out, lse)            and its _backward(grad_out, q, k, v, out, lse, ...)
 
-All take (B, H, S, D) views: ``x.transpose(1, 2)`` of contiguous BSHD tensors, so q, out and
-grad_out share one stride pattern (cuDNN's backward wants dO laid out like O) and nothing is
-copied. cuDNN's lse is (B, H, S, 1) from torch 2.9 on, and its backward wants the same rank
-back, contiguous (cuDNN < 9.26 assumes packed statistics); max_q/max_k must be the true lengths.
-Both ops align a non-square causal mask top-left, as lctrain's CAUSAL blocks are, but know no
-other mask: FULL and CAUSAL blocks only. GQA is native (dK/dV summed per group in the kernel).
+All take (B, H, S, D) views of contiguous BSHD tensors, so q, out and grad_out share one stride
+pattern (cuDNN's backward wants dO laid out like O). cuDNN's lse is (B, H, S, 1) from torch 2.9
+on and goes back so, contiguous (older cuDNN assumes packed statistics); max_q/max_k must be the
+true lengths. Both ops align a non-square causal mask top-left, as CAUSAL blocks are.
 """
 from __future__ import annotations
 
@@ -34,14 +32,6 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().transpose(1, 2)  # (B, S, H, D) -> (B, H, S, D) view
 
 
-def _dense_reason(name: str, relation: Relation) -> str | None:
-    if relation not in _DENSE:
-        return (f"the {name} backend computes only full or causal blocks, not a "
-                f"{relation.value} one (offset diagonal or document mask); use triton or "
-                f"reference.")
-    return None
-
-
 class CudnnBackend(UnitValueLseGrad):
     """torch's cuDNN attention; FULL/CAUSAL blocks, fp16/bf16, head dims up to 128."""
 
@@ -55,7 +45,11 @@ class CudnnBackend(UnitValueLseGrad):
     def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
         if not q.is_cuda:
             return f"the cudnn backend runs on CUDA only, and the tensors are on {q.device}."
-        reason = _dense_reason(self.name, relation) or half_head_dim_reason(self.name, q, 128)
+        if relation not in _DENSE:
+            return ("the cudnn backend computes only full or causal blocks, not a "
+                    f"{relation.value} one (offset diagonal or document mask); use triton or "
+                    f"reference.")
+        reason = half_head_dim_reason(self.name, q, 128)
         if reason is None and torch.cuda.get_device_capability(q.device) < (8, 0):
             reason = "the cudnn backend needs an Ampere or newer GPU (compute capability >= 8.0)."
         if reason is None and not torch.backends.cudnn.is_available():

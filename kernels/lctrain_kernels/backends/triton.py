@@ -1,7 +1,5 @@
 """The triton backend: lctrain's Triton flash attention (:mod:`lctrain_kernels.triton`) behind the
-Backend protocol. Every relation, masks in global positions with the key tiles no query sees
-skipped; CUDA fp16/bf16/fp32, head dims 16..256 (on a CPU under ``TRITON_INTERPRET=1``). The
-lse's gradient folds into the kernels' delta at no extra cost."""
+Backend protocol; the lse's gradient folds into the kernels' delta at no extra cost."""
 from __future__ import annotations
 
 from lctrain_kernels.masks import MaskSpec, Relation

@@ -1,10 +1,7 @@
-"""Distributed attention in the style of DistFlashAttn (arXiv 2310.03294).
-
-``layout`` splits the sequence over the ranks of a group, the pure-Python ``schedule`` says which
-rank computes which block when and what travels where, ``comm`` moves tensors point to point,
-``executor`` runs a plan with any local backend and ``op`` makes that, forward and backward, the
-custom op behind :func:`lctrain_kernels.dist_attention`. ``balance`` orders packed documents so
-the ranks' work evens out.
+"""Distributed attention in the style of DistFlashAttn (arXiv 2310.03294): ``layout`` splits the
+sequence over a group's ranks, ``schedule`` says which rank computes which block when, ``comm``
+moves tensors, ``executor`` runs a plan with any local backend, ``op`` makes that the custom op
+behind :func:`lctrain_kernels.dist_attention`, ``balance`` orders packed documents.
 
     q_loc = shard(q, group=pg, layout=make_schedule(P).layout, dim=1)       # (B, S/P, Hq, D)
     out_loc = dist_attention(q_loc, k_loc, v_loc, group=pg, causal=True)    # (B, S/P, Hq, D)

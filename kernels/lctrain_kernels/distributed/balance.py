@@ -1,13 +1,11 @@
 """Balancing packed documents over the ranks: an order of the documents that evens out the work.
 
-A schedule's balance is exact for one causal sequence; a packed row does only the pairs inside
-each document, and where the documents lie decides which rank does them. Attention never
-crosses a document and the rest of a layer works token by token, so the documents may stand in
-any order with the same losses and gradients (sums added in another order).
-:func:`balanced_order` counts the visible pairs of every block of the schedule's own plan
-(:func:`document_work`, exact integers, vectorised over the documents), starts from the given
-order and a few sorted ones, then swaps documents while that lowers the busiest rank's work,
-within a fixed budget. Host integers only: every rank finds the same order.
+A packed row does only the pairs inside each document, and where the documents lie decides which
+rank does them. Attention never crosses a document, so the documents may stand in any order with
+the same losses. :func:`balanced_order` counts the visible pairs of every block of the schedule's
+plan (:func:`document_work`, exact integers), starts from the given order and a few sorted ones,
+then swaps documents while that lowers the busiest rank's work, within a fixed budget. Host
+integers only: every rank finds the same order.
 """
 from __future__ import annotations
 
@@ -18,14 +16,9 @@ import numpy as np
 from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import make_schedule
 
-__all__ = ["balanced_order", "document_work", "work_balance"]
-
-#: cost evaluations a search may spend (each a few tens of microseconds).
-EVALUATIONS = 400
-#: the longest documents (by length) that the swap search moves.
-MOVED = 8
-#: the search stops once the busiest rank is within this factor of the mean.
-GOOD_ENOUGH = 1.01
+EVALUATIONS = 400  # cost evaluations a search may spend (each a few tens of microseconds)
+MOVED = 8  # how many of the longest documents the swap search moves
+GOOD_ENOUGH = 1.01  # the search stops once the busiest rank is within this factor of the mean
 
 
 @functools.lru_cache(maxsize=64)

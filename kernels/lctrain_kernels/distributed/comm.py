@@ -1,16 +1,13 @@
 """Point-to-point exchange of one schedule step, posted as one batch and waited on later.
 
-A message (k and v of a rank, query rows, a partial result, gradients) is a list of tensors, each
-sent as its own flat byte view from where it lies (contiguous first if needed, as gloo wants);
-the receiver allocates each tensor from the same schedule and receives straight into it.
-:class:`Exchanger` posts a step's sends and receives with ``dist.batch_isend_irecv`` and returns
-a :class:`Pending`; the executor waits one step later, so the transfer runs while the current
-block computes. With NCCL ``work.wait()`` only orders the current stream after the transfer: the
-host never synchronises. Received tensors are fresh, so the buffer computed on and the one being
-filled always differ. Both sides derive a message from the same plan in the same order, so every
-send meets its receive in the same batch; the process group is always an argument. On NCCL the
-group's communicator must exist before the first batch, and :func:`nccl_options` gives its
-streams high priority, so transfer blocks are dispatched ahead of queued compute blocks.
+A message is a list of tensors, each sent as a flat byte view from where it lies (contiguous
+first if needed, as gloo wants); the receiver allocates fresh tensors from the same plan and
+receives straight into them. Both sides derive the messages from the same plan in the same
+order, so every send meets its receive in the same batch. The executor waits one step later, so
+the transfer runs while the current block computes; with NCCL ``work.wait()`` only orders the
+current stream after the transfer. On NCCL the group's communicator must exist before the first
+batch, and :func:`nccl_options` gives its streams high priority, so transfer blocks are
+dispatched ahead of queued compute blocks.
 """
 from __future__ import annotations
 
@@ -20,22 +17,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-#: Tensors of one message: tag * _PER_MESSAGE + index (gloo matches sends to receives by tag).
-_PER_MESSAGE = 8
+_PER_MESSAGE = 8  # tensors of one message are tagged tag * _PER_MESSAGE + index
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
 def nccl_options(timeout: timedelta | None = None):
-    """Options for the NCCL group that carries the attention's transfers: high-priority streams.
-
-    Args:
-        timeout: the group's timeout, when the group is given one too; None: NCCL's default.
-
-    Returns:
-        ``ProcessGroupNCCL.Options`` for ``init_process_group`` / ``new_group(pg_options=...)``
-        or a DeviceMesh ``backend_override``; None when this torch has no NCCL.
-    """
+    """``ProcessGroupNCCL.Options`` with high-priority streams (and ``timeout`` when given) for
+    the group of the attention's transfers, for ``init_process_group`` / ``new_group`` or a
+    DeviceMesh ``backend_override``; None when this torch has no NCCL."""
     if not dist.is_available() or not dist.is_nccl_available():
         return None
     options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
@@ -66,8 +56,7 @@ class Pending:
 
 
 class Exchanger:
-    """Posts batches of point-to-point transfers inside ``group`` (ranks are group ranks;
-    None: one rank, which never communicates)."""
+    """Posts batches of point-to-point transfers inside ``group`` (None: one rank)."""
 
     def __init__(self, group):
         self.group = group
@@ -78,10 +67,9 @@ class Exchanger:
 
     def post(self, sends: list[tuple[list[torch.Tensor], int, int]],
              recvs: list[tuple[list[Spec], int, int]], device: torch.device) -> Pending:
-        """Post every send ``(tensors, dst, tag)`` and receive ``(specs, src, tag)`` (specs
-        ``[(shape, dtype), ...]`` allocated on ``device``) of a batch; do not wait. A send and
-        its receive share a tag (gloo matches on it, NCCL on order); empty tensors travel as
-        nothing. The :class:`Pending`'s ``received`` lists follow ``recvs``."""
+        """Post every send ``(tensors, dst, tag)`` and receive ``(specs, src, tag)`` of a batch
+        without waiting; a send and its receive share a tag (gloo matches on it), empty tensors
+        travel as nothing. The :class:`Pending`'s ``received`` lists follow ``recvs``."""
         received = [[torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
                     for specs, _, _ in recvs]
         pending = Pending(received=received)

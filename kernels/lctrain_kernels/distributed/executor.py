@@ -11,16 +11,12 @@ The loop over a plan's steps (``overlap=True``)::
     wait, absorb; post(results of the last step); wait, absorb
 
 With ``overlap=False`` (the ablation) each step posts its own inputs and waits at once. Waiting
-before posting lets a rank forward k/v it has just received (the rings). On CUDA a posted batch
-gets a short head start before the step's attention kernel (:meth:`Engine._let_transfers_in`).
-Every block is cut at the layout's chunk boundaries into local calls of ``block_forward`` /
-``block_backward`` with global positions; EMPTY pieces are skipped and adjacent fully visible
-ones fused into one FULL call. Results are kept as they arrive and combined once per row
-(:class:`~lctrain_kernels.combine.OutAcc`, :class:`~lctrain_kernels.combine.GradAcc`).
-
-Head groups bound all of these buffers: with ``head_groups`` G (a divisor of Hkv) the heads run
-in G groups one after the other (:func:`forward_in_groups`, :func:`backward_in_groups`), each a
-walk of its own on contiguous copies of its heads, so every buffer holds Hq/G heads; exact.
+before posting lets a rank forward k/v it has just received (the rings). Every block is cut at
+the layout's chunk boundaries into local calls of ``block_forward`` / ``block_backward`` with
+global positions; EMPTY pieces are skipped, adjacent fully visible ones fused into one FULL call.
+Results are kept as they arrive and combined once per row (``combine.OutAcc``, ``GradAcc``).
+With ``head_groups`` G the heads run in G groups one after the other, each a walk of its own on
+contiguous copies of its heads, so every buffer holds Hq/G heads.
 """
 from __future__ import annotations
 
@@ -38,17 +34,12 @@ from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.vocabulary import schedule_layout
 
 
-#: GPU clock cycles (~15 µs at 2 GHz) the compute stream yields to freshly posted transfers.
-_HEAD_START_CYCLES = 30_000
+_HEAD_START_CYCLES = 30_000  # GPU clock cycles (~15 µs) the compute stream yields to transfers
 
 
 def head_slices(groups: int, hq: int, hkv: int) -> list[tuple[slice, slice]]:
     """(query heads, key/value heads) of each of ``groups`` head groups: group g takes query
-    heads [g·hq/G, (g+1)·hq/G) and the key/value heads they read.
-
-    Raises:
-        ValueError: ``groups`` is not a positive divisor of ``hkv``.
-    """
+    heads [g·hq/G, (g+1)·hq/G) and the key/value heads they read."""
     if groups < 1 or hkv % groups or hq % hkv:
         raise ValueError(f"head_groups must be a positive divisor of the {hkv} key/value heads "
                          f"(and they of the {hq} query heads), got {groups}.")
@@ -57,8 +48,7 @@ def head_slices(groups: int, hq: int, hkv: int) -> list[tuple[slice, slice]]:
 
 
 def forward_in_groups(run, q, k, v, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``run(q, k, v) -> (out, lse)`` over head groups of contiguous (B, n, h, D) copies, one
-    after the other (1: one call on the inputs as they are); out (B, n, Hq, D), lse (B, Hq, n)."""
+    """``run(q, k, v) -> (out, lse)`` over head groups of contiguous (B, n, h, D) copies."""
     if groups == 1:
         return run(q, k, v)
     out, lse = None, None
@@ -73,8 +63,7 @@ def forward_in_groups(run, q, k, v, groups: int) -> tuple[torch.Tensor, torch.Te
 
 
 def backward_in_groups(run, do, q, k, v, out, lse, dlse, groups: int):
-    """``run(do, q, k, v, out, lse, dlse) -> (dq, dk, dv)`` over head groups, one after the
-    other."""
+    """``run(do, q, k, v, out, lse, dlse) -> (dq, dk, dv)`` over head groups, one by one."""
     if groups == 1:
         return run(do, q, k, v, out, lse, dlse)
     grads = None
@@ -92,8 +81,7 @@ def backward_in_groups(run, do, q, k, v, out, lse, dlse, groups: int):
 
 @dataclass(frozen=True)
 class Call:
-    """One local kernel call: rows ``[qa, qb)`` of the block's queries against ``[ka, kb)`` of
-    its keys (relative to the block's own rows), under ``spec``."""
+    """Rows ``[qa, qb)`` of a block's queries against its keys ``[ka, kb)``, under ``spec``."""
 
     qa: int
     qb: int
@@ -153,9 +141,7 @@ def pruned_plan(kind: str, direction: str, geo: Geometry) -> Plan:
 
 
 class Engine:
-    """Runs the steps of a (pruned) plan on one rank; subclasses say what messages carry and
-    what a step computes. ``compute=False`` moves the same messages without computing
-    (:func:`messages_only`)."""
+    """Runs a plan's steps on one rank (``compute=False``: the messages alone), per direction."""
 
     def __init__(self, plan: Plan, geo: Geometry, exchanger: Exchanger, overlap: bool,
                  device: torch.device, compute: bool = True):
@@ -175,7 +161,6 @@ class Engine:
         return last
 
     def run(self) -> None:
-        """Execute every step (see the module docstring for the order of events)."""
         steps = self.plan.steps
         last = len(steps)
 
@@ -204,9 +189,8 @@ class Engine:
         self._receive(self._post(batch(last, last - 1)))
 
     def _let_transfers_in(self, pending: Pending) -> None:
-        """On CUDA, with transfers just posted, hold the compute stream briefly: a persistent
-        attention kernel that starts first holds every SM to its end, and the transfer kernel,
-        ready at the same moment, would run after it instead of beside it."""
+        """On CUDA, hold the compute stream briefly after posting: a persistent attention kernel
+        that starts first holds every SM to its end, and the transfers would wait for it."""
         if pending.works and self.device.type == "cuda":
             torch.cuda._sleep(_HEAD_START_CYCLES)
 
@@ -292,9 +276,8 @@ class ForwardEngine(Engine):
 
 
 class BackwardEngine(Engine):
-    """Backward: k/v and (q, dO, out, lse[, dlse]) rows travel in, dq and (dk, dv) travel home.
-    ``dlse`` (B, Hq, n), when a loss uses the lse, travels with the query rows: every rank
-    passes one, or none."""
+    """Backward: k/v and (q, dO, out, lse[, dlse]) rows travel in, dq and (dk, dv) travel home;
+    every rank passes a ``dlse``, or none."""
 
     def __init__(self, plan, geo, exchanger, overlap, do, q, k, v, out, lse, scale: float,
                  backend: str, compute: bool = True, dlse: torch.Tensor | None = None):
@@ -356,9 +339,8 @@ class BackwardEngine(Engine):
 
 def messages_only(direction: str, q: torch.Tensor, k: torch.Tensor, group,
                   schedule: str = "distflash", doc_bounds=None) -> None:
-    """Move the messages of one direction of a schedule's causal plan without computing: how
-    the attention bench times communication alone. q (B, n, Hq, D) and k (B, n, Hkv, D) are
-    this rank's rows (their values unused); ``doc_bounds`` prune the plan as in training."""
+    """Move the messages of one direction of a schedule's causal plan without computing (the
+    bench's communication time); q (B, n, Hq, D) and k (B, n, Hkv, D) are this rank's rows."""
     exch = Exchanger(group)
     geo = Geometry(q.shape[1] * exch.world_size, exch.world_size, schedule_layout(schedule),
                    True, None if doc_bounds is None else tuple(doc_bounds))

@@ -1,12 +1,7 @@
-"""How a global sequence maps onto the ranks of a sequence-parallel group: the one source of
-truth for the attention executor, the data pipeline and the tests.
-
-* ``"contiguous"``: N tokens cut into P equal chunks, rank r holds chunk r (DistFlashAttn, ring);
-* ``"zigzag"``: 2P chunks, rank r holds chunk r then chunk 2P−1−r (a head and the mirrored tail),
-  so every rank has the same causal work (the zigzag ring, torch's context_parallel).
-
-A rank's local tensor is its chunks concatenated in that order; :func:`unshard` all-gathers and
-puts every token back at its global position.
+"""How a global sequence maps onto the ranks of a sequence-parallel group, for the attention
+executor, the data pipeline and the tests. A rank's local tensor is its chunks concatenated in
+order: chunk r of P ("contiguous"), or chunk r then chunk 2P−1−r of 2P ("zigzag": a head and the
+mirrored tail, so every rank has the same causal work).
 """
 from __future__ import annotations
 
@@ -18,11 +13,7 @@ from lctrain_kernels.vocabulary import check_seq_len, chunks_per_rank
 
 def layout_positions(seq_len: int, world_size: int, rank: int, layout: str) -> list[tuple[int, int]]:
     """Global ``(start, stop)`` spans held by ``rank`` of ``world_size``, in local order: one
-    for "contiguous", two (head, tail) for "zigzag".
-
-    Raises:
-        ValueError: bad layout, rank out of range, or a length not divisible by the chunking.
-    """
+    for "contiguous", two (head, tail) for "zigzag"; ValueError for a bad layout, rank or length."""
     chunk = check_seq_len(seq_len, world_size, layout)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group of {world_size} ranks")
@@ -34,8 +25,7 @@ def layout_positions(seq_len: int, world_size: int, rank: int, layout: str) -> l
 
 def local_spans(seq_len: int, world_size: int, rank: int, layout: str,
                 start: int, stop: int) -> list[tuple[int, int, int]]:
-    """Local rows ``[start, stop)`` of ``rank`` as globally contiguous pieces
-    ``[(local_start, global_start, length), ...]``, in local order."""
+    """Local rows ``[start, stop)`` of ``rank`` as ``[(local_start, global_start, length)]``."""
     pieces, offset = [], 0
     for g0, g1 in layout_positions(seq_len, world_size, rank, layout):
         lo, hi = max(start, offset), min(stop, offset + g1 - g0)
@@ -70,11 +60,7 @@ def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1,
           rank: int | None = None, world_size: int | None = None) -> torch.Tensor:
     """This rank's tokens of ``x`` (the full tensor, the same on every rank, sequence along
     ``dim``), in local order: contiguous, differentiable. ``group`` None: one rank; ``rank``,
-    ``world_size`` override the group's (to shard data for another rank).
-
-    Raises:
-        ValueError: bad layout, or a length not divisible by the chunking.
-    """
+    ``world_size`` override the group's. ValueError for a bad layout or length."""
     rank, world_size = _rank_and_size(group, rank, world_size)
     dim = dim % x.dim()
     spans = layout_positions(x.shape[dim], world_size, rank, layout)
@@ -104,12 +90,8 @@ class _Unshard(torch.autograd.Function):
 
 def unshard(x_local: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1) -> torch.Tensor:
     """The full-sequence tensor on every rank from each rank's rows (as :func:`shard` gave
-    them): all-gather, then reorder. Differentiable: the gradient is summed over the ranks and
-    each keeps its rows. None (or one rank) returns ``x_local`` unchanged.
-
-    Raises:
-        ValueError: bad layout.
-    """
+    them). Differentiable: the gradient is summed over the ranks and each keeps its rows. None
+    (or one rank) returns ``x_local`` unchanged; ValueError for a bad layout."""
     chunks_per_rank(layout)
     if group is None or dist.get_world_size(group) == 1:
         return x_local

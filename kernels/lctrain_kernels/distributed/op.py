@@ -1,15 +1,11 @@
 """The attention operator: ``torch.ops.lctrain.dist_attention`` and its backward.
 
 Every attention lctrain computes, on one device or over a sequence-parallel group, is this one
-custom op; on a group of one the plan is a single block covering the sequence, run without the
-plan walk. Forward: the schedule's forward plan (:mod:`~lctrain_kernels.distributed.executor`),
-returning this rank's rows and their global log-sum-exp. Backward
-(``lctrain::dist_attention_backward``): the backward plan from the saved q, k, v and the FINAL out
-and lse, never the forward again, with the lse's gradient when a loss uses it. Checkpointing
-that keeps this op's (out, lse) thus runs the attention forward and its communication once.
-The op takes plain values only (``register_fake`` gives shapes, so ``torch.compile`` traces it):
-the group by name ("" for one rank), document bounds as ints, schedule and backend names, the
-overlap flag and the head groups; :func:`op_options` makes them from the public arguments.
+custom op; a group of one runs a single block. Forward: the schedule's forward plan, returning
+this rank's rows and their global log-sum-exp. Backward: the backward plan from the saved q, k,
+v and the FINAL out and lse (never the forward again), so checkpointing that keeps (out, lse)
+runs the attention and its communication once. The op takes plain values only (the group by
+name, "" for one rank; ``register_fake`` gives shapes, so ``torch.compile`` traces it).
 """
 from __future__ import annotations
 
@@ -33,14 +29,9 @@ from lctrain_kernels.vocabulary import check_schedule, check_seq_len, schedule_l
 
 def op_options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend, overlap,
                head_groups) -> tuple:
-    """Validate the public arguments once, on the host, as the op's plain arguments: (group
-    name, causal, document bounds, scale, schedule, backend, overlap, head groups). Only the
-    shapes of ``q`` (B, S, Hq, D) and ``k`` (B, S, Hkv, D) are read.
-
-    Raises:
-        ValueError: a bad schedule, length, cu_seqlens, scale or head_groups.
-        BackendUnavailable: an unknown backend name.
-    """
+    """The public arguments checked once, on the host, as the op's plain ones: (group name,
+    causal, document bounds, scale, schedule, backend, overlap, head groups). Reads only the
+    shapes of ``q`` (B, S, Hq, D) and ``k`` (B, S, Hkv, D)."""
     check_schedule(schedule)
     world = 1 if group is None else dist.get_world_size(group)
     seq_len = q.shape[1] * world

@@ -1,41 +1,36 @@
 """Who computes which attention block when, and what travels where: DistFlashAttn's schedule.
 
-P ranks; in the "contiguous" layout rank r holds chunk r of q, k, v (N/P tokens). Causal attention
-of chunk r needs the k, v of chunks 0..r: the lower triangle of P × P blocks, diagonal blocks
-(q_r, kv_r) half a block of work, blocks (q_r, kv_c), c < r, full. That is P²/2 in all, P/2 per
-rank when balanced. The plain "ring" passes k, v to the neighbour each step; at step t rank r
-computes (q_r, kv_{r−t}) if r ≥ t and idles otherwise: rank P−1 does P−½ blocks, rank 0 ½.
+P ranks; in the "contiguous" layout rank r holds chunk r of q, k, v. Causal attention of chunk r
+needs the k, v of chunks 0..r: the lower triangle of P × P blocks, a diagonal block (q_r, kv_r)
+half a block of work, a block (q_r, kv_c), c < r, a full one; P/2 per rank when balanced. The
+plain "ring" passes k, v to the neighbour each step: at step t rank r computes (q_r, kv_{r−t})
+if r ≥ t and idles otherwise, so rank P−1 does P−½ blocks and rank 0 ½.
 
-"distflash" lets the idle ranks help. Block (q_r, kv_c) has distance d = r − c, and P−d blocks
-share a distance. At step t = 1..⌊(P−1)/2⌋ every rank r sends to peer (r+t) mod P:
+"distflash" lets the idle ranks help. Block (q_r, kv_c) has distance d = r − c. At step
+t = 1..⌊(P−1)/2⌋ every rank r sends to peer (r+t) mod P:
 
-* its k, v if r + t < P: the receiver computes its own full block (q_{r+t}, kv_r), distance t;
-* its q if r + t ≥ P: the receiver r+t−P owns the keys q_r needs at distance P−t and computes
-  that block for r; the partial (out, lse) goes back to r, who merges it through the lse
-  (``lctrain_kernels.combine``).
+* its k, v if r + t < P: the receiver computes its own block (q_{r+t}, kv_r), distance t;
+* its q if r + t ≥ P: the receiver r+t−P owns the keys q_r needs at distance P−t, computes that
+  block for r and sends the partial (out, lse) back, which r merges through the lse.
 
 Each step is one shift-by-t permutation (every send meets its receive in the same step), every
 rank computes one full block per step, and distances t and P−t are covered together: for odd P
-that is everything. For even P the P/2 blocks at distance P/2 are split by query rows: the
-owner computes the first half of its rows against the received k, v, the keys' owner the second
-half (it receives those q rows and returns out, lse). Every rank then does exactly P/2 blocks:
-balance 1.0 for every P, where the published schedule idles P/2 ranks at its last step.
+that is everything. For even P the blocks at distance P/2 are split by query rows: the owner
+computes the first half of its rows, the keys' owner the second half (it receives those q rows
+and returns out, lse). Every rank does exactly P/2 blocks: balance 1.0 for every P.
 
 Overlap: the executor posts step t+1's inputs and step t−1's results before computing step t.
 The first step's inputs and the last step's results have nothing to hide behind, so for P > 1
-each diagonal block is split by key rows: all q rows against the first half of the keys (⅜ of
-a block, causal from the top-left corner: one dense call) runs first, while the first messages
-travel, and rows [½, 1) against keys [½, 1) (⅛, causal) last, while results travel home.
+each diagonal block is split: all q rows against the first half of its keys (⅜ of a block) run
+first, while the first messages travel, rows [½, 1) against keys [½, 1) (⅛) last.
 
 Backward runs the same steps. A block's backward needs q, dO and the FINAL out and lse of its
 rows: a "q" message carries (q, dO, out, lse[, dlse]). A block computed by its query owner keeps
 dq and sends dk, dv to the keys' owner ("dkv"); a helped block sends dq home ("dq").
 
-"zigzag" is the ring over the head-tail layout: ½ block per rank per step, P steps of
-forwarding. With documents the executor prunes the blocks the mask leaves EMPTY
-(:meth:`Plan.pruned`, the same on every rank, so sends still meet receives). Non-causal
-distflash sends k, v straight from rank r−t to r at step t. Pure Python, checked by
-:meth:`Plan.validate`.
+"zigzag" is the ring over the head-tail layout: ½ block per rank per step. With documents the
+executor drops the blocks the mask leaves EMPTY (:meth:`Plan.pruned`, the same on every rank).
+Non-causal distflash sends k, v straight from rank r−t to r at step t.
 """
 from __future__ import annotations
 
@@ -45,7 +40,7 @@ from fractions import Fraction
 from typing import Callable
 
 from lctrain_kernels.distributed.layout import local_spans
-from lctrain_kernels.vocabulary import check_schedule, chunks_per_rank, schedule_layout
+from lctrain_kernels.vocabulary import chunks_per_rank, schedule_layout, seq_chunks
 
 DIRECTIONS = ("forward", "backward")
 
@@ -81,11 +76,9 @@ class Block:
 
 @dataclass(frozen=True)
 class Message:
-    """A point-to-point transfer of ``kind`` of ``owner``'s ``rows``.
-
-    Kinds: "kv" (k, v), "q" (forward: q; backward: q, dO, out, lse and, when the loss uses the
-    lse, its gradient), "out" (a partial out, lse), "dq" and "dkv" (gradients going home).
-    """
+    """A point-to-point transfer of ``kind`` of ``owner``'s ``rows``: "kv" (k, v), "q" (forward:
+    q; backward: q, dO, out, lse[, dlse]), "out" (a partial out, lse), "dq" and "dkv" (gradients
+    going home)."""
 
     kind: str
     src: int
@@ -150,11 +143,7 @@ class Plan:
         return replace(self, steps=tuple(_with_outputs(base, self.direction)))
 
     def validate(self) -> None:
-        """Check that every block finds its inputs and every forwarded k/v arrived first.
-
-        Raises:
-            ValueError: naming the step and the block or message at fault.
-        """
+        """ValueError unless every block finds its inputs and every forwarded k/v arrived first."""
         holds = {(r, r) for r in range(self.world_size)}  # (rank, kv owner)
         for i, step in enumerate(self.steps):
             for m in step.inputs:
@@ -237,21 +226,15 @@ class Schedule:
     """A named schedule for ``world_size`` ranks; see the module docstring."""
 
     def __init__(self, world_size: int, kind: str):
-        check_schedule(kind)
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world size must be a positive integer, got {world_size!r}")
-        self.world_size, self.kind = world_size, kind
         self.layout = schedule_layout(kind)
+        seq_chunks(world_size, self.layout)  # checks the world size
+        self.world_size, self.kind = world_size, kind
 
     def __repr__(self) -> str:
         return f"Schedule(world_size={self.world_size}, kind={self.kind!r}, layout={self.layout!r})"
 
     def plan(self, direction: str = "forward", causal: bool = True) -> Plan:
-        """The per-step plan; ``direction`` is "forward" or "backward".
-
-        Raises:
-            ValueError: unknown direction.
-        """
+        """The per-step plan; ``direction`` is "forward" or "backward"."""
         if direction not in DIRECTIONS:
             raise ValueError(f"unknown direction {direction!r}; choose forward or backward")
         return _plan(self.world_size, self.kind, direction, causal)
@@ -305,9 +288,8 @@ def _twice_causal_area(q0: int, ql: int, k0: int, kl: int) -> int:
 
 
 def make_schedule(world_size: int, kind: str = "distflash") -> Schedule:
-    """The schedule ``kind`` ("distflash", "ring" or "zigzag") for ``world_size`` ranks (any
-    P ≥ 1): ``.layout`` is the layout ``shard`` must use, ``.work_per_rank()`` the causal work
-    figures, ``.plan(direction, causal)`` the steps.
+    """The schedule ``kind`` for ``world_size`` ranks (any P ≥ 1): ``.layout`` is the layout
+    ``shard`` must use, ``.work_per_rank()`` the causal work, ``.plan()`` the steps.
 
     Raises:
         ValueError: unknown kind or a world size below 1.

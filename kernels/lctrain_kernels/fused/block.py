@@ -1,15 +1,12 @@
 """A Llama-family attention block run one head group at a time, projections and RoPE included.
 
-An attention module projects q, k, v for every head at once and keeps them, gets full-size dq,
-dk, dv back, and the norm before it keeps its full-size output: at long context among a layer's
-largest tensors. :func:`attention_block` runs the norm, projections, RoPE and attention one head
-group after the other: the op ``lctrain::attention_block`` (forward only) projects, rotates and
-attends each group and keeps only (out, lse), which checkpointing keeps as it keeps
-``lctrain::dist_attention``'s, so a recompute runs neither attention nor projections; ``_Block``
-(autograd) is the output projection, keeping the block's input, out and lse, and its backward
-runs each group again (its share of the output's gradient, projections, RoPE, the attention
-backward) into the weight gradients and the normalised input's gradient, then the norm's
-backward. Values are the module's; the input's gradient is rounded once per group.
+An attention module keeps q, k, v of every head and gets full-size dq, dk, dv back, and the norm
+before it keeps its output: at long context among a layer's largest tensors. Here the op
+``lctrain::attention_block`` (forward only) projects, rotates and attends one head group after
+the other and keeps only (out, lse), which checkpointing keeps, so a recompute runs neither
+attention nor projections. ``_Block`` (autograd) is the output projection; its backward runs
+each group again (projections, RoPE, the attention backward) into the weight gradients and the
+normalised input's gradient, then the norm's backward. Values are the module's.
 """
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ def _project(x, weights, biases, heads, d):
 
 
 def _rope(q, k, cos, sin, fused: bool, backward: bool = False):
-    """RoPE of token-major q, k (B, S, H, D) in float32 (float64 for float64), rounded once;
-    ``backward``: the rotation's transpose."""
+    """RoPE of token-major q, k (B, S, H, D), rounded once; ``backward``: the transpose."""
     if fused:
         return rotate_tokens(q.contiguous(), k.contiguous(), cos, sin, backward)
     return tuple(_rotate(x, cos, sin, backward) for x in (q, k))
@@ -68,8 +64,7 @@ def attention_block_op(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: 
                        head_dim: int, group_name: str, causal: bool, doc_bounds: list[int],
                        softmax_scale: float, schedule: str, backend: str, overlap: bool,
                        head_groups: int, fused_rope: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, S, Hq, D), lse (B, Hq, S)) of x (B, S, hidden) through the projections, RoPE and
-    the attention, one head group at a time."""
+    """(out (B, S, Hq, D), lse (B, Hq, S)) of x (B, S, hidden), one head group at a time."""
     d = head_dim
     hq, hkv = wq.shape[0] // d, wk.shape[0] // d
     run = functools.partial(forward_group, group_name=group_name, causal=causal,
@@ -195,8 +190,8 @@ def attention_block(x: torch.Tensor, weights, biases, cos: torch.Tensor, sin: to
                     schedule: str = "distflash", backend="auto", head_groups: int = 1,
                     fused_rope: bool = False) -> torch.Tensor:
     """``o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))`` with ``n = norm(x)``,
-    causal, one head group at a time (module docstring); differentiable in x, the weights, the
-    biases and the norm's parameters.
+    causal, one head group at a time; differentiable in x, the weights, the biases and the
+    norm's parameters.
 
     Args:
         x: (B, S, hidden) the block's input (the layer's input when ``norm`` is given).
@@ -205,14 +200,11 @@ def attention_block(x: torch.Tensor, weights, biases, cos: torch.Tensor, sin: to
         cos, sin: (B, S, D) RoPE tables of the global positions; head_dim: D.
         norm: the norm before the block, run inside it; None: x is normalised already.
         softmax_scale, group, cu_seqlens, schedule, backend, head_groups: as
-            :func:`lctrain_kernels.dist_attention`.
+            :func:`lctrain_kernels.dist_attention`, whose errors it raises.
         fused_rope: rotate with the Triton kernel (CUDA, a power-of-two half head).
 
     Returns:
         (B, S, hidden) in the compute dtype.
-
-    Raises:
-        ValueError, BackendUnavailable: as :func:`lctrain_kernels.dist_attention`.
     """
     b, s, _ = x.shape
     d, hq, hkv = head_dim, weights[0].shape[0] // head_dim, weights[1].shape[0] // head_dim

@@ -3,11 +3,9 @@
 The logits are a long-context step's largest tensor. :func:`chunked_cross_entropy` walks the
 tokens a chunk at a time: the chunk's logits ``h @ W.T``, its summed loss ``logsumexp(z) -
 z[label]`` and, in the same buffer, ``dloss/dz = softmax(z) - onehot(label)`` (zero on ignored
-rows), which gives the chunk's share of the hidden states' gradient (``dz @ W``) and the head
-weight's (``dz.T @ h``, accumulated in float32); the backward only scales them. No host sync:
-the loop runs over host integers, ignored labels are masked. On GPUs one Triton kernel per chunk
-(:func:`cross_entropy_rows_`) reads the logits in their own dtype and writes the gradient over
-them, rounded once (no float32 copy); the torch path is the CPU's and the kernel's reference.
+rows), which gives the chunk's share of the gradients of the hidden states (``dz @ W``) and of
+the head (``dz.T @ h``, in float32); the backward only scales them. No host sync. On GPUs one
+Triton kernel per chunk overwrites the logits with the gradient in their own dtype.
 """
 from __future__ import annotations
 
@@ -77,23 +75,11 @@ def _(logits, labels, ignore_index, write_grad):
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           chunk_tokens: int, kernel: bool | None = None) -> torch.Tensor:
-    """Summed token cross-entropy of ``hidden @ weight.T`` against ``labels``, in value and
-    gradients ``F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100,
-    reduction="sum")`` over the flattened tokens.
-
-    Args:
-        hidden: (..., H) final hidden states; weight: (V, H) in hidden's dtype.
-        labels: (...) int target ids, already shifted; -100 = ignore.
-        chunk_tokens: tokens whose logits are held at once (> 0).
-        kernel: the Triton kernel (True; a CPU needs ``TRITON_INTERPRET=1``) or torch ops
-            (False); None: the kernel on CUDA.
-
-    Returns:
-        0-d float32: the SUM over labels != -100 (the caller divides by the global count).
-
-    Raises:
-        ValueError: shapes or dtypes that do not match, or ``chunk_tokens`` ≤ 0.
-    """
+    """``F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100,
+    reduction="sum")`` in value and gradients, 0-d float32, holding the logits of at most
+    ``chunk_tokens`` tokens at once: hidden (..., H), weight (V, H) in its dtype, labels (...)
+    already shifted. ``kernel``: the Triton kernel (True), torch ops (False), or the kernel on
+    CUDA (None). ValueError for shapes or dtypes that do not match."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:

@@ -1,10 +1,9 @@
 """RMSNorm in one Triton kernel each way (transformers' ``LlamaRMSNorm`` arithmetic).
 
-The forward reads the input once and writes the output once (plus one float32 scale per token);
-the backward reads the input and the output's gradient once and writes the input's gradient once,
-the weight's gradient summed in float32 per program, then over programs (eager RMSNorm makes
-about six passes forward, twice that backward). As transformers does, the normalised input is
-rounded to the input's dtype before the weight multiplies it; the backward stays in float32.
+Each way reads its inputs once and writes its outputs once (eager RMSNorm makes about six passes
+forward, twice that backward); the weight's gradient is summed in float32 per program, then over
+programs. As transformers does, the normalised input is rounded to the input's dtype before the
+weight multiplies it; the backward stays in float32.
 """
 from __future__ import annotations
 

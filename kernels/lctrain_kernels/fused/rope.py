@@ -1,9 +1,9 @@
 """Rotary position embedding of q and k in one Triton kernel each way (transformers' Llama formula).
 
-transformers applies ``q * cos + rotate_half(q) * sin`` as five eager kernels per tensor over
-strided views. Here one kernel reads q, k, cos and sin once and writes both results once as
-contiguous (B, S, H, D), the layout the attention reads; the backward applies the rotation's
-transpose the same way. float32 arithmetic rounded once; cos and sin get no gradient.
+transformers applies ``q * cos + rotate_half(q) * sin`` as five eager kernels per tensor. Here one
+kernel reads q, k, cos and sin once and writes both results once as contiguous (B, S, H, D), the
+layout the attention reads; the backward applies the rotation's transpose the same way. float32
+arithmetic rounded once; cos and sin get no gradient.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lctrain_kernels.triton.common import DTYPE_KINDS, interpreting, round_to
+from lctrain_kernels.triton.common import DTYPE_KINDS, interpreting, last_dim_contiguous, round_to
 
 
 @triton.jit
@@ -77,10 +77,6 @@ def _(q, k, cos, sin, backward):
             k.new_empty((k.shape[0], k.shape[2], k.shape[1], k.shape[3])))
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _rotate(q, k, cos, sin, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The op on (B, H, S, D) q and k; results as (B, H, S, D) views of (B, S, H, D)."""
     oq, ok = torch.ops.lctrain.rope(q, k, cos, sin, backward)
@@ -90,10 +86,10 @@ def _rotate(q, k, cos, sin, backward: bool) -> tuple[torch.Tensor, torch.Tensor]
 class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+        cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
         ctx.save_for_backward(cos, sin)
         ctx.shapes = (q.shape, k.shape)
-        return _rotate(_last_dim_contiguous(q), _last_dim_contiguous(k), cos, sin, False)
+        return _rotate(last_dim_contiguous(q), last_dim_contiguous(k), cos, sin, False)
 
     @staticmethod
     def backward(ctx, dq, dk):
@@ -101,21 +97,15 @@ class _Rope(torch.autograd.Function):
         q_shape, k_shape = ctx.shapes
         dq = torch.zeros(q_shape, dtype=cos.dtype, device=cos.device) if dq is None else dq
         dk = torch.zeros(k_shape, dtype=cos.dtype, device=cos.device) if dk is None else dk
-        gq, gk = _rotate(_last_dim_contiguous(dq), _last_dim_contiguous(dk), cos, sin, True)
+        gq, gk = _rotate(last_dim_contiguous(dq), last_dim_contiguous(dk), cos, sin, True)
         return gq, gk, None, None
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` in one kernel each way.
-
-    Args:
-        q: (B, Hq, S, D) queries; k: (B, Hk, S, D) keys; fp32, fp16 or bf16, D even.
-        cos, sin: (B, S, D) in the same dtype, halves repeated as transformers builds them.
-
-    Returns:
-        The rotated q and k as (B, H, S, D) views of contiguous (B, S, H, D) tensors.
-    """
+    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` in one kernel each way: q
+    (B, Hq, S, D) and k (B, Hk, S, D) in fp32, fp16 or bf16, cos and sin (B, S, D) in their
+    dtype; returns (B, H, S, D) views of contiguous (B, S, H, D) tensors."""
     return _Rope.apply(q, k, cos, sin)
 
 
@@ -124,7 +114,7 @@ def rotate_tokens(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     """The kernel, without autograd, on token-major q (B, S, Hq, D) and k (B, S, Hk, D) with
     cos/sin (B, S, D) of any float dtype; returns contiguous (B, S, H, D) tensors."""
     return torch.ops.lctrain.rope(q.transpose(1, 2), k.transpose(1, 2),
-                                  _last_dim_contiguous(cos), _last_dim_contiguous(sin), backward)
+                                  last_dim_contiguous(cos), last_dim_contiguous(sin), backward)
 
 
 def rope_supports(q, k, cos, sin, unsqueeze_dim: int = 1) -> bool:

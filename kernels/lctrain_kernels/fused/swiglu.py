@@ -1,9 +1,6 @@
-"""The gated MLP's ``silu(gate) * up`` in one Triton kernel each way.
-
-The forward reads gate and up once and writes the product once, keeping only its two inputs
+"""The gated MLP's ``silu(gate) * up`` in one Triton kernel each way, keeping only gate and up
 (eager PyTorch also keeps the SiLU's output, a third tensor of the layer's widest size); the
-backward reads them and the product's gradient once and writes both gradients once, recomputing
-the SiLU. float32 arithmetic rounded once.
+backward recomputes the SiLU. float32 arithmetic rounded once.
 """
 from __future__ import annotations
 
@@ -86,11 +83,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` in one kernel each way, for two tensors of one shape and dtype.
-
-    Raises:
-        ValueError: shapes or dtypes that differ.
-    """
+    """``silu(gate) * up`` in one kernel each way, for two tensors of one shape and dtype."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu needs gate and up of one shape and dtype, got "
                          f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")

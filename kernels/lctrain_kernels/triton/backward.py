@@ -1,14 +1,9 @@
 """Flash-attention backward in Triton: delta, then dK/dV and dQ in two kernels without atomics.
 
-With ``P = exp2(S * log2(e) - lse * log2(e))`` recomputed tile by tile from the saved lse::
+The gradients of :mod:`lctrain_kernels.reference`, ``P = exp2(S * log2(e) - lse * log2(e))``
+recomputed tile by tile from the FINAL (merged) lse, the lse's gradient folded into delta:
 
-    dV = P^T dO      dP = dO V^T      dS = P * (dP - delta)      delta = rowsum(dO * O) - dlse
-    dQ = scale * dS K                 dK = scale * dS^T Q
-
-``O`` and ``lse`` are the FINAL (merged) ones, so each key block's gradient is exact on its own;
-the lse's gradient ``dlse`` folds into delta (the launcher subtracts it).
-
-1. :func:`attn_bwd_delta_kernel`: delta (B, Hq, Sq) float32.
+1. :func:`attn_bwd_delta_kernel`: delta = rowsum(dO * O), (B, Hq, Sq) float32.
 2. :func:`attn_bwd_dkdv_kernel`: one program per key tile of one (batch, KV head); K and V stay
    on chip while it walks the query tiles that see them (the stage split seen from the keys),
    for every query head of its GQA group in one flat loop, summing dK and dV in registers.
@@ -16,9 +11,8 @@ the lse's gradient ``dlse`` folds into delta (the launcher subtracts it).
 
 dQ has a kernel of its own because its rows are sums over KEY tiles: computing it in step 2 would
 need atomic adds into a shared float32 buffer. Owning its rows costs recomputing S and dP once
-more but needs no atomics or zeroed buffer, is deterministic, and each kernel's tiles are tuned
-on their own (FlashAttention-2's deterministic path, Triton's fused-attention tutorial). Tiles
-are TMA copies where the inputs allow; step 2 reads its group's heads through one 3-D descriptor.
+more but is deterministic, and each kernel's tiles are tuned on their own (FlashAttention-2's
+deterministic path). Tiles are TMA copies where the inputs allow.
 """
 from __future__ import annotations
 
@@ -53,8 +47,7 @@ def attn_bwd_delta_kernel(O, DO, Delta, stride_ob, stride_os, stride_oh,
 @triton.jit
 def _group_desc(ptr, GROUP, n_rows, stride_head, stride_row, HEAD_DIM: tl.constexpr,
                 ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """A TMA descriptor of the GQA group's (GROUP, n_rows, HEAD_DIM) rows at ``ptr``, read in
-    (1, ROWS, HEAD_DIM_PAD) tiles."""
+    """A TMA descriptor of the GQA group's (GROUP, n_rows, HEAD_DIM) rows, read in 3-D tiles."""
     return tl.make_tensor_descriptor(ptr, shape=[GROUP, n_rows, HEAD_DIM],
                                      strides=[stride_head, stride_row, 1],
                                      block_shape=[1, ROWS, HEAD_DIM_PAD])
@@ -101,8 +94,6 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr
     return dk, dv
 
 
-# Scalars that vary between blocks stay unspecialized: one binary serves all GQA groups,
-# diagonal offsets and autotune buckets.
 @triton.jit(do_not_specialize=["causal_off", "Hq", "Hkv", "GROUP", "SEQ_BUCKET"])
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, Lse, Delta, Q_LO, Q_HI,
@@ -205,8 +196,6 @@ def _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_ptr, v_ptr, stride_ks, s
     return dq
 
 
-# Scalars that vary between blocks stay unspecialized: one binary serves all GQA groups,
-# diagonal offsets and autotune buckets.
 @triton.jit(do_not_specialize=["causal_off", "Hq", "GROUP", "SEQ_BUCKET"])
 def attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, Lse, Delta, KV_LO, KV_HI,

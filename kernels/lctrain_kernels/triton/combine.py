@@ -1,11 +1,8 @@
-"""Combining partial results in one memory pass: sums (gradients) and lse merges (outputs).
-
-For up to :data:`MAX_INPUTS` inputs at a time (:mod:`lctrain_kernels.combine` groups more):
-:func:`sum_kernel` gives ``dst = x_0 + x_1 + ...`` and :func:`merge_kernel` ``lse = log sum_i
-exp(lse_i)``, ``dst = sum_i exp(lse_i - lse) x_i`` (a row no input saw stays 0 / -inf), in float32,
-rounded once. Each program reads ``BLOCK_R`` rows (one (batch, position, head) each) of every
-input once and writes the result once; ``dst`` may be one of the inputs (every element is read
-before it is written, by the same program). Unused input slots get the first input, never read.
+"""The sums and lse merges of :mod:`lctrain_kernels.combine` in one memory pass, for up to
+:data:`MAX_INPUTS` inputs at a time. Each program reads ``BLOCK_R`` rows (one (batch, position,
+head) each) of every input once and writes the result once; ``dst`` may be one of the inputs
+(every element is read before it is written, by the same program). Unused input slots get the
+first input, never read.
 """
 from __future__ import annotations
 
@@ -117,8 +114,7 @@ def _check_count(n: int) -> None:
 
 
 def sum_fused(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """``dst = sum(parts)`` in one kernel: 1 to MAX_INPUTS (B, S, H, D) tensors of any float
-    dtypes with a contiguous head dim (the caller checks shapes and strides)."""
+    """``dst = sum(parts)`` of 1 to MAX_INPUTS (B, S, H, D) tensors in one kernel."""
     _check_count(len(parts))
     grid, n_rows, pad, block, warps = _launch_shape(dst)
     if n_rows == 0:
@@ -132,8 +128,7 @@ def sum_fused(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 def merge_fused(dst: torch.Tensor, dst_lse: torch.Tensor,
                 parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Merge 1 to MAX_INPUTS pairs (out (B, S, H, D), lse (B, H, S)) into ``dst`` and the
-    float32 ``dst_lse`` in one kernel."""
+    """Merge 1 to MAX_INPUTS pairs (out, lse) into ``dst`` and float32 ``dst_lse`` in one kernel."""
     _check_count(len(parts))
     grid, n_rows, pad, block, warps = _launch_shape(dst)
     if n_rows == 0:

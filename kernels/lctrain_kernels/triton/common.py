@@ -27,14 +27,15 @@ MASK_NONE = 0
 MASK_CAUSAL = 1
 MASK_RANGES = 2
 
-LOG2E = 1.4426950408889634  # 1 / ln(2)
-LN2 = 0.6931471805599453
-
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, read at
     launch time): no autotuning there, and bf16 must be upcast right after each load."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _device_bounds(doc_bounds, device) -> torch.Tensor:

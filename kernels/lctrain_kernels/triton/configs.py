@@ -2,12 +2,10 @@
 
 Each kernel is tuned over a few (BLOCK_M, BLOCK_N, num_stages, num_warps) points around the
 shapes known to run well on Hopper (Triton's fused-attention tutorial, torch's flex_attention
-defaults), smaller dK/dV tiles included for head dim 128, whose two float32 accumulators leave
-few registers. :func:`prune` drops, before compiling, the points whose pipelined tiles cannot fit
-the device's shared memory or whose accumulators would spill; a point that still fails to
-compile is skipped by the autotuner. The autotune key is (HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET,
-TMA) and the dtypes, SEQ_BUCKET capped at 16K: every long sequence shares one tuning. Under the
-interpreter one small real-sized tile runs (several tiles per test, so the stage split runs).
+defaults). :func:`prune` drops, before compiling, the points whose pipelined tiles cannot fit
+the device's shared memory or whose accumulators would spill. The autotune key is
+(HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET, TMA) and the dtypes, SEQ_BUCKET capped at 16K: every long
+sequence shares one tuning. Under the interpreter one small tile runs (several tiles per test).
 """
 from __future__ import annotations
 
@@ -19,14 +17,13 @@ import triton
 FWD_POINTS = [(128, 128, 3, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 3, 4), (64, 64, 2, 4)]
 DKDV_POINTS = [(64, 128, 3, 8), (32, 128, 3, 8), (32, 128, 2, 8), (32, 64, 3, 4), (32, 64, 2, 4)]
 DQ_POINTS = [(128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4), (64, 32, 2, 4)]
-#: float32 inputs run tf32x3 products, which split every operand in two: smaller tiles.
+# float32 inputs run tf32x3 products, which split every operand in two: smaller tiles.
 FP32_POINTS = {"fwd": [(64, 32, 2, 4), (32, 32, 2, 4)], "dkdv": [(32, 32, 2, 4)],
                "dq": [(32, 32, 2, 4)]}
-#: Launched when a tuned configuration still runs out of shared memory on some GPU.
+# Launched when a tuned configuration still runs out of shared memory on some GPU.
 SAFE_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4}
 
-#: Fixed tiles under TRITON_INTERPRET (no autotuning there).
-INTERPRET_CONFIGS = {
+INTERPRET_CONFIGS = {  # fixed tiles under TRITON_INTERPRET (no autotuning there)
     "fwd": {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},
     "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_stages": 1, "num_warps": 4},
     "dq": {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4},

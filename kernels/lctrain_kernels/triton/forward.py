@@ -52,8 +52,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_desc, v_desc, k_ptr, v_ptr, stride_ks, stride
     return acc, l_i, m_i
 
 
-# Scalars that vary between blocks stay unspecialized: one binary serves all GQA groups,
-# diagonal offsets and autotune buckets.
+# Scalars that vary between blocks stay unspecialized (here and in the backward): one binary
+# serves all GQA groups, diagonal offsets and autotune buckets.
 @triton.jit(do_not_specialize=["causal_off", "Hq", "GROUP", "SEQ_BUCKET"])
 def attn_fwd_kernel(
     Q, K, V, Out, Lse, KV_LO, KV_HI,

@@ -1,7 +1,6 @@
 """Launchers of the Triton attention kernels: checks, mask plan, buffers, grid, autotuning.
 
-q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) with ``Hq % Hkv == 0``, any strides with a contiguous head
-dim; lse (B, Hq, Sq) float32, natural log. The mask is given in GLOBAL positions as in
+Inputs take any strides with a contiguous head dim. The mask is given in GLOBAL positions as in
 :class:`~lctrain_kernels.masks.MaskSpec`; :func:`mask_plan` turns it into a kernel mode, dropping
 what cannot matter for the block. Autotuned on a GPU (``configs``); one fixed tile under the
 interpreter or with an explicit ``config``.
@@ -16,7 +15,7 @@ import triton
 from lctrain_kernels.triton.backward import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel,
                                              attn_bwd_dq_kernel)
 from lctrain_kernels.triton.common import (MASK_CAUSAL, MASK_NONE, MASK_RANGES, interpreting,
-                                           interval_arrays)
+                                           interval_arrays, last_dim_contiguous)
 from lctrain_kernels.triton.configs import (DKDV_POINTS, DQ_POINTS, FP32_POINTS, FWD_POINTS,
                                             INTERPRET_CONFIGS, SAFE_CONFIG, autotuned,
                                             seq_bucket)
@@ -34,15 +33,13 @@ MAX_GRID_Y = 65535
 fwd_tuned = autotuned(attn_fwd_kernel, "fwd", FWD_POINTS)
 dkdv_tuned = autotuned(attn_bwd_dkdv_kernel, "dkdv", DKDV_POINTS)
 dq_tuned = autotuned(attn_bwd_dq_kernel, "dq", DQ_POINTS)
-#: float32 inputs get their own tuners (smaller tiles, see configs.FP32_POINTS).
 FP32_TUNED = {kind: autotuned(kernel, kind, FP32_POINTS[kind]) for kind, kernel in
               (("fwd", attn_fwd_kernel), ("dkdv", attn_bwd_dkdv_kernel),
                ("dq", attn_bwd_dq_kernel))}
 
 
 def check_inputs(q, k, v) -> tuple[int, int, int, int, int, int]:
-    """(B, Sq, Hq, D, Sk, Hkv) of one block's q, k, v, or ValueError saying why the kernels
-    cannot take them."""
+    """(B, Sq, Hq, D, Sk, Hkv) of q, k, v, or ValueError saying why the kernels cannot take them."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"triton attention takes 4-D (batch, seq, heads, head_dim) tensors, got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
@@ -90,10 +87,6 @@ def mask_plan(sq, sk, causal, q_start, k_start, doc_bounds) -> tuple[int, int, t
     return MASK_NONE, q_start - k_start, None
 
 
-def _head_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _buffer(buf, shape, dtype, like: torch.Tensor, name: str) -> torch.Tensor:
     """A fresh output buffer, or the caller's one after checking it."""
     if buf is None:
@@ -128,8 +121,7 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 def _use_tma(tma: bool | None, *tensors: torch.Tensor) -> bool:
-    """TMA where :func:`tma_ok` allows it (``tma=None``), never (False), or required (True:
-    a ValueError for inputs TMA cannot read)."""
+    """TMA where :func:`tma_ok` allows it (``tma=None``), never (False), or required (True)."""
     if tma is False:
         return False
     ok = tma_ok(*tensors)
@@ -189,27 +181,14 @@ def flash_forward(q, k, v, *, scale: float | None = None, causal: bool = False,
                   q_start: int = 0, k_start: int = 0, doc_bounds=None, out=None, lse=None,
                   config: dict | None = None, tma: bool | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one block, ``softmax(q k^T * scale + mask) v``, and its log-sum-exp.
-
-    Args:
-        q: (B, Sq, Hq, D) queries; k, v: (B, Sk, Hkv, D).
-        scale: softmax scale; default ``D ** -0.5``.
-        causal, q_start, k_start, doc_bounds: the mask in global positions.
-        out, lse: optional (B, Sq, Hq, D) and (B, Hq, Sq) float32 output buffers.
-        config: fixed tiles ``{"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}`` instead of
-            autotuning.
-        tma: TMA tile copies where possible (None), never (False) or required (True).
-
-    Returns:
-        ``(out, lse)``; rows that see no key get out = 0 and lse = -inf.
-
-    Raises:
-        ValueError: inputs the kernels cannot take, or ``tma=True`` where TMA cannot read them.
-    """
+    """``(out, lse)`` of one block, q (B, Sq, Hq, D) against k, v (B, Sk, Hkv, D) under the
+    mask ``causal, q_start, k_start, doc_bounds``, into optional ``out`` and float32 ``lse``
+    buffers; ``config`` fixes the tiles instead of autotuning, ``tma`` uses TMA copies where
+    possible (None), never (False) or always (True)."""
     B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
     scale = D ** -0.5 if scale is None else float(scale)
     plan = mask_plan(Sq, Sk, causal, q_start, k_start, doc_bounds)
-    q, k, v = (_head_dim_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out = _buffer(out, q.shape, q.dtype, q, "out")  # (B, Sq, Hq, D)
     lse = _buffer(lse, (B, Hq, Sq), torch.float32, q, "lse")  # (B, Hq, Sq)
     if lse.dtype != torch.float32 or not lse.is_contiguous():
@@ -243,28 +222,16 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
                    q_start: int = 0, k_start: int = 0, doc_bounds=None, dlse=None,
                    dq=None, dk=None, dv=None, dq_config: dict | None = None,
                    dkdv_config: dict | None = None, tma: bool | None = None):
-    """Gradients of one block from the FINAL (merged) ``out`` and ``lse`` of its rows.
-
-    Args:
-        do: (B, Sq, Hq, D) gradient of ``out``; q, k, v, scale, the mask and ``tma`` as in
-            :func:`flash_forward`.
-        dlse: optional (B, Hq, Sq) gradient of ``lse``, folded into delta.
-        dq, dk, dv: optional output buffers (any float dtype).
-        dq_config, dkdv_config: fixed tiles for the two kernels instead of autotuning.
-
-    Returns:
-        ``(dq, dk, dv)``, dk and dv summed over each GQA group.
-
-    Raises:
-        ValueError: inputs the kernels cannot take, or ``tma=True`` where TMA cannot read them.
-    """
+    """``(dq, dk, dv)`` of one block from the FINAL (merged) ``out`` and ``lse`` of its rows and
+    the optional gradient ``dlse`` of the lse, into optional buffers; the other arguments as
+    :func:`flash_forward`'s, a config for each of the two kernels."""
     B, Sq, Hq, D, Sk, Hkv = check_inputs(q, k, v)
     if do.shape != q.shape or out.shape != q.shape or tuple(lse.shape) != (B, Hq, Sq):
         raise ValueError(f"do and out must be {tuple(q.shape)} and lse {(B, Hq, Sq)}, got "
                          f"{tuple(do.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}.")
     scale = D ** -0.5 if scale is None else float(scale)
     plan = mask_plan(Sq, Sk, causal, q_start, k_start, doc_bounds)
-    q, k, v, do, out = (_head_dim_contiguous(x) for x in (q, k, v, do, out))
+    q, k, v, do, out = (last_dim_contiguous(x) for x in (q, k, v, do, out))
     lse = lse.to(torch.float32).contiguous()
     delta = _delta(out, do, lse.shape, dlse)  # (B, Hq, Sq)
     dq = _buffer(dq, q.shape, q.dtype, q, "dq")
