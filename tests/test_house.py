@@ -104,3 +104,24 @@ def test_kernels_depend_on_torch_and_triton_only():
             elif root not in allowed:
                 wrong.append(f"{path.relative_to(ROOT)}: {name}")
     assert wrong == [] and eager == []
+
+
+def _defines_an_op(tree: ast.AST) -> list[str]:
+    """Classes deriving from an autograd Function and uses of torch.library in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = [ast.unparse(base) for base in node.bases]
+            found += [node.name for base in bases if base.endswith("autograd.Function")
+                      or base == "Function"]
+        elif isinstance(node, ast.Attribute) and ast.unparse(node).startswith("torch.library"):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_every_op_and_autograd_function_lives_in_the_kernels():
+    found = {str(path.relative_to(ROOT)): _defines_an_op(ast.parse(path.read_text()))
+             for path in (ROOT / "lctrain").rglob("*.py")}
+    assert {path: names for path, names in found.items() if names} == {}
+    sample = ast.parse("class F(torch.autograd.Function): pass\nx = torch.library.custom_op")
+    assert _defines_an_op(sample) == ["F", "torch.library.custom_op"]

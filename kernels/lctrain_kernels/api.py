@@ -26,11 +26,13 @@ __all__ = [
     "chunked_cross_entropy", "classify", "dist_attention", "dist_attention_with_lse",
     "dotted_version", "get_backend", "interpreting", "merge", "reference_backward",
     "reference_forward", "rms_norm", "rope", "rope_supports", "rotate_tokens", "swiglu",
+    "tiled_apply",
 ]
 
 _LAZY = {"rms_norm": "fused.rms_norm", "swiglu": "fused.swiglu", "rope": "fused.rope",
          "rope_supports": "fused.rope", "rotate_tokens": "fused.rope",
          "chunked_cross_entropy": "fused.loss", "attention_block": "fused.block",
+         "tiled_apply": "tiled",
          "interpreting": "triton.common", "dotted_version": "backends.cudnn_ragged"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

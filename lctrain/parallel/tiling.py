@@ -3,8 +3,6 @@ backward recomputes one tile at a time (weight gradients summed in float32, rand
 replayed). ``apply_tiling(model, 8192)`` after LoRA, before checkpointing and FSDP2."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
@@ -13,6 +11,7 @@ from lctrain.errors import UserError
 from lctrain.model.deferred_norm import DeferredNorm, bare
 from lctrain.model.families import family
 from lctrain.model.structure import decoder_layers, unwrap_layer
+from lctrain_kernels.api import tiled_apply
 
 TILED_CHILDREN = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm", "mlp")
@@ -45,7 +44,8 @@ class TiledModule(ActivationWrapper):
         if tokens <= self.tile_tokens:
             return run(hidden_states)
         params = [p for m in (*self._pre, module) for p in m.parameters() if p.requires_grad]
-        return _TiledApply.apply(hidden_states, run, self.tile_tokens, *params)
+        return tiled_apply(run, hidden_states, self.tile_tokens, params,
+                           check=lambda y, x: _check_tile_output(run, y, x))
 
     def extra_repr(self) -> str:
         pre = f", pre={type(self.pre).__name__}" if self._pre else ""
@@ -115,56 +115,6 @@ def _tile_child(parent: nn.Module, name: str, tile_tokens: int) -> bool:
     return bool(tile_tokens)
 
 
-class _TiledApply(torch.autograd.Function):
-    """y = module(x) over tiles of x's tokens, returning the ``params``' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, module, tile, *params):
-        ctx.rng = _rng_state(x.device)  # before the tiles draw (dropout)
-        flat = x.reshape(1, -1, x.shape[-1])  # (1, N, in)
-        out = None
-        for a in range(0, flat.shape[1], tile):
-            y = module(flat[:, a:a + tile])  # (1, t, out)
-            _check_tile_output(module, y, flat[:, a:a + tile])
-            if out is None:
-                out = y.new_empty((*x.shape[:-1], y.shape[-1]))  # (..., out)
-                rows = out.view(1, -1, y.shape[-1])
-            rows[:, a:a + tile] = y
-        ctx.module, ctx.tile, ctx.params = module, tile, params
-        ctx.autocast = _autocast_state(x.device)
-        ctx.save_for_backward(x)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-        params, tile = ctx.params, ctx.tile
-        flat = x.reshape(1, -1, x.shape[-1]).detach()  # (1, N, in)
-        grads = grad_out.reshape(1, -1, grad_out.shape[-1])  # (1, N, out)
-        need_x = ctx.needs_input_grad[0]
-        grad_x = torch.empty_like(flat) if need_x else None  # (1, N, in)
-        acc: list[torch.Tensor | None] = [None] * len(params)
-        with _replayed(ctx.rng, x.device), torch.enable_grad(), _autocast(ctx.autocast):
-            for a in range(0, flat.shape[1], tile):
-                xt = flat[:, a:a + tile].detach().requires_grad_(need_x)  # (1, t, in)
-                y = ctx.module(xt)
-                wrt = ([xt] if need_x else []) + list(params)
-                got = torch.autograd.grad(y, wrt, grads[:, a:a + tile], allow_unused=True)
-                if need_x:
-                    grad_x[:, a:a + tile] = got[0]
-                    got = got[1:]
-                for i, g in enumerate(got):
-                    if g is not None:
-                        acc[i] = _widened(g) if acc[i] is None else acc[i].add_(g)
-        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(acc, params)]
-        return (None if grad_x is None else grad_x.view_as(x), None, None, *param_grads)
-
-
-def _widened(grad: torch.Tensor) -> torch.Tensor:
-    """A float32 (float64 stays float64) accumulator holding ``grad``."""
-    return grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
-
-
 def _check_tile_output(module, y, x: torch.Tensor) -> None:
     if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
         name = type(module.second if isinstance(module, _Chain) else module).__name__
@@ -172,31 +122,3 @@ def _check_tile_output(module, y, x: torch.Tensor) -> None:
                         f"token to one output row, but returned {type(y).__name__} "
                         f"{tuple(getattr(y, 'shape', ()))} for input {tuple(x.shape)}; set "
                         "train.tile_tokens=0")
-
-
-def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
-    kind = device.type
-    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
-
-
-def _autocast(state: tuple[str, bool, torch.dtype]):
-    kind, enabled, dtype = state
-    return torch.autocast(kind, dtype=dtype, enabled=enabled)
-
-
-def _rng_state(device: torch.device) -> tuple:
-    """The CPU random state and, on a GPU, that device's: what the forward drew from."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _replayed(state: tuple, device: torch.device):
-    """Run with the random state the forward started from, restoring the current one after."""
-    cpu, cuda = state
-    devices = [device] if cuda is not None else []
-    with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield
