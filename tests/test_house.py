@@ -114,7 +114,7 @@ def _defines_an_op(tree: ast.AST) -> list[str]:
             bases = [ast.unparse(base) for base in node.bases]
             found += [node.name for base in bases if base.endswith("autograd.Function")
                       or base == "Function"]
-        elif isinstance(node, ast.Attribute) and ast.unparse(node).startswith("torch.library"):
+        elif isinstance(node, ast.Attribute) and ast.unparse(node.value) == "torch.library":
             found.append(ast.unparse(node))
     return found
 
