@@ -99,7 +99,7 @@ def _auto_backend(documents: bool) -> str:
 def test_bench_attention_on_two_gpus_is_correct_and_profiles_each_rank(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from lctrain.bench.attention import run
+    from lctrain.bench.dist_attention import run
 
     result = run([16384], nproc=2, repeats=2, warmup=1, check_len=4096, profile_dir=str(tmp_path))
     rows = {r["variant"]: r for r in result.rows}

@@ -388,7 +388,7 @@ def test_bench_report_shows_eval_results_as_lctrain_eval_does(tmp_path):
     from typer.testing import CliRunner
 
     from lctrain.cli import app
-    from lctrain.eval.report import EvalResult
+    from lctrain.eval.result import EvalResult
 
     rng = random.Random(random.randrange(2**31))
     losses = [rng.uniform(1.0, 12.0) for _ in range(3)]

@@ -38,9 +38,12 @@ def _result(kind: str, rows=None):
     return BenchResult(kind=kind, title=kind, rows=rows)
 
 
+MODULES = {"attention": "dist_attention"}  # bench command -> its module
+
+
 def _record(monkeypatch, kind: str, result=None) -> list:
     """Replace lctrain.bench.<kind>.run by a recorder returning a real (tiny) result."""
-    module = importlib.import_module(f"lctrain.bench.{kind}")
+    module = importlib.import_module(f"lctrain.bench.{MODULES.get(kind, kind)}")
     calls = []
 
     def run(*args, **kwargs):
@@ -316,7 +319,7 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
     assert kwargs == dict(model=None, seq_len=524288, gpus=8, gpu_memory=80 * 2**30, cp=8,
                           checkpointing="full=4,remat=28", host_memory=2**40, gpus_per_node=4)
     asked = []  # a hub name is first checked against the hub and its cache (offline here)
-    monkeypatch.setattr("lctrain.cli.estimate.check_hub_model",
+    monkeypatch.setattr("lctrain.cli.memory.check_hub_model",
                         lambda name, what: asked.append((name, what)))
     result = _invoke("estimate-memory", "--model", "meta-llama/Llama-2-7b-hf", "--seq-len", "64k",
                      "--gpu-memory", "80GB", "--json")

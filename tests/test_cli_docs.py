@@ -187,7 +187,7 @@ def _bench_result(kind: str):
 
 
 def _eval_result(task: str):
-    from lctrain.eval.report import EvalResult
+    from lctrain.eval.result import EvalResult
 
     rows = ([{"bucket": "0–4K", "start": 0, "stop": 4096, "tokens": 9, "loss": 2.0, "ppl": 7.4},
              {"bucket": "all", "start": 0, "stop": 4096, "tokens": 9, "loss": 2.0, "ppl": 7.4}]
@@ -200,7 +200,7 @@ def _eval_result(task: str):
 def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
     """Record the library calls as (name, args, kwargs); a bench returns a real (tiny)
     BenchResult and eval a real EvalResult, so the output path (table, JSON, plot) runs."""
-    import lctrain.bench.attention
+    import lctrain.bench.dist_attention
     import lctrain.bench.kernel
     import lctrain.bench.step
     import lctrain.eval.request
@@ -229,11 +229,11 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
     monkeypatch.setattr(lctrain.eval.request, "resolve", recorder(  # the target need not exist
         "lctrain.eval.request.resolve",
         lambda target, *, task, **_: (None, types.SimpleNamespace(task=task))))
-    fake = types.ModuleType("lctrain.eval.run")
-    fake.evaluate = recorder("lctrain.eval.run.evaluate",
+    fake = types.ModuleType("lctrain.eval.evaluate")
+    fake.evaluate = recorder("lctrain.eval.evaluate.evaluate",
                              lambda cfg, request, **_: _eval_result(request.task))
-    monkeypatch.setitem(sys.modules, "lctrain.eval.run", fake)
-    for module, kind in [(lctrain.bench.kernel, "kernel"), (lctrain.bench.attention, "attention"),
+    monkeypatch.setitem(sys.modules, "lctrain.eval.evaluate", fake)
+    for module, kind in [(lctrain.bench.kernel, "kernel"), (lctrain.bench.dist_attention, "attention"),
                          (lctrain.bench.step, "step")]:
         monkeypatch.setattr(module, "run", recorder(f"{module.__name__}.run", _bench_result(kind)))
     return calls
@@ -298,7 +298,7 @@ def _check_call(args: list[str], calls: list, tmp_path: Path, output: str) -> No
         return
     if words == ["eval"]:
         (name, _, resolve), (evaluated, _, _) = calls
-        assert (name, evaluated) == ("lctrain.eval.request.resolve", "lctrain.eval.run.evaluate")
+        assert (name, evaluated) == ("lctrain.eval.request.resolve", "lctrain.eval.evaluate.evaluate")
         assert resolve["task"] == one.get("--task", "ppl") and resolve["overrides"] == sets
         for option, key, parse in [("--step", "step", int), ("--seq-len", "seq_len", parse_size),
                                    ("--cp", "cp", int), ("--data", "data", str),
@@ -353,7 +353,7 @@ def _check_call(args: list[str], calls: list, tmp_path: Path, output: str) -> No
                           "step": int(one["--step"]) if "--step" in one else None,
                           "dtype": one.get("--dtype"), "merge": "--merge" in one}
     elif words == ["bench", "kernel"] or words == ["bench", "attention"]:
-        assert name == f"lctrain.bench.{words[1]}.run"
+        assert name == f"lctrain.bench.{ {'attention': 'dist_attention'}.get(words[1], words[1])}.run"
         if "--seq-len" in one:
             assert kwargs["seq_lens"] == parse_size_list(one["--seq-len"])
         if "--documents" in options:

@@ -10,7 +10,7 @@ import torch
 
 from lctrain_kernels.distributed.balance import balanced_order, document_work
 
-from lctrain.bench.attention import run
+from lctrain.bench.dist_attention import run
 from lctrain.errors import ConfigError
 
 LINES: list[str] = []

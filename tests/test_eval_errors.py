@@ -86,7 +86,7 @@ def test_a_failed_rank_keeps_its_log(tmp_path, monkeypatch):
     """A rank that dies mid-evaluation: the scratch folder goes, the ranks' log is kept and
     named."""
     from lctrain.errors import UserError
-    from lctrain.eval import run as eval_run
+    from lctrain.eval import evaluate as eval_run
     from lctrain.eval.request import resolve
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))

@@ -58,7 +58,7 @@ def _on_two_ranks(rank, world, cfgs, folder, prompt, steps, cli_runs):
     from accelerate import Accelerator
 
     from lctrain.eval.decode import generate, register_eval_attention
-    from lctrain.eval.run import EvalModel
+    from lctrain.eval.evaluate import EvalModel
     from lctrain.model import load_model
     from lctrain.parallel.context import ContextParallel
     from lctrain.parallel.mesh import build_mesh
@@ -304,7 +304,7 @@ def test_self_launched_rank_entry(tmp_path, model_folder):
 
     from lctrain.config import save_resolved
     from lctrain.eval.request import resolve
-    from lctrain.eval.run import worker_entry
+    from lctrain.eval.evaluate import worker_entry
 
     data = texts(tmp_path / "d.jsonl", 4, random.Random(random.randrange(2**31)))
     cfg, request = resolve(str(model_folder), task="ppl", cp=1, seq_len=128, data=str(data),

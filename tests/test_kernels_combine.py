@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lctrain_kernels.combine import merge_many_into, sum_into
-from lctrain_kernels.triton.combine import MAX_INPUTS, merge_fused, sum_fused
+from lctrain_kernels.triton.merge import MAX_INPUTS, merge_fused, sum_fused
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

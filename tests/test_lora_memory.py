@@ -15,9 +15,9 @@ from lctrain.memory import (
     load_architecture,
     lora_shape,
 )
-from lctrain.memory import lora as lora_model
+from lctrain.memory import adapters as lora_model
 from lctrain.memory.activations import layer_saved
-from lctrain.memory.lora import trainable_parameters
+from lctrain.memory.adapters import trainable_parameters
 
 FIELDS = {"model_type": "llama", "vocab_size": 101, "hidden_size": 64, "intermediate_size": 176,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lctrain.train.loss import chunked_cross_entropy
+from lctrain_kernels.api import chunked_cross_entropy
 
 
 def _inputs(shape, vocab, hidden, dtype, ignore_frac=0.25):

@@ -79,7 +79,7 @@ def sum_into(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
     _check(dst, parts)
     wide = _wide([dst.dtype] + [p.dtype for p in parts])
     if wide == torch.float32 and _fusable([dst, *parts]):
-        from lctrain_kernels.triton.combine import MAX_INPUTS, sum_fused
+        from lctrain_kernels.triton.merge import MAX_INPUTS, sum_fused
 
         while len(parts) > MAX_INPUTS:
             head = torch.empty(dst.shape, dtype=torch.float32, device=dst.device)  # (B, S, H, D)
@@ -103,7 +103,7 @@ def merge_many_into(dst: torch.Tensor, dst_lse: torch.Tensor,
                              f"{tuple(dst_lse.shape)}.")
     tensors = [dst, dst_lse, *(t for pair in parts for t in pair)]
     if _wide(t.dtype for t in tensors) == torch.float32 and _fusable(tensors):
-        from lctrain_kernels.triton.combine import MAX_INPUTS, merge_fused
+        from lctrain_kernels.triton.merge import MAX_INPUTS, merge_fused
 
         while len(parts) > MAX_INPUTS:
             head = (torch.empty(dst.shape, dtype=torch.float32, device=dst.device),  # (B, S, H, D)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import typer
 
 from lctrain.cli import bench
-from lctrain.cli.common import OneLineUsage
-from lctrain.cli.estimate import estimate_memory
+from lctrain.cli.usage import OneLineUsage
+from lctrain.cli.memory import estimate_memory
 from lctrain.cli.eval import eval_command
 from lctrain.cli.export import export
 from lctrain.cli.finetune import finetune

@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from lctrain.cli.common import split_names, user_errors
+from lctrain.cli.usage import split_names, user_errors
 from lctrain.cli.options import (BackendOpt, BackendsOpt, DocumentMixesOpt, DocumentsOpt,
                                  DocumentsRecipeOpt, DTypeOpt, Format, FormatOpt, HeadDimOpt,
                                  HeadsOpt, JsonFileOpt, KvHeadsOpt, NprocOpt, PlotOpt, ProfileOpt,
@@ -112,7 +112,7 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
       lctrain bench attention --seq-len 128k --documents lognormal:mean=16k
     """
     with user_errors():
-        from lctrain.bench.attention import run
+        from lctrain.bench.dist_attention import run
         from lctrain.bench.publish import Publisher
 
         out = Publisher("attention", fmt.value, wide, json_file, plot)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from lctrain.cli.common import split_names, user_errors
+from lctrain.cli.usage import split_names, user_errors
 from lctrain.cli.options import (CpOpt, Format, FormatOpt, NprocOpt, PlotOpt, SeqLenOpt, SetOpt,
                                  WideOpt)
 from lctrain.errors import UserError
@@ -77,9 +77,9 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt 
     """
     with user_errors():
         from lctrain.config import parse_size, parse_size_list
-        from lctrain.eval.report import check_plot, plot as draw, table
+        from lctrain.eval.result import check_plot, plot as draw, table
         from lctrain.eval.request import resolve
-        from lctrain.eval.run import evaluate
+        from lctrain.eval.evaluate import evaluate
         from lctrain.report.output import emit, say, show
 
         if plot is not None:

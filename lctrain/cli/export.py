@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from lctrain.cli.common import user_errors
+from lctrain.cli.usage import user_errors
 
 
 class ExportDType(str, enum.Enum):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from lctrain.cli.common import user_errors
+from lctrain.cli.usage import user_errors
 from lctrain.cli.options import (MaxStepsOpt, NprocOpt, OutputDirOpt, RecipeArg, ResumeOpt,
                                  SeqLenOpt, SetOpt)
 from lctrain.config import load_recipe, load_resumed

@@ -5,7 +5,7 @@ import json
 
 import typer
 
-from lctrain.cli.common import user_errors
+from lctrain.cli.usage import user_errors
 from lctrain.cli.options import Format, FormatOpt, PlotOpt, WideOpt
 
 

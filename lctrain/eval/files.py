@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.eval.report import load, plot as _draw, table
+from lctrain.eval.result import load, plot as _draw, table
 from lctrain.report.output import say, show
 
 

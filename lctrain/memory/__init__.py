@@ -3,9 +3,9 @@
 planner) and ``estimate(load_architecture("llama-7b"), seq_len, gpus, cp, "remat")``."""
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
 from lctrain.memory.estimate import HOST_USABLE, estimate, host_offload_fits, max_seq_len
-from lctrain.memory.lora import LoraShape, lora_shape
+from lctrain.memory.adapters import LoraShape, lora_shape
 from lctrain.memory.presets import PRESETS
 from lctrain.memory.recipe import (estimate_recipe, placed_layers, plan_recipe,
                                    recipe_architecture)
-from lctrain.memory.report import MemoryEstimate, estimate_table
+from lctrain.memory.tables import MemoryEstimate, estimate_table
 

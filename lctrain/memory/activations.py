@@ -7,7 +7,7 @@ the attention output and lse. Tiles keep only the modules' inputs; head groups d
 attention's buffers, and with the projections in the groups no q, k, v are kept."""
 from __future__ import annotations
 
-from lctrain.memory import lora as lora_model
+from lctrain.memory import adapters as lora_model
 from lctrain.memory.arch import Architecture
 
 

@@ -9,9 +9,9 @@ from lctrain.config.layers import LayerPlan
 from lctrain.errors import UserError
 from lctrain.memory import activations as act
 from lctrain.memory.arch import Architecture
-from lctrain.memory.lora import LoraShape, layer_trainable, root_trainable, trainable_parameters
+from lctrain.memory.adapters import LoraShape, layer_trainable, root_trainable, trainable_parameters
 from lctrain.memory.placement import place, with_unchecked
-from lctrain.memory.report import MemoryEstimate
+from lctrain.memory.tables import MemoryEstimate
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FRAGMENTATION = 0.05

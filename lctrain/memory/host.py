@@ -40,7 +40,7 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
 
 def check_cpu_memory(cfg: RecipeConfig, *, processes: int, available: int | None = None) -> None:
     """Fail (UserError) before loading when a CPU run does not fit this machine's memory."""
-    from lctrain.memory.lora import lora_shape, trainable_parameters
+    from lctrain.memory.adapters import lora_shape, trainable_parameters
     from lctrain.memory.recipe import recipe_architecture
 
     if available is None:

@@ -10,9 +10,9 @@ from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
 from lctrain.errors import UserError
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
 from lctrain.memory.estimate import Setup, estimate
-from lctrain.memory.lora import lora_shape
+from lctrain.memory.adapters import lora_shape
 from lctrain.memory.presets import PRESETS
-from lctrain.memory.report import MemoryEstimate
+from lctrain.memory.tables import MemoryEstimate
 from lctrain_kernels.vocabulary import seq_chunks
 
 _FSDP = {"auto": True, "on": "on", "off": False}

@@ -22,7 +22,7 @@ from lctrain.parallel.activation_checkpoint import AttentionCounter
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed
 from lctrain.parallel.mesh import ParallelMesh, peak_memory_bytes
-from lctrain.train.loss import chunked_cross_entropy
+from lctrain_kernels.api import chunked_cross_entropy
 from lctrain.train.memory_trace import trace_folder, traced_step
 from lctrain.train.nonfinite import Diverged, NonFiniteSteps, Settled, poison_if_nonfinite
 from lctrain.train.step_profile import profile_folder, profiled_step

@@ -30,7 +30,7 @@ from lctrain.model.structure import decoder_layers
 from lctrain.parallel.build import ModelParts, RunSetup
 from lctrain.parallel.build import build_model as build_parallel_model
 from lctrain.parallel.context import ContextParallel
-from lctrain.parallel.forward import validation_loss
+from lctrain.parallel.loss_sums import validation_loss
 from lctrain.parallel.mesh import build_mesh
 from lctrain.parallel.offload import host_memory_bytes
 from lctrain.report.versions import record_run

@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from lctrain.cli.common import user_errors
+from lctrain.cli.usage import user_errors
 from lctrain.cli.options import (CheckpointingOpt, CpOpt, Format, FormatOpt, GpuMemoryOpt, GpusOpt,
                                  GpusPerNodeOpt, HostMemoryOpt, JsonFlag, ModelOpt, PlanFlag,
                                  RecipeArg, SeqLenOpt, SetOpt, WideOpt)
@@ -62,7 +62,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
         typer.echo(json.dumps(payload, indent=2, default=str))
         return
     from lctrain.report.output import show
-    from lctrain.memory.report import estimate_table
+    from lctrain.memory.tables import estimate_table
 
     show(estimate_table(payload, memory), fmt.value, wide)
 
@@ -86,7 +86,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
 
         result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
                              gpus_per_node=gpus_per_node, seq_len=tokens)
-    from lctrain.memory.report import plan_commands, plan_table
+    from lctrain.memory.tables import plan_commands, plan_table
 
     result["commands"] = plan_commands(result, recipe or "RECIPE", overrides)
     if as_json:

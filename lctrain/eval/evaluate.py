@@ -36,14 +36,14 @@ from lctrain.data import eval_batches, prepare_data, rows_summary
 from lctrain.errors import UserError
 from lctrain.eval.decode import generate, register_eval_attention
 from lctrain.eval.passkey import answer_tokens, passkey_cases, passkey_prompt, summarize
-from lctrain.eval.report import EvalResult, load
+from lctrain.eval.result import EvalResult, load
 from lctrain.eval.request import EvalRequest
 from lctrain.launch import launcher, rank
 from lctrain.model import CPContext, load_tokenizer
 from lctrain.model.structure import output_head
 from lctrain.parallel.build import RunSetup, build_model
 from lctrain.parallel.context import ContextParallel
-from lctrain.parallel.forward import bucket_sums, forward_sums
+from lctrain.parallel.loss_sums import bucket_sums, forward_sums
 from lctrain.parallel.mesh import build_mesh, peak_memory_bytes
 from lctrain.report.human import tokens as token_text
 from lctrain.report.versions import environment
