@@ -177,7 +177,9 @@ def test_dataclasses_are_frozen_keyword_only_and_checked():
 def test_save_resolved_round_trips(tmp_path):
     cfg = load_recipe(None, ["train.lr=5e-4", "parallel.fsdp=off", "train.mixed_precision=no"])
     path = save_resolved(cfg, tmp_path / "run" / "config.yaml")
-    assert load_recipe(path) == cfg
+    moved = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                               output_dir=str(tmp_path / "run")))
+    assert load_recipe(path) == moved  # a run's config.yaml trains into the folder holding it
     assert yaml.safe_load(path.read_text())["train"]["lr"] == 5e-4
 
 
@@ -326,3 +328,37 @@ def test_checkpointing_language_parses_and_prints_what_it_parsed(tmp_path):
         LayerPlan.parse("full=1,remat=1").kinds(3)
     with pytest.raises(ConfigError, match="parks 4 layers but the model has 3"):
         LayerPlan.parse("full", "layers=4").parked_layers(3)
+
+
+@pytest.mark.parametrize("item, shown", [("train.lr=1e39", "1e+39"), ("train.lr=-4e38", "-4e+38"),
+                                          ("train.weight_decay=3.5e38", "3.5e+38")])
+def test_a_float_that_float32_cannot_hold_is_refused(item, shown):
+    key = item.split("=")[0]
+    with pytest.raises(ConfigError) as info:
+        load_recipe(None, [item])
+    assert str(info.value).startswith(f"{key} is {shown}, which overflows float32")
+    assert info.value.key == key
+    largest = load_recipe(None, ["train.lr=3.4e38"])  # the largest float32 still trains
+    assert largest.train.lr == 3.4e38
+
+
+@pytest.mark.parametrize("item, meant", [
+    ("train.learning_rate=1e-4", "train.lr"), ("data.dataset=x.jsonl", "data.source"),
+    ("train.num_train_epochs=2", "train.epochs"), ("lora.lora_r=8", "lora.rank"),
+    ("lora.lora_alpha=16", "lora.alpha"), ("data.max_seq_length=4k", "data.seq_len"),
+    ("data.sequence_len=4k", "data.seq_len"),
+    ("train.gradient_accumulation_steps=4", "train.grad_accum"),
+    ("train.per_device_train_batch_size=2", "train.batch_size"),
+    ("data.output_dir=x", "train.output_dir"),
+    ("learning_rate=1e-4", "train.lr"), ("train.datasets=x", "data.source")])
+def test_names_from_other_tools_point_to_the_setting(item, meant):
+    with pytest.raises(ConfigError) as info:
+        load_recipe(None, [item])
+    assert f"; did you mean {meant}?" in str(info.value)
+
+
+def test_a_recipe_file_with_trainer_names_points_to_the_settings(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {config: {model_type: llama}}\nlearning_rate: 0.001\n")
+    with pytest.raises(ConfigError, match=r"section 'learning_rate' .*did you mean train\.lr"):
+        load_recipe(recipe)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -97,6 +98,37 @@ def test_resume_takes_the_runs_recipe_and_refuses_what_may_not_change(run, tmp_p
     assert "resuming with changed settings: train.max_steps 2 -> 3" in output
     assert "resuming at step 2" in output and not (tmp_path / "PWNED").exists()
     assert yaml.safe_load((copy / "config.yaml").read_text())["train"]["max_steps"] == 3
+
+
+def test_a_copied_run_resumed_from_its_config_continues_the_copy_only(run, tmp_path):
+    original = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    copy = _copy(run, tmp_path)
+    code, output = _cli("finetune", copy / "config.yaml", "--resume", "--max-steps", 3,
+                        "--nproc", 1)
+    assert code == 0, output
+    assert "resuming at step 2" in output
+    assert [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text()
+            .splitlines()] == [1, 2, 3]  # the copy's log goes on
+    assert (copy / "checkpoints" / "step-00000003").is_dir()
+    assert yaml.safe_load((copy / "config.yaml").read_text())["train"]["output_dir"] == str(copy)
+    after = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    assert after == original  # the original run is not touched
+
+
+def test_a_start_that_failed_before_its_first_step_is_taken_over(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "no text field here"}\n')
+    common = ["--nproc", 1, "--set", "parallel.cp=1", "--seq-len", 64, "--max-steps", 1,
+              "--set", "checkpoint.export_final=false", "--output-dir", tmp_path / "run"]
+    code, output = _cli("finetune", *common, "--set", f"data.source={bad}")
+    assert code != 0 and (tmp_path / "run" / "config.yaml").exists(), output
+    code, output = _cli("finetune", *common, "--set", "data.max_documents=8")
+    assert code == 0, output
+    assert "never completed a step; this run takes the folder over" in output
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["data"]["source"] == "builtin"
+    code, output = _cli("finetune", *common, "--set", "data.max_documents=4")
+    assert "holds another run" in _one_sentence(code, output)  # a run that trained is kept
 
 
 def _umask() -> int:

@@ -17,6 +17,7 @@ from lctrain.errors import ConfigError
 SIZE = {"unit": "tokens"}
 """Field metadata: the int field also accepts a size string such as ``"256k"``."""
 MEMORY = {"unit": "bytes"}
+FLOAT32_MAX = 3.4028234663852886e38
 """Field metadata: the int field also accepts a memory size such as ``"240GiB"``."""
 
 
@@ -101,6 +102,10 @@ def _to_float(key: str, value: Any, unit: str | None) -> float:
         raise _fail(key, "a number", value)
     if not math.isfinite(number):  # .inf / .nan (or "inf", "nan") would train on nonsense
         raise ConfigError(f"{key} is {value!r} but must be a finite number", key=key)
+    if abs(number) > FLOAT32_MAX:  # finite here, inf in the float32 the training runs in
+        raise ConfigError(f"{key} is {value!r}, which overflows float32 (at most "
+                          f"{FLOAT32_MAX:.4g} in size), the precision training computes in",
+                          key=key)
     return number
 
 

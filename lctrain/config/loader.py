@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from lctrain.config.aliases import alias_hint
 from lctrain.config.fields import suggest
 from lctrain.config.paths import (absolute_paths, check_model_path, decode_text, local_data,
                                   ordinary_permissions, read_recipe_text)
@@ -50,6 +51,9 @@ _Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))
 
+RESOLVED_HEADER = "# resolved lctrain recipe (all defaults and overrides applied)\n"
+"""The first line of a run's saved config.yaml."""
+
 _FREE_FORM = {("model", "config")}
 """Fields whose value is a free mapping: any key below them is accepted (a transformers config)."""
 
@@ -87,7 +91,7 @@ def _check_key(section: str, name: str, where: str) -> None:
     if key in REMOVED:
         raise ConfigError(f"{key} ({where}) is no longer a setting: {REMOVED[key]}", key=key)
     if name not in known:
-        close = suggest(key, [f"{section}.{k}" for k in known])
+        close = alias_hint(key) or suggest(key, [f"{section}.{k}" for k in known])
         raise ConfigError(f"unknown key {key} {where}{close} (known: {', '.join(known)})")
 
 
@@ -99,6 +103,10 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
     return the checked, frozen config (ConfigError naming where a bad value came from)."""
     text, source = read_recipe_text(path)
     raw = parse_yaml(text, source)
+    if text.startswith(RESOLVED_HEADER) and isinstance(raw, dict) \
+            and isinstance(raw.get("train"), dict):
+        # a run's own config.yaml: the run is the folder holding it, wherever it was moved
+        raw["train"]["output_dir"] = str(Path(source).expanduser().resolve().parent)
     origins = apply_overrides(raw, overrides, seq_len=seq_len, output_dir=output_dir,
                               max_steps=max_steps)
     return build_checked(raw, source, origins)
@@ -146,7 +154,8 @@ def build_recipe(raw: dict[str, Any], source: str = "the recipe") -> RecipeConfi
                           f"train, checkpoint), not a {type(raw).__name__}")
     for name in raw:
         if name not in _SECTIONS:
-            raise ConfigError(f"unknown section {name!r} in {source}{suggest(name, _SECTIONS)} "
+            hint = alias_hint(str(name)) or suggest(name, _SECTIONS)
+            raise ConfigError(f"unknown section {name!r} in {source}{hint} "
                               f"(sections: {', '.join(_SECTIONS)})")
     if raw.get("model") is None:
         raise ConfigError(f"{source} has no model section; set model.path (a pretrained model) "
@@ -182,7 +191,8 @@ def set_key(raw: dict[str, Any], key: str, value: Any, *, where: str) -> None:
     parts = key.split(".")
     section, rest = parts[0], parts[1:]
     if section not in _SECTIONS:
-        raise ConfigError(f"unknown key {key} in {where}{suggest(section, _SECTIONS)} "
+        hint = suggest(section, _SECTIONS) or alias_hint(key)
+        raise ConfigError(f"unknown key {key} in {where}{hint} "
                           f"(sections: {', '.join(_SECTIONS)})")
     if not rest:
         raise ConfigError(f"{where} names the whole section {section}; name one setting such "
@@ -205,7 +215,7 @@ def save_resolved(cfg: RecipeConfig, path: str | os.PathLike) -> Path:
     """Write the fully resolved recipe as YAML (atomically) and return the file's path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = "# resolved lctrain recipe (all defaults and overrides applied)\n"
+    text = RESOLVED_HEADER
     text += yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:

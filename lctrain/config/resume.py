@@ -78,12 +78,28 @@ def check_run_folder(cfg: RecipeConfig, *, resume: bool) -> list[tuple[str, Any,
     if not saved_file.exists():
         return []
     changed = differences(_saved(saved_file, resume=False), cfg)
-    if changed:
+    if changed and not never_trained(out):
         key, old, new = changed[0]
         raise ConfigError(f"{out} holds another run ({saved_file} has {key} = {old!r}, this "
                           f"run {new!r}); choose another --output-dir, resume that run with "
                           "--resume, or delete the folder", key=key)
     return []
+
+
+def never_trained(folder: Path) -> bool:
+    """Whether the run folder ``folder`` holds no completed step (no checkpoint, no logged
+    step): a start that failed early, which a new start may take over."""
+    metrics = folder / "metrics.jsonl"
+    return (not any((folder / "checkpoints").glob("step-*"))
+            and not (metrics.exists() and metrics.stat().st_size > 0))
+
+
+def takes_over(cfg: RecipeConfig) -> bool:
+    """Whether a fresh start of ``cfg`` replaces another recipe's run that never trained."""
+    out = Path(cfg.train.output_dir)
+    saved = out / "config.yaml"
+    return (saved.exists() and never_trained(out)
+            and bool(differences(_saved(saved, resume=False), cfg)))
 
 
 def check_writable(folder: Path) -> None:

@@ -15,7 +15,7 @@ from accelerate.utils import set_seed
 from lctrain.checkpoint.reader import load_checkpoint, read_trainer_state, resume_point
 from lctrain.checkpoint.writer import Checkpointer
 from lctrain.config import RecipeConfig, save_resolved
-from lctrain.config.resume import check_run_folder, describe_changes
+from lctrain.config.resume import check_run_folder, describe_changes, takes_over
 from lctrain.data import (PackedRows, iter_batches, plan_steps, prepare_data, rows_summary,
                           steps_summary)
 from lctrain.errors import UserError
@@ -59,6 +59,7 @@ def finetune(cfg: RecipeConfig, *, resume: bool = False, nproc: int | None = Non
 def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | None = None) -> int:
     """Run this rank's training; 0, or 128 + the stopping signal (UserError as `finetune`)."""
     out = Path(cfg.train.output_dir)
+    takeover = not resume and takes_over(cfg)
     changes = check_run_folder(cfg, resume=resume)
     resume_from = resume_point(out / "checkpoints", resume)
     with stop or StopRequest() as stop, rank.worker_process(cfg) as accelerator:
@@ -66,6 +67,9 @@ def run_worker(cfg: RecipeConfig, *, resume: bool = False, stop: StopRequest | N
         device, timeout = accelerator.device, rank.group_timeout(cfg)
         pmesh = build_mesh(cfg.parallel.cp, device_type=device.type, timeout=timeout)
         if pmesh.rank == 0:  # the recipe as given (steps: resolved per launch, below)
+            if takeover:
+                print(f"lctrain: {out} held a start of another recipe that never completed a "
+                      "step; this run takes the folder over", flush=True)
             save_resolved(cfg, out / "config.yaml")
             if changes:
                 print(describe_changes(changes), flush=True)
