@@ -95,7 +95,8 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
     from lctrain.train.runner import finetune
 
     layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
-    parent = Path(cfg.train.output_dir)
+    parent = Path(cfg.train.output_dir).absolute()
+    made = next((p for p in reversed([parent, *parent.parents]) if not p.exists()), None)
     parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=parent))
     data = None if documents is None else Path(tempfile.mkdtemp(prefix=".bench-data-", dir=parent))
@@ -119,6 +120,7 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         shutil.rmtree(scratch, ignore_errors=True)
         if data is not None:
             shutil.rmtree(data, ignore_errors=True)
+        _remove_empty(parent, made)
     return (_row(cfg, nproc, records, warmup, layers, predicted) | mix
             | _saves(records, warmup, save_every))
 
@@ -197,6 +199,19 @@ def _stdout_to_stderr() -> Iterator[None]:
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
+
+
+def _remove_empty(folder: Path, top: Path | None) -> None:
+    """Remove ``folder`` and its parents up to ``top`` (the first one this run made) while they
+    are empty: a benchmark leaves no empty run folder behind."""
+    while top is not None:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: another run's, or the user's
+            return
+        if folder == top:
+            return
+        folder = folder.parent
 
 
 def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,

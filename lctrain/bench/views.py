@@ -100,6 +100,9 @@ def table(result: BenchResult) -> Table:
     columns, rows = list(COLUMNS[result.kind]), result.rows
     if result.kind == "step":
         columns, rows = _step_view(result, columns)
+        if not (result.meta.get("machine") or {}).get("gpu"):
+            notes.append("on a CPU, peak is the process's largest resident memory (Python, "
+                         "torch and the libraries included); est. counts the training tensors")
     specs = _specs(result)
     if len(specs) > 1:  # rows of several mixes: number them (the notes say which is which)
         rows = [{**row, "mix_no": specs.index(row["documents"]) + 1

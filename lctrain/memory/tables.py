@@ -49,7 +49,7 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     if gpu_memory:
         rows.append({"what": "GPU memory", "bytes": gpu_memory})
     if details.get("host_offload"):
-        rows.append({"what": "host memory per GPU (offloaded)", "bytes": details["host_offload"]})
+        rows.append({"what": "host per GPU (offloaded)", "bytes": details["host_offload"]})
     if details.get("host_offload_per_node") and estimate.get("host_memory"):
         rows.append({"what": "host memory per machine (offloaded)",
                      "bytes": details["host_offload_per_node"]})
@@ -77,13 +77,13 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
         if details.get(key, default) != default:
             facts.append((key.replace("_", " "), str(details[key])))
     if details.get("phase"):
-        facts.append(("peak during", f"the {details['phase']} phase"))
+        facts.append(("peak during", str(details["phase"])))
     for row in rows:
         row["amount"] = format_bytes(row["bytes"])
     rows += [{"what": what, "amount": value} for what, value in facts]
     columns = [Column("what", "per GPU"), Column("amount", "amount", "figure"),
                Column("bytes", "bytes", "number", compact=False)]
-    return Table(title="Estimated memory per GPU", columns=columns, rows=rows)
+    return Table(title="Estimated memory per GPU", columns=columns, rows=rows, keys=1)
 
 
 _PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "parallel"),
@@ -119,7 +119,7 @@ def plan_table(plan: dict) -> Table:
             rows.append(row)
     columns = [Column("what", "setting")] + [Column(name, header, "figure")
                                              for name, header, _ in choices]
-    return Table(title=title, columns=columns, rows=rows,
+    return Table(title=title, columns=columns, rows=rows, keys=1,
                  notes=["estimates: lctrain.memory (memory), lctrain.memory.plan (time, for "
                         "ranking only)"])
 

@@ -122,14 +122,15 @@ def summary(runs: list[Run]) -> Table:
     """The runs as a table: one row each, the differing settings as columns."""
     keys = differing(runs)
     columns = [Column("run", "run")]
-    columns += [Column(k, k.rsplit(".", 1)[-1]) for k in keys]
+    columns += [Column(k, k) for k in keys]  # model.path, not "path"
     columns += [Column("steps", "steps", "number"), Column("loss_final", "final", "loss", "loss"),
                 Column("loss_best", "best", "loss", "loss"),
                 Column("eval_loss", "eval", "loss", "loss"),
                 Column("tokens_per_s", "tokens/s", "number"), Column("mfu", "MFU", "percent"),
-                Column("peak_bytes", "peak", "gib", "GiB"), Column("time_s", "time", "seconds")]
+                Column("peak_bytes", "peak", "gib", "GiB"), Column("time_s", "step time", "seconds")]
     rows = [row(run, keys) for run in runs]
     notes = [f"{k}: " + " | ".join(f"{r['run']} {r.get(k)}" for r in rows) for k in keys]
+    notes.append("step time = the sum of the logged steps' times, not the wall clock")
     if len(runs) == 1:
         s = runs[0].settings
         notes.append(f"{s.get('model.path') or s.get('model.config.model_type', 'model')}, "

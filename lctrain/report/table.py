@@ -42,6 +42,7 @@ class Table:
     columns: list[Column]
     rows: list[dict]
     notes: list[str] = field(default_factory=list)
+    keys: int = 2  # leading columns that every part of a split table repeats
 
 
 @dataclass
@@ -138,7 +139,7 @@ def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bo
     """The table as text in ``fmt`` ("table", "markdown" or "csv"), ending with a newline.
 
     ``wide`` shows every column; ``terminal`` fits a "table" to ``width`` (default 80) by
-    printing it in parts that each repeat the first two columns."""
+    printing it in parts that each repeat the table's ``keys`` leading columns."""
     if fmt == "csv":
         return _csv(table)
     cells = _cells(table, wide)
@@ -148,7 +149,7 @@ def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bo
         raise ValueError(f"unknown table format {fmt!r}; choose from table, markdown, csv.")
     limit = (width or 80) if terminal else None
     out = [_wrap(cells.title, limit)] if cells.title else []
-    out += [_grid(cells, part) for part in _parts(cells, limit)]
+    out += [_grid(cells, part) for part in _parts(cells, limit, table.keys)]
     out += [_wrap(note, limit) for note in cells.notes]
     return "\n".join(out) + "\n"
 
@@ -166,13 +167,13 @@ def _widths(cells: _Cells) -> list[int]:
     return [max(len(line[i]) for line in lines) for i in range(len(cells.headers))]
 
 
-def _parts(cells: _Cells, width: int | None) -> list[list[int]]:
+def _parts(cells: _Cells, width: int | None, key_count: int = 2) -> list[list[int]]:
     """Column indices of each part: all in one, or groups that fit ``width`` (2-space gaps)."""
     widths = _widths(cells)
     every = list(range(len(widths)))
     if width is None or sum(widths) + 2 * (len(widths) - 1) <= width:
         return [every]
-    keys = every[:2]
+    keys = every[:key_count]
     parts, current = [], list(keys)
     used = sum(widths[i] + 2 for i in keys)
     for i in every[2:]:
