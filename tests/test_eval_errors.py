@@ -1,7 +1,7 @@
 """``lctrain eval`` targets and data a user gets wrong, or that the run would get wrong:
 
 - a TARGET that does not exist says what TARGET may be (not only "recipe file");
-- an ``lctrain export`` of a LoRA run (a peft adapter, no config.json) is named as such, with
+- an adapter folder whose base model is missing or gone is named as such, with
   the two ways to evaluate it;
 - ``--data`` is read in its own format (detected from its records), not in the target's
   data.format: a recipe that trains on chat evaluates a plain-text file; ``--set data.format``
@@ -44,9 +44,14 @@ def test_lora_adapter_export_is_named(tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     (adapter / "tokenizer.json").write_text("{}")
-    assert _error(adapter) == (f"error: {adapter} holds a LoRA adapter (lctrain export of a LoRA "
-                               "run), not a whole model; evaluate the run folder, or export it "
+    assert _error(adapter) == (f"error: {adapter} holds a LoRA adapter that names no base model "
+                               "(base_model_name_or_path); evaluate the run folder, or export it "
                                "with --merge and evaluate that")
+    config = {"peft_type": "LORA", "r": 4, "base_model_name_or_path": str(tmp_path / "gone")}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    assert _error(adapter) == (f"error: {adapter} holds a LoRA adapter whose base model "
+                               f"{tmp_path / 'gone'} is gone; evaluate the run folder, or export "
+                               "it with --merge and evaluate that")
     (adapter / "adapter_config.json").unlink()  # a folder of neither kind still says so
     assert "neither config.yaml (a run folder) nor config.json" in _error(adapter)
 

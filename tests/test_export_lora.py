@@ -200,3 +200,30 @@ def test_lora_adapter_and_merged_exports(runs):
     want = runs["logits"]["lora", 4]
     for logits in (adapted, _reload_logits(merged_dir, ids)):  # fp32: 1e-5 of the logits' scale
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_an_adapter_folder_evaluates_as_its_merged_model(runs, tmp_path):
+    """``lctrain eval`` of a peft adapter (the export of a LoRA run) loads its base model and
+    merges the adapter with peft; lctrain's own --merge export must score the same."""
+    root = runs["root"]
+    adapter_dir, merged_dir = root / "lora" / "final", tmp_path / "merged"
+    _export(root / "lora", "--merge", "--output", merged_dir)
+    scores = {}
+    for name, folder in (("adapter", adapter_dir), ("merged", merged_dir)):
+        out = tmp_path / f"{name}.json"
+        result = CliRunner().invoke(app, ["eval", str(folder), "--task", "ppl", "--cp", "1",
+                                          "--seq-len", "128", "--max-rows", "2", "--bucket", "64",
+                                          "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        document = json.loads(out.read_text())
+        scores[name] = {row["bucket"]: row["loss"] for row in document["rows"]}
+        assert document["meta"]["kind"] == ("adapter" if name == "adapter" else "model")
+    assert scores["adapter"].keys() == scores["merged"].keys()
+    for bucket, loss in scores["merged"].items():
+        assert scores["adapter"][bucket] == pytest.approx(loss, rel=1e-5), bucket
+    base_only = tmp_path / "base.json"  # the adapter changes the scores: it was merged
+    CliRunner().invoke(app, ["eval", str(runs["base"]), "--task", "ppl", "--cp", "1",
+                             "--seq-len", "128", "--max-rows", "2", "--bucket", "64",
+                             "--json", str(base_only)])
+    base_loss = json.loads(base_only.read_text())["rows"][-1]["loss"]
+    assert abs(base_loss - scores["adapter"]["all"]) > 1e-4

@@ -108,6 +108,16 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
         passkey_prompt(load_tokenizer(cfg), min(request.lengths), 0.0, "12345")
     scratch = Path(tempfile.mkdtemp(prefix="lctrain-eval-"))
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(scratch)))
+    if request.kind == "adapter":  # the base model with the adapter merged in, once
+        from lctrain.model.lora import merge_adapter
+
+        try:
+            folder = merge_adapter(request.target, cfg.model.path, scratch / "model",
+                                   trust_remote_code=cfg.model.trust_remote_code)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(folder)))
     request = dataclasses.replace(request, result_file=str(scratch / "result.json"))
     (scratch / "request.json").write_text(request.to_json())
     worker = functools.partial(eval_worker, request=request)

@@ -27,8 +27,8 @@ DEFAULT_BUCKETS = 16  # position buckets of a perplexity run without --bucket
 @dataclasses.dataclass(frozen=True)
 class EvalRequest:
     """What every rank of an evaluation needs besides the recipe (JSON-serialisable): the
-    task; the target and its kind (run, model, recipe); a run's checkpoint and step; for ppl
-    the data part (``eval``: the validation data), row limit and bucket width; for passkey the
+    task; the target and its kind (run, model, adapter, recipe); a run's checkpoint and step;
+    for ppl the data part (``eval``: the validation data), row limit and bucket width; for passkey the
     lengths, depths, trials and seed; and where rank 0 writes the result."""
 
     task: str
@@ -141,20 +141,18 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
     if path.is_dir() and CHECKPOINT_NAME.fullmatch(path.name) and path.parent.name == \
             "checkpoints" and (run / "config.yaml").is_file():
         return read_resolved(run / "config.yaml").to_dict(), "checkpoint", str(run / "config.yaml")
-    if path.is_dir() and (path / "config.json").is_file():
-        if (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists():
-            raise UserError(f"{target} holds a LoRA adapter, not a whole model; evaluate the "
-                            "run folder, or export it with --merge and evaluate that")
+    adapter = (path / "adapter_config.json").is_file() and not (path / "model.safetensors").exists()
+    if path.is_dir() and ((path / "config.json").is_file() or adapter):
         import torch  # here only: resolving a run or a recipe needs none
 
         cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return ({"model": {"path": str(path)}, "data": {"tokenizer": None},
+        model, tokenizer = str(path), None
+        if adapter:  # a peft adapter: its base model, merged with it before the ranks start
+            model = _adapter_base(path)
+            tokenizer = str(path) if any(path.glob("tokenizer*")) else None
+        return ({"model": {"path": model}, "data": {"tokenizer": tokenizer},
                  "parallel": {"cp": max(cuda, 1)}, "train": {"mixed_precision": "auto"}},
-                "model", str(path))
-    if path.is_dir() and (path / "adapter_config.json").is_file():
-        raise UserError(f"{target} holds a LoRA adapter (lctrain export of a LoRA run), not a "
-                        "whole model; evaluate the run folder, or export it with --merge and "
-                        "evaluate that")
+                "adapter" if adapter else "model", str(path))
     if path.is_dir():
         raise UserError(f"{target} is a folder with neither config.yaml (a run folder) nor "
                         "config.json (a model folder), nor a checkpoint of a run; pass one of "
@@ -165,6 +163,28 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
                         "checkpoints (RUN/checkpoints/step-N), a model folder (config.json), a "
                         f"recipe file or a shipped recipe ({names})")
     return load_recipe(target).to_dict(), "recipe", str(target)
+
+
+def _adapter_base(folder: Path) -> str:
+    """The base model a peft adapter folder names (a folder, relative to the adapter's, or a hub
+    name). UserError: it names none, or a folder that is gone."""
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path")
+    except (OSError, ValueError) as error:
+        raise UserError(f"{folder / 'adapter_config.json'} cannot be read ({error}); export "
+                        "the LoRA run again") from None
+    if not base:
+        raise UserError(f"{folder} holds a LoRA adapter that names no base model "
+                        "(base_model_name_or_path); evaluate the run folder, or export it with "
+                        "--merge and evaluate that")
+    local = (folder / base).resolve()
+    if local.is_dir():
+        return str(local)
+    if Path(base).is_absolute() or base.startswith("."):
+        raise UserError(f"{folder} holds a LoRA adapter whose base model {base} is gone; "
+                        "evaluate the run folder, or export it with --merge and evaluate that")
+    return base
 
 
 def _names_shipped_recipe(path: Path) -> bool:

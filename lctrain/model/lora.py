@@ -10,6 +10,7 @@ chunked loss multiplies by its weight directly.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -125,3 +126,16 @@ def _leaf_names(model: nn.Module) -> list[str]:
     head = model.get_output_embeddings()
     return list(dict.fromkeys(q.rsplit(".", 1)[-1] for q, m in model.named_modules() if q
                               and m is not head and any(True for _ in m.parameters(False))))
+
+
+def merge_adapter(adapter: str, base: str, out: Path, *, trust_remote_code: bool = False) -> Path:
+    """Write ``base`` with the peft adapter in ``adapter`` merged into its weights (float32) as
+    a model folder ``out``; return it. The merge is peft's, as a user loading the adapter gets."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged.save_pretrained(out)
+    return out
