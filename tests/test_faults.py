@@ -13,7 +13,8 @@ left, the first resume with the exact command the previous run printed:
    the checkpoint of the stopped step complete, no half-written one left;
 4. ``kill -9`` on a launcher process as soon as its ranks are up (each asks for its
    parent-death signal first thing, so what holds then holds at any later moment): the agent
-   and both ranks die with it, and the folder's lock with them;
+   and both ranks die with it, and the folder's lock with them; its private temporary folder
+   is left, and the next launcher removes it;
 5. SIGSTOP on rank 1: after train.collective_timeout rank 0 names the operation and rank 1, the
    launcher ends the job, the last checkpoint is untouched.
 
@@ -22,7 +23,7 @@ a resume — from a regular checkpoint, and from the one saved on the signal —
 its loss. Each fault asserts the message, the exit code, a time bound and that no process of
 the run is left. The launcher's second signal is tested on real processes without training in
 test_faults_units.py. A second scenario trains with a
-learning rate that makes the loss NaN.
+learning rate that makes the loss NaN, then goes on with every step skipped.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -152,8 +154,20 @@ def _kill_rank_1(out: Path, cfg, refused: list) -> int:
     return last
 
 
-def _kill_launcher(out: Path, log: Path) -> None:
-    """Step 4: ``kill -9`` on a launcher process once both of its ranks are up."""
+def _private_folders(pid: int) -> list[Path]:
+    """The private temporary folders whose owner file names process ``pid``."""
+    found = []
+    for folder in Path(tempfile.gettempdir()).glob("lctrain-launch-*"):
+        try:
+            if (folder / "owner").read_text().split()[0] == str(pid):
+                found.append(folder)
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def _kill_launcher(out: Path, log: Path) -> int:
+    """Step 4: ``kill -9`` on a launcher process once both of its ranks are up; its pid."""
     _fresh(out)
     with log.open("w") as sink:
         launcher = subprocess.Popen([sys.executable, "-m", "lctrain", "finetune",
@@ -171,6 +185,8 @@ def _kill_launcher(out: Path, log: Path) -> None:
         killed = time.monotonic()
         _wait(lambda: not _leftovers(out), "the ranks to die with the launcher", timeout=10)
     assert time.monotonic() - killed < 10
+    assert len(_private_folders(launcher.pid)) == 1  # left behind, for the next launcher
+    return launcher.pid
 
 
 def _term_rank_1(out: Path, capfd) -> int:
@@ -264,8 +280,9 @@ def test_a_run_survives_a_chain_of_faults_and_resumes_exactly(tmp_path, capfd):
     terminated = _term_rank_1(out, capfd)
     assert not _leftovers(out)
     _stop_launcher(out, tmp_path / "stopped.log")
-    _kill_launcher(out, tmp_path / "killed.log")
+    killed = _kill_launcher(out, tmp_path / "killed.log")
     _stop_rank_1(out)
+    assert not _private_folders(killed)  # the next launcher removed it
     assert not _leftovers(out)
     final = _steps(out)
     redone = [step for step in reference if step in final and step > 10]
@@ -275,13 +292,15 @@ def test_a_run_survives_a_chain_of_faults_and_resumes_exactly(tmp_path, capfd):
         assert final[step]["lr"] == reference[step]["lr"], step
 
 
-def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capfd):
     """lr = 1e10: step 1 throws the weights far out, every later loss is NaN. The updates are
     skipped (weights, optimizer and schedule unchanged), three in a row end the run, and every
-    checkpoint kept is of the last good weights."""
+    checkpoint kept is of the last good weights; the checkpoints of skipped steps never rotate
+    out step 1's, the last of a step that trained. Resumed with a limit far away, the run
+    skips every step, ends, and its last line says so."""
     out = tmp_path / "nan"
     cfg = _cfg(out, 12, **{"train.lr": 1e10, "train.max_nonfinite_steps": 3, "checkpoint.every": 1,
-                           "checkpoint.keep": 3})
+                           "checkpoint.keep": 1})
     with pytest.raises(UserError) as error:
         finetune(cfg, nproc=2)
     steps = _steps(out)
@@ -297,10 +316,19 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
         "learning rate too high for this model, train.lr, is the usual cause); "
         f"{_hint(out)}.")
     saved = list_checkpoints(out / "checkpoints")
-    assert [s for s, _ in saved] == [1, 2, 3]
+    assert [s for s, _ in saved] == [1, 3]  # checkpoint.keep is 1, but step 1 trained
     names = ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight"]
     weights = [read_model_weights(path, names) for _, path in saved]
     for name in names:
         assert weights[0][name].isfinite().all() and weights[0][name].abs().max() > 1e3
         assert all((w[name] == weights[0][name]).all() for w in weights[1:])
+    assert not _leftovers(out)
+    capfd.readouterr()
+    resumed = load_recipe(out / "config.yaml", ["train.max_nonfinite_steps=50"], max_steps=6)
+    assert finetune(resumed, resume=True, nproc=2) == 0
+    ranks = capfd.readouterr().out  # rank 0 writes to this process's stdout
+    assert ("\ndone: step 6/6, loss nan -> nan; 3 of the 3 steps run had a non-finite loss or "
+            "gradient norm and were skipped (their updates not applied); metrics, config and "
+            f"checkpoints in {out}\n") in ranks, ranks
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [1, 6]
     assert not _leftovers(out)

@@ -1,6 +1,8 @@
 """The parts behind "runs that end well", each on real processes, signals and files, no training:
 
 - the output-folder lock: one run per folder, released by a holder's death (kill -9);
+- a killed launcher's private temporary folder, removed by a later one (and a live one's kept);
+- output whose reader is gone (a closed pipe) goes on into the run folder's log;
 - stop signals: the first sets the flag, a second ends the process at once, a launcher's request
   carries its signal, an inherited "ignore" (nohup) is respected;
 - the launcher's supervisor: its first signal reaches every rank as a request carrying the
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +55,65 @@ def test_one_run_per_output_folder_and_a_dead_holder_frees_it(tmp_path):
             RunLock(tmp_path).acquire()
     with RunLock(tmp_path):  # released at the end of the block
         pass
+
+
+_OWNER = """
+import sys, time
+from lctrain.launch.lifetime import private_folder
+with private_folder() as folder:
+    print(folder, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_killed_launchers_private_folder_is_removed_and_a_live_ones_kept(tmp_path):
+    from lctrain.launch.lifetime import collect_private_folders
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    owners = [_python(_OWNER, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    live, killed = [Path(owner.stdout.readline().strip()) for owner in owners]
+    owners[1].kill()  # kill -9: nothing cleans up
+    owners[1].wait()
+    other_host, no_owner = tmp_path / "lctrain-launch-other", tmp_path / "lctrain-launch-new"
+    other_host.mkdir()
+    (other_host / "owner").write_text(f"{owners[1].pid} on elsewhere\n")
+    no_owner.mkdir()  # just made: the owner file comes next
+    assert killed.is_dir() and collect_private_folders(tmp_path) == [killed]
+    assert live.is_dir() and other_host.is_dir() and no_owner.is_dir()
+    owners[0].kill()
+    owners[0].wait()
+    assert collect_private_folders(tmp_path) == [live]
+
+
+_WRITER = """
+import os, sys
+from lctrain.launch.output import kept_output
+with kept_output(sys.argv[1]):
+    print("first", flush=True)
+    os.close(int(sys.argv[2]))  # its copy of the reader's end
+    sys.stdin.readline()  # the test closed its copy: now there is no reader
+    print("second", flush=True)
+    print("third", file=sys.stderr)
+print("after the block", flush=True)
+"""
+
+
+def test_output_whose_reader_is_gone_goes_on_into_the_log(tmp_path):
+    for log in (tmp_path / "terminal.log", tmp_path / "missing" / "terminal.log"):
+        reader, writer = os.pipe()
+        child = subprocess.Popen([sys.executable, "-c", _WRITER, str(log), str(reader)],
+                                 stdin=subprocess.PIPE, stdout=writer, stderr=writer,
+                                 pass_fds=(reader,))
+        os.close(writer)
+        shown = b""
+        while not shown.endswith(b"\n"):
+            shown += os.read(reader, 100)
+        os.close(reader)
+        child.stdin.write(b"go\n")
+        child.stdin.close()
+        assert shown == b"first\n" and child.wait(timeout=60) == 0  # even without a log
+        if log.parent.is_dir():
+            assert log.read_text() == "second\nthird\nafter the block\n"
 
 
 _STOPPER = """

@@ -2,8 +2,9 @@
 
 A checkpoint is ``output_dir/checkpoints/step-NNNNNNNN/``: DCP's model and optimizer tensors
 (global, with shard coordinates), ``trainer.json`` (step, global data position, layout,
-learning-rate plan) and ``rng-rank{r}.safetensors``, so a run resumes on any layout with the
-same global batch. Nothing is unpickled (`lctrain.checkpoint.safe_load`).
+learning-rate plan, whether the step trained) and ``rng-rank{r}.safetensors``, so a run
+resumes on any layout with the same global batch. Nothing is unpickled
+(`lctrain.checkpoint.safe_load`).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     lctrain, or holds other weights than the model."""
     path = Path(path)
     trainer = read_trainer_state(path)
+    SafeReader(str(path)).read_metadata()  # refused here in its own words, not inside DCP's
     model_state, optim_state = get_state_dict(module, optimizer)
     state = {"model": model_state, "optim": {"state": optim_state["state"]}}
     try:

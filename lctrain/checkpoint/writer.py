@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -58,8 +59,8 @@ class Checkpointer:
             _write_rng(tmp / f"rng-rank{self.rank}.safetensors")
             if self.rank == 0:
                 _write_json(tmp / "trainer.json", {"format": FORMAT, **trainer_state})
-        except OSError as error:
-            raise _write_error(step, tmp, error, size) from None
+        except (OSError, SafetensorError) as error:  # safetensors' own I/O errors
+            raise _failed_write(step, tmp, error, size) from None
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         if not self._use_async(size):
             _run_write(step, tmp, lambda: dcp.save(state, storage_writer=writer,
@@ -85,7 +86,7 @@ class Checkpointer:
             return None
         pending.finished.wait()
         if pending.error is not None:
-            raise _write_error(pending.step, pending.tmp, pending.error, pending.size)
+            raise _failed_write(pending.step, pending.tmp, pending.error, pending.size)
         return pending.final
 
     def close(self) -> Path | None:
@@ -153,14 +154,30 @@ class _Pending:
 
 
 def publish(tmp: Path, final: Path, *, keep: int) -> None:
-    """Flush ``tmp``, rename it to ``final`` (atomic), retire checkpoints beyond ``keep``."""
+    """Flush ``tmp``, rename it to ``final`` (atomic), retire checkpoints beyond ``keep`` but
+    the newest one whose step trained (`step_trained`): checkpoints of skipped steps hold
+    the same weights and must not push it out."""
     fsync_tree(tmp)
     os.replace(tmp, final)
     fsync_dir(final.parent)
-    for step, old in list_checkpoints(final.parent)[:-keep]:
+    found = list_checkpoints(final.parent)
+    trained = next((path for _, path in reversed(found) if step_trained(path)), None)
+    for step, old in found[:-keep]:
+        if old == trained:
+            continue
         doomed = old.with_name(f".del-step-{step:08d}")
         os.replace(old, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def step_trained(checkpoint: Path) -> bool:
+    """Whether the update of the checkpoint's own step was applied (trainer.json's ``trained``;
+    true when it does not say: a checkpoint of an earlier lctrain, or an unreadable one)."""
+    try:
+        return json.loads((checkpoint / "trainer.json").read_text()).get("trained", True) \
+            is not False
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -239,11 +256,12 @@ def _run_write(step: int, tmp: Path, write, size: int) -> None:
     try:
         write()
     except (OSError, CheckpointException) as error:
-        raise _write_error(step, tmp, error, size) from None
+        raise _failed_write(step, tmp, error, size) from None
 
 
-def _write_error(step: int, tmp: Path, error: BaseException, size: int) -> UserError:
-    """One sentence for a failed write, with the system's reason (a full disk said as such)."""
+def _failed_write(step: int, tmp: Path, error: BaseException, size: int) -> UserError:
+    """Remove the partial ``tmp`` (its space is free again); one sentence for the failed write,
+    with the system's reason (a full disk said as such)."""
     reason = root_cause(error)
     try:
         free = shutil.disk_usage(tmp.parent).free
@@ -252,9 +270,13 @@ def _write_error(step: int, tmp: Path, error: BaseException, size: int) -> UserE
     if "No space left" not in reason and free is not None and free < size:
         reason = (f"No space left on device: this rank's part needs about {size / 2**20:.1f} "
                   f"MiB and {free / 2**20:.1f} MiB are free; {reason}")
-    return UserError(f"Writing the checkpoint of step {step} to {tmp} failed ({reason}); the "
-                     f"previous complete checkpoint in {tmp.parent} is untouched — free space "
-                     "or fix the folder's permissions, then resume with --resume.")
+    shutil.rmtree(tmp, ignore_errors=True)
+    found = list_checkpoints(tmp.parent)
+    last = (f"the last complete checkpoint, {found[-1][1]} (step {found[-1][0]}), is untouched"
+            if found else f"{tmp.parent} holds no complete checkpoint yet")
+    return UserError(f"Writing the checkpoint of step {step} to {tmp} failed ({reason}); "
+                     f"{last} — free space or fix the folder's permissions, then resume with "
+                     "--resume.")
 
 
 def _rank() -> int:

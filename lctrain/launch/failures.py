@@ -3,13 +3,16 @@
 The launcher weighs three witnesses (`explain`): the error records ranks write when they raise
 or hang (``output_dir/.launch/errors/rank{R}.json``), the agent's ``failures.json`` (exit codes:
 a negative one is the signal that killed a rank that could record nothing) and the heartbeats
-(the last step). Ranks that see a peer die report secondary errors, so a user error comes
-first, then a rank killed by a signal nobody asked for, a hang, an exception, a stop signal.
+(the last step). Ranks that see a peer die report secondary errors, so a user error (or a
+full disk, a missing permission) comes first, then a rank killed by a signal nobody asked for,
+a hang, an exception, a stop signal. A record or failures.json that cannot be written (a full
+disk) goes to stderr as one `relayed` line instead, which the launcher reads from its pipe.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,10 +24,16 @@ from lctrain.launch.stopping import stopped_by
 from lctrain.launch.watchdog import read_rank_files
 
 
+RELAYED = "lctrain-relayed "
+"""How a line on stderr that carries a witness starts (`relay`, `relayed`)."""
+_USER_KINDS = ("user", "environment")  # the user's to fix: a mistake; the machine's state
+
+
 def record_error(error_dir: str | os.PathLike | None, exc: BaseException | None = None, *,
                  kind: str | None = None, message: str | None = None) -> None:
     """Write this rank's failure as ``rank{R}.json`` (atomically) into ``error_dir`` when it
-    exists: ``exc`` (kind "user" for a UserError, else "bug"), or ``kind`` and ``message``."""
+    exists, else `relay` it: ``exc`` (kind "user" for a UserError, else "bug"; "environment"
+    given for a full disk or a missing permission), or ``kind`` and ``message``."""
     if error_dir is None or not Path(error_dir).is_dir():
         return
     rank = int(os.environ.get("RANK", "0"))
@@ -32,12 +41,42 @@ def record_error(error_dir: str | os.PathLike | None, exc: BaseException | None 
         kind = kind or ("user" if isinstance(exc, UserError) else "bug")
         message = message or str(exc) or type(exc).__name__
     record = {"rank": rank, "pid": os.getpid(), "time": time.time(), "kind": kind,
-              "user": kind in ("user", "hang"), "message": message,
+              "user": kind in (*_USER_KINDS, "hang"), "message": message,
               "traceback": "".join(traceback.format_exception(exc)) if exc is not None else ""}
     path = Path(error_dir) / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        relay("record", record)
+
+
+def relay(kind: str, data: dict) -> None:
+    """Say ``data`` (a "record" or the agent's "failures") on stderr as one `RELAYED` line,
+    in one write where stderr is a file descriptor (other threads write there too)."""
+    line = f"{RELAYED}{json.dumps({kind: data})}\n"
+    sys.stderr.flush()
+    try:
+        view = memoryview(line.encode())
+        while view:
+            view = view[os.write(sys.stderr.fileno(), view):]
+    except (OSError, ValueError):  # io.UnsupportedOperation: an in-memory stream
+        sys.stderr.write(line)
+
+
+def relayed(line: str) -> tuple[str, dict] | None:
+    """(kind, data) of a `relay` line (which another process's output may surround), or None
+    for any other line."""
+    start = line.find(RELAYED)
+    if start < 0:
+        return None
+    try:
+        found, _ = json.JSONDecoder().raw_decode(line, start + len(RELAYED))
+        ((kind, data),) = found.items()
+    except (ValueError, AttributeError):
+        return None
+    return (kind, data) if isinstance(data, dict) else None
 
 
 def read_records(error_dir: str | os.PathLike) -> list[dict]:
@@ -51,19 +90,21 @@ def first_error(error_dir: str | os.PathLike) -> dict | None:
     return records[0] if records else None
 
 
-def read_failures(path: str | os.PathLike) -> dict[int, dict]:
-    """The agent's ``failures.json``: {rank: {"pid", "exitcode"}} ({} when absent)."""
+def read_failures(path: str | os.PathLike, fallback: dict | None = None) -> dict[int, dict]:
+    """The agent's ``failures.json``: {rank: {"pid", "exitcode"}}, else ``fallback`` (the
+    `relayed` one; {} when there is none)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return {}
+        data = fallback or {}
     return {int(rank): failure for rank, failure in data.items()}
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the launcher reports: ``kind`` is "user", "signal", "hang", "bug" (``message`` is
-    then the traceback), "stopped" (``exit_code`` 128 + the signal) or "unknown"."""
+    """What the launcher reports: ``kind`` is "user", "environment" (a full disk, a missing
+    permission), "signal", "hang", "bug" (``message`` is then the traceback), "stopped"
+    (``exit_code`` 128 + the signal) or "unknown"."""
 
     kind: str
     message: str
@@ -75,9 +116,10 @@ def explain(records: list[dict], failures: dict[int, dict], *, killed: set[int],
     """Weigh the witnesses of a failed run (module docstring): `read_records`, `read_failures`,
     the pids the launcher ``killed`` itself (no cause) and the ``last_step``, if known."""
     by_kind: dict[str, list[dict]] = {}
-    for record in records:  # earliest first
-        by_kind.setdefault(record.get("kind") or ("user" if record.get("user") else "bug"),
-                           []).append(record)
+    for record in records:  # earliest first; "user" holds the "environment" ones too
+        kind = record.get("kind") or ("user" if record.get("user") else "bug")
+        by_kind.setdefault("user" if kind in _USER_KINDS else kind, []).append(
+            {**record, "kind": kind})
     recorded = {record["rank"] for record in records}
     deaths = sorted((rank, -f["exitcode"]) for rank, f in failures.items()
                     if f.get("exitcode", 0) < 0 and f.get("pid") not in killed
@@ -85,7 +127,7 @@ def explain(records: list[dict], failures: dict[int, dict], *, killed: set[int],
     by_stop = [(rank, sig) for rank, sig in deaths if stopped_by(128 + sig) is not None]
     by_fault = [(rank, sig) for rank, sig in deaths if (rank, sig) not in by_stop]
     if "user" in by_kind:
-        return Outcome("user", by_kind["user"][0]["message"])
+        return Outcome(by_kind["user"][0]["kind"], by_kind["user"][0]["message"])
     if by_fault:
         return Outcome("signal", _death(*by_fault[0], failures, last_step))
     if "hang" in by_kind:

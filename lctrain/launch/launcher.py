@@ -3,7 +3,8 @@
 `dispatch` runs the worker here under a launcher (torchrun, accelerate launch) or for one
 process; otherwise it starts the ranks through torch.distributed.run in an agent process
 (`spawn_workers`), with the recipe and file stores in a private folder (no network port), the
-workers' stderr in ``output_dir/.launch/workers.log``, and a `Supervisor` watching them.
+workers' stderr in ``output_dir/.launch/workers.log``, and a `Supervisor` watching them. What
+the run says after its terminal or pipe went away is in ``output_dir/.launch/terminal.log``.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +24,8 @@ from lctrain.config import RecipeConfig, check_run_folder, save_resolved
 from lctrain.memory.host import check_cpu_memory, check_host_memory
 from lctrain.parallel.mesh import check_parallel_sizes
 from lctrain.checkpoint.reader import list_checkpoints, resume_point
-from lctrain.launch.lifetime import LAUNCHER_PID_ENV, RunLock, die_with_parent
+from lctrain.launch.lifetime import LAUNCHER_PID_ENV, RunLock, die_with_parent, private_folder
+from lctrain.launch.output import OUTPUT_LOG, kept_output
 from lctrain.launch.rank import WORKER_MODULE, Worker, launch_dir, nccl_wait
 from lctrain.launch.stopping import resume_command
 from lctrain.launch.supervisor import Supervisor, report
@@ -50,9 +51,10 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
     n = nproc if nproc is not None else default_nproc(cfg)
     with RunLock(cfg.train.output_dir):
         check_before_start(cfg, nproc=n, resume=resume)
-        if n == 1 and not own_process:
-            return worker(cfg, resume=resume)
-        return spawn_workers(cfg, nproc=n, resume=resume, module=module, args=args)
+        with kept_output(launch_dir(cfg) / OUTPUT_LOG):
+            if n == 1 and not own_process:
+                return worker(cfg, resume=resume)
+            return spawn_workers(cfg, nproc=n, resume=resume, module=module, args=args)
 
 
 def default_nproc(cfg: RecipeConfig) -> int:
@@ -91,8 +93,7 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
     save = " and save a checkpoint" if cfg.checkpoint.enabled else ""
     text = (f"the ranks finish their current step{save}, then stop; send the signal again to "
             "stop at once.")
-    with tempfile.TemporaryDirectory(prefix="lctrain-launch-") as private:
-        private = Path(private)
+    with private_folder() as private:
         recipe, digest = write_recipe(cfg, private / "recipe.yaml")
         cmd = [sys.executable, "-m", AGENT_MODULE, str(failures),
                *rendezvous_args(private, nproc), "-m", module, "--config", str(recipe),
@@ -100,12 +101,11 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
                "--store", str(private / "store"), *args]
         if resume:
             cmd.append("--resume")
-        with log.open("w") as stderr:
-            agent = subprocess.Popen(cmd, env=_worker_env(nproc), stderr=stderr,
-                                     start_new_session=True)
-            supervisor = Supervisor(agent, folder, on_signal_text=text,
-                                    record_wait=nccl_wait(cfg) + 30.0)
-            code = supervisor.wait()
+        agent = subprocess.Popen(cmd, env=_worker_env(nproc), stderr=subprocess.PIPE,
+                                 start_new_session=True)
+        supervisor = Supervisor(agent, folder, on_signal_text=text,
+                                record_wait=nccl_wait(cfg) + 30.0, log=log)
+        code = supervisor.wait()
     # what to do next: resume a training run; an evaluation keeps nothing and simply starts again
     hint = (checkpoint_hint(cfg, nproc) if module == WORKER_MODULE
             else "nothing was kept; run the same command again")

@@ -3,16 +3,22 @@
 The agent and the ranks run in sessions of their own (a terminal's Ctrl-C reaches the launcher
 alone) and ask the kernel for SIGKILL when their parent dies (``PR_SET_PDEATHSIG``), so nothing
 outlives a killed launcher. `RunLock` is an ``flock`` on ``output_dir/.launch/lock``, which the
-kernel releases however its holder dies. Standard library only: used before torch is imported.
+kernel releases however its holder dies; the same holds a launcher's `private_folder`, which a
+later launcher removes once its owner is gone. Standard library only: used before torch is
+imported.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from lctrain.errors import UserError
@@ -149,3 +155,49 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+PRIVATE_PREFIX = "lctrain-launch-"
+"""The name of a launcher's private folders start so, in the system's temporary folder."""
+
+
+@contextlib.contextmanager
+def private_folder() -> Iterator[Path]:
+    """A new private temporary folder for the block, removed at its end; its ``owner`` file
+    holds this process's pid and host under an ``flock``, so that `collect_private_folders`
+    (called here first) can remove it once this process is killed."""
+    collect_private_folders()
+    with tempfile.TemporaryDirectory(prefix=PRIVATE_PREFIX) as folder:
+        fd = os.open(Path(folder) / "owner", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode())
+            yield Path(folder)
+        finally:
+            os.close(fd)
+
+
+def collect_private_folders(root: str | os.PathLike | None = None) -> list[Path]:
+    """Remove this user's `private_folder`s in ``root`` (the system's temporary folder) whose
+    owner is gone: its recorded pid is not alive on this host and its lock is free. A folder
+    without an owner file, another host's or a live one's stays. Returns those removed."""
+    removed = []
+    for folder in Path(root or tempfile.gettempdir()).glob(PRIVATE_PREFIX + "*"):
+        try:
+            if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                continue
+            fd = os.open(folder / "owner", os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            pid, _, host = os.read(fd, 300).decode(errors="replace").strip().partition(" on ")
+            if not pid.isdigit() or host != socket.gethostname() or alive(int(pid)):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while the owner lives
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed

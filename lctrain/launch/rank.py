@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
+import io
 import os
 import shutil
 import sys
@@ -31,6 +33,7 @@ from lctrain.config.paths import decode_text
 from lctrain.errors import UserError, as_user_error
 from lctrain.memory.host import check_host_memory
 from lctrain.launch.failures import record_error
+from lctrain.launch.output import OUTPUT_LOG, kept_output
 
 USER_ERROR_EXIT = 2
 """Exit code of a rank that stopped on a user error."""
@@ -93,14 +96,18 @@ def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
     parser.add_argument("--store", default=None, help="file store of the process group")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args(argv)
+    cfg = None
     try:
         cfg = read_recipe(args.config, args.config_sha256)
-        if args.store is not None:
-            _init_group_from_file(args.store, cfg)
-        return worker(cfg, resume=args.resume)
+        with kept_output(launch_dir(cfg) / OUTPUT_LOG):
+            if args.store is not None:
+                _init_group_from_file(args.store, cfg)
+            return worker(cfg, resume=args.resume)
     except BaseException as exc:
+        name_the_file(exc, cfg and cfg.train.output_dir)
         user = as_user_error(exc)
-        record_error(args.error_dir, user or exc)
+        machine = user is not None and isinstance(exc, OSError)  # a full disk, a permission
+        record_error(args.error_dir, user or exc, kind="environment" if machine else None)
         if user is None:
             raise
         print(f"error: {user}", file=sys.stderr)
@@ -108,6 +115,26 @@ def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
     finally:
         if args.store is not None and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def name_the_file(error: BaseException, folder: str | os.PathLike | None) -> None:
+    """Give a full disk's OSError that names no file (a failed write or close of an open
+    file, maybe in another thread) the name of the file open for writing in the innermost
+    frame that holds one, else ``folder`` when its disk is full."""
+    if not isinstance(error, OSError) or error.errno not in (errno.ENOSPC, errno.EDQUOT) \
+            or error.filename is not None:
+        return
+    tb = error.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            name = getattr(value, "name", None)
+            if isinstance(value, io.IOBase) and isinstance(name, (str, bytes)) \
+                    and any(c in getattr(value, "mode", "") for c in "wax+"):
+                error.filename = os.fsdecode(name)
+        tb = tb.tb_next
+    with contextlib.suppress(OSError, TypeError):
+        if error.filename is None and shutil.disk_usage(folder).free < 2**20:
+            error.filename = os.fspath(folder)
 
 
 def _init_group_from_file(store: str, cfg: RecipeConfig) -> None:

@@ -5,10 +5,13 @@
 writes the failed ranks' exit codes (a negative one is the signal that killed a rank) to
 FAILURES.json. The `Supervisor` passes a stop signal on to every rank and kills them all on a
 second one, and ends the other ranks `KILL_GRACE_S` seconds after one recorded a failure and
-exited; `report` says why the run ended.
+exited; `report` says why the run ended. The workers' stderr comes through a pipe: the
+supervisor copies it into the workers' log and keeps its last lines and the `relayed`
+witnesses in memory, so a full disk does not silence them.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -19,7 +22,7 @@ import time
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.launch.failures import explain, read_failures, read_records
+from lctrain.launch.failures import explain, read_failures, read_records, relay, relayed
 from lctrain.launch.lifetime import alive, children, die_with_launcher, signal_name
 from lctrain.launch.stopping import (LAUNCHER_REQUEST, STOP_SIGNALS, catches_request,
                                     watched_signals)
@@ -47,9 +50,12 @@ def agent_main(argv: list[str]) -> int:
         failures = {str(rank): {"pid": f.pid, "exitcode": f.exitcode, "local_rank": f.local_rank}
                     for rank, f in error.failures.items()}
         tmp = f"{failures_path}.tmp"
-        with open(tmp, "w") as handle:
-            json.dump(failures, handle)
-        os.replace(tmp, failures_path)
+        try:
+            with open(tmp, "w") as handle:
+                json.dump(failures, handle)
+            os.replace(tmp, failures_path)
+        except OSError:
+            relay("failures", failures)
         return 1
     return 0
 
@@ -58,16 +64,64 @@ class Supervisor:
     """Watch the running ``agent`` process (`agent_main`) and its ranks, whose error records
     and stop request file are in ``launch_dir``; ``on_signal_text`` is said on a stop signal.
     A rank that recorded a failure may stay alive ``record_wait`` seconds (on NCCL a hang
-    report waits for torch's timeout) before the others are killed anyway."""
+    report waits for torch's timeout) before the others are killed anyway. When the agent's
+    stderr is a pipe, it is copied into ``log`` (module docstring)."""
 
     def __init__(self, agent: subprocess.Popen, launch_dir: Path, *, on_signal_text: str,
-                 record_wait: float = 60.0) -> None:
+                 record_wait: float = 60.0, log: Path | None = None) -> None:
         self.agent, self.text, self.record_wait = agent, on_signal_text, record_wait
         self.errors, self.request = launch_dir / "errors", launch_dir / "stop"
         self.signals: list[int] = []
         self.signalled: set[int] = set()  # ranks the stop signal was passed to
         self.killed: set[int] = set()  # ranks killed here (not a cause of failure)
         self._kill_at: float | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=15)  # the log's last lines
+        self.relayed: dict[str, list[dict]] = {"record": [], "failures": []}
+        self.log_error: str | None = None  # why the log could not be written
+        self._relay = None
+        if agent.stderr is not None:
+            self._relay = threading.Thread(target=self._copy_stderr, args=(log,), daemon=True)
+            self._relay.start()
+
+    def records(self) -> list[dict]:
+        """The ranks' error records: those in files and those `relayed`, earliest first."""
+        found = read_records(self.errors)
+        seen = {(r.get("rank"), r.get("time")) for r in found}
+        extra = [r for r in self.relayed["record"] if (r.get("rank"), r.get("time")) not in seen]
+        return sorted(found + extra, key=lambda r: r["time"])
+
+    def _copy_stderr(self, log: Path | None) -> None:
+        sink = None
+        try:
+            sink = open(log, "wb") if log is not None else None
+        except OSError as error:
+            self.log_error = error.strerror
+        for line in iter(self.agent.stderr.readline, b""):
+            text = line.decode(errors="replace").rstrip("\n")
+            witness = relayed(text)
+            if witness is not None:
+                self.relayed.setdefault(witness[0], []).append(witness[1])
+            else:
+                self.tail.append(text)
+            if sink is not None:
+                try:
+                    sink.write(line)
+                    sink.flush()
+                except OSError as error:  # a full disk: the lines stay in memory
+                    self.log_error = error.strerror
+                    sink = None
+        self.agent.stderr.close()
+        if sink is not None:
+            try:
+                sink.close()
+            except OSError as error:
+                self.log_error = error.strerror
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Read what is left of the agent's stderr (after `wait`; a process the ranks left
+        behind may hold the pipe open, hence the ``timeout``)."""
+        if self._relay is not None:
+            self._relay.join(timeout)
 
     def wait(self) -> int | None:
         """Block until the agent ends; returns None when it ended by itself (see
@@ -99,7 +153,10 @@ class Supervisor:
     def _on_signal(self, signum: int, frame) -> None:
         self.signals.append(signum)
         if len(self.signals) == 1:
-            self.request.write_text(f"{signum}\n")
+            try:
+                self.request.write_text(f"{signum}\n")
+            except OSError:  # a full disk: the ranks stop on SIGTERM's behalf
+                pass
             print(f"lctrain: {signal_name(signum)} received; {self.text}", file=sys.stderr,
                   flush=True)
 
@@ -112,7 +169,7 @@ class Supervisor:
     def _watch_failures(self) -> None:
         now = time.time()
         if self._kill_at is None:
-            for record in read_records(self.errors):
+            for record in self.records():
                 if not alive(record.get("pid", 0)):
                     self._kill_at = now + KILL_GRACE_S
                 elif now - record["time"] > self.record_wait:
@@ -155,24 +212,28 @@ def report(supervisor: Supervisor, *, launch_dir: Path, failures: Path, log: Pat
     code = supervisor.agent.returncode
     if code == 0:
         return 0
-    records = read_records(launch_dir / "errors")
-    outcome = explain(records, read_failures(failures), killed=supervisor.killed,
-                      last_step=last_completed_step(launch_dir.parent))
+    supervisor.finish()
+    relayed_failures = (supervisor.relayed["failures"] or [None])[-1]
+    outcome = explain(supervisor.records(), read_failures(failures, relayed_failures),
+                      killed=supervisor.killed, last_step=last_completed_step(launch_dir.parent))
     if outcome.kind == "user":
         raise UserError(outcome.message)
-    if outcome.kind == "hang":
+    if outcome.kind in ("hang", "environment"):
         raise UserError(f"{outcome.message} The job was stopped; {checkpoint_hint}.")
     if outcome.kind == "signal":
         raise UserError(f"{outcome.message}; the job was stopped; {checkpoint_hint}.")
+    kept = (f"the workers' log is {log}" if supervisor.log_error is None else
+            f"the workers' log {log} could not be written ({supervisor.log_error})")
     if outcome.kind == "bug":
         print(outcome.message, file=sys.stderr)
-        print(f"(the workers' log is {log})", file=sys.stderr)
+        print(f"({kept})", file=sys.stderr)
         return 1
     if outcome.kind == "stopped":
         return outcome.exit_code
-    tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+    tail = (list(supervisor.tail) if supervisor.agent.stderr is not None
+            else log.read_text(errors="replace").strip().splitlines()[-15:])
     print("\n".join(tail), file=sys.stderr)
-    print(f"training failed (exit code {code}); the workers' log is {log}", file=sys.stderr)
+    print(f"training failed (exit code {code}); {kept}", file=sys.stderr)
     return code or 1
 
 

@@ -74,5 +74,8 @@ def summary(setup: RunSetup, trainer: Trainer, history: list[dict], stopped_by: 
     first, last = history[0], history[-1]
     evaluated = (f", eval loss {last['eval_loss']:.4f}"
                  if isinstance(last.get("eval_loss"), float) else "")
+    skipped = sum(record.get("skipped_steps", 0) for record in history)
+    skips = (f"; {skipped} of the {len(history)} steps run had a non-finite loss or gradient "
+             "norm and were skipped (their updates not applied)" if skipped else "")
     return (f"done: step {last['step']}/{t.max_steps}, loss {first['loss']:.4f} -> "
-            f"{last['loss']:.4f}{evaluated}; {saved} in {Path(out)}")
+            f"{last['loss']:.4f}{evaluated}{skips}; {saved} in {Path(out)}")

@@ -86,6 +86,7 @@ class Trainer:
     work_balance: float | None = None  # the last step's busiest cp rank over the mean (documents)
     host_probe: Callable[[], int] | None = None  # host bytes held for training, read each step
     host_peak: int = 0  # the most host_probe read, after a backward (gradients still held)
+    step_trained: bool = True  # the last settled step's update was applied (not skipped)
 
     def __post_init__(self) -> None:
         self.nonfinite = NonFiniteSteps(self.device)
@@ -149,7 +150,9 @@ class Trainer:
         """Read the skipped-step counters and wind the schedule back for the skipped steps."""
         if fetched is None:
             fetched = self.nonfinite.counters().tolist()
-        return self.nonfinite.settle(fetched, self.scheduler)
+        settled = self.nonfinite.settle(fetched, self.scheduler)
+        self.step_trained = settled.run == 0
+        return settled
 
     def weights_finite(self) -> bool:
         """Whether every parameter of every rank is finite (a collective, one host transfer)."""

@@ -263,13 +263,14 @@ def saved_plan(saved: dict, path: Path) -> LrPlan:
 
 
 def trainer_state(setup: RunSetup, trainer: Trainer) -> dict:
-    """A checkpoint's trainer.json: step, data position, global batch, layout, rate plan."""
+    """A checkpoint's trainer.json: step, data position, global batch, layout, rate plan,
+    whether the step trained (its update was not skipped)."""
     pmesh, seq_len = setup.pmesh, setup.cfg.data.seq_len
     rows = trainer.data_position * pmesh.dp * setup.cfg.train.batch_size
     return {"step": trainer.step, "rows_consumed": rows, "tokens_consumed": rows * seq_len,
             "seq_len": seq_len, "rows_per_step": setup.rows_per_step,
             "layout": {"dp": pmesh.dp, "cp": pmesh.cp, "world_size": pmesh.world_size},
-            "lr_plan": trainer.scheduler.lr_lambdas[0].to_json()}
+            "lr_plan": trainer.scheduler.lr_lambdas[0].to_json(), "trained": trainer.step_trained}
 
 
 def save(setup: RunSetup, trainer: Trainer, checkpointer: Checkpointer) -> Path:
