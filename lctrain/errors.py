@@ -10,8 +10,7 @@ class UserError(Exception):
 
 
 class ConfigError(UserError, ValueError):
-    """A recipe, an override or a command-line value is invalid; ``key`` is the dotted recipe
-    key at fault, if any."""
+    """A recipe, override or command-line value is invalid; ``key``: the recipe key at fault."""
 
     def __init__(self, message: str, *, key: str | None = None) -> None:
         super().__init__(message)

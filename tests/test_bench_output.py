@@ -14,6 +14,7 @@ import random
 import re
 
 import pytest
+import torch
 
 from lctrain.bench.result import BenchResult, from_dict, load, merge
 from lctrain.bench.views import COLUMNS, summary, table
@@ -23,6 +24,15 @@ from lctrain.report.table import render, visible_columns
 
 _TIME = {"µs": 1e-3, "ms": 1.0, "s": 1e3}
 _RATE = {"TFLOP/s": 1.0, "GFLOP/s": 1e-3, "MFLOP/s": 1e-6}
+
+
+_DRAWS = random.Random()
+"""This module's random values, drawn afresh in each test from the test's seed (conftest.py)."""
+
+
+@pytest.fixture(autouse=True)
+def _draws_from_the_test_seed():
+    _DRAWS.seed(torch.initial_seed())
 
 
 def _rows(kind: str, rng: random.Random) -> list[dict]:
@@ -61,7 +71,7 @@ def _rows(kind: str, rng: random.Random) -> list[dict]:
 def _result(kind: str) -> BenchResult:
     machine = {"gpu": "NVIDIA H200", "gpus": 2, "torch": "2.11.0+cu130"}
     meta = {"machine": machine, "dtype": "bfloat16", "heads": 32, "head_dim": 128, "causal": True}
-    return BenchResult(kind=kind, title=kind, rows=_rows(kind, random.Random()), meta=meta)
+    return BenchResult(kind=kind, title=kind, rows=_rows(kind, _DRAWS), meta=meta)
 
 
 _RULE = re.compile(r"-+( +-+)*")
@@ -194,7 +204,7 @@ def test_markdown_csv_and_json_carry_the_rows(kind):
 
 
 def test_step_rows_name_the_layer_policies_an_auto_run_placed():
-    placed = f"remat={random.randrange(1, 30)},none={random.randrange(1, 30)}"
+    placed = f"remat={_DRAWS.randrange(1, 30)},none={_DRAWS.randrange(1, 30)}"
     base = {"seq_len": 65536, "status": "ok", "step_time_s": 3.0, "gpus": 1, "cp": 1}
     rows = [{**base, "variant": "train.checkpointing=auto", "policy": "auto",
              "layer_policies": placed},
@@ -257,7 +267,7 @@ def test_plot_has_human_axes_and_no_file_without_numbers(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lctrain.bench.plot import plot
+    from lctrain.bench.publish import plot
 
     result = _result("attention")
     captured = {}
@@ -321,7 +331,7 @@ def test_document_rows_keep_every_value_and_their_mix_at_80_columns(kind, wide):
     specs get a numbered mix column; "of dense" is a column of the kernel table and a
     percentage in its summary cells."""
     result = _result(kind)
-    rng = random.Random()
+    rng = _DRAWS
     specs = ["lognormal:mean=12k", "20k,12k,9k,7k,5k,4k,3x2k,1k,rest"][:2 if kind == "kernel" else 1]
     mixes = {}
     for i, row in enumerate(result.rows):
@@ -363,10 +373,10 @@ def test_plot_draws_one_line_per_backend_and_documents_mix(tmp_path, monkeypatch
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lctrain.bench.plot import plot
+    from lctrain.bench.publish import plot
 
     rows = [{"backend": b, "seq_len": n, "documents": d, "status": "ok",
-             "total_tflops": random.uniform(100, 600)}
+             "total_tflops": _DRAWS.uniform(100, 600)}
             for b in ("cudnn_ragged", "triton") for d in ("8x8k", "32x2k") for n in (32768, 65536)]
     rows.append({"backend": "cudnn (dense)", "seq_len": 65536, "documents": None, "status": "ok",
                  "total_tflops": 550.0})
@@ -390,7 +400,7 @@ def test_bench_report_shows_eval_results_as_lctrain_eval_does(tmp_path):
     from lctrain.cli import app
     from lctrain.eval.result import EvalResult
 
-    rng = random.Random(random.randrange(2**31))
+    rng = _DRAWS
     losses = [rng.uniform(1.0, 12.0) for _ in range(3)]
     rows = [{"bucket": f"{4 * i}K–{4 * i + 4}K", "start": 4096 * i, "stop": 4096 * (i + 1),
              "tokens": 4096, "loss": loss, "ppl": 2.718281828 ** loss}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from lctrain.train.memory_trace import _replay, peak_report, traced_step
 
 
@@ -31,7 +33,7 @@ def _random_events(rng):
 
 
 def test_replay_finds_the_peak_and_the_blocks_alive_then():
-    rng = random.Random()
+    rng = random.Random(torch.initial_seed())  # the test's seed (conftest.py)
     for _ in range(50):
         events = _random_events(rng)
         before = rng.randrange(0, 1 << 22)
@@ -91,7 +93,7 @@ def test_the_inventory_counts_each_storage_once_under_its_owner():
     optimizer = torch.optim.AdamW(layer.parameters())
     optimizer.step()
     keep = torch.zeros(1000, 3)  # noqa: F841 - another tensor the collector reaches
-    text = inventory(device, layer, optimizer)
+    text = inventory(device, layer, optimizer, top=1 << 30)  # every shape, whatever else lives
     weights = (64 * 32 + 32) * 4
     assert f"{weights / 2**30:.2f} GiB  parameters" in text
     assert "(1000, 3) float32" in text

@@ -2,8 +2,7 @@
 
 ``attention``, ``attention_with_lse``, ``dist_attention`` and ``dist_attention_with_lse`` are
 :mod:`lctrain_kernels.api`'s, loaded with torch on first use; :mod:`lctrain_kernels.vocabulary`
-holds the names, :mod:`lctrain_kernels.distributed` the sharding and schedules.
-"""
+holds the names, :mod:`lctrain_kernels.distributed` the sharding and schedules."""
 import importlib
 
 __all__ = ["attention", "attention_with_lse", "dist_attention", "dist_attention_with_lse"]

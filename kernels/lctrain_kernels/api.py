@@ -1,12 +1,10 @@
 """The one door into the kernels: attention, the fused layer kernels, and what the benches use.
 
-Local attention IS distributed attention on a group of one: the four attention functions check
-their arguments here, once, on the host, and call the one operator
-``torch.ops.lctrain.dist_attention`` (:mod:`lctrain_kernels.distributed.op`). Layout is BSHD: q
-``(B, S, Hq, D)``, k and v ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0``; the lse is ``(B, Hq, S)``
-float32 (float64 for float64 inputs), natural log. The fused kernels
-(:mod:`lctrain_kernels.fused`) load Triton on first use.
-"""
+Local attention IS distributed attention on a group of one: the four attention functions check their
+arguments here, once, on the host, and call the one operator ``torch.ops.lctrain.dist_attention``
+(:mod:`lctrain_kernels.distributed.op`). Layout is BSHD: q ``(B, S, Hq, D)``, k and v
+``(B, S, Hkv, D)`` with ``Hq % Hkv == 0``; the lse is ``(B, Hq, S)`` float32 (float64 for float64
+inputs), natural log. The fused kernels (:mod:`lctrain_kernels.fused`) load Triton on first use."""
 from __future__ import annotations
 
 import importlib
@@ -127,5 +125,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               cu_seqlens=None, softmax_scale: float | None = None, backend="auto",
               head_groups: int = 1) -> torch.Tensor:
     """The output (B, S, Hq, D) of :func:`attention_with_lse` (same arguments)."""
-    return attention_with_lse(q, k, v, causal, cu_seqlens, softmax_scale, backend,
-                              head_groups)[0]
+    return attention_with_lse(q, k, v, causal, cu_seqlens, softmax_scale, backend, head_groups)[0]

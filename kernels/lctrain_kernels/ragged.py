@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from lctrain_kernels.backends.base import UnitValueLseGrad
+from lctrain_kernels.backends import UnitValueLseGrad
 from lctrain_kernels.combine import lse_dtype, merge, sum_into
 from lctrain_kernels.masks import MaskSpec, Relation
 

@@ -11,10 +11,9 @@ import torch
 
 def tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int,
                 params: Sequence[torch.Tensor], check: Callable | None = None) -> torch.Tensor:
-    """``fn(x)`` for a token-wise ``fn`` (each token's row of x gives one output row), over tiles
-    of ``tile`` tokens of x (..., in) -> (..., out). ``params``: the trainable tensors ``fn``
-    reads, whose gradients the backward returns; ``check(y, x_tile)`` may refuse a tile's
-    output."""
+    """``fn(x)`` for a token-wise ``fn`` (each token's row of x gives one output row), over tiles of
+    ``tile`` tokens of x (..., in) -> (..., out). ``params``: the trainable tensors ``fn`` reads,
+    whose gradients the backward returns; ``check(y, x_tile)`` may refuse a tile's output."""
     return _TiledApply.apply(x, fn, tile, check, *params)
 
 
@@ -23,7 +22,8 @@ class _TiledApply(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, module, tile, check, *params):
-        ctx.rng = _rng_state(x.device)  # before the tiles draw (dropout)
+        cuda = torch.cuda.get_rng_state(x.device) if x.device.type == "cuda" else None
+        ctx.rng = torch.get_rng_state(), cuda  # what the tiles draw from (dropout)
         flat = x.reshape(1, -1, x.shape[-1])  # (1, N, in)
         out = None
         for a in range(0, flat.shape[1], tile):
@@ -35,7 +35,9 @@ class _TiledApply(torch.autograd.Function):
                 rows = out.view(1, -1, y.shape[-1])
             rows[:, a:a + tile] = y
         ctx.module, ctx.tile, ctx.params = module, tile, params
-        ctx.autocast = _autocast_state(x.device)
+        kind = x.device.type
+        ctx.autocast = dict(device_type=kind, dtype=torch.get_autocast_dtype(kind),
+                            enabled=torch.is_autocast_enabled(kind))
         ctx.save_for_backward(x)
         return out
 
@@ -48,7 +50,7 @@ class _TiledApply(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         grad_x = torch.empty_like(flat) if need_x else None  # (1, N, in)
         acc: list[torch.Tensor | None] = [None] * len(params)
-        with _replayed(ctx.rng, x.device), torch.enable_grad(), _autocast(ctx.autocast):
+        with _replayed(ctx.rng, x.device), torch.enable_grad(), torch.autocast(**ctx.autocast):
             for a in range(0, flat.shape[1], tile):
                 xt = flat[:, a:a + tile].detach().requires_grad_(need_x)  # (1, t, in)
                 y = ctx.module(xt)
@@ -61,8 +63,7 @@ class _TiledApply(torch.autograd.Function):
                     if g is not None:
                         acc[i] = _widened(g) if acc[i] is None else acc[i].add_(g)
         param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(acc, params)]
-        return (None if grad_x is None else grad_x.view_as(x), None, None, None,
-                *param_grads)
+        return (None if grad_x is None else grad_x.view_as(x), None, None, None, *param_grads)
 
 
 def _widened(grad: torch.Tensor) -> torch.Tensor:
@@ -70,25 +71,10 @@ def _widened(grad: torch.Tensor) -> torch.Tensor:
     return grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
 
 
-def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
-    kind = device.type
-    return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
-
-
-def _autocast(state: tuple[str, bool, torch.dtype]):
-    kind, enabled, dtype = state
-    return torch.autocast(kind, dtype=dtype, enabled=enabled)
-
-
-def _rng_state(device: torch.device) -> tuple:
-    """The CPU random state and, on a GPU, that device's: what the forward drew from."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
 @contextlib.contextmanager
 def _replayed(state: tuple, device: torch.device):
-    """Run with the random state the forward started from, restoring the current one after."""
+    """Run with the random state the forward started from (the CPU's and, on a GPU, that
+    device's), restoring the current one after."""
     cpu, cuda = state
     devices = [device] if cuda is not None else []
     with torch.random.fork_rng(devices=devices, device_type="cuda"):

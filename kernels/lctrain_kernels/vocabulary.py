@@ -1,12 +1,11 @@
 """The names the whole project agrees on: schedules, layouts, backends, and how a sequence divides.
 
-A **schedule** says who computes which attention block when (``distributed.schedule``):
-balanced DistFlashAttn (the default), the plain ring (the unbalanced baseline), or the ring over
-the zigzag layout. Each expects one **layout**, the way the sequence is cut over the ranks
-(``distributed.layout``): ``contiguous`` gives rank r chunk r of P, ``zigzag`` chunks r and
-2P−1−r of 2P. A **backend** computes one local attention block (``backends``). Standard library
-only, so the recipe schema and the CLI read these names without loading torch.
-"""
+A **schedule** says who computes which attention block when (``distributed.schedule``): balanced
+DistFlashAttn (the default), the plain ring (the unbalanced baseline), or the ring over the zigzag
+layout. Each expects one **layout**, the way the sequence is cut over the ranks
+(``distributed.layout``): ``contiguous`` gives rank r chunk r of P, ``zigzag`` chunks r and 2P−1−r
+of 2P. A **backend** computes one local attention block (``backends``). Standard library only, so
+the recipe schema and the CLI read these names without loading torch."""
 from __future__ import annotations
 
 SCHEDULES = ("distflash", "ring", "zigzag")

@@ -3,7 +3,7 @@
 ``run`` launches ``nproc`` processes itself (NCCL on GPUs, gloo on a CPU), then:
 
 1. checks every schedule at a small length against the float32 reference of the whole
-   sequence (`lctrain.bench.attention_check`);
+   sequence (`lctrain.bench.attention_compare`);
 2. per total length, times forward and backward (CUDA events on every rank; the slowest rank's
    median) of each schedule, distflash without overlap, the peers and the single-GPU kernel;
 3. reports per-GPU TFLOP/s (`lctrain.model.flops`: the whole sequence's FLOPs over the GPUs),
@@ -30,12 +30,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lctrain.bench.attention_peers import PEERS, PeerUnavailable, Shape
+from lctrain.bench.attention_compare import PEERS, PeerUnavailable, Shape, check_schedules
 from lctrain.bench.documents import Documents, parse_each
-from lctrain.bench.profile import profile
 from lctrain.model.flops import BACKWARD_FACTOR, MODEL, attention_flops, rates
 from lctrain.bench.result import BenchResult
-from lctrain.bench.timing import measure, repeats_for
+from lctrain.bench.timing import measure, profile, repeats_for
 from lctrain.bench.views import progress_line
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
@@ -213,8 +212,6 @@ class _Bench:
 
     def run(self) -> list[dict]:
         """Correctness gate, then every length: single GPU, every variant, the hidden share."""
-        from lctrain.bench.attention_check import check_schedules
-
         checks = check_schedules(self.group, self.device, self.dtype, self.cfg, self.variants())
         for name, check in checks.items():
             self._say(f"{name}: error {check['max_rel_err']:.1e} at {self.cfg.check_len} tokens "
@@ -309,16 +306,15 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
         balance_documents: bool = True, repeats: int = 5, warmup: int = 2,
         check_len: int | None = None, single_max_len: int = 262144, min_time_s: float = 0.0,
         profile_dir: str | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Benchmark distributed attention on ``nproc`` ranks it launches itself (default every
-    CUDA GPU, or 2 CPU processes under gloo): a result of kind "attention", one row per
-    (seq_len, variant). ``seq_lens`` are TOTAL lengths (batch 1); None picks ``DEFAULTS``.
+    """Benchmark distributed attention on ``nproc`` ranks it launches itself (default every CUDA
+    GPU, or 2 CPU processes under gloo): a result of kind "attention", one row per (seq_len,
+    variant). ``seq_lens`` are TOTAL lengths (batch 1); None picks ``DEFAULTS``.
 
     ``documents`` is a ``--documents`` spec (``recipe`` reads a ``data:FILE`` one), given to
-    lctrain's schedules in balanced order unless not ``balance_documents``; ``check_len``
-    defaults to min(seq_lens, 2048·nproc); ``progress`` must be picklable (it travels to the
-    ranks). The other arguments are the CLI options of the same names. Bad sizes, names or
-    specs raise ConfigError.
-    """
+    lctrain's schedules in balanced order unless not ``balance_documents``; ``check_len`` defaults
+    to min(seq_lens, 2048·nproc); ``progress`` must be picklable (it travels to the ranks). The
+    other arguments are the CLI options of the same names. Bad sizes, names or specs raise
+    ConfigError."""
     cuda = torch.cuda.is_available()
     base = DEFAULTS["cuda" if cuda else "cpu"]
     seq_lens = tuple(seq_lens or base["seq_lens"])

@@ -1,14 +1,13 @@
 """Single-device attention kernel benchmark: every local backend (and peer), side by side.
 
-Each subject (`lctrain.bench.kernel_subjects`) is first checked at a small length (out, lse and
-the three gradients against the float32 reference), then timed at each length
+Each subject (`lctrain.bench.kernel_subjects`) is first checked at a small length (out, lse and the
+three gradients against the float32 reference), then timed at each length
 (`lctrain.bench.timing.measure`) as rates of the FLOP model of `lctrain.model.flops`.
 
-With ``documents`` (`lctrain.bench.documents`) every sequence is packed documents, each spec a
-mix of its own: rates count only the pairs inside documents, the check runs the shortest
-length's mix scaled to the check length, and each row gets ``of_dense``, its useful rate over
-that of a dense reference (cuDNN on a GPU) timed without documents.
-"""
+With ``documents`` (`lctrain.bench.documents`) every sequence is packed documents, each spec a mix
+of its own: rates count only the pairs inside documents, the check runs the shortest length's mix
+scaled to the check length, and each row gets ``of_dense``, its useful rate over that of a dense
+reference (cuDNN on a GPU) timed without documents."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,9 +19,8 @@ import torch
 from lctrain.bench.documents import Documents, parse_each
 from lctrain.model.flops import MODEL, attention_flops, rates
 from lctrain.bench.kernel_subjects import subject
-from lctrain.bench.profile import profile
 from lctrain.bench.result import BenchResult
-from lctrain.bench.timing import measure
+from lctrain.bench.timing import measure, profile
 from lctrain.bench.views import progress_line
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
@@ -182,14 +180,13 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
         profile_dir: str | None = None,
         progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark the local attention backends: a result of kind "kernel", one row per (backend,
-    seq_len[, mix]), the dense reference's first ("NAME (dense)"); a row that cannot run says
-    why in ``status``. None picks the device's defaults (``DEFAULTS``, `default_backends`).
+    seq_len[, mix]), the dense reference's first ("NAME (dense)"); a row that cannot run says why in
+    ``status``. None picks the device's defaults (``DEFAULTS``, `default_backends`).
 
-    ``documents`` is a ``--documents`` spec (an int N: N equal documents), several (a mix
-    each), or one mix already parsed per length; ``recipe`` reads a ``data:FILE`` spec.
-    ``dense_reference`` ("auto": cudnn on a GPU, none on a CPU) is the denominator of
-    ``of_dense``. Impossible sizes or specs raise ConfigError.
-    """
+    ``documents`` is a ``--documents`` spec (an int N: N equal documents), several (a mix each), or
+    one mix already parsed per length; ``recipe`` reads a ``data:FILE`` spec. ``dense_reference``
+    ("auto": cudnn on a GPU, none on a CPU) is the denominator of ``of_dense``. Impossible sizes or
+    specs raise ConfigError."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     seq_lens = list(seq_lens or base["seq_lens"])
@@ -229,8 +226,7 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
     if mixes:
         meta.update(documents=[mix.spec for mix in mixes], dense_reference=dense,
                     check_documents=[mix.check.summary() for mix in mixes])
-    return BenchResult(kind="kernel", title="attention kernels, one device", rows=rows,
-                       meta=meta)
+    return BenchResult(kind="kernel", title="attention kernels, one device", rows=rows, meta=meta)
 
 
 def _mixes(documents, seq_lens: list[int], check_len: int, recipe) -> list[_Mix]:

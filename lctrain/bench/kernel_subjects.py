@@ -2,9 +2,8 @@
 
 Each subject hands back two closures for one input, timed alike: ``fwd() -> (out, lse)`` and
 ``bwd(state) -> (dq, dk, dv)``. `BackendSubject`'s backward takes one forward's out and lse, as
-training calls it; `FlexAttention` (torch's compiled ``flex_attention`` with a block mask, a
-peer of lctrain's Triton kernels) runs autograd over a graph kept from one forward.
-"""
+training calls it; `FlexAttention` (torch's compiled ``flex_attention`` with a block mask, a peer of
+lctrain's Triton kernels) runs autograd over a graph kept from one forward."""
 from __future__ import annotations
 
 from typing import Any, Callable

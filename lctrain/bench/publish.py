@@ -1,20 +1,73 @@
-"""How ``lctrain bench`` hands its result to people: progress, table, JSON file, plot.
-
-A :class:`Publisher` is made before the measurement starts, so a ``--plot`` that could not be
-written fails in one sentence before any time is spent. Progress lines go to stderr (stdout
-carries only the result, so ``--format csv|json`` can be piped); `Publisher.publish` prints
-the table, writes the JSON and the plot, and fails when no row holds a measurement.
-"""
+"""How ``lctrain bench`` hands its result to people (`Publisher`): table, JSON file and ``--plot``:
+fwd+bwd TFLOP/s (kernel, attention per GPU, with the single-GPU
+kernel dashed) or MFU (step; tokens/s where MFU is unknown) against the sequence length, one line
+per backend, variant or configuration. A result with no number to plot is an error, not an empty
+picture."""
 from __future__ import annotations
 
 import shlex
 import sys
 from pathlib import Path
 
-from lctrain.bench.result import BenchResult
-from lctrain.bench.views import summary as summary_of, table
+from lctrain.bench.result import KINDS, BenchResult
+from lctrain.bench.views import describe, short_variant, summary, table
 from lctrain.errors import UserError
-from lctrain.report.output import emit, say, show
+from lctrain.report.table import emit, say, show
+from lctrain.report import plotting
+from lctrain.report.human import rate_unit
+
+
+def check(kind: str, path: str | Path) -> Path:
+    """Before running: a UserError unless a result of ``kind`` can be plotted to ``path``."""
+    if kind not in KINDS:
+        raise UserError(f"lctrain bench {kind} has no plot (its table is the result); drop --plot")
+    return plotting.check_target(path)
+
+
+def _series(result: BenchResult) -> tuple[str, str, str, float]:
+    """(series key, y key, y label, y scale) of a result."""
+    if result.kind == "step":
+        if any(row.get("mfu") is not None for row in result.measured()):
+            return "variant", "mfu", "MFU (%)", 100.0
+        return "variant", "tokens_per_s", "tokens/s", 1.0
+    unit, factor = rate_unit([r.get("total_tflops") for r in result.measured()])
+    per_gpu = " per GPU" if result.kind == "attention" else ""
+    key = "variant" if result.kind == "attention" else "backend"
+    return key, "total_tflops", f"{unit}{per_gpu} (fwd+bwd)", factor
+
+
+def _label(result: BenchResult, row: dict, key: str) -> str:
+    if result.kind != "step":  # rows of document mixes: one line per backend and mix
+        return str(row.get(key)) + (f" {row['documents']}" if row.get("documents") else "")
+    if row.get(key):
+        return short_variant(row[key])
+    return f"{row.get('schedule', '')} {row.get('policy', '')}".strip() or "recipe"
+
+
+def plot(result: BenchResult, path: str | Path) -> Path:
+    """Draw the result into ``path``; returns the file written (UserError: nothing to plot)."""
+    check(result.kind, path)
+    key, y, ylabel, scale = _series(result)
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for row in result.measured():
+        if row.get(y) is not None and row.get("seq_len"):
+            lines.setdefault(_label(result, row, key), []).append((row["seq_len"], row[y] * scale))
+    if not lines:
+        raise UserError("no row of the result has a number to plot (every measurement failed or "
+                        "was skipped; the status column says why), so no plot was written")
+    what = {"kernel": "Attention kernels, one device", "attention": "Distributed attention",
+            "step": "Training steps"}[result.kind]
+    xlabel = "total sequence length" if result.kind == "attention" else "sequence length"
+    fig, ax = plotting.figure(f"{what} — {describe(result)}", xlabel, ylabel)
+    for name, points in lines.items():
+        xs, ys = zip(*sorted(points))
+        reference = name.startswith("single-gpu")
+        ax.plot(xs, ys, marker="o", linestyle="--" if reference else "-",
+                color="0.35" if reference else None,
+                label=f"one GPU ({name.split(' ', 1)[1]}), reference" if reference else name)
+    plotting.length_axis(ax, [x for points in lines.values() for x, _ in points])
+    ax.set_ylim(0, 1.08 * max(y for points in lines.values() for _, y in points))
+    return plotting.finish(fig, ax, path)
 
 
 def command_line() -> str | None:
@@ -27,33 +80,34 @@ def command_line() -> str | None:
 
 class Publisher:
     """Output of one bench command of ``kind``: ``fmt`` (table, markdown, csv or json) on
-    stdout, every column with ``wide``, the result JSON to ``json_file``, a plot to ``plot``."""
+    stdout, every column with ``wide``, the result JSON to ``json_file``, a plot to ``plot``.
+
+    It is made before the measurement starts, so a ``--plot`` that could not be written fails in
+    one sentence before any time is spent. Progress lines go to stderr (stdout carries only the
+    result, so ``--format csv|json`` can be piped); `publish` prints the table, writes the JSON
+    and the plot, and fails when no row holds a measurement."""
 
     def __init__(self, kind: str, fmt: str = "table", wide: bool = False,
                  json_file: str | None = None, plot: str | None = None):
         if plot is not None:
-            from lctrain.bench.plot import check
-
             check(kind, plot)
         self.fmt, self.wide, self.json_file, self.plot = fmt, wide, json_file, plot
         self.progress = say
 
-    def publish(self, result: BenchResult, summary: bool = False,
+    def publish(self, result: BenchResult, pivot: bool = False,
                 record_command: bool = True) -> None:
-        """Print, write and plot ``result``: the README form (`views.summary`) with
-        ``summary``; the command line goes into its meta unless the result was read back."""
+        """Print, write and plot ``result``: the README form (`summary`) with ``pivot``; the
+        command line goes into its meta unless the result was read back."""
         command = command_line() if record_command else None
         if command and "command" not in result.meta:
             result.meta["command"] = command
         if self.fmt == "json":
             emit(result.to_json())
         else:
-            show(summary_of(result) if summary else table(result), self.fmt, self.wide)
+            show(summary(result) if pivot else table(result), self.fmt, self.wide)
         if self.json_file is not None:
             say(f"wrote the results to {result.save(self.json_file)}")
         if not result.measured():
             raise UserError("no measurement succeeded; the status of every row says why")
         if self.plot is not None:
-            from lctrain.bench.plot import plot
-
             say(f"wrote the plot to {plot(result, self.plot)}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.report.output import save_document
+from lctrain.report.table import save_document
 
 SCHEMA = 1
 KINDS = ("kernel", "attention", "step")

@@ -1,9 +1,8 @@
 """``lctrain bench step``: time whole training steps of a recipe through the real runner.
 
 Each configuration runs through `lctrain.train.runner.finetune` into a scratch folder; its
-metrics.jsonl gives one row of medians over the timed steps (tokens/s, MFU, peak memory beside
-the memory model's, ...), or a status that says why it could not run.
-"""
+metrics.jsonl gives one row of medians over the timed steps (tokens/s, MFU, peak memory beside the
+memory model's, ...), or a status that says why it could not run."""
 from __future__ import annotations
 
 import contextlib
@@ -51,12 +50,10 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
     `configurations`); one row each. ``save_every`` N steps a checkpoint is saved (0: never);
     ``documents`` trains on random ids packed as that mix; ``memory_trace`` and ``profile`` are
     folders for each configuration's last step (`lctrain.train.memory_trace`,
-    `lctrain.train.step_profile`); ``progress`` gets a line before and after each.
-    """
+    `lctrain.train.step_profile`); ``progress`` gets a line before and after each."""
     if steps < 1 or warmup < 0 or save_every < 0:
-        raise UserError(f"bench step needs at least 1 timed step (got {steps}), a warm-up of 0 "
-                        f"or more (got {warmup}) and a save interval of 0 or more (got "
-                        f"{save_every})")
+        raise UserError(f"bench step needs at least 1 timed step (got {steps}), a warm-up of 0 or "
+                        f"more (got {warmup}) and a save interval of 0 or more (got {save_every})")
     if isinstance(configs, RecipeConfig):
         configs = [("", configs)]
     from lctrain.launch.launcher import default_nproc

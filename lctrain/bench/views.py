@@ -1,9 +1,8 @@
 """How each kind of bench result is shown: its columns, its title, its summary table.
 
-`table` has one row per measurement in columns that fit 80 characters (``--wide`` adds the
-rest); `summary` pivots them as the docs show them (lengths down, variants across). Document
-mixes are spelled in the notes. Nothing here imports torch.
-"""
+`table` has one row per measurement in columns that fit 80 characters (``--wide`` adds the rest);
+`summary` pivots them as the docs show them (lengths down, variants across). Document mixes are
+spelled in the notes. Nothing here imports torch."""
 from __future__ import annotations
 
 from dataclasses import replace

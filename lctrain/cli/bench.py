@@ -5,12 +5,11 @@ from typing import Optional
 
 import typer
 
-from lctrain.cli.usage import split_names, user_errors
-from lctrain.cli.options import (BackendOpt, BackendsOpt, DocumentMixesOpt, DocumentsOpt,
-                                 DocumentsRecipeOpt, DTypeOpt, Format, FormatOpt, HeadDimOpt,
-                                 HeadsOpt, JsonFileOpt, KvHeadsOpt, NprocOpt, PlotOpt, ProfileOpt,
-                                 RecipeArg, RepeatsOpt, SchedulesOpt, SeqLensOpt, SetOpt,
-                                 WarmupOpt, WideOpt)
+from lctrain.cli.options import (BackendOpt, BackendsOpt, DTypeOpt, DocumentMixesOpt, DocumentsOpt,
+                                 DocumentsRecipeOpt, Format, FormatOpt, HeadDimOpt, HeadsOpt,
+                                 JsonFileOpt, KvHeadsOpt, NprocOpt, PlotOpt, ProfileOpt, RecipeArg,
+                                 RepeatsOpt, SchedulesOpt, SeqLensOpt, SetOpt, WarmupOpt, WideOpt,
+                                 split_names, user_errors)
 from lctrain.config import load_recipe, parse_size, parse_size_list
 from lctrain_kernels.vocabulary import SCHEDULES
 
@@ -201,13 +200,13 @@ def report(files: list[str] = typer.Argument(..., metavar="FILE",
     with user_errors():
         from lctrain.bench.publish import Publisher
         from lctrain.bench.result import load, merge
-        from lctrain.eval.files import eval_results, show_eval_results
+        from lctrain.eval.result import eval_results, show_eval_results
 
         evaluations = eval_results(files)
         if evaluations:
             show_eval_results(evaluations, fmt.value, wide, rows=rows, json_file=json_file,
-                              plot=plot)
+                              plot_file=plot)
             return
         result = merge([load(path) for path in files])
         out = Publisher(result.kind, fmt.value, wide, json_file, plot)
-        out.publish(result, summary=not rows, record_command=False)
+        out.publish(result, pivot=not rows, record_command=False)

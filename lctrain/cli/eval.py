@@ -3,13 +3,12 @@ on all local GPUs, through the training's distributed attention."""
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from lctrain.cli.usage import split_names, user_errors
 from lctrain.cli.options import (CpOpt, Format, FormatOpt, NprocOpt, PlotOpt, SeqLenOpt, SetOpt,
-                                 WideOpt)
+                                 WideOpt, optional, split_names, user_errors)
 from lctrain.errors import UserError
 
 
@@ -28,35 +27,25 @@ TargetArg = Annotated[str, typer.Argument(
 TaskOpt = Annotated[Task, typer.Option(
     "--task", help="ppl: loss and perplexity by position; passkey: retrieval of a number "
                    "hidden in long filler text.")]
-EvalStepOpt = Annotated[Optional[int], typer.Option(
-    "--step", min=0, metavar="N", show_default=False,
-    help="A run's checkpoint of step N (default: the newest).")]
-DataOpt = Annotated[Optional[str], typer.Option(
-    "--data", metavar="SOURCE", show_default=False,
-    help="ppl data: a .jsonl/.json/.parquet/.txt file or glob, builtin, or a hub dataset "
-         "(default: the run's validation data, else its training data); its format is "
-         "detected from its records unless --set data.format=... names one.")]
-BucketOpt = Annotated[Optional[str], typer.Option(
-    "--bucket", metavar="SIZE", show_default=False,
-    help="ppl: positions per bucket, e.g. 4k (default: 1/16 of the length).")]
-MaxRowsOpt = Annotated[Optional[int], typer.Option(
-    "--max-rows", min=1, metavar="N", show_default=False,
-    help="ppl: evaluate only the first N rows (default: all).")]
-LengthsOpt = Annotated[Optional[str], typer.Option(
-    "--lengths", metavar="SIZES", show_default=False,
-    help="passkey: prompt lengths in tokens, e.g. 32k,64k (default: --seq-len or the run's).")]
-DepthsOpt = Annotated[Optional[str], typer.Option(
-    "--depths", metavar="LIST", show_default=False,
-    help="passkey: where the number is hidden, as shares of the filler (default: "
-         "0,0.25,0.5,0.75,1).")]
-TrialsOpt = Annotated[Optional[int], typer.Option(
-    "--trials", min=1, metavar="N", show_default=False,
-    help="passkey: prompts (random numbers) per length and depth (default: 1).")]
-SeedOpt = Annotated[Optional[int], typer.Option(
-    "--seed", metavar="N", show_default=False, help="passkey: seed of the numbers (default: 0).")]
-EvalJsonOpt = Annotated[Optional[str], typer.Option(
-    "--json", metavar="FILE", show_default=False,
-    help="Also write the result JSON (rows, settings, time, peak memory) to FILE.")]
+EvalStepOpt = optional(int, "--step", "N", "A run's checkpoint of step N (default: the newest).",
+                       min=0)
+DataOpt = optional(str, "--data", "SOURCE", "ppl data: a .jsonl/.json/.parquet/.txt file or "
+                   "glob, builtin, or a hub dataset (default: the run's validation data, else its "
+                   "training data); its format is detected from its records unless --set "
+                   "data.format=... names one.")
+BucketOpt = optional(str, "--bucket", "SIZE",
+                     "ppl: positions per bucket, e.g. 4k (default: 1/16 of the length).")
+MaxRowsOpt = optional(int, "--max-rows", "N", "ppl: evaluate only the first N rows (default: all).",
+                      min=1)
+LengthsOpt = optional(str, "--lengths", "SIZES", "passkey: prompt lengths in tokens, e.g. 32k,64k "
+                      "(default: --seq-len or the run's).")
+DepthsOpt = optional(str, "--depths", "LIST", "passkey: where the number is hidden, as shares of "
+                     "the filler (default: 0,0.25,0.5,0.75,1).")
+TrialsOpt = optional(int, "--trials", "N",
+                     "passkey: prompts (random numbers) per length and depth (default: 1).", min=1)
+SeedOpt = optional(int, "--seed", "N", "passkey: seed of the numbers (default: 0).")
+EvalJsonOpt = optional(str, "--json", "FILE",
+                       "Also write the result JSON (rows, settings, time, peak memory) to FILE.")
 
 
 def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt = None,
@@ -80,7 +69,7 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt 
         from lctrain.eval.result import check_plot, plot as draw, table
         from lctrain.eval.request import resolve
         from lctrain.eval.evaluate import evaluate
-        from lctrain.report.output import emit, say, show
+        from lctrain.report.table import emit, say, show
 
         if plot is not None:
             check_plot(plot)

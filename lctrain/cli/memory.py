@@ -6,10 +6,9 @@ import os
 
 import typer
 
-from lctrain.cli.usage import user_errors
 from lctrain.cli.options import (CheckpointingOpt, CpOpt, Format, FormatOpt, GpuMemoryOpt, GpusOpt,
                                  GpusPerNodeOpt, HostMemoryOpt, JsonFlag, ModelOpt, PlanFlag,
-                                 RecipeArg, SeqLenOpt, SetOpt, WideOpt)
+                                 RecipeArg, SeqLenOpt, SetOpt, WideOpt, user_errors)
 from lctrain.config import load_recipe, parse_memory, parse_size
 from lctrain.config.hub import check_hub_model, looks_like_hub_name
 from lctrain.errors import ConfigError
@@ -61,7 +60,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
     if json_output or fmt == Format.json:
         typer.echo(json.dumps(payload, indent=2, default=str))
         return
-    from lctrain.report.output import show
+    from lctrain.report.table import show
     from lctrain.memory.tables import estimate_table
 
     show(estimate_table(payload, memory), fmt.value, wide)
@@ -92,7 +91,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
         return
-    from lctrain.report.output import emit, show
+    from lctrain.report.table import emit, show
 
     show(plan_table(result), fmt.value, wide)
     for name, command in result["commands"].items():

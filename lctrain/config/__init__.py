@@ -12,6 +12,6 @@ from lctrain.config.schema import (BUILTIN_TOKENIZERS, BYTE_PAIR_TOKENIZER_VOCAB
                                    BYTE_TOKENIZER_VOCAB, SCHEDULE_LAYOUTS, CheckpointConfig,
                                    DataConfig, LoraConfig, ModelConfig, ParallelConfig,
                                    RecipeConfig, TrainConfig)
-from lctrain.config.sizes import (format_bytes, format_tokens, parse_memory, parse_size,
+from lctrain.config.fields import (format_bytes, format_tokens, parse_memory, parse_size,
                                   parse_size_list)
 from lctrain.errors import ConfigError

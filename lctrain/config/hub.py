@@ -60,8 +60,7 @@ def check_hub_dataset(name: str, *, cache_dir: str | None = None,
         return
     _refuse_uncached(f"the hub dataset {name!r}", what, flags=_DATASETS_OFFLINE,
                      where=f"the datasets cache ({root}) does not hold it",
-                     fix=f"point {what} at local .jsonl/.parquet/.txt files or use "
-                         f"{what}=builtin")
+                     fix=f"point {what} at local .jsonl/.parquet/.txt files or use {what}=builtin")
 
 
 def cache_only(source: str) -> bool:

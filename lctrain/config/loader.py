@@ -12,13 +12,12 @@ from typing import Any, Iterable
 
 import yaml
 
-from lctrain.config.aliases import alias_hint
-from lctrain.config.fields import suggest
 from lctrain.config.paths import (absolute_paths, check_model_path, decode_text, local_data,
                                   ordinary_permissions, read_recipe_text)
 from lctrain.config.schema import SECTIONS as _SECTIONS, RecipeConfig
-from lctrain.config.sizes import parse_size
+from lctrain.config.fields import parse_size, suggest
 from lctrain.errors import ConfigError
+
 
 class _Yaml12Loader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2 scalars (``1e-4`` a float, only true/false booleans)."""
@@ -64,8 +63,7 @@ REMOVED = {
     **{f"model.{name}": _FUSED for name in ("fused_norms", "fused_rope", "fused_mlp", "fused_loss",
                                             "grouped_attention", "deferred_norms")},
     "parallel.dp": "the data-parallel degree is the world size / parallel.cp; drop it",
-    "parallel.balance_documents": "packed documents are always balanced over the cp ranks; "
-                                  "drop it",
+    "parallel.balance_documents": "packed documents are always balanced over the cp ranks; drop it",
     "train.layer_policies": "use train.checkpointing runs, e.g. full=4,remat=28",
     "train.state_offload": "use train.offload (optimizer, or state for parameters, gradients "
                            "and AdamW states)",
@@ -83,6 +81,48 @@ REMOVED = {
                                "foreground on CPUs; drop it",
 }
 """Recipe settings that are gone -> what replaces them (each refused in one sentence)."""
+
+_FOREIGN = {
+    "train.lr": "learning_rate lr",
+    "train.epochs": "num_train_epochs num_epochs epochs",
+    "train.max_steps": "max_steps",
+    "train.batch_size": "per_device_train_batch_size micro_batch_size train_batch_size batch_size",
+    "train.grad_accum": "gradient_accumulation_steps",
+    "data.seq_len": "max_seq_length sequence_len max_seq_len max_length seq_length "
+                    "model_max_length cutoff_len seq_len",
+    "lora.rank": "lora_r r rank",
+    "lora.alpha": "lora_alpha",
+    "lora.dropout": "lora_dropout",
+    "lora.target_modules": "lora_target_modules lora_target target_modules",
+    "data.source": "dataset datasets dataset_name train_file data_path data_files",
+    "train.output_dir": "output_dir",
+    "train.warmup_steps": "warmup_steps",
+    "train.weight_decay": "weight_decay",
+    "train.max_grad_norm": "max_grad_norm",
+    "train.seed": "seed",
+    "model.path": "base_model model_name_or_path model_name model_path",
+    "train.checkpointing": "gradient_checkpointing",
+    "train.mixed_precision": "bf16 fp16 mixed_precision",
+    "model.dtype": "torch_dtype dtype",
+    "checkpoint.every": "save_steps",
+    "checkpoint.keep": "save_total_limit",
+    "train.eval_every": "eval_steps",
+    "data.tokenizer": "tokenizer_name tokenizer tokenizer_name_or_path",
+    "parallel.cp": "sequence_parallel_degree context_parallel_size cp",
+    "train.betas": "adam_beta1 adam_beta2",
+    "train.report_to": "report_to",
+    "model.trust_remote_code": "trust_remote_code",
+}
+ALIASES = {name: key for key, names in _FOREIGN.items() for name in names.split()}
+"""A name people bring from Hugging Face's Trainer, axolotl, LLaMA-Factory or TRL (the last part
+of a key) -> the recipe key that means it: the "did you mean" of an unknown key."""
+
+
+def alias_hint(key: str) -> str:
+    """``"; did you mean train.lr?"`` when the last part of ``key`` is a known foreign name of
+    another setting, else ``""``."""
+    target = ALIASES.get(key.rsplit(".", 1)[-1])
+    return f"; did you mean {target}?" if target and target != key else ""
 
 
 def _check_key(section: str, name: str, where: str) -> None:
@@ -192,8 +232,7 @@ def set_key(raw: dict[str, Any], key: str, value: Any, *, where: str) -> None:
     section, rest = parts[0], parts[1:]
     if section not in _SECTIONS:
         hint = suggest(section, _SECTIONS) or alias_hint(key)
-        raise ConfigError(f"unknown key {key} in {where}{hint} "
-                          f"(sections: {', '.join(_SECTIONS)})")
+        raise ConfigError(f"unknown key {key} in {where}{hint} (sections: {', '.join(_SECTIONS)})")
     if not rest:
         raise ConfigError(f"{where} names the whole section {section}; name one setting such "
                           f"as {section}.{dataclasses.fields(_SECTIONS[section])[0].name}")

@@ -43,8 +43,7 @@ def differences(saved: RecipeConfig, new: RecipeConfig) -> list[tuple[str, Any, 
     """(dotted key, saved value, new value) for every setting that differs, in recipe order."""
     a, b = flatten(saved.to_dict()), flatten(new.to_dict())
     keys = list(a) + [k for k in b if k not in a]
-    return [(k, a.get(k), b.get(k)) for k in keys
-            if k not in _IGNORED and a.get(k) != b.get(k)]
+    return [(k, a.get(k), b.get(k)) for k in keys if k not in _IGNORED and a.get(k) != b.get(k)]
 
 
 def resume_changes(saved: RecipeConfig, new: RecipeConfig,

@@ -68,8 +68,7 @@ class DataConfig:
     """Where the training text comes from and how it becomes rows of tokens."""
 
     source: str = "builtin"
-    """``builtin`` (Python's help topics), local .txt / .jsonl / .json / .parquet files or a
-    glob, or a hub dataset name."""
+    """``builtin`` (Python's help topics), .txt/.jsonl/.json/.parquet files, a glob or hub name."""
     split: str = "train"
     """Split to read from a hub dataset."""
     format: Literal["auto", "text", "prompt_completion", "chat", "tokenized"] = "auto"

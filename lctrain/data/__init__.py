@@ -13,11 +13,3 @@ from lctrain.data.prepare import (PARTS, held_out, part_samples, prepare_data, r
 from lctrain.data.records import Record, RecordReader, builtin_documents
 from lctrain.data.tokenizer import (BytePairTokenizer, ByteTokenizer, encode_documents,
                                     load_tokenizer, pad_token_id)
-
-__all__ = [
-    "FORMATS", "IGNORE", "PARTS", "BytePairTokenizer", "ByteTokenizer", "Encoder", "PackedBatch",
-    "PackedRows", "Record", "RecordReader", "Sample", "TokenStream", "builtin_documents",
-    "detect_format", "encode_documents", "eval_batches", "held_out", "iter_batches",
-    "load_tokenizer", "pack", "pad_token_id", "part_samples", "plan_rows", "plan_steps",
-    "prepare_data", "reorder_documents", "rows_summary", "shard_batch", "steps_summary",
-    "tokenizer_identity"]

@@ -1,12 +1,11 @@
 """Records → samples: int32 token ids and, per token, whether it is a training target.
 
-Formats: ``text`` (every token a target), ``prompt_completion`` (the completion and a closing
-eos), ``chat`` (the assistant turns) and ``tokenized`` (optional unshifted ``labels``); ``auto``
-detects it from the first record. Records with nothing to train on are skipped and counted.
-A chat template without ``{% generation %}`` markers is rendered by prefixes: the characters
-between the rendering of ``messages[:i]`` with the generation prompt and that of
-``messages[:i + 1]`` are assistant message i's.
-"""
+Formats: ``text`` (every token a target), ``prompt_completion`` (the completion and a closing eos),
+``chat`` (the assistant turns) and ``tokenized`` (optional unshifted ``labels``); ``auto`` detects
+it from the first record. Records with nothing to train on are skipped and counted. A chat template
+without ``{% generation %}`` markers is rendered by prefixes: the characters between the rendering
+of ``messages[:i]`` with the generation prompt and that of ``messages[:i + 1]`` are assistant
+message i's."""
 from __future__ import annotations
 
 import re

@@ -1,11 +1,10 @@
 """Packing samples into rows of exactly ``seq_len`` tokens, with labels shifted before any split,
 and batching the rows.
 
-``data.long_samples``: ``split`` cuts the stream of samples every seq_len tokens; the others
-keep each sample whole in one row (best-fit decreasing), a longer one truncated or left out.
-With ``document_mask`` labels and position ids stay within each sample. Each epoch is a
-permutation drawn from ``(seed, epoch)``, so dp ranks see disjoint rows and a resume is exact.
-"""
+``data.long_samples``: ``split`` cuts the stream of samples every seq_len tokens; the others keep
+each sample whole in one row (best-fit decreasing), a longer one truncated or left out. With
+``document_mask`` labels and position ids stay within each sample. Each epoch is a permutation drawn
+from ``(seed, epoch)``, so dp ranks see disjoint rows and a resume is exact."""
 from __future__ import annotations
 
 import bisect
@@ -67,8 +66,7 @@ def plan_rows(stream: TokenStream, seq_len: int, mode: str,
               samples: np.ndarray | None = None) -> RowPlan:
     """Choose the pieces of every row for ``mode`` (``data.long_samples``), of the sorted
     ``samples`` (None: all); DataError when they have no token or every one was left out."""
-    chosen = np.arange(stream.bounds.size - 1) if samples is None else np.asarray(samples,
-                                                                                 np.int64)
+    chosen = np.arange(stream.bounds.size - 1) if samples is None else np.asarray(samples, np.int64)
     lengths = np.diff(stream.bounds)[chosen]
     if int(lengths.sum()) == 0:
         raise DataError("the data yields no token to train on; check data.source and data.format")
@@ -262,13 +260,9 @@ def eval_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
     per_step = dp_size * batch_size
     for step in range(-(-n_rows // per_step)):
         first = (step * dp_size + dp_rank) * batch_size
-        rows = [ds.row(r) if r < n_rows else _masked(ds.row(0))
+        rows = [ds.row(r) if r < n_rows else {**ds.row(0), "labels": np.full(ds.seq_len, IGNORE)}
                 for r in range(first, first + batch_size)]
         yield _collate(rows)
-
-
-def _masked(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {**row, "labels": np.full_like(row["labels"], -100)}
 
 
 def plan_steps(*, rows: int, rows_per_step: int, max_steps: int | None,
@@ -284,8 +278,7 @@ def plan_steps(*, rows: int, rows_per_step: int, max_steps: int | None,
 
 def steps_summary(*, rows: int, rows_per_step: int, steps: int, max_steps: int | None,
                   epochs: float | None) -> list[str]:
-    """Banner lines: the steps, why, the epochs they make; a warning when one step takes
-    more rows than the data has."""
+    """Banner lines: steps, why, the epochs; a warning when a step takes more rows than exist."""
     if epochs is None and max_steps is not None:
         why = "train.max_steps"
     elif epochs is None:

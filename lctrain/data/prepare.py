@@ -1,10 +1,9 @@
 """Data preparation, once per machine and visibly: records → samples → token stream → rows.
 
-The leader writes the encoded source into the cache (`default_cache_dir`: one folder per
-`digest` of all the content depends on, appearing by atomic rename) and plans the rows; other
-processes and later runs memory-map it. ``data.eval_fraction`` holds documents out of the
-training rows (drawn from ``train.seed``); both parts share the token stream.
-"""
+The leader writes the encoded source into the cache (`default_cache_dir`: one folder per `digest` of
+all the content depends on, appearing by atomic rename) and plans the rows; other processes and
+later runs memory-map it. ``data.eval_fraction`` holds documents out of the training rows (drawn
+from ``train.seed``); both parts share the token stream."""
 from __future__ import annotations
 
 import contextlib
@@ -36,13 +35,11 @@ LAYOUT_VERSION = 3  # bumped whenever what a cache folder holds changes
 
 
 def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
-    """Sorted int64 indices of the round(fraction × documents) held-out documents (DataError:
-    none, or all of them)."""
+    """Sorted int64 indices of the round(fraction × documents) held out (DataError: none or all)."""
     count = int(round(fraction * documents))
     if count < 1:
-        raise DataError(f"data.eval_fraction {fraction:g} of {documents} documents holds out "
-                        f"none; raise it to at least {1 / documents:.2g} or use "
-                        f"data.eval_source")
+        raise DataError(f"data.eval_fraction {fraction:g} of {documents} documents holds out none; "
+                        f"raise it to at least {1 / documents:.2g} or use data.eval_source")
     if count >= documents:
         raise DataError(f"data.eval_fraction {fraction:g} of {documents} documents holds out all "
                         f"of them and leaves none to train on; lower it or use data.eval_source")

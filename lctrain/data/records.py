@@ -1,9 +1,8 @@
 """Reading a data source record by record, each record with its location for messages.
 
 Sources (``data.source``): ``builtin`` (Python's own help topics, present offline), ``.jsonl``
-(strict UTF-8, one object a line), ``.json`` (an array of objects, or JSON lines),
-``.parquet``, ``.txt`` (one document a file), or a Hugging Face hub dataset name.
-"""
+(strict UTF-8, one object a line), ``.json`` (an array of objects, or JSON lines), ``.parquet``,
+``.txt`` (one document a file), or a Hugging Face hub dataset name."""
 from __future__ import annotations
 
 import importlib
@@ -188,8 +187,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def source_identity(data: DataConfig) -> list:
-    """What identifies the source's content cheaply, for the cache key (local files: path,
-    size and modification time)."""
+    """The source's identity for the cache key (local files: path, size, modification time)."""
     if data.source == "builtin":
         return ["builtin", sys.version, sum(len(t) for t in builtin_documents())]
     local = local_data(data.source)

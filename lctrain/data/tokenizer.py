@@ -1,9 +1,8 @@
 """Tokenizers (``data.tokenizer``): the model's own (null), any transformers tokenizer, or a
-built-in one for random inits: ``bytes`` (UTF-8 bytes, then bos, eos, pad) and ``byte-pairs``
-(two bytes a token, a vocabulary as large as real ones', for benchmark twins).
+built-in one for random inits: ``bytes`` (UTF-8 bytes, then bos, eos, pad) and ``byte-pairs`` (two
+bytes a token, a vocabulary as large as real ones', for benchmark twins).
 
-A document is what the tokenizer's ``add_special_tokens=True`` makes of it, ending in eos.
-"""
+A document is what the tokenizer's ``add_special_tokens=True`` makes of it, ending in eos."""
 from __future__ import annotations
 
 import os

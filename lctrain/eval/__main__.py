@@ -1,5 +1,4 @@
-"""One rank of a self-launched evaluation: ``python -m lctrain.eval --config RECIPE.yaml
---request REQUEST.json [...]``."""
+"""One rank of a self-launched evaluation: ``python -m lctrain.eval --config C --request R ...``."""
 import sys
 
 from lctrain.launch.lifetime import die_with_launcher

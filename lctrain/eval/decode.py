@@ -4,17 +4,16 @@ computed.
 At 256K tokens the keys and values of a 7B model fill about 128 GiB: gathering them onto one rank
 fits no GPU, and re-running the prompt on one GPU per token is quadratic. So the **prefill** runs
 like a training forward (each cp rank holds its shard of the prompt, the attention is
-`lctrain_kernels.dist_attention` over the cp group) and each rank keeps the keys and values of
-its shard per layer (`KVShards`); the next-token logits come from the rank holding the last
-position, summed over the group. In **decoding** every rank is fed the new token; in every layer
-each attends it to the keys it holds (its prompt shard, and on cp rank 0 the generated tokens,
-so no key counts twice), the partial outputs and lses are all-gathered (a few KiB) and merged in
-float32 (`lctrain_kernels.api.merge`): exactly attention over all keys. cp rank 0's greedy
-choice is broadcast so the ranks cannot drift apart.
+`lctrain_kernels.dist_attention` over the cp group) and each rank keeps the keys and values of its
+shard per layer (`KVShards`); the next-token logits come from the rank holding the last position,
+summed over the group. In **decoding** every rank is fed the new token; in every layer each attends
+it to the keys it holds (its prompt shard, and on cp rank 0 the generated tokens, so no key counts
+twice), the partial outputs and lses are all-gathered (a few KiB) and merged in float32
+(`lctrain_kernels.api.merge`): exactly attention over all keys. cp rank 0's greedy choice is
+broadcast so the ranks cannot drift apart.
 
-Models that `lctrain eval` builds use the attention registered here (``lctrain_eval``): without
-a ``lctrain_kv`` keyword it IS the "lctrain" attention, so the same model serves perplexity runs.
-"""
+Models that `lctrain eval` builds use the attention registered here (``lctrain_eval``): without a
+``lctrain_kv`` keyword it IS the "lctrain" attention, so the same model serves perplexity runs."""
 from __future__ import annotations
 
 from typing import Any
@@ -29,10 +28,9 @@ ATTENTION_NAME = "lctrain_eval"
 
 
 class KVShards:
-    """The keys and values one rank keeps for decoding, per attention module, over the cp
-    ``group`` (None: one rank holds the whole prompt): ``prompt`` (this rank's shard) and ``tail``
-    (the generated tokens), module -> (k, v) (B, Hkv, S, D); ``decoding`` once the prompt ran.
-    """
+    """The keys and values one rank keeps for decoding, per attention module, over the cp ``group``
+    (None: one rank holds the whole prompt): ``prompt`` (this rank's shard) and ``tail`` (the
+    generated tokens), module -> (k, v) (B, Hkv, S, D); ``decoding`` once the prompt ran."""
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
@@ -124,10 +122,9 @@ def pick_token(logits: torch.Tensor, group: Any, vocab: int | None = None) -> to
 def generate(module: torch.nn.Module, prompt: list[int], steps: int, *, cp, accelerator,
              keep_logits: bool = False, vocab: int | None = None
              ) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy continuation of ``prompt`` (a length that suits the cp layout) by ``steps`` ≥ 1
-    tokens of ids below ``vocab``, by the distributed `EvalModel` ``module`` (collective over
-    the cp group). Returns (generated ids, per-step (V,) float32 host logits if ``keep_logits``).
-    """
+    """Greedy continuation of ``prompt`` (a length that suits the cp layout) by ``steps`` ≥ 1 tokens
+    of ids below ``vocab``, by the distributed `EvalModel` ``module`` (collective over the cp
+    group). Returns (generated ids, per-step (V,) float32 host logits if ``keep_logits``)."""
     from lctrain.data import PackedBatch
 
     length = len(prompt)

@@ -256,8 +256,7 @@ def run_ppl(setup, parts, request) -> tuple[list[dict], dict]:
 def _ppl_row(name: str, lo: int, hi: int, loss_sum: float, count: float) -> dict:
     loss = loss_sum / count if count else None
     ppl = math.exp(loss) if loss is not None and loss < 700 else None
-    return {"bucket": name, "start": lo, "stop": hi, "tokens": int(count), "loss": loss,
-            "ppl": ppl}
+    return {"bucket": name, "start": lo, "stop": hi, "tokens": int(count), "loss": loss, "ppl": ppl}
 
 
 def _counted(batches: Iterator, say: Callable[[str], None], rows: int,
@@ -273,8 +272,7 @@ def run_passkey(setup, parts, request) -> tuple[list[dict], dict]:
     cfg, pmesh = setup.cfg, setup.pmesh
     say = progress_printer(setup.main)
     tokenizer = load_tokenizer(cfg)
-    cases = passkey_cases(list(request.lengths), list(request.depths), request.trials,
-                          request.seed)
+    cases = passkey_cases(list(request.lengths), list(request.depths), request.trials, request.seed)
     steps = max(answer_tokens(tokenizer, case.passkey) for case in cases)
     mine = list(range(pmesh.dp_rank, len(cases), pmesh.dp))
     slots = -(-len(cases) // pmesh.dp)  # every dp group runs as many prompts (in step)

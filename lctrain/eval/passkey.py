@@ -1,10 +1,9 @@
-"""The passkey retrieval test (Mohtashami & Jaggi): a number hidden in filler text, asked for
-at the end.
+"""The passkey retrieval test (Mohtashami & Jaggi): a number hidden in filler text, asked for at the
+end.
 
 The prompt is assembled from token ids, so its length is exact: introduction, a window of the
-repeated filler sentences with the needle at the sentence boundary at or before ``depth`` of
-it, then the question. The answer is the first run of digits the model decodes.
-"""
+repeated filler sentences with the needle at the sentence boundary at or before ``depth`` of it,
+then the question. The answer is the first run of digits the model decodes."""
 from __future__ import annotations
 
 import random
@@ -85,11 +84,6 @@ def parse_answer(text: str) -> str | None:
     return found.group(0) if found else None
 
 
-def _printable(text: str) -> str:
-    """``text`` for a table cell: stripped, control characters shown as "·"."""
-    return "".join(c if c.isprintable() else "·" for c in text.strip())
-
-
 @dataclass(frozen=True)
 class PasskeyCase:
     """One (length, depth, trial) of a passkey run, with its random passkey."""
@@ -114,12 +108,13 @@ def summarize(cases: list[PasskeyCase], outcomes: list[dict]) -> list[dict]:
     rows: dict[tuple[int, float], dict] = {}
     for case, outcome in zip(cases, outcomes):
         got = parse_answer(outcome["answer"])
+        shown = "".join(c if c.isprintable() else "·" for c in outcome["answer"].strip())
         sample = {"passkey": case.passkey, "answer": outcome["answer"], "parsed": got,
                   "correct": got == case.passkey, "needle_start": outcome["needle_start"]}
         row = rows.setdefault((case.length, case.depth), {
             "seq_len": case.length, "depth": case.depth,
             "needle_position": outcome["needle_start"], "placed_depth": outcome["placed_depth"],
-            "passkey": case.passkey, "answer": _printable(outcome["answer"]), "trials": 0,
+            "passkey": case.passkey, "answer": shown, "trials": 0,
             "correct": 0, "samples": []})
         row["trials"] += 1
         row["correct"] += int(sample["correct"])

@@ -1,9 +1,8 @@
 """What ``lctrain eval`` is asked: the target, the task, and the recipe it runs under.
 
-A target is a run folder (its newest checkpoint, or ``--step N``), one of its checkpoints, a
-model folder (config.json), or a recipe. `resolve` turns the command's options into that
-recipe and an `EvalRequest` for every rank. Nothing here imports torch.
-"""
+A target is a run folder (its newest checkpoint, or ``--step N``), one of its checkpoints, a model
+folder (config.json), or a recipe. `resolve` turns the command's options into that recipe and an
+`EvalRequest` for every rank. Nothing here imports torch."""
 from __future__ import annotations
 
 import dataclasses
@@ -74,8 +73,7 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
     raw, kind, source = _target_recipe(target)
     checkpoint = None
     if step is not None and kind != "run":
-        raise UserError(f"--step {step} needs a run folder, but {target} is a {kind}; drop "
-                        "--step")
+        raise UserError(f"--step {step} needs a run folder, but {target} is a {kind}; drop --step")
     if kind in ("run", "checkpoint"):
         from lctrain.checkpoint.reader import find_checkpoint
 
@@ -97,11 +95,13 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
     parallel = ParallelConfig(**raw["parallel"])
     for length in lengths:  # before the recipe, which would name the longest data.seq_len
         try:
-            check_seq_len(length, parallel.cp, parallel.layout, what="passkey length",
-                          ranks="--cp")
+            check_seq_len(length, parallel.cp, parallel.layout, what="passkey length", ranks="--cp")
         except ValueError as error:
             raise UserError(str(error)) from None
-    cfg = _build(raw, source, task)
+    cfg = build_recipe(raw, source)
+    check_model_path(cfg.model.path)
+    if task == "ppl":  # passkey prompts are generated: the data may be gone
+        local_data(cfg.data.source)
     if task == "passkey" and not lengths:
         lengths = [cfg.data.seq_len]
     depths = tuple(DEFAULT_DEPTHS if depths is None else depths)
@@ -157,7 +157,9 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
         raise UserError(f"{target} is a folder with neither config.yaml (a run folder) nor "
                         "config.json (a model folder), nor a checkpoint of a run; pass one of "
                         "those, or a recipe")
-    if not path.exists() and not _names_shipped_recipe(path):
+    shipped = path.name if path.name.endswith(".yaml") else f"{path.name}.yaml"  # tiny, ...
+    if not path.exists() and not (shipped in shipped_recipes()
+                                  and path.parent in (Path("."), Path("recipes"))):
         names = ", ".join(sorted(n.removesuffix(".yaml") for n in shipped_recipes()))
         raise UserError(f"TARGET {target} does not exist; give a run folder, one of its "
                         "checkpoints (RUN/checkpoints/step-N), a model folder (config.json), a "
@@ -187,12 +189,6 @@ def _adapter_base(folder: Path) -> str:
     return base
 
 
-def _names_shipped_recipe(path: Path) -> bool:
-    """Whether the missing ``path`` names a shipped recipe (``tiny``, ``recipes/tiny.yaml``)."""
-    name = path.name if path.name.endswith(".yaml") else f"{path.name}.yaml"
-    return name in shipped_recipes() and path.parent in (Path("."), Path("recipes"))
-
-
 def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: str | None,
             lengths: list[int], kind: str, format_given: bool = False) -> None:
     """The settings every evaluation runs under, on top of the target's and --set's
@@ -214,11 +210,3 @@ def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: 
     sections["train"].update(checkpointing="none", offload=",".join(state) or "none",
                              eval_every=0, report_to=["jsonl"])
     sections["checkpoint"].update(keep=0)
-
-
-def _build(raw: dict, source: str, task: str) -> RecipeConfig:
-    cfg = build_recipe(raw, source)
-    check_model_path(cfg.model.path)
-    if task == "ppl":  # passkey prompts are generated: the data may be gone
-        local_data(cfg.data.source)
-    return cfg

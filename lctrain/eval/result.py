@@ -1,10 +1,10 @@
-"""An evaluation's result: its JSON document (what ``--json FILE`` writes), a table, and a
-plot (perplexity by position, or passkey accuracy as a length × depth heatmap).
+"""An evaluation's result: its JSON document (what ``--json FILE`` writes), a table, and a plot
+(perplexity by position, or passkey accuracy as a length × depth heatmap); `lctrain bench report`
+shows such files as ``lctrain eval`` does (`eval_results`).
 
-The document is ``{"lctrain_eval": 1, "task": "ppl" | "passkey", "title", "meta", "rows"}``:
-ppl rows are position buckets then an ``"all"`` row; passkey rows are (length, depth) pairs
-with every trial under ``samples``.
-"""
+The document is ``{"lctrain_eval": 1, "task": "ppl" | "passkey", "title", "meta", "rows"}``: ppl
+rows are position buckets then an ``"all"`` row; passkey rows are (length, depth) pairs with every
+trial under ``samples``."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,7 @@ from pathlib import Path
 from lctrain.errors import UserError
 from lctrain.report import plotting
 from lctrain.report.human import gib, parameters, significant, tokens
-from lctrain.report.output import save_document
-from lctrain.report.table import Column, Table
+from lctrain.report.table import Column, Table, save_document, say, show
 
 SCHEMA = 1
 TASKS = ("ppl", "passkey")
@@ -157,3 +156,39 @@ def _plot_passkey(result: EvalResult, path: str | Path) -> Path:
                 ax.text(x, y, f"{100 * value:.0f}%", ha="center", va="center", fontsize=9)
     fig.colorbar(image, ax=ax, label="accuracy")
     return plotting.finish(fig, ax, path, legend=False)
+
+
+def eval_results(files: list[str]) -> list:
+    """The evaluation results among ``files``, loaded; [] when none is one (UserError: mixed
+    with bench results, which share no table)."""
+    marked = [_is_eval(path) for path in files]
+    if not any(marked):
+        return []
+    if not all(marked):
+        others = [p for p, m in zip(files, marked) if not m]
+        raise UserError(f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not lctrain "
+                        "eval results; report evaluation and bench result files separately")
+    return [load(path) for path in files]
+
+
+def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_file,
+                      plot_file) -> None:
+    """Print each evaluation's table in ``fmt``; ``--plot`` draws a single one."""
+    if rows or json_file is not None:
+        raise UserError("--rows and --json merge bench results; an lctrain eval result is "
+                        "shown as it is (use the file itself for its JSON)")
+    if plot_file is not None and len(results) != 1:
+        raise UserError(f"--plot draws one evaluation result; {len(results)} were given")
+    for result in results:
+        show(table(result), fmt, wide)
+    if plot_file is not None:
+        say(f"wrote the plot to {plot(results[0], plot_file)}")
+
+
+def _is_eval(path: str) -> bool:
+    """Whether ``path`` holds an lctrain eval document (unreadable: left to the bench loader)."""
+    try:
+        data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "lctrain_eval" in data

@@ -4,5 +4,3 @@ with no lctrain installed — the whole model, a LoRA adapter, or the adapters m
     result = export_run("runs/tiny", output="exported/tiny", dtype="float32")
 """
 from lctrain.export.run import DTYPES, ExportResult, export_final, export_run
-
-__all__ = ["DTYPES", "ExportResult", "export_final", "export_run"]

@@ -1,9 +1,8 @@
 """`export_run`: one checkpoint of a run → a Hugging Face folder (what ``lctrain export`` calls).
 
 The model is built on ``meta`` from the run's config.yaml as training built it (with LoRA), so
-parameter names match the checkpoint's, and the weights read from it are assigned in place, on
-the CPU in this one process; the folder appears whole.
-"""
+parameter names match the checkpoint's, and the weights read from it are assigned in place, on the
+CPU in this one process; the folder appears whole."""
 from __future__ import annotations
 
 import dataclasses
@@ -172,8 +171,7 @@ def skeleton(cfg: RecipeConfig) -> nn.Module:
 
 
 def base_weights(peft_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weights a LoRA run started from: its state without adapters and trained copies,
-    under the base model's names."""
+    """A LoRA run's state without adapters and trained copies, under the base model's names."""
     return {name.removeprefix("base_model.model.").replace(".base_layer.", ".")
             .replace(".original_module.", "."): tensor
             for name, tensor in peft_state.items() if not any(p in name for p in LORA_PARTS)}

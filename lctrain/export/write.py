@@ -1,10 +1,9 @@
-"""What an export writes: the weights — full (``save_pretrained``, shards of at most 5 GB),
-merged (the adapters merged in, in float32) or adapter (peft's files; a random init's base
-weights go to ``base/`` beside it) — and the run's tokenizer. lctrain's byte tokenizer is
-written as an equivalent ``PreTrainedTokenizerFast`` (a BPE with GPT-2's 256 byte characters
-and no merges, ``<bos>`` before every text, special names in text read as bytes).
-`staged_folder` makes the output appear whole or not at all.
-"""
+"""What an export writes: the weights — full (``save_pretrained``, shards of at most 5 GB), merged
+(the adapters merged in, in float32) or adapter (peft's files; a random init's base weights go to
+``base/`` beside it) — and the run's tokenizer. lctrain's byte tokenizer is written as an equivalent
+``PreTrainedTokenizerFast`` (a BPE with GPT-2's 256 byte characters and no merges, ``<bos>`` before
+every text, special names in text read as bytes). `staged_folder` makes the output appear whole or
+not at all."""
 from __future__ import annotations
 
 import contextlib

@@ -5,7 +5,5 @@ from lctrain.memory.arch import Architecture, from_config_dict, load_architectur
 from lctrain.memory.estimate import HOST_USABLE, estimate, host_offload_fits, max_seq_len
 from lctrain.memory.adapters import LoraShape, lora_shape
 from lctrain.memory.presets import PRESETS
-from lctrain.memory.recipe import (estimate_recipe, placed_layers, plan_recipe,
-                                   recipe_architecture)
+from lctrain.memory.recipe import estimate_recipe, placed_layers, plan_recipe, recipe_architecture
 from lctrain.memory.tables import MemoryEstimate, estimate_table
-

@@ -67,14 +67,6 @@ def kept_bytes(arch: Architecture, tokens: int, c: int, kind: str,
     return remat_kept(arch, tokens, c) if kind == "remat" else input_kept(arch, tokens, c)
 
 
-def kept_at_each_layer(arch: Architecture, tokens: int, c: int, kinds, parked,
-                       lora: lora_model.LoraShape | None = None, tile_tokens: int = 0,
-                       head_groups: int = 1) -> list[int]:
-    """Kept bytes on the GPU while each layer's backward runs (`kept_during_layers`)."""
-    kept = [kept_bytes(arch, tokens, c, k, lora, tile_tokens, head_groups) for k in kinds]
-    return kept_during_layers(kept, list(parked))
-
-
 def kept_during_layers(kept: list[int], parked: list[bool]) -> list[int]:
     """Kept GPU bytes at each layer's backward: GPU layers not yet passed, two parked ones."""
     during, on_gpu, below = [], 0, 0

@@ -85,11 +85,6 @@ class Setup:
                                                                                     self.lora)
 
 
-def peak_limit(gpu_memory: int) -> int:
-    """The largest allocated peak whose total (with headroom) fits ``gpu_memory``."""
-    return int((gpu_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))
-
-
 def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     """Per-GPU bytes at ``seq_len``: (per_gpu_bytes, details) as in `MemoryEstimate`."""
     arch, c, m = setup.arch, DTYPE_BYTES[setup.dtype], DTYPE_BYTES[setup.master_dtype]
@@ -143,8 +138,8 @@ def _activation_phase(setup: Setup, tokens: int, c: int, kinds, parked) -> dict[
     parts = _transients(setup, tokens, c, set(kinds))
     gathered, layer_grads, root = _fsdp_buffers(setup, c)
     final_norm = act.final_norm_saved(arch, tokens, c, lora, tile)
-    during = act.kept_at_each_layer(arch, tokens, c, kinds, parked, lora, tile,
-                                    setup.head_groups)
+    kept = [act.kept_bytes(arch, tokens, c, k, lora, tile, setup.head_groups) for k in kinds]
+    during = act.kept_during_layers(kept, list(parked))
     backward = {kind: act.layer_backward(arch, tokens, c, kind, setup.cp, lora, tile,
                                          setup.head_groups) + layer_grads for kind in set(kinds)}
     at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]])
@@ -186,7 +181,7 @@ def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> L
     arch, layers = setup.arch, setup.arch.num_layers
     final_norm = act.final_norm_saved(arch, tokens, c, setup.lora, setup.tile_tokens)
     host_room = (setup.host_budget or 0) - host_state
-    limit = peak_limit(setup.gpu_memory)
+    limit = int((setup.gpu_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))  # peak with headroom
     found = None
     for assumed in ({"remat"}, {"remat", "full"}):
         room = limit - fixed - final_norm - _transients(setup, tokens, c, assumed)["transient"]

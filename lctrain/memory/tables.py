@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from lctrain.config.sizes import format_bytes, format_tokens
+from lctrain.config.fields import format_bytes, format_tokens
 from lctrain.report.human import parameters, tokens
 from lctrain.report.table import Column, Table
 
@@ -152,14 +152,10 @@ def plan_commands(plan: dict, recipe: str, overrides: list[str]) -> dict[str, st
         if choice is None:
             continue
         items = [*overrides, *choice["overrides"]]
-        if host:
-            items.append(f"train.host_memory={_memory_text(host)}")
+        if host:  # whole GiB as the recipe takes it (251GiB), else bytes
+            items.append(f"train.host_memory={host >> 30}GiB" if host % (1 << 30) == 0
+                         else f"train.host_memory={host}")
         args = ["lctrain", "finetune", recipe, "--seq-len", format_tokens(choice["seq_len"])]
         args += [part for item in items for part in ("--set", item)]
         commands[f"{name} ({tokens(choice['seq_len'])} tokens)"] = shlex.join(args)
     return commands
-
-
-def _memory_text(count: int) -> str:
-    """A memory size as the recipe takes it: whole GiB as ``251GiB``, else bytes."""
-    return f"{count >> 30}GiB" if count % (1 << 30) == 0 else str(count)

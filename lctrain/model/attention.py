@@ -1,13 +1,12 @@
 """The "lctrain" attention for transformers models, registered through `AttentionInterface`.
 
-A model built with ``attn_implementation="lctrain"`` calls `lctrain_attention` with q (B, Hq, S,
-D) and k, v (B, Hkv, S, D) after RoPE, K/V heads not repeated. The call's ``cp_context=
-CPContext(...)`` keyword (transformers passes unknown keywords down to every attention call)
-says how it is distributed: with a group of several ranks each holds its shard of the sequence
-(in the schedule's layout) and `lctrain_kernels.dist_attention` computes exact causal attention
-over the whole sequence; without one, local causal attention runs. The context travels with
-the call, not in globals; position ids must be the GLOBAL ones of each token.
-"""
+A model built with ``attn_implementation="lctrain"`` calls `lctrain_attention` with q (B, Hq, S, D)
+and k, v (B, Hkv, S, D) after RoPE, K/V heads not repeated. The call's
+``cp_context= CPContext(...)`` keyword (transformers passes unknown keywords down to every attention
+call) says how it is distributed: with a group of several ranks each holds its shard of the sequence
+(in the schedule's layout) and `lctrain_kernels.dist_attention` computes exact causal attention over
+the whole sequence; without one, local causal attention runs. The context travels with the call, not
+in globals; position ids must be the GLOBAL ones of each token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,15 +43,12 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     asks for more than exact causal attention is a ConfigError naming the setting."""
     import lctrain_kernels
 
-    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout,
-                                       kwargs)
+    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout, kwargs)
     q = query.transpose(1, 2)  # (B, S, Hq, D)
     k = key.transpose(1, 2)  # (B, S, Hkv, D)
     v = value.transpose(1, 2)  # (B, S, Hkv, D)
-    ctx = kwargs.get("cp_context")
-    if ctx is None:
-        out = lctrain_kernels.attention(q, k, v, causal=True, softmax_scale=scaling)
-    elif ctx.group is None:
+    ctx = kwargs.get("cp_context") or CPContext()
+    if ctx.group is None:
         out = lctrain_kernels.attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens,
                                         softmax_scale=scaling, backend=ctx.backend,
                                         head_groups=ctx.head_groups)

@@ -1,12 +1,11 @@
 """What lctrain can train exactly, checked on a model's config before any weight loads.
 
-lctrain's attention is exact causal (document-masked) attention and its loss reads the output
-head directly, so a model that asks for more — a window shorter than the sequence, soft-capped
-or scaled logits, ALiBi, sinks, bidirectional attention, attention dropout — is refused in one
-sentence naming the setting as its config.json does; `check_attention_call` checks each call
-again. A RoPE model trains past ``max_position_embeddings`` with a warning; RoPE types whose
-frequencies follow each call's longest position are refused there under cp > 1.
-"""
+lctrain's attention is exact causal (document-masked) attention and its loss reads the output head
+directly, so a model that asks for more — a window shorter than the sequence, soft-capped or scaled
+logits, ALiBi, sinks, bidirectional attention, attention dropout — is refused in one sentence naming
+the setting as its config.json does; `check_attention_call` checks each call again. A RoPE model
+trains past ``max_position_embeddings`` with a warning; RoPE types whose frequencies follow each
+call's longest position are refused there under cp > 1."""
 from __future__ import annotations
 
 import math

@@ -1,10 +1,9 @@
-"""The one FLOP model of lctrain: attention FLOPs for the benchmarks, a model's training FLOPs
-for MFU, and the GPUs' dense bf16 peaks.
+"""The one FLOP model of lctrain: attention FLOPs for the benchmarks, a model's training FLOPs for
+MFU, and the GPUs' dense bf16 peaks.
 
-Attention costs 4·H·D FLOPs per visible (query, key) pair in the forward: causal forward =
-2·S²·H·D, backward = 2.5 × forward. Packed documents count Σ n² instead of S². Distributed
-attention counts the total sequence and divides by the GPUs.
-"""
+Attention costs 4·H·D FLOPs per visible (query, key) pair in the forward: causal forward = 2·S²·H·D,
+backward = 2.5 × forward. Packed documents count Σ n² instead of S². Distributed attention counts
+the total sequence and divides by the GPUs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,8 +65,7 @@ class FlopModel:
     @classmethod
     def for_model(cls, model_config, n_matmul_params: int, frozen_matmul_params: int = 0
                   ) -> FlopModel:
-        """The FLOP model of ``n_matmul_params`` matrix parameters, ``frozen_matmul_params`` of
-        them not trained."""
+        """The FLOP model of matrix parameters, ``frozen_matmul_params`` of them not trained."""
         layers = model_config.num_hidden_layers
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads

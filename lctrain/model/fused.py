@@ -1,12 +1,11 @@
 """lctrain_kernels' fused RMSNorm, SwiGLU and RoPE in transformers models, from outside.
 
-The norm and MLP modules of the families in `lctrain.model.families` switch class in place to
-a subclass whose forward runs the kernel (as FSDP2 switches the modules it shards), so
-parameters, names, state dicts and whatever wraps them (tiles, checkpointing, adapters) see the
-same objects. transformers calls ``apply_rotary_pos_emb`` as a global of each modeling module:
-`fuse_rope` replaces it there with a function that runs the kernel for the calls it supports and
-transformers' own for any other.
-"""
+The norm and MLP modules of the families in `lctrain.model.families` switch class in place to a
+subclass whose forward runs the kernel (as FSDP2 switches the modules it shards), so parameters,
+names, state dicts and whatever wraps them (tiles, checkpointing, adapters) see the same objects.
+transformers calls ``apply_rotary_pos_emb`` as a global of each modeling module: `fuse_rope`
+replaces it there with a function that runs the kernel for the calls it supports and transformers'
+own for any other."""
 from __future__ import annotations
 
 import functools
@@ -56,8 +55,7 @@ class _FusedMLP:
 
 
 def fuse_rms_norms(model: nn.Module) -> int:
-    """Give every norm of ``model`` in :data:`NORM_CLASSES` the fused forward, in place; returns
-    how many norms have it."""
+    """Give every norm of ``model`` in :data:`NORM_CLASSES` the fused forward; returns how many."""
     return switch_classes(model, _FusedNorm, lambda m: type(m).__name__ in NORM_CLASSES)
 
 

@@ -1,10 +1,9 @@
-"""Build the causal language model from a model folder or hub name, or a seeded random init,
-after its config is resolved and checked and before any weight loads.
+"""Build the causal language model from a model folder or hub name, or a seeded random init, after
+its config is resolved and checked and before any weight loads.
 
-The recipe's ``model.config`` overrides the folder's config.json (``rope_theta`` /
-``rope_scaling`` folded into ``rope_parameters``, which merges key by key while it keeps the
-folder's ``rope_type``); they may change how the model computes but not its weights.
-"""
+The recipe's ``model.config`` overrides the folder's config.json (``rope_theta`` / ``rope_scaling``
+folded into ``rope_parameters``, which merges key by key while it keeps the folder's ``rope_type``);
+they may change how the model computes but not its weights."""
 from __future__ import annotations
 
 import glob
@@ -96,8 +95,7 @@ def _from_pretrained(source: str, hf_config: Any, *, dtype, attn: str,
 
 
 def load_tokenizer(cfg: Any) -> Any:
-    """The recipe's tokenizer (`lctrain.data.load_tokenizer`), checked against the model's
-    vocabulary."""
+    """The recipe's tokenizer (`lctrain.data.load_tokenizer`), checked against the model's vocab."""
     from lctrain.data import load_tokenizer as load
 
     model = cfg.model
@@ -162,8 +160,7 @@ def fold_rope_spellings(fields: dict[str, Any], *, where: str,
 
 
 def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """The folder's config fields with ``overrides`` on top, merged as the module docstring
-    says."""
+    """The folder's config fields with ``overrides`` on top, merged as the module docstring says."""
     merged = fold_rope_spellings(base, where="the model's config.json", strict=False)
     for key, value in fold_rope_spellings(overrides, where="model.config").items():
         if key == "rope_parameters" and isinstance(value, dict):
@@ -232,8 +229,7 @@ def _check_same_weights(base: Any, config: Any, keys: list[str], path: str) -> N
     before, after = shapes(base), shapes(config)
     if before == after:
         return
-    differ = sorted(set(before) ^ set(after)) or sorted(
-        n for n in before if before[n] != after[n])
+    differ = sorted(set(before) ^ set(after)) or sorted(n for n in before if before[n] != after[n])
     raise ConfigError(f"model.config overrides {', '.join(keys)} change the weights of the model "
                       f"in {path} (first difference: {differ[0]}); overrides on top of model.path "
                       f"may change RoPE, the context length, dropout or windows but not the "

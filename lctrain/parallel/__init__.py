@@ -8,6 +8,3 @@ FSDP2 / replication, and activation-checkpointing policies (`lctrain.parallel.ac
 """
 from lctrain.parallel.fsdp import Distributed, allreduce_gradients, distribute
 from lctrain.parallel.mesh import ParallelMesh, build_mesh, check_parallel_sizes
-
-__all__ = ["Distributed", "ParallelMesh", "allreduce_gradients", "build_mesh",
-           "check_parallel_sizes", "distribute"]

@@ -78,8 +78,7 @@ def build_model(setup: RunSetup, root: Callable[[nn.Module, int, bool], nn.Modul
     flops = _flop_model(model)
     setup.cp.check_model(model.config)
     if fused:  # projections in the head groups (after LoRA: none on it)
-        apply_grouped_attention(model, cfg.parallel.head_groups, fused_rope=True,
-                                defer_norm=True)
+        apply_grouped_attention(model, cfg.parallel.head_groups, fused_rope=True, defer_norm=True)
     apply_tiling(model, cfg.train.tile_tokens, defer_norm=fused)  # the adapters inside the tiles
     layers = layers or cfg.train.layers
     apply_checkpointing(model, layers)  # before FSDP2 wraps the layers

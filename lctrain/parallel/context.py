@@ -25,15 +25,14 @@ from lctrain.parallel.mesh import ParallelMesh
 
 
 class ContextParallel:
-    """How one rank holds and attends over its part of every sequence: the mesh's cp group
-    carries the attention's transfers; heads run in ``head_groups`` one after the other;
-    ``balance`` (training) reorders each row's documents so the ranks' attention work is even.
+    """How one rank holds and attends over its part of every sequence: the mesh's cp group carries
+    the attention's transfers; heads run in ``head_groups`` one after the other; ``balance``
+    (training) reorders each row's documents so the ranks' attention work is even.
 
     ``layout`` is how the schedule lays a sequence out over the cp ranks (the data is cut so);
-    ``work_balance`` the busiest rank's attention work over the mean in the last batch
-    :meth:`shard` cut (None unless cp > 1 with documents); ``attention`` the
-    ``attn_implementation`` the model must be built with (registered here).
-    """
+    ``work_balance`` the busiest rank's attention work over the mean in the last batch :meth:`shard`
+    cut (None unless cp > 1 with documents); ``attention`` the ``attn_implementation`` the model
+    must be built with (registered here)."""
 
     def __init__(self, mesh: ParallelMesh, schedule: str, backend: str, *,
                  device: torch.device, head_groups: int = 1, balance: bool = False) -> None:
@@ -57,8 +56,7 @@ class ContextParallel:
                            layout=self.layout).to(self.device)
 
     def context(self, shard: PackedBatch) -> CPContext:
-        """What each attention call of the model needs to know for ``shard`` (pass it to the
-        model as ``cp_context=``)."""
+        """What the model's attention calls need for ``shard`` (pass it as ``cp_context=``)."""
         return CPContext(group=self.mesh.cp_group, cu_seqlens=shard.cu_seqlens,
                          schedule=self.schedule, backend=self.backend,
                          head_groups=self.head_groups)

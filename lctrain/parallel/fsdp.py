@@ -76,10 +76,8 @@ def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: De
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     cuda = world_mesh.device_type == "cuda"
     where = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
-    units = []
-    for layer in layers:
-        units.append(fully_shard(layer, mesh=world_mesh, mp_policy=policy, offload_policy=where,
-                                 reshard_after_forward=reshard_after_forward))
+    units = [fully_shard(layer, mesh=world_mesh, mp_policy=policy, offload_policy=where,
+                         reshard_after_forward=reshard_after_forward) for layer in layers]
     units.append(fully_shard(module, mesh=world_mesh, mp_policy=policy, offload_policy=where,
                              reshard_after_forward=False))
     world = world_mesh.size()

@@ -42,8 +42,7 @@ def validation_loss(module: nn.Module, rows: PackedRows, *, cp: ContextParallel,
     was_training = module.training
     module.eval()
     try:
-        batches = eval_batches(rows, batch_size=batch_size, dp_rank=pmesh.dp_rank,
-                               dp_size=pmesh.dp)
+        batches = eval_batches(rows, batch_size=batch_size, dp_rank=pmesh.dp_rank, dp_size=pmesh.dp)
         loss_sum, count = forward_sums(call, batches, cp=cp, pmesh=pmesh,
                                        accelerator=accelerator, shape=(2,)).tolist()
     finally:

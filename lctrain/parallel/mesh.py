@@ -1,15 +1,10 @@
 """The dp × cp device mesh: who shares a sequence, who shares a batch.
 
-Ranks are laid out row-major over (dp, cp): global rank = dp_rank · cp + cp_rank, so the cp
-ranks that exchange keys and values at every attention layer are neighbours (on one node they
-share NVLink). Three groups come out of it:
-
-- ``cp_group``: the ranks holding the shards of ONE sequence (the attention's group);
-- ``dp_group``: the ranks holding the same shard position of DIFFERENT sequences (the data
-  loader's replica index);
-- ``world``: all dp × cp ranks, over which FSDP2 shards parameters (or replicated gradients are
-  summed) and the label tokens are counted.
-"""
+Ranks are laid out row-major over (dp, cp): global rank = dp_rank · cp + cp_rank, so the cp ranks
+that exchange keys and values at every attention layer are neighbours (on one node they share
+NVLink). ``cp_group`` holds the shards of ONE sequence (the attention's group); ``dp_rank`` is the
+data loader's replica index; ``world`` holds all dp × cp ranks, over which FSDP2 shards parameters
+(or replicated gradients are summed) and the label tokens are counted."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,10 +47,6 @@ class ParallelMesh:
     def cp_group(self) -> dist.ProcessGroup | None:
         """Process group of this rank's sequence shards; None when cp == 1 (local attention)."""
         return self.mesh.get_group("cp") if self.mesh is not None and self.cp > 1 else None
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.get_group("dp") if self.mesh is not None and self.dp > 1 else None
 
     @property
     def world_group(self) -> dist.ProcessGroup | None:

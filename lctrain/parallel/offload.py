@@ -220,12 +220,12 @@ class Offloader:
     def contexts(self, stash: LayerStash, make_contexts, saved):
         """(forward, recompute) contexts: checkpointing's own, parking ``saved`` ops' outputs."""
         forward_mode, recompute_mode = make_contexts()
-        return _forward_context(stash, forward_mode, saved), _recompute_context(stash, recompute_mode)
+        return _forward_context(stash, forward_mode, saved), _after(stash.wait, recompute_mode)
 
     def prefetching_contexts(self, make_contexts):
         """Contexts of a GPU-kept layer whose recompute starts the newest stash's copies back."""
         forward_mode, recompute_mode = make_contexts()
-        return forward_mode, _prefetch_context(self, recompute_mode)
+        return forward_mode, _after(self.prefetch_newest, recompute_mode)
 
     def prefetch_newest(self) -> None:
         """Start the copies back of the most recently created stash (idempotent)."""
@@ -243,15 +243,8 @@ def _forward_context(stash: LayerStash, forward_mode, saved):
 
 
 @contextlib.contextmanager
-def _recompute_context(stash: LayerStash, recompute_mode):
-    stash.wait()
-    with recompute_mode:
-        yield
-
-
-@contextlib.contextmanager
-def _prefetch_context(offloader: Offloader, recompute_mode):
-    offloader.prefetch_newest()
+def _after(first, recompute_mode):
+    first()
     with recompute_mode:
         yield
 

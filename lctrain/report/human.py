@@ -1,8 +1,7 @@
 """Numbers as people read them: 64K tokens, 1.2 ms, 531 TFLOP/s, 6.74 B parameters.
 
-Three significant digits, never fewer than the integer part; :func:`time_unit` and
-:func:`rate_unit` choose one unit for a whole column.
-"""
+Three significant digits, never fewer than the integer part; :func:`time_unit` and :func:`rate_unit`
+choose one unit for a whole column."""
 from __future__ import annotations
 
 import math
@@ -29,8 +28,7 @@ def significant(value: float, digits: int = 3) -> str:
 
 
 def tokens(count: int) -> str:
-    """A token count as typed on the command line: 65536 -> "64K", 1048576 -> "1M", 1000 ->
-    "1,000" (never rounded)."""
+    """A token count as typed: 65536 -> "64K", 1048576 -> "1M", 1000 -> "1,000" (never rounded)."""
     count = int(count)
     if count and count % _M == 0:
         return f"{count // _M}M"
@@ -104,11 +102,6 @@ def ratio(value: float) -> str:
 def percent(fraction: float) -> str:
     """A fraction as a percentage with one decimal: 0.4321 -> "43.2 %"."""
     return f"{100 * fraction:.1f} %"
-
-
-def scientific(value: float) -> str:
-    """A small error figure: 0.0036732 -> "3.7e-03"."""
-    return f"{value:.1e}"
 
 
 def gib(count: float) -> str:

@@ -1,7 +1,6 @@
-"""``lctrain report RUN_DIR...``: what training runs did, side by side, from their config.yaml
-and metrics.jsonl: one row per run with the settings that differ, the losses, median tokens/s
-and MFU (the first step left out), the peak memory and the time; and their loss curves.
-"""
+"""``lctrain report RUN_DIR...``: what training runs did, side by side, from their config.yaml and
+metrics.jsonl: one row per run with the settings that differ, the losses, median tokens/s and MFU
+(the first step left out), the peak memory and the time; and their loss curves."""
 from __future__ import annotations
 
 import json
@@ -72,22 +71,13 @@ def load_runs(folders: list[str]) -> list[Run]:
 
 
 def differing(runs: list[Run]) -> list[str]:
-    """The setting keys whose values differ between the runs (lora.* only when LoRA is on
-    in some run)."""
+    """The setting keys whose values differ between the runs (lora.* only when a run has LoRA)."""
     keys = list(dict.fromkeys(k for run in runs for k in run.settings))
-    unused = () if any(lora_on(run) for run in runs) else ("lora.",)
+    ranks = [run.settings.get("lora.rank") for run in runs]
+    lora = any(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in ranks)
+    unused = () if lora else ("lora.",)
     return [k for k in keys if k not in _IGNORED and not k.startswith(unused)
             and len({json.dumps(run.settings.get(k), default=str) for run in runs}) > 1]
-
-
-def lora_on(run: Run) -> bool:
-    """Whether the run trained LoRA adapters (``lora.rank`` above 0)."""
-    rank = run.settings.get("lora.rank")
-    return isinstance(rank, int) and not isinstance(rank, bool) and rank > 0
-
-
-def _text(value) -> str | None:
-    return None if value is None else value if isinstance(value, str) else json.dumps(value)
 
 
 def _median(values: list) -> float | None:
@@ -107,7 +97,9 @@ def row(run: Run, keys: list[str] = ()) -> dict:
             seconds += r["step_time_s"] * max(1, r.get("step", previous + 1) - previous)
         previous = r.get("step", previous + 1)
     peaks = [r["peak_memory_bytes"] for r in recs if r.get("peak_memory_bytes")]
-    return {"run": run.name, **{k: _text(run.settings.get(k)) for k in keys},
+    values = {k: run.settings.get(k) for k in keys}
+    return {"run": run.name, **{k: v if v is None or isinstance(v, str) else json.dumps(v)
+                                for k, v in values.items()},
             "steps": recs[-1].get("step") if recs else 0,
             "loss_final": losses[-1] if losses else None,
             "loss_best": min(losses) if losses else None,

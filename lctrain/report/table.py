@@ -1,16 +1,19 @@
-"""Tables that fit: rows of raw values and :class:`Column` descriptions, rendered as aligned
-text (in parts that fit a narrow terminal, no value cut), Markdown or CSV (raw values).
+"""Tables that fit: rows of raw values and :class:`Column` descriptions, rendered as aligned text
+(in parts that fit a narrow terminal, no value cut), Markdown or CSV (raw values).
 
-A column's *kind* says how its values are shown; units go into a second header line and long
-status texts into numbered notes, so cells stay short. Columns no row fills are left out.
-"""
+A column's *kind* says how its values are shown; units go into a second header line and long status
+texts into numbered notes, so cells stay short. Columns no row fills are left out. Results go to
+stdout (`show`, `emit`), progress and notes to stderr (`say`), so a result can be piped."""
 from __future__ import annotations
 
 import csv
 import io
 import math
+import shutil
+import sys
 import textwrap
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from lctrain.report import human
@@ -81,7 +84,7 @@ def _formatter(column: Column, values: list) -> tuple[str, Callable[[Any], str]]
         return unit, lambda v: human.significant(v * factor)
     simple: dict[str, Callable[[Any], str]] = {
         "tokens": human.tokens, "ratio": human.ratio, "number": human.significant,
-        "sci": human.scientific, "params": human.parameters, "gib": human.gib,
+        "sci": lambda v: f"{v:.1e}", "params": human.parameters, "gib": human.gib,
         "percent": lambda v: f"{100 * v:.1f}", "bool": lambda v: "yes" if v else "no",
         "loss": lambda v: f"{v:.4f}",
     }
@@ -228,3 +231,29 @@ def _csv(table: Table) -> str:
     writer.writerow(keys)
     writer.writerows(["" if row.get(k) is None else row.get(k) for k in keys] for row in table.rows)
     return buffer.getvalue()
+
+
+def say(line: str) -> None:
+    """Print one progress line on stderr, at once."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def emit(text: str) -> None:
+    """Write ``text`` to stdout (a table, CSV or JSON)."""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    sys.stdout.flush()
+
+
+def save_document(path: str | Path, text: str) -> Path:
+    """Write a JSON document to ``path``, creating its folder; returns the path."""
+    target = Path(path).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text + "\n", encoding="utf-8")
+    return target
+
+
+def show(table: Table, fmt: str, wide: bool) -> None:
+    """Print ``table`` on stdout in ``fmt`` (table, markdown, csv), fitted to a terminal."""
+    terminal = sys.stdout.isatty()
+    width = shutil.get_terminal_size((80, 24)).columns if terminal else None
+    emit(render(table, fmt, wide=wide, terminal=terminal, width=width))

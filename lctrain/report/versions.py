@@ -65,8 +65,6 @@ def environment() -> dict:
 def _commit() -> str | None:
     """The commit of the lctrain checkout that runs ("+changes" when its files differ from it);
     ``LCTRAIN_COMMIT`` names it where the code travelled without its git folder; None else."""
-    import subprocess
-
     root = Path(__file__).resolve().parents[2]
     try:
         run = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True,

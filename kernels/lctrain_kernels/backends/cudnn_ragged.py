@@ -1,17 +1,16 @@
 """The cudnn_ragged backend: masked blocks on cuDNN's ragged (THD) attention.
 
-Each block is one or two ragged calls (:mod:`lctrain_kernels.ragged`), each document's piece a
-batch entry cuDNN reads and writes in place through per-entry element offsets and lengths. The
-graphs are built with ``nvidia-cudnn-frontend`` on the libcudnn torch loaded, and cached by what
-they are compiled for, so a run's first steps build every plan it needs. cuDNN wants heads
-packed in each token (any token stride in the forward, packed in the backward). Limits: compute
-capability 9.0+, cuDNN 9.19+, fp16/bf16, head_dim a multiple of 8 up to 128.
-"""
+Each block is one or two ragged calls (:mod:`lctrain_kernels.ragged`), each document's piece a batch
+entry cuDNN reads and writes in place through per-entry element offsets and lengths. The graphs are
+built with ``nvidia-cudnn-frontend`` on the libcudnn torch loaded, and cached by what they are
+compiled for, so a run's first steps build every plan it needs. cuDNN wants heads packed in each
+token (any token stride in the forward, packed in the backward). Limits: compute capability 9.0+,
+cuDNN 9.19+, fp16/bf16, head_dim a multiple of 8 up to 128."""
 from __future__ import annotations
 
 import torch
 
-from lctrain_kernels.backends.base import BackendUnavailable, half_head_dim_reason
+from lctrain_kernels.backends import BackendUnavailable, half_head_dim_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 from lctrain_kernels.ragged import RaggedBackend, RaggedCall, bucket
 
@@ -76,8 +75,7 @@ class _Graphs:
             with torch.cuda.device(index):
                 self.handles[index] = self.cudnn.create_handle()
         handle = self.handles[index]
-        self.cudnn.set_stream(handle=handle,
-                              stream=torch.cuda.current_stream(index).cuda_stream)
+        self.cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(index).cuda_stream)
         return handle
 
     def get(self, key: tuple, device: torch.device):
@@ -95,8 +93,7 @@ class _Graphs:
                           compute_data_type=f32)
 
         def column(uid, name, n, dt):
-            return g.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt,
-                            uid=uid)
+            return g.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt, uid=uid)
 
         def rows(uid, name, heads, s, token_stride):
             return g.tensor(name=name, dim=[nb, heads, s, d], stride=[s * token_stride, d,
@@ -132,8 +129,7 @@ class _Graphs:
             ragged_at(stats, _OFF_STATS)
         else:
             o = g.tensor(name="o", dim=[nb, hq, sq, d], stride=out_stride, data_type=io, uid=_O)
-            do = g.tensor(name="do", dim=[nb, hq, sq, d], stride=out_stride, data_type=io,
-                          uid=_DO)
+            do = g.tensor(name="do", dim=[nb, hq, sq, d], stride=out_stride, data_type=io, uid=_DO)
             stats = g.tensor(name="stats", dim=[nb, hq, sq, 1], stride=stats_stride,
                              data_type=f32, uid=_STATS)
             for t in (o, do):
@@ -246,9 +242,8 @@ class CudnnRaggedBackend(RaggedBackend):
                     ">= 9.0) for ragged statistics in the backward.")
         version = self.engine.graphs.cudnn.backend_version()
         if version < MIN_CUDNN:
-            return (f"the cudnn_ragged backend is tested with cuDNN "
-                    f"{dotted_version(MIN_CUDNN)} or newer, and torch loaded cuDNN "
-                    f"{dotted_version(version)}; use triton.")
+            return (f"the cudnn_ragged backend is tested with cuDNN {dotted_version(MIN_CUDNN)} or "
+                    f"newer, and torch loaded cuDNN {dotted_version(version)}; use triton.")
         return None
 
     def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:

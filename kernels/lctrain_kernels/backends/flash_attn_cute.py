@@ -1,14 +1,13 @@
 """The flash_attn_cute backend: FlashAttention 4's CuTe kernels for every block, dense or not.
 
-FlashAttention 4 (``flash-attn-4``, in NVIDIA's CuTe DSL) runs varlen batches: entry ``b`` starts
-at row ``cu_seqlens[b]`` and is ``seqused[b]`` rows long, so every piece of a block
-(:mod:`lctrain_kernels.ragged`) is read and written where it lies. Its causal mask is aligned to
-the bottom-right corner of an entry, lctrain's pieces are top-left triangles: they agree on
-square entries, and a piece with more query rows than keys is the local mask
-``j <= i + (sk - sq) + right`` with ``right = sq - sk``. So a causal call runs as one causal
-launch for its square entries and one windowed launch per other shape (:func:`launches`).
-Limits: compute capability 9.0+, fp16/bf16, head_dim a multiple of 8 up to 256.
-"""
+FlashAttention 4 (``flash-attn-4``, in NVIDIA's CuTe DSL) runs varlen batches: entry ``b`` starts at
+row ``cu_seqlens[b]`` and is ``seqused[b]`` rows long, so every piece of a block
+(:mod:`lctrain_kernels.ragged`) is read and written where it lies. Its causal mask is aligned to the
+bottom-right corner of an entry, lctrain's pieces are top-left triangles: they agree on square
+entries, and a piece with more query rows than keys is the local mask ``j <= i + (sk - sq) + right``
+with ``right = sq - sk``. So a causal call runs as one causal launch for its square entries and one
+windowed launch per other shape (:func:`launches`). Limits: compute capability 9.0+, fp16/bf16,
+head_dim a multiple of 8 up to 256."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lctrain_kernels.backends.base import BackendUnavailable, half_head_dim_reason
+from lctrain_kernels.backends import BackendUnavailable, half_head_dim_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 from lctrain_kernels.ragged import RaggedBackend, RaggedCall
 

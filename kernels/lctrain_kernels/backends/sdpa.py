@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from lctrain_kernels.backends.base import BackendUnavailable, UnitValueLseGrad, half_head_dim_reason
+from lctrain_kernels.backends import BackendUnavailable, UnitValueLseGrad, half_head_dim_reason
 from lctrain_kernels.masks import MaskSpec, Relation
 
 _DENSE = (Relation.FULL, Relation.CAUSAL)

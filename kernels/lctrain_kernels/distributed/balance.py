@@ -1,12 +1,11 @@
 """Balancing packed documents over the ranks: an order of the documents that evens out the work.
 
 A packed row does only the pairs inside each document, and where the documents lie decides which
-rank does them. Attention never crosses a document, so the documents may stand in any order with
-the same losses. :func:`balanced_order` counts the visible pairs of every block of the schedule's
-plan (:func:`document_work`, exact integers), starts from the given order and a few sorted ones,
-then swaps documents while that lowers the busiest rank's work, within a fixed budget. Host
-integers only: every rank finds the same order.
-"""
+rank does them. Attention never crosses a document, so the documents may stand in any order with the
+same losses. :func:`balanced_order` counts the visible pairs of every block of the schedule's plan
+(:func:`document_work`, exact integers), starts from the given order and a few sorted ones, then
+swaps documents while that lowers the busiest rank's work, within a fixed budget. Host integers
+only: every rank finds the same order."""
 from __future__ import annotations
 
 import functools

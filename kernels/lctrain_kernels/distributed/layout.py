@@ -1,8 +1,7 @@
 """How a global sequence maps onto the ranks of a sequence-parallel group, for the attention
 executor, the data pipeline and the tests. A rank's local tensor is its chunks concatenated in
 order: chunk r of P ("contiguous"), or chunk r then chunk 2P−1−r of 2P ("zigzag": a head and the
-mirrored tail, so every rank has the same causal work).
-"""
+mirrored tail, so every rank has the same causal work)."""
 from __future__ import annotations
 
 import torch

@@ -1,12 +1,11 @@
 """The attention operator: ``torch.ops.lctrain.dist_attention`` and its backward.
 
 Every attention lctrain computes, on one device or over a sequence-parallel group, is this one
-custom op; a group of one runs a single block. Forward: the schedule's forward plan, returning
-this rank's rows and their global log-sum-exp. Backward: the backward plan from the saved q, k,
-v and the FINAL out and lse (never the forward again), so checkpointing that keeps (out, lse)
-runs the attention and its communication once. The op takes plain values only (the group by
-name, "" for one rank; ``register_fake`` gives shapes, so ``torch.compile`` traces it).
-"""
+custom op; a group of one runs a single block. Forward: the schedule's forward plan, returning this
+rank's rows and their global log-sum-exp. Backward: the backward plan from the saved q, k, v and the
+FINAL out and lse (never the forward again), so checkpointing that keeps (out, lse) runs the
+attention and its communication once. The op takes plain values only (the group by name, "" for one
+rank; ``register_fake`` gives shapes, so ``torch.compile`` traces it)."""
 from __future__ import annotations
 
 import functools

@@ -2,12 +2,11 @@
 
 An attention module keeps q, k, v of every head and gets full-size dq, dk, dv back, and the norm
 before it keeps its output: at long context among a layer's largest tensors. Here the op
-``lctrain::attention_block`` (forward only) projects, rotates and attends one head group after
-the other and keeps only (out, lse), which checkpointing keeps, so a recompute runs neither
-attention nor projections. ``_Block`` (autograd) is the output projection; its backward runs
-each group again (projections, RoPE, the attention backward) into the weight gradients and the
-normalised input's gradient, then the norm's backward. Values are the module's.
-"""
+``lctrain::attention_block`` (forward only) projects, rotates and attends one head group after the
+other and keeps only (out, lse), which checkpointing keeps, so a recompute runs neither attention
+nor projections. ``_Block`` (autograd) is the output projection; its backward runs each group again
+(projections, RoPE, the attention backward) into the weight gradients and the normalised input's
+gradient, then the norm's backward. Values are the module's."""
 from __future__ import annotations
 
 import functools
@@ -87,8 +86,7 @@ def attention_block_op(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: 
 def _(x, wq, wk, wv, bq, bk, bv, cos, sin, head_dim, group_name, causal, doc_bounds,
       softmax_scale, schedule, backend, overlap, head_groups, fused_rope):
     b, s, hq = x.shape[0], x.shape[1], wq.shape[0] // head_dim
-    return (x.new_empty((b, s, hq, head_dim)),
-            x.new_empty((b, hq, s), dtype=lse_dtype(x.dtype)))
+    return (x.new_empty((b, s, hq, head_dim)), x.new_empty((b, hq, s), dtype=lse_dtype(x.dtype)))
 
 
 @dataclass(frozen=True)

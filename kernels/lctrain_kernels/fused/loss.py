@@ -1,12 +1,11 @@
 """Token cross-entropy through the output head, never holding more than one chunk of logits.
 
-The logits are a long-context step's largest tensor. :func:`chunked_cross_entropy` walks the
-tokens a chunk at a time: the chunk's logits ``h @ W.T``, its summed loss ``logsumexp(z) -
-z[label]`` and, in the same buffer, ``dloss/dz = softmax(z) - onehot(label)`` (zero on ignored
-rows), which gives the chunk's share of the gradients of the hidden states (``dz @ W``) and of
-the head (``dz.T @ h``, in float32); the backward only scales them. No host sync. On GPUs one
-Triton kernel per chunk overwrites the logits with the gradient in their own dtype.
-"""
+The logits are a long-context step's largest tensor. :func:`chunked_cross_entropy` walks the tokens
+a chunk at a time: the chunk's logits ``h @ W.T``, its summed loss ``logsumexp(z) - z[label]`` and,
+in the same buffer, ``dloss/dz = softmax(z) - onehot(label)`` (zero on ignored rows), which gives
+the chunk's share of the gradients of the hidden states (``dz @ W``) and of the head (``dz.T @ h``,
+in float32); the backward only scales them. No host sync. On GPUs one Triton kernel per chunk
+overwrites the logits with the gradient in their own dtype."""
 from __future__ import annotations
 
 import torch
@@ -55,8 +54,8 @@ def _cross_entropy_rows(Z, Y, Loss, n_cols, stride, ignore_index, WRITE_GRAD: tl
 def cross_entropy_rows_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
                         write_grad: bool) -> torch.Tensor:
     """Per-row ``logsumexp(z) - z[label]`` of ``logits`` (C, V) as float32 (0 where the label is
-    ``ignore_index``); with ``write_grad`` the logits are overwritten by ``softmax(z) -
-    onehot(label)`` (zero on ignored rows), in their own dtype."""
+    ``ignore_index``); with ``write_grad`` the logits are overwritten by
+    ``softmax(z) - onehot(label)`` (zero on ignored rows), in their own dtype."""
     rows, cols = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("the logits' vocabulary dimension must be contiguous")
@@ -75,11 +74,11 @@ def _(logits, labels, ignore_index, write_grad):
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           chunk_tokens: int, kernel: bool | None = None) -> torch.Tensor:
-    """``F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100,
-    reduction="sum")`` in value and gradients, 0-d float32, holding the logits of at most
-    ``chunk_tokens`` tokens at once: hidden (..., H), weight (V, H) in its dtype, labels (...)
-    already shifted. ``kernel``: the Triton kernel (True), torch ops (False), or the kernel on
-    CUDA (None). ValueError for shapes or dtypes that do not match."""
+    """``F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=-100, reduction="sum")``
+    in value and gradients, 0-d float32, holding the logits of at most ``chunk_tokens`` tokens at
+    once: hidden (..., H), weight (V, H) in its dtype, labels (...) already shifted. ``kernel``: the
+    Triton kernel (True), torch ops (False), or the kernel on CUDA (None). ValueError for shapes or
+    dtypes that do not match."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:

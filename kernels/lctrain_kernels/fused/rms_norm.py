@@ -3,8 +3,7 @@
 Each way reads its inputs once and writes its outputs once (eager RMSNorm makes about six passes
 forward, twice that backward); the weight's gradient is summed in float32 per program, then over
 programs. As transformers does, the normalised input is rounded to the input's dtype before the
-weight multiplies it; the backward stays in float32.
-"""
+weight multiplies it; the backward stays in float32."""
 from __future__ import annotations
 
 import torch

@@ -3,8 +3,7 @@
 transformers applies ``q * cos + rotate_half(q) * sin`` as five eager kernels per tensor. Here one
 kernel reads q, k, cos and sin once and writes both results once as contiguous (B, S, H, D), the
 layout the attention reads; the backward applies the rotation's transpose the same way. float32
-arithmetic rounded once; cos and sin get no gradient.
-"""
+arithmetic rounded once; cos and sin get no gradient."""
 from __future__ import annotations
 
 import torch

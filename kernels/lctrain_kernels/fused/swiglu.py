@@ -1,7 +1,6 @@
 """The gated MLP's ``silu(gate) * up`` in one Triton kernel each way, keeping only gate and up
 (eager PyTorch also keeps the SiLU's output, a third tensor of the layer's widest size); the
-backward recomputes the SiLU. float32 arithmetic rounded once.
-"""
+backward recomputes the SiLU. float32 arithmetic rounded once."""
 from __future__ import annotations
 
 import torch

@@ -59,10 +59,9 @@ def _dkdv_tiles(dk, dv, k, v, q_desc, do_desc, q_ptr, do_ptr, lse_ptr, delta_ptr
                 offs_m, offs_d, HEAD_DIM: tl.constexpr, PAD_D: tl.constexpr,
                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, TMA: tl.constexpr):
-    """Add the query tiles ``[start, end)`` of all GROUP query heads to dk, dv (BLOCK_N, D), as
-    ONE flat loop (an outer loop over heads would keep the inner loop's state alive and spill).
-    Pointers are the group's first head's; heads are ``stride_qh``, ``stride_dh``, ``Sq`` apart.
-    """
+    """Add the query tiles ``[start, end)`` of all GROUP query heads to dk, dv (BLOCK_N, D), as ONE
+    flat loop (an outer loop over heads would keep the inner loop's state alive and spill). Pointers
+    are the group's first head's; heads are ``stride_qh``, ``stride_dh``, ``Sq`` apart."""
     LOG2E: tl.constexpr = 1.4426950408889634
     n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
     for it in range(0, GROUP * n_tiles):

@@ -1,12 +1,11 @@
 """Tile configurations: a small autotune set per kernel, pruning, and the interpreter's tiles.
 
-Each kernel is tuned over a few (BLOCK_M, BLOCK_N, num_stages, num_warps) points around the
-shapes known to run well on Hopper (Triton's fused-attention tutorial, torch's flex_attention
-defaults). :func:`prune` drops, before compiling, the points whose pipelined tiles cannot fit
-the device's shared memory or whose accumulators would spill. The autotune key is
-(HEAD_DIM_PAD, MASK_MODE, SEQ_BUCKET, TMA) and the dtypes, SEQ_BUCKET capped at 16K: every long
-sequence shares one tuning. Under the interpreter one small tile runs (several tiles per test).
-"""
+Each kernel is tuned over a few (BLOCK_M, BLOCK_N, num_stages, num_warps) points around the shapes
+known to run well on Hopper (Triton's fused-attention tutorial, torch's flex_attention defaults).
+:func:`prune` drops, before compiling, the points whose pipelined tiles cannot fit the device's
+shared memory or whose accumulators would spill. The autotune key is (HEAD_DIM_PAD, MASK_MODE,
+SEQ_BUCKET, TMA) and the dtypes, SEQ_BUCKET capped at 16K: every long sequence shares one tuning.
+Under the interpreter one small tile runs (several tiles per test)."""
 from __future__ import annotations
 
 import torch

@@ -1,14 +1,13 @@
 """Flash-attention forward in Triton: online softmax over key tiles, base-2 exponentials.
 
-One program owns BLOCK_M query rows of one (batch, query head) and keeps FlashAttention-2's
-running state: the row maximum ``m_i`` (log2 units), the sum ``l_i`` of ``exp2(s - m_i)`` and the
-float32 accumulator ``acc``. Per key tile: ``s = q k^T * scale * log2(e)``, ``m_new = max(m_i,
-rowmax(s))``, ``p = exp2(s - m_new)``, the state rescaled by ``exp2(m_i - m_new)``, ``acc += p v``.
-At the end ``out = acc / l_i`` and ``lse = (m_i + log2(l_i)) * ln(2)``. Query head ``h`` reads K/V
-head ``h // GROUP``. Key tiles come from :func:`~lctrain_kernels.triton.common.tile_ranges`
-(unseen ones skipped, fully visible ones unmasked); a row that sees nothing stores out = 0 and
-lse = -inf. Causal programs start with the heaviest tiles; tiles are TMA copies where possible.
-"""
+One program owns BLOCK_M query rows of one (batch, query head) and keeps FlashAttention-2's running
+state: the row maximum ``m_i`` (log2 units), the sum ``l_i`` of ``exp2(s - m_i)`` and the float32
+accumulator ``acc``. Per key tile: ``s = q k^T * scale * log2(e)``, ``m_new = max(m_i, rowmax(s))``,
+``p = exp2(s - m_new)``, the state rescaled by ``exp2(m_i - m_new)``, ``acc += p v``. At the end
+``out = acc / l_i`` and ``lse = (m_i + log2(l_i)) * ln(2)``. Query head ``h`` reads K/V head
+``h // GROUP``. Key tiles come from :func:`~lctrain_kernels.triton.common.tile_ranges` (unseen ones
+skipped, fully visible ones unmasked); a row that sees nothing stores out = 0 and lse = -inf. Causal
+programs start with the heaviest tiles; tiles are TMA copies where possible."""
 from __future__ import annotations
 
 import triton

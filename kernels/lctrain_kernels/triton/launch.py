@@ -3,8 +3,7 @@
 Inputs take any strides with a contiguous head dim. The mask is given in GLOBAL positions as in
 :class:`~lctrain_kernels.masks.MaskSpec`; :func:`mask_plan` turns it into a kernel mode, dropping
 what cannot matter for the block. Autotuned on a GPU (``configs``); one fixed tile under the
-interpreter or with an explicit ``config``.
-"""
+interpreter or with an explicit ``config``."""
 from __future__ import annotations
 
 import bisect
@@ -243,8 +242,7 @@ def flash_backward(do, q, k, v, out, lse, *, scale: float | None = None, causal:
                   HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)), MASK_MODE=plan[0],
                   **_flags(q.dtype, _use_tma(tma, q, k, v, do)))
     q_lo, q_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, True)
-    dkdv_args = dict(common, DK=dk, DV=dv, Q_LO=q_lo, Q_HI=q_hi, Hkv=Hkv,
-                     **_strides(dk=dk, dv=dv))
+    dkdv_args = dict(common, DK=dk, DV=dv, Q_LO=q_lo, Q_HI=q_hi, Hkv=Hkv, **_strides(dk=dk, dv=dv))
     grid = lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)  # noqa: E731
     _launch(dkdv_tuned, attn_bwd_dkdv_kernel, "dkdv", grid, dkdv_args, dkdv_config)
     kv_lo, kv_hi = _mask_arrays(plan, Sq, Sk, q_start, k_start, causal, q.device, lse, False)

@@ -1,9 +1,8 @@
 """The sums and lse merges of :mod:`lctrain_kernels.combine` in one memory pass, for up to
 :data:`MAX_INPUTS` inputs at a time. Each program reads ``BLOCK_R`` rows (one (batch, position,
-head) each) of every input once and writes the result once; ``dst`` may be one of the inputs
-(every element is read before it is written, by the same program). Unused input slots get the
-first input, never read.
-"""
+head) each) of every input once and writes the result once; ``dst`` may be one of the inputs (every
+element is read before it is written, by the same program). Unused input slots get the first input,
+never read."""
 from __future__ import annotations
 
 import torch

@@ -1,0 +1,127 @@
+"""What the attention bench compares lctrain's schedules with: other people's distributed
+attention, timed beside them, and the single-device result, the correctness gate.
+
+Each peer is a context manager ``peer(group, shape) -> (fwd, bwd)`` run on every rank: ``fwd()``
+computes this rank's output of a causal sequence of ``shape.seq_len`` total tokens (random
+inputs), ``bwd(state)`` its backward. A peer that cannot run here raises `PeerUnavailable` with
+one sentence why (the row's status). ``context_parallel`` is torch's experimental
+context_parallel (a ring with head-tail balance) on cuDNN SDPA, CUDA only.
+
+The gate: at a small total length every rank builds the same inputs and the float32 reference of
+the whole sequence; a schedule's error is the largest relative error of out, dq, dk, dv over all
+ranks, and it is correct when it errs at most twice as much as the single-device kernel in the
+bench's dtype (or 1e-4, the float32 floor). With documents, everything runs the check's mix.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lctrain_kernels import attention_with_lse, dist_attention
+from lctrain_kernels.distributed import make_schedule, shard
+from lctrain_kernels.vocabulary import SCHEDULES
+
+_FLOOR = 1e-4
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer implementation cannot run on this machine (not installed, needs CUDA, ...)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of one attention call: batch 1, total ``seq_len`` tokens over the group."""
+
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _randn(shape, spec: Shape, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=spec.device).manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=spec.dtype, device=spec.device)
+
+
+@contextlib.contextmanager
+def context_parallel_peer(group, spec: Shape):
+    """torch's context_parallel with the cuDNN SDPA backend, causal (needs CUDA)."""
+    if spec.device.type != "cuda":
+        raise PeerUnavailable("torch context_parallel needs CUDA (it has no CPU sharding "
+                              "strategy for SDPA)")
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    world = dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cuda")
+    q = _randn((1, spec.heads, spec.seq_len, spec.head_dim), spec, 1)  # (1, H, S, D)
+    k = _randn((1, spec.kv_heads, spec.seq_len, spec.head_dim), spec, 2)  # (1, Hkv, S, D)
+    v = _randn((1, spec.kv_heads, spec.seq_len, spec.head_dim), spec, 3)
+    do = _randn((1, spec.heads, spec.seq_len // world, spec.head_dim), spec, 4)  # (1, H, S/P, D)
+    extra = {"enable_gqa": True} if spec.kv_heads != spec.heads else {}
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), context_parallel(
+            mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+        for t in (q, k, v):
+            t.requires_grad_(True)
+
+        def fwd():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
+
+        def bwd(out):
+            out.backward(do)
+            q.grad = k.grad = v.grad = None
+
+        yield fwd, bwd
+
+
+PEERS = {"context_parallel": context_parallel_peer}
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def _grads(fn, inputs, do):
+    """(out, dq, dk, dv) of ``fn`` on leaf copies of ``inputs``."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(do)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def check_schedules(group, device: torch.device, dtype: torch.dtype, cfg, variants) -> dict[str, dict]:
+    """``{row name: {"max_rel_err", "single_rel_err", "correct"}}`` of each lctrain variant
+    ``(row name, schedule or peer, overlap)`` (peers are not checked), the same on every rank;
+    ``cfg`` gives check_len, check_documents, heads, kv_heads, head_dim and backend."""
+    gen = torch.Generator().manual_seed(1234)
+    s, d = cfg.check_len, cfg.head_dim
+    shapes = [(1, s, cfg.heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.heads, d)]
+    q, k, v, do = (torch.randn(sh, generator=gen).to(device) for sh in shapes)  # float32, (1, S, H, D)
+    cu = None if cfg.check_documents is None else list(cfg.check_documents.cu_seqlens)
+    ref = _grads(lambda *x: attention_with_lse(*x, cu_seqlens=cu, backend="reference")[0], (q, k, v), do)
+    low = [t.to(dtype) for t in (q, k, v, do)]
+    single = _grads(lambda *x: attention_with_lse(*x, cu_seqlens=cu, backend=cfg.backend)[0],
+                    low[:3], low[3])
+    single_err = max(_rel(a, b) for a, b in zip(single, ref))
+    results = {}
+    world = dist.get_world_size(group)
+    for name, what, overlap in variants:
+        if what not in SCHEDULES:
+            continue
+        layout = make_schedule(world, what).layout
+        loc = [shard(t, group, layout) for t in low]
+        got = _grads(lambda *x: dist_attention(*x, group=group, cu_seqlens=cu, schedule=what,
+                                               backend=cfg.backend, overlap=overlap), loc[:3], loc[3])
+        err = torch.tensor(max(_rel(a, shard(b, group, layout)) for a, b in zip(got, ref)), device=device)
+        dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
+        err = float(err)
+        results[name] = {"max_rel_err": err, "single_rel_err": single_err,
+                         "correct": err <= max(2 * single_err, _FLOOR)}
+    return results
