@@ -89,3 +89,27 @@ def test_merge_many_into_folds_into_one_of_its_parts():
     want, want_lse = _want_merge(outs, lses)
     torch.testing.assert_close(acc.double().cpu(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(acc_lse.double().cpu(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merges_hold_where_exp_leaves_float32s_range(dtype):
+    """Rows whose lse lies at ±80..±200 (exp of a float32 overflows above 88.7 and is 0 below
+    -103.9), the pieces of a row within a few units of each other as in attention: the kernel
+    and the functions merge them as float64 math does (the larger lse is subtracted first)."""
+    outs, lses = _parts(MAX_INPUTS, 2, 6, 3, 16, dtype)
+    b, h, s = lses[0].shape
+    sign = torch.randint(0, 2, (b, h, s), device=DEVICE) * 2 - 1
+    shift = sign * (80 + 120 * torch.rand(b, h, s, device=DEVICE))  # (B, H, S) ±80..±200
+    lses = [lse + shift for lse in lses]
+    want, want_lse = _want_merge(outs, lses)
+    # a float32 lse near 200 is rounded to 1.5e-5: its weights carry that relative error
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=5e-5, atol=5e-5)
+    for merged in ("kernel", "functions"):
+        dst = torch.full_like(outs[0], float("nan"))
+        dst_lse = torch.full_like(lses[0], float("nan"))
+        merge = merge_fused if merged == "kernel" else merge_many_into
+        merge(dst, dst_lse, list(zip(outs, lses)))
+        said = lambda text: f"{merged}: {text}"  # noqa: E731
+        torch.testing.assert_close(dst_lse.double().cpu(), want_lse, rtol=1e-6, atol=0, msg=said)
+        torch.testing.assert_close(dst.double().cpu(), want, **tol, msg=said)
+        assert torch.isneginf(dst_lse[:, :, 2]).all() and (dst[:, 2] == 0).all()  # saw nothing

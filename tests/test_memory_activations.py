@@ -1,14 +1,18 @@
-"""The memory model's per-layer activation formula against what a real transformers Llama layer
-saves for its backward (bf16, through the lctrain::dist_attention op), measured with
-saved-tensor hooks."""
+"""The memory model's activation terms against bytes measured on a CPU: what a real transformers
+Llama layer and its final norm save for the backward (through the lctrain::dist_attention op;
+saved-tensor hooks), the parts of the activation peak built from them, and the fused loss's
+working set (live-storage peak)."""
 import dataclasses
+import gc
 
 import pytest
 import torch
 
 from lctrain.memory import from_config_dict
-from lctrain.memory.activations import layer_saved, remat_kept
-from live_bytes import SavedBytes
+from lctrain.memory.activations import final_norm_saved, layer_saved, loss_workspace, remat_kept
+from lctrain.memory.estimate import Setup, breakdown
+from lctrain_kernels.api import chunked_cross_entropy
+from live_bytes import LiveBytes, SavedBytes
 from tiny_llama import lctrain_attention
 
 
@@ -44,6 +48,112 @@ def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype, fused
     assert remat_kept(arch, tokens, c) < layer_saved(arch, tokens, c) / 3
 
 
+
+def _llama(fields, dtype, fused):
+    """A tiny Llama in training mode on lctrain's attention (fused norms and MLPs: as on a GPU)."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    from lctrain.model.fused import fuse_mlps, fuse_rms_norms
+
+    AttentionInterface.register("lctrain_test_mem", lctrain_attention)
+    config = LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"},
+                         use_cache=False)
+    model = LlamaForCausalLM(config).to(dtype).train()
+    model.set_attn_implementation("lctrain_test_mem")
+    if fused:
+        fuse_rms_norms(model)
+        fuse_mlps(model)
+    return model
+
+
+@pytest.mark.parametrize("moment, dtype, fused", [
+    ("layer", torch.float32, False), ("layer", torch.bfloat16, False),
+    ("layer", torch.float32, True), ("layer", torch.bfloat16, True),
+    ("loss", torch.float32, False), ("loss", torch.bfloat16, False)])
+def test_the_activation_peak_keeps_the_measured_layers_and_final_norm(moment, dtype, fused):
+    """At either moment of the activation peak (the loss's backward with a large vocabulary,
+    the top layer's backward with a small one) the breakdown's activations are every layer's
+    saved tensors and the final norm's (its saved tensors and its output, which the loss reads),
+    as measured; the rest of the peak is the loss's working set, or the layer's backward less
+    the final norm, which is gone by then."""
+    vocab, tokens = {"layer": (101, 192), "loss": (2048, 512)}[moment]
+    fields = {"model_type": "llama", "vocab_size": vocab, "hidden_size": 64,
+              "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2}
+    model = _llama(fields, dtype, fused)
+    layers = [SavedBytes(model, layer) for layer in model.model.layers]
+    norm = SavedBytes(model, model.model.norm)
+    model.model.norm.register_forward_hook(lambda m, i, out: norm.storages.__setitem__(
+        out.untyped_storage().data_ptr(), out.untyped_storage().nbytes()))
+
+    def pack(t):
+        for probe in (*layers, norm):
+            probe.pack(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=torch.randint(0, vocab, (1, tokens)))
+    c = dtype.itemsize
+    arch = dataclasses.replace(from_config_dict(fields), fused_norms=fused, fused_mlp=fused)
+    cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
+    kept = sum(probe.total - cos_sin for probe in layers)
+    assert kept == len(layers) * layer_saved(arch, tokens, c)
+    # the model leaves out the float32 rsqrt per token of transformers' final norm
+    slack = 0 if fused else 4 * tokens
+    assert 0 <= norm.total - final_norm_saved(arch, tokens, c) <= slack
+
+    setup = Setup(arch=arch, gpus=1, cp=1, layers="none", dtype=str(dtype).split(".")[1],
+                  fsdp=False, loss_chunk_tokens=64)
+    per_gpu, details = breakdown(setup, tokens)
+    assert details["phase"] == "activations"
+    assert 0 <= kept + norm.total - details["saved_activations"] <= slack
+    assert per_gpu["activations"] == details["saved_activations"]  # kept at either moment
+    rest = per_gpu["other"] - details["headroom"]
+    if moment == "loss":
+        assert rest == details["loss_workspace"]
+    else:
+        assert 0 <= rest - (details["layer_backward"] - norm.total) <= slack
+
+
+class _InterpretedLiveBytes(LiveBytes):
+    """`LiveBytes` for ops that run Triton kernels in its interpreter, which leaves each launch's
+    arguments in a reference cycle: collected after every lctrain op, the storages go when the
+    launch returns, as on a GPU."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.namespace == "lctrain":
+            gc.collect()
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_grad", [True, False])
+def test_the_fused_loss_working_set_is_what_its_forward_holds(dtype, head_grad):
+    """`loss_workspace` of the fused loss against the live-storage peak of the chunked loss
+    through its kernel (here in Triton's interpreter), whose forward makes the gradients: one
+    chunk of logits in the compute dtype, overwritten by their gradient; the hidden states'
+    gradient; the head's float32 gradient unless the head is frozen (LoRA). Three chunks and a
+    short fourth."""
+    tokens, chunk, vocab, hidden = 100, 32, 1000, 64
+    arch = from_config_dict({"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+                             "intermediate_size": 176, "num_hidden_layers": 2,
+                             "num_attention_heads": 4})
+    assert arch.fused_loss
+    h = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)  # (T, H)
+    weight = torch.randn(vocab, hidden, dtype=dtype, requires_grad=head_grad)  # (V, H)
+    labels = torch.randint(0, vocab, (tokens,))
+    with _InterpretedLiveBytes() as live:
+        chunked_cross_entropy(h, weight, labels, chunk, kernel=True)
+        peak = live.peak
+    c = dtype.itemsize
+    want = loss_workspace(arch, tokens, c, chunk, head_grad=head_grad)
+    if head_grad and dtype != torch.float32:
+        # on a CPU a 16-bit chunk's head gradient is a (V, H) product and its float32 copy; a
+        # GPU adds it into the float32 accumulator in place
+        want += (c + 4) * vocab * hidden
+    assert 0 <= peak - want <= 4 * chunk + 8  # + a chunk's float32 row losses and two sums
+
 def test_kept_during_layers_walks_the_layers_as_the_offloader_brings_them_back():
     """GPU-kept layers stay until the backward reaches them; a parked layer is on the GPU from
     the moment the layer above it is recomputed (its copies start) until its own backward."""
@@ -65,7 +175,7 @@ def test_kept_during_layers_walks_the_layers_as_the_offloader_brings_them_back()
     assert kept_during_layers([p, p, g, g], [True, True, False, False]) == [p, 2 * p, g + p,
                                                                           2 * g + p]
     assert kept_during_layers([g, 4 * g, g], [False] * 3) == [g, 5 * g, 6 * g]
-    rng = random.Random()
+    rng = random.Random(torch.initial_seed())  # the test's seed (conftest.py)
     for _ in range(200):
         n = rng.randrange(1, 9)
         kept = [rng.randrange(1, 100) for _ in range(n)]

@@ -78,24 +78,39 @@ def test_an_unreachable_hub_is_one_sentence_within_seconds(tmp_path, args):
 
 
 def test_a_cached_name_and_a_hub_that_answers_pass(empty_cache, monkeypatch):
-    from lctrain.config.hub import check_hub_model
+    """A cached name passes without asking the hub, and transformers is told to read the cache
+    alone while the hub does not answer; a hub that answers (404 too) is asked once, with one
+    HEAD request, and transformers may ask it."""
+    from lctrain.config import hub
+    from lctrain.config.hub import cache_only, check_hub_model
 
+    probes = []
+    answers = hub._answers
+    monkeypatch.setattr(hub, "_answers", lambda url, timeout: probes.append(url) or answers(
+        url, timeout))
+    hub.hub_answers.cache_clear()  # asked once per process: from here on, by this test
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", CLOSED)
     with pytest.raises(ConfigError, match="cannot be reached"):
         check_hub_model(NAME)
+    assert probes == [CLOSED]
     snapshot = empty_cache / "models--meta-llama--Llama-3.1-8B" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text('{"model_type": "llama"}')
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("abc123")
-    check_hub_model(NAME)  # in the cache: no probe, transformers reads it from there
+    assert check_hub_model(NAME) is None  # in the cache: no new probe ...
+    assert cache_only(NAME) and probes == [CLOSED]  # ... and transformers reads it from there
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    check_hub_model(NAME)  # offline mode too
+    assert check_hub_model(NAME) is None and cache_only(NAME)  # offline mode too
+    assert probes == [CLOSED]
+
+    heads = []
 
     class NotFound(http.server.BaseHTTPRequestHandler):
         def do_HEAD(self):  # noqa: N802 - the standard library's name
+            heads.append(self.path)
             self.send_response(404)
             self.end_headers()
 
@@ -104,10 +119,14 @@ def test_a_cached_name_and_a_hub_that_answers_pass(empty_cache, monkeypatch):
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         monkeypatch.delenv("HF_HUB_OFFLINE")
-        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
-        check_hub_model("someone/not-cached")  # the hub answers (404 too): transformers asks it
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        assert check_hub_model("someone/not-cached") is None  # the hub answers (404 too) ...
+        assert not cache_only("someone/not-cached")  # ... so transformers asks it
+        assert probes == [CLOSED, endpoint] and heads == ["/"]  # one probe, one HEAD request
     finally:
         server.shutdown()
         server.server_close()
+        hub.hub_answers.cache_clear()
