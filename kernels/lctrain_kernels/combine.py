@@ -7,12 +7,10 @@ combine into the attention over their union::
     lse = max(lse_a, lse_b) + log1p(exp(-|lse_a - lse_b|))
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-Both weights are at most 1; a piece in which a row sees nothing has ``lse = -inf``, ``out = 0``
-and weight exactly 0 (never NaN). Everything is computed in float32 (float64 when an input is)
-and rounded ONCE into the destination; on CUDA one Triton kernel reads each part once per group
-of four. :class:`OutAcc` and :class:`GradAcc` keep a rank's results as they come and combine
-them once, when read out, folding them into a float32 base when they hold too much.
-"""
+A piece in which a row sees nothing has ``lse = -inf`` and weight exactly 0 (never NaN). Math is
+float32 (float64 when an input is), rounded ONCE into the destination; on CUDA one Triton kernel
+reads each part once. :class:`OutAcc` and :class:`GradAcc` keep a rank's results as they come and
+combine them once, when read out, folding them into a float32 base when they hold too much."""
 from __future__ import annotations
 
 import torch

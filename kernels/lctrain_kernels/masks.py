@@ -8,11 +8,7 @@ launch or send, :func:`classify` sorts a block into::
     EMPTY    nothing visible           -> skipped (no launch, no communication)
     FULL     everything visible        -> plain non-causal attention
     CAUSAL   the lower triangle from the top-left corner (q_start == k_start, one document)
-    PARTIAL  anything else             -> an elementwise mask
-
-In DistFlashAttn block (q_r, kv_c) is CAUSAL for c == r, FULL for c < r, EMPTY for c > r; with
-documents most off-diagonal blocks become EMPTY. All of it is host arithmetic.
-"""
+    PARTIAL  anything else             -> an elementwise mask"""
 from __future__ import annotations
 
 import bisect

@@ -1,23 +1,19 @@
 """A masked block as ragged batches: one batch entry per dense piece, read and written in place.
 
 Inside one document, causal attention between a block's rows and keys is at most two dense
-shapes: the keys before the document's first query row are all visible (a FULL rectangle), the
-keys from that row on form the top-left triangle (CAUSAL). :func:`pieces` cuts a block into
-these, disjoint, their union exactly the block's mask. A ragged (THD) kernel runs a batch whose
-entries start anywhere and have lengths of their own; every piece is one entry, read and written
-where it lies. Pieces of one kind share a call, so a block takes at most two calls::
+shapes: the keys before the document's first query row (a FULL rectangle) and the top-left
+triangle from that row on (CAUSAL). :func:`pieces` cuts a block into these, disjoint, their union
+exactly the block's mask. A ragged (THD) kernel runs a batch whose entries start anywhere; pieces
+of one kind share a call, so a block takes at most two calls::
 
     block rows  |d0 d0 d0|d1 d1|d2 d2 d2 d2|     (documents of a diagonal block)
     causal call   entry 0: rows 0..2 x keys 0..2, entry 1: rows 3..4 x keys 3..4, ...
 
-The two calls read disjoint keys; their rows overlap only where the first document has keys
-both before the block's first query and from it on (an offset diagonal): those rows are merged
-through the lse (:attr:`RaggedPlan.shared_rows`). The batch size and longest entry a kernel is
-compiled for are rounded up to a power of two (:func:`bucket`), so a few plans serve every mix
-of documents. Engines (``backends.cudnn_ragged``, ``backends.flash_attn_cute``) run one
-:class:`RaggedCall`; rows are counted over the flattened batch (row ``b * Sq + i``) and an
-engine's lse is TOKEN-major ``(B * Sq, Hq)`` float32, as the ragged kernels keep it.
-"""
+The two calls read disjoint keys; rows they share (an offset diagonal) are merged through the lse
+(:attr:`RaggedPlan.shared_rows`). Batch size and longest entry are rounded up to a power of two
+(:func:`bucket`), so a few compiled plans serve every mix. Engines (``backends.cudnn_ragged``,
+``backends.flash_attn_cute``) run one :class:`RaggedCall`; rows count over the flattened batch
+(row ``b * Sq + i``) and an engine's lse is TOKEN-major ``(B * Sq, Hq)`` float32."""
 from __future__ import annotations
 
 import bisect

@@ -4,16 +4,14 @@ For one block (:mod:`lctrain_kernels.masks`), with ``S = scale * q k^T`` (-inf w
 
     lse = logsumexp_j S      P = exp(S - lse)      out = P v
 
-The backward takes the FINAL (merged) ``O`` and ``lse`` of the query rows and recomputes P, as
-FlashAttention does, so the gradients of a row's blocks simply add up::
+The backward recomputes P from the FINAL (merged) ``O`` and ``lse`` of the rows, as FlashAttention
+does, so the gradients of a row's blocks simply add up::
 
     dV = P^T dO    dP = dO V^T    delta = rowsum(dO * O) - dlse    dS = P * (dP - delta)
     dQ = scale * dS K    dK = scale * dS^T Q      (dlse: the lse's gradient, d lse / d S = P)
 
 GQA without copying K/V: the G query heads of one K/V head are extra rows, (B, Hkv, G*R, D).
-Math in float32 (float64 stays float64), over chunks of query rows so the scores held stay
-bounded; a chunk the mask hides is skipped, one it shows entirely takes no mask.
-"""
+Math in float32 (float64 stays), over chunks of query rows; hidden chunks are skipped."""
 from __future__ import annotations
 
 import bisect

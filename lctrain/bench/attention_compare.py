@@ -1,17 +1,12 @@
 """What the attention bench compares lctrain's schedules with: other people's distributed
 attention, timed beside them, and the single-device result, the correctness gate.
 
-Each peer is a context manager ``peer(group, shape) -> (fwd, bwd)`` run on every rank: ``fwd()``
-computes this rank's output of a causal sequence of ``shape.seq_len`` total tokens (random
-inputs), ``bwd(state)`` its backward. A peer that cannot run here raises `PeerUnavailable` with
-one sentence why (the row's status). ``context_parallel`` is torch's experimental
-context_parallel (a ring with head-tail balance) on cuDNN SDPA, CUDA only.
-
-The gate: at a small total length every rank builds the same inputs and the float32 reference of
-the whole sequence; a schedule's error is the largest relative error of out, dq, dk, dv over all
-ranks, and it is correct when it errs at most twice as much as the single-device kernel in the
-bench's dtype (or 1e-4, the float32 floor). With documents, everything runs the check's mix.
-"""
+A peer is a context manager ``peer(group, shape) -> (fwd, bwd)`` run on every rank on a random
+causal sequence of ``shape.seq_len`` tokens; one that cannot run here raises `PeerUnavailable`
+(the row's status). ``context_parallel`` is torch's experimental ring on cuDNN SDPA, CUDA only.
+The gate: a schedule is correct when its largest relative error of out, dq, dk, dv against the
+float32 reference of the whole sequence is at most twice the single-device kernel's (or 1e-4).
+With documents, everything runs the check's mix."""
 from __future__ import annotations
 
 import contextlib

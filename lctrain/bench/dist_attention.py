@@ -1,19 +1,12 @@
 """Distributed attention benchmark: lctrain's schedules next to torch's context_parallel.
 
-``run`` launches ``nproc`` processes itself (NCCL on GPUs, gloo on a CPU), then:
-
-1. checks every schedule at a small length against the float32 reference of the whole
-   sequence (`lctrain.bench.attention_compare`);
-2. per total length, times forward and backward (CUDA events on every rank; the slowest rank's
-   median) of each schedule, distflash without overlap, the peers and the single-GPU kernel;
-3. reports per-GPU TFLOP/s (`lctrain.model.flops`: the whole sequence's FLOPs over the GPUs),
-   ``vs_single``, each schedule's balance (max/mean causal work per rank) and distflash's
-   hidden share of communication, (t_no_overlap − t_overlap) / t_comm_only.
-
-With ``documents`` every length is packed documents: FLOPs count the pairs inside documents,
-the single-GPU row runs them through "auto", the check runs the shortest length's mix scaled to
-the check length, and the peers (no document mask) say so.
-"""
+``run`` launches ``nproc`` processes itself (NCCL on GPUs, gloo on a CPU), checks every schedule at
+a small length against the float32 reference (`lctrain.bench.attention_compare`), then per total
+length times forward and backward (the slowest rank's median) of each schedule, distflash without
+overlap, the peers and the single-GPU kernel. It reports per-GPU TFLOP/s, ``vs_single``, each
+schedule's balance (max/mean causal work per rank) and distflash's hidden share of communication,
+(t_no_overlap − t_overlap) / t_comm_only. With ``documents`` every length is packed documents;
+the peers, which take no document mask, say so."""
 from __future__ import annotations
 
 import contextlib
@@ -307,14 +300,10 @@ def run(seq_lens: list[int] | None = None, schedules: list[str] | None = None, n
         check_len: int | None = None, single_max_len: int = 262144, min_time_s: float = 0.0,
         profile_dir: str | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark distributed attention on ``nproc`` ranks it launches itself (default every CUDA
-    GPU, or 2 CPU processes under gloo): a result of kind "attention", one row per (seq_len,
-    variant). ``seq_lens`` are TOTAL lengths (batch 1); None picks ``DEFAULTS``.
-
-    ``documents`` is a ``--documents`` spec (``recipe`` reads a ``data:FILE`` one), given to
-    lctrain's schedules in balanced order unless not ``balance_documents``; ``check_len`` defaults
-    to min(seq_lens, 2048·nproc); ``progress`` must be picklable (it travels to the ranks). The
-    other arguments are the CLI options of the same names. Bad sizes, names or specs raise
-    ConfigError."""
+    GPU, or 2 CPU processes): a result of kind "attention", one row per (seq_len, variant).
+    ``seq_lens`` are TOTAL lengths (None: ``DEFAULTS``); ``documents`` a ``--documents`` spec
+    (``recipe`` reads a ``data:FILE`` one); ``progress`` must be picklable; the other arguments
+    are the CLI options of the same names. ConfigError: bad sizes, names or specs."""
     cuda = torch.cuda.is_available()
     base = DEFAULTS["cuda" if cuda else "cpu"]
     seq_lens = tuple(seq_lens or base["seq_lens"])

@@ -1,13 +1,9 @@
 """Single-device attention kernel benchmark: every local backend (and peer), side by side.
 
-Each subject (`lctrain.bench.kernel_subjects`) is first checked at a small length (out, lse and the
-three gradients against the float32 reference), then timed at each length
-(`lctrain.bench.timing.measure`) as rates of the FLOP model of `lctrain.model.flops`.
-
-With ``documents`` (`lctrain.bench.documents`) every sequence is packed documents, each spec a mix
-of its own: rates count only the pairs inside documents, the check runs the shortest length's mix
-scaled to the check length, and each row gets ``of_dense``, its useful rate over that of a dense
-reference (cuDNN on a GPU) timed without documents."""
+Each subject (`lctrain.bench.kernel_subjects`) is checked at a small length against the float32
+reference, then timed at each length as rates of `lctrain.model.flops`. With ``documents`` every
+sequence is packed documents, each spec a mix: rates count only the pairs inside documents, and each
+row gets ``of_dense``, its useful rate over that of a dense reference (cuDNN on a GPU)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -180,13 +176,10 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
         profile_dir: str | None = None,
         progress: Callable[[str], None] | None = None) -> BenchResult:
     """Benchmark the local attention backends: a result of kind "kernel", one row per (backend,
-    seq_len[, mix]), the dense reference's first ("NAME (dense)"); a row that cannot run says why in
-    ``status``. None picks the device's defaults (``DEFAULTS``, `default_backends`).
-
-    ``documents`` is a ``--documents`` spec (an int N: N equal documents), several (a mix each), or
-    one mix already parsed per length; ``recipe`` reads a ``data:FILE`` spec. ``dense_reference``
-    ("auto": cudnn on a GPU, none on a CPU) is the denominator of ``of_dense``. Impossible sizes or
-    specs raise ConfigError."""
+    seq_len[, mix]), the dense reference's first; None picks the device's defaults.
+    ``documents``: a ``--documents`` spec, several (a mix each), or one mix parsed per length
+    (``recipe`` reads a ``data:FILE`` spec); ``dense_reference`` ("auto": cudnn on a GPU, none on
+    a CPU) is the denominator of ``of_dense``. ConfigError: impossible sizes or specs."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     seq_lens = list(seq_lens or base["seq_lens"])

@@ -1,8 +1,6 @@
 """How ``lctrain bench`` hands its result to people (`Publisher`): table, JSON file and ``--plot``:
-fwd+bwd TFLOP/s (kernel, attention per GPU, with the single-GPU
-kernel dashed) or MFU (step; tokens/s where MFU is unknown) against the sequence length, one line
-per backend, variant or configuration. A result with no number to plot is an error, not an empty
-picture."""
+fwd+bwd TFLOP/s (the single-GPU kernel dashed) or MFU (step; else tokens/s) against the sequence
+length, one line per backend, variant or configuration."""
 from __future__ import annotations
 
 import shlex
@@ -81,11 +79,8 @@ def command_line() -> str | None:
 class Publisher:
     """Output of one bench command of ``kind``: ``fmt`` (table, markdown, csv or json) on
     stdout, every column with ``wide``, the result JSON to ``json_file``, a plot to ``plot``.
-
-    It is made before the measurement starts, so a ``--plot`` that could not be written fails in
-    one sentence before any time is spent. Progress lines go to stderr (stdout carries only the
-    result, so ``--format csv|json`` can be piped); `publish` prints the table, writes the JSON
-    and the plot, and fails when no row holds a measurement."""
+    Made before the measurement, so a bad ``--plot`` fails before any time is spent; progress
+    goes to stderr, so ``--format csv|json`` can be piped."""
 
     def __init__(self, kind: str, fmt: str = "table", wide: bool = False,
                  json_file: str | None = None, plot: str | None = None):

@@ -1,11 +1,7 @@
-"""The one result contract of every ``lctrain bench`` run: rows and meta, as JSON.
-
-    {"lctrain_bench": 1, "kind": "kernel" | "attention" | "step", "title": "...",
-     "meta": {"machine": {...}, "command": "lctrain bench ...", ...}, "rows": [{...}, ...]}
-
-Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status`` ("ok" or
-why there is no number).
-"""
+"""The one result contract of every ``lctrain bench`` run, as JSON: ``{"lctrain_bench": 1,
+"kind": "kernel" | "attention" | "step", "title", "meta": {"machine", "command", ...}, "rows"}``.
+Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status`` ("ok" or why
+there is no number)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.report.table import save_document
+from lctrain.report.table import read_document, save_document
 
 SCHEMA = 1
 KINDS = ("kernel", "attention", "step")
@@ -58,16 +54,7 @@ def from_dict(data, source: str = "result") -> BenchResult:
 
 def load(path: str | Path) -> BenchResult:
     """Read a result file (UserError: missing, not JSON, or not a bench result)."""
-    target = Path(path).expanduser()
-    try:
-        text = target.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot read {target}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{target} is not JSON ({exc.msg} at line {exc.lineno}); pass files "
-                        "written by lctrain bench --json") from None
+    target, data = read_document(path, "; pass files written by lctrain bench --json")
     return from_dict(data, str(target))
 
 

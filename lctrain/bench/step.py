@@ -47,10 +47,9 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         profile: str | None = None, progress: Callable[[str], None] | None = None
         ) -> BenchResult:
     """Run ``warmup`` untimed and ``steps`` timed steps of every configuration (one recipe, or
-    `configurations`); one row each. ``save_every`` N steps a checkpoint is saved (0: never);
+    `configurations`); one row each. A checkpoint every ``save_every`` steps (0: never);
     ``documents`` trains on random ids packed as that mix; ``memory_trace`` and ``profile`` are
-    folders for each configuration's last step (`lctrain.train.memory_trace`,
-    `lctrain.train.step_profile`); ``progress`` gets a line before and after each."""
+    folders for each configuration's last step."""
     if steps < 1 or warmup < 0 or save_every < 0:
         raise UserError(f"bench step needs at least 1 timed step (got {steps}), a warm-up of 0 or "
                         f"more (got {warmup}) and a save interval of 0 or more (got {save_every})")

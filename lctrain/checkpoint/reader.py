@@ -1,11 +1,8 @@
 """Reading training checkpoints: finding one, and loading it into any process layout.
 
-A checkpoint is ``output_dir/checkpoints/step-NNNNNNNN/``: DCP's model and optimizer tensors
-(global, with shard coordinates), ``trainer.json`` (step, global data position, layout,
-learning-rate plan, whether the step trained) and ``rng-rank{r}.safetensors``, so a run
-resumes on any layout with the same global batch. Nothing is unpickled
-(`lctrain.checkpoint.safe_load`).
-"""
+A checkpoint is ``output_dir/checkpoints/step-NNNNNNNN/``: DCP's model and optimizer tensors,
+``trainer.json`` (step, data position, layout, learning-rate plan, whether the step trained) and
+``rng-rank{r}.safetensors``; nothing is unpickled (`lctrain.checkpoint.safe_load`)."""
 from __future__ import annotations
 
 import json

@@ -1,10 +1,7 @@
-"""Reading checkpoint files without running code that a file could carry.
-
-Unpickling runs whatever a file names, so nothing is unpickled: lctrain's own files are JSON
-and safetensors, DCP's tensors are read with ``weights_only``, DCP's pickled "bytes" entries
-are never written nor read, and DCP's ``.metadata`` is read by `MetadataUnpickler`, which
-resolves only the names such a file holds.
-"""
+"""Reading checkpoint files without running code that a file could carry: nothing is unpickled.
+lctrain's own files are JSON and safetensors, DCP's tensors are read with ``weights_only``, DCP's
+pickled "bytes" entries are never written nor read, and DCP's ``.metadata`` is read by
+`MetadataUnpickler`, which resolves only the names such a file holds."""
 from __future__ import annotations
 
 import io

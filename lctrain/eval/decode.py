@@ -1,19 +1,12 @@
 """Greedy decoding after a distributed prefill, the prompt's keys and values left where they were
-computed.
+computed (gathering a long prompt's keys onto one rank fits no GPU).
 
-At 256K tokens the keys and values of a 7B model fill about 128 GiB: gathering them onto one rank
-fits no GPU, and re-running the prompt on one GPU per token is quadratic. So the **prefill** runs
-like a training forward (each cp rank holds its shard of the prompt, the attention is
-`lctrain_kernels.dist_attention` over the cp group) and each rank keeps the keys and values of its
-shard per layer (`KVShards`); the next-token logits come from the rank holding the last position,
-summed over the group. In **decoding** every rank is fed the new token; in every layer each attends
-it to the keys it holds (its prompt shard, and on cp rank 0 the generated tokens, so no key counts
-twice), the partial outputs and lses are all-gathered (a few KiB) and merged in float32
-(`lctrain_kernels.api.merge`): exactly attention over all keys. cp rank 0's greedy choice is
-broadcast so the ranks cannot drift apart.
-
-Models that `lctrain eval` builds use the attention registered here (``lctrain_eval``): without a
-``lctrain_kv`` keyword it IS the "lctrain" attention, so the same model serves perplexity runs."""
+The **prefill** runs like a training forward over the cp group, each rank keeping its shard's keys
+and values per layer (`KVShards`). In **decoding** every rank attends the new token to the keys it
+holds (cp rank 0 also to the generated ones, so no key counts twice); the partial outputs and lses
+are all-gathered and merged in float32: exactly attention over all keys. cp rank 0's greedy choice
+is broadcast so the ranks cannot drift apart. Without a ``lctrain_kv`` keyword the attention
+registered here (``lctrain_eval``) IS the "lctrain" attention, so one model serves ppl runs too."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,15 +1,10 @@
 """Running an evaluation on every local rank: what ``lctrain eval`` calls.
 
-    cfg, request = resolve("runs/tiny", task="ppl", cp=2)
-    result = evaluate(cfg, request)
-
-The ranks start as training's do; each builds the model as training does around an
-`EvalModel` (the FSDP2 root, holding the causal LM under the loss module's attribute name, so
-any run's DCP checkpoint loads into it), loads the checkpoint and runs the task: `run_ppl`
-sums token losses per bucket of global positions, then all-reduces them; `run_passkey` spreads
-the prompts over the dp groups, each prefilled over its cp group and decoded greedily. Rank 0
-writes the result file, which this process reads back.
-"""
+The ranks start and build the model as training's do, around an `EvalModel` (the FSDP2 root,
+holding the LM under the loss module's attribute name, so any run's DCP checkpoint loads), load
+the checkpoint and run the task: `run_ppl` sums token losses per bucket of global positions;
+`run_passkey` spreads the prompts over the dp groups, each prefilled over its cp group and decoded
+greedily. Rank 0 writes the result file, which this process reads back."""
 from __future__ import annotations
 
 import argparse

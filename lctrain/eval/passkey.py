@@ -1,9 +1,7 @@
 """The passkey retrieval test (Mohtashami & Jaggi): a number hidden in filler text, asked for at the
-end.
-
-The prompt is assembled from token ids, so its length is exact: introduction, a window of the
-repeated filler sentences with the needle at the sentence boundary at or before ``depth`` of it,
-then the question. The answer is the first run of digits the model decodes."""
+end. The prompt is built from token ids, so its length is exact: introduction, filler with the
+needle at the sentence boundary at or before ``depth``, the question. The answer is the first run
+of digits the model decodes."""
 from __future__ import annotations
 
 import random

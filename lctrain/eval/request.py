@@ -25,10 +25,8 @@ DEFAULT_BUCKETS = 16  # position buckets of a perplexity run without --bucket
 
 @dataclasses.dataclass(frozen=True)
 class EvalRequest:
-    """What every rank of an evaluation needs besides the recipe (JSON-serialisable): the
-    task; the target and its kind (run, model, adapter, recipe); a run's checkpoint and step;
-    for ppl the data part (``eval``: the validation data), row limit and bucket width; for passkey the
-    lengths, depths, trials and seed; and where rank 0 writes the result."""
+    """What every rank of an evaluation needs besides the recipe (JSON-serialisable); ``part``
+    "eval" is the validation data, ``kind`` one of run, model, adapter, recipe."""
 
     task: str
     target: str

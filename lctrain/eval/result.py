@@ -1,10 +1,7 @@
 """An evaluation's result: its JSON document (what ``--json FILE`` writes), a table, and a plot
-(perplexity by position, or passkey accuracy as a length × depth heatmap); `lctrain bench report`
-shows such files as ``lctrain eval`` does (`eval_results`).
-
-The document is ``{"lctrain_eval": 1, "task": "ppl" | "passkey", "title", "meta", "rows"}``: ppl
-rows are position buckets then an ``"all"`` row; passkey rows are (length, depth) pairs with every
-trial under ``samples``."""
+(perplexity by position, or passkey accuracy as a length × depth heatmap). The document is
+``{"lctrain_eval": 1, "task": "ppl" | "passkey", "title", "meta", "rows"}``: ppl rows are position
+buckets then ``"all"``; passkey rows are (length, depth) pairs, every trial under ``samples``."""
 from __future__ import annotations
 
 import json
@@ -14,7 +11,7 @@ from pathlib import Path
 from lctrain.errors import UserError
 from lctrain.report import plotting
 from lctrain.report.human import gib, parameters, significant, tokens
-from lctrain.report.table import Column, Table, save_document, say, show
+from lctrain.report.table import Column, Table, read_document, save_document, say, show
 
 SCHEMA = 1
 TASKS = ("ppl", "passkey")
@@ -42,13 +39,7 @@ class EvalResult:
 
 def load(path: str | Path) -> EvalResult:
     """Read a result file (UserError: missing, not JSON, or not an evaluation result)."""
-    target = Path(path).expanduser()
-    try:
-        data = json.loads(target.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UserError(f"cannot read {target}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{target} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    target, data = read_document(path)
     if not isinstance(data, dict) or data.get("task") not in TASKS or \
             not isinstance(data.get("rows"), list):
         raise UserError(f"{target} is not an lctrain eval result (task ppl or passkey with rows)")

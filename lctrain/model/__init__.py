@@ -1,12 +1,6 @@
 """The model: load or build a causal LM, with lctrain's attention swapped in from outside.
-
-    model = load_model("path/or/hub-name", config=None, seed=0)
-    hidden = model.get_decoder()(input_ids=ids, position_ids=global_pos,
-                                 cp_context=CPContext(group=cp_group, cu_seqlens=cu))
-
 The names below load on first use, so that `lctrain.model.families` (read by the memory model
-and the command line) imports no torch.
-"""
+and the command line) imports no torch."""
 import importlib
 
 _WHERE = {"ATTENTION_NAME": "attention", "CPContext": "attention", "lctrain_attention": "attention",

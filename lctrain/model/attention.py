@@ -1,12 +1,10 @@
 """The "lctrain" attention for transformers models, registered through `AttentionInterface`.
 
-A model built with ``attn_implementation="lctrain"`` calls `lctrain_attention` with q (B, Hq, S, D)
-and k, v (B, Hkv, S, D) after RoPE, K/V heads not repeated. The call's
-``cp_context= CPContext(...)`` keyword (transformers passes unknown keywords down to every attention
-call) says how it is distributed: with a group of several ranks each holds its shard of the sequence
-(in the schedule's layout) and `lctrain_kernels.dist_attention` computes exact causal attention over
-the whole sequence; without one, local causal attention runs. The context travels with the call, not
-in globals; position ids must be the GLOBAL ones of each token."""
+`lctrain_attention` gets q (B, Hq, S, D) and k, v (B, Hkv, S, D) after RoPE, K/V heads not
+repeated. The call's ``cp_context`` keyword (transformers passes unknown keywords down) says how it
+is distributed: over a group of several ranks, each holding its shard of the sequence,
+`lctrain_kernels.dist_attention` computes exact causal attention; without one, local causal
+attention runs. Position ids must be the GLOBAL ones of each token."""
 from __future__ import annotations
 
 from dataclasses import dataclass

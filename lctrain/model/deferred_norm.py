@@ -1,11 +1,9 @@
 """A decoder layer's norm whose work moves into the module that reads its output.
 
-Each RMSNorm's output exists only to feed the next module, which keeps it for its backward. When
-that module runs the norm itself (the MLP's tiles, `lctrain.parallel.tiling`; the grouped attention
-block, `lctrain.model.grouped_attention`) it keeps the norm's input instead, a tensor the layer
-holds anyway, and recomputes the norm in its backward; `DeferredNorm` stands in the norm's place and
-passes its input through. Its parameters stay where they were (a torch ``ActivationWrapper``: the
-same names, state dicts and checkpoints)."""
+When that module runs the norm itself (the MLP's tiles, `lctrain.parallel.tiling`; the grouped
+attention block) it keeps the norm's input, a tensor the layer holds anyway, instead of its output,
+and recomputes the norm in its backward; `DeferredNorm` stands in the norm's place, passes its input
+through and keeps the parameters where they were (same names, state dicts and checkpoints)."""
 from __future__ import annotations
 
 from torch import nn

@@ -1,11 +1,9 @@
 """lctrain_kernels' fused RMSNorm, SwiGLU and RoPE in transformers models, from outside.
 
-The norm and MLP modules of the families in `lctrain.model.families` switch class in place to a
-subclass whose forward runs the kernel (as FSDP2 switches the modules it shards), so parameters,
-names, state dicts and whatever wraps them (tiles, checkpointing, adapters) see the same objects.
-transformers calls ``apply_rotary_pos_emb`` as a global of each modeling module: `fuse_rope`
-replaces it there with a function that runs the kernel for the calls it supports and transformers'
-own for any other."""
+The norm and MLP modules of `lctrain.model.families` switch class in place to a subclass whose
+forward runs the kernel (as FSDP2 does), so parameters, names and state dicts stay the same objects.
+`fuse_rope` replaces each modeling module's global ``apply_rotary_pos_emb`` with a function that
+runs the kernel for the calls it supports and transformers' own for any other."""
 from __future__ import annotations
 
 import functools

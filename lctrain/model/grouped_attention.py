@@ -1,13 +1,8 @@
 """Attention modules run one head group at a time, the norm before them, projections and RoPE
-included (`lctrain_kernels.api.attention_block`): the projections' q, k, v, their gradients and
-the norm's output are never held for every head at once.
-
-    apply_grouped_attention(model, head_groups=8)   # after LoRA, before checkpointing and FSDP2
-
-It applies to the modules of the ``grouped`` families (`lctrain.model.families`) whose q/k/v/o
-projections are plain ``nn.Linear`` (LoRA-wrapped ones stay as they are) when the model runs
-lctrain's attention; a call with a KV cache (generation) runs the norm and the module as they are.
-"""
+included (`lctrain_kernels.api.attention_block`), so q, k, v, their gradients and the norm's
+output are never held for every head at once. It applies (after LoRA, before checkpointing and
+FSDP2) to ``grouped`` families' modules with plain ``nn.Linear`` projections when the model runs
+lctrain's attention; a call with a KV cache runs the norm and the module as they are."""
 from __future__ import annotations
 
 import torch

@@ -1,9 +1,7 @@
 """Build the causal language model from a model folder or hub name, or a seeded random init, after
-its config is resolved and checked and before any weight loads.
-
-The recipe's ``model.config`` overrides the folder's config.json (``rope_theta`` / ``rope_scaling``
-folded into ``rope_parameters``, which merges key by key while it keeps the folder's ``rope_type``);
-they may change how the model computes but not its weights."""
+its config is resolved and checked. The recipe's ``model.config`` overrides the folder's
+config.json (``rope_theta`` / ``rope_scaling`` folded into ``rope_parameters``, keeping the
+folder's ``rope_type``); it may change how the model computes but not its weights."""
 from __future__ import annotations
 
 import glob

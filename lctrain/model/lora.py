@@ -1,12 +1,7 @@
-"""LoRA through peft: low-rank adapters on chosen linear layers, every other weight frozen.
-
-    model = apply_lora(model, cfg.lora, seed=cfg.train.seed)   # before checkpointing and FSDP2
-
-Targeted linear layers gain trained A and B (B zero, so training starts from the base model);
-``lora.trainable_modules`` are trained in full as peft's ``modules_to_save``. The decoder
-layers keep their places and classes. The output head can be neither adapted nor trained: the
-chunked loss multiplies by its weight directly.
-"""
+"""LoRA through peft: low-rank adapters on chosen linear layers, every other weight frozen
+(applied before checkpointing and FSDP2). B starts at zero, so training starts from the base
+model; ``lora.trainable_modules`` are trained in full (peft's ``modules_to_save``). The output
+head can be neither adapted nor trained: the chunked loss multiplies by its weight directly."""
 from __future__ import annotations
 
 import warnings

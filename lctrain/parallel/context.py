@@ -1,16 +1,8 @@
 """One run's context parallelism: how each sequence is cut over the cp ranks, and how attention
-spans the cut.
-
-    cp = ContextParallel(pmesh, "distflash", "auto", device=device)
-    model = load_model(..., attn_implementation=cp.attention)   # the schedule's attention
-    shard = cp.shard(batch)              # this rank's tokens, in the schedule's layout, on device
-    loss = module(shard.input_ids, shard.labels, shard.position_ids,
-                  cp_context=cp.context(shard))
-
-The model's "lctrain" attention function (`lctrain.model.attention`) runs
-`lctrain_kernels.dist_attention` over the cp group named in each call's `CPContext`; with
-cp = 1 it is plain local causal attention (documents kept apart).
-"""
+spans the cut. ``cp.attention`` names the "lctrain" attention (`lctrain.model.attention`), which
+runs `lctrain_kernels.dist_attention` over the cp group of each call's `CPContext`
+(``cp.context(shard)``); ``cp.shard(batch)`` gives this rank's tokens in the schedule's layout.
+With cp = 1 it is plain local causal attention (documents kept apart)."""
 from __future__ import annotations
 
 import numpy as np

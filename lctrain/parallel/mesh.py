@@ -1,10 +1,9 @@
 """The dp × cp device mesh: who shares a sequence, who shares a batch.
 
-Ranks are laid out row-major over (dp, cp): global rank = dp_rank · cp + cp_rank, so the cp ranks
-that exchange keys and values at every attention layer are neighbours (on one node they share
-NVLink). ``cp_group`` holds the shards of ONE sequence (the attention's group); ``dp_rank`` is the
-data loader's replica index; ``world`` holds all dp × cp ranks, over which FSDP2 shards parameters
-(or replicated gradients are summed) and the label tokens are counted."""
+Ranks are row-major over (dp, cp) (global rank = dp_rank · cp + cp_rank), so the cp ranks that
+exchange keys and values at every attention layer are neighbours. ``cp_group`` holds the shards of
+ONE sequence; ``dp_rank`` is the data loader's replica index; ``world`` holds all ranks, over which
+FSDP2 shards parameters and the label tokens are counted."""
 from __future__ import annotations
 
 from dataclasses import dataclass

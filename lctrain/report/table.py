@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 import shutil
 import sys
@@ -16,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from lctrain.errors import UserError
 from lctrain.report import human
 
-FORMATS = ("table", "markdown", "csv", "json")
 _INLINE_STATUS = 16  # longer status texts become numbered notes under the table
 
 
@@ -250,6 +251,17 @@ def save_document(path: str | Path, text: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text + "\n", encoding="utf-8")
     return target
+
+
+def read_document(path: str | Path, hint: str = "") -> tuple[Path, Any]:
+    """(the path, its parsed JSON); UserError when unreadable or not JSON (``hint`` ends it)."""
+    target = Path(path).expanduser()
+    try:
+        return target, json.loads(target.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read {target}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{target} is not JSON ({exc.msg} at line {exc.lineno}){hint}") from None
 
 
 def show(table: Table, fmt: str, wide: bool) -> None:

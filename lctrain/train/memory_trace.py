@@ -3,8 +3,7 @@
 With ``LCTRAIN_MEMORY_TRACE=DIR`` set, every rank of a CUDA run records the allocator over the
 run's last step and writes ``rank{R}-step{N}.pickle`` (for https://pytorch.org/memory_viz) and
 ``-peak.txt``: the step's own peak, the stack that reached it and what was alive then. While
-recording, recomputation does not stop early (pytorch/pytorch#179536).
-"""
+recording, recomputation does not stop early (pytorch/pytorch#179536)."""
 from __future__ import annotations
 
 import contextlib

@@ -2,9 +2,8 @@
 
 Each logged step appends one JSON object to ``output_dir/metrics.jsonl``: step, loss, tokens
 (of the step, over all ranks), tokens_per_s, step_time_s, lr, grad_norm, peak_memory_bytes
-(the CUDA allocator's peak, or the process's peak RSS on a CPU), mfu (`lctrain.model.flops`;
-null off a known GPU) and, where the validation loss is computed, eval_loss and eval_time_s.
-"""
+(the CUDA allocator's, or the process's peak RSS on a CPU), mfu (null off a known GPU) and,
+where the validation loss is computed, eval_loss and eval_time_s."""
 from __future__ import annotations
 
 import json

@@ -1,10 +1,8 @@
 """Steps whose loss or gradient norm is not finite: skipped on the device, reported at a sync.
 
-The global gradient norm decides, so every rank skips the same steps without a host sync
-(a rank's non-finite loss poisons its gradients); fused AdamW's ``found_inf`` leaves the
-weights and states untouched. The learning-rate schedule is wound back at the next sync, and
-a streak of ``train.max_nonfinite_steps`` stops the run (`Diverged`).
-"""
+The global gradient norm decides, so every rank skips the same steps without a host sync;
+fused AdamW's ``found_inf`` leaves the weights and states untouched. The learning-rate schedule
+is wound back at the next sync, and a streak of ``train.max_nonfinite_steps`` stops the run."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -10,18 +10,15 @@ A backend computes one block (:mod:`lctrain_kernels.masks`) and its backward (:c
     flash_attn_cute  FlashAttention 4 (flash-attn-4), when installed; every relation, Hopper+
 
 "auto" takes the first backend of :func:`auto_order` that loads and accepts the block, fastest
-first as measured on H100/H200 (``lctrain bench kernel``). A backend named explicitly is never
-swapped: if it cannot run the block, :class:`BackendUnavailable` says why. EMPTY blocks are
-skipped before any backend is chosen.
+first. A backend named explicitly is never swapped (:class:`BackendUnavailable` says why it cannot
+run a block). EMPTY blocks are skipped before any backend is chosen.
 
-q ``(B, Sq, Hq, D)``, k and v ``(B, Sk, Hkv, D)``; lse ``(B, Hq, Sq)`` float32 (float64 for float64
-inputs), natural log; a row that sees no key gets out = 0 and lse = -inf. The backward takes the
-FINAL (merged) out and lse of the block's rows and, when a loss uses the lse, its gradient ``dlse``,
-which only moves the flash backward's ``delta`` (``reference``). Kernels that compute ``delta``
-themselves get it from one more ordinary backward (:class:`UnitValueLseGrad`): with
-``dO_i = dlse_i e_0``, ``V_j = e_0`` and ``O = 0``, ``dP_ij = dlse_i`` and ``delta = 0``, so its
-``dS`` is ``P * dlse``.
-"""
+q ``(B, Sq, Hq, D)``, k and v ``(B, Sk, Hkv, D)``; lse ``(B, Hq, Sq)`` float32 (float64 for
+float64 inputs), natural log; a row that sees no key gets out = 0 and lse = -inf. The backward
+takes the FINAL (merged) out and lse of the block's rows and, when a loss uses the lse, ``dlse``,
+which only moves ``delta``. Kernels without a ``dlse`` input get it from one more ordinary backward
+(:class:`UnitValueLseGrad`): with ``dO_i = dlse_i e_0``, ``V_j = e_0`` and ``O = 0``,
+``dP_ij = dlse_i`` and ``delta = 0``, so its ``dS`` is ``P * dlse``."""
 from __future__ import annotations
 
 import importlib

@@ -1,14 +1,8 @@
 """Distributed attention in the style of DistFlashAttn (arXiv 2310.03294): ``layout`` splits the
 sequence over a group's ranks, ``schedule`` says which rank computes which block when, ``comm``
 moves tensors, ``executor`` runs a plan with any local backend, ``op`` makes that the custom op
-behind :func:`lctrain_kernels.dist_attention`, ``balance`` orders packed documents.
-
-    q_loc = shard(q, group=pg, layout=make_schedule(P).layout, dim=1)       # (B, S/P, Hq, D)
-    out_loc = dist_attention(q_loc, k_loc, v_loc, group=pg, causal=True)    # (B, S/P, Hq, D)
-    out = unshard(out_loc, group=pg, layout="contiguous", dim=1)            # (B, S, Hq, D)
-
-On GPUs create the group with ``pg_options=nccl_options()`` so transfers overlap the kernels.
-"""
+behind :func:`lctrain_kernels.dist_attention`, ``balance`` orders packed documents. On GPUs create
+the group with ``pg_options=nccl_options()`` so transfers overlap the kernels."""
 import lctrain_kernels.distributed.op  # noqa: F401 - registers torch.ops.lctrain.dist_attention*
 from lctrain_kernels.distributed.balance import balanced_order, document_work, work_balance
 from lctrain_kernels.distributed.comm import nccl_options

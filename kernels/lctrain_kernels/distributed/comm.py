@@ -1,13 +1,10 @@
 """Point-to-point exchange of one schedule step, posted as one batch and waited on later.
 
-A message is a list of tensors, each sent as a flat byte view from where it lies (contiguous first
-if needed, as gloo wants); the receiver allocates fresh tensors from the same plan and receives
-straight into them. Both sides derive the messages from the same plan in the same order, so every
-send meets its receive in the same batch. The executor waits one step later, so the transfer runs
-while the current block computes; with NCCL ``work.wait()`` only orders the current stream after the
-transfer. On NCCL the group's communicator must exist before the first batch, and
-:func:`nccl_options` gives its streams high priority, so transfer blocks are dispatched ahead of
-queued compute blocks."""
+A message is a list of tensors, each sent as a flat byte view (contiguous first if needed, as gloo
+wants) and received into fresh tensors the receiver allocates from the same plan, so every send
+meets its receive in the same batch. The executor waits one step later, so the transfer runs while
+the current block computes. On NCCL the communicator must exist before the first batch, and
+:func:`nccl_options` gives its streams high priority, so transfers go ahead of queued compute."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

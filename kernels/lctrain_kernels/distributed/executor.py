@@ -10,14 +10,11 @@ The loop over a plan's steps (``overlap=True``)::
         compute step k                     # the transfers above run meanwhile
     wait, absorb; post(results of the last step); wait, absorb
 
-With ``overlap=False`` (the ablation) each step posts its own inputs and waits at once. Waiting
-before posting lets a rank forward k/v it has just received (the rings). Every block is cut at
-the layout's chunk boundaries into local calls of ``block_forward`` / ``block_backward`` with
-global positions; EMPTY pieces are skipped, adjacent fully visible ones fused into one FULL call.
-Results are kept as they arrive and combined once per row (``combine.OutAcc``, ``GradAcc``).
-With ``head_groups`` G the heads run in G groups one after the other, each a walk of its own on
-contiguous copies of its heads, so every buffer holds Hq/G heads.
-"""
+With ``overlap=False`` (the ablation) each step posts its own inputs and waits at once. Every block
+is cut at the layout's chunk boundaries into local calls with global positions; EMPTY pieces are
+skipped, adjacent fully visible ones fused into one FULL call. Results are combined once per row
+(``combine.OutAcc``, ``GradAcc``). With ``head_groups`` G the heads run in G groups one after the
+other, so every buffer holds Hq/G heads."""
 from __future__ import annotations
 
 import functools

@@ -1,10 +1,10 @@
 """Who computes which attention block when, and what travels where: DistFlashAttn's schedule.
 
 P ranks; in the "contiguous" layout rank r holds chunk r of q, k, v. Causal attention of chunk r
-needs the k, v of chunks 0..r: the lower triangle of P × P blocks, a diagonal block (q_r, kv_r)
-half a block of work, a block (q_r, kv_c), c < r, a full one; P/2 per rank when balanced. The
-plain "ring" passes k, v to the neighbour each step: at step t rank r computes (q_r, kv_{r−t})
-if r ≥ t and idles otherwise, so rank P−1 does P−½ blocks and rank 0 ½.
+needs the k, v of chunks 0..r: the lower triangle of P × P blocks, a diagonal block half a block
+of work; P/2 per rank when balanced. The plain "ring" passes k, v to the neighbour each step: at
+step t rank r computes (q_r, kv_{r−t}) if r ≥ t and idles otherwise, so rank P−1 does P−½ blocks
+and rank 0 ½.
 
 "distflash" lets the idle ranks help. Block (q_r, kv_c) has distance d = r − c. At step
 t = 1..⌊(P−1)/2⌋ every rank r sends to peer (r+t) mod P:
@@ -13,25 +13,20 @@ t = 1..⌊(P−1)/2⌋ every rank r sends to peer (r+t) mod P:
 * its q if r + t ≥ P: the receiver r+t−P owns the keys q_r needs at distance P−t, computes that
   block for r and sends the partial (out, lse) back, which r merges through the lse.
 
-Each step is one shift-by-t permutation (every send meets its receive in the same step), every
-rank computes one full block per step, and distances t and P−t are covered together: for odd P
-that is everything. For even P the blocks at distance P/2 are split by query rows: the owner
-computes the first half of its rows, the keys' owner the second half (it receives those q rows
-and returns out, lse). Every rank does exactly P/2 blocks: balance 1.0 for every P.
+Each step is one shift-by-t permutation, every rank computes one full block per step, and
+distances t and P−t are covered together: for odd P that is everything. For even P the blocks at
+distance P/2 are split by query rows between the owner and the keys' owner. Every rank does
+exactly P/2 blocks: balance 1.0 for every P.
 
 Overlap: the executor posts step t+1's inputs and step t−1's results before computing step t.
 The first step's inputs and the last step's results have nothing to hide behind, so for P > 1
 each diagonal block is split: all q rows against the first half of its keys (⅜ of a block) run
-first, while the first messages travel, rows [½, 1) against keys [½, 1) (⅛) last.
+first, rows [½, 1) against keys [½, 1) (⅛) last.
 
-Backward runs the same steps. A block's backward needs q, dO and the FINAL out and lse of its
-rows: a "q" message carries (q, dO, out, lse[, dlse]). A block computed by its query owner keeps
-dq and sends dk, dv to the keys' owner ("dkv"); a helped block sends dq home ("dq").
-
-"zigzag" is the ring over the head-tail layout: ½ block per rank per step. With documents the
-executor drops the blocks the mask leaves EMPTY (:meth:`Plan.pruned`, the same on every rank).
-Non-causal distflash sends k, v straight from rank r−t to r at step t.
-"""
+Backward runs the same steps: a "q" message carries (q, dO, out, lse[, dlse]); a block computed by
+its query owner sends dk, dv to the keys' owner ("dkv"), a helped block sends dq home ("dq").
+"zigzag" is the ring over the head-tail layout. With documents the executor drops the blocks the
+mask leaves EMPTY (:meth:`Plan.pruned`). Non-causal distflash sends k, v straight from r−t to r."""
 from __future__ import annotations
 
 import functools
