@@ -97,7 +97,7 @@ def test_eval_source_and_bad_settings(tmp_path):
                      ByteTokenizer())
     bad = {"data.eval_fraction=1.5": "data.eval_fraction is 1.5 but must be in",
            "train.eval_every=5": "there is no validation data",
-           "train.report_to=[jsonl,wandb]": "report_to\\[1\\] is 'wandb'",
+           "train.report_to=[jsonl,wandbb]": "report_to\\[1\\] is 'wandbb' .*did you mean 'wandb'",
            "train.report_to=[]": "train.report_to is empty",
            f"data.eval_source={tmp_path / 'missing.jsonl'}": "data.eval_source .* matches no file"}
     for override, message in bad.items():

@@ -7,8 +7,9 @@ from typing import Literal
 from lctrain.config.fields import MEMORY, SIZE, check_fields, require, suggest
 from lctrain.config.layers import LayerPlan
 
-REPORT_TO = ("jsonl", "tensorboard")
-"""Where a run's metrics go (``train.report_to``): metrics.jsonl, TensorBoard event files."""
+REPORT_TO = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""Where a run's metrics may go (``train.report_to``): metrics.jsonl, TensorBoard event files,
+Weights & Biases, MLflow."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,8 +57,8 @@ class TrainConfig:
     """Skipped non-finite steps in a row after which the run stops."""
     eval_every: int = 0
     """Compute the validation loss every N optimizer steps and after the last; 0 = the last."""
-    report_to: tuple[str, ...] = REPORT_TO
-    """Where metrics go: jsonl (output_dir/metrics.jsonl) and/or tensorboard."""
+    report_to: tuple[str, ...] = ("jsonl", "tensorboard")
+    """Where metrics go: jsonl (output_dir/metrics.jsonl), tensorboard, wandb, mlflow."""
     output_dir: str = "runs/lctrain"
     """Folder for config.yaml, metrics.jsonl and checkpoints/."""
 
@@ -95,10 +96,11 @@ class TrainConfig:
                 f"is {self.max_nonfinite_steps} but must be at least 1")
         require(self.eval_every >= 0, "train.eval_every",
                 f"is {self.eval_every} but must be ≥ 0 (0 = after the last step only)")
-        require(len(self.report_to) > 0, "train.report_to", "is empty; list jsonl and/or tensorboard")
+        require(len(self.report_to) > 0, "train.report_to",
+                f"is empty; list some of {', '.join(REPORT_TO)}")
         for i, name in enumerate(self.report_to):
-            require(name in REPORT_TO, f"train.report_to[{i}]", f"is {name!r} but must be jsonl or "
-                    f"tensorboard{suggest(name, REPORT_TO)}")
+            require(name in REPORT_TO, f"train.report_to[{i}]", f"is {name!r} but must be one of "
+                    f"{', '.join(REPORT_TO)}{suggest(name, REPORT_TO)}")
             require(self.report_to.count(name) == 1, "train.report_to", f"names {name} twice")
 
     @property
