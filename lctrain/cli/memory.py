@@ -85,9 +85,12 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
 
         result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
                              gpus_per_node=gpus_per_node, seq_len=tokens)
+        from lctrain.memory.recipe import run_settings
+
+        settings = [*overrides, *run_settings(cfg, recipe, model)]
     from lctrain.memory.tables import plan_commands, plan_table
 
-    result["commands"] = plan_commands(result, recipe or "RECIPE", overrides)
+    result["commands"] = plan_commands(result, recipe, settings)
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
         return

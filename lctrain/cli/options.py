@@ -118,11 +118,11 @@ HostMemoryOpt = optional(str, "--host-memory", "SIZE", "Host memory per machine 
                          "checkpointing and the plan may use it.")
 GpusPerNodeOpt = optional(int, "--gpus-per-node", "N", "GPU processes per machine, sharing its "
                           "host memory (default: min(--gpus, 8)).", min=1)
-CpOpt = optional(int, "--cp", "N",
-                 "Context-parallel degree (default: the recipe's parallel.cp).", min=1)
+CpOpt = optional(int, "--cp", "N", "Context-parallel degree (default: the recipe's parallel.cp; "
+                 "with --model alone, the smallest that fits).", min=1)
 CheckpointingOpt = optional(str, "--checkpointing", "none|remat|full|auto|RUNS", "How each layer "
                             "is kept, e.g. remat or full=4,remat=28 (default: the recipe's "
-                            "train.checkpointing).")
+                            "train.checkpointing; auto with --model alone).")
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the same as --format json).")]
 PlanFlag = Annotated[bool, typer.Option(
     "--plan", help="Plan instead: the longest sequence this machine trains and its settings, "

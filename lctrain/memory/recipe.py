@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
+from lctrain.config.fields import format_tokens
 from lctrain.config.layers import LayerPlan
 from lctrain.config.paths import is_placeholder
 from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
@@ -31,18 +33,36 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
                     gpus: int, gpu_memory: int, cp: int | None = None,
                     checkpointing: str | None = None, host_memory: int | None = None,
                     gpus_per_node: int | None = None) -> MemoryEstimate:
-    """Per-GPU memory of a recipe (None: defaults around ``model``); UserError: no model."""
+    """Per-GPU memory of a recipe (None: defaults around ``model``, with checkpointing auto and
+    the smallest cp that fits unless given, said in ``assumptions``); UserError: no model."""
     arch = recipe_architecture(cfg, model)
     parallel, train, master, compute = _sections(cfg)
-    cp = parallel.cp if cp is None else cp
+    assumptions = []
+    if cfg is None and checkpointing is None:  # what one runs at a long length
+        checkpointing = "auto"
+        assumptions.append("checkpointing auto: placed for this memory (--checkpointing to "
+                           "choose)")
     layers = train.layers if checkpointing is None else LayerPlan.parse(checkpointing, train.offload)
-    return estimate(arch, seq_len, gpus, cp, layers, compute, master_dtype=master,
-                    batch_size=train.batch_size, grad_accum=train.grad_accum,
-                    fsdp=_FSDP[parallel.fsdp], loss_chunk_tokens=train.loss_chunk_tokens,
-                    gpu_memory=gpu_memory, seq_chunks=seq_chunks(cp, parallel.layout),
-                    host_memory=host_memory, gpus_per_node=gpus_per_node,
-                    lora=lora_shape(cfg.lora) if cfg is not None else None,
-                    tile_tokens=train.tile_tokens, head_groups=parallel.head_groups)
+
+    def run(cp: int) -> MemoryEstimate:
+        return estimate(arch, seq_len, gpus, cp, layers, compute, master_dtype=master,
+                        batch_size=train.batch_size, grad_accum=train.grad_accum,
+                        fsdp=_FSDP[parallel.fsdp], loss_chunk_tokens=train.loss_chunk_tokens,
+                        gpu_memory=gpu_memory, seq_chunks=seq_chunks(cp, parallel.layout),
+                        host_memory=host_memory, gpus_per_node=gpus_per_node,
+                        lora=lora_shape(cfg.lora) if cfg is not None else None,
+                        tile_tokens=train.tile_tokens, head_groups=parallel.head_groups)
+
+    if cfg is not None or cp is not None:
+        return dataclasses.replace(run(parallel.cp if cp is None else cp), assumptions=assumptions)
+    sizes = [d for d in range(1, gpus + 1)
+             if gpus % d == 0 and seq_len % seq_chunks(d, parallel.layout) == 0] or [1]
+    result, length = next((r for r in map(run, sizes) if r.fits), None), format_tokens(seq_len)
+    why = (f"the smallest that fits {length} tokens on {gpus} GPUs" if result is not None else
+           f"all {gpus} GPUs, as none fits {length} tokens")
+    result = result or run(sizes[-1])
+    assumptions.insert(0, f"cp {result.cp}: {why} (--cp to choose)")
+    return dataclasses.replace(result, assumptions=assumptions)
 
 
 def placed_layers(cfg: RecipeConfig, *, gpus: int, gpu_memory: int, host_memory: int | None,
@@ -107,3 +127,38 @@ def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int
     machine = Machine(gpus=gpus, gpu_memory=gpu_memory, host_memory=host_memory,
                       gpus_per_node=gpus_per_node or min(gpus, 8))
     return plan(base, machine, lambda cp: seq_chunks(cp, parallel.layout), seq_len)
+
+
+_PLAN_DEFAULTS = ("model.dtype", "train.mixed_precision", "train.batch_size", "train.grad_accum",
+                  "train.loss_chunk_tokens", "parallel.fsdp", "parallel.schedule", "train.lr")
+"""What a plan without a recipe takes at its default (`_sections`; and a fine-tuning rate)."""
+
+
+def run_settings(cfg: RecipeConfig | None, recipe: str | None, model: str | None) -> list[str]:
+    """The ``--set`` items that make ``lctrain finetune [recipe]`` (loaded: ``cfg``) train what
+    a plan for it and ``model`` sized: a model folder or hub name as model.path, with its own
+    config and tokenizer where the recipe has a random init's; without a recipe, the embedded
+    one with the model (a preset as a random init) and the defaults the plan assumed."""
+    items = []
+    if model is not None and model not in PRESETS:
+        local = os.path.expanduser(model)
+        items.append(f"model.path={os.path.dirname(model) or '.' if os.path.isfile(local) else model}")
+        if cfg is None or cfg.model.path is None:
+            items.append("model.config=null")
+        if cfg is None or cfg.data.tokenizer in ("bytes", "byte-pairs"):
+            items.append("data.tokenizer=null")
+    if recipe is not None:
+        return items
+    from lctrain.config import load_recipe
+
+    if model in PRESETS:
+        items.append(f"model.config={json.dumps(PRESETS[model])}")
+    embedded = load_recipe(None)
+    for key in _PLAN_DEFAULTS:
+        section, name = key.split(".")
+        value = getattr(getattr(embedded, section), name)
+        default = next(f.default for f in dataclasses.fields(getattr(embedded, section))
+                       if f.name == name)
+        if value != default:
+            items.append(f"{key}={default}")
+    return items

@@ -31,6 +31,8 @@ class MemoryEstimate:
     host_memory: int | None = None
     fits: bool | None = None
     max_seq_len: int | None = None
+    assumptions: list[str] = field(default_factory=list)
+    """What was assumed where neither a recipe nor an option said (a bare ``--model``)."""
 
     def to_json(self) -> dict:
         """A JSON-ready dict; ``per_gpu_bytes`` keys are the components plus ``total``."""
@@ -83,7 +85,8 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     rows += [{"what": what, "amount": value} for what, value in facts]
     columns = [Column("what", "per GPU"), Column("amount", "amount", "figure"),
                Column("bytes", "bytes", "number", compact=False)]
-    return Table(title="Estimated memory per GPU", columns=columns, rows=rows, keys=1)
+    return Table(title="Estimated memory per GPU", columns=columns, rows=rows, keys=1,
+                 notes=[f"assumed {text}" for text in estimate.get("assumptions") or []])
 
 
 _PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "parallel"),
@@ -141,8 +144,9 @@ def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:
     return str(value)
 
 
-def plan_commands(plan: dict, recipe: str, overrides: list[str]) -> dict[str, str]:
-    """``lctrain finetune`` command lines that run each choice of a plan."""
+def plan_commands(plan: dict, recipe: str | None, overrides: list[str]) -> dict[str, str]:
+    """``lctrain finetune`` command lines that run each choice of a plan (``recipe`` None: the
+    embedded one), with the ``--set`` ``overrides`` before the plan's own."""
     import shlex
 
     host = plan["machine"].get("host_memory")
@@ -155,7 +159,8 @@ def plan_commands(plan: dict, recipe: str, overrides: list[str]) -> dict[str, st
         if host:  # whole GiB as the recipe takes it (251GiB), else bytes
             items.append(f"train.host_memory={host >> 30}GiB" if host % (1 << 30) == 0
                          else f"train.host_memory={host}")
-        args = ["lctrain", "finetune", recipe, "--seq-len", format_tokens(choice["seq_len"])]
+        args = ["lctrain", "finetune", *([recipe] if recipe else []), "--seq-len",
+                format_tokens(choice["seq_len"])]
         args += [part for item in items for part in ("--set", item)]
         commands[f"{name} ({tokens(choice['seq_len'])} tokens)"] = shlex.join(args)
     return commands
