@@ -1,8 +1,6 @@
-"""Reading training checkpoints: finding one, and loading it into any process layout.
-
-A checkpoint is ``output_dir/checkpoints/step-NNNNNNNN/``: DCP's model and optimizer tensors,
-``trainer.json`` (step, data position, layout, learning-rate plan, whether the step trained) and
-``rng-rank{r}.safetensors``; nothing is unpickled (`lctrain.checkpoint.safe_load`)."""
+"""Reading training checkpoints (``checkpoints/step-NNNNNNNN/``: DCP's tensors, ``trainer.json``,
+``rng-rank{r}.safetensors``): finding one, and loading it into any process layout, unpickling
+nothing (`lctrain.checkpoint.safe_load`)."""
 from __future__ import annotations
 
 import json
@@ -46,9 +44,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     """Restore model, optimizer and this rank's RNG states from ``path`` into the current
-    sharding (a rank the writing run did not have keeps its seeded RNG state); returns
-    trainer.json's content. UserError: the checkpoint is damaged, altered, from an older
-    lctrain, or holds other weights than the model."""
+    sharding; trainer.json's content (UserError: a damaged, altered or other model's one)."""
     path = Path(path)
     trainer = read_trainer_state(path)
     SafeReader(str(path)).read_metadata()  # refused here in its own words, not inside DCP's
@@ -109,10 +105,8 @@ def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[i
 
 
 def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read saved model weights (``names`` as in the model's ``state_dict()``) on the CPU, in
-    this process alone, as whole tensors of their saved dtype: {name: tensor} for those the
-    checkpoint holds, under the key prefix that holds the most of ``names`` (UserError: none).
-    """
+    """{name: whole tensor} of the saved model weights among ``names`` (``state_dict()`` names),
+    read on the CPU in this process alone (UserError: none of them)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = SafeReader(str(path))

@@ -106,12 +106,17 @@ def fsync_tree(folder: str | os.PathLike) -> None:
     """Flush every file under ``folder`` and the folders themselves to stable storage."""
     for root, dirs, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(root, name))
         fsync_dir(root)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a written file to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from lctrain.config.paths import ordinary_permissions
 from lctrain.errors import UserError
 from lctrain.checkpoint.reader import FORMAT, list_checkpoints, root_cause
-from lctrain.checkpoint.safe_load import check_tensors_only, fsync_dir, fsync_tree
+from lctrain.checkpoint.safe_load import check_tensors_only, fsync_dir, fsync_file, fsync_tree
 
 
 class Checkpointer:
@@ -198,11 +198,7 @@ def _write_rng(path: Path) -> None:
     save_file(tensors, str(path), metadata={"python_version": str(version),
                                             "python_gauss": json.dumps(gauss)})
     ordinary_permissions(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
 
 
 def state_bytes(state: dict) -> int:

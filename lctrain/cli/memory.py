@@ -40,9 +40,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
         return _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides or [],
                      host_memory, gpus_per_node, json_output or fmt == Format.json, fmt, wide)
     with user_errors():
-        memory = parse_memory(gpu_memory, what="--gpu-memory")
-        host = None if host_memory is None else parse_memory(host_memory, what="--host-memory")
-        tokens = None if seq_len is None else parse_size(seq_len, what="--seq-len")
+        memory, host, tokens = _sizes(gpu_memory, host_memory, seq_len)
         cfg = _recipe(recipe, model, overrides or [], tokens, cp, checkpointing)
         if tokens is None:
             if cfg is None:
@@ -73,9 +71,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
         if cp is not None or checkpointing is not None:
             raise ConfigError("--plan chooses cp and checkpointing itself; drop --cp and "
                               "--checkpointing (or estimate one setup without --plan)")
-        memory = parse_memory(gpu_memory, what="--gpu-memory")
-        host = None if host_memory is None else parse_memory(host_memory, what="--host-memory")
-        tokens = None if seq_len is None else parse_size(seq_len, what="--seq-len")
+        memory, host, tokens = _sizes(gpu_memory, host_memory, seq_len)
         cfg = _recipe(recipe, model, overrides, None, None, None)
         if tokens is None and cfg is not None and recipe is not None:
             tokens = cfg.data.seq_len
@@ -99,6 +95,13 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
     show(plan_table(result), fmt.value, wide)
     for name, command in result["commands"].items():
         emit(f"\n{name}:\n  {command}")
+
+
+def _sizes(gpu_memory, host_memory, seq_len) -> tuple[int, int | None, int | None]:
+    """--gpu-memory, --host-memory and --seq-len parsed (ConfigError: a bad one)."""
+    return (parse_memory(gpu_memory, what="--gpu-memory"),
+            None if host_memory is None else parse_memory(host_memory, what="--host-memory"),
+            None if seq_len is None else parse_size(seq_len, what="--seq-len"))
 
 
 def _recipe(recipe, model, overrides, tokens, cp, checkpointing):

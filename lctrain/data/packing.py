@@ -1,9 +1,6 @@
-"""Packing samples into rows of exactly ``seq_len`` tokens, with labels shifted before any split,
-and batching the rows.
-
-``data.long_samples``: ``split`` cuts the stream of samples every seq_len tokens; the others keep
-each sample whole in one row (best-fit decreasing), a longer one truncated or left out. With
-``document_mask`` labels and position ids stay within each sample. Each epoch is a permutation drawn
+"""Packing samples into rows of exactly ``seq_len`` tokens (labels shifted before any split) and
+batching them: ``split`` cuts the stream every seq_len tokens, the other ``data.long_samples``
+modes keep each sample whole in one row (best-fit decreasing). Each epoch is a permutation drawn
 from ``(seed, epoch)``, so dp ranks see disjoint rows and a resume is exact."""
 from __future__ import annotations
 
@@ -250,10 +247,8 @@ def iter_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
 
 def eval_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
                  limit: int | None = None) -> Iterator[PackedBatch]:
-    """This dp rank's evaluation batches: every row (of the first ``limit``) once, in order.
-
-    Every rank yields the same number of batches, since FSDP2 forwards run in step; a slot
-    past the last row holds row 0 with every label masked."""
+    """This dp rank's evaluation batches: every row (of the first ``limit``) once, in order; the
+    same count on every rank (FSDP2 forwards run in step), row 0 unlabelled past the last row."""
     n_rows = len(ds) if limit is None else min(limit, len(ds))
     if n_rows == 0:
         raise DataError("the evaluation data has no rows; check its source")

@@ -1,13 +1,10 @@
 """Why a self-launched run failed, in one report: the rank, what happened to it, the step.
 
-The launcher weighs three witnesses (`explain`): the error records ranks write when they raise
-or hang (``output_dir/.launch/errors/rank{R}.json``), the agent's ``failures.json`` (exit codes:
-a negative one is the signal that killed a rank that could record nothing) and the heartbeats
-(the last step). Ranks that see a peer die report secondary errors, so a user error (or a
-full disk, a missing permission) comes first, then a rank killed by a signal nobody asked for,
-a hang, an exception, a stop signal. A record or failures.json that cannot be written (a full
-disk) goes to stderr as one `relayed` line instead, which the launcher reads from its pipe.
-"""
+`explain` weighs the ranks' error records (``.launch/errors/rank{R}.json``), the agent's
+``failures.json`` (a negative exit code is the signal that killed a rank) and the last step.
+Ranks that see a peer die report secondary errors, so a user error comes first, then a rank
+killed by a signal nobody asked for, a hang, an exception, a stop signal. A witness that cannot
+be written (a full disk) goes to stderr as one `relayed` line instead."""
 from __future__ import annotations
 
 import json

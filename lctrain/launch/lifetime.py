@@ -1,12 +1,6 @@
-"""How long the processes of a run live: they die with their launcher, one run owns its folder.
-
-The agent and the ranks run in sessions of their own (a terminal's Ctrl-C reaches the launcher
-alone) and ask the kernel for SIGKILL when their parent dies (``PR_SET_PDEATHSIG``), so nothing
-outlives a killed launcher. `RunLock` is an ``flock`` on ``output_dir/.launch/lock``, which the
-kernel releases however its holder dies; the same holds a launcher's `private_folder`, which a
-later launcher removes once its owner is gone. Standard library only: used before torch is
-imported.
-"""
+"""How long the processes of a run live: they die with their launcher (``PR_SET_PDEATHSIG``),
+and one run owns its folder (`RunLock`, an ``flock`` the kernel releases however its holder
+dies). Standard library only: used before torch is imported."""
 from __future__ import annotations
 
 import contextlib

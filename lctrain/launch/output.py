@@ -1,13 +1,6 @@
-"""Output that outlives its reader: a closed terminal, a killed ``| tee``, a closed pipe.
-
-Inside `kept_output(log)`, ``sys.stdout`` and ``sys.stderr`` are `KeptStream`s: each write goes
-straight to the stream's file descriptor, and when one fails (EPIPE, EIO after a hang-up) the
-descriptor is pointed at ``log`` (appending) and the write goes on there, terminal displays
-(escape sequences: a progress bar) left out; so neither the launcher nor a rank dies from its
-own output, and what it said is in the run folder. At the end of the block a stream whose
-reader is gone is pointed at ``log`` too, for what this process prints later. Standard library
-only.
-"""
+"""Output that outlives its reader (a closed terminal, a killed ``| tee``): inside
+`kept_output(log)`, a failed write to stdout or stderr points the descriptor at ``log`` and goes
+on there, so no process dies from its own output. Standard library only."""
 from __future__ import annotations
 
 import contextlib

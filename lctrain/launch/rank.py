@@ -1,10 +1,6 @@
-"""One rank's process: joining the run (`worker_process`, `worker_main`) and ending on a hang.
-
-`worker_process` makes this process a rank through accelerate (gloo on CPUs, NCCL on GPUs with
-torch's flight recorder dumping to ``output_dir/.launch/nccl_trace_rank_R`` on a timeout); a
-lone process gets a one-rank group, so every code path is the same. `worker_main` is the body
-of ``python -m lctrain.train`` and ``python -m lctrain.eval``.
-"""
+"""One rank's process: joining the run through accelerate (`worker_process`; a lone process gets
+a one-rank group, so every code path is the same), ``python -m lctrain.train``'s body
+(`worker_main`) and ending on a hang."""
 from __future__ import annotations
 
 import argparse
@@ -150,9 +146,8 @@ def _init_group_from_file(store: str, cfg: RecipeConfig) -> None:
 
 @contextlib.contextmanager
 def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
-    """This process as one rank of the run for the duration of the block; yields the
-    `Accelerator` (device, mixed precision, autocast). The process group is the caller's, else
-    accelerate's from the launcher's environment, else a one-rank group made here."""
+    """This process as one rank of the run for the block; yields the `Accelerator`. The group is
+    the caller's, else accelerate's from the environment, else a one-rank group made here."""
     cuda = torch.cuda.is_available()
     own_group = not dist.is_initialized()
     if cuda:

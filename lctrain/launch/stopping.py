@@ -1,11 +1,7 @@
-"""Stopping on a signal: SIGTERM, SIGINT or SIGHUP ends a run at a step boundary, cleanly.
-
-A stop signal only sets a flag (`StopRequest`); at each step boundary the ranks agree on it
-with one all-reduce on the host, so all stop after the same step, save it when the run saves
-checkpoints and exit with 128 + the signal. A second signal ends the process at once. The
-launcher passes its first signal on as `LAUNCHER_REQUEST` (the number in
-``output_dir/.launch/stop``), so a scheduler that signals every rank too is not a second signal.
-"""
+"""Stopping on a signal: SIGTERM, SIGINT or SIGHUP sets a flag (`StopRequest`) that the ranks
+agree on at each step boundary, so all stop (and save) after the same step and exit with 128 +
+the signal; a second signal ends the process at once. The launcher passes its first signal on
+as `LAUNCHER_REQUEST`, so a scheduler that signals every rank too is not a second signal."""
 from __future__ import annotations
 
 import shlex

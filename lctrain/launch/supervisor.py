@@ -1,14 +1,8 @@
-"""The launcher's watch over its ranks: the agent process between them, and the supervisor.
-
-``python -m lctrain.launch.supervisor FAILURES.json [torch.distributed.run args]`` is the agent
-(`agent_main`): torch.distributed.run, tied to the launcher and leaving stop signals to it, which
-writes the failed ranks' exit codes (a negative one is the signal that killed a rank) to
-FAILURES.json. The `Supervisor` passes a stop signal on to every rank and kills them all on a
-second one, and ends the other ranks `KILL_GRACE_S` seconds after one recorded a failure and
-exited; `report` says why the run ended. The workers' stderr comes through a pipe: the
-supervisor copies it into the workers' log and keeps its last lines and the `relayed`
-witnesses in memory, so a full disk does not silence them.
-"""
+"""The launcher's watch over its ranks. ``python -m lctrain.launch.supervisor FAILURES.json
+[torch.distributed.run args]`` is the agent (`agent_main`), which writes the failed ranks' exit
+codes to FAILURES.json; the `Supervisor` passes stop signals on, ends the other ranks after one
+failed, and keeps the workers' stderr (copied into their log) in memory too, so a full disk does
+not silence it; `report` says why the run ended."""
 from __future__ import annotations
 
 import collections
@@ -61,11 +55,8 @@ def agent_main(argv: list[str]) -> int:
 
 
 class Supervisor:
-    """Watch the running ``agent`` process (`agent_main`) and its ranks, whose error records
-    and stop request file are in ``launch_dir``; ``on_signal_text`` is said on a stop signal.
-    A rank that recorded a failure may stay alive ``record_wait`` seconds (on NCCL a hang
-    report waits for torch's timeout) before the others are killed anyway. When the agent's
-    stderr is a pipe, it is copied into ``log`` (module docstring)."""
+    """Watch the ``agent`` (`agent_main`) and its ranks (error records and stop file in
+    ``launch_dir``); a rank that recorded a failure may live ``record_wait`` more seconds."""
 
     def __init__(self, agent: subprocess.Popen, launch_dir: Path, *, on_signal_text: str,
                  record_wait: float = 60.0, log: Path | None = None) -> None:

@@ -1,11 +1,6 @@
-"""Hang detection: every rank says what it waits in; a rank that waits too long names who is late.
-
-Each rank's main thread marks its operation and step (`Watchdog.enter`, an attribute write;
-each decoder layer restarts the clock), and a daemon thread writes a heartbeat file after each
-step and every ``beat`` seconds. When one operation lasts longer than
-``train.collective_timeout``, the thread reads every rank's heartbeat and reports, in one
-sentence, the ranks that did not arrive (`on_hang`). A pause of the whole process is not counted.
-"""
+"""Hang detection: each rank's main thread marks its operation and step (`Watchdog.enter`), a
+daemon thread writes heartbeat files, and an operation longer than ``train.collective_timeout``
+is reported in one sentence naming the ranks that did not arrive."""
 from __future__ import annotations
 
 import json

@@ -259,9 +259,7 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, layers: Layer
              host_memory: int | None = None, gpus_per_node: int | None = None,
              **setup) -> MemoryEstimate:
     """Estimate the per-GPU memory of training ``arch`` at ``seq_len`` (a multiple of
-    ``seq_chunks``, default cp); ``setup``: `Setup`'s other fields; with ``host_memory`` (and
-    ``gpus_per_node``) the machine's pinned bytes must fit and ``auto`` may park layers.
-    UserError: a bad dtype, runs, cp, head groups or seq_len."""
+    ``seq_chunks``, default cp; ``setup``: `Setup`'s other fields). UserError: a bad setting."""
     local = gpus_per_node or min(gpus, 8)
     budget = host_budget(host_memory, local)
     setup = Setup(arch=arch, gpus=gpus, cp=cp, layers=layers, dtype=dtype, host_budget=budget,

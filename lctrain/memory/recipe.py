@@ -135,10 +135,8 @@ _PLAN_DEFAULTS = ("model.dtype", "train.mixed_precision", "train.batch_size", "t
 
 
 def run_settings(cfg: RecipeConfig | None, recipe: str | None, model: str | None) -> list[str]:
-    """The ``--set`` items that make ``lctrain finetune [recipe]`` (loaded: ``cfg``) train what
-    a plan for it and ``model`` sized: a model folder or hub name as model.path, with its own
-    config and tokenizer where the recipe has a random init's; without a recipe, the embedded
-    one with the model (a preset as a random init) and the defaults the plan assumed."""
+    """The ``--set`` items that make ``lctrain finetune [recipe]`` train what a plan for it and
+    ``model`` sized (without a recipe: the embedded one with the defaults the plan assumed)."""
     items = []
     if model is not None and model not in PRESETS:
         local = os.path.expanduser(model)

@@ -1,7 +1,5 @@
-"""A run's end: rank 0 writes ``output_dir/final/`` (`export_final`), and a resumed run that has
-trained all its steps trains nothing (`finished`): it says so, and writes ``final/`` only when
-the recipe exports one and it is missing or older than the last checkpoint.
-"""
+"""A run's end: rank 0 writes ``output_dir/final/`` (`export_final`); a resumed run that has
+trained all its steps trains nothing (`finished`), writing ``final/`` only where it is stale."""
 from __future__ import annotations
 
 import contextlib

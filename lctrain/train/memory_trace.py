@@ -1,9 +1,6 @@
-"""Where a training step's GPU memory peak comes from: ``lctrain bench step --memory-trace DIR``.
-
-With ``LCTRAIN_MEMORY_TRACE=DIR`` set, every rank of a CUDA run records the allocator over the
-run's last step and writes ``rank{R}-step{N}.pickle`` (for https://pytorch.org/memory_viz) and
-``-peak.txt``: the step's own peak, the stack that reached it and what was alive then. While
-recording, recomputation does not stop early (pytorch/pytorch#179536)."""
+"""Where a step's GPU memory peak comes from (``lctrain bench step --memory-trace DIR``): with
+``LCTRAIN_MEMORY_TRACE=DIR`` every rank records the allocator over the last step and writes its
+snapshot and a ``-peak.txt`` report. Recomputation does not stop early then (pytorch#179536)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,5 @@
-"""What a run reports: metrics.jsonl and rank 0's progress display.
-
-Each logged step appends one JSON object to ``output_dir/metrics.jsonl``: step, loss, tokens
-(of the step, over all ranks), tokens_per_s, step_time_s, lr, grad_norm, peak_memory_bytes
-(the CUDA allocator's, or the process's peak RSS on a CPU), mfu (null off a known GPU) and,
-where the validation loss is computed, eval_loss and eval_time_s."""
+"""What a run reports: ``output_dir/metrics.jsonl`` (one JSON object per logged step) and rank
+0's progress display."""
 from __future__ import annotations
 
 import json

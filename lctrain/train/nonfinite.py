@@ -1,8 +1,6 @@
-"""Steps whose loss or gradient norm is not finite: skipped on the device, reported at a sync.
-
-The global gradient norm decides, so every rank skips the same steps without a host sync;
-fused AdamW's ``found_inf`` leaves the weights and states untouched. The learning-rate schedule
-is wound back at the next sync, and a streak of ``train.max_nonfinite_steps`` stops the run."""
+"""Steps whose loss or gradient norm is not finite: skipped on the device (fused AdamW's
+``found_inf``; the global norm decides, so every rank skips the same steps without a host sync),
+the schedule wound back at the next sync; a streak of ``train.max_nonfinite_steps`` stops the run."""
 from __future__ import annotations
 
 from dataclasses import dataclass

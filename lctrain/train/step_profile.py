@@ -1,9 +1,6 @@
-"""Where a training step's time goes: ``lctrain bench step --profile DIR``.
-
-With ``LCTRAIN_STEP_PROFILE=DIR`` set, every rank profiles the run's last step and writes a
-chrome trace and ``rank{R}-step{N}-kernels.json`` / ``.txt``: the wall time, the device time
-of the kernels (a CPU's operators) by `CATEGORIES` and the kernels that took the most time.
-"""
+"""Where a step's time goes (``lctrain bench step --profile DIR``): with
+``LCTRAIN_STEP_PROFILE=DIR`` every rank profiles the last step into a chrome trace and a kernel
+summary by `CATEGORIES`."""
 from __future__ import annotations
 
 import contextlib

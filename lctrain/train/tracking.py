@@ -1,14 +1,6 @@
-"""Where a run's metrics go (``train.report_to``): metrics.jsonl, TensorBoard event files, and
-Weights & Biases or MLflow through accelerate's trackers.
-
-Rank 0 writes them all. metrics.jsonl and the event files go into ``train.output_dir``, so
-``tensorboard --logdir runs/`` shows every run under its folder's name (tags: `SCALARS` and
-perf/peak_memory_gib). A fresh run removes an earlier run's event files; a resumed one tells
-TensorBoard to drop what lies past its step. W&B and MLflow get the same tags at every logged
-step, in a run named after the folder (project: WANDB_PROJECT or MLFLOW_EXPERIMENT_NAME, else
-lctrain) that holds the resolved recipe as its config; their run ids stay in the folder's
-`TRACKER_IDS`, so a resumed run logs on into the same tracker runs.
-"""
+"""Where rank 0 writes a run's metrics (``train.report_to``): metrics.jsonl and TensorBoard event
+files in ``train.output_dir``, and W&B or MLflow runs named after the folder, whose ids stay in
+`TRACKER_IDS` so that a resumed run logs on into them."""
 from __future__ import annotations
 
 import importlib.util
@@ -109,9 +101,8 @@ class TrackerRuns:
                 ids[name] = self._start(name, out, ids.get(name), recipe)
             except Exception as error:  # no login, no server, ...: say why, in one sentence
                 self.close()
-                reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
                 raise UserError(f"train.report_to asks for {name} but its run did not start "
-                                f"({reason}); fix that, or drop {name} from train.report_to")
+                                f"({_reason(error)}); fix that, or drop {name} from train.report_to")
         ids_file.write_text(json.dumps(ids) + "\n")
 
     def _start(self, name: str, out: Path, run_id: str | None, recipe: dict) -> str:
@@ -139,14 +130,17 @@ class TrackerRuns:
                 tracker.log(values, step=int(record["step"]))
             except Exception as error:  # noqa: BLE001 - whatever the tracker's client raises
                 self.trackers.remove(tracker)
-                reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
                 print(f"warning: {tracker.name} stopped taking metrics at step {record['step']} "
-                      f"({reason}); training goes on without it", file=sys.stderr, flush=True)
+                      f"({_reason(error)}); training goes on without it", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
+
+
+def _reason(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class Tracking:
