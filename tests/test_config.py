@@ -267,6 +267,7 @@ def test_recipe_fields_are_at_most_fifty():
     ("train.offload_prefetch", "false"), ("train.planned", "x"), ("train.log_every", "2"),
     ("data.eval_seed", "3"), ("data.cache_dir", "/tmp"), ("checkpoint.enabled", "false"),
     ("checkpoint.on_signal", "false"), ("checkpoint.asynchronous", "on"),
+    ("data.text_field", "body"), ("data.split", "test"), ("data.eval_fraction", "0.1"),
 ])
 def test_removed_settings_are_refused_naming_their_replacement(tmp_path, key, value):
     from lctrain.config import REMOVED
@@ -287,6 +288,62 @@ def test_removed_settings_are_refused_naming_their_replacement(tmp_path, key, va
 
     with pytest.raises(ConfigError, match="is no longer a setting"):
         read_resolved(recipe)
+
+
+def test_a_run_config_with_the_folded_data_keys_still_loads(tmp_path):
+    """A run's config.yaml from before data.text_field, data.split and data.eval_fraction were
+    folded into data.fields, data.source and data.eval_source loads in the new form (to resume,
+    export or evaluate the run); a recipe with those keys is refused."""
+    import random
+
+    import torch
+    from lctrain.config import read_resolved
+    from lctrain.config.loader import RESOLVED_HEADER
+    from lctrain.config.resume import load_resumed
+
+    rng = random.Random(torch.initial_seed())
+    name, split = f"body{rng.randrange(1000)}", rng.choice(["validation", "test", "dev.v2"])
+    share = rng.choice([0.05, 0.2, 0.5])
+    run = tmp_path / "run"
+    cfg = load_recipe(None, output_dir=str(run))
+    path = save_resolved(cfg, run / "config.yaml")
+    old = yaml.safe_load(path.read_text())
+    old["data"].update(text_field="text", split="train", eval_fraction=0.0)  # defaults: dropped
+    path.write_text(RESOLVED_HEADER + yaml.safe_dump(old))
+    assert load_recipe(path) == cfg == read_resolved(path) == load_resumed(None, output_dir=str(run))
+    for source, want in (("someone/docs", f"someone/docs[{split}]"), ("builtin", "builtin")):
+        old["data"].update(source=source, text_field=name, split=split, eval_fraction=share,
+                           fields={"messages": "dialog"})
+        path.write_text(RESOLVED_HEADER + yaml.safe_dump(old))
+        for loaded in (load_recipe(path), read_resolved(path),
+                       load_resumed(None, output_dir=str(run))):
+            assert loaded.data.fields == {"messages": "dialog", "text": name}
+            assert (loaded.data.source, loaded.data.eval_source) == (want, share)
+            assert loaded.data.eval_fraction == share and loaded.data.text_field == name
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(old))  # no header: a recipe, not a run's config.yaml
+    with pytest.raises(ConfigError, match=r"data\.eval_fraction \(in .*\) is no longer a "
+                                          r"setting: use data\.eval_source=SHARE"):
+        load_recipe(recipe)
+
+
+def test_a_hub_split_is_named_in_the_source(tmp_path, monkeypatch):
+    """``org/name[split]`` is a hub dataset's split unless it matches local files as a glob."""
+    from lctrain.config import local_data
+    from lctrain.config.hub import hub_split
+
+    assert hub_split("org/name[validation]") == ("org/name", "validation")
+    assert hub_split("org/name") == ("org/name", "train")
+    assert hub_split("/data/part[12].jsonl") == ("/data/part[12].jsonl", "train")
+    assert local_data("org/name[validation]") is None
+    assert load_recipe(None, ["data.source=org/name[test]"]).data.source == "org/name[test]"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    for file in ("namet.jsonl", "namet"):
+        (tmp_path / "org" / file).write_text('{"text": "x"}\n')
+    assert local_data("org/name[st].jsonl").files == [str(Path("org/namet.jsonl"))]
+    with pytest.raises(ConfigError, match="matches files ending in"):  # local files win
+        local_data("org/name[t]")
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -350,7 +407,11 @@ def test_a_float_that_float32_cannot_hold_is_refused(item, shown):
     ("train.gradient_accumulation_steps=4", "train.grad_accum"),
     ("train.per_device_train_batch_size=2", "train.batch_size"),
     ("data.output_dir=x", "train.output_dir"),
-    ("learning_rate=1e-4", "train.lr"), ("train.datasets=x", "data.source")])
+    ("learning_rate=1e-4", "train.lr"), ("train.datasets=x", "data.source"),
+    ("train.chat_template=chatml", "data.chat_template"), ("data.mask_history=true", "data.turns"),
+    ("data.field_messages=conversations", "data.fields"), ("data.columns=x", "data.fields"),
+    ("data.formatting=sharegpt", "data.format"), ("data.val_set_size=0.05", "data.eval_source"),
+    ("train.dataset_text_field=body", "data.fields")])
 def test_names_from_other_tools_point_to_the_setting(item, meant):
     with pytest.raises(ConfigError) as info:
         load_recipe(None, [item])

@@ -135,10 +135,10 @@ def test_local_jsonl_txt_and_parquet(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps([{"text": t} for t in texts]))
     expected = sum(len(t.encode()) + 2 for t in texts)
     tok = ByteTokenizer()
-    for cfg in (_cfg(tmp_path / "a.jsonl", "data.text_field=body"),
+    for cfg in (_cfg(tmp_path / "a.jsonl", "data.fields.text=body"),
                 _cfg(tmp_path / "doc*.txt"), _cfg(tmp_path / "a.parquet"),
                 _cfg(tmp_path / "a.json"),
-                _cfg(tmp_path / "a.jsonl", "data.text_field=body", "data.max_documents=2")):
+                _cfg(tmp_path / "a.jsonl", "data.fields.text=body", "data.max_documents=2")):
         rows = prepare_data(cfg.data, tok)
         limit = cfg.data.max_documents
         want = expected if limit is None else sum(len(t.encode()) + 2 for t in texts[:limit])

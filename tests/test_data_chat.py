@@ -144,7 +144,7 @@ def test_chat_errors(bpe, tmp_path):
     src.write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
                                             {"role": "assistant", "content": "b"}]}) + "\n")
     cfg = load_recipe(None, [f"data.source={src}"], seq_len=64)
-    with pytest.raises(DataError, match="has no chat template; give it one"):
+    with pytest.raises(DataError, match="has no chat template; set data.chat_template"):
         prepare_data(cfg.data, bpe)
     # a template that renders earlier replies differently from the last one
     bpe.chat_template = CHATML.replace("m['content']", "(m['content'] if loop.last else '...')")
@@ -262,11 +262,15 @@ def test_no_chat_template_names_the_fixes_and_the_first_one_works(tmp_path):
     with pytest.raises(DataError) as info:
         prepare_data(pretrained.data, load_tokenizer(pretrained))
     assert str(info.value) == (
-        f"data.format is chat but the tokenizer {str(folder)!r} has no chat template; give it "
-        "one (a chat_template.jinja file in its folder, or a \"chat_template\" entry in its "
-        "tokenizer_config.json), use a tokenizer folder that has one (data.tokenizer; for a "
-        "random init also data.tokenizer=bytes, whose own chat format needs none), or give the "
-        "records as prompt and completion (data.format=prompt_completion)")
-    (folder / "chat_template.jinja").write_text(CHATML)  # the fix the message gives works
+        f"data.format is chat but the tokenizer {str(folder)!r} has no chat template; set "
+        "data.chat_template (a name such as chatml or llama3, or a .jinja file), give the "
+        "tokenizer one (a chat_template.jinja file in its folder), or give the records as prompt "
+        "and completion (data.format=prompt_completion)")
+    named = load_recipe(None, [f"data.source={src}", "data.format=chat", f"model.path={folder}",
+                               "model.config=null", "data.tokenizer=null",
+                               "data.chat_template=chatml"], seq_len=64)
+    rows = prepare_data(named.data, load_tokenizer(named))  # the fixes the message gives work
+    assert rows.info["format"] == "chat" and rows.info["samples"] == 1
+    (folder / "chat_template.jinja").write_text(CHATML)
     rows = prepare_data(pretrained.data, load_tokenizer(pretrained))
     assert rows.info["format"] == "chat" and rows.info["samples"] == 1

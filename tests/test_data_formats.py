@@ -78,13 +78,13 @@ def test_detection_and_text_field_that_is_not_a_string(tmp_path):
     chat = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
     src = _write(tmp_path / "chat.jsonl", chat * 3)
     assert _prepare(tmp_path, src).info["format"] == "chat"
-    assert _prepare(tmp_path, src, "data.text_field=messages").info["format"] == "chat"
-    with pytest.raises(DataError, match=r"chat\.jsonl:1: data\.text_field 'messages' is a list, not a string"):
-        _prepare(tmp_path, src, "data.text_field=messages", "data.format=text")
+    assert _prepare(tmp_path, src, "data.fields.text=messages").info["format"] == "chat"
+    with pytest.raises(DataError, match=r"chat\.jsonl:1: 'messages' is a list, not a string"):
+        _prepare(tmp_path, src, "data.fields.text=messages", "data.format=text")
     tok_src = _write(tmp_path / "t.jsonl", [{"input_ids": [5, 6, 7], "text": "ignored"}])
     assert _prepare(tmp_path, tok_src).info["format"] == "tokenized"
     odd = _write(tmp_path / "odd.jsonl", [{"body": "x"}])
-    with pytest.raises(DataError, match=r"odd\.jsonl:1 has fields \['body'\].*data\.text_field"):
+    with pytest.raises(DataError, match=r"odd\.jsonl:1 has fields \['body'\].*data\.fields\.text"):
         _prepare(tmp_path, odd)
     with pytest.raises(ConfigError, match="data.format"):
         load_recipe(None, ["data.format=sharegpt"])
@@ -143,8 +143,9 @@ def test_empty_records_are_counted_skips_named_in_the_banner(tmp_path):
     banner = "\n".join(rows_summary(_prepare(tmp_path, text)))
     assert "2 skipped (empty document: 2, first at" in banner and "t.jsonl:1)" in banner
     chats = [{"messages": []}, {"messages": [{"role": "user", "content": "hi"}]}]
-    with pytest.raises(DataError, match="yields no token to train on: 2 skipped .*empty conversation: 1"):
-        _prepare(tmp_path, _write(tmp_path / "c.jsonl", chats))
+    with pytest.raises(DataError, match="yields no token to train on: 2 skipped .no assistant "
+                                        r"turn: 2, first at .*c\.jsonl:1\)"):
+        _prepare(tmp_path, _write(tmp_path / "c.jsonl", chats), "data.turns=all_or_skip")
 
 
 def test_long_samples_rules(tmp_path):

@@ -1,9 +1,9 @@
 """Validation data: documents held out before packing, validation settings, evaluation batches.
 
-- ``data.eval_fraction`` holds out round(f × n) whole documents chosen by ``train.seed``:
+- ``data.eval_source`` as a share holds out round(f × n) whole documents chosen by ``train.seed``:
   the validation rows hold exactly their tokens, the training rows exactly the others' (both
   packing families), the choice is stable across runs and lengths and moves with the seed;
-- ``data.eval_source`` is prepared as its own source with the training's settings;
+- ``data.eval_source`` naming a file is prepared as its own source with the training's settings;
 - `eval_batches` gives every row exactly once over the dp ranks, the same number of batches
   to each, fillers with every label masked;
 - the settings refuse what cannot work, in one sentence.
@@ -37,7 +37,7 @@ def test_held_out_documents_are_never_trained_on(tmp_path, mode):
     rng = random.Random(random.randrange(2**31))
     texts = _docs(tmp_path / "d.jsonl", 40, rng)
     seed = rng.randrange(100)  # train.seed chooses the held-out documents
-    data = _data(tmp_path, tmp_path / "d.jsonl", "data.eval_fraction=0.25",
+    data = _data(tmp_path, tmp_path / "d.jsonl", "data.eval_source=0.25",
                  f"data.long_samples={mode}", "data.document_mask=true", seq_len=128)
     tok = ByteTokenizer()
     train, valid = prepare_data(data, tok, seed=seed), prepare_data(data, tok, part="eval",
@@ -70,7 +70,7 @@ def test_held_out_documents_are_never_trained_on(tmp_path, mode):
     assert "held out for validation: 10 of 40 documents" in "\n".join(rows_summary(train))
     assert rows_summary(valid)[0].startswith("validation data:")
     # the same documents at another length, and with another seed others
-    longer = prepare_data(_data(tmp_path, tmp_path / "d.jsonl", "data.eval_fraction=0.25",
+    longer = prepare_data(_data(tmp_path, tmp_path / "d.jsonl", "data.eval_source=0.25",
                                 f"data.long_samples={mode}", seq_len=256), tok, part="eval",
                           seed=seed)
     if mode == "drop":
@@ -93,9 +93,10 @@ def test_eval_source_and_bad_settings(tmp_path):
     with pytest.raises(DataError, match="no validation data"):
         prepare_data(_data(tmp_path, tmp_path / "train.jsonl"), ByteTokenizer(), part="eval")
     with pytest.raises(DataError, match="holds out none"):
-        prepare_data(_data(tmp_path, tmp_path / "train.jsonl", "data.eval_fraction=0.01"),
+        prepare_data(_data(tmp_path, tmp_path / "train.jsonl", "data.eval_source=0.01"),
                      ByteTokenizer())
-    bad = {"data.eval_fraction=1.5": "data.eval_fraction is 1.5 but must be in",
+    bad = {"data.eval_source=1.5": r"data.eval_source is 1.5 but a share .* must be in \(0, 1\)",
+           "data.eval_source=0": r"data.eval_source is 0.0 but a share",
            "train.eval_every=5": "there is no validation data",
            "train.report_to=[jsonl,wandbb]": "report_to\\[1\\] is 'wandbb' .*did you mean 'wandb'",
            "train.report_to=[]": "train.report_to is empty",
@@ -103,9 +104,6 @@ def test_eval_source_and_bad_settings(tmp_path):
     for override, message in bad.items():
         with pytest.raises(ConfigError, match=message):
             load_recipe(None, [override])
-    with pytest.raises(ConfigError, match="set data.eval_fraction=0 or data.eval_source=null"):
-        load_recipe(None, [f"data.eval_source={tmp_path / 'valid.jsonl'}",
-                           "data.eval_fraction=0.2"])
 
 
 def test_eval_batches_cover_every_row_once():

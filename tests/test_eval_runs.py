@@ -100,7 +100,7 @@ def two_ranks(tmp_path_factory, model_folder):
     source = texts(tmp / "docs.jsonl", 30, rng)
 
     def cfg(name, **sets):
-        base = {"data.source": str(source), "data.seq_len": 128, "data.eval_fraction": 0.2,
+        base = {"data.source": str(source), "data.seq_len": 128, "data.eval_source": 0.2,
                 "train.eval_every": 2,
                 "train.max_steps": 3, "train.warmup_steps": 1, "train.loss_chunk_tokens": 48,
                 "train.lr": 3e-3, "parallel.attention_backend": "reference",

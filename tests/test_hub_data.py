@@ -5,20 +5,23 @@ datasets would retry for 20 s to minutes). A cached one passes, and a cached tok
 once. Nothing here needs the network: the hub is a closed port on this machine."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from lctrain.config import load_recipe
 from lctrain.config.hub import check_hub_dataset
 from lctrain.data import load_tokenizer, prepare_data
+from lctrain.data.records import RecordReader
 from lctrain.data.tokenizer import ByteTokenizer
-from lctrain.errors import ConfigError
+from lctrain.errors import ConfigError, UserError
 from model_folders import TOKENIZER_VOCAB, make_model_folder
 from test_hub_cache import CLOSED, hub_cache_copy, unreachable_env
 
@@ -122,19 +125,22 @@ def test_an_uncached_hub_dataset_with_the_hub_out_of_reach_is_refused_at_once(
         "data.source=builtin, or run where the hub can be reached")
 
 
-def _cached_dataset(cache, texts):
+def _cached_dataset(cache, texts, valid=("a validation document",)):
     """Leave in ``cache`` what ``load_dataset(DATASET)`` keeps of a download: the prepared Arrow
-    copy in someone___docs/default/0.0.0/<hash>/ (made here from local JSON lines)."""
+    copy (splits train and validation) in someone___docs/default/0.0.0/<hash>/ (made here from
+    local JSON lines)."""
     import datasets
 
-    source = cache.parent / "docs.jsonl"
-    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    datasets.load_dataset("json", data_files=str(source), split="train",
-                          cache_dir=str(cache.parent / "build"))
-    built, = glob.glob(str(cache.parent / "build" / "json" / "*" / "0.0.0" / "*[0-9a-f]"))
+    files, build = {}, cache.with_name(cache.name + "-build")
+    for split, docs in (("train", texts), ("validation", valid)):
+        files[split] = str(build.with_name(f"{cache.name}-{split}.jsonl"))
+        Path(files[split]).write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    datasets.load_dataset("json", data_files=files, cache_dir=str(build))
+    built, = glob.glob(str(build / "json" / "*" / "0.0.0" / "*[0-9a-f]"))
     target = cache / "someone___docs" / "default" / "0.0.0" / "0123abcd"
     shutil.copytree(built, target)
-    (target / "json-train.arrow").rename(target / "docs-train.arrow")
+    for split in files:
+        (target / f"json-{split}.arrow").rename(target / f"docs-{split}.arrow")
 
 
 def test_a_cached_hub_dataset_passes(tmp_path, monkeypatch):
@@ -146,6 +152,17 @@ def test_a_cached_hub_dataset_passes(tmp_path, monkeypatch):
     rows = prepare_data(cfg.data, ByteTokenizer())  # offline mode: datasets reads its cache
     assert rows.info["samples"] == len(texts)
     assert rows.info["tokens"] == sum(len(t.encode()) + 2 for t in texts)
+    valid = ["held apart", "for validation only", "a third"]  # data.source=org/name[split]
+    _cached_dataset(tmp_path / "cache2", texts, valid)
+    _datasets_cache(monkeypatch, tmp_path / "cache2")
+    split = load_recipe(None, [f"data.source={DATASET}[validation]", "data.seq_len=64"]).data
+    read = list(RecordReader(split))
+    assert [r.fields["text"] for r in read] == valid and read[1].where == f"{DATASET}[validation] row 1"
+    rows = prepare_data(split, ByteTokenizer())
+    assert rows.info["samples"] == len(valid) and rows.info["cache"] != str(cache)
+    assert rows.info["tokens"] == sum(len(t.encode()) + 2 for t in valid)
+    with pytest.raises(UserError, match=r"split 'test'"):
+        prepare_data(dataclasses.replace(split, source=f"{DATASET}[test]"), ByteTokenizer())
     for flag in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(flag, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", CLOSED)

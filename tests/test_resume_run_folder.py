@@ -117,7 +117,8 @@ def test_a_copied_run_resumed_from_its_config_continues_the_copy_only(run, tmp_p
 
 def test_a_start_that_failed_before_its_first_step_is_taken_over(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"body": "no text field here"}\n')
+    # the launcher checks the first 8 records; the 10th fails in the ranks, after config.yaml
+    bad.write_text('{"text": "a good record"}\n' * 9 + '{"body": "no text field here"}\n')
     common = ["--nproc", 1, "--set", "parallel.cp=1", "--seq-len", 64, "--max-steps", 1,
               "--set", "checkpoint.export_final=false", "--output-dir", tmp_path / "run"]
     code, output = _cli("finetune", *common, "--set", f"data.source={bad}")

@@ -179,16 +179,15 @@ def _data_lengths(path: Path, recipe, tokenizer, spec: str) -> list[int]:
     if recipe is None:
         raise ConfigError(f"--documents {spec!r} tokenizes the file with a recipe's tokenizer; "
                           f"add --recipe RECIPE, or give lengths:FILE instead")
-    from lctrain.data import Encoder, RecordReader, detect_format
+    from lctrain.data import Encoder, RecordReader
     from lctrain.model import load_tokenizer
 
     data = replace(recipe.data, source=str(path))
     records = list(RecordReader(data))
     if not records:
         raise ConfigError(f"--documents {spec!r}: {path} holds no record")
-    fmt = data.format if data.format != "auto" else detect_format(records[0], data.text_field)[0]
-    encoder = Encoder(fmt, tokenizer if tokenizer is not None else
-                      load_tokenizer(replace(recipe, data=data)), data.text_field)
+    encoder = Encoder.for_data(data, tokenizer if tokenizer is not None else
+                               load_tokenizer(replace(recipe, data=data)), records[0])
     return [int(sample.ids.size) for sample in encoder.encode(records) if sample.ids.size]
 
 

@@ -216,7 +216,7 @@ def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,
     scratch ``output_dir``, checkpoints every ``save_every`` steps (0: none), no export."""
     train = dataclasses.replace(cfg.train, max_steps=total_steps, epochs=None,
                                 output_dir=str(output_dir), eval_every=0, report_to=("jsonl",))
-    data = dataclasses.replace(cfg.data, eval_source=None, eval_fraction=0.0)
+    data = dataclasses.replace(cfg.data, eval_source=None)
     checkpoint = dataclasses.replace(cfg.checkpoint, every=save_every, keep=int(save_every > 0),
                                      export_final=False)
     return dataclasses.replace(cfg, data=data, train=train, checkpoint=checkpoint)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from lctrain.cli import bench
+from lctrain.cli import bench, data
 from lctrain.cli.eval import eval_command
 from lctrain.cli.memory import estimate_memory
 from lctrain.cli.options import (Format, FormatOpt, MaxStepsOpt, NprocOpt, OneLineUsage,
@@ -142,6 +142,7 @@ def report(runs: list[str] = typer.Argument(
 app.command("finetune")(finetune)
 app.command("estimate-memory")(estimate_memory)
 app.add_typer(bench.app, name="bench")
+app.add_typer(data.app, name="data")
 app.command("export")(export)
 app.command("eval")(eval_command)
 app.command("report")(report)

@@ -116,7 +116,9 @@ def coerce(key: str, annotation: Any, value: Any, *, unit: str | None = None) ->
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
+        *others, inner = [a for a in args if a is not type(None)]
+        if str in others and isinstance(value, str):  # str | float: a string stays one
+            return value
         return coerce(key, inner, value, unit=unit)
     if origin is Literal:
         if isinstance(value, str) and value in args:

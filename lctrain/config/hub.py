@@ -28,6 +28,12 @@ def looks_like_hub_name(name: str) -> bool:
     return _HUB_NAME.fullmatch(name) is not None
 
 
+def hub_split(source: str) -> tuple[str, str]:
+    """A hub dataset's ``org/name[split]`` as (name, split); train where no split is named."""
+    match = re.fullmatch(r"(.+)\[(\w[\w.\-]*)\]", source)
+    return (match[1], match[2]) if match and looks_like_hub_name(match[1]) else (source, "train")
+
+
 def check_hub_model(name: str, *, what: str = "model.path", files: tuple[str, ...] = (
         "config.json",), subject: str = "the config of model", local: str = "model") -> None:
     """Refuse at once (ConfigError) a hub name whose cache lacks ``files`` when offline or unanswered."""

@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from lctrain.config.hub import looks_like_hub_name
 from lctrain.config.paths import (absolute_paths, check_model_path, decode_text, local_data,
                                   ordinary_permissions, read_recipe_text)
 from lctrain.config.schema import SECTIONS as _SECTIONS, RecipeConfig
@@ -53,8 +54,9 @@ _Yaml12Loader.add_implicit_resolver(
 RESOLVED_HEADER = "# resolved lctrain recipe (all defaults and overrides applied)\n"
 """The first line of a run's saved config.yaml."""
 
-_FREE_FORM = {("model", "config")}
-"""Fields whose value is a free mapping: any key below them is accepted (a transformers config)."""
+_FREE_FORM = {("model", "config"), ("data", "fields")}
+"""Fields whose value is a mapping: any key below them is accepted here (a transformers config;
+data.fields checks its own)."""
 
 _FUSED = ("use model.fused_kernels, one switch for lctrain's fused RMSNorm, RoPE, SwiGLU and "
           "loss kernels, the attention projections in head groups and the deferred norms (true "
@@ -72,6 +74,11 @@ REMOVED = {
     "train.planned": "lctrain estimate-memory --plan prints what it planned; drop it",
     "train.log_every": "every step is logged; drop it",
     "data.eval_seed": "train.seed chooses the held-out documents; drop it",
+    "data.text_field": "use data.fields.text=NAME (data.fields maps our names to the records')",
+    "data.split": "name the split in data.source, e.g. data.source=org/name[validation] (train "
+                  "where none is named)",
+    "data.eval_fraction": "use data.eval_source=SHARE, a number in (0, 1): the share of "
+                          "data.source's documents held out",
     "data.cache_dir": "set the XDG_CACHE_HOME environment variable instead (the cache is "
                       "$XDG_CACHE_HOME/lctrain/data)",
     "checkpoint.enabled": "use checkpoint.keep=0 to save nothing",
@@ -112,6 +119,13 @@ _FOREIGN = {
     "train.betas": "adam_beta1 adam_beta2",
     "train.report_to": "report_to",
     "model.trust_remote_code": "trust_remote_code",
+    "data.format": "formatting dataset_format",
+    "data.eval_source": "val_set_size val_size eval_file validation_file",
+    "data.fields": "dataset_text_field text_column columns tags field_messages "
+                   "message_property_mappings message_field_role message_field_content "
+                   "field_instruction field_input field_output",
+    "data.turns": "mask_history train_on_last_turn",
+    "data.chat_template": "chat_template template",
 }
 ALIASES = {name: key for key, names in _FOREIGN.items() for name in names.split()}
 """A name people bring from Hugging Face's Trainer, axolotl, LLaMA-Factory or TRL (the last part
@@ -178,13 +192,17 @@ def build_checked(raw: dict[str, Any], source: str, origins: dict[str, str]) -> 
         cfg = build_recipe(raw, source)
         check_model_path(cfg.model.path)
         local_data(cfg.data.source)
-        if cfg.data.eval_source is not None:
+        if isinstance(cfg.data.eval_source, str):
             local_data(cfg.data.eval_source, what="data.eval_source")
     except ConfigError as error:
         origin = _origin(error.key, origins, source)
         named = origin.split(" ", 1)[1] in str(error)  # the message already says where
         raise ConfigError(str(error) if named else f"{error} ({origin})", key=error.key) from None
-    return absolute_paths(cfg)
+    cfg, template = absolute_paths(cfg), cfg.data.chat_template
+    if template is not None and os.path.isfile(os.path.expanduser(template)):
+        template = os.path.abspath(os.path.expanduser(template))  # the run reads it from anywhere
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=template))
+    return cfg
 
 
 def build_recipe(raw: dict[str, Any], source: str = "the recipe") -> RecipeConfig:
@@ -277,6 +295,7 @@ def read_resolved(path: str | os.PathLike) -> RecipeConfig:
 
 
 def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """The YAML mapping of ``text``; an earlier run's config.yaml with today's keys (REMOVED's)."""
     try:
         raw = yaml.load(text, Loader=_Yaml12Loader)
     except yaml.YAMLError as error:
@@ -284,6 +303,16 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{source} is not valid YAML{where}: "
                           f"{getattr(error, 'problem', None) or error}") from None
+    data = raw.get("data") if text.startswith(RESOLVED_HEADER) and isinstance(raw, dict) else None
+    if isinstance(data, dict):  # data.text_field, split, eval_fraction: fields, source, eval_source
+        text_field, split = data.pop("text_field", "text"), data.pop("split", "train")
+        if text_field != "text":
+            data["fields"] = {**(data.get("fields") or {}), "text": text_field}
+        name = str(data.get("source", "builtin"))
+        if split != "train" and name != "builtin" and looks_like_hub_name(name):
+            data["source"] = f"{name}[{split}]"
+        if share := data.pop("eval_fraction", 0):
+            data["eval_source"] = share
     return {} if raw is None else raw
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lctrain.config.hub import check_hub_model, looks_like_hub_name
+from lctrain.config.hub import check_hub_model, hub_split, looks_like_hub_name
 from lctrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ class LocalData:
 
 
 def local_data(source: str, *, what: str = "data.source") -> LocalData | None:
-    """``data.source`` (or ``what``) as local files; None for builtin and hub names (ConfigError)."""
+    """``data.source`` (or ``what``) as local files; None for builtin and hub names (ConfigError);
+    a hub name may end in ``[split]`` where no local file matches it as a glob."""
     if source == "builtin":
         return None
     expanded = os.path.expanduser(source)
@@ -90,6 +91,8 @@ def local_data(source: str, *, what: str = "data.source") -> LocalData | None:
         raise ConfigError(f"{what} {source!r} is a folder; give a file or a glob such as "
                           f"{os.path.join(source, '*.jsonl')}", key=what)
     files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+    if not files and hub_split(source)[0] != source:  # no local match: a hub dataset's split
+        return None
     if not files:
         raise ConfigError(f"{what} {source!r} matches no file; check the path (relative "
                           f"paths start from {os.getcwd()})", key=what)

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lctrain.config.fields import SIZE, check_fields, require
+from lctrain.config.fields import SIZE, check_fields, require, suggest
 from lctrain.config.training import CheckpointConfig, TrainConfig
 from lctrain.errors import ConfigError
 from lctrain_kernels.vocabulary import BACKENDS, check_seq_len, schedule_layout, seq_chunks
@@ -21,6 +21,9 @@ BYTE_TOKENIZER_VOCAB = 259
 """Vocabulary of the ``bytes`` tokenizer: 256 byte values + bos, eos, pad."""
 BYTE_PAIR_TOKENIZER_VOCAB = 65795
 """Vocabulary of the ``byte-pairs`` tokenizer: 65,536 pairs + 256 lone bytes + bos, eos, pad."""
+FIELD_NAMES = ("text", "messages", "role", "content", "prompt", "completion", "instruction",
+               "input", "output", "system", "user", "assistant", "tool")
+"""The names ``data.fields`` maps to a dataset's (record fields, message keys, roles)."""
 BUILTIN_TOKENIZERS = {"bytes": BYTE_TOKENIZER_VOCAB, "byte-pairs": BYTE_PAIR_TOKENIZER_VOCAB}
 """``data.tokenizer`` values that need no tokenizer files -> the vocabulary they need."""
 
@@ -68,14 +71,20 @@ class DataConfig:
     """Where the training text comes from and how it becomes rows of tokens."""
 
     source: str = "builtin"
-    """``builtin`` (Python's help topics), .txt/.jsonl/.json/.parquet files, a glob or hub name."""
-    split: str = "train"
-    """Split to read from a hub dataset."""
+    """``builtin`` (Python's help topics), .txt/.jsonl/.json/.parquet files, a glob or hub name
+    (``org/name[validation]`` reads that split; train without brackets)."""
     format: Literal["auto", "text", "prompt_completion", "chat", "tokenized"] = "auto"
-    """What a record holds: text, prompt_completion (loss on the completion), chat (loss on the
-    assistant turns), tokenized (input_ids, labels); auto: from the first record."""
-    text_field: str = "text"
-    """Field holding each document's text (the text format)."""
+    """What a record holds: text, prompt_completion (loss on the completion; Alpaca too), chat
+    (loss on the assistant turns; ShareGPT too), tokenized (input_ids, labels); auto: detected."""
+    fields: dict | None = None
+    """The records' names where they differ from ours (ours: theirs): text, messages, role,
+    content, prompt, completion, instruction, input, output, roles system, user, assistant, tool."""
+    chat_template: str | None = None
+    """chatml, llama3, qwen2, mistral, gemma or a .jinja file (null: the tokenizer's); it also
+    renders prompt_completion records as a user and an assistant turn; exports carry it."""
+    turns: Literal["all", "last", "all_or_skip", "last_or_skip"] = "all"
+    """Assistant turns trained on: all or the last; a chat without one is an error, or with
+    *_or_skip skipped and counted."""
     tokenizer: str | None = None
     """null: model.path's; a tokenizer folder or hub name; for a random init bytes or byte-pairs."""
     seq_len: int = field(default=4096, metadata=SIZE)
@@ -87,31 +96,44 @@ class DataConfig:
     """Keep packed documents apart: attention, positions and labels stop at each boundary."""
     max_documents: int | None = None
     """Use only the first N records of the source (null = all)."""
-    eval_source: str | None = None
-    """Validation data, prepared like data.source (logged as eval_loss); or eval_fraction."""
-    eval_fraction: float = 0.0
-    """Share of data.source's documents held out for validation, chosen by train.seed."""
+    eval_source: str | float | None = None
+    """Validation data, prepared like data.source (logged as eval_loss), or a number in (0, 1):
+    the share of data.source's documents held out, chosen by train.seed."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data")
         require(self.source.strip() != "", "data.source", "is empty; use builtin, a file or a hub name")
-        require(self.text_field != "", "data.text_field", "is empty; name the text column")
+        for ours, theirs in (self.fields or {}).items():
+            require(ours in FIELD_NAMES, f"data.fields.{ours}", "is not one of our names; map "
+                    f"{', '.join(FIELD_NAMES)} to the records' names{suggest(ours, FIELD_NAMES)}")
+            require(isinstance(theirs, str) and theirs != "", f"data.fields.{ours}",
+                    f"is {theirs!r} but must be the records' name for {ours} (a string)")
+        require(self.chat_template != "", "data.chat_template", "is empty; name a template, a "
+                ".jinja file or null")
         require(self.tokenizer != "", "data.tokenizer", "is empty; use bytes, a path or null")
         require(self.seq_len >= 2, "data.seq_len", f"is {self.seq_len} but must be at least 2")
         if self.max_documents is not None:
             require(self.max_documents >= 1, "data.max_documents",
                     f"is {self.max_documents} but must be at least 1 (or null for all)")
-        require(self.eval_source != "", "data.eval_source", "is empty; give a file or null")
-        require(0 <= self.eval_fraction < 1, "data.eval_fraction",
-                f"is {self.eval_fraction} but must be in [0, 1) (0 = hold out nothing)")
-        require(self.eval_source is None or self.eval_fraction == 0, "data.eval_fraction",
-                f"is {self.eval_fraction} but data.eval_source is set too; validate on one: set "
-                "data.eval_fraction=0 or data.eval_source=null")
+        require(self.eval_source != "", "data.eval_source", "is empty; give a file or a share")
+        share = self.eval_source
+        require(share is None or isinstance(share, str) or 0 < share < 1, "data.eval_source",
+                f"is {share!r} but a share of documents held out must be in (0, 1), e.g. 0.05")
 
     @property
     def has_eval(self) -> bool:
-        """Whether validation data is set (data.eval_source or data.eval_fraction)."""
-        return self.eval_source is not None or self.eval_fraction > 0
+        """Whether validation data is set (data.eval_source: a source or a share)."""
+        return self.eval_source is not None
+
+    @property
+    def eval_fraction(self) -> float:
+        """The share of data.source's documents held out (0 where data.eval_source is not one)."""
+        return self.eval_source if isinstance(self.eval_source, float) else 0.0
+
+    @property
+    def text_field(self) -> str:
+        """The records' field holding a text document (data.fields.text)."""
+        return (self.fields or {}).get("text", "text")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,7 +265,8 @@ class RecipeConfig:
         if self.train.eval_every and not self.data.has_eval:
             raise ConfigError(
                 f"train.eval_every is {self.train.eval_every} but there is no validation data; "
-                "set data.eval_source or data.eval_fraction, or train.eval_every=0",
+                "set data.eval_source (a file, or a share of data.source such as 0.05), or "
+                "train.eval_every=0",
                 key="train.eval_every")
         if self.train.layers.state == "state" and self.parallel.fsdp == "off":
             raise ConfigError(

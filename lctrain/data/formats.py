@@ -1,11 +1,11 @@
 """Records → samples: int32 token ids and, per token, whether it is a training target.
 
-Formats: ``text`` (every token a target), ``prompt_completion`` (the completion and a closing eos),
-``chat`` (the assistant turns) and ``tokenized`` (optional unshifted ``labels``); ``auto`` detects
-it from the first record. Records with nothing to train on are skipped and counted. A chat template
-without ``{% generation %}`` markers is rendered by prefixes: the characters between the rendering
-of ``messages[:i]`` with the generation prompt and that of ``messages[:i + 1]`` are assistant
-message i's."""
+Formats: ``text`` (every token a target), ``prompt_completion`` (the completion and a closing eos;
+Alpaca's instruction, input, output too), ``chat`` (the assistant turns of OpenAI ``messages`` or
+ShareGPT ``conversations``) and ``tokenized`` (optional unshifted ``labels``); ``auto`` detects it
+from the first record. Records with nothing to train on are skipped and counted. Chats render
+through transformers' chat templates: the assistant's characters are those inside
+``{% generation %}`` markers, or found by rendering prefixes; its tokens, those overlapping them."""
 from __future__ import annotations
 
 import re
@@ -14,12 +14,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lctrain.data.chat_templates import resolve_template
 from lctrain.data.records import Record
-from lctrain.data.tokenizer import ByteTokenizer, encode_documents
+from lctrain.data.tokenizer import ByteTokenizer, encode_documents, encode_offsets
 from lctrain.errors import DataError
 
 FORMATS = ("text", "prompt_completion", "chat", "tokenized")  # data.format also takes auto
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+ROLES = ("system", "user", "assistant", "tool")
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant",
+                "observation": "tool", "function": "tool"}
+"""ShareGPT's role names (LLaMA-Factory's tags) -> ours."""
+NAMES = {name: name for name in ("text", "prompt", "completion", "instruction", "input", "output")}
+"""Record fields by our name -> the records' name (data.fields changes them)."""
 
 
 @dataclass(frozen=True)
@@ -50,33 +57,71 @@ class Skips:
         return f"{total} skipped ({'; '.join(parts)})"
 
 
-def detect_format(record: Record, text_field: str) -> tuple[str, str]:
-    """The format of ``record`` from its fields, and why; a DataError when no field says."""
-    fields = record.fields
-    if "input_ids" in fields:
+def detect_format(record: Record, fields: dict | None = None) -> tuple[str, str]:
+    """The format of ``record`` from its fields (named as ``data.fields`` maps them), and why;
+    a DataError when no field says."""
+    names, have = {**NAMES, **(fields or {})}, record.fields
+    if "input_ids" in have:
         return "tokenized", "records have input_ids"
-    if "messages" in fields:
-        return "chat", "records have a messages list"
-    if "prompt" in fields and "completion" in fields:
+    key = _list_key(have, fields)
+    if key in have:
+        first = have[key][0] if isinstance(have[key], list) and have[key] else {}
+        sharegpt = isinstance(first, dict) and "from" in first and "role" not in first
+        return "chat", f"records have {'a ShareGPT' if sharegpt else 'a'} {key} list"
+    if names["prompt"] in have and names["completion"] in have:
         return "prompt_completion", "records have prompt and completion"
-    if text_field in fields:
-        return "text", f"records have a {text_field!r} field"
-    raise DataError(f"{record.where} has fields {sorted(fields)}, none of which says its format "
-                    f"(text in {text_field!r}, prompt + completion, messages, input_ids); set "
-                    f"data.text_field to the text's field or data.format")
+    if names["instruction"] in have and names["output"] in have:
+        return "prompt_completion", "Alpaca records: instruction, input, output"
+    if names["text"] in have:
+        return "text", f"records have a {names['text']!r} field"
+    raise DataError(f"{record.where} has fields {sorted(have)}, none of which says its format "
+                    f"(text in {names['text']!r}, prompt + completion, instruction + output, "
+                    f"messages or conversations, input_ids); map data.fields (e.g. "
+                    f"data.fields.text) to the records' field names, or set data.format")
+
+
+def _list_key(have: dict, fields: dict | None) -> str:
+    """The field holding a chat record's messages: data.fields' messages, else messages or
+    (ShareGPT) conversations."""
+    mapped = (fields or {}).get("messages")
+    return mapped or ("conversations" if "conversations" in have and "messages" not in have
+                      else "messages")
 
 
 class Encoder:
-    """Turns records of format ``fmt`` (one of FORMATS) into samples with ``tokenizer``."""
+    """Turns records of format ``fmt`` (one of FORMATS) into samples with ``tokenizer``;
+    ``fields``, ``turns``: data.fields and data.turns; ``template``: data.chat_template's Jinja,
+    which also renders prompt/completion records as a user turn and an assistant turn."""
 
-    def __init__(self, fmt: str, tokenizer: Any, text_field: str) -> None:
-        self.fmt, self.tokenizer, self.text_field = fmt, tokenizer, text_field
+    def __init__(self, fmt: str, tokenizer: Any, *, fields: dict | None = None,
+                 turns: str = "all", template: str | None = None) -> None:
+        self.fmt, self.tokenizer = fmt, tokenizer
+        self.fields, self.names = fields, {**NAMES, **(fields or {})}
+        self.last, self.skip_unanswered = turns.startswith("last"), turns.endswith("_or_skip")
+        self.template, self.why = template, "data.format"
         self.skips = Skips()
         self.has_labels = False  # tokenized records with a labels field were seen
-        if fmt == "chat":
-            check_chat_tokenizer(tokenizer)
+        if fmt == "chat" or (fmt == "prompt_completion" and template):
+            check_chat_tokenizer(tokenizer, template)
         if fmt == "prompt_completion":
             self._prefix = leading_specials(tokenizer)
+
+    @classmethod
+    def for_data(cls, data: Any, tokenizer: Any, first: Record) -> "Encoder":
+        """The encoder of the DataConfig ``data``, its format (``.fmt``) and why (``.why``)
+        detected from the ``first`` record where data.format is auto."""
+        template = None if data.chat_template is None else resolve_template(data.chat_template)
+        try:
+            fmt, why = detect_format(first, data.fields)
+        except DataError:
+            if data.format == "auto":
+                raise
+            fmt, why = data.format, ""
+        if data.format != "auto":  # named as given, with what the first record looks like
+            fmt, why = data.format, f"data.format; {why}" if fmt == data.format else "data.format"
+        encoder = cls(fmt, tokenizer, fields=data.fields, turns=data.turns, template=template)
+        encoder.why = why
+        return encoder
 
     def encode(self, records: Sequence[Record]) -> list[Sample]:
         """The samples of ``records`` (batched for fast tokenizers); records with nothing to
@@ -92,7 +137,7 @@ class Encoder:
     def _text(self, records: Sequence[Record]) -> list[Sample | None]:
         texts, wheres = [], []
         for record in records:
-            text = _string(record, self.text_field, f"data.text_field {self.text_field!r}")
+            text = _string(record, self.names["text"], repr(self.names["text"]))
             if text:
                 texts.append(text)
                 wheres.append(record.where)
@@ -101,17 +146,40 @@ class Encoder:
         docs = encode_documents(self.tokenizer, texts) if texts else []
         return [Sample(_ids(doc), np.ones(len(doc), bool), where) for doc, where in zip(docs, wheres)]
 
+    def _pair(self, record: Record) -> tuple[str, str | None]:
+        """A prompt/completion or Alpaca record's prompt and completion."""
+        n = self.names
+        if n["prompt"] in record.fields or n["instruction"] not in record.fields:
+            return (_string(record, n["prompt"], repr(n["prompt"])) or "",
+                    _string(record, n["completion"], repr(n["completion"])))
+        instruction = _string(record, n["instruction"], repr(n["instruction"])) or ""
+        extra = _string(record, n["input"], repr(n["input"])) if n["input"] in record.fields \
+            else None
+        if self.template:
+            prompt = f"{instruction}\n\n{extra}" if extra else instruction
+        else:  # the Alpaca prompt (Stanford Alpaca's, as axolotl's alpaca type writes it)
+            context = ", paired with an input that provides further context" if extra else ""
+            prompt = (f"Below is an instruction that describes a task{context}. Write a response "
+                      f"that appropriately completes the request.\n\n### Instruction:\n"
+                      f"{instruction}\n\n" + (f"### Input:\n{extra}\n\n" if extra else "")
+                      + "### Response:\n")
+        return prompt, _string(record, n["output"], repr(n["output"]))
+
     def _prompt_completion(self, records: Sequence[Record]) -> list[Sample | None]:
         prompts, completions, wheres = [], [], []
         for record in records:
-            prompt = _string(record, "prompt", "'prompt'")
-            completion = _string(record, "completion", "'completion'")
+            prompt, completion = self._pair(record)
             if not completion:
                 self.skips.add("empty completion", record.where)
                 continue
-            prompts.append(prompt or "")
+            prompts.append(prompt)
             completions.append(completion)
             wheres.append(record.where)
+        if self.template:  # a user turn and an assistant turn
+            pairs = [([{"role": "user", "content": p}, {"role": "assistant", "content": c}], w)
+                     for p, c, w in zip(prompts, completions, wheres)]
+            return [Sample(_ids(ids), np.asarray(mask, bool), w) for (ids, mask), w in (
+                (encode_chat(self.tokenizer, m, w, template=self.template), w) for m, w in pairs)]
         if not wheres:
             return []
         eos = self.tokenizer.eos_token_id
@@ -126,22 +194,25 @@ class Encoder:
     def _chat(self, records: Sequence[Record]) -> list[Sample | None]:
         samples: list[Sample | None] = []
         for record in records:
-            messages = record.fields.get("messages")
+            key = _list_key(record.fields, self.fields)
+            messages = record.fields.get(key)
             if not isinstance(messages, list):
-                raise DataError(f"{record.where}: messages must be a list of {{role, content}} "
-                                f"objects, got {_kind(messages)}")
-            if not messages:
-                self.skips.add("empty conversation", record.where)
-                continue
-            check_messages(messages, record.where)
+                raise DataError(f"{record.where}: {key} must be a list of messages ({{role, "
+                                f"content}} or ShareGPT's {{from, value}}), got {_kind(messages)}")
+            messages = chat_messages(messages, record.where, self.fields)
             replies = [m["content"] for m in messages if m["role"] == "assistant"]
+            if not replies and not self.skip_unanswered:
+                raise DataError(f"{record.where}: the conversation has no assistant turn, so "
+                                f"nothing in it is trained on; add one, or set data.turns to "
+                                f"all_or_skip (or last_or_skip) to skip such records")
             if not replies:
                 self.skips.add("no assistant turn", record.where)
                 continue
-            if not any(replies):
+            if not any(replies[-1:] if self.last else replies):
                 self.skips.add("empty assistant reply", record.where)
                 continue
-            ids, mask = encode_chat(self.tokenizer, messages, record.where)
+            ids, mask = encode_chat(self.tokenizer, messages, record.where, last=self.last,
+                                    template=self.template)
             samples.append(Sample(_ids(ids), np.asarray(mask, dtype=bool), record.where))
         return samples
 
@@ -178,7 +249,7 @@ def _string(record: Record, key: str, what: str) -> str | None:
     """The string field ``key`` (None and "" both mean empty), or a DataError."""
     if key not in record.fields:
         raise DataError(f"{record.where} has no {key!r} field (its fields are "
-                        f"{sorted(record.fields)}); check data.format and data.text_field")
+                        f"{sorted(record.fields)}); check data.format and data.fields")
     value = record.fields[key]
     if value is None or isinstance(value, str):
         return value
@@ -224,77 +295,102 @@ def leading_specials(tokenizer: Any) -> list[int]:
     return []
 
 
-def check_chat_tokenizer(tokenizer: Any) -> None:
-    """Raise a DataError unless ``tokenizer`` can render chats."""
+def check_chat_tokenizer(tokenizer: Any, template: str | None = None) -> None:
+    """Raise a DataError unless ``tokenizer`` can render chats (with ``template``, else its own)."""
     if isinstance(tokenizer, ByteTokenizer):
         return
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-    if not getattr(tokenizer, "chat_template", None):
+    if not (template or getattr(tokenizer, "chat_template", None)):
         raise DataError(f"data.format is chat but the tokenizer {name!r} has no chat template; "
-                        f"give it one (a chat_template.jinja file in its folder, or a "
-                        f"\"chat_template\" entry in its tokenizer_config.json), use a tokenizer "
-                        f"folder that has one (data.tokenizer; for a random init also "
-                        f"data.tokenizer=bytes, whose own chat format needs none), or give the "
-                        f"records as prompt and completion (data.format=prompt_completion)")
+                        f"set data.chat_template (a name such as chatml or llama3, or a .jinja "
+                        f"file), give the tokenizer one (a chat_template.jinja file in its folder),"
+                        f" or give the records as prompt and completion "
+                        f"(data.format=prompt_completion)")
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"data.format is chat but the tokenizer {name!r} is not a fast (Rust) "
                         f"tokenizer, whose character offsets locate the assistant's tokens; use "
                         f"a tokenizer folder with a tokenizer.json")
 
 
-def check_messages(messages: Sequence[Any], where: str) -> None:
-    """Raise a DataError unless every message has a string role and a string content (a
-    missing or null content is malformed; an empty string is allowed)."""
+def chat_messages(messages: Sequence[Any], where: str, fields: dict | None = None) -> list[dict]:
+    """The messages as ``{role, content, ...}`` with our role names (from ShareGPT's
+    ``{from, value}`` and the names ``fields`` maps); DataError naming ``where`` unless every
+    message has a known role and a string content (missing or null is malformed, "" allowed)."""
+    fields = fields or {}
+    roles = {**ROLE_ALIASES, **{r: r for r in ROLES}, **{fields[r]: r for r in ROLES if r in fields}}
+    out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        sharegpt = isinstance(message, dict) and "from" in message and "role" not in message
+        role_key = fields.get("role", "from" if sharegpt else "role")
+        content_key = fields.get("content", "value" if sharegpt else "content")
+        if not isinstance(message, dict) or not isinstance(message.get(role_key), str):
             raise DataError(f"{where}: each message must be an object with a string role, got "
                             f"{message!r:.80}")
-        if "content" not in message:
-            raise DataError(f"{where}: message {i} ({message['role']}) has no content; each "
-                            f"message must be an object with a string role and a string content")
-        content = message["content"]
+        role = message[role_key]
+        if role not in roles:
+            raise DataError(f"{where}: message {i} has role {role!r}, which is none of "
+                            f"{', '.join(ROLES)} (nor ShareGPT's {', '.join(ROLE_ALIASES)}); "
+                            f"correct the record, or map the role with data.fields (such as "
+                            f"data.fields.user={role})")
+        if content_key not in message:
+            raise DataError(f"{where}: message {i} ({role}) has no content; each message must "
+                            f"be an object with a string role and a string content")
+        content = message[content_key]
         if not isinstance(content, str):
             kind = "null" if content is None else f"of type {type(content).__name__}"
-            raise DataError(f"{where}: message {i} ({message['role']}) has content {kind}, not "
-                            f"a string; each message must be an object with a string role and "
-                            f"a string content")
+            raise DataError(f"{where}: message {i} ({role}) has content {kind}, not a string; "
+                            f"each message must be an object with a string role and a string "
+                            f"content")
+        out.append({**{k: v for k, v in message.items() if k not in (role_key, content_key)
+                       and v is not None}, "role": roles[role], "content": content})
+    return out
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[dict], where: str) -> tuple[list[int], list[bool]]:
-    """Token ids of a conversation and, per token, whether it is the assistant's; DataError
-    (naming ``where``) when a message is malformed or the template fails on the conversation."""
-    check_messages(messages, where)
-    if isinstance(tokenizer, ByteTokenizer):
-        try:
-            return tokenizer.encode_chat(messages)
-        except ValueError as error:
-            raise DataError(f"{where}: {error}; the bytes tokenizer's chat format needs text "
-                            f"content") from None
+def encode_chat(tokenizer: Any, messages: Sequence[dict], where: str, *, last: bool = False,
+                template: str | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids of a conversation and, per token, whether it is the assistant's (``last``: of
+    the last assistant turn only), rendered with ``template`` or the tokenizer's chat template
+    (the bytes tokenizer without one: its own format); DataError (naming ``where``) when a
+    message is malformed or the template fails on the conversation."""
+    messages = chat_messages(messages, where)
+    template = template or tokenizer.chat_template
+    if not template:  # the bytes tokenizer's own format, a prefix of which is each turn's
+        check_chat_tokenizer(tokenizer)
+        ids, mask = tokenizer.encode_chat(messages)
+        if last:
+            k = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            head = len(tokenizer.encode_chat(messages[:k], add_generation_prompt=True)[0])
+            mask = [False] * head + mask[head:]
+        return ids, mask
     try:
-        if _GENERATION.search(tokenizer.chat_template):
-            out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                return_assistant_tokens_mask=True)
-            return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-        text, spans = assistant_spans(tokenizer, messages, where)
-        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        starts = np.array([start for start, _ in out["offset_mapping"]], dtype=np.int64)  # (n,)
-        mask = np.zeros(len(starts), dtype=bool)
-        for a, b in spans:  # a token is the assistant's when its first character is
-            mask |= (starts >= a) & (starts < b)
-        return list(out["input_ids"]), mask.tolist()
+        if _GENERATION.search(template):
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            (text,), (spans,) = render_jinja_template(
+                [messages], chat_template=template, return_assistant_tokens_mask=True,
+                **tokenizer.special_tokens_map)
+        else:
+            text, spans = assistant_spans(tokenizer, messages, where, template)
+        ids, offsets = encode_offsets(tokenizer, text)
     except DataError:
         raise
     except Exception as error:  # noqa: BLE001 - jinja2 errors, raise_exception in templates
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DataError(f"{where}: the chat template cannot render this conversation ({text}); "
                         f"fix the record or the template") from None
+    mask = np.zeros(len(ids), dtype=bool)
+    for a, b in spans[-1:] if last else spans:  # as transformers: a token overlapping the span
+        mask |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
+    return ids, mask.tolist()
 
 
-def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str
+def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str, template: str
                     ) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's rendered text and the character spans of its assistant turns."""
+    """The conversation's rendered text and the character spans of its assistant turns, for a
+    template without ``{% generation %}`` markers: the characters between the rendering of
+    ``messages[:i]`` with the generation prompt and that of ``messages[:i + 1]`` are message i's."""
     def render(part, prompt):
-        return tokenizer.apply_chat_template(list(part), tokenize=False,
+        return tokenizer.apply_chat_template(list(part), chat_template=template, tokenize=False,
                                              add_generation_prompt=prompt)
 
     text = render(messages, False)

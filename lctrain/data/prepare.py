@@ -2,8 +2,8 @@
 
 The leader writes the encoded source into the cache (`default_cache_dir`: one folder per `digest` of
 all the content depends on, appearing by atomic rename) and plans the rows; other processes and
-later runs memory-map it. ``data.eval_fraction`` holds documents out of the training rows (drawn
-from ``train.seed``); both parts share the token stream."""
+later runs memory-map it. ``data.eval_source`` as a share holds documents out of the training rows
+(drawn from ``train.seed``); both parts share the token stream."""
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from lctrain.config import DataConfig
-from lctrain.data.formats import Encoder, Skips, detect_format
+from lctrain.data.formats import Encoder, Skips
 from lctrain.data.packing import PackedRows, RowPlan, TokenStream, plan_rows
 from lctrain.data.records import RecordReader, source_identity
 from lctrain.data.tokenizer import ByteTokenizer, pad_token_id
@@ -38,11 +38,11 @@ def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
     """Sorted int64 indices of the round(fraction × documents) held out (DataError: none or all)."""
     count = int(round(fraction * documents))
     if count < 1:
-        raise DataError(f"data.eval_fraction {fraction:g} of {documents} documents holds out none; "
-                        f"raise it to at least {1 / documents:.2g} or use data.eval_source")
+        raise DataError(f"data.eval_source {fraction:g} of {documents} documents holds out none; "
+                        f"raise it to at least {1 / documents:.2g} or give a file")
     if count >= documents:
-        raise DataError(f"data.eval_fraction {fraction:g} of {documents} documents holds out all "
-                        f"of them and leaves none to train on; lower it or use data.eval_source")
+        raise DataError(f"data.eval_source {fraction:g} of {documents} documents holds out all "
+                        f"of them and leaves none to train on; lower it or give a file")
     rng = np.random.default_rng([seed, documents])
     return np.sort(rng.choice(documents, size=count, replace=False)).astype(np.int64)
 
@@ -53,7 +53,7 @@ def part_samples(data: DataConfig, part: str, documents: int, seed: int = 0) -> 
         raise ValueError(f"unknown data part {part!r}; use one of {PARTS}")
     if data.eval_fraction == 0:
         if part == "eval":
-            raise ValueError("the eval part of data.source needs data.eval_fraction > 0")
+            raise ValueError("the eval part of data.source needs data.eval_source to be a share")
         return None
     chosen = held_out(documents, data.eval_fraction, seed)
     return chosen if part == "eval" else np.setdiff1d(np.arange(documents, dtype=np.int64), chosen)
@@ -65,7 +65,7 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
     """The packed rows of ``part`` of ``data`` (``train``: without the documents ``seed`` holds
     out; ``eval``: data.eval_source or those), from the cache or prepared into it by the
     ``leader`` (one per machine; the others wait). ``source_key`` is named in messages."""
-    if part == "eval" and data.eval_source is not None:
+    if part == "eval" and isinstance(data.eval_source, str):
         own = dataclasses.replace(data, source=data.eval_source, eval_source=None,
                                   max_documents=None)
         rows = prepare_data(own, tokenizer, leader=leader, show_progress=show_progress,
@@ -73,11 +73,12 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
         rows.info["part"] = "eval"
         return rows
     if part == "eval" and data.eval_fraction == 0:
-        raise DataError("there is no validation data; set data.eval_source (a file) or "
-                        "data.eval_fraction (a share of data.source's documents)")
+        raise DataError("there is no validation data; set data.eval_source (a file, or a share "
+                        "of data.source's documents such as 0.05)")
     root = default_cache_dir()
     folder = root / digest(["tokens", source_identity(data), tokenizer_identity(tokenizer),
-                                  data.format, data.text_field, data.max_documents])
+                                  data.format, data.text_field, data.max_documents, data.fields,
+                                  data.chat_template, data.turns])
     built = {"tokens": False, "rows": False}
     start = time.perf_counter()
     lock = folder.with_name(folder.name + ".lock")
@@ -117,16 +118,15 @@ def _part_counts(stream: TokenStream, data: DataConfig, part: str,
         tokens, targets = total_tokens - tokens, total_targets - targets
     longest = int(np.diff(stream.bounds)[samples].max())
     return {"part_samples": int(samples.size), "part_tokens": tokens, "part_targets": targets,
-            "part_longest": longest,
-            "held_out": int(held.size), "eval_fraction": data.eval_fraction,
-            "seed": seed}
+            "part_longest": longest, "held_out": int(held.size),
+            "eval_fraction": data.eval_fraction, "seed": seed}
 
 
 def tokenizer_identity(tokenizer: Any) -> list:
     """What identifies how ``tokenizer`` turns text into ids (for the cache key)."""
     probe = "lctrain probe"
     if isinstance(tokenizer, ByteTokenizer):
-        return ["bytes", tokenizer.vocab_size, tokenizer.encode(probe)]
+        return ["bytes", tokenizer.vocab_size, tokenizer.encode(probe), tokenizer.chat_template]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     definition = backend.to_str() if backend is not None else json.dumps(
         sorted(tokenizer.get_vocab().items()))
@@ -186,9 +186,7 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
     first = list(islice(records, _BATCH))
     if not first:
         raise DataError(f"{source_key} {data.source!r} holds no record; point it at some data")
-    fmt, why = (data.format, "data.format") if data.format != "auto" else detect_format(
-        first[0], data.text_field)
-    encoder = Encoder(fmt, tokenizer, data.text_field)
+    encoder = Encoder.for_data(data, tokenizer, first[0])
     counts = {"records": 0, "tokens": 0, "target_tokens": 0}
     lengths: list[int] = []
     with open(folder / "ids.bin", "wb") as ids, open(folder / "targets.bin", "wb") as flags, \
@@ -209,7 +207,7 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
         raise DataError(f"data.source {data.source!r} yields no token to train on"
                         f"{': ' + skipped if skipped else ''}; check the records")
     np.save(folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
-    meta = {"format": fmt, "format_reason": why, "has_labels": encoder.has_labels,
+    meta = {"format": encoder.fmt, "format_reason": encoder.why, "has_labels": encoder.has_labels,
             "samples": len(lengths), "skipped": encoder.skips.reasons,
             "longest": int(max(lengths)), **counts}
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -269,7 +267,7 @@ def rows_summary(rows: PackedRows) -> list[str]:
              f"({100 * targets / max(tokens, 1):.0f} %)" + (f"; {skipped}" if skipped else "")]
     if "held_out" in info:
         lines.append(f"held out for validation: {info['held_out']:,} of {info['samples']:,} "
-                     f"documents (data.eval_fraction {info['eval_fraction']:g}, train.seed "
+                     f"documents (data.eval_source {info['eval_fraction']:g}, train.seed "
                      f"{info['seed']}), never trained on")
     real = int((plan.stops - plan.starts).sum())
     lines.append(f"rows: {len(rows):,} × {seq_len:,} tokens, {_mode_text(info['long_samples'])}, "

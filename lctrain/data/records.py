@@ -2,7 +2,7 @@
 
 Sources (``data.source``): ``builtin`` (Python's own help topics, present offline), ``.jsonl``
 (strict UTF-8, one object a line), ``.json`` (an array of objects, or JSON lines), ``.parquet``,
-``.txt`` (one document a file), or a Hugging Face hub dataset name."""
+``.txt`` (one document a file), or a Hugging Face hub dataset name (``org/name[split]``)."""
 from __future__ import annotations
 
 import importlib
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from lctrain.config import DataConfig, local_data
-from lctrain.config.hub import check_hub_dataset
+from lctrain.config.hub import check_hub_dataset, hub_split
 from lctrain.errors import DataError
 
 _BOM = b"\xef\xbb\xbf"
@@ -116,7 +116,7 @@ class RecordReader:
 
     def _hub(self) -> Iterator[Record]:
         datasets = _optional("datasets", "datasets", "hub datasets")
-        name, split = self.data.source, self.data.split
+        name, split = hub_split(self.data.source)
         # refused at once when neither the hub nor the datasets cache can give it
         check_hub_dataset(name, what=self.source_key)
         try:
@@ -192,6 +192,6 @@ def source_identity(data: DataConfig) -> list:
         return ["builtin", sys.version, sum(len(t) for t in builtin_documents())]
     local = local_data(data.source)
     if local is None:
-        return ["hub", data.source, data.split]
+        return ["hub", *hub_split(data.source)]
     stats = [(os.path.abspath(f), os.stat(f)) for f in local.files]
     return [[path, st.st_size, st.st_mtime_ns] for path, st in stats]

@@ -13,6 +13,7 @@ import numpy as np
 from lctrain.config import (BYTE_PAIR_TOKENIZER_VOCAB, BYTE_TOKENIZER_VOCAB, RecipeConfig,
                             require_model_path)
 from lctrain.config.hub import cache_only, check_hub_tokenizer, looks_like_hub_name
+from lctrain.data.chat_templates import resolve_template
 from lctrain.errors import ConfigError, DataError
 
 
@@ -24,6 +25,9 @@ class ByteTokenizer:
     eos_token_id = 257
     pad_token_id = 258
     vocab_size = BYTE_TOKENIZER_VOCAB
+    chat_template: str | None = None  # data.chat_template; None: the chat format below
+    special_tokens_map = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+    _width = 1  # bytes a token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``: ``[bos, *tokens, eos]`` (without bos/eos if asked)."""
@@ -91,6 +95,7 @@ class BytePairTokenizer(ByteTokenizer):
     eos_token_id = _LONE + 257
     pad_token_id = _LONE + 258
     vocab_size = BYTE_PAIR_TOKENIZER_VOCAB
+    _width = 2
 
     def _encode_bytes(self, data: bytes) -> list[int]:
         raw = np.frombuffer(data, dtype=np.uint8).astype(np.int64)  # (n,)
@@ -109,6 +114,13 @@ BUILTIN = {"bytes": ByteTokenizer, "byte-pairs": BytePairTokenizer}
 def load_tokenizer(cfg: RecipeConfig, vocab_size: int | None = None) -> Any:
     """The recipe's tokenizer, checked against the model's ``vocab_size`` when given
     (ConfigError: more ids than the model has embeddings; DataError: it cannot be loaded)."""
+    tokenizer = _load(cfg, vocab_size)
+    if cfg.data.chat_template is not None:  # saved with the tokenizer by an export
+        tokenizer.chat_template = resolve_template(cfg.data.chat_template)
+    return tokenizer
+
+
+def _load(cfg: RecipeConfig, vocab_size: int | None) -> Any:
     name = cfg.data.tokenizer
     if name in BUILTIN:
         return BUILTIN[name]()
@@ -142,6 +154,20 @@ def encode_documents(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
     eos = tokenizer.eos_token_id
     return [list(doc) if eos is None or (doc and doc[-1] == eos) else [*doc, eos] for doc in ids]
+
+
+def encode_offsets(tokenizer: Any, text: str) -> tuple[list[int], np.ndarray]:
+    """Token ids of ``text`` (no special token added) and each token's (start, end) characters
+    as an (n, 2) array; a built-in tokenizer's token spans the characters of its bytes."""
+    if not isinstance(tokenizer, ByteTokenizer):
+        out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(out["input_ids"]), np.asarray(out["offset_mapping"], np.int64).reshape(-1, 2)
+    data = text.encode("utf-8")
+    raw = np.frombuffer(data, dtype=np.uint8)
+    char = np.cumsum((raw & 0xC0) != 0x80) - 1  # (bytes,) the character each byte belongs to
+    first = np.arange(0, raw.size, tokenizer._width)  # (n,) each token's first byte
+    last = np.minimum(first + tokenizer._width, raw.size) - 1
+    return tokenizer._encode_bytes(data), np.stack([char[first], char[last] + 1], axis=1)
 
 
 def pad_token_id(tokenizer: Any) -> int:

@@ -85,8 +85,7 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
         key, value = parse_override(item)
         set_key(raw, key, value, where=f"--set {item}")
         explicit.add(key)
-    has_eval = bool(raw.get("data", {}).get("eval_source")) or \
-        float(raw.get("data", {}).get("eval_fraction") or 0) > 0
+    has_eval = bool(raw.get("data", {}).get("eval_source"))
     lengths = list(lengths or [])
     _settle(raw, task=task, seq_len=seq_len, cp=cp, data=data, lengths=lengths, kind=kind,
             format_given="data.format" in explicit)
@@ -200,7 +199,7 @@ def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: 
     if cp is not None:
         sections["parallel"]["cp"] = cp
     if data is not None:
-        sections["data"].update(source=data, eval_source=None, eval_fraction=0.0)
+        sections["data"].update(source=data, eval_source=None)
         if not format_given:
             sections["data"]["format"] = "auto"
     state = [item for item in str(sections["train"].get("offload", "none")).split(",")

@@ -1,8 +1,6 @@
 """`export_run`: one checkpoint of a run → a Hugging Face folder (what ``lctrain export`` calls).
-
-The model is built on ``meta`` from the run's config.yaml as training built it (with LoRA), so
-parameter names match the checkpoint's, and the weights read from it are assigned in place, on the
-CPU in this one process; the folder appears whole."""
+The model is built on ``meta`` as training built it, so that its names match the checkpoint's,
+and the weights are assigned in place, on the CPU in this one process."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +23,8 @@ LORA_PARTS = (".lora_A.", ".lora_B.", ".modules_to_save.")  # what LoRA adds to 
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What an export wrote: the folder, the step, its kind ("full", "adapter" or "merged"),
-    the dtype, where the tokenizer came from, the base model of an adapter, and the files
-    (relative to ``output``)."""
+    """What an export wrote (``kind``: "full", "adapter" or "merged"; ``files`` relative to
+    ``output``)."""
 
     output: Path
     step: int

@@ -1,9 +1,6 @@
-"""What an export writes: the weights — full (``save_pretrained``, shards of at most 5 GB), merged
-(the adapters merged in, in float32) or adapter (peft's files; a random init's base weights go to
-``base/`` beside it) — and the run's tokenizer. lctrain's byte tokenizer is written as an equivalent
-``PreTrainedTokenizerFast`` (a BPE with GPT-2's 256 byte characters and no merges, ``<bos>`` before
-every text, special names in text read as bytes). `staged_folder` makes the output appear whole or
-not at all."""
+"""What an export writes: the weights (full, merged, or a LoRA adapter with a random init's base
+in ``base/``) and the run's tokenizer with its chat template; lctrain's byte tokenizer as an
+equivalent ``PreTrainedTokenizerFast``. `staged_folder` makes the output appear whole or not at all."""
 from __future__ import annotations
 
 import contextlib
@@ -142,8 +139,10 @@ def run_tokenizer(cfg: RecipeConfig) -> tuple[Any, bool]:
     tokenizer = load_tokenizer(cfg)
     if isinstance(tokenizer, BytePairTokenizer):
         return None, False
-    if isinstance(tokenizer, ByteTokenizer):
-        return byte_tokenizer_fast(), True
+    if isinstance(tokenizer, ByteTokenizer):  # with data.chat_template, which renders to bytes
+        fast = byte_tokenizer_fast()
+        fast.chat_template = tokenizer.chat_template
+        return fast, True
     return tokenizer, False
 
 

@@ -1,11 +1,6 @@
-"""Where the work runs: this process, processes started here, or one rank of a launcher's job.
-
-`dispatch` runs the worker here under a launcher (torchrun, accelerate launch) or for one
-process; otherwise it starts the ranks through torch.distributed.run in an agent process
-(`spawn_workers`), with the recipe and file stores in a private folder (no network port), the
-workers' stderr in ``output_dir/.launch/workers.log``, and a `Supervisor` watching them. What
-the run says after its terminal or pipe went away is in ``output_dir/.launch/terminal.log``.
-"""
+"""Where the work runs: this process, ranks started here through torch.distributed.run (file
+stores in a private folder, no network port; a `Supervisor` watching them), or one rank of a
+launcher's job (torchrun, accelerate launch)."""
 from __future__ import annotations
 
 import contextlib
@@ -37,11 +32,9 @@ AGENT_MODULE = "lctrain.launch.supervisor"  # the agent: `agent_main`
 def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | None,
              module: str = WORKER_MODULE, args: tuple[str, ...] = (),
              own_process: bool = False) -> int:
-    """Run ``worker`` on every rank the recipe needs; returns the exit code (0 on success).
-    Self-launched ranks (``nproc``, default `default_nproc`) run ``python -m MODULE --config
-    ... ARGS``, even a single one with ``own_process`` (so a benchmark's runs share nothing).
-    UserError: the output folder is in use, a check before start failed, or a rank failed,
-    died or hung."""
+    """Run ``worker`` on every rank the recipe needs (self-launched ranks run ``python -m MODULE
+    ... ARGS``, even a lone one with ``own_process``); the exit code. UserError: a check or a
+    rank failed."""
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ:  # torchrun, accelerate launch
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's child: die with it
             die_with_parent()
@@ -50,7 +43,7 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
             return worker(cfg, resume=resume)
     n = nproc if nproc is not None else default_nproc(cfg)
     with RunLock(cfg.train.output_dir):
-        check_before_start(cfg, nproc=n, resume=resume)
+        check_before_start(cfg, nproc=n, resume=resume, data=module == WORKER_MODULE)
         with kept_output(launch_dir(cfg) / OUTPUT_LOG):
             if n == 1 and not own_process:
                 return worker(cfg, resume=resume)
@@ -64,9 +57,11 @@ def default_nproc(cfg: RecipeConfig) -> int:
     return cfg.parallel.cp
 
 
-def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool) -> None:
+def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool,
+                       data: bool = False) -> None:
     """What can fail (UserError) before any process starts, on a machine running ``nproc`` of
-    them: the output folder, cp, this machine's memory."""
+    them: the output folder, cp, this machine's memory and, for training (``data``), the first
+    records of the data."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_run_folder(cfg, resume=resume)
     check_parallel_sizes(nproc, cfg.parallel.cp)
@@ -75,14 +70,22 @@ def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool) -> None:
     else:  # a CPU run holds the whole training state in host memory
         check_cpu_memory(cfg, processes=nproc)
     resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
+    if data:
+        check_data(cfg)
+
+
+def check_data(cfg: RecipeConfig) -> None:
+    """The ranks' DataError about the data's first records, at once (`check_first_records`)."""
+    from lctrain.data.check import check_first_records
+    from lctrain.model import load_tokenizer
+
+    check_first_records(cfg.data, lambda: load_tokenizer(cfg))
 
 
 def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = WORKER_MODULE,
                   args: tuple[str, ...] = ()) -> int:
-    """Run ``nproc`` local ranks of ``python -m MODULE ... ARGS`` through torch.distributed.run,
-    watched until they end; the recipe (checked by its SHA-256) and the file stores live in a
-    private temporary folder. Returns 0, 128 + the signal when a stop signal ended the run, or 1
-    for a bug in a rank; UserError: a rank's UserError, a rank killed by a signal, or a hang."""
+    """Run ``nproc`` local ranks of ``python -m MODULE ... ARGS`` and watch them; returns 0, 128 +
+    a stop signal, or 1 for a bug in a rank (UserError: a rank's UserError, death or hang)."""
     folder = launch_dir(cfg)
     errors, failures, log = folder / "errors", folder / "failures.json", folder / "workers.log"
     for stale in (errors, heartbeat_dir(cfg.train.output_dir)):
