@@ -88,16 +88,16 @@ def test_the_inventory_counts_each_storage_once_under_its_owner():
     from lctrain.train.memory_trace import inventory
 
     device = torch.device("cpu")
-    layer = torch.nn.Linear(64, 32)
-    layer(torch.randn(4, 64)).sum().backward()
+    layer = torch.nn.Linear(67, 29)  # shapes no other test leaves behind
+    layer(torch.randn(4, 67)).sum().backward()
     optimizer = torch.optim.AdamW(layer.parameters())
     optimizer.step()
-    keep = torch.zeros(1000, 3)  # noqa: F841 - another tensor the collector reaches
+    keep = torch.zeros(1009, 3)  # noqa: F841 - another tensor the collector reaches
     text = inventory(device, layer, optimizer, top=1 << 30)  # every shape, whatever else lives
-    weights = (64 * 32 + 32) * 4
+    weights = (67 * 29 + 29) * 4
     assert f"{weights / 2**30:.2f} GiB  parameters" in text
-    assert "(1000, 3) float32" in text
-    assert "(32, 64) float32" not in text  # counted once, as a parameter
+    assert "(1009, 3) float32" in text
+    assert "(29, 67) float32" not in text  # counted once, as a parameter
 
 
 def test_the_inventory_passes_over_tensors_that_own_no_memory():
