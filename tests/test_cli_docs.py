@@ -95,9 +95,10 @@ FLAGS = {"--resume", "--peers", "--overlap-ablation", "--merge", "--plan", "--ro
 
 def _parse(args: list[str]) -> tuple[list[str], list[str], dict[str, list[str]]]:
     """(command words, positional arguments, options) of an lctrain command line."""
-    words = args[:2] if args[:1] == ["bench"] else args[:1]
+    words = args[:2] if args[:1] in (["bench"], ["data"]) else args[:1]
     positional, options, i = [], {}, len(words)
     flags = FLAGS | ({"--json"} if words == ["estimate-memory"] else set())
+    flags -= {"--rows"} if words == ["data", "preview"] else set()  # there --rows takes N
     while i < len(args):
         if args[i].startswith("--"):
             if args[i] in flags:
@@ -114,7 +115,7 @@ def _parse(args: list[str]) -> tuple[list[str], list[str], dict[str, list[str]]]
 
 def test_the_pages_show_every_command():
     readme = [c.values[0] for c in COMMANDS if c.id.startswith("README.md")]
-    for command in ("finetune", "estimate-memory", "bench", "export", "eval", "report"):
+    for command in ("finetune", "data", "estimate-memory", "bench", "export", "eval", "report"):
         assert any(args[0] == command for args in readme), command
     for sub in ("kernel", "attention", "step", "report"):
         assert any(c.values[0][:2] == ["bench", sub] for c in COMMANDS), sub
@@ -295,6 +296,10 @@ def _check_call(args: list[str], calls: list, tmp_path: Path, output: str) -> No
         return
     if words == ["report"]:
         assert not calls and all(Path(run).name in output for run in positional)
+        return
+    if words == ["data", "preview"]:  # runs for real on the scratch data: it is CPU work
+        source = next(s.split("=", 1)[1] for s in sets if s.startswith("data.source="))
+        assert not calls and Path(source).name in output and "trained" in output, output
         return
     if words == ["eval"]:
         (name, _, resolve), (evaluated, _, _) = calls
