@@ -19,6 +19,13 @@ SIZE = {"unit": "tokens"}
 """Field metadata: the int field also accepts a size string such as ``"256k"``."""
 MEMORY = {"unit": "bytes"}
 """Field metadata: the int field also accepts a memory size such as ``"240GiB"``."""
+
+
+def at_least(low: int, note: str = "") -> dict:
+    """Field metadata: the value (unless null) must be at least ``low``; ``note`` ends the error."""
+    return {"min": (low, note)}
+
+
 FLOAT32_MAX = 3.4028234663852886e38
 _TOKEN_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _MEMORY_UNITS = {"": 1, "b": 1, **{f"{p}{s}": base ** (i + 1) for i, p in enumerate("kmgt")
@@ -73,11 +80,11 @@ def parse_memory(value: int | str, *, what: str = "memory size") -> int:
 
 def format_bytes(count: float) -> str:
     """Render a byte count with a binary unit, e.g. ``"12.3 GiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
-    raise AssertionError("unreachable")
+    return f"{count:.1f} TiB"
 
 
 def format_tokens(count: int) -> str:
@@ -108,6 +115,10 @@ def check_fields(obj: Any, section: str) -> None:
         new = coerce(key, hints[field.name], value, unit=field.metadata.get("unit"))
         if new is not value:
             object.__setattr__(obj, field.name, new)
+        low, note = field.metadata.get("min", (None, ""))
+        if low is not None and new is not None:
+            shown = "≥ 0" if low == 0 else f"at least {low}"
+            require(new >= low, key, f"is {new} but must be {shown}{note}")
 
 
 def coerce(key: str, annotation: Any, value: Any, *, unit: str | None = None) -> Any:
@@ -128,10 +139,15 @@ def coerce(key: str, annotation: Any, value: Any, *, unit: str | None = None) ->
                           f"{suggest(value, [str(a) for a in args])}", key=key)
     if origin is tuple:
         return _coerce_tuple(key, args, value)
-    handler = _SCALARS.get(annotation)
-    if handler is None:
+    if annotation is int:
+        return _to_int(key, value, unit)
+    if annotation is float:
+        return _to_float(key, value)
+    if annotation not in _EXACT:
         raise TypeError(f"config field {key} has an unsupported annotation {annotation!r}")
-    return handler(key, value, unit)
+    if not isinstance(value, annotation):
+        raise _fail(key, _EXACT[annotation], value)
+    return value
 
 
 def _fail(key: str, expected: str, value: Any) -> ConfigError:
@@ -155,19 +171,13 @@ def _to_int(key: str, value: Any, unit: str | None) -> int:
     raise _fail(key, "a whole number" + example, value)
 
 
-def _to_float(key: str, value: Any, unit: str | None) -> float:
-    number = None
-    if isinstance(value, float):
-        number = value
-    elif isinstance(value, int) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):  # YAML 1.1 reads "3e-3" (no dot) as a string
-        try:
-            number = float(value)
-        except ValueError:
-            pass
-    if number is None:
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _fail(key, "a number", value)
+    try:  # a string too: YAML 1.1 reads "3e-3" (no dot) as one
+        number = float(value)
+    except ValueError:
+        raise _fail(key, "a number", value) from None
     if not math.isfinite(number):  # .inf / .nan (or "inf", "nan") would train on nonsense
         raise ConfigError(f"{key} is {value!r} but must be a finite number", key=key)
     if abs(number) > FLOAT32_MAX:  # finite here, inf in the float32 the training runs in
@@ -177,17 +187,8 @@ def _to_float(key: str, value: Any, unit: str | None) -> float:
     return number
 
 
-def _exactly(kind: type, expected: str):
-    """A handler that takes values of ``kind`` as they are."""
-    def check(key: str, value: Any, unit: str | None):
-        if isinstance(value, kind):
-            return value
-        raise _fail(key, expected, value)
-    return check
-
-
-_SCALARS = {int: _to_int, float: _to_float, bool: _exactly(bool, "true or false"),
-            str: _exactly(str, "a string"), dict: _exactly(dict, "a mapping")}
+_EXACT = {bool: "true or false", str: "a string", dict: "a mapping"}
+"""Types taken only as they are -> how an error says what is expected."""
 
 
 def _coerce_tuple(key: str, args: tuple, value: Any) -> tuple:

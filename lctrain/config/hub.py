@@ -14,7 +14,6 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
 
 HUB_PROBE_TIMEOUT_S = 3.0
 """How long `hub_answers` waits for the hub to answer before calling it unreachable."""
-_DEFAULT_HUB = "https://huggingface.co"
 _TRANSFORMERS_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 """The variables that set offline mode for transformers (models, configs, tokenizers)."""
 _DATASETS_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -37,9 +36,12 @@ def hub_split(source: str) -> tuple[str, str]:
 def check_hub_model(name: str, *, what: str = "model.path", files: tuple[str, ...] = (
         "config.json",), subject: str = "the config of model", local: str = "model") -> None:
     """Refuse at once (ConfigError) a hub name whose cache lacks ``files`` when offline or unanswered."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, try_to_load_from_cache
 
-    if _in_hub_cache(name, files) is not False:
+    try:
+        if any(isinstance(try_to_load_from_cache(name, f), str) for f in files):
+            return
+    except ValueError:  # not a repository id
         return
     _refuse_uncached(f"{subject} {name!r}", what, flags=_TRANSFORMERS_OFFLINE,
                      where=f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it",
@@ -78,23 +80,13 @@ def cache_only(source: str) -> bool:
 
 def hub_endpoint() -> str:
     """The hub huggingface_hub asks: ``HF_ENDPOINT``, else huggingface.co."""
-    return os.environ.get("HF_ENDPOINT") or _DEFAULT_HUB
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
 
 @functools.lru_cache(maxsize=None)
 def hub_answers(endpoint: str) -> bool:
     """Whether the hub at ``endpoint`` answers, asked once per process."""
     return _answers(endpoint, HUB_PROBE_TIMEOUT_S)
-
-
-def _in_hub_cache(name: str, files: tuple[str, ...]) -> bool | None:
-    """Whether the hub cache holds one of ``files`` of ``name`` (None: not a repository id)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        return any(isinstance(try_to_load_from_cache(name, f), str) for f in files)
-    except ValueError:
-        return None
 
 
 def _refuse_uncached(subject: str, what: str, *, flags: tuple[str, ...], where: str,
@@ -132,14 +124,11 @@ def _answers(url: str, timeout: float) -> bool:
             request = urllib.request.Request(url, method="HEAD")
             urllib.request.urlopen(request, timeout=timeout).close()
             answered.append(True)
-        except urllib.error.HTTPError:  # a status, e.g. 404: the server is there
-            answered.append(True)
-        except urllib.error.URLError as error:
-            answered.append(isinstance(error.reason, ssl.SSLError))
-        except ssl.SSLError:
-            answered.append(True)
-        except (OSError, ValueError):  # refused, timed out, no route; a malformed URL
-            answered.append(False)
+        except (OSError, ValueError) as error:  # refused, timed out, no route; a malformed URL
+            reason = error.reason if isinstance(error, urllib.error.URLError) else None
+            # but a status (e.g. 404) or a TLS failure: the server is there
+            answered.append(isinstance(error, (urllib.error.HTTPError, ssl.SSLError))
+                            or isinstance(reason, ssl.SSLError))
 
     thread = threading.Thread(target=probe, name="lctrain-hub-probe", daemon=True)
     thread.start()

@@ -156,23 +156,12 @@ def load_recipe(path: str | os.PathLike | None = None, overrides: Iterable[str] 
     ``overrides`` (``"a.b=c"``) and the ``seq_len`` / ``output_dir`` / ``max_steps`` flags, and
     return the checked, frozen config (ConfigError naming where a bad value came from)."""
     text, source = read_recipe_text(path)
-    raw = parse_yaml(text, source)
-    if text.startswith(RESOLVED_HEADER) and isinstance(raw, dict) \
-            and isinstance(raw.get("train"), dict):
+    raw, origins = parse_yaml(text, source), {}
+    if not isinstance(raw, dict):  # build_recipe says so, naming the file
+        return build_checked(raw, source, origins)
+    if text.startswith(RESOLVED_HEADER) and isinstance(raw.get("train"), dict):
         # a run's own config.yaml: the run is the folder holding it, wherever it was moved
         raw["train"]["output_dir"] = str(Path(source).expanduser().resolve().parent)
-    origins = apply_overrides(raw, overrides, seq_len=seq_len, output_dir=output_dir,
-                              max_steps=max_steps)
-    return build_checked(raw, source, origins)
-
-
-def apply_overrides(raw: dict[str, Any], overrides: Iterable[str] = (), *,
-                    seq_len: int | str | None = None, output_dir: str | None = None,
-                    max_steps: int | None = None) -> dict[str, str]:
-    """Apply ``--set`` overrides and flags in place; returns {key: where its value came from}."""
-    origins: dict[str, str] = {}
-    if not isinstance(raw, dict):  # build_recipe says so, naming the file
-        return origins
     for item in overrides:
         key, value = parse_override(item)
         set_key(raw, key, value, where=f"--set {item}")
@@ -180,10 +169,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str] = (), *,
     flags = {"data.seq_len": None if seq_len is None else parse_size(seq_len, what="--seq-len"),
              "train.output_dir": output_dir, "train.max_steps": max_steps}
     for key, value in flags.items():
+        flag = f"--{key.split('.')[1].replace('_', '-')}"
         if value is not None:
-            set_key(raw, key, value, where=f"--{key.split('.')[1].replace('_', '-')}")
-            origins[key] = f"from --{key.split('.')[1].replace('_', '-')} {value}"
-    return origins
+            set_key(raw, key, value, where=flag)
+            origins[key] = f"from {flag} {value}"
+    return build_checked(raw, source, origins)
 
 
 def build_checked(raw: dict[str, Any], source: str, origins: dict[str, str]) -> RecipeConfig:
@@ -272,8 +262,7 @@ def save_resolved(cfg: RecipeConfig, path: str | os.PathLike) -> Path:
     """Write the fully resolved recipe as YAML (atomically) and return the file's path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = RESOLVED_HEADER
-    text += yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    text = RESOLVED_HEADER + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)

@@ -119,7 +119,17 @@ def check_model_path(path: str | None) -> None:
         return
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
-        _check_model_folder(Path(expanded), path)
+        from lctrain.config.schema import check_model_shapes
+
+        file = Path(expanded) / "config.json"
+        if not file.is_file():
+            raise ConfigError(f"model.path {path!r} has no config.json; point it at a model "
+                              "folder (config.json, weights, tokenizer)", key="model.path")
+        config = read_model_config(file)
+        if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+            raise ConfigError(f"{file} has no model_type; it is not a transformers model config",
+                              key="model.path")
+        check_model_shapes(config, str(file))
         return
     if os.path.exists(expanded):
         raise ConfigError(f"model.path {path!r} is a file; point it at the model folder (the one "
@@ -160,38 +170,21 @@ def read_model_config(file: str | os.PathLike, *, fix: str = "the model folder i
                           key=key) from None
 
 
-def _check_model_folder(folder: Path, path: str) -> None:
-    from lctrain.config.schema import check_model_shapes
-
-    file = folder / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"model.path {path!r} has no config.json; point it at a model folder "
-                          "(config.json, weights, tokenizer)", key="model.path")
-    config = read_model_config(file)
-    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-        raise ConfigError(f"{file} has no model_type; it is not a transformers model config",
-                          key="model.path")
-    check_model_shapes(config, str(file))
-
-
 def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
     """The recipe with its local paths absolute (``~`` expanded); hub names and built-ins stay."""
-    def local(path: str | None) -> str | None:
-        if path is None or not os.path.exists(os.path.expanduser(path)):
-            return path
+    def absolute(path: str) -> str:
         return os.path.abspath(os.path.expanduser(path))
 
-    def folder(path: str | None) -> str | None:
-        return None if path is None else os.path.abspath(os.path.expanduser(path))
+    def local(path: str | None) -> str | None:
+        return absolute(path) if path and os.path.exists(os.path.expanduser(path)) else path
 
     source = cfg.data.source
-    if local_data(source) is not None:
-        source = os.path.abspath(os.path.expanduser(source))
+    source = source if local_data(source) is None else absolute(source)
     tokenizer = cfg.data.tokenizer if cfg.data.tokenizer == "bytes" else local(cfg.data.tokenizer)
     data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer)
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, path=local(cfg.model.path)), data=data,
-        train=dataclasses.replace(cfg.train, output_dir=folder(cfg.train.output_dir)))
+        train=dataclasses.replace(cfg.train, output_dir=absolute(cfg.train.output_dir)))
 
 
 def ordinary_permissions(path: str | os.PathLike) -> None:

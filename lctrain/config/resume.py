@@ -8,9 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from lctrain.config.loader import (apply_overrides, build_checked, load_recipe, parse_yaml,
-                                   read_resolved)
-from lctrain.config.paths import decode_text
+from lctrain.config.loader import load_recipe, read_resolved
 from lctrain.config.schema import RecipeConfig
 from lctrain.errors import ConfigError
 
@@ -24,9 +22,6 @@ RESUMABLE = (
 )
 """Settings a resumed run may change: its length, intervals, faults, layout and memory trade-offs
 (the global batch must stay); the others define what is trained."""
-
-_IGNORED = ("train.output_dir",)
-"""Where the folder is: a moved run folder is still its run."""
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -42,8 +37,8 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 def differences(saved: RecipeConfig, new: RecipeConfig) -> list[tuple[str, Any, Any]]:
     """(dotted key, saved value, new value) for every setting that differs, in recipe order."""
     a, b = flatten(saved.to_dict()), flatten(new.to_dict())
-    keys = list(a) + [k for k in b if k not in a]
-    return [(k, a.get(k), b.get(k)) for k in keys if k not in _IGNORED and a.get(k) != b.get(k)]
+    keys = [k for k in list(a) + [k for k in b if k not in a] if k != "train.output_dir"]
+    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]  # a moved run is its run
 
 
 def resume_changes(saved: RecipeConfig, new: RecipeConfig,
@@ -133,10 +128,8 @@ def load_resumed(recipe: str | os.PathLike | None, overrides: Iterable[str] = ()
         output_dir = cfg.train.output_dir
     saved_file = Path(output_dir).expanduser() / "config.yaml"
     saved = _saved(saved_file, resume=True)
-    raw = parse_yaml(decode_text(saved_file.read_bytes(), str(saved_file)), str(saved_file))
-    origins = apply_overrides(raw, overrides, seq_len=seq_len, output_dir=output_dir,
-                              max_steps=max_steps)
-    cfg = build_checked(raw, str(saved_file), origins)
+    cfg = load_recipe(saved_file, overrides, seq_len=seq_len, output_dir=output_dir,
+                      max_steps=max_steps)
     resume_changes(saved, cfg, saved_file)
     return cfg
 

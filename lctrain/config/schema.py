@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lctrain.config.fields import SIZE, check_fields, require, suggest
+from lctrain.config.fields import SIZE, at_least, check_fields, require, suggest
 from lctrain.config.training import CheckpointConfig, TrainConfig
 from lctrain.errors import ConfigError
 from lctrain_kernels.vocabulary import BACKENDS, check_seq_len, schedule_layout, seq_chunks
@@ -87,14 +88,14 @@ class DataConfig:
     *_or_skip skipped and counted."""
     tokenizer: str | None = None
     """null: model.path's; a tokenizer folder or hub name; for a random init bytes or byte-pairs."""
-    seq_len: int = field(default=4096, metadata=SIZE)
+    seq_len: int = field(default=4096, metadata=SIZE | at_least(2))
     """Tokens per packed row (the context length trained on); sizes such as 256k."""
     long_samples: Literal["auto", "split", "truncate_left", "truncate_right", "drop"] = "auto"
     """split: samples end to end, a row every seq_len tokens; the others keep samples whole
     and cut a longer one's start or end, or drop it; auto: drop where a loss mask matters."""
     document_mask: bool = True
     """Keep packed documents apart: attention, positions and labels stop at each boundary."""
-    max_documents: int | None = None
+    max_documents: int | None = field(default=None, metadata=at_least(1, " (or null for all)"))
     """Use only the first N records of the source (null = all)."""
     eval_source: str | float | None = None
     """Validation data, prepared like data.source (logged as eval_loss), or a number in (0, 1):
@@ -111,10 +112,6 @@ class DataConfig:
         require(self.chat_template != "", "data.chat_template", "is empty; name a template, a "
                 ".jinja file or null")
         require(self.tokenizer != "", "data.tokenizer", "is empty; use bytes, a path or null")
-        require(self.seq_len >= 2, "data.seq_len", f"is {self.seq_len} but must be at least 2")
-        if self.max_documents is not None:
-            require(self.max_documents >= 1, "data.max_documents",
-                    f"is {self.max_documents} but must be at least 1 (or null for all)")
         require(self.eval_source != "", "data.eval_source", "is empty; give a file or a share")
         share = self.eval_source
         require(share is None or isinstance(share, str) or 0 < share < 1, "data.eval_source",
@@ -140,7 +137,7 @@ class DataConfig:
 class ParallelConfig:
     """How the work is spread: cp ranks per sequence, world size / cp over the batch."""
 
-    cp: int = 1
+    cp: int = field(default=1, metadata=at_least(1))
     """Ranks that share one sequence (each holds seq_len / cp tokens)."""
     schedule: Literal[tuple(SCHEDULE_LAYOUTS)] = "distflash"
     """distflash (balanced) or zigzag (a ring over the head-tail layout)."""
@@ -148,7 +145,7 @@ class ParallelConfig:
     """Local attention backend of lctrain_kernels; auto picks the fastest that can run."""
     fsdp: Literal["auto", "on", "off"] = "auto"
     """Shard parameters, gradients and AdamW states over all ranks (auto: on several GPUs)."""
-    head_groups: int = 1
+    head_groups: int = field(default=1, metadata=at_least(1))
     """Run the heads in this many groups one after another (a divisor of the key/value
     heads): the attention's buffers shrink by that factor."""
 
@@ -158,9 +155,6 @@ class ParallelConfig:
                               "schedule: lctrain bench attention --peers compares it with "
                               "distflash; use distflash or zigzag", key="parallel.schedule")
         check_fields(self, "parallel")
-        require(self.cp >= 1, "parallel.cp", f"is {self.cp} but must be at least 1")
-        require(self.head_groups >= 1, "parallel.head_groups",
-                f"is {self.head_groups} but must be at least 1")
 
     @property
     def layout(self) -> str:
@@ -181,7 +175,7 @@ LORA_ALL_LINEAR = "all-linear"
 class LoraConfig:
     """Low-rank adapters (peft) instead of training every weight; rank 0 = off."""
 
-    rank: int = 0
+    rank: int = field(default=0, metadata=at_least(0, " (0 = LoRA off)"))
     """Rank r of every adapter (ΔW = B·A·alpha/r); 0 = off (the others then stay default)."""
     alpha: float | None = None
     """Scale numerator of the adapters' update; null = 2 × rank."""
@@ -194,7 +188,6 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "lora")
-        require(self.rank >= 0, "lora.rank", f"is {self.rank} but must be ≥ 0 (0 = LoRA off)")
         if self.rank == 0:
             for f in dataclasses.fields(self):
                 require(f.name == "rank" or getattr(self, f.name) == f.default, f"lora.{f.name}",
@@ -279,8 +272,7 @@ class RecipeConfig:
         return _plain(dataclasses.asdict(self))
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "parallel": ParallelConfig,
-            "train": TrainConfig, "checkpoint": CheckpointConfig, "lora": LoraConfig}
+SECTIONS = typing.get_type_hints(RecipeConfig)
 """The recipe's sections, in YAML order, and the dataclass each one becomes."""
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lctrain.config.fields import MEMORY, SIZE, check_fields, require, suggest
+from lctrain.config.fields import MEMORY, SIZE, at_least, check_fields, require, suggest
 from lctrain.config.layers import LayerPlan
 
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -18,25 +18,25 @@ class TrainConfig:
 
     seed: int = 0
     """Seed for model init, data order, the held-out documents and everything random."""
-    max_steps: int | None = None
+    max_steps: int | None = field(default=None, metadata=at_least(1, " (or null to train by epochs)"))
     """Optimizer steps to run; null: as train.epochs gives (the first limit wins)."""
     epochs: float | None = None
     """Passes over the packed rows; null: train.max_steps decides (one epoch if both null)."""
-    batch_size: int = 1
+    batch_size: int = field(default=1, metadata=at_least(1))
     """Packed sequences per data-parallel rank per micro-step."""
-    grad_accum: int = 1
+    grad_accum: int = field(default=1, metadata=at_least(1))
     """Micro-steps accumulated per optimizer step."""
     lr: float = 2e-5
     """Peak learning rate (AdamW)."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=at_least(0))
     """Linear warm-up steps; then cosine decay to lr × min_lr_ratio at max_steps."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=at_least(0))
     """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (beta1, beta2)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata=at_least(0, " (0 = no clipping)"))
     """Clip the global gradient norm to this; 0 = no clipping."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """Compute dtype: bf16 autocast / FSDP2 bf16 params, no, or auto (bf16 on GPUs that have it)."""
@@ -47,15 +47,15 @@ class TrainConfig:
     """What waits in host memory: none, or layers / layers=N, and optimizer or state."""
     host_memory: int | None = field(default=None, metadata=MEMORY)
     """Host memory per machine, e.g. 240GiB; null: MemAvailable of /proc/meminfo."""
-    loss_chunk_tokens: int = field(default=4096, metadata=SIZE)
+    loss_chunk_tokens: int = field(default=4096, metadata=SIZE | at_least(1))
     """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once)."""
     tile_tokens: int = field(default=0, metadata=SIZE)
     """Run each layer's MLP and norms in tiles of this many tokens; 0 = untiled."""
-    collective_timeout: float = 1800.0
+    collective_timeout: float = field(default=1800.0, metadata=at_least(1, " (seconds)"))
     """Seconds a rank may wait in one operation of a step before the run stops, naming it."""
-    max_nonfinite_steps: int = 5
+    max_nonfinite_steps: int = field(default=5, metadata=at_least(1))
     """Skipped non-finite steps in a row after which the run stops."""
-    eval_every: int = 0
+    eval_every: int = field(default=0, metadata=at_least(0, " (0 = after the last step only)"))
     """Compute the validation loss every N optimizer steps and after the last; 0 = the last."""
     report_to: tuple[str, ...] = ("jsonl", "tensorboard")
     """Where metrics go: jsonl (output_dir/metrics.jsonl), tensorboard, wandb, mlflow."""
@@ -67,35 +67,20 @@ class TrainConfig:
         plan = LayerPlan.parse(self.checkpointing, self.offload)
         object.__setattr__(self, "checkpointing", plan.checkpointing)  # the parsed form
         object.__setattr__(self, "offload", plan.offload)
-        for name in ("batch_size", "grad_accum", "loss_chunk_tokens"):
-            value = getattr(self, name)
-            require(value >= 1, f"train.{name}", f"is {value} but must be at least 1")
         require(self.tile_tokens >= 0, "train.tile_tokens",
                 f"is {self.tile_tokens} but must be 0 (untiled) or a number of tokens per tile")
-        require(self.max_steps is None or self.max_steps >= 1, "train.max_steps",
-                f"is {self.max_steps} but must be at least 1 (or null to train by epochs)")
         require(self.epochs is None or self.epochs > 0, "train.epochs",
                 f"is {self.epochs} but must be positive (or null to train by max_steps)")
-        require(self.warmup_steps >= 0, "train.warmup_steps", f"is {self.warmup_steps} but must be ≥ 0")
         require(0 <= self.seed < 2**32, "train.seed",
                 f"is {self.seed} but must be between 0 and {2**32 - 1} (numpy's seed range)")
         require(self.lr > 0, "train.lr", f"is {self.lr} but must be positive")
         require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
                 f"is {self.min_lr_ratio} but must be between 0 and 1")
-        require(self.weight_decay >= 0, "train.weight_decay", f"is {self.weight_decay} but must be ≥ 0")
         require(all(0 <= b < 1 for b in self.betas), "train.betas",
                 f"are {list(self.betas)} but each must be in [0, 1)")
-        require(self.max_grad_norm >= 0, "train.max_grad_norm",
-                f"is {self.max_grad_norm} but must be ≥ 0 (0 = no clipping)")
         require(self.output_dir != "", "train.output_dir", "is empty; name a folder")
         require(self.host_memory is None or self.host_memory > 0, "train.host_memory",
                 f"is {self.host_memory} but must be positive (or null to read /proc/meminfo)")
-        require(self.collective_timeout >= 1, "train.collective_timeout",
-                f"is {self.collective_timeout} but must be at least 1 (seconds)")
-        require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps",
-                f"is {self.max_nonfinite_steps} but must be at least 1")
-        require(self.eval_every >= 0, "train.eval_every",
-                f"is {self.eval_every} but must be ≥ 0 (0 = after the last step only)")
         require(len(self.report_to) > 0, "train.report_to",
                 f"is empty; list some of {', '.join(REPORT_TO)}")
         for i, name in enumerate(self.report_to):
@@ -113,17 +98,15 @@ class TrainConfig:
 class CheckpointConfig:
     """When training state is saved under output_dir/checkpoints/ (background on GPUs)."""
 
-    every: int = 0
+    every: int = field(default=0, metadata=at_least(0, " (0 = at the end)"))
     """Save every N optimizer steps; 0 = only at the end."""
-    keep: int = 2
+    keep: int = field(default=2, metadata=at_least(0, " (0 = never save)"))
     """Keep the last K checkpoints; 0 = never save (nothing to resume or export)."""
     export_final: bool = True
     """At the end also write output_dir/final/, as ``lctrain export`` writes it."""
 
     def __post_init__(self) -> None:
         check_fields(self, "checkpoint")
-        require(self.every >= 0, "checkpoint.every", f"is {self.every} but must be ≥ 0 (0 = at the end)")
-        require(self.keep >= 0, "checkpoint.keep", f"is {self.keep} but must be ≥ 0 (0 = never save)")
 
     @property
     def enabled(self) -> bool:
