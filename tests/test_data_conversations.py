@@ -96,6 +96,10 @@ def test_sharegpt_is_detected_named_and_encoded(tmp_path):
             assert sample.ids.tolist() == ids and sample.targets.tolist() == mask
     encoder, _ = _encoded(src, tok, "data.format=chat")
     assert encoder.why == "data.format; records have a ShareGPT conversations list"
+    odd = load_recipe(None, [f"data.source={_write(tmp_path / 'odd.jsonl', [{'body': 'x'}])}",
+                             "data.format=text"]).data
+    first = next(iter(RecordReader(odd)))  # no field says its format: the setting alone
+    assert Encoder.for_data(odd, tok, first).why == "data.format"
 
 
 def test_alpaca_is_trained_as_prompt_and_completion(tmp_path):

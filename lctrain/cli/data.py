@@ -56,11 +56,10 @@ def preview(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetO
         for piece in row.pieces:
             _print(console, f"-- {heading(piece)}", "cyan")
             _print(console, piece.runs)
-    columns = [Column(key, key, "figure") for key in ("tokens", "trained", "documents",
-                                                         "padding")]
+    keys = ("tokens", "trained", "documents", "padding")
     emit("")
-    show(Table("", [Column("row", "row", "figure"), *columns],
-               [{"row": f"{r.index + 1:,}", **{c.key: f"{getattr(r, c.key):,}" for c in columns}}
+    show(Table("", [Column(key, key, "figure") for key in ("row", *keys)],
+               [{"row": f"{r.index + 1:,}", **{k: f"{getattr(r, k):,}" for k in keys}}
                 for r in shown], keys=1), "table", False)
 
 

@@ -6,6 +6,7 @@ opens the first user turn."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from lctrain.config.fields import suggest
 from lctrain.errors import ConfigError
@@ -53,8 +54,7 @@ def resolve_template(value: str) -> str:
         return TEMPLATES[value]
     path = os.path.expanduser(value)
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
+        return Path(path).read_text(encoding="utf-8")
     raise ConfigError(f"data.chat_template {value!r} is neither a template name "
                       f"({', '.join(TEMPLATES)}) nor an existing .jinja file"
                       f"{suggest(value, TEMPLATES)}", key="data.chat_template")

@@ -19,7 +19,6 @@ from lctrain.data.records import Record
 from lctrain.data.tokenizer import ByteTokenizer, encode_documents, encode_offsets
 from lctrain.errors import DataError
 
-FORMATS = ("text", "prompt_completion", "chat", "tokenized")  # data.format also takes auto
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "function_call": "assistant",
@@ -89,16 +88,17 @@ def _list_key(have: dict, fields: dict | None) -> str:
 
 
 class Encoder:
-    """Turns records of format ``fmt`` (one of FORMATS) into samples with ``tokenizer``;
-    ``fields``, ``turns``: data.fields and data.turns; ``template``: data.chat_template's Jinja,
-    which also renders prompt/completion records as a user turn and an assistant turn."""
+    """Turns records of format ``fmt`` (text, prompt_completion, chat or tokenized) into samples
+    with ``tokenizer``; ``fields``, ``turns``: data.fields and data.turns; ``template``:
+    data.chat_template's Jinja, which also renders prompt/completion records as a user turn and
+    an assistant turn; ``why``: why the format is ``fmt``."""
 
     def __init__(self, fmt: str, tokenizer: Any, *, fields: dict | None = None,
-                 turns: str = "all", template: str | None = None) -> None:
+                 turns: str = "all", template: str | None = None, why: str = "data.format") -> None:
         self.fmt, self.tokenizer = fmt, tokenizer
         self.fields, self.names = fields, {**NAMES, **(fields or {})}
         self.last, self.skip_unanswered = turns.startswith("last"), turns.endswith("_or_skip")
-        self.template, self.why = template, "data.format"
+        self.template, self.why = template, why
         self.skips = Skips()
         self.has_labels = False  # tokenized records with a labels field were seen
         if fmt == "chat" or (fmt == "prompt_completion" and template):
@@ -118,10 +118,9 @@ class Encoder:
                 raise
             fmt, why = data.format, ""
         if data.format != "auto":  # named as given, with what the first record looks like
-            fmt, why = data.format, f"data.format; {why}" if fmt == data.format else "data.format"
-        encoder = cls(fmt, tokenizer, fields=data.fields, turns=data.turns, template=template)
-        encoder.why = why
-        return encoder
+            named = fmt == data.format and why
+            fmt, why = data.format, f"data.format; {why}" if named else "data.format"
+        return cls(fmt, tokenizer, fields=data.fields, turns=data.turns, template=template, why=why)
 
     def encode(self, records: Sequence[Record]) -> list[Sample]:
         """The samples of ``records`` (batched for fast tokenizers); records with nothing to
@@ -134,10 +133,10 @@ class Encoder:
                 self.skips.add("no target token", sample.where)
         return kept
 
-    def _text(self, records: Sequence[Record]) -> list[Sample | None]:
+    def _text(self, records: Sequence[Record]) -> list[Sample]:
         texts, wheres = [], []
         for record in records:
-            text = _string(record, self.names["text"], repr(self.names["text"]))
+            text = _string(record, self.names["text"])
             if text:
                 texts.append(text)
                 wheres.append(record.where)
@@ -148,13 +147,13 @@ class Encoder:
 
     def _pair(self, record: Record) -> tuple[str, str | None]:
         """A prompt/completion or Alpaca record's prompt and completion."""
-        n = self.names
-        if n["prompt"] in record.fields or n["instruction"] not in record.fields:
-            return (_string(record, n["prompt"], repr(n["prompt"])) or "",
-                    _string(record, n["completion"], repr(n["completion"])))
-        instruction = _string(record, n["instruction"], repr(n["instruction"])) or ""
-        extra = _string(record, n["input"], repr(n["input"])) if n["input"] in record.fields \
-            else None
+        def get(name: str) -> str | None:
+            return _string(record, self.names[name])
+
+        if self.names["prompt"] in record.fields or self.names["instruction"] not in record.fields:
+            return get("prompt") or "", get("completion")
+        instruction = get("instruction") or ""
+        extra = get("input") if self.names["input"] in record.fields else None
         if self.template:
             prompt = f"{instruction}\n\n{extra}" if extra else instruction
         else:  # the Alpaca prompt (Stanford Alpaca's, as axolotl's alpaca type writes it)
@@ -163,9 +162,9 @@ class Encoder:
                       f"that appropriately completes the request.\n\n### Instruction:\n"
                       f"{instruction}\n\n" + (f"### Input:\n{extra}\n\n" if extra else "")
                       + "### Response:\n")
-        return prompt, _string(record, n["output"], repr(n["output"]))
+        return prompt, get("output")
 
-    def _prompt_completion(self, records: Sequence[Record]) -> list[Sample | None]:
+    def _prompt_completion(self, records: Sequence[Record]) -> list[Sample]:
         prompts, completions, wheres = [], [], []
         for record in records:
             prompt, completion = self._pair(record)
@@ -182,17 +181,17 @@ class Encoder:
                 (encode_chat(self.tokenizer, m, w, template=self.template), w) for m, w in pairs)]
         if not wheres:
             return []
-        eos = self.tokenizer.eos_token_id
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
         samples = []
         for p, c, where in zip(plain_ids(self.tokenizer, prompts),
                                plain_ids(self.tokenizer, completions), wheres):
-            head, tail = self._prefix + p, c + ([] if eos is None else [eos])
-            samples.append(Sample(_ids(head + tail), np.array([False] * len(head) + [True] * len(tail)),
+            head, tail = self._prefix + p, c + eos
+            samples.append(Sample(_ids(head + tail), np.arange(len(head) + len(tail)) >= len(head),
                                   where))
         return samples
 
-    def _chat(self, records: Sequence[Record]) -> list[Sample | None]:
-        samples: list[Sample | None] = []
+    def _chat(self, records: Sequence[Record]) -> list[Sample]:
+        samples = []
         for record in records:
             key = _list_key(record.fields, self.fields)
             messages = record.fields.get(key)
@@ -213,7 +212,7 @@ class Encoder:
                 continue
             ids, mask = encode_chat(self.tokenizer, messages, record.where, last=self.last,
                                     template=self.template)
-            samples.append(Sample(_ids(ids), np.asarray(mask, dtype=bool), record.where))
+            samples.append(Sample(_ids(ids), np.asarray(mask, bool), record.where))
         return samples
 
     def _tokenized(self, records: Sequence[Record]) -> list[Sample | None]:
@@ -245,7 +244,7 @@ class Encoder:
         return Sample(ids.astype(np.int32), targets, record.where)
 
 
-def _string(record: Record, key: str, what: str) -> str | None:
+def _string(record: Record, key: str) -> str | None:
     """The string field ``key`` (None and "" both mean empty), or a DataError."""
     if key not in record.fields:
         raise DataError(f"{record.where} has no {key!r} field (its fields are "
@@ -253,7 +252,7 @@ def _string(record: Record, key: str, what: str) -> str | None:
     value = record.fields[key]
     if value is None or isinstance(value, str):
         return value
-    raise DataError(f"{record.where}: {what} is {_kind(value)}, not a string; give "
+    raise DataError(f"{record.where}: {key!r} is {_kind(value)}, not a string; give "
                     f"text there, or set data.format to the records' format (chat for a "
                     f"messages list, tokenized for token ids)")
 
@@ -396,20 +395,15 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str, templa
     text = render(messages, False)
     spans = []
     for i, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        if not i and message["content"] == "":
-            continue  # an empty opening reply: no content to find, nothing of it is trained on
-        through = render(messages[:i + 1], False)
-        if i:
+        if message["role"] != "assistant" or (not i and message["content"] == ""):
+            continue  # an empty opening reply has no content to find: none of it is trained on
+        through, content = render(messages[:i + 1], False), message["content"].strip()
+        if i:  # where the generation prompt after the messages before it ends (-1: not there)
             before = render(messages[:i], True)
-            start = len(before)
-            ok = text.startswith(before) and text.startswith(through) and len(through) >= start
+            start = len(before) if text.startswith(before) and len(through) >= len(before) else -1
         else:  # an opening reply: where its content starts (-1: the template changed it)
-            content = message["content"].strip()
             start = through.find(content) if content else -1
-            ok = text.startswith(through) and start >= 0
-        if not ok:
+        if start < 0 or not text.startswith(through):
             raise DataError(f"{where}: the chat template renders the conversation up to message "
                             f"{i} differently from the whole conversation, so the assistant's "
                             f"tokens cannot be found; use a template with {{% generation %}} "

@@ -16,7 +16,6 @@ import torch
 from lctrain.errors import DataError
 
 IGNORE = -100  # the label of positions without loss
-WHOLE_SAMPLE_MODES = ("truncate_left", "truncate_right", "drop")
 
 
 @dataclass(frozen=True)
@@ -27,16 +26,6 @@ class TokenStream:
     ids: np.ndarray
     targets: np.ndarray
     bounds: np.ndarray
-
-    @classmethod
-    def from_samples(cls, ids: Sequence[Sequence[int]],
-                     targets: Sequence[Sequence[bool]] | None = None) -> TokenStream:
-        """A stream of in-memory samples (every token a target by default)."""
-        lengths = [len(x) for x in ids]
-        flat = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=sum(lengths))
-        flags = (np.ones(flat.size, bool) if targets is None else
-                 np.fromiter((bool(t) for x in targets for t in x), dtype=bool, count=flat.size))
-        return cls(flat, flags, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
 
     @property
     def total(self) -> int:
@@ -76,8 +65,6 @@ def plan_rows(stream: TokenStream, seq_len: int, mode: str,
     if mode == "split":
         starts, stops, offsets = _split_pieces(stream.bounds, chosen, seq_len)
         return RowPlan(starts, stops, offsets, int(too_long.size), 0, first)
-    if mode not in WHOLE_SAMPLE_MODES:
-        raise ValueError(f"unknown long_samples mode {mode!r}")
     starts, stops = stream.bounds[chosen].copy(), stream.bounds[chosen + 1].copy()
     long_at = np.flatnonzero(lengths > seq_len)
     if mode == "truncate_left":
@@ -85,11 +72,8 @@ def plan_rows(stream: TokenStream, seq_len: int, mode: str,
     elif mode == "truncate_right":
         stops[long_at] = starts[long_at] + seq_len
     keep = np.ones(chosen.size, bool)
-    if mode == "drop":
-        keep[long_at] = False
-    else:
-        for s in long_at:
-            keep[s] = bool(np.any(stream.targets[starts[s]:stops[s]]))
+    for s in long_at:  # dropped, or kept where its truncated part has a target
+        keep[s] = mode != "drop" and bool(np.any(stream.targets[starts[s]:stops[s]]))
     kept = np.flatnonzero(keep)
     if kept.size == 0:
         raise DataError(f"every sample is longer than data.seq_len {seq_len} and data.long_samples "
@@ -97,10 +81,9 @@ def plan_rows(stream: TokenStream, seq_len: int, mode: str,
                         f"truncate_left / truncate_right")
     rows = _best_fit(stops[kept] - starts[kept], seq_len)
     order = np.lexsort((kept, rows))  # by row, then sample order
-    counts = np.bincount(rows, minlength=int(rows.max()) + 1)
-    return RowPlan(starts[kept][order], stops[kept][order],
-                   np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-                   int(too_long.size), int(chosen.size - kept.size), first)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(rows))]).astype(np.int64)
+    return RowPlan(starts[kept][order], stops[kept][order], offsets, int(too_long.size),
+                   int(chosen.size - kept.size), first)
 
 
 def _split_pieces(bounds: np.ndarray, chosen: np.ndarray,
@@ -116,10 +99,8 @@ def _split_pieces(bounds: np.ndarray, chosen: np.ndarray,
     keep = ends > cuts  # empty samples make empty pieces
     cuts, ends, sample = cuts[keep], ends[keep], sample[keep]
     starts = bounds[chosen[sample]] + (cuts - joined[sample])
-    rows = cuts // seq_len
-    counts = np.bincount(rows, minlength=int(rows.max()) + 1)
-    return (starts.astype(np.int64), (starts + ends - cuts).astype(np.int64),
-            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(cuts // seq_len))]).astype(np.int64)
+    return starts.astype(np.int64), (starts + ends - cuts).astype(np.int64), offsets
 
 
 def _best_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
@@ -137,11 +118,8 @@ def _best_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
         row_of[i] = row
         if room - need:
             bisect.insort(free, (room - need, row))
-    first_item = np.full(n_rows, lengths.size, dtype=np.int64)
-    np.minimum.at(first_item, row_of, np.arange(lengths.size))
-    renumber = np.empty(n_rows, dtype=np.int64)
-    renumber[np.argsort(first_item, kind="stable")] = np.arange(n_rows)
-    return renumber[row_of]
+    _, first_item = np.unique(row_of, return_index=True)  # (rows,) each row's first item
+    return np.argsort(np.argsort(first_item))[row_of]
 
 
 class PackedRows:
@@ -157,20 +135,16 @@ class PackedRows:
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __getitem__(self, r: int) -> dict[str, np.ndarray]:
-        return self.row(r)
-
     def row(self, r: int) -> dict[str, np.ndarray]:
         """Row ``r``: input_ids, labels, position_ids (S,) int64 and doc_lens."""
         if not 0 <= r < len(self):
             raise IndexError(f"row {r} of {len(self)}")
-        lo, hi = int(self.plan.offsets[r]), int(self.plan.offsets[r + 1])
-        spans = list(zip(self.plan.starts[lo:hi].tolist(), self.plan.stops[lo:hi].tolist()))
+        spans = [(a, b) for _, a, b in self.pieces(r)]
         ids = np.concatenate([self.stream.ids[a:b] for a, b in spans]).astype(np.int64)  # (n,)
         pad = self.seq_len - ids.size
         if self.document_mask:
             labels = np.concatenate([self._labels_within_samples(a, b) for a, b in spans])
-            doc_lens = [n for a, b in spans for n in self._segments(a, b)] + ([pad] if pad else [])
+            doc_lens = [b - a for a, b in spans] + ([pad] if pad else [])
         else:
             flags = np.concatenate([self.stream.targets[a:b] for a, b in spans]).astype(bool)
             labels = np.full(ids.size, IGNORE, dtype=np.int64)
@@ -183,6 +157,8 @@ class PackedRows:
                 "position_ids": np.arange(self.seq_len, dtype=np.int64) - starts,
                 "doc_lens": doc_lens}
 
+    __getitem__ = row
+
     def _labels_within_samples(self, a: int, b: int) -> np.ndarray:
         """Labels of stream positions a..b-1 within their samples."""
         bounds, total = self.stream.bounds, self.stream.total
@@ -192,17 +168,26 @@ class PackedRows:
         ok = (nxt < sample_end) & self.stream.targets[at].astype(bool)
         return np.where(ok, self.stream.ids[at], IGNORE).astype(np.int64)
 
-    def _segments(self, a: int, b: int) -> list[int]:
-        """Lengths of the sample pieces that make up stream span a..b."""
-        bounds = self.stream.bounds
-        inner = bounds[np.searchsorted(bounds, a, side="right"):np.searchsorted(bounds, b, side="left")]
-        return np.diff(np.concatenate([[a], inner, [b]])).tolist()
+    def pieces(self, r: int) -> list[tuple[int, int, int]]:
+        """Row ``r``'s (sample, start, stop) spans of the stream, cut at sample bounds."""
+        lo, hi = int(self.plan.offsets[r]), int(self.plan.offsets[r + 1])
+        bounds, out = self.stream.bounds, []
+        for a, b in zip(self.plan.starts[lo:hi].tolist(), self.plan.stops[lo:hi].tolist()):
+            inner = bounds[np.searchsorted(bounds, a, "right"):np.searchsorted(bounds, b, "left")]
+            cuts = [a, *inner.tolist(), b]
+            samples = np.searchsorted(bounds, cuts[:-1], "right") - 1
+            out += zip(samples.tolist(), cuts[:-1], cuts[1:])
+        return out
 
 
 def pack(samples: Sequence[Sequence[int]], *, seq_len: int, document_mask: bool, pad_id: int,
          targets: Sequence[Sequence[bool]] | None = None, long_samples: str = "split") -> PackedRows:
     """Pack in-memory samples (token id lists, ``targets`` flags: default all) into rows."""
-    stream = TokenStream.from_samples(samples, targets)
+    lengths = [len(x) for x in samples]
+    ids = np.fromiter((t for x in samples for t in x), dtype=np.int32, count=sum(lengths))
+    flags = (np.ones(ids.size, bool) if targets is None else
+             np.fromiter((bool(t) for x in targets for t in x), dtype=bool, count=ids.size))
+    stream = TokenStream(ids, flags, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
     return PackedRows(stream, plan_rows(stream, seq_len, long_samples), seq_len=seq_len,
                       document_mask=document_mask, pad_id=pad_id)
 

@@ -1,9 +1,10 @@
 """Data preparation, once per machine and visibly: records → samples → token stream → rows.
 
-The leader writes the encoded source into the cache (`default_cache_dir`: one folder per `digest` of
-all the content depends on, appearing by atomic rename) and plans the rows; other processes and
-later runs memory-map it. ``data.eval_source`` as a share holds documents out of the training rows
-(drawn from ``train.seed``); both parts share the token stream."""
+The leader writes the encoded source into the cache (``$XDG_CACHE_HOME/lctrain/data``, else
+``~/.cache/lctrain/data``: one folder per `digest` of all the content depends on, appearing by
+atomic rename) and plans the rows; other processes and later runs memory-map it.
+``data.eval_source`` as a share holds documents out of the training rows (drawn from
+``train.seed``); both parts share the token stream."""
 from __future__ import annotations
 
 import contextlib
@@ -48,12 +49,11 @@ def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
 
 
 def part_samples(data: DataConfig, part: str, documents: int, seed: int = 0) -> np.ndarray | None:
-    """The sample indices of ``part`` of the source's ``documents`` (None: all of them)."""
+    """The sample indices of ``part`` of the source's ``documents`` (None: all of them, as
+    data.eval_source holds none of them out)."""
     if part not in PARTS:
         raise ValueError(f"unknown data part {part!r}; use one of {PARTS}")
     if data.eval_fraction == 0:
-        if part == "eval":
-            raise ValueError("the eval part of data.source needs data.eval_source to be a share")
         return None
     chosen = held_out(documents, data.eval_fraction, seed)
     return chosen if part == "eval" else np.setdiff1d(np.arange(documents, dtype=np.int64), chosen)
@@ -75,30 +75,34 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
     if part == "eval" and data.eval_fraction == 0:
         raise DataError("there is no validation data; set data.eval_source (a file, or a share "
                         "of data.source's documents such as 0.05)")
-    root = default_cache_dir()
-    folder = root / digest(["tokens", source_identity(data), tokenizer_identity(tokenizer),
-                                  data.format, data.text_field, data.max_documents, data.fields,
-                                  data.chat_template, data.turns])
-    built = {"tokens": False, "rows": False}
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = Path(cache, "lctrain", "data", digest([
+        "tokens", source_identity(data), tokenizer_identity(tokenizer), data.format,
+        data.text_field, data.max_documents, data.fields, data.chat_template, data.turns]))
+    built_tokens = built_rows = False
     start = time.perf_counter()
-    lock = folder.with_name(folder.name + ".lock")
-    with exclusive(lock) if leader else contextlib.nullcontext():
+    with exclusive(folder.with_name(folder.name + ".lock")) if leader else contextlib.nullcontext():
         if leader and not (folder / "meta.json").exists():
-            build_folder(folder, lambda tmp: _write_tokens(tmp, data, tokenizer,
-                                                                 show_progress, source_key))
-            built["tokens"] = True
+            build_folder(folder, lambda tmp: _write_tokens(tmp, data, tokenizer, show_progress,
+                                                           source_key))
+            built_tokens = True
         wait_for(folder / "meta.json")
         meta = json.loads((folder / "meta.json").read_text())
         samples = part_samples(data, part, meta["samples"], seed)
-        rows_file = _rows_file(folder, data, meta, part if samples is not None else None, seed)
+        key = ["rows", data.seq_len, _mode(data, meta)]  # the row plan's, per part
+        if samples is not None:
+            key += [part, data.eval_fraction, seed]
+        rows_file = folder / f"rows-{digest(key)}.npz"
+        shape = (meta["tokens"],)
+        stream = TokenStream(np.memmap(folder / "ids.bin", np.int32, "r", shape=shape),
+                             np.memmap(folder / "targets.bin", np.uint8, "r", shape=shape),
+                             np.load(folder / "bounds.npy"))
         if leader and not rows_file.exists():
-            stream = _open_stream(folder, meta)
             _save_plan(rows_file, plan_rows(stream, data.seq_len, _mode(data, meta), samples))
-            built["rows"] = True
+            built_rows = True
         wait_for(rows_file)
-    stream = _open_stream(folder, meta)
-    info = {**meta, "cache": str(folder), "built_tokens": built["tokens"],
-            "built_rows": built["rows"], "seconds": time.perf_counter() - start,
+    info = {**meta, "cache": str(folder), "built_tokens": built_tokens,
+            "built_rows": built_rows, "seconds": time.perf_counter() - start,
             "long_samples": _mode(data, meta), "source": data.source, "part": part,
             **_part_counts(stream, data, part, samples, seed)}
     return PackedRows(stream, _load_plan(rows_file), seq_len=data.seq_len,
@@ -110,16 +114,13 @@ def _part_counts(stream: TokenStream, data: DataConfig, part: str,
     """A part's documents, tokens, targets and held-out count ({} for the whole source)."""
     if samples is None:
         return {}
-    held = samples if part == "eval" else np.setdiff1d(np.arange(stream.bounds.size - 1), samples)
-    tokens = sum(int(stream.bounds[i + 1] - stream.bounds[i]) for i in held)
-    targets = sum(int(stream.targets[stream.bounds[i]:stream.bounds[i + 1]].sum()) for i in held)
-    total_tokens, total_targets = stream.total, int(np.count_nonzero(stream.targets))
-    if part == "train":
-        tokens, targets = total_tokens - tokens, total_targets - targets
-    longest = int(np.diff(stream.bounds)[samples].max())
-    return {"part_samples": int(samples.size), "part_tokens": tokens, "part_targets": targets,
-            "part_longest": longest, "held_out": int(held.size),
-            "eval_fraction": data.eval_fraction, "seed": seed}
+    lengths = np.diff(stream.bounds)[samples]
+    # per sample; reduceat needs no sample to be empty, and each holds a target token
+    targets = np.add.reduceat(stream.targets, stream.bounds[:-1], dtype=np.int64)[samples]
+    held = samples.size if part == "eval" else stream.bounds.size - 1 - samples.size
+    return {"part_samples": int(samples.size), "part_tokens": int(lengths.sum()),
+            "part_targets": int(targets.sum()), "part_longest": int(lengths.max()),
+            "held_out": held, "eval_fraction": data.eval_fraction, "seed": seed}
 
 
 def tokenizer_identity(tokenizer: Any) -> list:
@@ -141,21 +142,6 @@ def _mode(data: DataConfig, meta: dict) -> str:
         return data.long_samples
     masked = meta["format"] in ("prompt_completion", "chat") or meta["has_labels"]
     return "drop" if masked else "split"
-
-
-def _rows_file(folder: Path, data: DataConfig, meta: dict, part: str | None, seed: int) -> Path:
-    """The row plan's file: per seq_len, packing mode and (None: whole source) part."""
-    key = ["rows", data.seq_len, _mode(data, meta)]
-    if part is not None:
-        key += [part, data.eval_fraction, seed]
-    return folder / f"rows-{digest(key)}.npz"
-
-
-def _open_stream(folder: Path, meta: dict) -> TokenStream:
-    n = meta["tokens"]
-    return TokenStream(np.memmap(folder / "ids.bin", dtype=np.int32, mode="r", shape=(n,)),
-                       np.memmap(folder / "targets.bin", dtype=np.uint8, mode="r", shape=(n,)),
-                       np.load(folder / "bounds.npy"))
 
 
 def _save_plan(path: Path, plan: RowPlan) -> None:
@@ -198,8 +184,8 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
                 sample.targets.astype(np.uint8).tofile(flags)
                 wheres.write(sample.where.replace("\n", " ") + "\n")
                 lengths.append(sample.ids.size)
+                counts["tokens"] += sample.ids.size
                 counts["target_tokens"] += int(sample.targets.sum())
-            counts["tokens"] = int(sum(lengths))
             progress.update(counts)
     progress.close(counts)
     if not lengths:
@@ -217,13 +203,12 @@ class _Progress:
     """A rich bar on a terminal, else a line every `PROGRESS_EVERY_S` seconds."""
 
     def __init__(self, reader: RecordReader, source: str, show: bool) -> None:
-        self.reader, self.show, self.every_s, self.bar = reader, show, PROGRESS_EVERY_S, None
+        self.reader, self.show, self.bar = reader, show, None
         self.start = self.last = time.perf_counter()
-        if not show:
-            return
-        print(f"preparing data from {source} (tokenizing and packing once; later runs and the "
-              f"other ranks of this machine reuse it)", flush=True)
-        if sys.stdout.isatty():
+        if show:
+            print(f"preparing data from {source} (tokenizing and packing once; later runs and the "
+                  f"other ranks of this machine reuse it)", flush=True)
+        if show and sys.stdout.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(TextColumn("[bold]data"), BarColumn(),
@@ -233,13 +218,11 @@ class _Progress:
             self.bar.start()
 
     def update(self, counts: dict) -> None:
-        if not self.show:
-            return
         info = f"{counts['records']:,} records, {counts['tokens']:,} tokens"
         if self.bar is not None:
             self.bar.update(self.task, completed=self.reader.done, total=self.reader.total or None,
                             info=info)
-        elif time.perf_counter() - self.last >= self.every_s:
+        elif self.show and time.perf_counter() - self.last >= PROGRESS_EVERY_S:
             self.last = time.perf_counter()
             total = self.reader.total
             share = f"{100 * self.reader.done / total:.0f} % read, " if total else ""
@@ -269,40 +252,34 @@ def rows_summary(rows: PackedRows) -> list[str]:
         lines.append(f"held out for validation: {info['held_out']:,} of {info['samples']:,} "
                      f"documents (data.eval_source {info['eval_fraction']:g}, train.seed "
                      f"{info['seed']}), never trained on")
-    real = int((plan.stops - plan.starts).sum())
-    lines.append(f"rows: {len(rows):,} × {seq_len:,} tokens, {_mode_text(info['long_samples'])}, "
+    real, mode = int((plan.stops - plan.starts).sum()), info["long_samples"]
+    packing = "samples end to end, cut every row" if mode == "split" else \
+        f"whole samples best-fit (longer ones: {mode.replace('_', ' ')})"
+    lines.append(f"rows: {len(rows):,} × {seq_len:,} tokens, {packing}, "
                  f"{100 * (1 - real / (len(rows) * seq_len)):.1f} % padding")
     if plan.long:
-        lines.append(_long_text(rows))
+        where = sample_wheres(info["cache"], {plan.first_long}).get(plan.first_long, "?")
+        what = {"split": "continue in the next row", "drop": "were left out",
+                "truncate_left": f"keep their last {seq_len:,} tokens",
+                "truncate_right": f"keep their first {seq_len:,} tokens"}[mode]
+        extra = (f" ({plan.left_out:,} kept no target token and were left out)"
+                 if plan.left_out and mode != "drop" else "")
+        lines.append(f"long samples: {plan.long:,} longer than {seq_len:,} tokens {what}{extra} "
+                     f"(longest {info.get('part_longest', info['longest']):,}; first at {where}; "
+                     f"data.long_samples)")
     how = "prepared" if info["built_tokens"] else "reused" if not info["built_rows"] else \
         "tokens reused, rows planned"
     lines.append(f"cache: {info['cache']} ({how}, {info['seconds']:.1f} s)")
     return lines
 
 
-def _mode_text(mode: str) -> str:
-    return "samples end to end, cut every row" if mode == "split" else \
-        f"whole samples best-fit (longer ones: {mode.replace('_', ' ')})"
-
-
-def _long_text(rows: PackedRows) -> str:
-    plan, info = rows.plan, rows.info
-    with open(Path(info["cache"]) / "wheres.txt", encoding="utf-8") as handle:
-        where = next(islice(handle, plan.first_long, None), "?").rstrip("\n")
-    what = {"split": "continue in the next row", "drop": "were left out",
-            "truncate_left": f"keep their last {rows.seq_len:,} tokens",
-            "truncate_right": f"keep their first {rows.seq_len:,} tokens"}[info["long_samples"]]
-    extra = (f" ({plan.left_out:,} kept no target token and were left out)"
-             if plan.left_out and info["long_samples"] != "drop" else "")
-    return (f"long samples: {plan.long:,} longer than {rows.seq_len:,} tokens {what}{extra} "
-            f"(longest {info.get('part_longest', info['longest']):,}; first at {where}; "
-            f"data.long_samples)")
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/lctrain/data``, or ``~/.cache/lctrain/data``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "lctrain" / "data"
+def sample_wheres(cache: str | None, samples: set[int]) -> dict[int, str]:
+    """Where each of ``samples`` came from (the cache's wheres.txt; {} without one)."""
+    if cache is None or not samples:
+        return {}
+    with open(Path(cache) / "wheres.txt", encoding="utf-8") as handle:
+        return {i: line.rstrip("\n") for i, line in enumerate(islice(handle, max(samples) + 1))
+                if i in samples}
 
 
 def digest(parts: Any) -> str:
@@ -344,7 +321,7 @@ def build_folder(folder: Path, build: Callable[[Path], None]) -> None:
         raise
 
 
-def wait_for(path: Path, *, poll_s: float = 0.2) -> None:
+def wait_for(path: Path) -> None:
     """Block until ``path`` exists (the leader is writing it)."""
     while not path.exists():
-        time.sleep(poll_s)
+        time.sleep(0.2)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from itertools import islice
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from lctrain.data.packing import IGNORE, PackedRows
+from lctrain.data.prepare import sample_wheres
 
 _CONTEXT = 8  # tokens decoded before a run, so that its first token reads as in the whole text
 
@@ -43,18 +42,9 @@ class RowPreview:
 
 def preview_rows(rows: PackedRows, tokenizer: Any, count: int) -> list[RowPreview]:
     """The first ``count`` rows of ``rows``, in row order."""
-    stream, plan, bounds = rows.stream, rows.plan, rows.stream.bounds
-    spans = []  # per row: (sample, start, stop) in the stream, split at sample bounds
-    for r in range(min(count, len(rows))):
-        lo, hi = int(plan.offsets[r]), int(plan.offsets[r + 1])
-        row = []
-        for a, b in zip(plan.starts[lo:hi].tolist(), plan.stops[lo:hi].tolist()):
-            cuts = [a, *bounds[np.searchsorted(bounds, a, "right"):
-                               np.searchsorted(bounds, b, "left")].tolist(), b]
-            row += [(int(np.searchsorted(bounds, x, "right")) - 1, x, y)
-                    for x, y in zip(cuts[:-1], cuts[1:])]
-        spans.append(row)
-    wheres = _wheres(rows.info.get("cache"), {s for row in spans for s, _, _ in row})
+    stream, bounds = rows.stream, rows.stream.bounds
+    spans = [rows.pieces(r) for r in range(min(count, len(rows)))]  # (sample, start, stop)s
+    wheres = sample_wheres(rows.info.get("cache"), {s for row in spans for s, _, _ in row})
     out = []
     for r, row in enumerate(spans):
         packed = rows.row(r)
@@ -100,12 +90,3 @@ def heading(piece: Piece) -> str:
 def here(text: str) -> str:
     """``text`` with the current folder's paths made relative."""
     return text.replace(os.path.join(os.getcwd(), ""), "")
-
-
-def _wheres(cache: str | None, samples: set[int]) -> dict[int, str]:
-    """Where each of ``samples`` came from (the cache's wheres.txt; {} without one)."""
-    if cache is None or not samples:
-        return {}
-    with open(Path(cache) / "wheres.txt", encoding="utf-8") as handle:
-        return {i: line.rstrip("\n") for i, line in enumerate(islice(handle, max(samples) + 1))
-                if i in samples}

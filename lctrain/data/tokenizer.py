@@ -59,10 +59,7 @@ class ByteTokenizer:
         ``add_generation_prompt`` appends ``<|assistant|>\\n``."""
         ids, assistant = [self.bos_token_id], [False]
         for message in messages:
-            role, content = (message.get("role"), message.get("content")) if isinstance(
-                message, dict) else (None, None)
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise ValueError(f"a message needs a string role and content, got {message!r}")
+            role, content = message["role"], message["content"]
             header = self.encode(f"<|{role}|>\n", add_special_tokens=False)
             body = self.encode(content, add_special_tokens=False)
             end = [self.eos_token_id] if role == "assistant" else self.encode("\n", False)
