@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lctrain.errors import UserError
@@ -97,9 +98,8 @@ def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[i
                         "checkpoint.keep above 0 (a checkpoint is saved after the last step).")
     if step is None:
         return found[-1]
-    for saved, path in found:
-        if saved == step:
-            return saved, path
+    if step in dict(found):
+        return step, dict(found)[step]
     steps = ", ".join(str(s) for s, _ in found)
     raise UserError(f"There is no checkpoint of step {step} in {root}; it holds step(s) {steps}.")
 
@@ -107,8 +107,6 @@ def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[i
 def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
     """{name: whole tensor} of the saved model weights among ``names`` (``state_dict()`` names),
     read on the CPU in this process alone (UserError: none of them)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     reader = SafeReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
     prefix = _weights_prefix(saved, names)
@@ -128,14 +126,12 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
 
 def _weights_prefix(saved, names: list[str]) -> str | None:
     """The key prefix under which the most of ``names`` are stored (None if none is)."""
-    counts: dict[str, int] = {}
-    for name in names[:1] + names[-1:]:  # candidates from two names; every name then votes
-        for key in saved:
-            candidate = key[:len(key) - len(name)]
-            if key.endswith(name) and candidate.startswith("model.") and candidate.endswith("."):
-                counts.setdefault(candidate, 0)
-    for candidate in counts:
-        counts[candidate] = sum(candidate + name in saved for name in names)
+    candidates = dict.fromkeys(  # from two names; every name then votes
+        key[:len(key) - len(name)] for name in names[:1] + names[-1:] for key in saved
+        if key.endswith(name))
+    counts = {candidate: sum(candidate + name in saved for name in names)
+              for candidate in candidates if candidate.startswith("model.")
+              and candidate.endswith(".")}
     best = max(counts, key=counts.get, default=None)
     return best if best is not None and counts[best] > 0 else None
 

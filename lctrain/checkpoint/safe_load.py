@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from lctrain.errors import UserError
 
@@ -63,8 +64,7 @@ class SafeReader(FileSystemReader):
     """DCP's file-system reader with the metadata read by `load_metadata`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
+        path = self._get_metadata_path(kwargs.get("rank"))
         try:
             with open(path, "rb") as handle:
                 data = handle.read()
@@ -72,8 +72,6 @@ class SafeReader(FileSystemReader):
             raise UserError(f"{path} cannot be read ({error.strerror or type(error).__name__}); "
                             "the checkpoint is incomplete or not lctrain's") from None
         metadata = load_metadata(data, str(path))
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
         if not isinstance(metadata, Metadata):
             raise UserError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
@@ -106,25 +104,17 @@ def fsync_tree(folder: str | os.PathLike) -> None:
     """Flush every file under ``folder`` and the folders themselves to stable storage."""
     for root, dirs, files in os.walk(folder):
         for name in files:
-            fsync_file(os.path.join(root, name))
-        fsync_dir(root)
+            fsync(os.path.join(root, name))
+        fsync(root, folder=True)
 
 
-def fsync_file(path: str | os.PathLike) -> None:
-    """Flush a written file to stable storage."""
+def fsync(path: str | os.PathLike, *, folder: bool = False) -> None:
+    """Flush a written file, or a ``folder``'s entries (new names, renames), to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(folder: str | os.PathLike) -> None:
-    """Flush a folder's entries (new names, renames) to stable storage."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot sync a folder; the files are synced
-        pass
+    except OSError:
+        if not folder:  # some file systems cannot sync a folder; its files are synced
+            raise
     finally:
         os.close(fd)

@@ -11,7 +11,6 @@ import shutil
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from lctrain.config.paths import ordinary_permissions
 from lctrain.errors import UserError
 from lctrain.checkpoint.reader import FORMAT, list_checkpoints, root_cause
-from lctrain.checkpoint.safe_load import check_tensors_only, fsync_dir, fsync_file, fsync_tree
+from lctrain.checkpoint.safe_load import check_tensors_only, fsync, fsync_tree
 
 
 class Checkpointer:
@@ -33,7 +32,7 @@ class Checkpointer:
                  asynchronous: bool, local_processes: int = 1) -> None:
         self.root, self.module, self.optimizer, self.keep = Path(root), module, optimizer, keep
         self.asynchronous, self.local_processes = asynchronous, local_processes
-        self.rank = _rank()
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._stager = None
         self._pending: _Pending | None = None
@@ -58,7 +57,10 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
             _write_rng(tmp / f"rng-rank{self.rank}.safetensors")
             if self.rank == 0:
-                _write_json(tmp / "trainer.json", {"format": FORMAT, **trainer_state})
+                trainer = tmp / "trainer.json"
+                trainer.write_text(json.dumps({"format": FORMAT, **trainer_state}, indent=1) + "\n",
+                                   encoding="utf-8")
+                fsync(trainer)
         except (OSError, SafetensorError) as error:  # safetensors' own I/O errors
             raise _failed_write(step, tmp, error, size) from None
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
@@ -75,8 +77,8 @@ class Checkpointer:
         response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                   async_stager=self._stager, no_dist=self.group is None)
         self._pending = _Pending(step, tmp, final, size, response.staging_completion,
-                                 response.upload_completion)
-        self._pending.watch(self.rank == 0, self.keep)
+                                 response.upload_completion, publisher=self.rank == 0,
+                                 keep=self.keep)
         return final
 
     def wait(self) -> Path | None:
@@ -110,7 +112,11 @@ class Checkpointer:
                 self._stager.close()
                 self._stager = _new_stager()
             return True
-        fits = torch.tensor([int(_host_copy_fits(size, self.local_processes))])
+        from lctrain.memory.host import available_host_bytes
+
+        available = available_host_bytes()  # the local processes' host copies fit half of it
+        fits = torch.tensor([int(available is None
+                                 or size * self.local_processes <= available // 2)])
         if self.group is not None:
             dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.group)
         if not fits.item():
@@ -130,16 +136,15 @@ class Checkpointer:
 
 
 class _Pending:
-    """A save in flight: its futures, and what rank 0 does when DCP has finished writing."""
+    """A save in flight: its futures; the ``publisher`` (rank 0) publishes it once DCP has
+    finished writing."""
 
     def __init__(self, step: int, tmp: Path, final: Path, size: int, staged: Future,
-                 upload: Future):
-        self.step, self.tmp, self.final, self.size = step, tmp, final, size
-        self.staged, self.upload = staged, upload
+                 upload: Future, *, publisher: bool, keep: int):
+        self.step, self.tmp, self.final, self.size, self.staged = step, tmp, final, size, staged
         self.error: BaseException | None = None
         self.finished = threading.Event()
 
-    def watch(self, publisher: bool, keep: int) -> None:
         def done(future: Future) -> None:  # runs in DCP's writing thread
             try:
                 future.result()
@@ -150,7 +155,7 @@ class _Pending:
             finally:
                 self.finished.set()
 
-        self.upload.add_done_callback(done)
+        upload.add_done_callback(done)
 
 
 def publish(tmp: Path, final: Path, *, keep: int) -> None:
@@ -159,7 +164,7 @@ def publish(tmp: Path, final: Path, *, keep: int) -> None:
     the same weights and must not push it out."""
     fsync_tree(tmp)
     os.replace(tmp, final)
-    fsync_dir(final.parent)
+    fsync(final.parent, folder=True)
     found = list_checkpoints(final.parent)
     trained = next((path for _, path in reversed(found) if step_trained(path)), None)
     for step, old in found[:-keep]:
@@ -180,13 +185,6 @@ def step_trained(checkpoint: Path) -> bool:
         return True
 
 
-def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(data, indent=1) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def _write_rng(path: Path) -> None:
     """This rank's RNG states (torch, CUDA, Python) as safetensors."""
     from safetensors.torch import save_file
@@ -198,7 +196,7 @@ def _write_rng(path: Path) -> None:
     save_file(tensors, str(path), metadata={"python_version": str(version),
                                             "python_gauss": json.dumps(gauss)})
     ordinary_permissions(path)
-    fsync_file(path)
+    fsync(path)
 
 
 def state_bytes(state: dict) -> int:
@@ -240,14 +238,6 @@ def _stager_reusable() -> bool:
         stager.close()
 
 
-def _host_copy_fits(size: int, processes: int) -> bool:
-    """Whether ``processes`` host copies of ``size`` bytes fit half the available memory."""
-    from lctrain.memory.host import available_host_bytes
-
-    available = available_host_bytes()
-    return available is None or size * processes <= available // 2
-
-
 def _run_write(step: int, tmp: Path, write, size: int) -> None:
     try:
         write()
@@ -273,10 +263,6 @@ def _failed_write(step: int, tmp: Path, error: BaseException, size: int) -> User
     return UserError(f"Writing the checkpoint of step {step} to {tmp} failed ({reason}); "
                      f"{last} — free space or fix the folder's permissions, then resume with "
                      "--resume.")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _barrier(group) -> None:

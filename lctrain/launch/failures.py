@@ -18,7 +18,7 @@ from pathlib import Path
 from lctrain.errors import UserError
 from lctrain.launch.lifetime import describe_death
 from lctrain.launch.stopping import stopped_by
-from lctrain.launch.watchdog import read_rank_files
+from lctrain.launch.watchdog import read_rank_files, write_json
 
 
 RELAYED = "lctrain-relayed "
@@ -40,12 +40,7 @@ def record_error(error_dir: str | os.PathLike | None, exc: BaseException | None 
     record = {"rank": rank, "pid": os.getpid(), "time": time.time(), "kind": kind,
               "user": kind in (*_USER_KINDS, "hang"), "message": message,
               "traceback": "".join(traceback.format_exception(exc)) if exc is not None else ""}
-    path = Path(error_dir) / f"rank{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
-    except OSError:
+    if not write_json(Path(error_dir) / f"rank{rank}.json", record):
         relay("record", record)
 
 
@@ -83,8 +78,7 @@ def read_records(error_dir: str | os.PathLike) -> list[dict]:
 
 def first_error(error_dir: str | os.PathLike) -> dict | None:
     """The earliest recorded rank failure in ``error_dir``, or None if no rank recorded one."""
-    records = read_records(error_dir)
-    return records[0] if records else None
+    return next(iter(read_records(error_dir)), None)
 
 
 def read_failures(path: str | os.PathLike, fallback: dict | None = None) -> dict[int, dict]:

@@ -62,24 +62,18 @@ def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool,
     """What can fail (UserError) before any process starts, on a machine running ``nproc`` of
     them: the output folder, cp, this machine's memory and, for training (``data``), the first
     records of the data."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_run_folder(cfg, resume=resume)
     check_parallel_sizes(nproc, cfg.parallel.cp)
-    if device_type == "cuda":  # only GPU runs pin host memory
+    if torch.cuda.is_available():  # only GPU runs pin host memory
         check_host_memory(cfg, local_processes=nproc, gpus=nproc)
     else:  # a CPU run holds the whole training state in host memory
         check_cpu_memory(cfg, processes=nproc)
     resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
-    if data:
-        check_data(cfg)
+    if data:  # the ranks' DataError about the data's first records, at once
+        from lctrain.data.check import check_first_records
+        from lctrain.model import load_tokenizer
 
-
-def check_data(cfg: RecipeConfig) -> None:
-    """The ranks' DataError about the data's first records, at once (`check_first_records`)."""
-    from lctrain.data.check import check_first_records
-    from lctrain.model import load_tokenizer
-
-    check_first_records(cfg.data, lambda: load_tokenizer(cfg))
+        check_first_records(cfg.data, lambda: load_tokenizer(cfg))
 
 
 def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = WORKER_MODULE,
@@ -98,9 +92,13 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
             "stop at once.")
     with private_folder() as private:
         recipe, digest = write_recipe(cfg, private / "recipe.yaml")
-        cmd = [sys.executable, "-m", AGENT_MODULE, str(failures),
-               *rendezvous_args(private, nproc), "-m", module, "--config", str(recipe),
-               "--config-sha256", digest, "--error-dir", str(errors),
+        # one machine, nothing on a network port: a file store (--standalone would listen on
+        # every interface)
+        cmd = [sys.executable, "-m", AGENT_MODULE, str(failures), "--nnodes=1",
+               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint={private / 'rendezvous'}", "--rdzv-conf=store_type=file",
+               f"--rdzv-id=lctrain-{os.getpid()}-{time.time_ns()}", "-m", module,
+               "--config", str(recipe), "--config-sha256", digest, "--error-dir", str(errors),
                "--store", str(private / "store"), *args]
         if resume:
             cmd.append("--resume")
@@ -116,14 +114,6 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
         print(f"lctrain: stopped at once; {hint}.", file=sys.stderr)
         return code
     return report(supervisor, launch_dir=folder, failures=failures, log=log, checkpoint_hint=hint)
-
-
-def rendezvous_args(private: Path, nproc: int) -> list[str]:
-    """torch.distributed.run's arguments for one machine with nothing on a network port (a file
-    store in ``private``, where ``--standalone`` would listen on every interface)."""
-    return ["--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={private / 'rendezvous'}", "--rdzv-conf=store_type=file",
-            f"--rdzv-id=lctrain-{os.getpid()}-{time.time_ns()}"]
 
 
 def write_recipe(cfg: RecipeConfig, path: Path) -> tuple[Path, str]:
@@ -153,20 +143,16 @@ def _worker_env(nproc: int) -> dict[str, str]:
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # FlashAttention 4's on-disk cache of compiled kernels (file-locked, shared by the ranks)
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    loopback = _loopback_interface()
-    if loopback is not None:
-        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
-        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    return env
-
-
-def _loopback_interface() -> str | None:
-    """The loopback network interface's name (lo on Linux, lo0 on macOS), or None."""
-    try:
+    try:  # the loopback network interface: lo on Linux, lo0 on macOS
         names = [name for _, name in socket.if_nameindex()]
     except OSError:
-        return None
-    return next((name for name in ("lo", "lo0") if name in names), None)
+        names = []
+    for loopback in ("lo", "lo0"):
+        if loopback in names:
+            env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+            env.setdefault("NCCL_SOCKET_IFNAME", loopback)
+            break
+    return env
 
 
 def checkpoint_hint(cfg: RecipeConfig, nproc: int) -> str:

@@ -19,16 +19,12 @@ from lctrain.errors import UserError
 
 LAUNCHER_PID_ENV = "LCTRAIN_LAUNCHER_PID"
 """The launcher's pid, which the processes it starts must not outlive."""
-_PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(signum: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``signum`` to this process when its parent thread exits; returns
-    whether it was asked (not off Linux)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+def die_with_parent() -> None:
+    """Ask the kernel to send SIGKILL to this process when its parent thread exits (Linux)."""
+    if sys.platform.startswith("linux"):  # prctl option 1: PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 
 
 def die_with_launcher(levels: int) -> None:
@@ -60,13 +56,9 @@ def _stat(pid: int) -> list[str] | None:
 
 def children(pid: int) -> list[int]:
     """The live (not zombie) child processes of ``pid``, from a scan of /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat and int(stat[1]) == pid and stat[0] != "Z":
-                found.append(int(entry))
-    return sorted(found)
+    stats = {int(entry): _stat(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()}
+    return sorted(child for child, stat in stats.items()
+                  if stat and int(stat[1]) == pid and stat[0] != "Z")
 
 
 def alive(pid: int) -> bool:

@@ -96,8 +96,16 @@ def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
     try:
         cfg = read_recipe(args.config, args.config_sha256)
         with kept_output(launch_dir(cfg) / OUTPUT_LOG):
-            if args.store is not None:
-                _init_group_from_file(args.store, cfg)
+            if args.store is not None:  # join the launcher's group through its file store
+                cuda = torch.cuda.is_available()
+                if cuda:
+                    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                    nccl_flight_recorder(launch_dir(cfg))
+                dist.init_process_group("nccl" if cuda else "gloo",
+                                        init_method=f"file://{args.store}",
+                                        rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]),
+                                        timeout=group_timeout(cfg))
             return worker(cfg, resume=args.resume)
     except BaseException as exc:
         name_the_file(exc, cfg and cfg.train.output_dir)
@@ -133,17 +141,6 @@ def name_the_file(error: BaseException, folder: str | os.PathLike | None) -> Non
             error.filename = os.fspath(folder)
 
 
-def _init_group_from_file(store: str, cfg: RecipeConfig) -> None:
-    """Join the launcher's process group through the file store ``store``."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        nccl_flight_recorder(launch_dir(cfg))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
-                            rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=group_timeout(cfg))
-
-
 @contextlib.contextmanager
 def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     """This process as one rank of the run for the block; yields the `Accelerator`. The group is
@@ -155,12 +152,20 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     timeout = group_timeout(cfg)
     if timeout == timedelta(seconds=600):  # accelerate drops a timeout equal to its default
         timeout += timedelta(seconds=1)
+    precision = cfg.train.mixed_precision  # "bf16" or "no"; "auto": bf16 on GPUs that have it
+    if precision == "auto":
+        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
     # one accumulation step: the loop accumulates itself and accelerate must not scale losses
-    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed_precision(cfg, cuda),
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=precision,
                               gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
     check_accelerate_mode(accelerator.distributed_type)
-    store_dir = _ensure_process_group(accelerator.device, timeout)
+    store_dir = None
+    if not dist.is_initialized():  # neither the caller's nor accelerate's: a one-rank group
+        store_dir = tempfile.mkdtemp(prefix="lctrain-pg-")
+        dist.init_process_group("nccl" if accelerator.device.type == "cuda" else "gloo",
+                                init_method=f"file://{os.path.join(store_dir, 'store')}",
+                                rank=0, world_size=1, timeout=timeout)
     try:
         if "LOCAL_WORLD_SIZE" in os.environ and accelerator.device.type == "cuda":
             check_host_memory(cfg, local_processes=int(os.environ["LOCAL_WORLD_SIZE"]),
@@ -183,14 +188,6 @@ def check_accelerate_mode(mode: DistributedType) -> None:
                         "--use_deepspeed or --use_megatron_lm.")
 
 
-def mixed_precision(cfg: RecipeConfig, cuda: bool) -> str:
-    """accelerate's ``mixed_precision``: "bf16" or "no" ("auto" = bf16 on GPUs that have it)."""
-    wanted = cfg.train.mixed_precision
-    if wanted == "auto":
-        return "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
-    return wanted
-
-
 def nccl_flight_recorder(folder: Path) -> None:
     """Turn on torch's NCCL flight recorder and its dump on a timeout into
     ``folder/nccl_trace_rank_R`` (unless the environment says otherwise); call it before the
@@ -198,14 +195,3 @@ def nccl_flight_recorder(folder: Path) -> None:
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(folder / "nccl_trace_rank_"))
-
-
-def _ensure_process_group(device: torch.device, timeout: timedelta) -> str | None:
-    """Make a one-rank group when none exists; returns its store's temporary folder, or None."""
-    if dist.is_initialized():
-        return None
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    store_dir = tempfile.mkdtemp(prefix="lctrain-pg-")
-    dist.init_process_group(backend, init_method=f"file://{os.path.join(store_dir, 'store')}",
-                            rank=0, world_size=1, timeout=timeout)
-    return store_dir

@@ -6,6 +6,7 @@ not silence it; `report` says why the run ended."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -20,11 +21,7 @@ from lctrain.launch.failures import explain, read_failures, read_records, relay,
 from lctrain.launch.lifetime import alive, children, die_with_launcher, signal_name
 from lctrain.launch.stopping import (LAUNCHER_REQUEST, STOP_SIGNALS, catches_request,
                                     watched_signals)
-from lctrain.launch.watchdog import read_heartbeats
-
-POLL_S = 0.2
-KILL_GRACE_S = 3.0
-"""Seconds the other ranks get to end by themselves after a rank failed and exited."""
+from lctrain.launch.watchdog import heartbeat_dir, read_heartbeats, write_json
 
 
 def agent_main(argv: list[str]) -> int:
@@ -43,12 +40,7 @@ def agent_main(argv: list[str]) -> int:
     except ChildFailedError as error:
         failures = {str(rank): {"pid": f.pid, "exitcode": f.exitcode, "local_rank": f.local_rank}
                     for rank, f in error.failures.items()}
-        tmp = f"{failures_path}.tmp"
-        try:
-            with open(tmp, "w") as handle:
-                json.dump(failures, handle)
-            os.replace(tmp, failures_path)
-        except OSError:
+        if not write_json(Path(failures_path), failures):
             relay("failures", failures)
         return 1
     return 0
@@ -117,41 +109,34 @@ class Supervisor:
     def wait(self) -> int | None:
         """Block until the agent ends; returns None when it ended by itself (see
         ``agent.returncode``), or 128 + the signal when a second stop signal killed every rank."""
-        previous = self._install()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self._on_signal) for sig in watched_signals()}
         try:
             while True:
-                try:
-                    self.agent.wait(timeout=POLL_S)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.agent.wait(timeout=0.2)
                     return None
-                except subprocess.TimeoutExpired:
-                    pass
                 if len(self.signals) > 1:
                     self._kill(children(self.agent.pid) + [self.agent.pid])
                     self.agent.wait()
                     return 128 + self.signals[1]
                 if self.signals:
-                    self._pass_on(self.signals[0])
+                    self._pass_on()
                 self._watch_failures()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _install(self) -> dict[int, object]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {sig: signal.signal(sig, self._on_signal) for sig in watched_signals()}
-
     def _on_signal(self, signum: int, frame) -> None:
         self.signals.append(signum)
         if len(self.signals) == 1:
-            try:
+            with contextlib.suppress(OSError):  # a full disk: the ranks stop on SIGTERM's behalf
                 self.request.write_text(f"{signum}\n")
-            except OSError:  # a full disk: the ranks stop on SIGTERM's behalf
-                pass
             print(f"lctrain: {signal_name(signum)} received; {self.text}", file=sys.stderr,
                   flush=True)
 
-    def _pass_on(self, signum: int) -> None:
+    def _pass_on(self) -> None:
         for pid in children(self.agent.pid):
             if pid not in self.signalled and catches_request(pid):
                 self.signalled.add(pid)
@@ -161,8 +146,8 @@ class Supervisor:
         now = time.time()
         if self._kill_at is None:
             for record in self.records():
-                if not alive(record.get("pid", 0)):
-                    self._kill_at = now + KILL_GRACE_S
+                if not alive(record.get("pid", 0)):  # the others get 3 s to end by themselves
+                    self._kill_at = now + 3.0
                 elif now - record["time"] > self.record_wait:
                     self._kill_at = now
         if self._kill_at is not None and now >= self._kill_at:
@@ -175,24 +160,20 @@ class Supervisor:
 
 
 def _send(pid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def last_completed_step(output_dir: Path) -> int | None:
     """The last step the run completed, from the heartbeats and rank 0's last metrics line;
     None before the ranks reached training (the metrics may be an earlier run's)."""
-    steps = [b["completed"] for b in read_heartbeats(output_dir / ".launch" / "ranks").values()]
+    steps = [b["completed"] for b in read_heartbeats(heartbeat_dir(output_dir)).values()]
     if not steps:
         return None
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
         lines = (output_dir / "metrics.jsonl").read_text().splitlines()
         steps.append(json.loads(lines[-1])["step"])
-    except (OSError, ValueError, IndexError, KeyError):
-        pass
-    return max(steps, default=None)
+    return max(steps)
 
 
 def report(supervisor: Supervisor, *, launch_dir: Path, failures: Path, log: Path,

@@ -35,6 +35,18 @@ def read_rank_files(folder: str | os.PathLike) -> list[dict]:
     return found
 
 
+def write_json(path: Path, data: dict) -> bool:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed); False when it could not
+    be written (a full disk)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+
+
 @dataclass
 class _Mark:
     """Where the main thread is: the operation (None: not watched), its step, since when."""
@@ -137,13 +149,8 @@ class Watchdog:
         record = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                   "completed": mark.completed, "step": mark.step, "operation": mark.operation,
                   "for_s": round(now - mark.since, 3), "time": time.time()}
-        path = self.folder / f"rank{self.rank}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a heartbeat is best effort: a full disk must not end the run from here
+        # a heartbeat is best effort: a full disk must not end the run from here
+        write_json(self.folder / f"rank{self.rank}.json", record)
 
     def report(self, mark: _Mark, waited: float) -> str:
         """The sentence naming the operation this rank waits in and the ranks that are late."""
