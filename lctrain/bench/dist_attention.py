@@ -240,10 +240,9 @@ class _Bench:
                 make = lambda: PEERS[what](self.group, spec)  # noqa: E731
             else:
                 make = lambda: contextlib.nullcontext(self._ours(seq_len, what, overlap))  # noqa: E731
-            trace = None
-            if c.profile_dir is not None and what not in PEERS:
-                slug = name.replace(" (no overlap)", "-no-overlap")
-                trace = os.path.join(c.profile_dir, f"attention-{slug}-{seq_len}-rank{{rank}}.json")
+            slug = name.replace(" (no overlap)", "-no-overlap")
+            trace = None if c.profile_dir is None or what in PEERS else \
+                os.path.join(c.profile_dir, f"attention-{slug}-{seq_len}-rank{{rank}}.json")
             row.update(self._time(make, flops / self.world, what in PEERS, trace), **checks.get(name, {}))
             if single.get("total_tflops") and row.get("total_tflops"):
                 row["vs_single"] = row["total_tflops"] / single["total_tflops"]

@@ -134,17 +134,15 @@ def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = 
     correct = err <= TOLERANCE.get(plan.params["dtype"], 4e-2)
     plan.say(f"{head}: error {err:.1e} against float32 math at {plan.check_len} "
              f"tokens{'' if correct else ' — ABOVE the tolerance'}")
+    slug = name if not plan.mixes else f"{name}-dense" if mix is None else f"{name}-mix{mix.index}"
     rows = []
     for seq_len in plan.seq_lens:
         row = {**base, "seq_len": seq_len, "max_rel_err": err, "correct": correct}
         bounds = None if mix is None else mix.at[seq_len].cu_seqlens
         if mix is not None:
             row["mix"] = mix.at[seq_len].summary()
-        trace = None
-        if plan.profile_dir is not None:
-            slug = name if not plan.mixes else f"{name}-dense" if mix is None else \
-                f"{name}-mix{mix.index}"
-            trace = Path(plan.profile_dir) / f"kernel-{slug}-{seq_len}.json"
+        trace = None if plan.profile_dir is None else \
+            Path(plan.profile_dir) / f"kernel-{slug}-{seq_len}.json"
         try:
             row.update(_measure(what, seq_len, plan.params, bounds, plan.repeats, plan.warmup,
                                 trace))

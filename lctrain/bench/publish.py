@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from lctrain.bench.result import KINDS, BenchResult
-from lctrain.bench.views import describe, short_variant, summary, table
+from lctrain.bench.views import WHAT, describe, short_variant, summary, table
 from lctrain.errors import UserError
 from lctrain.report.table import emit, say, show
 from lctrain.report import plotting
@@ -53,8 +53,7 @@ def plot(result: BenchResult, path: str | Path) -> Path:
     if not lines:
         raise UserError("no row of the result has a number to plot (every measurement failed or "
                         "was skipped; the status column says why), so no plot was written")
-    what = {"kernel": "Attention kernels, one device", "attention": "Distributed attention",
-            "step": "Training steps"}[result.kind]
+    what = WHAT[result.kind].split(", {rate}")[0]
     xlabel = "total sequence length" if result.kind == "attention" else "sequence length"
     fig, ax = plotting.figure(f"{what} — {describe(result)}", xlabel, ylabel)
     for name, points in lines.items():

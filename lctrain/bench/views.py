@@ -61,7 +61,7 @@ COLUMNS = {
 }
 
 
-_WHAT = {"kernel": "Attention kernels, one device, {rate}",
+WHAT = {"kernel": "Attention kernels, one device, {rate}",
          "attention": "Distributed attention, {rate} per GPU",
          "step": "Training steps"}
 
@@ -107,7 +107,7 @@ def table(result: BenchResult) -> Table:
         rows = [{**row, "mix_no": specs.index(row["documents"]) + 1
                  if row.get("documents") is not None else None} for row in rows]
         columns.insert(2, Column("mix_no", "mix", "number"))
-    return Table(title=f"{_WHAT[result.kind]} — {describe(result)}", columns=columns, rows=rows,
+    return Table(title=f"{WHAT[result.kind]} — {describe(result)}", columns=columns, rows=rows,
                  notes=notes)
 
 
@@ -200,7 +200,7 @@ def summary(result: BenchResult) -> Table:
     columns = [Column("seq_len", "length", "tokens")]
     columns += [Column("documents", "documents")] if specs else []
     columns += [Column(n, n, "figure") for n in names]
-    what = _WHAT[result.kind].split(",")[0]
+    what = WHAT[result.kind].split(",")[0]
     unit = "fwd+bwd TFLOP/s" + (" per GPU" if result.kind == "attention" else "")
     return Table(title=f"{what}, {unit} — {describe(result)}", columns=columns, rows=rows,
                  notes=_summary_notes(result, names, series))

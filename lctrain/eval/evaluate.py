@@ -102,39 +102,36 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
     if request.task == "passkey":  # a length too short for the fixed text, before any rank
         passkey_prompt(load_tokenizer(cfg), min(request.lengths), 0.0, "12345")
     scratch = Path(tempfile.mkdtemp(prefix="lctrain-eval-"))
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=str(scratch)))
-    if request.kind == "adapter":  # the base model with the adapter merged in, once
-        from lctrain.model.lora import merge_adapter
+    code = 0
+    try:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                 output_dir=str(scratch)))
+        if request.kind == "adapter":  # the base model with the adapter merged in, once
+            from lctrain.model.lora import merge_adapter
 
-        try:
             folder = merge_adapter(request.target, cfg.model.path, scratch / "model",
                                    trust_remote_code=cfg.model.trust_remote_code)
-        except BaseException:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(folder)))
+        request = dataclasses.replace(request, result_file=str(scratch / "result.json"))
+        (scratch / "request.json").write_text(request.to_json())
+        worker = functools.partial(eval_worker, request=request)
+        try:
+            code = launcher.dispatch(cfg, worker, resume=False, nproc=nproc,
+                                     module=WORKER_MODULE,
+                                     args=("--request", str(scratch / "request.json")))
+        except UserError as error:  # a rank failed: its log outlives the scratch folder
+            kept = launcher.keep_workers_log(scratch)
+            if kept is None:
+                raise
+            raise UserError(f"{error}; the ranks' log is kept at {kept}") from None
+        if code != 0:
+            raise UserError(f"the evaluation failed (exit code {code}); its ranks' log is "
+                            f"{scratch / '.launch' / 'workers.log'}")
+        result_file = Path(request.result_file)
+        return load(result_file) if result_file.exists() else None
+    finally:
+        if code == 0:  # a failed run's scratch folder holds the log its message names
             shutil.rmtree(scratch, ignore_errors=True)
-            raise
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(folder)))
-    request = dataclasses.replace(request, result_file=str(scratch / "result.json"))
-    (scratch / "request.json").write_text(request.to_json())
-    worker = functools.partial(eval_worker, request=request)
-    try:
-        code = launcher.dispatch(cfg, worker, resume=False, nproc=nproc, module=WORKER_MODULE,
-                               args=("--request", str(scratch / "request.json")))
-    except UserError as error:  # a rank failed: its log outlives the scratch folder
-        kept = launcher.keep_workers_log(scratch)
-        shutil.rmtree(scratch, ignore_errors=True)
-        if kept is None:
-            raise
-        raise UserError(f"{error}; the ranks' log is kept at {kept}") from None
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    if code != 0:
-        raise UserError(f"the evaluation failed (exit code {code}); its ranks' log is "
-                        f"{scratch / '.launch' / 'workers.log'}")
-    result_file = Path(request.result_file)
-    result = load(result_file) if result_file.exists() else None
-    shutil.rmtree(scratch, ignore_errors=True)
-    return result
 
 
 def worker_entry(argv: list[str] | None = None) -> int:
