@@ -411,7 +411,8 @@ def test_a_float_that_float32_cannot_hold_is_refused(item, shown):
     ("train.chat_template=chatml", "data.chat_template"), ("data.mask_history=true", "data.turns"),
     ("data.field_messages=conversations", "data.fields"), ("data.columns=x", "data.fields"),
     ("data.formatting=sharegpt", "data.format"), ("data.val_set_size=0.05", "data.eval_source"),
-    ("train.dataset_text_field=body", "data.fields")])
+    ("train.dataset_text_field=body", "data.fields"),
+    ("data.alpha=16", "lora.alpha"), ("lora.seed=3", "train.seed")])  # a setting's own name
 def test_names_from_other_tools_point_to_the_setting(item, meant):
     with pytest.raises(ConfigError) as info:
         load_recipe(None, [item])

@@ -92,7 +92,6 @@ REMOVED = {
 _FOREIGN = {
     "train.lr": "learning_rate lr",
     "train.epochs": "num_train_epochs num_epochs epochs",
-    "train.max_steps": "max_steps",
     "train.batch_size": "per_device_train_batch_size micro_batch_size train_batch_size batch_size",
     "train.grad_accum": "gradient_accumulation_steps",
     "data.seq_len": "max_seq_length sequence_len max_seq_len max_length seq_length "
@@ -102,11 +101,6 @@ _FOREIGN = {
     "lora.dropout": "lora_dropout",
     "lora.target_modules": "lora_target_modules lora_target target_modules",
     "data.source": "dataset datasets dataset_name train_file data_path data_files",
-    "train.output_dir": "output_dir",
-    "train.warmup_steps": "warmup_steps",
-    "train.weight_decay": "weight_decay",
-    "train.max_grad_norm": "max_grad_norm",
-    "train.seed": "seed",
     "model.path": "base_model model_name_or_path model_name model_path",
     "train.checkpointing": "gradient_checkpointing",
     "train.mixed_precision": "bf16 fp16 mixed_precision",
@@ -117,8 +111,6 @@ _FOREIGN = {
     "data.tokenizer": "tokenizer_name tokenizer tokenizer_name_or_path",
     "parallel.cp": "sequence_parallel_degree context_parallel_size cp",
     "train.betas": "adam_beta1 adam_beta2",
-    "train.report_to": "report_to",
-    "model.trust_remote_code": "trust_remote_code",
     "data.format": "formatting dataset_format",
     "data.eval_source": "val_set_size val_size eval_file validation_file",
     "data.fields": "dataset_text_field text_column columns tags field_messages "
@@ -127,9 +119,12 @@ _FOREIGN = {
     "data.turns": "mask_history train_on_last_turn",
     "data.chat_template": "chat_template template",
 }
-ALIASES = {name: key for key, names in _FOREIGN.items() for name in names.split()}
-"""A name people bring from Hugging Face's Trainer, axolotl, LLaMA-Factory or TRL (the last part
-of a key) -> the recipe key that means it: the "did you mean" of an unknown key."""
+ALIASES = {**{f.name: f"{section}.{f.name}" for section, cls in _SECTIONS.items()
+              for f in dataclasses.fields(cls)},
+           **{name: key for key, names in _FOREIGN.items() for name in names.split()}}
+"""A name people bring from Hugging Face's Trainer, axolotl, LLaMA-Factory or TRL, or a setting's
+own name in another section (the last part of a key) -> the recipe key that means it: the "did
+you mean" of an unknown key."""
 
 
 def alias_hint(key: str) -> str:
