@@ -42,17 +42,22 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     """A token count such as ``512``, ``"64k"`` or ``"1m"`` (ConfigError naming ``what``)."""
     if isinstance(value, bool):
         raise ConfigError(f"{what} must be a number of tokens such as 4096 or 256k, got {value!r}")
-    if isinstance(value, int):
-        count = value
+    return _parse(value, what, _TOKEN_UNITS, "is not a size; write a whole number with an "
+                  "optional k or m suffix (k = 1024), such as 4096, 64k or 1m")
+
+
+def _parse(value: int | str, what: str, units: dict[str, int], bad: str) -> int:
+    """A positive int, or a number and one of ``units`` (whole unless ``units`` are memory's)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        amount = value
     else:
         parts = _split(str(value))
-        if parts is None or parts[1] not in _TOKEN_UNITS or "." in parts[0]:
-            raise ConfigError(f"{what} {value!r} is not a size; write a whole number with an "
-                              f"optional k or m suffix (k = 1024), such as 4096, 64k or 1m")
-        count = int(parts[0]) * _TOKEN_UNITS[parts[1]]
-    if count <= 0:
+        if parts is None or parts[1] not in units or (units is _TOKEN_UNITS and "." in parts[0]):
+            raise ConfigError(f"{what} {value!r} {bad}")
+        amount = int((float if "." in parts[0] else int)(parts[0]) * units[parts[1]])
+    if amount <= 0:
         raise ConfigError(f"{what} must be positive, got {value!r}")
-    return count
+    return amount
 
 
 def parse_size_list(text: str, *, what: str = "size list") -> list[int]:
@@ -65,17 +70,8 @@ def parse_size_list(text: str, *, what: str = "size list") -> list[int]:
 
 def parse_memory(value: int | str, *, what: str = "memory size") -> int:
     """Bytes of an int, ``80GiB`` / ``80G`` (binary) or ``80GB`` (decimal); ConfigError."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        amount = value
-    else:
-        parts = _split(str(value))
-        if parts is None or parts[1] not in _MEMORY_UNITS:
-            raise ConfigError(f"{what} {value!r} is not a memory size; write it like 80GiB, "
-                              f"80GB or 80G (G and GiB = 1024³ bytes, GB = 10⁹)")
-        amount = int(float(parts[0]) * _MEMORY_UNITS[parts[1]])
-    if amount <= 0:
-        raise ConfigError(f"{what} must be positive, got {value!r}")
-    return amount
+    return _parse(value, what, _MEMORY_UNITS, "is not a memory size; write it like 80GiB, "
+                  "80GB or 80G (G and GiB = 1024³ bytes, GB = 10⁹)")
 
 
 def format_bytes(count: float) -> str:

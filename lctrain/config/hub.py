@@ -18,8 +18,6 @@ _TRANSFORMERS_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 """The variables that set offline mode for transformers (models, configs, tokenizers)."""
 _DATASETS_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 """The variables that set offline mode for ``datasets.load_dataset``."""
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "config.json")
-"""Files of a tokenizer repository of which ``AutoTokenizer`` reads one first."""
 
 
 def looks_like_hub_name(name: str) -> bool:
@@ -46,12 +44,6 @@ def check_hub_model(name: str, *, what: str = "model.path", files: tuple[str, ..
     _refuse_uncached(f"{subject} {name!r}", what, flags=_TRANSFORMERS_OFFLINE,
                      where=f"the local hub cache ({constants.HF_HUB_CACHE}) does not hold it",
                      fix=f"point {what} at a local {local} folder")
-
-
-def check_hub_tokenizer(name: str, *, what: str = "data.tokenizer") -> None:
-    """`check_hub_model` for a tokenizer (the files ``AutoTokenizer`` reads first)."""
-    check_hub_model(name, what=what, files=_TOKENIZER_FILES, subject="the tokenizer",
-                    local="tokenizer")
 
 
 def check_hub_dataset(name: str, *, cache_dir: str | None = None,

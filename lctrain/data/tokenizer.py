@@ -12,7 +12,7 @@ import numpy as np
 
 from lctrain.config import (BYTE_PAIR_TOKENIZER_VOCAB, BYTE_TOKENIZER_VOCAB, RecipeConfig,
                             require_model_path)
-from lctrain.config.hub import cache_only, check_hub_tokenizer, looks_like_hub_name
+from lctrain.config.hub import cache_only, check_hub_model, looks_like_hub_name
 from lctrain.data.chat_templates import resolve_template
 from lctrain.errors import ConfigError, DataError
 
@@ -123,7 +123,8 @@ def _load(cfg: RecipeConfig, vocab_size: int | None) -> Any:
         return BUILTIN[name]()
     if name is not None and not os.path.exists(os.path.expanduser(name)) \
             and looks_like_hub_name(name):  # model.path's hub name was checked with the recipe
-        check_hub_tokenizer(name)
+        check_hub_model(name, what="data.tokenizer", subject="the tokenizer", local="tokenizer",
+                        files=("tokenizer_config.json", "tokenizer.json", "config.json"))
     source = name or require_model_path(cfg.model.path)
     from transformers import AutoTokenizer
 

@@ -1,10 +1,5 @@
-"""Bytes of activations and transient buffers of one GPU (T tokens on it, h hidden, I
-intermediate, Hq / Hkv heads of d, c bytes of the compute dtype). An unchecked Llama-style
-layer keeps per norm its fp32 input, normalised value and output ((4 + 2c)·T·h; fused 2c·T·h),
-q, k, v (c·T·(Hq + 2·Hkv)·d), the attention output and lse (c·T·Hq·d + 4·T·Hq) and the MLP's
-gate, SiLU, up and product (4·c·T·I; fused 3·c·T·I); ``full`` keeps its input, ``remat`` also
-the attention output and lse. Tiles keep only the modules' inputs; head groups divide the
-attention's buffers, and with the projections in the groups no q, k, v are kept."""
+"""Bytes of activations and transient buffers of one GPU by layer kind, tiles and head groups
+(what each keeps: docs/internals.md, Memory)."""
 from __future__ import annotations
 
 from lctrain.memory import adapters as lora_model
@@ -17,7 +12,7 @@ def tiled(tokens: int, tile_tokens: int) -> bool:
 
 
 def grouped(arch: Architecture, lora: lora_model.LoraShape | None, head_groups: int) -> bool:
-    """Whether the attention's projections run in head groups (see the module docstring)."""
+    """Whether the attention's projections run in head groups (docs/internals.md)."""
     return arch.grouped_attention and head_groups > 1 and lora is None
 
 
@@ -43,7 +38,7 @@ def layer_saved(arch: Architecture, tokens: int, c: int,
 
 
 def norm_saved(arch: Architecture, tokens: int, c: int) -> int:
-    """Bytes one trained RMSNorm of a layer keeps with its output (see the module docstring)."""
+    """Bytes one trained RMSNorm of a layer keeps with its output (docs/internals.md)."""
     upcast = 0 if arch.fused_norms else 4
     return (upcast + 2 * c) * tokens * arch.hidden_size + 4 * tokens
 

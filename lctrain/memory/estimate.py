@@ -134,37 +134,35 @@ def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
 def _activation_phase(setup: Setup, tokens: int, c: int, kinds, parked) -> dict[str, int]:
     """The activation peak beyond the fixed parts: the larger of the loss's backward and the
     worst layer's backward beside what is still kept then."""
-    arch, lora, tile = setup.arch, setup.lora, setup.tile_tokens
     parts = _transients(setup, tokens, c, set(kinds))
-    gathered, layer_grads, root = _fsdp_buffers(setup, c)
-    final_norm = act.final_norm_saved(arch, tokens, c, lora, tile)
-    kept = [act.kept_bytes(arch, tokens, c, k, lora, tile, setup.head_groups) for k in kinds]
+    backward, final_norm, gathered = parts["backward"], parts["final_norm"], parts["gathered"]
+    kept = [act.kept_bytes(setup.arch, tokens, c, k, setup.lora, setup.tile_tokens,
+                           setup.head_groups) for k in kinds]
     during = act.kept_during_layers(kept, list(parked))
-    backward = {kind: act.layer_backward(arch, tokens, c, kind, setup.cp, lora, tile,
-                                         setup.head_groups) + layer_grads for kind in set(kinds)}
     at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]])
     saved = max(during) + final_norm
-    loss_moment = (saved, root + gathered + parts["loss"])
+    loss_moment = (saved, gathered + parts["loss"])
     # the final norm's kept tensors are gone by the time the first layer's backward runs
     layer_moment = (during[at] + final_norm,
-                    root + gathered + max(backward[kinds[at]] + root - final_norm, 0))
+                    gathered + max(backward[kinds[at]] + parts["root"] - final_norm, 0))
     saved_now, transient = max(loss_moment, layer_moment, key=sum)
     return {**parts, "saved": saved, "saved_now": saved_now, "transient": transient}
 
 
-def _transients(setup: Setup, tokens: int, c: int, kinds: set[str]) -> dict[str, int]:
-    """The transients at the activation peak: the loss's or the worst layer backward, gathers."""
+def _transients(setup: Setup, tokens: int, c: int, kinds: set[str]) -> dict:
+    """The transients at the activation peak: the loss's or the worst layer backward, gathers;
+    with each kind's layer backward, the root's gather and the final norm's kept bytes."""
     arch, lora = setup.arch, setup.lora
     gathered, layer_grads, root = _fsdp_buffers(setup, c)
     loss = act.loss_workspace(arch, tokens, c, setup.loss_chunk_tokens, head_grad=lora is None)
-    layer_backward = max(act.layer_backward(arch, tokens, c, kind, setup.cp, lora,
-                                            setup.tile_tokens, setup.head_groups)
-                         for kind in kinds) + layer_grads
+    backward = {kind: act.layer_backward(arch, tokens, c, kind, setup.cp, lora, setup.tile_tokens,
+                                         setup.head_groups) + layer_grads for kind in kinds}
     final_norm = act.final_norm_saved(arch, tokens, c, lora, setup.tile_tokens)
-    layer_phase = max(layer_backward + root - final_norm, 0)
+    layer_phase = max(max(backward.values()) + root - final_norm, 0)
     return {"transient": root + gathered + max(loss, layer_phase), "loss": loss,
             "attention": _attention_buffers(setup, tokens, c),
-            "layer_backward": layer_backward, "gathered": gathered + root}
+            "layer_backward": max(backward.values()), "gathered": gathered + root, "root": root,
+            "backward": backward, "final_norm": final_norm}
 
 
 def _attention_buffers(setup: Setup, tokens: int, c: int) -> int:
@@ -179,12 +177,12 @@ def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> L
     """``auto``'s placement in what the peak leaves, then the host budget; with room to spare,
     the most unchecked layers the peak allows."""
     arch, layers = setup.arch, setup.arch.num_layers
-    final_norm = act.final_norm_saved(arch, tokens, c, setup.lora, setup.tile_tokens)
     host_room = (setup.host_budget or 0) - host_state
     limit = int((setup.gpu_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))  # peak with headroom
     found = None
     for assumed in ({"remat"}, {"remat", "full"}):
-        room = limit - fixed - final_norm - _transients(setup, tokens, c, assumed)["transient"]
+        parts = _transients(setup, tokens, c, assumed)
+        room = limit - fixed - parts["final_norm"] - parts["transient"]
         found = place(arch, tokens, c, room, host_room)
         if found is None or not any(name == "full" for name, _ in found[0]):
             break

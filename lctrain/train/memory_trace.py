@@ -64,13 +64,8 @@ def peak_report(events: list[dict], before: int, top: int = 30) -> str:
                   f"({_gib(events[at]['size'])}), innermost frame first:"]
         lines += [f"  {f['filename']}:{f['line']} {f['name']}" for f in _frames(events[at])[:40]]
         lines.append("")
-    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for index in live:
-        key = _site(events[index])
-        groups[key][0] += events[index]["size"]
-        groups[key][1] += 1
     earlier = peak - sum(events[i]["size"] for i in live)
-    rows = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    rows = _grouped((_site(events[i]), events[i]["size"]) for i in live)
     lines.append("alive at the peak, by the code that allocated it:")
     lines.append(f"  {_gib(earlier):>12}  allocated before the step and not freed in it")
     for key, (size, count) in rows[:top]:
@@ -111,22 +106,26 @@ def inventory(device: torch.device, module: torch.nn.Module | None = None, optim
     if optimizer is not None:
         named.append(("optimizer states", storage_bytes(
             v for state in optimizer.state.values() for v in state.values())))
-    others: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     with warnings.catch_warnings():  # deprecated module attributes warn when looked at
         warnings.simplefilter("ignore")
         tensors = [obj for obj in gc.get_objects() if _is_tensor_on(obj, device)]
-    for obj in tensors:
-        nbytes = storage_bytes([obj])
-        if nbytes:
-            key = f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}"
-            others[key][0] += nbytes
-            others[key][1] += 1
+    sized = ((obj, storage_bytes([obj])) for obj in tensors)
+    rows = _grouped((f"{tuple(obj.shape)} {str(obj.dtype).replace('torch.', '')}", nbytes)
+                    for obj, nbytes in sized if nbytes)
     lines = ["", f"alive when the step began ({_gib(torch.cuda.memory_allocated(device))} "
              "allocated), by owner:"]
     lines += [f"  {_gib(n):>12}  {name}" for name, n in named]
-    rows = sorted(others.items(), key=lambda kv: -kv[1][0])
     lines += [f"  {_gib(n):>12}  {count:>5} tensors  {key}" for key, (n, count) in rows[:top]]
     return "\n".join(lines) + "\n"
+
+
+def _grouped(pairs) -> list[tuple[str, list[int]]]:
+    """(key, [bytes, count]) per key of ``(key, bytes)`` pairs, the most bytes first."""
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for key, nbytes in pairs:
+        groups[key][0] += nbytes
+        groups[key][1] += 1
+    return sorted(groups.items(), key=lambda kv: -kv[1][0])
 
 
 def _is_tensor_on(obj, device: torch.device) -> bool:
