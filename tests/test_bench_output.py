@@ -414,6 +414,8 @@ def test_bench_report_shows_eval_results_as_lctrain_eval_does(tmp_path):
     assert body[0] == "| positions | scored (tokens) | loss (nats) | perplexity |"
     assert [line.split(" | ")[2] for line in body[1:]] == [f"{x:.4f}" for x in losses]
     assert "peak memory 3.00 GiB per rank" in result.stdout
+    as_json = CliRunner().invoke(app, ["bench", "report", str(path), "--format", "json"])
+    assert as_json.exit_code == 0 and json.loads(as_json.stdout) == json.loads(path.read_text())
     bench = str(_result("kernel").save(tmp_path / "k.json"))
     for args, words in (([str(path), bench], "is not lctrain eval results; report evaluation "
                                              "and bench result files separately"),

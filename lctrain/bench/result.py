@@ -4,34 +4,25 @@ Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status
 there is no number)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.errors import UserError
-from lctrain.report.table import read_document, save_document
+from lctrain.report.table import ResultDocument, read_document
 
-SCHEMA = 1
 KINDS = ("kernel", "attention", "step")
 
 
 @dataclass
-class BenchResult:
+class BenchResult(ResultDocument):
     """Rows of one benchmark run: ``kind`` (one of ``KINDS``), ``title``, ``rows`` (flat dicts
     of JSON values) and ``meta`` (machine, command, FLOP model, fixed parameters)."""
 
+    MARK, KEY = "lctrain_bench", "kind"
     kind: str
     title: str
     rows: list[dict] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        """The result as the JSON document described in the module docstring."""
-        return json.dumps({"lctrain_bench": SCHEMA, "kind": self.kind, "title": self.title,
-                           "meta": self.meta, "rows": self.rows}, indent=2, default=str)
-
-    def save(self, path: str | Path) -> Path:
-        return save_document(path, self.to_json())
 
     def measured(self) -> list[dict]:
         """The rows that carry a measurement (status "ok")."""

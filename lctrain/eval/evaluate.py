@@ -35,7 +35,7 @@ from lctrain.eval.result import EvalResult, load
 from lctrain.eval.request import EvalRequest
 from lctrain.launch import launcher, rank
 from lctrain.model import CPContext, load_tokenizer
-from lctrain.model.structure import output_head
+from lctrain.model.structure import head_inputs
 from lctrain.parallel.build import RunSetup, build_model
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.loss_sums import bucket_sums, forward_sums
@@ -62,21 +62,15 @@ class EvalModel(nn.Module):
         (B, S_local) shard with ``labels``; else the (B, V) float32 logits after global position
         ``at`` (zeros on a rank without it). ``kv``: a `KVShards` keeping or using keys."""
         extra = {} if kv is None else {"lctrain_kv": kv}
-        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                          use_cache=False, cp_context=cp_context, **extra
-                                          ).last_hidden_state  # (B, S_local, H)
-        weight = output_head(self.model).weight  # (V, H)
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
-            else weight.dtype
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        hidden, weight = head_inputs(self.model, input_ids=input_ids, position_ids=position_ids,
+                                     cp_context=cp_context, **extra)  # (B, S_local, H), (V, H)
         if labels is not None:
             return bucket_sums(hidden, weight, labels, position_ids, width=width,
                                buckets=buckets, chunk_tokens=self.chunk_tokens)
         here = position_ids == at  # (B, S_local)
         index = here.int().argmax(dim=1)  # (B,) where it is (0 when it is not here)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        last = hidden[rows, index] * here.any(dim=1, keepdim=True).to(dtype)  # (B, H) or zeros
+        last = hidden[rows, index] * here.any(dim=1, keepdim=True).to(hidden.dtype)  # (B, H)/zeros
         return (last @ weight.T).float()  # (B, V)
 
 

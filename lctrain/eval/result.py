@@ -11,30 +11,21 @@ from pathlib import Path
 from lctrain.errors import UserError
 from lctrain.report import plotting
 from lctrain.report.human import gib, parameters, significant, tokens
-from lctrain.report.table import Column, Table, read_document, save_document, say, show
+from lctrain.report.table import Column, ResultDocument, Table, emit, read_document, say, show
 
-SCHEMA = 1
 TASKS = ("ppl", "passkey")
 check_plot = plotting.check_target  # a ``--plot`` target, checked before any work
 
 
 @dataclass
-class EvalResult:
+class EvalResult(ResultDocument):
     """Rows of one evaluation and the facts they were measured under."""
 
+    MARK, KEY = "lctrain_eval", "task"
     task: str
     title: str
     rows: list[dict] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The result as its JSON document."""
-        return json.dumps({"lctrain_eval": SCHEMA, "task": self.task, "title": self.title,
-                           "meta": self.meta, "rows": self.rows}, indent=indent, default=str)
-
-    def save(self, path: str | Path) -> Path:
-        """Write :meth:`to_json` to ``path``; returns the path."""
-        return save_document(path, self.to_json())
 
 
 def load(path: str | Path) -> EvalResult:
@@ -170,7 +161,10 @@ def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_f
                         "shown as it is (use the file itself for its JSON)")
     if plot_file is not None and len(results) != 1:
         raise UserError(f"--plot draws one evaluation result; {len(results)} were given")
-    for result in results:
+    if fmt == "json":  # one document, as lctrain eval prints it; several: a list of them
+        docs = [json.loads(result.to_json()) for result in results]
+        emit(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
+    for result in results if fmt != "json" else ():
         show(table(result), fmt, wide)
     if plot_file is not None:
         say(f"wrote the plot to {plot(results[0], plot_file)}")

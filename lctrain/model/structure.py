@@ -2,6 +2,7 @@
 FSDP2 alike) and its output head."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from lctrain.errors import UserError
@@ -54,3 +55,12 @@ def output_head(model: nn.Module) -> nn.Linear:
         raise ValueError(f"{type(model).__name__}'s output head is not a bias-free linear layer, "
                          "which the chunked cross-entropy needs")
     return head
+
+
+def head_inputs(model: nn.Module, **decoder_inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states (B, S, H) and the head weight (V, H), in the compute dtype."""
+    hidden = model.get_decoder()(use_cache=False, **decoder_inputs).last_hidden_state
+    weight = output_head(model).weight
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    return hidden.to(dtype), weight.to(dtype)

@@ -253,6 +253,19 @@ def save_document(path: str | Path, text: str) -> Path:
     return target
 
 
+class ResultDocument:
+    """A result's JSON document: ``{MARK: 1, KEY: its kind, "title", "meta", "rows"}``."""
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The result as its JSON document."""
+        return json.dumps({self.MARK: 1, self.KEY: getattr(self, self.KEY), "title": self.title,
+                           "meta": self.meta, "rows": self.rows}, indent=indent, default=str)
+
+    def save(self, path: str | Path) -> Path:
+        """Write :meth:`to_json` to ``path``; returns the path."""
+        return save_document(path, self.to_json())
+
+
 def read_document(path: str | Path, hint: str = "") -> tuple[Path, Any]:
     """(the path, its parsed JSON); UserError when unreadable or not JSON (``hint`` ends it)."""
     target = Path(path).expanduser()

@@ -17,7 +17,7 @@ from torch import nn
 from lctrain.data import PackedBatch
 from lctrain.model import CPContext
 from lctrain.model.flops import FlopModel
-from lctrain.model.structure import output_head
+from lctrain.model.structure import head_inputs
 from lctrain.parallel.activation_checkpoint import AttentionCounter
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed
@@ -57,15 +57,9 @@ class CausalLMLoss(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                 cp_context: CPContext | None = None) -> torch.Tensor:
         """Summed float32 cross-entropy of this rank's shard (labels shifted before sharding)."""
-        hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                          use_cache=False, cp_context=cp_context
-                                          ).last_hidden_state  # (B, S_local, H)
-        weight = output_head(self.model).weight  # (V, H)
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
-            else weight.dtype
-        return chunked_cross_entropy(hidden.to(dtype), weight.to(dtype), labels, self.chunk_tokens,
-                                     kernel=self.kernel)
+        hidden, weight = head_inputs(self.model, input_ids=input_ids, position_ids=position_ids,
+                                     cp_context=cp_context)  # (B, S_local, H), (V, H)
+        return chunked_cross_entropy(hidden, weight, labels, self.chunk_tokens, kernel=self.kernel)
 
 
 @dataclass
