@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fault_tools import fill
+
 from lctrain.cli import app
 
 RUN = ["finetune", "--nproc", "1", "--set", "parallel.cp=1", "--seq-len", "64", "--max-steps",
@@ -227,14 +229,7 @@ def test_a_full_disk_is_said(tmp_path):
         assert not list((run / "checkpoints").glob("step-*"))
         shutil.rmtree(run)
         _background_save_fails_at_the_end(disk / "background")
-        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-        try:  # fill what is left
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        fill(disk)  # what is left
         code, output = _invoke([*RUN, "--output-dir", str(disk / "other")], tmp_path)
         assert code == 1 and "cannot be written (No space left on device)" in output, output
     finally:

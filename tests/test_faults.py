@@ -50,6 +50,7 @@ from lctrain.train import finetune
 from lctrain.checkpoint.reader import list_checkpoints, read_model_weights
 from lctrain.launch.lifetime import children, describe_death
 from lctrain.launch.stopping import catches_request
+from fault_tools import leftovers
 
 SETS = {"data.seq_len": 128, "data.max_documents": 24, "parallel.attention_backend": "reference",
         "train.loss_chunk_tokens": 48, "train.warmup_steps": 2, "train.min_lr_ratio": 1.0,
@@ -95,20 +96,6 @@ def _fresh(out: Path) -> None:
 def _training(out: Path, step: int) -> bool:
     """Both ranks are in (or past) ``step`` of this run's loop."""
     return all(_beat(out, r).get("step", 0) >= step for r in (0, 1))
-
-
-def _leftovers(out: Path) -> list[str]:
-    """Processes whose command line names the run folder (the agent, the ranks, a launcher)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if str(out).encode() in cmdline:
-                found.append(f"{entry}: {cmdline.decode(errors='replace')}")
-    return found
 
 
 def _newest(out: Path) -> tuple[int, Path]:
@@ -183,7 +170,7 @@ def _kill_launcher(out: Path, log: Path) -> int:
         launcher.kill()
         launcher.wait()
         killed = time.monotonic()
-        _wait(lambda: not _leftovers(out), "the ranks to die with the launcher", timeout=10)
+        _wait(lambda: not leftovers(out), "the ranks to die with the launcher", timeout=10)
     assert time.monotonic() - killed < 10
     assert len(_private_folders(launcher.pid)) == 1  # left behind, for the next launcher
     return launcher.pid
@@ -234,7 +221,7 @@ def _stop_launcher(out: Path, log: Path) -> None:
     assert f"stopped by {signal.Signals(signum).name} after step {stopped} of 40; " in text, text
     assert _newest(out)[0] == stopped  # every step is saved; the last one before the exit
     assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
-    _wait(lambda: not _leftovers(out), "the ranks to end", timeout=10)
+    _wait(lambda: not leftovers(out), "the ranks to end", timeout=10)
 
 
 def _stop_rank_1(out: Path) -> None:
@@ -276,14 +263,14 @@ def test_a_run_survives_a_chain_of_faults_and_resumes_exactly(tmp_path, capfd):
                        f"{os.uname().nodename}); wait for it to finish or stop it, or choose "
                        "another train.output_dir."]
     reference = _steps(out)  # uninterrupted from step 1
-    assert not _leftovers(out)
+    assert not leftovers(out)
     terminated = _term_rank_1(out, capfd)
-    assert not _leftovers(out)
+    assert not leftovers(out)
     _stop_launcher(out, tmp_path / "stopped.log")
     killed = _kill_launcher(out, tmp_path / "killed.log")
     _stop_rank_1(out)
     assert not _private_folders(killed)  # the next launcher removed it
-    assert not _leftovers(out)
+    assert not leftovers(out)
     final = _steps(out)
     redone = [step for step in reference if step in final and step > 10]
     assert any(step > terminated for step in redone), "no step after the signal's checkpoint"
@@ -322,7 +309,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capfd):
     for name in names:
         assert weights[0][name].isfinite().all() and weights[0][name].abs().max() > 1e3
         assert all((w[name] == weights[0][name]).all() for w in weights[1:])
-    assert not _leftovers(out)
+    assert not leftovers(out)
     capfd.readouterr()
     resumed = load_recipe(out / "config.yaml", ["train.max_nonfinite_steps=50"], max_steps=6)
     assert finetune(resumed, resume=True, nproc=2) == 0
@@ -331,4 +318,4 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capfd):
             "gradient norm and were skipped (their updates not applied); metrics, config and "
             f"checkpoints in {out}\n") in ranks, ranks
     assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [1, 6]
-    assert not _leftovers(out)
+    assert not leftovers(out)

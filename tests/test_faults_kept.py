@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from fault_tools import fill, leftovers
+
 from lctrain.checkpoint.reader import list_checkpoints, read_model_weights, read_trainer_state
 
 SETS = {"data.seq_len": 128, "data.max_documents": 24, "parallel.attention_backend": "reference",
@@ -69,20 +71,6 @@ def _hint(out: Path) -> str:
             f"{out / 'config.yaml'} --resume")
 
 
-def _leftovers(out: Path) -> list[str]:
-    """Processes whose command line names the run folder (the agent, the ranks, a launcher)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if str(out).encode() in cmdline:
-                found.append(f"{entry}: {cmdline.decode(errors='replace')}")
-    return found
-
-
 def _stopped(out: Path, code: int, signum: int, total: int) -> None:
     """What a run stopped by ``signum`` after its output went away leaves behind."""
     stopped = max(_steps(out))
@@ -96,7 +84,7 @@ def _stopped(out: Path, code: int, signum: int, total: int) -> None:
     beats = [json.loads((out / ".launch" / "ranks" / f"rank{r}.json").read_text())
              for r in (0, 1)]
     assert [beat["completed"] for beat in beats] == [stopped, stopped]  # the same step
-    _wait(lambda: not _leftovers(out), "the ranks to end", timeout=10)
+    _wait(lambda: not leftovers(out), "the ranks to end", timeout=10)
 
 
 def _closed_pipe_then_sigint(out: Path) -> None:
@@ -181,17 +169,6 @@ def test_a_run_outlives_its_output_and_refuses_a_tampered_checkpoint(tmp_path):
     _tampered_metadata(out, tmp_path)
 
 
-def _fill(disk: Path) -> None:
-    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def test_a_full_disk_names_its_cause_and_keeps_the_last_checkpoint(tmp_path):
     """A 2.6 MB disk holds one checkpoint (1.7 MB) of the tiny run, not two: the save of step
     4 fails. Resumed, the disk is filled mid-run: the next write of rank 0 fails (metrics or
@@ -215,7 +192,7 @@ def test_a_full_disk_names_its_cause_and_keeps_the_last_checkpoint(tmp_path):
                               "then resume with --resume."), error
         assert not list(ckpts.glob(".tmp-step-*"))  # the partial one is removed: space again
         kept = read_model_weights(ckpts / "step-00000002", names)
-        assert not _leftovers(out)
+        assert not leftovers(out)
 
         for beat in (out / ".launch" / "ranks").glob("*.json"):  # the previous run's
             beat.unlink()
@@ -223,7 +200,7 @@ def test_a_full_disk_names_its_cause_and_keeps_the_last_checkpoint(tmp_path):
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     cwd=tmp_path)
         _wait(lambda: _completed(out) >= 4, "the resumed loop")
-        _fill(disk)
+        fill(disk)
         _, stderr = launcher.communicate(timeout=BOUND_S)
         errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
         assert launcher.returncode == 1 and len(errors) == 1, stderr
@@ -235,6 +212,6 @@ def test_a_full_disk_names_its_cause_and_keeps_the_last_checkpoint(tmp_path):
         assert [step for step, _ in list_checkpoints(ckpts)] == [2]
         again = read_model_weights(ckpts / "step-00000002", names)
         assert all((again[name] == kept[name]).all() for name in names)
-        assert not _leftovers(out)
+        assert not leftovers(out)
     finally:
         subprocess.run(["umount", "--lazy", str(disk)], check=False)
