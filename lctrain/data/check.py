@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from lctrain.config import DataConfig, local_data
 from lctrain.data.formats import Encoder
+from lctrain.data.prepare import no_tokens
 from lctrain.data.records import RecordReader
 from lctrain.errors import DataError
 
@@ -34,6 +35,4 @@ def check_first_records(data: DataConfig, tokenizer: Callable[[], Any], *,
             raise DataError(f"{key} {part.source!r} holds no record; point it at some data")
         encoder = Encoder.for_data(part, tokenizer(), records[0])
         if not encoder.encode(records[:count]) and len(records) <= count:  # the whole source
-            skipped = encoder.skips.describe()
-            raise DataError(f"data.source {part.source!r} yields no token to train on"
-                            f"{': ' + skipped if skipped else ''}; check the records")
+            raise no_tokens(part.source, encoder)

@@ -189,9 +189,7 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
             progress.update(counts)
     progress.close(counts)
     if not lengths:
-        skipped = encoder.skips.describe()
-        raise DataError(f"data.source {data.source!r} yields no token to train on"
-                        f"{': ' + skipped if skipped else ''}; check the records")
+        raise no_tokens(data.source, encoder)
     np.save(folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
     meta = {"format": encoder.fmt, "format_reason": encoder.why, "has_labels": encoder.has_labels,
             "samples": len(lengths), "skipped": encoder.skips.reasons,
@@ -325,3 +323,10 @@ def wait_for(path: Path) -> None:
     """Block until ``path`` exists (the leader is writing it)."""
     while not path.exists():
         time.sleep(0.2)
+
+
+def no_tokens(source: str, encoder: Encoder) -> DataError:
+    """The error of a source whose records hold nothing to train on (the skips say why)."""
+    skipped = encoder.skips.describe()
+    return DataError(f"data.source {source!r} yields no token to train on"
+                     f"{': ' + skipped if skipped else ''}; check the records")
