@@ -87,12 +87,13 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
 def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int,
          documents: str | None = None) -> dict:
     """One configuration's row fields (raises UserError when it cannot run)."""
+    from lctrain.export.write import remove_empty
     from lctrain.launch.launcher import keep_workers_log
     from lctrain.train.runner import finetune
 
     layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
     parent = Path(cfg.train.output_dir).absolute()
-    made = next((p for p in reversed([parent, *parent.parents]) if not p.exists()), None)
+    made = [p for p in (parent, *parent.parents) if not p.exists()]  # removed at the end if empty
     parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".bench-step-", dir=parent))
     data = None if documents is None else Path(tempfile.mkdtemp(prefix=".bench-data-", dir=parent))
@@ -116,7 +117,7 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         shutil.rmtree(scratch, ignore_errors=True)
         if data is not None:
             shutil.rmtree(data, ignore_errors=True)
-        _remove_empty(parent, made)
+        remove_empty(made)
     return (_row(cfg, nproc, records, warmup, layers, predicted) | mix
             | _saves(records, warmup, save_every))
 
@@ -195,19 +196,6 @@ def _stdout_to_stderr() -> Iterator[None]:
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
-
-
-def _remove_empty(folder: Path, top: Path | None) -> None:
-    """Remove ``folder`` and its parents up to ``top`` (the first one this run made) while they
-    are empty: a benchmark leaves no empty run folder behind."""
-    while top is not None:
-        try:
-            folder.rmdir()
-        except OSError:  # not empty: another run's, or the user's
-            return
-        if folder == top:
-            return
-        folder = folder.parent
 
 
 def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,

@@ -5,7 +5,7 @@ buckets then ``"all"``; passkey rows are (length, depth) pairs, every trial unde
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from lctrain.errors import UserError
@@ -23,9 +23,6 @@ class EvalResult(ResultDocument):
 
     MARK, KEY = "lctrain_eval", "task"
     task: str
-    title: str
-    rows: list[dict] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)
 
 
 def load(path: str | Path) -> EvalResult:

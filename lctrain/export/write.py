@@ -67,13 +67,13 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
             shutil.rmtree(staging)
         staging.mkdir()
     except OSError as error:
-        _remove_empty(made)
+        remove_empty(made)
         raise unwritable(output, error) from None
     try:
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty(made)
+        remove_empty(made)
         raise
     try:
         if output.exists() and replace:
@@ -83,7 +83,7 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
         os.replace(staging, output)
     except OSError as error:
         shutil.rmtree(staging, ignore_errors=True)
-        _remove_empty(made)
+        remove_empty(made)
         raise unwritable(output, error) from None
 
 
@@ -94,8 +94,8 @@ def unwritable(output: Path, error: OSError) -> UserError:
                      "write to, on a disk with free space.")
 
 
-def _remove_empty(folders: list[Path]) -> None:
-    """Remove the folders an export made that are still empty (deepest first)."""
+def remove_empty(folders: list[Path]) -> None:
+    """Remove those of ``folders`` (made for an output, deepest first) that are still empty."""
     for folder in folders:
         with contextlib.suppress(OSError):
             folder.rmdir()

@@ -92,14 +92,11 @@ class Watchdog:
     def watch_layers(self, layers) -> None:
         """Call `progress` when each of ``layers`` starts its forward and when the gradient of
         its input is computed; undone at exit."""
-        def on_gradient(grad):
-            self.progress()
-
         def before_forward(module, args, kwargs):
             self.progress()
             hidden = args[0] if args else kwargs.get("hidden_states")
             if getattr(hidden, "requires_grad", False):
-                hidden.register_hook(on_gradient)
+                hidden.register_hook(lambda grad: self.progress())
 
         self._hooks += [layer.register_forward_pre_hook(before_forward, with_kwargs=True)
                         for layer in layers]

@@ -42,19 +42,12 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     import lctrain_kernels
 
     query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout, kwargs)
-    q = query.transpose(1, 2)  # (B, S, Hq, D)
-    k = key.transpose(1, 2)  # (B, S, Hkv, D)
-    v = value.transpose(1, 2)  # (B, S, Hkv, D)
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
     ctx = kwargs.get("cp_context") or CPContext()
-    if ctx.group is None:
-        out = lctrain_kernels.attention(q, k, v, causal=True, cu_seqlens=ctx.cu_seqlens,
-                                        softmax_scale=scaling, backend=ctx.backend,
-                                        head_groups=ctx.head_groups)
-    else:
-        out = lctrain_kernels.dist_attention(q, k, v, group=ctx.group, causal=True,
-                                             cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
-                                             schedule=ctx.schedule, backend=ctx.backend,
-                                             head_groups=ctx.head_groups)
+    out = lctrain_kernels.dist_attention(  # without a group: local attention, one block
+        q, k, v, group=ctx.group, causal=True, cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
+        schedule=ctx.schedule if ctx.group is not None else "distflash", backend=ctx.backend,
+        head_groups=ctx.head_groups)
     return out, None  # (B, S, Hq, D)
 
 

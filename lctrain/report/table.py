@@ -245,16 +245,13 @@ def emit(text: str) -> None:
     sys.stdout.flush()
 
 
-def save_document(path: str | Path, text: str) -> Path:
-    """Write a JSON document to ``path``, creating its folder; returns the path."""
-    target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text + "\n", encoding="utf-8")
-    return target
-
-
+@dataclass(kw_only=True)
 class ResultDocument:
     """A result's JSON document: ``{MARK: 1, KEY: its kind, "title", "meta", "rows"}``."""
+
+    title: str
+    rows: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
 
     def to_json(self, indent: int | None = 2) -> str:
         """The result as its JSON document."""
@@ -262,8 +259,11 @@ class ResultDocument:
                            "meta": self.meta, "rows": self.rows}, indent=indent, default=str)
 
     def save(self, path: str | Path) -> Path:
-        """Write :meth:`to_json` to ``path``; returns the path."""
-        return save_document(path, self.to_json())
+        """Write :meth:`to_json` to ``path``, creating its folder; returns the path."""
+        target = Path(path).expanduser()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(self.to_json() + "\n", encoding="utf-8")
+        return target
 
 
 def read_document(path: str | Path, hint: str = "") -> tuple[Path, Any]:

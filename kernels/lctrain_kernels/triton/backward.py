@@ -122,11 +122,8 @@ def attn_bwd_dkdv_kernel(
 
     k_ptr = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_ptr = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    k_desc = None
-    v_desc = None
-    if TMA:
-        k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+    k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD) if TMA else None
+    v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD) if TMA else None
     k = load_tile(k_desc, k_ptr, 0, n0, stride_ks, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D,
                   UPCAST, TMA, False)
     v = load_tile(v_desc, v_ptr, 0, n0, stride_vs, Sk, offs_r, offs_d, HEAD_DIM, True, PAD_D,
@@ -141,13 +138,10 @@ def attn_bwd_dkdv_kernel(
     q_ptr = Q + b.to(tl.int64) * stride_qb + h0.to(tl.int64) * stride_qh
     do_ptr = DO + b.to(tl.int64) * stride_db + h0.to(tl.int64) * stride_dh
     row_ptr = (b * Hq + h0).to(tl.int64) * Sq
-    q_desc = None
-    do_desc = None
-    if TMA:
-        q_desc = _group_desc(q_ptr, GROUP, Sq, stride_qh, stride_qs, HEAD_DIM, BLOCK_M,
-                             HEAD_DIM_PAD)
-        do_desc = _group_desc(do_ptr, GROUP, Sq, stride_dh, stride_ds, HEAD_DIM, BLOCK_M,
-                              HEAD_DIM_PAD)
+    q_desc = (_group_desc(q_ptr, GROUP, Sq, stride_qh, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
+              if TMA else None)
+    do_desc = (_group_desc(do_ptr, GROUP, Sq, stride_dh, stride_ds, HEAD_DIM, BLOCK_M,
+                           HEAD_DIM_PAD) if TMA else None)
     lse_ptr = Lse + row_ptr
     delta_ptr = Delta + row_ptr
     if MASK_MODE != 0:  # seen from keys, the causal diagonal comes first
@@ -229,15 +223,10 @@ def attn_bwd_dq_kernel(
     do_ptr = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
     k_ptr = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_ptr = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    q_desc = None
-    do_desc = None
-    k_desc = None
-    v_desc = None
-    if TMA:
-        q_desc = slab_desc(q_ptr, Sq, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
-        do_desc = slab_desc(do_ptr, Sq, stride_ds, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
-        k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+    q_desc = slab_desc(q_ptr, Sq, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD) if TMA else None
+    do_desc = slab_desc(do_ptr, Sq, stride_ds, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD) if TMA else None
+    k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD) if TMA else None
+    v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD) if TMA else None
     q = load_tile(q_desc, q_ptr, 0, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D,
                   UPCAST, TMA, False)
     do = load_tile(do_desc, do_ptr, 0, m0, stride_ds, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D,

@@ -87,13 +87,9 @@ def attn_fwd_kernel(
     q_ptr = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_ptr = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_ptr = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    q_desc = None
-    k_desc = None
-    v_desc = None
-    if TMA:
-        q_desc = slab_desc(q_ptr, Sq, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD)
-        k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
-        v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD)
+    q_desc = slab_desc(q_ptr, Sq, stride_qs, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD) if TMA else None
+    k_desc = slab_desc(k_ptr, Sk, stride_ks, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD) if TMA else None
+    v_desc = slab_desc(v_ptr, Sk, stride_vs, HEAD_DIM, BLOCK_N, HEAD_DIM_PAD) if TMA else None
     q = load_tile(q_desc, q_ptr, 0, m0, stride_qs, Sq, offs_r, offs_d, HEAD_DIM, True, PAD_D,
                   UPCAST, TMA, False)
 
