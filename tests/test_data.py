@@ -123,6 +123,42 @@ def _real_tokens(rows, pad_id):
     return sum(int((rows[r]["input_ids"] != pad_id).sum()) for r in range(len(rows)))
 
 
+def test_files_whose_fields_differ_read_as_one_source(tmp_path):
+    """A field that some files or rows lack is null there (as datasets reads them): a null text
+    is an empty document, a counted skip named by its place; a JSON line without the field is
+    an error naming its line; every sample keeps its file and line (blank lines counted)."""
+    import random
+
+    from lctrain.data.prepare import sample_wheres
+
+    rng = random.Random(torch.initial_seed())
+    texts = [" ".join(rng.choice(["alpha", "beta", "gamma"]) for _ in range(rng.randint(1, 9)))
+             for _ in range(5)]
+    first, second = tmp_path / "p1.jsonl", tmp_path / "p2.jsonl"
+    first.write_text(f'{json.dumps({"text": texts[0]})}\n\n  \n{json.dumps({"text": texts[1]})}\n')
+    second.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"text": texts[2], "meta": {"id": 3}}, {"text": None, "meta": {"id": 4}}]))
+    tok = ByteTokenizer()
+    rows = prepare_data(_cfg(tmp_path / "p*.jsonl").data, tok)
+    assert _real_tokens(rows, tok.pad_token_id) == sum(len(t.encode()) + 2 for t in texts[:3])
+    assert rows.info["skipped"] == {"empty document": [1, f"{second}:2"]}
+    assert sample_wheres(rows.info["cache"], {0, 1, 2}) == {
+        0: f"{first}:1", 1: f"{first}:4", 2: f"{second}:1"}
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = tmp_path / "n.parquet"
+    pq.write_table(pyarrow.table({"text": [texts[3], None, texts[4]]}), str(table))
+    rows = prepare_data(_cfg(table).data, tok)
+    assert rows.info["skipped"] == {"empty document": [1, f"{table}: row 1"]}
+    assert _real_tokens(rows, tok.pad_token_id) == sum(len(t.encode()) + 2 for t in texts[3:])
+    lacking = tmp_path / "m.jsonl"
+    lacking.write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"body": "y"}) + "\n")
+    with pytest.raises(DataError, match=r"m\.jsonl:2 has no 'text' field \(its fields are "
+                                        r"\['body'\]\)"):
+        prepare_data(_cfg(lacking).data, tok)
+
+
 def test_local_jsonl_txt_and_parquet(tmp_path):
     texts = ["first document", "second one, a bit longer " * 5, "third"]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))

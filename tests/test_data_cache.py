@@ -121,8 +121,9 @@ def test_steps_from_epochs_and_max_steps():
 
 
 def test_preparation_says_how_far_it_has_got(tmp_path, monkeypatch, capsys):
-    """Into a pipe (not a terminal): the source, a line per interval with the share read and
-    the records and tokens so far, then the totals; the progress line shows the epoch."""
+    """Into a pipe (not a terminal): the source, datasets' progress of tokenizing (stderr), then
+    the totals; two processes tokenize the stream one process would; the progress line shows
+    the epoch."""
     import lctrain.data.prepare as prepare
     from lctrain.train.metrics import Progress
 
@@ -130,18 +131,26 @@ def test_preparation_says_how_far_it_has_got(tmp_path, monkeypatch, capsys):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": f"document {i} " * (1 + i % 7)}) + "\n"
                             for i in range(count)))
-    monkeypatch.setattr(prepare, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(prepare, "RECORDS_PER_PROCESS", 500)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # two cores, as CI has
     cfg = load_recipe(None, [f"data.source={path}", "data.seq_len=256"])
     rows = prepare_data(cfg.data, ByteTokenizer(), show_progress=True)
-    lines = capsys.readouterr().out.splitlines()
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
     assert lines[0].startswith(f"preparing data from {path} ")
-    steps = [line for line in lines if line.startswith("preparing data: ")]
-    assert [int(s.split(" % read, ")[1].split(" records")[0].replace(",", "")) for s in steps] \
-        == [512, 1024, 1200]
-    shares = [int(s.split("preparing data: ")[1].split(" %")[0]) for s in steps]
-    assert shares == sorted(shares) and shares[-1] == 100
+    assert "tokenizing (num_proc=2)" in err and f"{count}/{count}" in err
     tokens = rows.info["tokens"]
-    assert lines[len(steps) + 1].startswith(f"prepared 1,200 records into {tokens:,} tokens in ")
+    assert lines[1].startswith(f"prepared 1,200 records into {tokens:,} tokens in ")
+    monkeypatch.setattr(prepare, "RECORDS_PER_PROCESS", 10**6)
+    alone = tmp_path / "alone.jsonl"  # the same records, tokenized by this process alone
+    alone.write_bytes(path.read_bytes())
+    one = prepare_data(load_recipe(None, [f"data.source={alone}", "data.seq_len=256"]).data,
+                       ByteTokenizer())
+    assert "tokenizing" not in capsys.readouterr().err
+    assert prepare.sample_wheres(rows.info["cache"], {0, 700, count - 1}) == {
+        0: f"{path}:1", 700: f"{path}:701", count - 1: f"{path}:{count}"}  # from either process
+    assert np.array_equal(one.stream.ids, rows.stream.ids)
+    assert np.array_equal(one.stream.bounds, rows.stream.bounds) and _rows_digest(one) == _rows_digest(rows)
     progress = Progress(10, 0, enabled=True, steps_per_epoch=4)
     progress.update(2, {"loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 1.0, "lr": 1e-3,
                         "mfu": None})

@@ -1,16 +1,16 @@
 """The one result contract of every ``lctrain bench`` run, as JSON: ``{"lctrain_bench": 1,
-"kind": "kernel" | "attention" | "step", "title", "meta": {"machine", "command", ...}, "rows"}``.
+"kind": "kernel" | "attention" | "step" | "data", "title", "meta": {"machine", "command", ...}, "rows"}``.
 Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status`` ("ok" or why
 there is no number)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from lctrain.errors import UserError
 from lctrain.report.table import ResultDocument, read_document
 
-KINDS = ("kernel", "attention", "step")
+KINDS = ("kernel", "attention", "step", "data")
 
 
 @dataclass
@@ -20,9 +20,6 @@ class BenchResult(ResultDocument):
 
     MARK, KEY = "lctrain_bench", "kind"
     kind: str
-    title: str
-    rows: list[dict] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)
 
     def measured(self) -> list[dict]:
         """The rows that carry a measurement (status "ok")."""

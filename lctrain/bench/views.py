@@ -58,12 +58,17 @@ COLUMNS = {
              _wide("step_after_save_s", "step after save", "seconds"),
              _wide("step_without_save_s", "step without", "seconds"),
              _wide("attention_balance", "balance", "number"), *_STEP_PROFILE],
+    "data": [Column("source", "source"), Column("megabytes", "MiB", "number"),
+             Column("records", "records", "number"), Column("tokens", "tokens", "number"),
+             Column("processes", "processes", "number"), Column("cold_s", "cold", "seconds"),
+             Column("warm_s", "warm", "seconds"), Column("tokens_per_s", "tokens/s", "number"),
+             Column("megabytes_per_s", "MiB/s", "number"), _STATUS],
 }
 
 
 WHAT = {"kernel": "Attention kernels, one device, {rate}",
          "attention": "Distributed attention, {rate} per GPU",
-         "step": "Training steps"}
+         "step": "Training steps", "data": "Data preparation"}
 
 
 def describe(result: BenchResult) -> str:
@@ -76,7 +81,7 @@ def describe(result: BenchResult) -> str:
         kv = meta.get("kv_heads")
         gqa = f" ({kv} kv)" if kv and kv != meta["heads"] else ""
         parts.append(f"{meta['heads']} heads{gqa} × {meta['head_dim']}")
-    if meta.get("causal", True) is not None and result.kind != "step":
+    if meta.get("causal", True) is not None and result.kind in ("kernel", "attention"):
         parts.append("causal" if meta.get("causal", True) else "full")
     docs = meta.get("documents")  # specs (kernel) or one spec
     specs = [str(d) for d in docs] if isinstance(docs, list) else [str(docs)] if docs else []

@@ -1,4 +1,4 @@
-"""``lctrain bench kernel|attention|step|report``: measure, compare, plot, report."""
+"""``lctrain bench kernel|attention|step|data|report``: measure, compare, plot, report."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,8 +8,8 @@ import typer
 from lctrain.cli.options import (BackendOpt, BackendsOpt, DTypeOpt, DocumentMixesOpt, DocumentsOpt,
                                  DocumentsRecipeOpt, Format, FormatOpt, HeadDimOpt, HeadsOpt,
                                  JsonFileOpt, KvHeadsOpt, NprocOpt, PlotOpt, ProfileOpt, RecipeArg,
-                                 RepeatsOpt, SchedulesOpt, SeqLensOpt, SetOpt, WarmupOpt, WideOpt,
-                                 split_names, user_errors)
+                                 RepeatsOpt, SchedulesOpt, SeqLenOpt, SeqLensOpt, SetOpt,
+                                 WarmupOpt, WideOpt, split_names, user_errors)
 from lctrain.config import load_recipe, parse_size, parse_size_list
 from lctrain_kernels.vocabulary import SCHEDULES
 
@@ -180,6 +180,25 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
                      documents=documents, memory_trace=memory_trace, profile=profile,
                      progress=out.progress)
         out.publish(result)
+
+
+@app.command("data")
+def data(recipe: RecipeArg = None, seq_len: SeqLenOpt = None, overrides: SetOpt = None,
+         json_file: JsonFileOpt = None, fmt: FormatOpt = Format.table,
+         wide: WideOpt = False) -> None:
+    """Time preparing a recipe's data on this machine: cold (fresh caches: read, tokenize,
+    write the token stream, plan the rows) and warm (a later run's start, from the caches).
+
+    \b
+    Example:
+      lctrain bench data --set data.source='corpus/*.jsonl' --json data.json
+    """
+    with user_errors():
+        from lctrain.bench.data import run
+        from lctrain.bench.publish import Publisher
+
+        out = Publisher("data", fmt.value, wide, json_file)
+        out.publish(run(load_recipe(recipe, overrides or [], seq_len=seq_len), out.progress))
 
 
 @app.command("report")

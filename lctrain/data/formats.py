@@ -59,7 +59,7 @@ class Skips:
 def detect_format(record: Record, fields: dict | None = None) -> tuple[str, str]:
     """The format of ``record`` from its fields (named as ``data.fields`` maps them), and why;
     a DataError when no field says."""
-    names, have = {**NAMES, **(fields or {})}, record.fields
+    names, have = {**NAMES, **(fields or {})}, _present(record)
     if "input_ids" in have:
         return "tokenized", "records have input_ids"
     key = _list_key(have, fields)
@@ -77,6 +77,11 @@ def detect_format(record: Record, fields: dict | None = None) -> tuple[str, str]
                     f"(text in {names['text']!r}, prompt + completion, instruction + output, "
                     f"messages or conversations, input_ids); map data.fields (e.g. "
                     f"data.fields.text) to the records' field names, or set data.format")
+
+
+def _present(record: Record) -> dict[str, Any]:
+    """The fields a record gives (not null: a field other records of its file have is null)."""
+    return {k: v for k, v in record.fields.items() if v is not None}
 
 
 def _list_key(have: dict, fields: dict | None) -> str:
@@ -150,10 +155,11 @@ class Encoder:
         def get(name: str) -> str | None:
             return _string(record, self.names[name])
 
-        if self.names["prompt"] in record.fields or self.names["instruction"] not in record.fields:
+        have = _present(record)
+        if self.names["prompt"] in have or self.names["instruction"] not in have:
             return get("prompt") or "", get("completion")
         instruction = get("instruction") or ""
-        extra = get("input") if self.names["input"] in record.fields else None
+        extra = get("input") if self.names["input"] in have else None
         if self.template:
             prompt = f"{instruction}\n\n{extra}" if extra else instruction
         else:  # the Alpaca prompt (Stanford Alpaca's, as axolotl's alpaca type writes it)
@@ -193,7 +199,7 @@ class Encoder:
     def _chat(self, records: Sequence[Record]) -> list[Sample]:
         samples = []
         for record in records:
-            key = _list_key(record.fields, self.fields)
+            key = _list_key(_present(record), self.fields)
             messages = record.fields.get(key)
             if not isinstance(messages, list):
                 raise DataError(f"{record.where}: {key} must be a list of messages ({{role, "
@@ -246,9 +252,9 @@ class Encoder:
 
 def _string(record: Record, key: str) -> str | None:
     """The string field ``key`` (None and "" both mean empty), or a DataError."""
-    if key not in record.fields:
+    if not record.gives(key):
         raise DataError(f"{record.where} has no {key!r} field (its fields are "
-                        f"{sorted(record.fields)}); check data.format and data.fields")
+                        f"{sorted(_present(record))}); check data.format and data.fields")
     value = record.fields[key]
     if value is None or isinstance(value, str):
         return value
@@ -264,6 +270,8 @@ def _kind(value: Any) -> str:
 def _int_array(record: Record, key: str) -> np.ndarray:
     value = record.fields.get(key)
     array = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+    if array is not None and array.dtype.kind == "f" and np.all(array == np.round(array)):
+        array = array.astype(np.int64)  # whole numbers that share a column with fractions
     if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise DataError(f"{record.where}: {key} must be a list of whole numbers, got "
                         f"{_kind(value)}")

@@ -14,9 +14,8 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
-from itertools import chain, islice
+from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -30,7 +29,7 @@ from lctrain.data.tokenizer import ByteTokenizer, pad_token_id
 from lctrain.errors import DataError
 
 _BATCH = 512  # records tokenized together
-PROGRESS_EVERY_S = 10.0  # between progress lines when the output is not a terminal
+RECORDS_PER_PROCESS = 2000  # the least a tokenizing process is started for
 PARTS = ("train", "eval")
 LAYOUT_VERSION = 3  # bumped whenever what a cache folder holds changes
 
@@ -84,7 +83,7 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
     with exclusive(folder.with_name(folder.name + ".lock")) if leader else contextlib.nullcontext():
         if leader and not (folder / "meta.json").exists():
             build_folder(folder, lambda tmp: _write_tokens(tmp, data, tokenizer, show_progress,
-                                                           source_key))
+                                                           source_key, folder.name))
             built_tokens = True
         wait_for(folder / "meta.json")
         meta = json.loads((folder / "meta.json").read_text())
@@ -164,74 +163,93 @@ def _load_plan(path: Path) -> RowPlan:
 
 
 def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
-                  source_key: str) -> None:
-    """Read, encode and write the token stream of ``data`` into ``folder`` (meta.json last)."""
-    reader = RecordReader(data, source_key=source_key)
-    progress = _Progress(reader, data.source, show)
-    records = iter(reader)
-    first = list(islice(records, _BATCH))
-    if not first:
-        raise DataError(f"{source_key} {data.source!r} holds no record; point it at some data")
-    encoder = Encoder.for_data(data, tokenizer, first[0])
-    counts = {"records": 0, "tokens": 0, "target_tokens": 0}
-    lengths: list[int] = []
+                  source_key: str, fingerprint: str) -> None:
+    """Read and encode ``data`` with a batched ``Dataset.map`` (its result cached by datasets
+    under ``fingerprint``), then write its token stream into ``folder`` (meta.json last)."""
+    start = time.perf_counter()
+    if show:
+        print(f"preparing data from {data.source} (tokenizing and packing once; later runs and "
+              f"the other ranks of this machine reuse it)", flush=True)
+    with _progress_bars(show):
+        reader = RecordReader(data, source_key=source_key)
+        if not len(reader):
+            raise DataError(f"{source_key} {data.source!r} holds no record; point it at some data")
+        encoder = Encoder.for_data(data, tokenizer, next(iter(reader)))
+        processes = min(len(os.sched_getaffinity(0)), len(reader) // RECORDS_PER_PROCESS)
+        encoded = reader.dataset.map(
+            _encode, batched=True, batch_size=_BATCH, with_indices=True,
+            num_proc=processes if processes > 1 else None, remove_columns=reader.dataset.column_names, features=_features(),
+            fn_kwargs={"reader": reader, "encoder": encoder}, new_fingerprint=fingerprint,
+            desc="tokenizing")
+    counts = {"records": len(reader), "tokens": 0, "target_tokens": 0}
+    lengths, skips, has_labels = [], Skips(), False
     with open(folder / "ids.bin", "wb") as ids, open(folder / "targets.bin", "wb") as flags, \
             open(folder / "wheres.txt", "w", encoding="utf-8") as wheres:
-        for batch in chain([first], iter(lambda: list(islice(records, _BATCH)), [])):
-            counts["records"] += len(batch)
-            for sample in encoder.encode(batch):
-                sample.ids.tofile(ids)
-                sample.targets.astype(np.uint8).tofile(flags)
-                wheres.write(sample.where.replace("\n", " ") + "\n")
-                lengths.append(sample.ids.size)
-                counts["tokens"] += sample.ids.size
-                counts["target_tokens"] += int(sample.targets.sum())
-            progress.update(counts)
-    progress.close(counts)
+        for batch in encoded.with_format("arrow").iter(batch_size=1 << 16):
+            column = batch.column("ids").combine_chunks()
+            flat = column.flatten().to_numpy()
+            flat.astype(np.int32).tofile(ids)
+            targets = batch.column("targets").combine_chunks().flatten().to_numpy(False)
+            targets.astype(np.uint8).tofile(flags)
+            counts["tokens"] += flat.size
+            counts["target_tokens"] += int(targets.sum())
+            kept = np.asarray(batch.column("skip").to_pylist()) == ""
+            lengths.extend(column.value_lengths().to_numpy()[kept].tolist())
+            for where, skip, count in zip(*(batch.column(c).to_pylist()
+                                            for c in ("where", "skip", "count"))):
+                if skip:
+                    skips.reasons.setdefault(skip, [0, where])[0] += count
+                else:
+                    wheres.write(where.replace("\n", " ") + "\n")
+            has_labels |= any(batch.column("labels").to_pylist())
+    encoder.skips = skips
+    if show:
+        print(f"prepared {counts['records']:,} records into {counts['tokens']:,} tokens in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
     if not lengths:
         raise no_tokens(data.source, encoder)
     np.save(folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
-    meta = {"format": encoder.fmt, "format_reason": encoder.why, "has_labels": encoder.has_labels,
-            "samples": len(lengths), "skipped": encoder.skips.reasons,
+    meta = {"format": encoder.fmt, "format_reason": encoder.why, "has_labels": has_labels,
+            "samples": len(lengths), "skipped": skips.reasons, "processes": max(processes, 1),
             "longest": int(max(lengths)), **counts}
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-class _Progress:
-    """A rich bar on a terminal, else a line every `PROGRESS_EVERY_S` seconds."""
+def _features():
+    from datasets import Features, Sequence, Value
 
-    def __init__(self, reader: RecordReader, source: str, show: bool) -> None:
-        self.reader, self.show, self.bar = reader, show, None
-        self.start = self.last = time.perf_counter()
-        if show:
-            print(f"preparing data from {source} (tokenizing and packing once; later runs and the "
-                  f"other ranks of this machine reuse it)", flush=True)
-        if show and sys.stdout.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    return Features({"ids": Sequence(Value("int32")), "targets": Sequence(Value("bool")),
+                     "where": Value("string"), "skip": Value("string"), "count": Value("int64"),
+                     "labels": Value("bool")})
 
-            self.bar = Progress(TextColumn("[bold]data"), BarColumn(),
-                                TextColumn("{task.percentage:>3.0f}%  {task.fields[info]}"),
-                                TimeRemainingColumn(), transient=True)
-            self.task = self.bar.add_task("data", total=reader.total or None, info="")
-            self.bar.start()
 
-    def update(self, counts: dict) -> None:
-        info = f"{counts['records']:,} records, {counts['tokens']:,} tokens"
-        if self.bar is not None:
-            self.bar.update(self.task, completed=self.reader.done, total=self.reader.total or None,
-                            info=info)
-        elif self.show and time.perf_counter() - self.last >= PROGRESS_EVERY_S:
-            self.last = time.perf_counter()
-            total = self.reader.total
-            share = f"{100 * self.reader.done / total:.0f} % read, " if total else ""
-            print(f"preparing data: {share}{info}", flush=True)
+def _encode(batch: dict[str, list], rows: list[int], reader: RecordReader,
+            encoder: Encoder) -> dict[str, list]:
+    """A batch of records as samples (ids, targets, where), then a row per skip reason (the
+    count and the first place) and whether tokenized records carried labels."""
+    encoder.skips, encoder.has_labels = Skips(), False
+    samples = encoder.encode(reader.records(batch, rows))
+    skipped = list(encoder.skips.reasons.items())
+    none = [np.zeros(0, np.int32)] * len(skipped)
+    return {"ids": [s.ids for s in samples] + none,
+            "targets": [s.targets for s in samples] + [n.astype(bool) for n in none],
+            "where": [s.where for s in samples] + [where for _, (_, where) in skipped],
+            "skip": [""] * len(samples) + [reason for reason, _ in skipped],
+            "count": [1] * len(samples) + [count for _, (count, _) in skipped],
+            "labels": [encoder.has_labels] * (len(samples) + len(skipped))}
 
-    def close(self, counts: dict) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-        if self.show:
-            print(f"prepared {counts['records']:,} records into {counts['tokens']:,} tokens in "
-                  f"{time.perf_counter() - self.start:.1f} s", flush=True)
+
+@contextlib.contextmanager
+def _progress_bars(show: bool) -> Iterator[None]:
+    """datasets' progress bars on while preparing visibly, off otherwise (and afterwards)."""
+    from lctrain.data.records import load_datasets
+
+    logging = load_datasets().utils.logging
+    (logging.enable_progress_bar if show else logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        logging.disable_progress_bar()
 
 
 def rows_summary(rows: PackedRows) -> list[str]:

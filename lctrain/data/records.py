@@ -1,18 +1,22 @@
-"""Reading a data source record by record, each record with its location for messages.
+"""A data source as a Hugging Face ``datasets.Dataset``, each row with where it came from.
 
-Sources (``data.source``): ``builtin`` (Python's own help topics, present offline), ``.jsonl``
-(strict UTF-8, one object a line), ``.json`` (an array of objects, or JSON lines), ``.parquet``,
-``.txt`` (one document a file), or a Hugging Face hub dataset name (``org/name[split]``)."""
+Sources (``data.source``): ``builtin`` (Python's own help topics, present offline), ``.jsonl`` /
+``.json`` (objects one a line, or one array), ``.parquet``, ``.txt`` (one document a file), or
+a hub dataset name (``org/name[split]``). Files and hub names load with
+``datasets.load_dataset`` (converted to Arrow once, in datasets' cache). Where datasets' own
+message would not say where a file is malformed, a line-by-line check names the line and column."""
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
+from bisect import bisect_right
 from dataclasses import dataclass
-from itertools import islice
+from functools import cache
 from pathlib import Path
 from typing import Any, Iterator
+
+import numpy as np
 
 from lctrain.config import DataConfig, local_data
 from lctrain.config.hub import check_hub_dataset, hub_split
@@ -23,167 +27,229 @@ _BOM = b"\xef\xbb\xbf"
 
 def builtin_documents() -> list[str]:
     """The built-in corpus: every ``pydoc_data.topics`` help topic, by topic name."""
-    from pydoc_data.topics import topics
-
-    return [topics[name] for name in sorted(topics)]
+    return [topic for _, topic in sorted(_topics().items())]
 
 
 @dataclass(frozen=True)
 class Record:
-    """One record's fields and its location (``file:line``, ``file: row i``, ...)."""
+    """One record's fields and its row in ``source``; a field missing from a record but present
+    in others of its file is null, as in datasets. ``where`` names its place (``file:line``,
+    ``file: row i``, ...), found only when a message or a sample needs it."""
 
     fields: dict[str, Any]
-    where: str
+    row: int
+    source: "RecordReader"
+
+    @property
+    def where(self) -> str:
+        return self.source.locate(self.row)
+
+    def gives(self, key: str) -> bool:
+        """Whether the record itself has ``key``, null or not (JSON lines: its line re-read)."""
+        return self.fields.get(key) is not None or key in self.source.given(self.row)
 
 
 class RecordReader:
-    """The records of ``data.source`` (the first ``data.max_documents``); ``source_key`` is
-    the recipe key named in messages. ``done`` of ``total`` tells how far reading has got (bytes
-    of local JSON and text files, else records; total 0 when unknown)."""
+    """The records of ``data.source`` (the first ``data.max_documents``) as ``dataset``;
+    ``source_key`` is the recipe key named in messages."""
 
     def __init__(self, data: DataConfig, *, source_key: str = "data.source") -> None:
-        self.data, self.source_key, self.done = data, source_key, 0
-        self.local = local_data(data.source)
-        if self.local is None:
-            self.total = len(builtin_documents()) if data.source == "builtin" else 0
-        elif self.local.builder == "parquet":
-            self.total = _parquet_rows(self.local.files)
+        datasets = load_datasets()
+        self.data, self.source_key = data, source_key
+        local = local_data(data.source, what=source_key)
+        if data.source == "builtin":
+            loaded = [(datasets.Dataset.from_dict({data.text_field: builtin_documents()}),
+                       "builtin", "topic")]
+        elif local is None:
+            loaded = [self._hub(datasets)]
         else:
-            self.total = sum(os.path.getsize(f) for f in self.local.files)
+            loaded = [self._file(datasets, local.builder, path) for path in local.files
+                      if not _blank(path)] or [(datasets.Dataset.from_dict({}), "", "")]
+        firsts = np.cumsum([0] + [len(d) for d, _, _ in loaded[:-1]]).tolist()
+        self.parts = [(first, name, kind) for first, (_, name, kind) in zip(firsts, loaded)]
+        self.dataset = _concatenate(datasets, [d for d, _, _ in loaded], data.source)
+        if data.max_documents is not None and data.max_documents < len(self.dataset):
+            self.dataset = self.dataset.select(range(data.max_documents))
 
-    def __iter__(self) -> Iterator[Record]:
-        return islice(self._records(), self.data.max_documents)
-
-    def _records(self) -> Iterator[Record]:
-        key = self.data.text_field
-        if self.data.source == "builtin":
-            from pydoc_data.topics import topics
-
-            for name in sorted(topics):
-                self.done += 1
-                yield Record({key: topics[name]}, f"builtin topic {name!r}")
-            return
-        if self.local is None:
-            yield from self._hub()
-            return
-        read = getattr(self, "_" + self.local.builder)  # _json, _parquet or _text
-        for path in self.local.files:
-            try:
-                yield from read(path)
-            except OSError as error:  # unreadable: a permission, a device or network error
-                raise DataError(f"could not read {path} ({error.strerror or _first_line(error)});"
-                                " check the file and its permissions") from None
-
-    def _json(self, path: str) -> Iterator[Record]:
-        if path.lower().endswith(".json"):
-            whole = _json_document(path)
-            if whole is not None:
-                for i, fields in enumerate(whole):
-                    yield Record(_object(fields, f"{path}: record {i}"), f"{path}: record {i}")
-                self.done += os.path.getsize(path)
-                return
-        with open(path, "rb") as handle:
-            for lineno, raw in enumerate(handle, 1):
-                self.done += len(raw)
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                text = _utf8(raw.removeprefix(_BOM) if lineno == 1 else raw, where,
-                             lineno_in_text=False)
-                try:
-                    fields = json.loads(text)
-                except json.JSONDecodeError as error:
-                    raise DataError(f"{where} is not valid JSON ({error.msg} at column "
-                                    f"{error.colno}); fix or remove that line") from None
-                yield Record(_object(fields, where), where)
-
-    def _parquet(self, path: str) -> Iterator[Record]:
-        pq = _optional("pyarrow.parquet", "pyarrow", ".parquet files")
+    def _file(self, datasets, builder: str, path: str) -> tuple[Any, str, str]:
+        kind = {"json": "line", "parquet": "row", "text": "file"}[builder]
+        if builder == "json" and path.lower().endswith(".json") and _is_array(path):
+            kind = "record"
+        options = {"sample_by": "document", "encoding": "utf-8-sig"} if builder == "text" else {}
         try:
-            batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-            for row, fields in enumerate(f for batch in batches for f in batch.to_pylist()):
-                self.done += 1
-                yield Record(fields, f"{path}: row {row}")
-        except (OSError, ValueError) as error:  # pyarrow's errors derive from these
-            raise DataError(f"could not read {path} as parquet ({_first_line(error)}); check "
-                            f"the file") from None
+            dataset = datasets.load_dataset(builder, data_files=[path], split="train", **options)
+            dataset.data.table.validate(full=True)  # pyarrow keeps strings that are not UTF-8
+        except Exception as error:  # noqa: BLE001 - pyarrow, JSON, decoding and OS errors
+            check_file(path, kind)  # raises the DataError naming the line where one is found
+            what = " as parquet" if builder == "parquet" else ""
+            raise DataError(f"could not read {path}{what} ({_first_line(error)}); check the "
+                            f"file") from None
+        if builder == "text" and self.data.text_field != "text":
+            dataset = dataset.rename_column("text", self.data.text_field)
+        return dataset, path, kind
 
-    def _text(self, path: str) -> Iterator[Record]:
-        raw = Path(path).read_bytes()
-        self.done += len(raw)
-        text = _utf8(raw.removeprefix(_BOM), path, lineno_in_text=True)
-        yield Record({self.data.text_field: text}, path)
-
-    def _hub(self) -> Iterator[Record]:
-        datasets = _optional("datasets", "datasets", "hub datasets")
+    def _hub(self, datasets) -> tuple[Any, str, str]:
         name, split = hub_split(self.data.source)
         # refused at once when neither the hub nor the datasets cache can give it
         check_hub_dataset(name, what=self.source_key)
         try:
-            dataset = datasets.load_dataset(name, split=split)
+            return datasets.load_dataset(name, split=split), f"{name}[{split}]", "hub"
         except Exception as error:  # noqa: BLE001 - offline, unknown name, no such split...
             key = self.source_key
             raise DataError(f"could not load the hub dataset {name!r} split {split!r} "
                             f"({_first_line(error)}); without network, point {key} at local "
                             f".jsonl/.parquet/.txt files or use {key}=builtin") from None
-        self.total = len(dataset)
-        for i, fields in enumerate(dataset):
-            self.done += 1
-            yield Record(dict(fields), f"{name}[{split}] row {i}")
+
+    def _part(self, row: int) -> tuple[int, str, str]:
+        """Row ``row``'s index in its part, the part's file or name and its kind of place."""
+        first, name, kind = self.parts[bisect_right([p[0] for p in self.parts], row) - 1]
+        return row - first, name, kind
+
+    def locate(self, row: int) -> str:
+        """Where row ``row`` of ``dataset`` came from."""
+        at, name, kind = self._part(row)
+        if kind == "line":
+            return f"{name}:{_record_lines(name)[0][at]}"
+        if kind == "topic":
+            return f"builtin topic {sorted(_topics())[at]!r}"
+        return {"file": name, "hub": f"{name} row {at}"}.get(kind, f"{name}: {kind} {at}")
+
+    def given(self, row: int) -> dict[str, Any]:
+        """The fields row ``row`` has in its file: a JSON line's own, else every column."""
+        at, name, kind = self._part(row)
+        if kind != "line":
+            return dict.fromkeys(self.dataset.column_names)
+        with open(name, "rb") as handle:
+            handle.seek(int(_record_lines(name)[1][at]))
+            return json.loads(handle.readline().removeprefix(_BOM))
+
+    def records(self, batch: dict[str, list], rows: list[int]) -> list[Record]:
+        """The records of a column ``batch`` of ``dataset`` (rows ``rows``)."""
+        return [Record({k: v[i] for k, v in batch.items()}, row, self) for i, row in enumerate(rows)]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Iterator[Record]:
+        for row, fields in enumerate(self.dataset):
+            yield Record(fields, row, self)
 
 
-def _utf8(raw: bytes, where: str, *, lineno_in_text: bool) -> str:
-    """``raw`` decoded as strict UTF-8, or a DataError naming the place of the first bad byte."""
+@cache
+def load_datasets():
+    """The datasets module, its progress bars and notices off (preparation turns bars on)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def _topics() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return topics
+
+
+def _blank(path: str) -> bool:
+    """Whether a file holds nothing but white space (no record)."""
+    try:
+        return os.path.getsize(path) < 4096 and not Path(path).read_bytes().removeprefix(
+            _BOM).strip()
+    except OSError:  # unreadable: loading it says so
+        return False
+
+
+def _concatenate(datasets, parts: list, source: str):
+    """The datasets of a source's files as one; a field some files lack is null there."""
+    features = {}
+    for part in parts:
+        features.update({k: v for k, v in part.features.items() if k not in features})
+    for i, part in enumerate(parts):
+        for name in features.keys() - set(part.column_names):
+            parts[i] = part = part.add_column(name, [None] * len(part), feature=features[name])
+    try:
+        return datasets.concatenate_datasets(parts)
+    except ValueError as error:
+        raise DataError(f"the files of {source!r} give a field different kinds of value "
+                        f"({_first_line(error)}); make each field one kind in every file") from None
+
+
+def _is_array(path: str) -> bool:
+    """Whether a .json file holds one JSON array (else JSON lines)."""
+    with open(path, "rb") as handle:
+        return handle.read(4096).removeprefix(_BOM).lstrip().startswith(b"[")
+
+
+def _record_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """The 1-based line numbers and byte offsets of a JSON lines file's records (its lines
+    that are not blank)."""
+    stat = os.stat(path)
+    return _lines(path, stat.st_size, stat.st_mtime_ns)
+
+
+@cache
+def _lines(path: str, size: int, mtime_ns: int) -> tuple[np.ndarray, np.ndarray]:
+    raw = np.fromfile(path, np.uint8)
+    starts = np.concatenate([[0], np.flatnonzero(raw == ord("\n")) + 1])
+    starts = starts[starts < raw.size]
+    records = np.flatnonzero(np.maximum.reduceat(raw, starts) > ord(" "))  # a byte not space
+    return records + 1, starts[records]
+
+
+def check_file(path: str, kind: str) -> None:
+    """The one-sentence DataError of a malformed local file (its line and column where it has
+    lines); returns when this check finds nothing wrong."""
+    try:
+        raw = Path(path).read_bytes().removeprefix(_BOM)
+    except OSError as error:  # unreadable: a permission, a device or network error
+        raise DataError(f"could not read {path} ({error.strerror or _first_line(error)});"
+                        " check the file and its permissions") from None
+    if kind == "row":
+        return
+    text = _utf8(raw, path)
+    if kind == "record":
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}:{error.lineno} is not valid JSON ({error.msg} at column "
+                            f"{error.colno}); fix the file") from None
+        for i, fields in enumerate(records):
+            _object(fields, f"{path}: record {i}")
+    if kind != "line":
+        return
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            _object(json.loads(line), f"{path}:{lineno}")
+        except json.JSONDecodeError as error:
+            raise DataError(f"{path}:{lineno} is not valid JSON ({error.msg} at column "
+                            f"{error.colno}); fix or remove that line") from None
+
+
+def _object(fields: Any, where: str) -> None:
+    if not isinstance(fields, dict):
+        raise DataError(f"{where} is a JSON {type(fields).__name__}, not an object; each record "
+                        f"must be an object such as {{\"text\": \"...\"}}")
+
+
+def _utf8(raw: bytes, path: str) -> str:
+    """``raw`` decoded as strict UTF-8, or a DataError naming the line and column of the first
+    bad byte."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
         line = raw.count(b"\n", 0, error.start) + 1
         column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
-        place = f"{where}:{line}" if lineno_in_text else where
-        raise DataError(f"{place} is not UTF-8 text (byte {raw[error.start]:#04x} at column "
-                        f"{column}); convert the file to UTF-8") from None
-
-
-def _json_document(path: str) -> list | None:
-    """The records of a .json file holding one JSON array; None when it is JSON lines."""
-    text = _utf8(Path(path).read_bytes().removeprefix(_BOM), path, lineno_in_text=True)
-    if not text.lstrip().startswith("["):
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise DataError(f"{path}:{error.lineno} is not valid JSON ({error.msg} at column "
-                        f"{error.colno}); fix the file") from None
-
-
-def _object(fields: Any, where: str) -> dict[str, Any]:
-    if not isinstance(fields, dict):
-        raise DataError(f"{where} is a JSON {type(fields).__name__}, not an object; each record "
-                        f"must be an object such as {{\"text\": \"...\"}}")
-    return fields
-
-
-def _parquet_rows(files: list[str]) -> int:
-    pq = _optional("pyarrow.parquet", "pyarrow", ".parquet files")
-    try:
-        return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    except (OSError, ValueError) as error:
-        raise DataError(f"could not read data.source files as parquet ({_first_line(error)}); "
-                        f"check the files") from None
-
-
-def _optional(module: str, package: str, what: str):
-    """Import ``module``, or a DataError saying which package reading ``what`` needs."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise DataError(f"reading {what} needs the {package} package, which is not installed; "
-                        f"pip install {package}, or convert the data to .jsonl") from None
+        raise DataError(f"{path}:{line} is not UTF-8 text (byte {raw[error.start]:#04x} at "
+                        f"column {column}); convert the file to UTF-8") from None
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    text = str(error.__cause__ or error).strip()
+    name = type(error.__cause__ or error).__name__
+    return f"{name}: {text.splitlines()[0]}" if text else name
 
 
 def source_identity(data: DataConfig) -> list:
