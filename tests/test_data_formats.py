@@ -146,6 +146,10 @@ def test_empty_records_are_counted_skips_named_in_the_banner(tmp_path):
     with pytest.raises(DataError, match="yields no token to train on: 2 skipped .no assistant "
                                         r"turn: 2, first at .*c\.jsonl:1\)"):
         _prepare(tmp_path, _write(tmp_path / "c.jsonl", chats), "data.turns=all_or_skip")
+    empty = _write(tmp_path / "e.jsonl", [{"text": ""}])  # the validation file is named as such
+    cfg = load_recipe(None, [f"data.source={text}", f"data.eval_source={empty}"], seq_len=64)
+    with pytest.raises(DataError, match=r"^data\.eval_source '.*e\.jsonl' yields no token"):
+        prepare_data(cfg.data, TOK, part="eval")
 
 
 def test_long_samples_rules(tmp_path):

@@ -207,7 +207,7 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
         print(f"prepared {counts['records']:,} records into {counts['tokens']:,} tokens in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
     if not lengths:
-        raise no_tokens(data.source, encoder)
+        raise no_tokens(data.source, encoder, source_key)
     np.save(folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
     meta = {"format": encoder.fmt, "format_reason": encoder.why, "has_labels": has_labels,
             "samples": len(lengths), "skipped": skips.reasons, "processes": max(processes, 1),
@@ -343,8 +343,9 @@ def wait_for(path: Path) -> None:
         time.sleep(0.2)
 
 
-def no_tokens(source: str, encoder: Encoder) -> DataError:
-    """The error of a source whose records hold nothing to train on (the skips say why)."""
+def no_tokens(source: str, encoder: Encoder, key: str = "data.source") -> DataError:
+    """The error of a source (recipe ``key``) whose records hold nothing to train on (the skips
+    say why)."""
     skipped = encoder.skips.describe()
-    return DataError(f"data.source {source!r} yields no token to train on"
+    return DataError(f"{key} {source!r} yields no token to train on"
                      f"{': ' + skipped if skipped else ''}; check the records")
