@@ -150,19 +150,14 @@ def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = 
             row["status"] = f"out of memory at {seq_len} tokens"
         if plan.params["device"].type == "cuda":
             torch.cuda.empty_cache()
-        row.update(_of_dense(row, (dense or {}).get(seq_len)))
+        ref = (dense or {}).get(seq_len)  # rates over the dense row's: fwd+bwd, fwd, bwd
+        if ref is not None and row.get("status") == "ok" and ref.get("status") == "ok":
+            row.update({key: row[rate] / ref[rate] for key, rate in (
+                ("of_dense", "total_tflops"), ("of_dense_fwd", "fwd_tflops"),
+                ("of_dense_bwd", "bwd_tflops")) if row.get(rate) and ref.get(rate)})
         plan.say(progress_line(row))
         rows.append(row)
     return rows
-
-
-def _of_dense(row: dict, dense: dict | None) -> dict:
-    """``of_dense`` (fwd+bwd), ``of_dense_fwd``, ``of_dense_bwd``: rates over the dense row's."""
-    if dense is None or row.get("status") != "ok" or dense.get("status") != "ok":
-        return {}
-    return {key: row[rate] / dense[rate] for key, rate in (
-        ("of_dense", "total_tflops"), ("of_dense_fwd", "fwd_tflops"),
-        ("of_dense_bwd", "bwd_tflops")) if row.get(rate) and dense.get(rate)}
 
 
 def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,

@@ -22,18 +22,6 @@ def check(kind: str, path: str | Path) -> Path:
     return plotting.check_target(path)
 
 
-def _series(result: BenchResult) -> tuple[str, str, str, float]:
-    """(series key, y key, y label, y scale) of a result."""
-    if result.kind == "step":
-        if any(row.get("mfu") is not None for row in result.measured()):
-            return "variant", "mfu", "MFU (%)", 100.0
-        return "variant", "tokens_per_s", "tokens/s", 1.0
-    unit, factor = rate_unit([r.get("total_tflops") for r in result.measured()])
-    per_gpu = " per GPU" if result.kind == "attention" else ""
-    key = "variant" if result.kind == "attention" else "backend"
-    return key, "total_tflops", f"{unit}{per_gpu} (fwd+bwd)", factor
-
-
 def _label(result: BenchResult, row: dict, key: str) -> str:
     if result.kind != "step":  # rows of document mixes: one line per backend and mix
         return str(row.get(key)) + (f" {row['documents']}" if row.get("documents") else "")
@@ -45,7 +33,15 @@ def _label(result: BenchResult, row: dict, key: str) -> str:
 def plot(result: BenchResult, path: str | Path) -> Path:
     """Draw the result into ``path``; returns the file written (UserError: nothing to plot)."""
     check(result.kind, path)
-    key, y, ylabel, scale = _series(result)
+    key = "variant" if result.kind in ("attention", "step") else "backend"  # one line each
+    if result.kind != "step":
+        unit, scale = rate_unit([r.get("total_tflops") for r in result.measured()])
+        per_gpu = " per GPU" if result.kind == "attention" else ""
+        y, ylabel = "total_tflops", f"{unit}{per_gpu} (fwd+bwd)"
+    elif any(row.get("mfu") is not None for row in result.measured()):
+        y, ylabel, scale = "mfu", "MFU (%)", 100.0
+    else:
+        y, ylabel, scale = "tokens_per_s", "tokens/s", 1.0
     lines: dict[str, list[tuple[int, float]]] = {}
     for row in result.measured():
         if row.get(y) is not None and row.get("seq_len"):

@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ from lctrain.config import RecipeConfig, load_recipe
 from lctrain.config.layers import LayerPlan
 from lctrain.model import load_tokenizer
 from lctrain.errors import UserError
+from lctrain.report.runs import median
 from lctrain.report.versions import environment
 from lctrain.train.memory_trace import ENV as MEMORY_TRACE
 from lctrain.train.step_profile import ENV as STEP_PROFILE
@@ -70,8 +70,12 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
             kernels = None if profile is None else os.path.join(profile, str(index))
             with _environment(**{MEMORY_TRACE: trace, STEP_PROFILE: kernels}):
                 row.update(_one(cfg, n, steps, warmup, save_every, documents))
-            if kernels is not None:
-                row.update(_profile_fields(Path(kernels), warmup + steps))
+            summary = None if kernels is None else Path(kernels, f"rank0-step{warmup + steps}"
+                                                             f"-kernels.json")
+            if summary is not None and summary.exists():  # rank 0's profile of the last step
+                profiled = json.loads(summary.read_text())
+                row.update(profile_wall_ms=profiled["wall_ms"], **{
+                    f"profile_{cat}_ms": ms for cat, ms in profiled["categories_ms"].items()})
         except UserError as exc:
             row.update(status=str(exc))
         except torch.cuda.OutOfMemoryError:
@@ -148,9 +152,9 @@ def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
     after = [r for r in timed if r["step"] - 1 in saved]
     others = [r for r in timed if r["step"] - 1 not in saved]
     return {"save_every": save_every,
-            "checkpoint_s": _median([r for r in timed if r["step"] in saved], "checkpoint_s"),
-            "step_after_save_s": _median(after, "step_time_s") if save_every else None,
-            "step_without_save_s": _median(others, "step_time_s") if save_every else None}
+            "checkpoint_s": median([r for r in timed if r["step"] in saved], "checkpoint_s"),
+            "step_after_save_s": median(after, "step_time_s") if save_every else None,
+            "step_without_save_s": median(others, "step_time_s") if save_every else None}
 
 
 @contextlib.contextmanager
@@ -166,16 +170,6 @@ def _environment(**folders: str | None) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _profile_fields(folder: Path, step: int) -> dict:
-    """Rank 0's profile of step ``step`` as row fields (none if it wrote no summary)."""
-    path = folder / f"rank0-step{step}-kernels.json"
-    if not path.exists():
-        return {}
-    summary = json.loads(path.read_text())
-    return {"profile_wall_ms": summary["wall_ms"],
-            **{f"profile_{cat}_ms": ms for cat, ms in summary["categories_ms"].items()}}
 
 
 @contextlib.contextmanager
@@ -225,9 +219,9 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "policy": cfg.train.checkpointing, "checkpointing": runs,
         "offload": predicted["offload"], "fused_kernels": cfg.model.fused_kernels,
         "steps": len(timed),
-        "tokens_per_s": _median(timed, "tokens_per_s"),
-        "step_time_s": _median(timed, "step_time_s"),
-        "mfu": _median(timed, "mfu"),
+        "tokens_per_s": median(timed, "tokens_per_s"),
+        "step_time_s": median(timed, "step_time_s"),
+        "mfu": median(timed, "mfu"),
         "peak_gib": measured / _GIB,
         "model_peak_gib": predicted["peak_allocated"] / _GIB,
         "model_total_gib": predicted["total"] / _GIB,
@@ -235,17 +229,12 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "host_gib": None if host is None else host / _GIB,
         "model_host_gib": predicted["host_offload"] / _GIB if host is not None else None,
         "attn_fwd_per_step": calls,
-        "attention_balance": _median(timed, "attention_balance"),
+        "attention_balance": median(timed, "attention_balance"),
         "attn_fwd_expected": round(layers * per_micro) * cfg.train.grad_accum,
         "loss_first": records[0]["loss"] if records else None,
         "loss_last": records[-1]["loss"] if records else None,
         "status": "ok",
     }
-
-
-def _median(records: list[dict], key: str) -> float | None:
-    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
-    return statistics.median(values) if values else None
 
 
 def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:

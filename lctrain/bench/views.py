@@ -103,7 +103,12 @@ def table(result: BenchResult) -> Table:
                      "vs 1 GPU = rate over the single-GPU kernel's at the same length")
     columns, rows = list(COLUMNS[result.kind]), result.rows
     if result.kind == "step":
-        columns, rows = _step_view(result, columns)
+        # variants by their last key parts, with the layers an auto run placed; without
+        # variants, schedule and checkpointing are compact columns where the rows differ
+        rows = [{**row, "label": _label(row)} for row in rows]
+        labelled = any(row["label"] for row in rows)
+        columns = [replace(c, compact=not labelled and len({row.get(c.key) for row in rows}) > 1)
+                   if c.key in ("schedule", "policy") else c for c in columns]
         if not (result.meta.get("machine") or {}).get("gpu"):
             notes.append("on a CPU, peak is the process's largest resident memory (Python, "
                          "torch and the libraries included); est. counts the training tensors")
@@ -161,20 +166,6 @@ def _label(row: dict) -> str | None:
     if label and placed and "layer_policies=" not in label:
         label += f" ({placed})"
     return label or None
-
-
-def _step_view(result: BenchResult, columns: list[Column]) -> tuple[list[Column], list[dict]]:
-    """Variants by their last key parts, with the layers an ``auto`` run placed; without
-    variants, schedule and checkpointing are compact columns where the rows differ."""
-    rows = [{**row, "label": _label(row)} for row in result.rows]
-    labelled = any(row["label"] for row in rows)
-    out = []
-    for column in columns:
-        if column.key in ("schedule", "policy"):
-            differ = len({row.get(column.key) for row in rows}) > 1
-            column = replace(column, compact=differ and not labelled)
-        out.append(column)
-    return out, rows
 
 
 def summary(result: BenchResult) -> Table:

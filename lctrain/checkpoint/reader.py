@@ -54,8 +54,11 @@ def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
                  no_dist=not dist.is_initialized())
-    except CheckpointException as error:
-        raise _load_error(path, error) from None
+    except CheckpointException as error:  # a UserError inside (`SafeLoadPlanner`'s) says it all
+        inner = next((e for e in _causes(error) if isinstance(e, UserError)), None)
+        raise inner or UserError(f"The checkpoint {path} cannot be loaded into this model "
+                                 f"({root_cause(error)}); it was written for another model or "
+                                 "LoRA setting, or it is damaged.") from None
     optim_state = {"state": state["optim"]["state"], "param_groups": optim_state["param_groups"]}
     set_state_dict(module, optimizer, model_state_dict=state["model"],
                    optim_state_dict=optim_state)
@@ -109,8 +112,14 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
     read on the CPU in this process alone (UserError: none of them)."""
     reader = SafeReader(str(path))
     saved = reader.read_metadata().state_dict_metadata
-    prefix = _weights_prefix(saved, names)
-    if prefix is None:
+    candidates = dict.fromkeys(  # key prefixes, from two names; every name then votes
+        key[:len(key) - len(name)] for name in names[:1] + names[-1:] for key in saved
+        if key.endswith(name))
+    counts = {candidate: sum(candidate + name in saved for name in names)
+              for candidate in candidates if candidate.startswith("model.")
+              and candidate.endswith(".")}
+    prefix = max(counts, key=counts.get, default=None)  # the one holding the most of them
+    if prefix is None or counts[prefix] == 0:
         raise UserError(f"The checkpoint {path} holds none of the model's weights (for example "
                         f"{names[0]}); its run's config.yaml describes another model.")
     wanted = {}
@@ -122,18 +131,6 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.load(wanted, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     return {key[len(prefix):]: tensor for key, tensor in wanted.items()}
-
-
-def _weights_prefix(saved, names: list[str]) -> str | None:
-    """The key prefix under which the most of ``names`` are stored (None if none is)."""
-    candidates = dict.fromkeys(  # from two names; every name then votes
-        key[:len(key) - len(name)] for name in names[:1] + names[-1:] for key in saved
-        if key.endswith(name))
-    counts = {candidate: sum(candidate + name in saved for name in names)
-              for candidate in candidates if candidate.startswith("model.")
-              and candidate.endswith(".")}
-    best = max(counts, key=counts.get, default=None)
-    return best if best is not None and counts[best] > 0 else None
 
 
 def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
@@ -190,15 +187,6 @@ def _read_rng(path: Path) -> None:
                         "the checkpoint is damaged") from None
     if "cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["cuda"])
-
-
-def _load_error(path: Path, error: BaseException) -> UserError:
-    inner = next((e for e in _causes(error) if isinstance(e, UserError)), None)
-    if inner is not None:  # e.g. `SafeLoadPlanner` refusing a pickled entry
-        return inner
-    return UserError(f"The checkpoint {path} cannot be loaded into this model "
-                     f"({root_cause(error)}); it was written for another model or LoRA "
-                     "setting, or it is damaged.")
 
 
 def root_cause(error: BaseException) -> str:

@@ -65,6 +65,7 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt 
       lctrain eval exported/tiny --task passkey --lengths 4k,8k --trials 3 --plot passkey.png
     """
     with user_errors():
+        from lctrain.bench.publish import command_line
         from lctrain.config import parse_size, parse_size_list
         from lctrain.eval.result import check_plot, plot as draw, table
         from lctrain.eval.request import resolve
@@ -83,8 +84,6 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt 
         result = evaluate(cfg, request, nproc=nproc)
         if result is None:  # another rank of a torchrun job: rank 0 shows the result
             return
-        from lctrain.bench.publish import command_line
-
         result.meta.setdefault("command", command_line())
         if fmt == Format.json:
             emit(result.to_json())

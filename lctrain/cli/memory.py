@@ -78,20 +78,17 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
         if gpus is None:
             gpus = 1 if cfg is None else cfg.parallel.cp
         from lctrain.memory import plan_recipe
+        from lctrain.memory.recipe import run_settings
+        from lctrain.memory.tables import plan_commands, plan_table
+        from lctrain.report.table import emit, show
 
         result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
                              gpus_per_node=gpus_per_node, seq_len=tokens)
-        from lctrain.memory.recipe import run_settings
-
         settings = [*overrides, *run_settings(cfg, recipe, model)]
-    from lctrain.memory.tables import plan_commands, plan_table
-
     result["commands"] = plan_commands(result, recipe, settings)
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
         return
-    from lctrain.report.table import emit, show
-
     show(plan_table(result), fmt.value, wide)
     for name, command in result["commands"].items():
         emit(f"\n{name}:\n  {command}")

@@ -157,20 +157,19 @@ def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest
         load_s = time.perf_counter() - start
         task = run_ppl if request.task == "ppl" else run_passkey
         rows, meta = task(setup, parts, request)
-        peak = _peak_over_ranks(pmesh, device)
+        peak = torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64, device=device)
+        if pmesh.world_group is not None and pmesh.world_size > 1:  # the largest of any rank
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=pmesh.world_group)
+        peak = int(peak.item())  # every rank waits for the reduction
         if setup.main:
             meta = {**_meta(setup, parts, request, load_s, peak), **meta}  # the task's peak wins
-            result = EvalResult(task=request.task, title=_title(request, setup), rows=rows,
-                                meta=meta)
+            name = "Loss by position" if request.task == "ppl" else "Passkey retrieval"
+            step = f" step {request.step}" if request.step is not None else ""
+            title = (f"{name} — {request.kind} {request.target}{step}, "
+                     f"{pmesh.world_size} × {pmesh.device_type} (cp {pmesh.cp})")
+            result = EvalResult(task=request.task, title=title, rows=rows, meta=meta)
             result.save(request.result_file)
     return 0
-
-
-def _peak_over_ranks(pmesh, device: torch.device) -> int:
-    peak = torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64, device=device)
-    if pmesh.world_group is not None and pmesh.world_size > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=pmesh.world_group)
-    return int(peak.item())
 
 
 def _meta(setup: RunSetup, parts, request: EvalRequest, load_s: float, peak: int) -> dict:
@@ -183,13 +182,6 @@ def _meta(setup: RunSetup, parts, request: EvalRequest, load_s: float, peak: int
             "strategy": parts.distributed.strategy, "model_dtype": cfg.model.dtype,
             "mixed_precision": setup.accelerator.mixed_precision, "load_seconds": load_s,
             "peak_memory_bytes": peak, "machine": environment()}
-
-
-def _title(request: EvalRequest, setup: RunSetup) -> str:
-    name = "Loss by position" if request.task == "ppl" else "Passkey retrieval"
-    step = f" step {request.step}" if request.step is not None else ""
-    where = f"{setup.pmesh.world_size} × {setup.pmesh.device_type} (cp {setup.pmesh.cp})"
-    return f"{name} — {request.kind} {request.target}{step}, {where}"
 
 
 def progress_printer(main: bool) -> Callable[[str], None]:

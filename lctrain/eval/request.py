@@ -62,9 +62,13 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
     a target, step, override, length, depth or data source that cannot be evaluated)."""
     if task not in ("ppl", "passkey"):
         raise UserError(f"--task {task!r} is not one of ppl, passkey")
-    _check_task_options(task, {"--bucket": bucket, "--max-rows": max_rows, "--data": data},
-                        {"--lengths": lengths, "--depths": depths, "--trials": trials,
-                         "--seed": seed})
+    owner = "passkey" if task == "ppl" else "ppl"  # refuse the other task's options
+    other = {"--lengths": lengths, "--depths": depths, "--trials": trials, "--seed": seed} \
+        if task == "ppl" else {"--bucket": bucket, "--max-rows": max_rows, "--data": data}
+    given = [name for name, value in other.items() if value is not None]
+    if given:
+        raise UserError(f"{given[0]} is a setting of --task {owner}, not of --task {task}; drop "
+                        f"it or use --task {owner}")
     if task == "passkey" and seq_len is not None and lengths:
         raise UserError("--seq-len and --lengths both give the passkey length; give --lengths "
                         "alone (several lengths) or --seq-len alone (one)")
@@ -117,16 +121,6 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
         bucket=bucket or math.ceil(cfg.data.seq_len / DEFAULT_BUCKETS), lengths=tuple(lengths),
         depths=depths, trials=trials, seed=seed)
     return cfg, request
-
-
-def _check_task_options(task: str, ppl: dict, passkey: dict) -> None:
-    """Refuse options of the other task."""
-    other = passkey if task == "ppl" else ppl
-    for name, value in other.items():
-        if value is not None:
-            owner = "passkey" if task == "ppl" else "ppl"
-            raise UserError(f"{name} is a setting of --task {owner}, not of --task {task}; drop "
-                            f"it or use --task {owner}")
 
 
 def _target_recipe(target: str) -> tuple[dict, str, str]:

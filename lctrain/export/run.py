@@ -42,7 +42,13 @@ def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = No
     ``output`` (new or empty unless ``replace``), in one of DTYPES (default ``model.dtype``:
     nothing rounded unless asked); ``merge``: a LoRA run's adapters into the base weights."""
     run = Path(run_dir).expanduser()
-    cfg = run_config(run)
+    if not run.is_dir():
+        raise UserError(f"There is no run folder {run}; pass the train.output_dir of an lctrain "
+                        "finetune run.")
+    if not (run / "config.yaml").is_file():
+        raise UserError(f"{run} is not an lctrain run folder: it has no config.yaml (finetune "
+                        "writes one when it starts); pass the train.output_dir of a run.")
+    cfg = read_resolved(run / "config.yaml")
     step, checkpoint = find_checkpoint(run / "checkpoints", step)
     out = Path(output).expanduser()
     _check_output(out, replace)
@@ -60,17 +66,6 @@ def export_final(cfg: RecipeConfig) -> ExportResult:
     """Write (or replace) ``train.output_dir/final/`` from the run's newest checkpoint."""
     run = Path(cfg.train.output_dir)
     return export_run(run, output=run / "final", replace=True)
-
-
-def run_config(run: Path) -> RecipeConfig:
-    """The resolved recipe of the run in folder ``run``; a UserError when there is none."""
-    if not run.is_dir():
-        raise UserError(f"There is no run folder {run}; pass the train.output_dir of an lctrain "
-                        "finetune run.")
-    if not (run / "config.yaml").is_file():
-        raise UserError(f"{run} is not an lctrain run folder: it has no config.yaml (finetune "
-                        "writes one when it starts); pass the train.output_dir of a run.")
-    return read_resolved(run / "config.yaml")
 
 
 def _check_output(out: Path, replace: bool) -> None:
@@ -100,8 +95,9 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
         try:
             if kind == "full":
                 write.write_full(model, folder, torch_dtype)
-            elif kind == "merged":
-                write.write_merged(model, folder, torch_dtype)
+            elif kind == "merged":  # every adapter merged into its base weight in float32
+                merged = model.to(torch.float32).merge_and_unload(progressbar=False)
+                write.write_full(merged, folder, torch_dtype)
             else:
                 base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, is_bytes)
             write.save_tokenizer(tokenizer, folder)
@@ -124,7 +120,10 @@ def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: tor
         plain = skeleton(dataclasses.replace(cfg, lora=LoraConfig()))
         if is_bytes:
             write.align_special_ids(plain)
-        write.write_base(plain, base_weights(model.state_dict()), folder / "base", dtype)
+        plain.load_state_dict(base_weights(model.state_dict()), assign=True)  # built on meta
+        if getattr(plain.config, "tie_word_embeddings", False):
+            plain.tie_weights()
+        write.write_full(plain, folder / "base", dtype)
         write.save_tokenizer(tokenizer, folder / "base")
     write.write_adapter(model, folder, dtype, base)
     return base

@@ -30,12 +30,6 @@ def write_full(model: nn.Module, folder: Path, dtype: torch.dtype,
     model.save_pretrained(str(folder), max_shard_size=max_shard_size)
 
 
-def write_merged(peft_model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """Merge every adapter into its base weight in float32, then write the plain model."""
-    peft_model.to(torch.float32)
-    write_full(peft_model.merge_and_unload(progressbar=False), folder, dtype)
-
-
 def write_adapter(peft_model: nn.Module, folder: Path, dtype: torch.dtype,
                   base_name: str) -> None:
     """peft's adapter files, naming ``base_name`` as the model to load the adapter onto."""
@@ -44,15 +38,6 @@ def write_adapter(peft_model: nn.Module, folder: Path, dtype: torch.dtype,
     # lctrain never resizes the vocabulary (embeddings trained in full travel as
     # modules_to_save); "auto" would look the base model up, on the hub if it is not local
     peft_model.save_pretrained(str(folder), save_embedding_layers=False)
-
-
-def write_base(base: nn.Module, weights: dict[str, torch.Tensor], folder: Path,
-               dtype: torch.dtype) -> None:
-    """Write ``weights`` as the plain model ``base`` (built on ``meta``)."""
-    base.load_state_dict(weights, assign=True)
-    if getattr(base.config, "tie_word_embeddings", False):
-        base.tie_weights()
-    write_full(base, folder, dtype)
 
 
 @contextlib.contextmanager
@@ -106,20 +91,16 @@ def listing(folder: Path) -> tuple[str, ...]:
     return tuple(sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()))
 
 
-def byte_to_char() -> dict[int, str]:
-    """GPT-2's reversible map of the 256 byte values to printable characters."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)}
-    extra = iter(range(256, 512))
-    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
-
-
 def byte_tokenizer_fast():
     """A transformers ``PreTrainedTokenizerFast`` equivalent to ``ByteTokenizer``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {char: b for b, char in byte_to_char().items()}
+    # GPT-2's reversible map of the 256 byte values to printable characters
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    extra = iter(range(256, 512))
+    vocab = {chr(b) if b in printable else chr(next(extra)): b for b in range(256)}
     vocab.update(BYTE_SPECIALS)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from lctrain.config.resume import flatten
 from lctrain.errors import UserError
 from lctrain.report import plotting
 from lctrain.report.table import Column, Table
@@ -29,17 +30,6 @@ class Run:
     environment: dict | None
 
 
-def _flatten(data, prefix: str = "") -> dict:
-    out = {}
-    for key, value in (data or {}).items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, dotted + "."))
-        else:
-            out[dotted] = value
-    return out
-
-
 def load_run(folder: str | Path, name: str | None = None) -> Run:
     """Read a run folder; a UserError when it, metrics.jsonl or config.yaml is unreadable."""
     path = Path(folder).expanduser()
@@ -54,7 +44,7 @@ def load_run(folder: str | Path, name: str | None = None) -> Run:
     try:
         records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()
                    if line.strip()]
-        settings = _flatten(yaml.safe_load(config.read_text(encoding="utf-8")))
+        settings = flatten(yaml.safe_load(config.read_text(encoding="utf-8")) or {})
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"cannot read the run in {path}: {exc.__class__.__name__}") from None
     env_file = path / "environment.json"
@@ -80,9 +70,10 @@ def differing(runs: list[Run]) -> list[str]:
             and len({json.dumps(run.settings.get(k), default=str) for run in runs}) > 1]
 
 
-def _median(values: list) -> float | None:
-    numbers = [v for v in values if isinstance(v, (int, float))]
-    return statistics.median(numbers) if numbers else None
+def median(records: list[dict], key: str) -> float | None:
+    """The median of ``key`` over the records that hold a number for it (None: none does)."""
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else None
 
 
 def row(run: Run, keys: list[str] = ()) -> dict:
@@ -104,8 +95,8 @@ def row(run: Run, keys: list[str] = ()) -> dict:
             "loss_final": losses[-1] if losses else None,
             "loss_best": min(losses) if losses else None,
             "eval_loss": evals[-1] if evals else None,
-            "tokens_per_s": _median([r.get("tokens_per_s") for r in steady]),
-            "mfu": _median([r.get("mfu") for r in steady]),
+            "tokens_per_s": median(steady, "tokens_per_s"),
+            "mfu": median(steady, "mfu"),
             "peak_bytes": max(peaks) if peaks else None,
             "time_s": seconds if recs else None}
 

@@ -121,21 +121,15 @@ def _cells(table: Table, wide: bool) -> _Cells:
             value = row.get(column.key)
             if not _present(value):
                 line.append("-")
-            elif column.kind == "status":
-                line.append(_status_cell(str(value), notes))
+            elif column.kind == "status" and len(str(value)) > _INLINE_STATUS:
+                if str(value) not in notes:
+                    notes.append(str(value))
+                line.append(f"[{notes.index(str(value)) + 1}]")
             else:
                 line.append(fmt(value))
         body.append(line)
     return _Cells(title, headers, right, body, [*(f"[{i + 1}] {n}" for i, n in enumerate(notes)),
                                          *table.notes])
-
-
-def _status_cell(text: str, notes: list[str]) -> str:
-    if len(text) <= _INLINE_STATUS:
-        return text
-    if text not in notes:
-        notes.append(text)
-    return f"[{notes.index(text) + 1}]"
 
 
 def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bool = False,
@@ -148,7 +142,7 @@ def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bo
         return _csv(table)
     cells = _cells(table, wide)
     if fmt == "markdown":
-        return _markdown(cells.title, cells)
+        return _markdown(cells)
     if fmt != "table":
         raise ValueError(f"unknown table format {fmt!r}; choose from table, markdown, csv.")
     limit = (width or 80) if terminal else None
@@ -209,12 +203,12 @@ def _grid(cells: _Cells, columns: list[int]) -> str:
     return "\n".join(out)
 
 
-def _markdown(title: str, cells: _Cells) -> str:
+def _markdown(cells: _Cells) -> str:
     def escape(text: str) -> str:
         return text.replace("|", "\\|")
 
     heads = [escape(f"{label} ({unit})" if unit else label) for label, unit in cells.headers]
-    out = [f"**{escape(title)}**", ""] if title else []
+    out = [f"**{escape(cells.title)}**", ""] if cells.title else []
     out.append("| " + " | ".join(heads) + " |")
     out.append("|" + "|".join("---:" if r else "---" for r in cells.right) + "|")
     out += ["| " + " | ".join(escape(c) for c in line) + " |" for line in cells.body]

@@ -99,17 +99,6 @@ def describe(info: dict) -> str:
     return "\n".join(lines)
 
 
-def one_line(info: dict) -> str:
-    """``environment()`` in one line, for a run's banner."""
-    parts = [f"lctrain {info.get('lctrain')}", f"torch {info.get('torch')}",
-             f"triton {info.get('triton')}", f"transformers {info.get('transformers')}"]
-    if info.get("gpu"):
-        cudnn = f", cuDNN {info['cudnn']}" if info.get("cudnn") else ""
-        parts.append(f"CUDA {info.get('cuda')}{cudnn}, driver {info.get('driver') or 'unknown'}, "
-                     f"{machine_label(info)}")
-    return "; ".join(parts)
-
-
 def _ready(name: str) -> bool:
     """Whether the attention backend ``name`` loads and can run on this process's GPU."""
     import torch
@@ -146,13 +135,18 @@ def one_time_costs(device_type: str, attention_backend: str,
 
 def record_run(output_dir: str | Path, device_type: str, attention_backend: str,
                document_mask: bool = False) -> str:
-    """Write ``environment.json`` into the run folder; return the banner's lines: the versions,
-    then the one-time costs of the first steps."""
+    """Write ``environment.json`` into the run folder; return the banner's lines: the versions
+    in one line, then the one-time costs of the first steps."""
     info = environment()
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "environment.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-    lines = [one_line(info)]
+    parts = [f"{name} {info.get(name)}" for name in ("lctrain", "torch", "triton", "transformers")]
+    if info.get("gpu"):
+        cudnn = f", cuDNN {info['cudnn']}" if info.get("cudnn") else ""
+        parts.append(f"CUDA {info.get('cuda')}{cudnn}, driver {info.get('driver') or 'unknown'}, "
+                     f"{machine_label(info)}")
+    lines = ["; ".join(parts)]
     costs = one_time_costs(device_type, attention_backend, document_mask)
     if costs:
         lines.append("first steps: " + "; ".join(costs))
