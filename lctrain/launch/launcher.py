@@ -52,9 +52,7 @@ def dispatch(cfg: RecipeConfig, worker: Worker, *, resume: bool, nproc: int | No
 
 def default_nproc(cfg: RecipeConfig) -> int:
     """All local GPUs on a CUDA machine; parallel.cp processes on a CPU-only one."""
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return cfg.parallel.cp
+    return torch.cuda.device_count() if torch.cuda.is_available() else cfg.parallel.cp
 
 
 def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool,

@@ -99,12 +99,8 @@ def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int
     saved = layer_saved(arch, tokens, c, lora, head_groups=head_groups)
     out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
     residual_grads = 2 * c * t * h
-    if policy == "none":
-        recomputed = 0
-    elif policy == "full":
-        recomputed = saved
-    else:  # remat recomputes all but the attention output and lse
-        recomputed = saved - out_lse
+    # remat recomputes all but the attention output and lse
+    recomputed = {"none": 0, "full": saved}.get(policy, saved - out_lse)
     mlp_phase = recomputed + residual_grads + 3 * c * t * arch.intermediate_size
     return max(mlp_phase, residual_grads + _attention_phase(arch, tokens, c, policy, cp, lora,
                                                             head_groups, norm))
@@ -133,10 +129,8 @@ def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_g
     out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
     saved = layer_saved(arch, tokens, c, lora, tile_tokens, head_groups)
     x = c * t * h  # the layer input: kept by the checkpoint
-    if policy == "none":
-        recomputed = 0
-    else:  # full recomputes the attention output too
-        recomputed = saved - x - (0 if policy == "full" else out_lse)
+    # full recomputes the attention output too
+    recomputed = 0 if policy == "none" else saved - x - (0 if policy == "full" else out_lse)
     mlp_weights = (lora_model.layer_trainable(arch, lora) if lora is not None
                    else 3 * h * arch.intermediate_size)
     norm_tile = 2 * c * n * h if arch.norm_in_tiles else 0  # its output and input gradient

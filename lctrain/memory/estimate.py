@@ -74,11 +74,6 @@ class Setup:
         return self.gpus if self.fsdp and self.gpus > 1 else 1
 
     @property
-    def fsdp_units(self) -> bool:
-        """Whether FSDP2 gathers each unit before use (sharded, or offloaded to the host)."""
-        return self.shard > 1 or self.layers.state == "state" or self.fsdp == "on"
-
-    @property
     def trainable_parameters(self) -> int:
         """Parameters with gradients and AdamW states (a LoRA run's adapters and copies)."""
         return self.arch.parameters() if self.lora is None else trainable_parameters(self.arch,
@@ -159,18 +154,13 @@ def _transients(setup: Setup, tokens: int, c: int, kinds: set[str]) -> dict:
                                          setup.head_groups) + layer_grads for kind in kinds}
     final_norm = act.final_norm_saved(arch, tokens, c, lora, setup.tile_tokens)
     layer_phase = max(max(backward.values()) + root - final_norm, 0)
+    groups = setup.head_groups  # the attention's own buffers: all heads', or one head group's
+    attention = (act.grouped_workspace if act.grouped(arch, lora, groups)
+                 else act.attention_workspace)(arch, tokens, c, setup.cp, groups)
     return {"transient": root + gathered + max(loss, layer_phase), "loss": loss,
-            "attention": _attention_buffers(setup, tokens, c),
-            "layer_backward": max(backward.values()), "gathered": gathered + root, "root": root,
-            "backward": backward, "final_norm": final_norm}
-
-
-def _attention_buffers(setup: Setup, tokens: int, c: int) -> int:
-    """The attention's own buffers in a layer's backward: all heads', or one head group's."""
-    arch, groups = setup.arch, setup.head_groups
-    if act.grouped(arch, setup.lora, groups):
-        return act.grouped_workspace(arch, tokens, c, setup.cp, groups)
-    return act.attention_workspace(arch, tokens, c, setup.cp, groups)
+            "attention": attention, "layer_backward": max(backward.values()),
+            "gathered": gathered + root, "root": root, "backward": backward,
+            "final_norm": final_norm}
 
 
 def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> LayerPlan:
@@ -205,8 +195,8 @@ def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> L
 
 def _fsdp_buffers(setup: Setup, c: int) -> tuple[int, int, int]:
     """Bytes of gathered layers, one layer's unsharded gradients and the gathered root."""
-    if not setup.fsdp_units:
-        return 0, 0, 0
+    if not (setup.shard > 1 or setup.layers.state == "state" or setup.fsdp == "on"):
+        return 0, 0, 0  # FSDP2 gathers no unit before use: neither sharded nor offloaded
     arch, lora = setup.arch, setup.lora
     layer = arch.layer_parameters()
     root = arch.embedding_parameters() + arch.hidden_size

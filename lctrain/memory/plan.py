@@ -71,8 +71,6 @@ class Choice:
 
 def options(base: Setup, machine: Machine, *, longest: bool) -> list[Setup]:
     """The options to weigh; ``longest``: only those that reach furthest."""
-    kv = base.arch.num_kv_heads
-    groups = [g for g in range(1, kv + 1) if kv % g == 0]
     found = []
     for cp in (d for d in range(1, machine.gpus + 1) if machine.gpus % d == 0):
         for state in STATES if machine.host_memory is not None else STATES[:1]:
@@ -81,7 +79,7 @@ def options(base: Setup, machine: Machine, *, longest: bool) -> list[Setup]:
                     layers = LayerPlan(LayerPlan.parse(policy).runs, 0, state)
                     found.append(dataclasses.replace(
                         base, gpus=machine.gpus, cp=cp, layers=layers, tile_tokens=tile,
-                        head_groups=groups[-1] if longest else 1,
+                        head_groups=base.arch.num_kv_heads if longest else 1,
                         gpu_memory=machine.gpu_memory, host_budget=machine.host_budget))
     return found
 

@@ -41,30 +41,22 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     asks for more than exact causal attention is a ConfigError naming the setting."""
     import lctrain_kernels
 
-    query, key, value = checked_inputs(module, query, key, value, attention_mask, dropout, kwargs)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
     ctx = kwargs.get("cp_context") or CPContext()
-    out = lctrain_kernels.dist_attention(  # without a group: local attention, one block
-        q, k, v, group=ctx.group, causal=True, cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
-        schedule=ctx.schedule if ctx.group is not None else "distflash", backend=ctx.backend,
-        head_groups=ctx.head_groups)
-    return out, None  # (B, S, Hq, D)
-
-
-def checked_inputs(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
-                   kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Refuse what lctrain's attention cannot honour (ConfigError), then bring q, k, v to one
-    dtype: the autocast dtype under autocast (as autocast does to SDPA: RoPE's float32 tables
-    make q and k float32 there), else their promoted dtype."""
     check_attention_call(module, query, value, attention_mask, dropout, kwargs,
-                         global_len(query.shape[2], kwargs.get("cp_context")))
+                         global_len(query.shape[2], ctx))
+    # one dtype: autocast's under autocast (as autocast does to SDPA: RoPE's float32 tables make
+    # q and k float32 there), else the promoted one
     device = query.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
     else:
         dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
-    return query.to(dtype), key.to(dtype), value.to(dtype)
+    q, k, v = (x.to(dtype).transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
+    out = lctrain_kernels.dist_attention(  # without a group: local attention, one block
+        q, k, v, group=ctx.group, causal=True, cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
+        schedule=ctx.schedule if ctx.group is not None else "distflash", backend=ctx.backend,
+        head_groups=ctx.head_groups)
+    return out, None  # (B, S, Hq, D)
 
 
 def global_len(local_len: int, ctx: CPContext | None) -> int:

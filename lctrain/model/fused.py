@@ -29,16 +29,12 @@ def switch_classes(model: nn.Module, mixin: type, accept: Callable[[nn.Module], 
     count = 0
     for module in model.modules():
         cls = type(module)
-        if issubclass(cls, mixin):  # switched before
-            count += 1
-            continue
-        if not accept(module):
-            continue
-        key = (mixin, cls)
-        if key not in _SUBCLASSES:
-            _SUBCLASSES[key] = type(f"Fused{cls.__name__}", (mixin, cls), {})
-        module.__class__ = _SUBCLASSES[key]
-        count += 1
+        if not issubclass(cls, mixin) and accept(module):  # else: switched before, or not taken
+            key = (mixin, cls)
+            if key not in _SUBCLASSES:
+                _SUBCLASSES[key] = type(f"Fused{cls.__name__}", (mixin, cls), {})
+            module.__class__ = _SUBCLASSES[key]
+        count += isinstance(module, mixin)
     return count
 
 

@@ -201,10 +201,9 @@ def _folder_config(source: str, shown: str, trust: bool) -> tuple[Any, dict[str,
         base = AutoConfig.from_pretrained(source, trust_remote_code=trust, local_files_only=only)
         raw, _ = type(base).get_config_dict(source, local_files_only=only)
     except (OSError, ValueError) as exc:
-        first = first_line(exc)
         raise UserError(f"Could not read the config of model '{shown}' (offline, unknown hub "
-                        f"name, or not a model folder): {first}; point model.path at a local "
-                        f"folder holding config.json.") from None
+                        f"name, or not a model folder): {first_line(exc)}; point model.path at a "
+                        f"local folder holding config.json.") from None
     return base, dict(raw)
 
 

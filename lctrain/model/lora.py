@@ -46,7 +46,8 @@ def resolve_modules(model: nn.Module, lora: LoraConfig) -> tuple[list[str], list
     not linear, the output head, or a trainable module that cannot be trained in full."""
     modules = dict(model.named_modules())
     head = model.get_output_embeddings()
-    linear = _decoder_linear_names(model)
+    linear = list(dict.fromkeys(q.rsplit(".", 1)[-1] for layer in decoder_layers(model)
+                                for q, m in layer.named_modules() if isinstance(m, nn.Linear)))
     all_linear = tuple(lora.target_modules) == (LORA_ALL_LINEAR,)
     targets = linear if all_linear else list(lora.target_modules)
     adapted = set()
@@ -108,12 +109,6 @@ def _check_trainable(model: nn.Module, module: nn.Module, head: nn.Module, quali
             f"{key} names {name}, the input embeddings, which this model ties to the output "
             "head; trained in full beside LoRA they would part from the head, so leave them out",
             key=key)
-
-
-def _decoder_linear_names(model: nn.Module) -> list[str]:
-    """Distinct names of the linear layers inside the decoder layers, in first-seen order."""
-    return list(dict.fromkeys(q.rsplit(".", 1)[-1] for layer in decoder_layers(model)
-                              for q, m in layer.named_modules() if isinstance(m, nn.Linear)))
 
 
 def _leaf_names(model: nn.Module) -> list[str]:

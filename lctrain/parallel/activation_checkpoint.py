@@ -49,23 +49,19 @@ def apply_checkpointing(model: nn.Module, layers: LayerPlan | str, *,
     plan = LayerPlan.parse(layers) if isinstance(layers, str) else layers
     slots = decoder_layer_slots(model)
     kinds, parked = plan.kinds(len(slots)), plan.parked_layers(len(slots))
-    _hand_over_from_transformers(model, any(kind != "none" for kind in kinds))
-    offloader = Offloader(offload_min_bytes) if any(parked) else None
-    for (container, index), kind, is_parked in zip(slots, kinds, parked):
-        layer = unwrap_layer(container[index])
-        container[index] = layer if kind == "none" else _wrap(layer, kind, is_parked, offloader)
-    return sum(kind != "none" for kind in kinds)
-
-
-def _hand_over_from_transformers(model: nn.Module, recomputed: bool) -> None:
-    """Switch transformers' own checkpointing off, and its KV cache when layers are recomputed."""
+    # transformers' own checkpointing off, and its KV cache too when layers are recomputed
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         disable = (getattr(model, "activation_checkpointing_disable", None)  # transformers ≥ 5.2x
                    or model.gradient_checkpointing_disable)
         disable()
     config = getattr(model, "config", None)
-    if recomputed and getattr(config, "use_cache", False):
+    if any(kind != "none" for kind in kinds) and getattr(config, "use_cache", False):
         config.use_cache = False
+    offloader = Offloader(offload_min_bytes) if any(parked) else None
+    for (container, index), kind, is_parked in zip(slots, kinds, parked):
+        layer = unwrap_layer(container[index])
+        container[index] = layer if kind == "none" else _wrap(layer, kind, is_parked, offloader)
+    return sum(kind != "none" for kind in kinds)
 
 
 def _wrap(layer: nn.Module, kind: str, parked: bool, offloader: Offloader | None) -> nn.Module:

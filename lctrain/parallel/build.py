@@ -83,9 +83,12 @@ def build_model(setup: RunSetup, root: Callable[[nn.Module, int, bool], nn.Modul
     layers = layers or cfg.train.layers
     apply_checkpointing(model, layers)  # before FSDP2 wraps the layers
     module = root(model, cfg.train.loss_chunk_tokens, fused and accelerator.device.type == "cuda")
-    bf16 = accelerator.mixed_precision == "bf16"
-    distributed = distribute(module, decoder_layers(model), world_mesh=setup.pmesh.world_mesh,
-                             strategy=_strategy(setup),
+    bf16, fsdp, pmesh = accelerator.mixed_precision == "bf16", cfg.parallel.fsdp, setup.pmesh
+    # FSDP2 when asked, for state on the host, or on several GPUs; else replication
+    sharded = fsdp == "on" or cfg.train.layers.state == "state" or (
+        fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1)
+    distributed = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh,
+                             strategy="fsdp" if sharded else "replicate",
                              param_dtype=torch.bfloat16 if bf16 else None,
                              offload=layers.state == "state")
     return ModelParts(model, distributed, flops, n_params, layers)
@@ -100,12 +103,3 @@ def _flop_model(model: nn.Module) -> FlopModel:
               if id(p) not in lookups and ".original_module." not in name]
     frozen = sum(p.numel() for p in matmul if not p.requires_grad)
     return FlopModel.for_model(model.config, sum(p.numel() for p in matmul), frozen)
-
-
-def _strategy(setup: RunSetup) -> str:
-    """FSDP2 when asked, for state on the host, or on several GPUs; else replication."""
-    fsdp, pmesh = setup.cfg.parallel.fsdp, setup.pmesh
-    if fsdp == "on" or setup.cfg.train.layers.state == "state" or (
-            fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1):
-        return "fsdp"
-    return "replicate"

@@ -4,6 +4,7 @@ ranks. ``fsdp``: FSDP2 per decoder layer and root (CPU offload for ``train.offlo
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -11,16 +12,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
+@dataclass(eq=False)
 class Distributed:
     """The module the ranks call, spread by ``strategy`` ("fsdp" or "replicate") over ``group``."""
 
-    def __init__(self, module: nn.Module, strategy: str, group: dist.ProcessGroup | None, *,
-                 post_scale: float = 1.0, norm_device: torch.device | None = None) -> None:
-        self.module = module
-        self.strategy = strategy
-        self.group = group
-        self.post_scale = post_scale
-        self.norm_device = norm_device  # where the gradient norm goes (offloaded gradients)
+    module: nn.Module
+    strategy: str
+    group: dist.ProcessGroup | None
+    post_scale: float = 1.0
+    norm_device: torch.device | None = None  # where the gradient norm goes (offloaded gradients)
 
     def sync_gradients(self) -> None:
         """Make every gradient the sum over ranks (FSDP2 already reduced it in the backward)."""
@@ -81,14 +81,11 @@ def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: De
     units.append(fully_shard(module, mesh=world_mesh, mp_policy=policy, offload_policy=where,
                              reshard_after_forward=False))
     world = world_mesh.size()
-    norm_device = torch.device("cuda", torch.cuda.current_device()) if offload and cuda else None
-    if world == 1:
-        return Distributed(module, strategy, group, norm_device=norm_device)
-    if not cuda:
-        return Distributed(module, strategy, group, post_scale=float(world))
-    for unit in units:  # sum gradients over the mesh instead of averaging them (NCCL)
+    for unit in units if cuda and world > 1 else ():  # sum over the mesh, not average (NCCL)
         if hasattr(unit, "set_gradient_divide_factor"):
             unit.set_gradient_divide_factor(1.0)
         else:  # torch releases before set_gradient_divide_factor
             unit.set_reduce_scatter_divide_factor(1.0)
-    return Distributed(module, strategy, group, norm_device=norm_device)
+    norm_device = torch.device("cuda", torch.cuda.current_device()) if offload and cuda else None
+    return Distributed(module, strategy, group, post_scale=1.0 if cuda else float(world),
+                       norm_device=norm_device)  # off CUDA: the mean scaled back to the sum

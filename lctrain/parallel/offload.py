@@ -100,9 +100,9 @@ class _Copy:
 class LayerStash:
     """What one call of one checkpointed layer parked in host memory."""
 
-    def __init__(self, offloader: Offloader, previous: LayerStash | None) -> None:
+    def __init__(self, offloader: Offloader, previous) -> None:
         self.offloader = offloader
-        self.previous = weakref.ref(previous) if previous is not None else None
+        self.previous = previous  # () -> the stash made before this one (a weak reference)
         self.inputs: list[_Copy] = []
         self.outputs: list[torch.Tensor] = []  # recorded op outputs, moved out at forward end
         self.parked: list[_Copy] = []
@@ -123,7 +123,9 @@ class LayerStash:
         if isinstance(packed, torch.Tensor):
             return packed
         self.wait()
-        self._prefetch_previous()
+        previous = self.previous()
+        if previous is not None and previous is not self:  # the layer below, to recompute next
+            previous.fetch()
         if packed.back is None:  # a second backward through a retained graph
             packed.fetch(None)
         return packed.take()
@@ -140,8 +142,8 @@ class LayerStash:
             key = tensor.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
-                self.parked.append(_Copy(tensor, self.offloader.stream_for_device(tensor.device), release=True,
-                                         pool=self.offloader.pool))
+                self.parked.append(_Copy(tensor, self.offloader.stream_for_device(tensor.device),
+                                         release=True, pool=self.offloader.pool))
         self.outputs = []
         self.fetched = False
 
@@ -163,11 +165,6 @@ class LayerStash:
             event, device = self.ready
             torch.cuda.current_stream(device).wait_event(event)
         self.parked = []  # refilled storages belong to the cache again
-
-    def _prefetch_previous(self) -> None:
-        previous = self.previous() if self.previous is not None else None
-        if previous is not None and previous is not self:
-            previous.fetch()
 
 
 class _RecordOutputs(TorchDispatchMode):
@@ -191,7 +188,7 @@ class Offloader:
         self.min_bytes = min_bytes
         self.pool = PinnedPool()  # used on GPUs only
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._last: weakref.ref | None = None
+        self._last = lambda: None  # a weak reference to the newest stash
 
     def wants(self, tensor: torch.Tensor, *, whole: bool = False) -> bool:
         """Whether to park ``tensor``; ``whole``: only if it is its storage's only view."""
@@ -212,8 +209,7 @@ class Offloader:
         return stream
 
     def new_stash(self) -> LayerStash:
-        previous = self._last() if self._last is not None else None
-        stash = LayerStash(self, previous)
+        stash = LayerStash(self, self._last)
         self._last = weakref.ref(stash)
         return stash
 
@@ -229,7 +225,7 @@ class Offloader:
 
     def prefetch_newest(self) -> None:
         """Start the copies back of the most recently created stash (idempotent)."""
-        newest = self._last() if self._last is not None else None
+        newest = self._last()
         if newest is not None:
             newest.fetch()
 

@@ -29,37 +29,27 @@ class TiledModule(ActivationWrapper):
         if tile_tokens <= 0:
             raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
         self.tile_tokens = int(tile_tokens)
-        self._pre = (pre,) if pre is not None else ()  # a tuple: not a child of this module
+        self._pre = (pre,)  # a tuple: not a child of this module
 
     @property
     def pre(self) -> nn.Module | None:
-        return self._pre[0] if self._pre else None
+        return self._pre[0]
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        module = self._checkpoint_wrapped_module
-        tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+        module, pre = self._checkpoint_wrapped_module, self.pre
         if args or kwargs:
             return module(hidden_states, *args, **kwargs)
-        run = _Chain(self.pre, module) if self._pre else module
-        if tokens <= self.tile_tokens:
+        run = module if pre is None else lambda x: module(pre(x))
+        if hidden_states.numel() // max(hidden_states.shape[-1], 1) <= self.tile_tokens:
             return run(hidden_states)
-        params = [p for m in (*self._pre, module) for p in m.parameters() if p.requires_grad]
+        params = [p for m in (pre, module) if m is not None
+                  for p in m.parameters() if p.requires_grad]
         return tiled_apply(run, hidden_states, self.tile_tokens, params,
-                           check=lambda y, x: _check_tile_output(run, y, x))
+                           check=lambda y, x: _check_tile_output(module, y, x))
 
     def extra_repr(self) -> str:
-        pre = f", pre={type(self.pre).__name__}" if self._pre else ""
+        pre = f", pre={type(self.pre).__name__}" if self.pre is not None else ""
         return f"tile_tokens={self.tile_tokens}{pre}"
-
-
-class _Chain:
-    """``second(first(x))``."""
-
-    def __init__(self, first: nn.Module, second: nn.Module) -> None:
-        self.first, self.second = first, second
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(self.first(x))
 
 
 def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) -> int:
@@ -77,48 +67,39 @@ def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) ->
         if tile_tokens and not isinstance(getattr(layer, "mlp", None), nn.Module):
             raise UserError(f"train.tile_tokens tiles each decoder layer's mlp, but "
                             f"{type(layer).__name__} has no mlp module; set train.tile_tokens=0")
-        wrapped += _tile_layer(layer, tile_tokens, fold)
+        pre_mlp = getattr(layer, PRE_MLP_NORM, None)
+        if isinstance(pre_mlp, nn.Module):
+            pre_mlp = bare(pre_mlp)
+            setattr(layer, PRE_MLP_NORM, pre_mlp)
+        folded = fold and isinstance(pre_mlp, nn.Module)
+        for name in TILED_CHILDREN:  # (re)wrap the layer's token-wise children
+            if name == PRE_MLP_NORM and folded:
+                layer.post_attention_layernorm = DeferredNorm(pre_mlp)
+                wrapped += 1
+            elif not isinstance(getattr(layer, name, None), DeferredNorm):  # else: the attention's
+                pre = pre_mlp if folded and name == "mlp" else None
+                wrapped += _tile_child(layer, name, tile_tokens, pre)
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):  # the final norm, whose output feeds the loss
         wrapped += _tile_child(get_decoder(), "norm", tile_tokens)
     return wrapped
 
 
-def _tile_layer(layer: nn.Module, tile_tokens: int, fold: bool) -> int:
-    """(Re)wrap the token-wise children of one layer; how many were wrapped."""
-    pre_mlp = getattr(layer, PRE_MLP_NORM, None)
-    if isinstance(pre_mlp, nn.Module):
-        pre_mlp = bare(pre_mlp)
-        setattr(layer, PRE_MLP_NORM, pre_mlp)
-    fold = fold and isinstance(pre_mlp, nn.Module)
-    wrapped = 0
-    for name in TILED_CHILDREN:
-        if name == PRE_MLP_NORM and fold:
-            layer.post_attention_layernorm = DeferredNorm(pre_mlp)
-            wrapped += 1
-        elif name == "mlp" and isinstance(getattr(layer, name, None), nn.Module):
-            layer.mlp = (TiledModule(bare(layer.mlp), tile_tokens, pre_mlp if fold else None)
-                         if tile_tokens else bare(layer.mlp))
-            wrapped += bool(tile_tokens)
-        elif not isinstance(getattr(layer, name, None), DeferredNorm):  # else: the attention's
-            wrapped += _tile_child(layer, name, tile_tokens)
-    return wrapped
-
-
-def _tile_child(parent: nn.Module, name: str, tile_tokens: int) -> bool:
-    """(Re)wrap ``parent.<name>`` in tiles of ``tile_tokens`` (0: unwrap); whether it was wrapped."""
+def _tile_child(parent: nn.Module, name: str, tile_tokens: int,
+                pre: nn.Module | None = None) -> bool:
+    """(Re)wrap ``parent.<name>`` in tiles of ``tile_tokens`` (0: unwrap; ``pre``: as
+    `TiledModule`'s); whether it was wrapped."""
     child = getattr(parent, name, None)
     if not isinstance(child, nn.Module):
         return False
     inner = bare(child)
-    setattr(parent, name, TiledModule(inner, tile_tokens) if tile_tokens else inner)
+    setattr(parent, name, TiledModule(inner, tile_tokens, pre) if tile_tokens else inner)
     return bool(tile_tokens)
 
 
-def _check_tile_output(module, y, x: torch.Tensor) -> None:
+def _check_tile_output(module: nn.Module, y, x: torch.Tensor) -> None:
     if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
-        name = type(module.second if isinstance(module, _Chain) else module).__name__
-        raise UserError(f"train.tile_tokens cannot tile {name}: it must map each "
+        raise UserError(f"train.tile_tokens cannot tile {type(module).__name__}: it must map each "
                         f"token to one output row, but returned {type(y).__name__} "
                         f"{tuple(getattr(y, 'shape', ()))} for input {tuple(x.shape)}; set "
                         "train.tile_tokens=0")

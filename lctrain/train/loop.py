@@ -3,6 +3,7 @@ count, sums gradients over ranks, clips and steps (a non-finite step skipped on 
 the gradient of the mean token loss over the global batch, whatever dp, cp and batch."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -98,11 +99,9 @@ class Trainer:
 
     def accumulate_gradients(self, micro: list[PackedBatch]) -> dict[str, torch.Tensor]:
         """Forward and backward of each micro-batch's summed loss ÷ the global label-token count."""
-        shards, balances = [], []
-        for b in micro:
-            shards.append(self.cp.shard(b))
-            balances.append(self.cp.work_balance)
-        self.work_balance = max((w for w in balances if w is not None), default=None)
+        cut = [(self.cp.shard(b), self.cp.work_balance) for b in micro]  # each with its balance
+        shards = [s for s, _ in cut]
+        self.work_balance = max((w for _, w in cut if w is not None), default=None)
         count = torch.stack([s.label_tokens() for s in shards]).sum().float()
         self.mark("count", self.step + 1)
         if self.pmesh.world_group is not None:
@@ -189,10 +188,6 @@ def attention_units(micro: list[PackedBatch]) -> int:
     return total
 
 
-def _no_stop() -> int:
-    return 0
-
-
 @dataclass
 class LoopHooks:
     """What happens around the steps: log, progress, save (None: never), the agreed stop, notices,
@@ -206,7 +201,7 @@ class LoopHooks:
     log: Callable[[dict], None]
     progress: Callable[[int, dict | None], None]
     save: Callable[[], Path] | None
-    stop: Callable[[], int] = _no_stop
+    stop: Callable[[], int] = lambda: 0
     max_nonfinite_steps: int | None = None
     notice: Callable[[str], None] = _nothing
     mark: Callable[[str, int], None] = _nothing
@@ -230,17 +225,14 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
         if hooks.stopped_by:
             break
         micro = list(islice(batches, trainer.grad_accum))
-        last, calls = trainer.step + 1 == hooks.max_steps, None
+        last, counting = trainer.step + 1 == hooks.max_steps, trainer.step == first_step
         with traced_step(trace if last else None, trainer.device, trainer.pmesh.rank,
                          trainer.step + 1, trainer.distributed.module, trainer.optimizer), \
                 profiled_step(profile if last else None, trainer.device, trainer.pmesh.rank,
-                              trainer.step + 1):
-            if trainer.step == first_step:  # count once: remat runs attention once per layer
-                with AttentionCounter() as counter:
-                    stats = trainer.train_step(micro)
-                calls = counter.total
-            else:
-                stats = trainer.train_step(micro)
+                              trainer.step + 1), \
+                AttentionCounter() if counting else contextlib.nullcontext() as counter:
+            stats = trainer.train_step(micro)  # counted once: remat runs attention once a layer
+        calls = counter.total if counting else None
         step = trainer.step
         validate = hooks.evaluate is not None and (step == hooks.max_steps or (
             hooks.eval_every and step % hooks.eval_every == 0))

@@ -22,11 +22,10 @@ class MetricsLog:
             return
         # a fresh run truncates; a resumed one drops the lines past the checkpoint it resumed
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if resume_step is not None and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step:
-                    kept.append(line)
+        lines = (self.path.read_text().splitlines()
+                 if resume_step is not None and self.path.exists() else [])
+        kept = [line for line in lines
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:

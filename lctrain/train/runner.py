@@ -205,6 +205,7 @@ def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watc
         accelerator=setup.accelerator, batch_size=t.batch_size)
     trainer.mark = mark = lambda operation, step: watch.enter(OPERATIONS[operation], step)
     watch.watch_layers(decoder_layers(parts.model))  # the timeout bounds a layer, not a step
+    say = setup.main  # rank 0 says which steps were skipped (on stdout, with the progress)
     return LoopHooks(max_steps=t.max_steps, checkpoint_every=cfg.checkpoint.every,
                      tokens_per_step=pmesh.dp * t.batch_size * t.grad_accum * cfg.data.seq_len,
                      flops=parts.flops, peak_flops=peak_flops(trainer.device), log=log,
@@ -212,17 +213,9 @@ def loop_hooks(setup: RunSetup, parts: ModelParts, trainer: Trainer, watch: Watc
                      save=functools.partial(save, setup, trainer, checkpointer)
                      if checkpointer is not None else None,
                      stop=functools.partial(setup.stop.agree, setup.control),
-                     max_nonfinite_steps=t.max_nonfinite_steps, notice=_notice(setup),
-                     mark=mark, completed=watch.completed, evaluate=evaluate,
-                     eval_every=t.eval_every)
-
-
-def _notice(setup: RunSetup):
-    """What rank 0 says about skipped steps (on stdout, with the progress)."""
-    def notice(text: str) -> None:
-        if setup.main:
-            print(f"lctrain: {text}", flush=True)
-    return notice
+                     max_nonfinite_steps=t.max_nonfinite_steps, mark=mark,
+                     notice=lambda text: print(f"lctrain: {text}", flush=True) if say else None,
+                     completed=watch.completed, evaluate=evaluate, eval_every=t.eval_every)
 
 
 def _with_host_memory(write, trainer: Trainer):

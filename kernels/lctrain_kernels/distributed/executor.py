@@ -148,14 +148,10 @@ class Engine:
         self.kv_have: dict[int, tuple] = {}  # kv owner -> (k, v)
         self.q_in: dict[tuple, list[torch.Tensor]] = {}  # (owner, rows) -> received q tensors
         self.results: dict[Message, list[torch.Tensor]] = {}  # outputs waiting to be sent
-        self.last_use = self._last_use()
-
-    def _last_use(self) -> dict[int, int]:
-        last = {}
+        self.last_use: dict[int, int] = {}  # kv owner -> the last step that reads its k, v
         for k, view in enumerate(self.plan.for_rank(self.rank)):
             for owner in [b.kv_owner for b in view.compute] + [m.owner for m in view.sends if m.kind == "kv"]:
-                last[owner] = k
-        return last
+                self.last_use[owner] = k
 
     def run(self) -> None:
         steps = self.plan.steps
