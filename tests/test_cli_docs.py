@@ -158,6 +158,11 @@ def _local_files(args: list[str], tmp_path: Path) -> list[str]:
                       if fmt == "chat" else {"prompt": "Q: ", "completion": "A."}
                       if fmt == "prompt_completion" else {"text": "some words " * 20})
             path.write_text(json.dumps(record) + "\n")
+    tokenizer = sets.get("data.tokenizer", "")
+    if "/" in tokenizer and not tokenizer.startswith("/"):  # a tokenizer folder the page names
+        from model_folders import build_tokenizer
+
+        build_tokenizer("llama3").save_pretrained(tmp_path / tokenizer)
     if words == ["report"]:  # the runs it reads, as lctrain finetune leaves them
         for run in positional:
             save_resolved(load_recipe(None, output_dir=run), tmp_path / run / "config.yaml")
@@ -201,6 +206,7 @@ def _eval_result(task: str):
 def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
     """Record the library calls as (name, args, kwargs); a bench returns a real (tiny)
     BenchResult and eval a real EvalResult, so the output path (table, JSON, plot) runs."""
+    import lctrain.bench.data
     import lctrain.bench.dist_attention
     import lctrain.bench.kernel
     import lctrain.bench.step
@@ -235,7 +241,7 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
                              lambda cfg, request, **_: _eval_result(request.task))
     monkeypatch.setitem(sys.modules, "lctrain.eval.evaluate", fake)
     for module, kind in [(lctrain.bench.kernel, "kernel"), (lctrain.bench.dist_attention, "attention"),
-                         (lctrain.bench.step, "step")]:
+                         (lctrain.bench.step, "step"), (lctrain.bench.data, "data")]:
         monkeypatch.setattr(module, "run", recorder(f"{module.__name__}.run", _bench_result(kind)))
     return calls
 
@@ -372,6 +378,9 @@ def _check_call(args: list[str], calls: list, tmp_path: Path, output: str) -> No
         if words[1] == "attention":
             assert kwargs["peers"] == ("--peers" in one)
             assert kwargs["nproc"] == (int(one["--nproc"]) if "--nproc" in one else None)
+    elif words == ["bench", "data"]:
+        assert name == "lctrain.bench.data.run"
+        _check_recipe(call_args[0], sets, tmp_path)
     elif words == ["bench", "step"]:
         assert name == "lctrain.bench.step.run"
         configs, variants = call_args[0], options.get("--variant", [""])
@@ -429,8 +438,8 @@ def test_every_published_number_comes_from_a_result_file():
     readme = README.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
     for text in (PERFORMANCE, readme):
         for line in text.splitlines():
-            if line.startswith("| ") and not line.startswith("| length ") \
-                    and not line.startswith("| positions "):
+            if line.startswith("| ") and not line.startswith(("| length ", "| positions ",
+                                                              "| source ")):
                 assert line in printed, line
 
 

@@ -75,6 +75,8 @@ def describe(result: BenchResult) -> str:
     """The machine and shape of a result in words, e.g. "2 × H200, bfloat16, 32 heads × 128"."""
     meta = result.meta
     parts = [machine_label(meta.get("machine") or {})]
+    if meta.get("cores"):
+        parts.append(f"{meta['cores']} cores")
     if meta.get("dtype"):
         parts.append(str(meta["dtype"]))
     if meta.get("heads") and meta.get("head_dim"):
@@ -171,8 +173,8 @@ def _label(row: dict) -> str | None:
 def summary(result: BenchResult) -> Table:
     """The docs' form: lengths (and document mixes) down, variants or backends across,
     fwd+bwd TFLOP/s with the ratio to one GPU or the share of the dense rate; step results
-    keep their compact table."""
-    if result.kind == "step":
+    and data preparation keep their compact table."""
+    if result.kind in ("step", "data"):
         whole = table(result)
         if all(row.get("status") == "ok" for row in result.rows):  # nothing to say per row
             whole.columns = [c for c in whole.columns if c.key != "status"]

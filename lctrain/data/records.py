@@ -137,11 +137,15 @@ class RecordReader:
 
 @cache
 def load_datasets():
-    """The datasets module, its progress bars and notices off (preparation turns bars on)."""
-    import datasets
-
+    """The datasets module, its progress bars and log off (preparation turns bars on; a file
+    it cannot read is lctrain's one sentence, not datasets' log of it)."""
+    try:
+        import datasets
+    except ImportError as error:
+        raise DataError(f"reading data needs the datasets package, which cannot be imported "
+                        f"({error}); pip install datasets") from None
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
 
 

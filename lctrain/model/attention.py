@@ -52,11 +52,12 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     else:
         dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
-    out = lctrain_kernels.dist_attention(  # without a group: local attention, one block
-        q, k, v, group=ctx.group, causal=True, cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
-        schedule=ctx.schedule if ctx.group is not None else "distflash", backend=ctx.backend,
-        head_groups=ctx.head_groups)
-    return out, None  # (B, S, Hq, D)
+    options = dict(causal=True, cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
+                   backend=ctx.backend, head_groups=ctx.head_groups)
+    if ctx.group is None:  # the local kernels directly, not the distributed op's one block
+        return lctrain_kernels.attention(q, k, v, **options), None  # (B, S, Hq, D)
+    return lctrain_kernels.dist_attention(q, k, v, group=ctx.group, schedule=ctx.schedule,
+                                          **options), None
 
 
 def global_len(local_len: int, ctx: CPContext | None) -> int:
