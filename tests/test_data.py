@@ -248,3 +248,14 @@ def test_shard_batch_round_trip(layout):
             assert offset == part.input_ids.shape[1] == 48 // cp
         for n in whole:
             assert torch.equal(whole[n], getattr(batch, n)), n
+
+
+def test_a_missing_datasets_package_is_one_sentence(monkeypatch):
+    import sys
+
+    from lctrain.data.records import load_datasets
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # what `import datasets` sees uninstalled
+    with pytest.raises(DataError, match=r"^reading data needs the datasets package, which "
+                                        r"cannot be imported \(.*\); pip install datasets$"):
+        load_datasets.__wrapped__()
