@@ -74,6 +74,25 @@ def test_second_run_reuses_tokens_and_rows(tmp_path):
     assert len(folders) == 2 and not list(_root(tmp_path).glob(".tmp-*"))
 
 
+def test_the_tokenized_dataset_is_kept_by_its_fingerprint(tmp_path):
+    """With lctrain's folder gone, the tokenized records come back from datasets' cache (the
+    map's fingerprint is lctrain's cache key): nothing is tokenized again, the stream is equal."""
+    import shutil
+
+    from lctrain.bench.data import fresh_caches
+
+    texts = [f"record {i} " * (1 + i % 9) for i in range(50)]
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    with fresh_caches():
+        first = prepare_data(_cfg(tmp_path, src), RecordingTokenizer())
+        shutil.rmtree(first.info["cache"])
+        again_tok = RecordingTokenizer()
+        again = prepare_data(_cfg(tmp_path, src), again_tok)
+        assert again.info["built_tokens"] and not set(texts) & set(again_tok.seen)
+        assert _rows_digest(again) == _rows_digest(first)
+
+
 def test_failed_preparation_leaves_no_cache(tmp_path):
     src = tmp_path / "d.jsonl"
     src.write_text(json.dumps({"text": "ok"}) + "\n" + "{broken\n")
