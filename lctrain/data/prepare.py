@@ -178,7 +178,8 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
         processes = min(len(os.sched_getaffinity(0)), len(reader) // RECORDS_PER_PROCESS)
         encoded = reader.dataset.map(
             _encode, batched=True, batch_size=_BATCH, with_indices=True,
-            num_proc=processes if processes > 1 else None, remove_columns=reader.dataset.column_names, features=_features(),
+            num_proc=processes if processes > 1 else None, features=_features(),
+            remove_columns=reader.dataset.column_names,
             fn_kwargs={"reader": reader, "encoder": encoder}, new_fingerprint=fingerprint,
             desc="tokenizing")
     counts = {"records": len(reader), "tokens": 0, "target_tokens": 0}
