@@ -55,6 +55,7 @@ def run(cfg: RecipeConfig, progress: Callable[[str], None] | None = None) -> Ben
                status="ok")
     if size is not None:
         row["megabytes_per_s"] = row["megabytes"] / row["cold_s"]
-    meta = {"machine": environment(), "seq_len": cfg.data.seq_len, "cores": len(os.sched_getaffinity(0)),
+    meta = {"machine": environment(), "seq_len": cfg.data.seq_len,
+            "cores": len(os.sched_getaffinity(0)),
             "tokenizer": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__}
     return BenchResult(kind="data", title="data preparation", rows=[row], meta=meta)

@@ -1,6 +1,6 @@
 """The one result contract of every ``lctrain bench`` run, as JSON: ``{"lctrain_bench": 1,
-"kind": "kernel" | "attention" | "step" | "data", "title", "meta": {"machine", "command", ...}, "rows"}``.
-Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status`` ("ok" or why
+"kind": "kernel" | "attention" | "step" | "data", "title", "meta": {"machine", "command", ...},
+"rows"}``. Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status`` ("ok" or why
 there is no number)."""
 from __future__ import annotations
 

@@ -125,7 +125,8 @@ class RecordReader:
 
     def records(self, batch: dict[str, list], rows: list[int]) -> list[Record]:
         """The records of a column ``batch`` of ``dataset`` (rows ``rows``)."""
-        return [Record({k: v[i] for k, v in batch.items()}, row, self) for i, row in enumerate(rows)]
+        return [Record({k: v[i] for k, v in batch.items()}, row, self)
+                for i, row in enumerate(rows)]
 
     def __len__(self) -> int:
         return len(self.dataset)
