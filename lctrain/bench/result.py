@@ -1,7 +1,7 @@
 """The one result contract of every ``lctrain bench`` run, as JSON: ``{"lctrain_bench": 1,
 "kind": "kernel" | "attention" | "step" | "data", "title", "meta": {"machine", "command", ...},
-"rows"}``. Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status`` ("ok" or why
-there is no number)."""
+"rows"}``. Rows are flat: ``seq_len``, ``*_ms`` (medians), ``*_tflops`` (per GPU), ``status``
+("ok" or why there is no number)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
