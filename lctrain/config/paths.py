@@ -53,13 +53,18 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
                       f"shipped recipes ({names})")
 
 
+def bad_byte(data: bytes, error: UnicodeDecodeError) -> tuple[int, int]:
+    """The 1-based line and column in ``data`` of the byte that ``error`` could not decode."""
+    line = data.count(b"\n", 0, error.start) + 1
+    return line, error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+
+
 def decode_text(data: bytes, source: str) -> str:
     """``data`` as UTF-8 text (BOM allowed), or a ConfigError naming the first bad byte."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        line, column = bad_byte(data, error)
         raise ConfigError(f"{source} is not UTF-8 text (byte {data[error.start]:#04x} at line "
                           f"{line}, column {column}); save it as UTF-8") from None
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from lctrain.config import DataConfig, local_data
 from lctrain.config.hub import check_hub_dataset, hub_split
+from lctrain.config.paths import bad_byte
 from lctrain.errors import DataError
 
 _BOM = b"\xef\xbb\xbf"
@@ -65,8 +66,8 @@ class RecordReader:
         else:
             loaded = [self._file(datasets, local.builder, path) for path in local.files
                       if not _blank(path)] or [(datasets.Dataset.from_dict({}), "", "")]
-        firsts = np.cumsum([0] + [len(d) for d, _, _ in loaded[:-1]]).tolist()
-        self.parts = [(first, name, kind) for first, (_, name, kind) in zip(firsts, loaded)]
+        self.firsts = np.cumsum([0] + [len(d) for d, _, _ in loaded[:-1]]).tolist()
+        self.parts = [(name, kind) for _, name, kind in loaded]  # from row self.firsts[i]
         self.dataset = _concatenate(datasets, [d for d, _, _ in loaded], data.source)
         if data.max_documents is not None and data.max_documents < len(self.dataset):
             self.dataset = self.dataset.select(range(data.max_documents))
@@ -102,8 +103,8 @@ class RecordReader:
 
     def _part(self, row: int) -> tuple[int, str, str]:
         """Row ``row``'s index in its part, the part's file or name and its kind of place."""
-        first, name, kind = self.parts[bisect_right([p[0] for p in self.parts], row) - 1]
-        return row - first, name, kind
+        i = bisect_right(self.firsts, row) - 1
+        return (row - self.firsts[i], *self.parts[i])
 
     def locate(self, row: int) -> str:
         """Where row ``row`` of ``dataset`` came from."""
@@ -245,8 +246,7 @@ def _utf8(raw: bytes, path: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        line = raw.count(b"\n", 0, error.start) + 1
-        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+        line, column = bad_byte(raw, error)
         raise DataError(f"{path}:{line} is not UTF-8 text (byte {raw[error.start]:#04x} at "
                         f"column {column}); convert the file to UTF-8") from None
 
