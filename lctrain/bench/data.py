@@ -44,11 +44,11 @@ def run(cfg: RecipeConfig, progress: Callable[[str], None] | None = None) -> Ben
     size = sum(os.path.getsize(f) for f in local.files) if local else None
     row = {"source": cfg.data.source, "megabytes": None if size is None else size / 2**20}
     with fresh_caches():
-        for run in ("cold", "warm"):
-            say(f"preparing {cfg.data.source} ({run})")
+        for which in ("cold", "warm"):
+            say(f"preparing {cfg.data.source} ({which})")
             start = time.perf_counter()
             rows = prepare_data(cfg.data, tokenizer)
-            row[f"{run}_s"] = time.perf_counter() - start
+            row[f"{which}_s"] = time.perf_counter() - start
     info = rows.info
     row.update(records=info["records"], tokens=info["tokens"], rows=len(rows),
                processes=info.get("processes"), tokens_per_s=info["tokens"] / row["cold_s"],

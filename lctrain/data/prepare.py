@@ -194,10 +194,10 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
             targets.astype(np.uint8).tofile(flags)
             counts["tokens"] += flat.size
             counts["target_tokens"] += int(targets.sum())
-            kept = np.asarray(batch.column("skip").to_pylist()) == ""
-            lengths.extend(column.value_lengths().to_numpy()[kept].tolist())
-            for where, skip, count in zip(*(batch.column(c).to_pylist()
-                                            for c in ("where", "skip", "count"))):
+            reasons = batch.column("skip").to_pylist()  # "" for a sample
+            lengths.extend(column.value_lengths().to_numpy()[np.asarray(reasons) == ""].tolist())
+            for where, skip, count in zip(batch.column("where").to_pylist(), reasons,
+                                          batch.column("count").to_pylist()):
                 if skip:
                     skips.reasons.setdefault(skip, [0, where])[0] += count
                 else:
