@@ -117,7 +117,7 @@ class _Graphs:
             if ragged:
                 t.set_ragged_offset(offsets[uid])
         out_stride = [sq * hq * d, d, hq * d, 1]
-        stats_stride = [sq * hq, 1, hq, 1]
+        stats_stride = [sq * hq, 1, hq, 1] if ragged else [hq * sq, sq, 1, 1]  # packed BHSD
         if not backward:
             o, stats = g.sdpa(name="fwd", q=q, k=k, v=v, generate_stats=True,
                               attn_scale=scale, **mask)
@@ -195,6 +195,8 @@ class CudnnEngine:
             pack = {uid: _from_row(t, call.k_rows[0] if uid in _KEY_SIDE else call.q_rows[0])
                     for uid, t in pack.items()}
             shape = (call.entries, call.q_lens[0], call.k_lens[0], 0, 0)
+            lse_t = pack[_STATS][:shape[0] * shape[1]].view(shape[0], shape[1], -1)
+            pack[_STATS] = lse_t.transpose(1, 2).contiguous()  # cuDNN's dense stats layout
         else:
             pack.update(self._columns_for(call, q, k, strides))
             shape = (bucket(call.entries), call.max_q, call.max_k, -(-total_q // 64) * 64,
@@ -205,6 +207,8 @@ class CudnnEngine:
         graph, size = self.graphs.get(key, q.device)
         workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=q.device)
         graph.execute(pack, workspace, handle=self.graphs.handle(q.device))
+        if call.uniform and not backward:
+            lse_t.copy_(pack[_STATS].transpose(1, 2))
 
     def forward(self, call, q, k, v, out, lse_t, scale):
         self._run(False, call, scale, {_Q: q, _K: k, _V: v, _O: out, _STATS: lse_t})
