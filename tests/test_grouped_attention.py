@@ -174,8 +174,8 @@ def test_a_grouped_layer_keeps_what_the_memory_model_counts(kv_heads, groups, ti
 
 @pytest.mark.gpu
 def test_bf16_on_a_gpu_with_the_fused_rope_matches_the_module():
-    """cuDNN's attention and the RoPE kernel, bf16: the block against transformers' module
-    with the same kernel, within bf16 rounding (the input's gradient is rounded once per
+    """cuDNN's attention, bf16: the block with lctrain's RoPE kernel against transformers' module
+    with Liger's, within bf16 rounding (the input's gradient is rounded once per
     group)."""
     from lctrain.model.fused import fuse_rope
 

@@ -1,45 +1,32 @@
 """The memory model's activation terms against bytes measured on a CPU: what a real transformers
 Llama layer and its final norm save for the backward (through the lctrain::dist_attention op;
-saved-tensor hooks), the parts of the activation peak built from them, and the fused loss's
-working set (live-storage peak)."""
+saved-tensor hooks), and the parts of the activation peak built from them; with Liger's norms
+and MLPs, on a GPU."""
 import dataclasses
-import gc
 
 import pytest
 import torch
 
 from lctrain.memory import from_config_dict
-from lctrain.memory.activations import final_norm_saved, layer_saved, loss_workspace, remat_kept
+from lctrain.memory.activations import final_norm_saved, layer_saved, remat_kept
 from lctrain.memory.estimate import Setup, breakdown
-from lctrain_kernels.api import chunked_cross_entropy
-from live_bytes import LiveBytes, SavedBytes
+from live_bytes import SavedBytes
 from tiny_llama import lctrain_attention
 
 
 @pytest.mark.parametrize("kv_heads, tokens, dtype, fused", [(4, 96, torch.bfloat16, False),
                                                             (2, 160, torch.bfloat16, False),
                                                             (2, 64, torch.float32, False),
-                                                            (2, 96, torch.bfloat16, True)])
+                                                            pytest.param(2, 96, torch.bfloat16, True,
+                                                                         marks=pytest.mark.gpu)])
 def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype, fused):
-    """Transformers' norms and MLPs (as on a CPU) and fused ones (as on a GPU; here in
-    Triton's interpreter)."""
-    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-
-    from lctrain.model.fused import fuse_mlps, fuse_rms_norms
-
-    AttentionInterface.register("lctrain_test_mem", lctrain_attention)
+    """Transformers' norms and MLPs (as on a CPU) and Liger's (on a GPU)."""
     fields = {"model_type": "llama", "vocab_size": 101, "hidden_size": 64,
               "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": kv_heads}
-    config = LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"},
-                         use_cache=False)
-    model = LlamaForCausalLM(config).to(dtype).train()
-    c = dtype.itemsize
-    model.set_attn_implementation("lctrain_test_mem")
-    if fused:
-        assert fuse_rms_norms(model) == 5 and fuse_mlps(model) == 2
+    model, c = _llama(fields, dtype, fused), dtype.itemsize
     probe = SavedBytes(model, model.model.layers[1])
-    ids = torch.randint(0, 101, (1, tokens))
+    ids = torch.randint(0, 101, (1, tokens), device=model.device)
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
         model(input_ids=ids).logits.float().sum().backward()
     arch = dataclasses.replace(from_config_dict(fields), fused_norms=fused, fused_mlp=fused)
@@ -50,7 +37,8 @@ def test_layer_formula_matches_a_real_llama_layer(kv_heads, tokens, dtype, fused
 
 
 def _llama(fields, dtype, fused):
-    """A tiny Llama in training mode on lctrain's attention (fused norms and MLPs: as on a GPU)."""
+    """A tiny Llama in training mode on lctrain's attention (fused: Liger's norms and MLPs, on a
+    GPU)."""
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
     from lctrain.model.fused import fuse_mlps, fuse_rms_norms
@@ -58,17 +46,17 @@ def _llama(fields, dtype, fused):
     AttentionInterface.register("lctrain_test_mem", lctrain_attention)
     config = LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"},
                          use_cache=False)
-    model = LlamaForCausalLM(config).to(dtype).train()
+    model = LlamaForCausalLM(config).to(dtype=dtype, device="cuda" if fused else "cpu").train()
     model.set_attn_implementation("lctrain_test_mem")
     if fused:
-        fuse_rms_norms(model)
-        fuse_mlps(model)
+        assert fuse_rms_norms(model) == 5 and fuse_mlps(model) == 2
     return model
 
 
 @pytest.mark.parametrize("moment, dtype, fused", [
     ("layer", torch.float32, False), ("layer", torch.bfloat16, False),
-    ("layer", torch.float32, True), ("layer", torch.bfloat16, True),
+    pytest.param("layer", torch.float32, True, marks=pytest.mark.gpu),
+    pytest.param("layer", torch.bfloat16, True, marks=pytest.mark.gpu),
     ("loss", torch.float32, False), ("loss", torch.bfloat16, False)])
 def test_the_activation_peak_keeps_the_measured_layers_and_final_norm(moment, dtype, fused):
     """At either moment of the activation peak (the loss's backward with a large vocabulary,
@@ -92,7 +80,7 @@ def test_the_activation_peak_keeps_the_measured_layers_and_final_norm(moment, dt
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model(input_ids=torch.randint(0, vocab, (1, tokens)))
+        model.model(input_ids=torch.randint(0, vocab, (1, tokens), device=model.device))
     c = dtype.itemsize
     arch = dataclasses.replace(from_config_dict(fields), fused_norms=fused, fused_mlp=fused)
     cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
@@ -114,45 +102,6 @@ def test_the_activation_peak_keeps_the_measured_layers_and_final_norm(moment, dt
     else:
         assert 0 <= rest - (details["layer_backward"] - norm.total) <= slack
 
-
-class _InterpretedLiveBytes(LiveBytes):
-    """`LiveBytes` for ops that run Triton kernels in its interpreter, which leaves each launch's
-    arguments in a reference cycle: collected after every lctrain op, the storages go when the
-    launch returns, as on a GPU."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func.namespace == "lctrain":
-            gc.collect()
-        return out
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_grad", [True, False])
-def test_the_fused_loss_working_set_is_what_its_forward_holds(dtype, head_grad):
-    """`loss_workspace` of the fused loss against the live-storage peak of the chunked loss
-    through its kernel (here in Triton's interpreter), whose forward makes the gradients: one
-    chunk of logits in the compute dtype, overwritten by their gradient; the hidden states'
-    gradient; the head's float32 gradient unless the head is frozen (LoRA). Three chunks and a
-    short fourth."""
-    tokens, chunk, vocab, hidden = 100, 32, 1000, 64
-    arch = from_config_dict({"model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
-                             "intermediate_size": 176, "num_hidden_layers": 2,
-                             "num_attention_heads": 4})
-    assert arch.fused_loss
-    h = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)  # (T, H)
-    weight = torch.randn(vocab, hidden, dtype=dtype, requires_grad=head_grad)  # (V, H)
-    labels = torch.randint(0, vocab, (tokens,))
-    with _InterpretedLiveBytes() as live:
-        chunked_cross_entropy(h, weight, labels, chunk, kernel=True)
-        peak = live.peak
-    c = dtype.itemsize
-    want = loss_workspace(arch, tokens, c, chunk, head_grad=head_grad)
-    if head_grad and dtype != torch.float32:
-        # on a CPU a 16-bit chunk's head gradient is a (V, H) product and its float32 copy; a
-        # GPU adds it into the float32 accumulator in place
-        want += (c + 4) * vocab * hidden
-    assert 0 <= peak - want <= 4 * chunk + 8  # + a chunk's float32 row losses and two sums
 
 def test_kept_during_layers_walks_the_layers_as_the_offloader_brings_them_back():
     """GPU-kept layers stay until the backward reaches them; a parked layer is on the GPU from

@@ -4,7 +4,7 @@ Local attention IS distributed attention on a group of one: the four attention f
 arguments here, once, on the host, and call the one operator ``torch.ops.lctrain.dist_attention``
 (:mod:`lctrain_kernels.distributed.op`). Layout is BSHD: q ``(B, S, Hq, D)``, k and v
 ``(B, S, Hkv, D)`` with ``Hq % Hkv == 0``; the lse is ``(B, Hq, S)`` float32 (float64 for float64
-inputs), natural log. The fused kernels (:mod:`lctrain_kernels.fused`) load Triton on first use."""
+inputs), natural log. The block kernels (:mod:`lctrain_kernels.fused`) load Triton on first use."""
 from __future__ import annotations
 
 import importlib
@@ -23,12 +23,10 @@ __all__ = [
     "attention_with_lse", "auto_order", "available_backends", "backend_names", "block_forward",
     "chunked_cross_entropy", "classify", "dist_attention", "dist_attention_with_lse",
     "dotted_version", "get_backend", "interpreting", "merge", "reference_backward",
-    "reference_forward", "rms_norm", "rope", "rope_supports", "rotate_tokens", "swiglu",
-    "tiled_apply",
+    "reference_forward", "rotate_tokens", "tiled_apply",
 ]
 
-_LAZY = {"rms_norm": "fused.rms_norm", "swiglu": "fused.swiglu", "rope": "fused.rope",
-         "rope_supports": "fused.rope", "rotate_tokens": "fused.rope",
+_LAZY = {"rotate_tokens": "fused.rope",
          "chunked_cross_entropy": "fused.loss", "attention_block": "fused.block",
          "tiled_apply": "tiled",
          "interpreting": "triton.common", "dotted_version": "backends.cudnn_ragged"}

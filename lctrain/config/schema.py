@@ -44,8 +44,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow model / tokenizer code from the model folder or the hub to run."""
     fused_kernels: bool = True
-    """lctrain's fused RMSNorm, RoPE, SwiGLU and loss kernels (GPUs), the attention projections
-    in the head groups and norms deferred into their readers (Llama, Mistral, Qwen)."""
+    """On GPUs, Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and linear cross-entropy, lctrain's
+    attention projections in the head groups and norms deferred into their readers (Llama,
+    Mistral, Qwen); false: transformers' own layers and the chunked loss."""
 
     def __post_init__(self) -> None:
         check_fields(self, "model")

@@ -48,7 +48,8 @@ class TrainConfig:
     host_memory: int | None = field(default=None, metadata=MEMORY)
     """Host memory per machine, e.g. 240GiB; null: MemAvailable of /proc/meminfo."""
     loss_chunk_tokens: int = field(default=4096, metadata=SIZE | at_least(1))
-    """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once)."""
+    """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once); the
+    fused loss of ``model.fused_kernels`` on GPUs sizes its own chunks."""
     tile_tokens: int = field(default=0, metadata=SIZE)
     """Run each layer's MLP and norms in tiles of this many tokens; 0 = untiled."""
     collective_timeout: float = field(default=1800.0, metadata=at_least(1, " (seconds)"))

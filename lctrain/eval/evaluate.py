@@ -48,9 +48,9 @@ WORKER_MODULE = "lctrain.eval"  # what each self-launched rank runs
 
 class EvalModel(nn.Module):
     """decoder → final hidden states → per-position loss sums, or next-token logits;
-    ``chunk_tokens`` bounds the logits held at once (``kernel``, the loss's switch, is unused)."""
+    ``chunk_tokens`` bounds the logits held at once (``fused``, the loss's switch, is unused)."""
 
-    def __init__(self, model: nn.Module, chunk_tokens: int, kernel: bool = False) -> None:
+    def __init__(self, model: nn.Module, chunk_tokens: int, fused: bool = False) -> None:
         super().__init__()
         self.model, self.chunk_tokens = model, chunk_tokens
 

@@ -171,10 +171,15 @@ def grouped_workspace(arch: Architecture, tokens: int, c: int, cp: int, head_gro
 
 def loss_workspace(arch: Architecture, tokens: int, c: int, chunk_tokens: int,
                    head_grad: bool = True) -> int:
-    """The chunked cross-entropy's working set (fp32 copies too without the kernel)."""
-    chunk = min(chunk_tokens, tokens)
+    """The loss's working set: Liger's fused linear cross-entropy (``arch.fused_loss``), whose
+    chunks hold about the hidden states' size of logits, with the head's float32 gradient and its
+    copy in the compute dtype; else the chunked cross-entropy's, with float32 copies."""
     vh = arch.vocab_size * arch.hidden_size
     grad_h = c * tokens * arch.hidden_size
     if arch.fused_loss:
-        return chunk * arch.vocab_size * c + vh * 4 * head_grad + grad_h
+        rows = -(-tokens // -(-arch.vocab_size // arch.hidden_size))
+        chunk = min(tokens, 1 << (rows - 1).bit_length())
+        return max(chunk * arch.vocab_size, vh * head_grad) * c + vh * 4 * head_grad + grad_h \
+            + 4 * tokens  # the chunk's logits are gone when the head's gradient is cast
+    chunk = min(chunk_tokens, tokens)
     return chunk * arch.vocab_size * (c + 4 + c) + vh * (4 + c) * head_grad + grad_h

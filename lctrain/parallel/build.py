@@ -67,12 +67,10 @@ def build_model(setup: RunSetup, root: Callable[[nn.Module, int, bool], nn.Modul
                        seq_len=cfg.data.seq_len, cp=cfg.parallel.cp)
     n_params = sum(p.numel() for p in model.parameters())
     fused = cfg.model.fused_kernels
-    if fused and accelerator.device.type == "cuda":  # Triton kernels, imported where they run
-        from lctrain.model.fused import fuse_mlps, fuse_rms_norms, fuse_rope
+    if fused and accelerator.device.type == "cuda":  # Liger's kernels, imported where they run
+        from lctrain.model.fused import fuse_model
 
-        fuse_rms_norms(model)
-        fuse_rope(model.config.model_type)
-        fuse_mlps(model)
+        fuse_model(model)
     if cfg.lora.enabled:  # LoRA adapters (peft), before checkpointing and FSDP2 wrap the layers
         model = apply_lora(model, cfg.lora, seed=cfg.train.seed)
     flops = _flop_model(model)

@@ -18,6 +18,7 @@ from torch import nn
 from lctrain.data import PackedBatch
 from lctrain.model import CPContext
 from lctrain.model.flops import FlopModel
+from lctrain.model.fused import fused_cross_entropy
 from lctrain.model.structure import head_inputs
 from lctrain.parallel.activation_checkpoint import AttentionCounter
 from lctrain.parallel.context import ContextParallel
@@ -49,18 +50,20 @@ def _nothing(*args) -> None:
 class CausalLMLoss(nn.Module):
     """The module the loop calls: decoder → final hidden states → summed token loss."""
 
-    def __init__(self, model: nn.Module, chunk_tokens: int, kernel: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, chunk_tokens: int, fused: bool = False) -> None:
         super().__init__()
         self.model = model
         self.chunk_tokens = chunk_tokens
-        self.kernel = kernel  # `chunked_cross_entropy`'s: None = the Triton kernel on CUDA
+        self.fused = fused  # Liger's fused linear cross-entropy (CUDA)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                 cp_context: CPContext | None = None) -> torch.Tensor:
         """Summed float32 cross-entropy of this rank's shard (labels shifted before sharding)."""
         hidden, weight = head_inputs(self.model, input_ids=input_ids, position_ids=position_ids,
                                      cp_context=cp_context)  # (B, S_local, H), (V, H)
-        return chunked_cross_entropy(hidden, weight, labels, self.chunk_tokens, kernel=self.kernel)
+        if self.fused:
+            return fused_cross_entropy(hidden, weight, labels)
+        return chunked_cross_entropy(hidden, weight, labels, self.chunk_tokens)
 
 
 @dataclass

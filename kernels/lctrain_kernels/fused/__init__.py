@@ -1,2 +1,2 @@
-"""Fused kernels of a decoder layer: RMSNorm, RoPE, SwiGLU, the chunked loss and the attention
-block in head groups. They compute in float32 and round once (``triton.common.round_to``)."""
+"""What lctrain adds to a decoder layer beside the attention: the attention block in head groups
+(with its RoPE kernel) and the chunked loss. Norms, SwiGLU and a model's RoPE run Liger-Kernel's."""

@@ -1,16 +1,16 @@
-"""Rotary position embedding of q and k in one Triton kernel each way (transformers' Llama formula).
+"""Rotary position embedding of token-major q and k in one Triton kernel each way (transformers'
+Llama formula), for the attention block of head groups (`lctrain_kernels.fused.block`).
 
-transformers applies ``q * cos + rotate_half(q) * sin`` as five eager kernels per tensor. Here one
-kernel reads q, k, cos and sin once and writes both results once as contiguous (B, S, H, D), the
-layout the attention reads; the backward applies the rotation's transpose the same way. float32
-arithmetic rounded once; cos and sin get no gradient."""
+One kernel reads q, k, cos and sin once and writes both results once as contiguous (B, S, H, D),
+the layout the attention reads; the backward applies the rotation's transpose the same way.
+float32 arithmetic rounded once. A whole model's RoPE runs Liger-Kernel's (`lctrain.model.fused`)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from lctrain_kernels.triton.common import DTYPE_KINDS, interpreting, last_dim_contiguous, round_to
+from lctrain_kernels.triton.common import DTYPE_KINDS, last_dim_contiguous, round_to
 
 
 @triton.jit
@@ -76,38 +76,6 @@ def _(q, k, cos, sin, backward):
             k.new_empty((k.shape[0], k.shape[2], k.shape[1], k.shape[3])))
 
 
-def _rotate(q, k, cos, sin, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op on (B, H, S, D) q and k; results as (B, H, S, D) views of (B, S, H, D)."""
-    oq, ok = torch.ops.lctrain.rope(q, k, cos, sin, backward)
-    return oq.transpose(1, 2), ok.transpose(1, 2)
-
-
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
-        ctx.save_for_backward(cos, sin)
-        ctx.shapes = (q.shape, k.shape)
-        return _rotate(last_dim_contiguous(q), last_dim_contiguous(k), cos, sin, False)
-
-    @staticmethod
-    def backward(ctx, dq, dk):
-        cos, sin = ctx.saved_tensors
-        q_shape, k_shape = ctx.shapes
-        dq = torch.zeros(q_shape, dtype=cos.dtype, device=cos.device) if dq is None else dq
-        dk = torch.zeros(k_shape, dtype=cos.dtype, device=cos.device) if dk is None else dk
-        gq, gk = _rotate(last_dim_contiguous(dq), last_dim_contiguous(dk), cos, sin, True)
-        return gq, gk, None, None
-
-
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` in one kernel each way: q
-    (B, Hq, S, D) and k (B, Hk, S, D) in fp32, fp16 or bf16, cos and sin (B, S, D) in their
-    dtype; returns (B, H, S, D) views of contiguous (B, S, H, D) tensors."""
-    return _Rope.apply(q, k, cos, sin)
-
-
 def rotate_tokens(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   backward: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel, without autograd, on token-major q (B, S, Hq, D) and k (B, S, Hk, D) with
@@ -115,15 +83,3 @@ def rotate_tokens(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     return torch.ops.lctrain.rope(q.transpose(1, 2), k.transpose(1, 2),
                                   last_dim_contiguous(cos), last_dim_contiguous(sin), backward)
 
-
-def rope_supports(q, k, cos, sin, unsqueeze_dim: int = 1) -> bool:
-    """Whether :func:`rope` computes this call of ``apply_rotary_pos_emb``: 4-dim q and k
-    (B, H, S, D) on CUDA (or under the interpreter), 3-dim cos and sin of their dtype, the
-    default ``unsqueeze_dim`` and a power-of-two half head."""
-    return ((q.is_cuda or interpreting()) and unsqueeze_dim == 1 and q.dim() == 4
-            and k.dim() == 4 and cos.dim() == 3 and sin.shape == cos.shape
-            and q.dtype in DTYPE_KINDS and k.dtype == q.dtype and cos.dtype == q.dtype
-            and sin.dtype == q.dtype and q.shape[-1] == k.shape[-1] == cos.shape[-1]
-            and q.shape[-1] % 2 == 0 and q.shape[0] == k.shape[0] == cos.shape[0]
-            and q.shape[2] == k.shape[2] == cos.shape[1]
-            and triton.next_power_of_2(q.shape[-1] // 2) == q.shape[-1] // 2)
