@@ -224,6 +224,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "mfu": median(timed, "mfu"),
         "peak_gib": measured / _GIB,
         "model_peak_gib": predicted["peak_allocated"] / _GIB,
+        "model_step_s": predicted["step_seconds"],
         "model_total_gib": predicted["total"] / _GIB,
         "peak_vs_model": measured / predicted["peak_allocated"] if cuda else None,
         "host_gib": None if host is None else host / _GIB,
@@ -248,7 +249,7 @@ def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
     host = cfg.train.host_memory or available_host_bytes()  # what an auto run places against
     est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=nproc, gpu_memory=memory,
                           host_memory=host, gpus_per_node=nproc)
-    fields = ("peak_allocated", "host_offload", "checkpointing", "offload")
+    fields = ("peak_allocated", "host_offload", "checkpointing", "offload", "step_seconds")
     return arch.num_layers, {"total": est.per_gpu_bytes["total"],
                              **{key: est.details[key] for key in fields}}
 

@@ -48,6 +48,7 @@ COLUMNS = {
              Column("model_peak_gib", "est.", "number", "GiB"),
              Column("host_gib", "host", "number", "GiB"),
              Column("model_host_gib", "est. host", "number", "GiB"), _STATUS,
+             _wide("model_step_s", "est. step", "seconds"),
              _wide("gpus", "GPUs", "number"), _wide("cp", "cp", "number"),
              _wide("schedule", "schedule"), _wide("policy", "checkpointing"),
              _wide("attn_fwd_per_step", "attn fwd", "number", "per step"),

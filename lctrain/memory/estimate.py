@@ -3,6 +3,7 @@ end of the forward, the optimizer's update) with its parts; ``peak_allocated`` c
 ``torch.cuda.max_memory_allocated()``, ``host_offload`` is one process's pinned memory."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lctrain.config.layers import LayerPlan
@@ -12,6 +13,7 @@ from lctrain.memory.arch import Architecture
 from lctrain.memory.adapters import LoraShape, layer_trainable, root_trainable, trainable_parameters
 from lctrain.memory.placement import place, with_unchecked
 from lctrain.memory.tables import MemoryEstimate
+from lctrain.memory.timing import step_seconds
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FRAGMENTATION = 0.05
@@ -260,6 +262,9 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, layers: Layer
         raise UserError(f"--gpus-per-node {gpus_per_node} is more than the {gpus} GPUs of the "
                         f"job (--gpus); give at most {gpus} GPUs per machine")
     per_gpu, details = breakdown(setup, seq_len)
+    placed = LayerPlan.parse(details["checkpointing"], details["offload"])
+    details["step_seconds"] = step_seconds(dataclasses.replace(setup, layers=placed), seq_len,
+                                           details)
     fits = None if gpu_memory is None else per_gpu["total"] <= gpu_memory
     longest = None if gpu_memory is None else max_seq_len(setup, gpu_memory, chunks, budget)
     if host_memory is not None:

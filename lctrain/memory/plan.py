@@ -1,6 +1,6 @@
 """The planner behind ``estimate-memory --plan``: the longest sequence a machine can train and
 the fastest settings at a length, over cp × state × checkpointing × tiles × head groups,
-judged by the memory model and ranked by a rough step time (:func:`step_seconds`)."""
+judged by the memory model and ranked by the step-time model (`lctrain.memory.timing`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,19 +8,9 @@ import math
 from dataclasses import dataclass
 
 from lctrain.config.layers import STATES, LayerPlan
-from lctrain.memory.activations import grouped
 from lctrain.memory.estimate import Setup, breakdown, host_budget, max_seq_len
+from lctrain.memory.timing import step_seconds
 
-GPU_FLOPS = 0.45 * 989e12
-"""Assumed useful FLOP/s of one GPU (an H100/H200 at 45 % of its dense bf16 peak)."""
-PCIE_BYTES = 25e9
-"""Assumed host <-> GPU copy rate per GPU and direction (PCIe 5 x16, pinned memory)."""
-HOST_UPDATE_BYTES = 4e9
-"""Assumed rate of a CPU AdamW update, in bytes of state per second per process."""
-CP_OVERHEAD = 0.02
-"""Step time added per doubling of cp (communication that overlap does not hide)."""
-GROUP_OVERHEAD = 0.005
-"""Step time added by running the attention in head groups."""
 TILE_TOKENS = 8192
 """Tokens per tile of the MLP and norms when a plan tiles them."""
 
@@ -131,41 +121,6 @@ def _key(choice: Choice) -> tuple:
     s = choice.setup
     return (round(1 / choice.tokens_s, 12), choice.details["host_offload"], s.cp, s.head_groups,
             s.tile_tokens)
-
-
-def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
-    """Estimated seconds of one optimizer step of ``setup`` at ``seq_len`` (module docstring)."""
-    arch = setup.arch
-    tokens = details["tokens_per_gpu"] * setup.grad_accum
-    layers, h, inter = arch.num_layers, arch.hidden_size, arch.intermediate_size
-    mlp = 3 * h * inter
-    projections = arch.layer_parameters() - mlp  # attention projections and norms
-    linear = 6 * (layers * arch.layer_parameters() + arch.vocab_size * h) * tokens
-    attention_fwd = 2 * seq_len ** 2 * arch.q_width / setup.cp * setup.batch_size * setup.grad_accum
-    plan = setup.layers
-    checkpointed = layers - plan.count("none", layers)
-    recompute = 2 * checkpointed * (projections + mlp) * tokens
-    recompute += plan.count("full", layers) * attention_fwd
-    tiles = 2 * layers * mlp * tokens if 0 < setup.tile_tokens < details["tokens_per_gpu"] else 0
-    if grouped(arch, setup.lora, setup.head_groups):
-        qkv = 2 * h * (arch.q_width + 2 * arch.kv_width) * tokens
-        recompute += qkv * (layers - plan.count("remat", layers))
-    compute = (linear + layers * 3.5 * attention_fwd + recompute + tiles) / GPU_FLOPS
-    copies = 2 * details["host_activations"] * setup.grad_accum / PCIE_BYTES
-    seconds = max(compute, copies) + _state_seconds(setup, details)
-    overhead = CP_OVERHEAD * math.log2(setup.cp) + GROUP_OVERHEAD * (setup.head_groups > 1)
-    return seconds * (1 + overhead)
-
-
-def _state_seconds(setup: Setup, details: dict) -> float:
-    """Per-step time of training state in host memory (not overlapped with compute)."""
-    state = details["host_state"]
-    if setup.layers.state == "optimizer":
-        return 2 * state / PCIE_BYTES
-    if setup.layers.state == "state":
-        params = state / 4  # master weights: a quarter of (weights, gradients, two moments)
-        return (3 * params) / PCIE_BYTES + state / HOST_UPDATE_BYTES
-    return 0.0
 
 
 def plan(base: Setup, machine: Machine, seq_chunks, seq_len: int | None = None) -> dict:

@@ -80,6 +80,8 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
             facts.append((key.replace("_", " "), str(details[key])))
     if details.get("phase"):
         facts.append(("peak during", str(details["phase"])))
+    if details.get("step_seconds"):  # short documents do less attention: a bound for them
+        facts.append(("step time (est.)", f"{details['step_seconds']:,.1f} s"))
     for row in rows:
         row["amount"] = format_bytes(row["bytes"])
     rows += [{"what": what, "amount": value} for what, value in facts]
@@ -123,8 +125,8 @@ def plan_table(plan: dict) -> Table:
     columns = [Column("what", "setting")] + [Column(name, header, "figure")
                                              for name, header, _ in choices]
     return Table(title=title, columns=columns, rows=rows, keys=1,
-                 notes=["estimates: lctrain.memory (memory), lctrain.memory.plan (time, for "
-                        "ranking only)"])
+                 notes=["estimates: lctrain.memory (memory) and lctrain.memory.timing (time, "
+                        "of rows that are one document)"])
 
 
 def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:

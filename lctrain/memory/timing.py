@@ -1,0 +1,61 @@
+"""The step-time model: the FLOPs of one optimizer step (matmuls, causal attention over the whole
+sequence, recomputation, tiles) at one rate per GPU, beside the host copies it overlaps with and
+the host-resident training state it does not. The rate is fit to the dense steps published in
+benchmarks/results (every GPU and length there); a row of short documents does less attention,
+so for it the time is a bound."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from lctrain.memory.activations import grouped
+
+if TYPE_CHECKING:
+    from lctrain.memory.estimate import Setup
+
+GPU_FLOPS = 0.58 * 989e12
+"""FLOP/s one H100/H200 sustains over a training step, recomputation included (fit)."""
+PCIE_BYTES = 50e9
+"""Host <-> GPU copy rate per GPU and direction: pinned memory over PCIe 5 x16 (64 GB/s)."""
+HOST_UPDATE_BYTES = 4e9
+"""Assumed rate of a CPU AdamW update, in bytes of state per second per process."""
+CP_OVERHEAD = 0.02
+"""Step time added per doubling of cp (communication that overlap does not hide)."""
+GROUP_OVERHEAD = 0.005
+"""Step time added by running the attention in head groups."""
+
+
+def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
+    """Estimated seconds of one optimizer step of ``setup`` (its layers placed) at ``seq_len``,
+    from its memory ``details`` (module docstring)."""
+    arch = setup.arch
+    tokens = details["tokens_per_gpu"] * setup.grad_accum
+    layers, h, inter = arch.num_layers, arch.hidden_size, arch.intermediate_size
+    mlp = 3 * h * inter
+    projections = arch.layer_parameters() - mlp  # attention projections and norms
+    linear = 6 * (layers * arch.layer_parameters() + arch.vocab_size * h) * tokens
+    attention_fwd = 2 * seq_len ** 2 * arch.q_width / setup.cp * setup.batch_size * setup.grad_accum
+    plan = setup.layers
+    checkpointed = layers - plan.count("none", layers)
+    recompute = 2 * checkpointed * (projections + mlp) * tokens
+    recompute += plan.count("full", layers) * attention_fwd
+    tiles = 2 * layers * mlp * tokens if 0 < setup.tile_tokens < details["tokens_per_gpu"] else 0
+    if grouped(arch, setup.lora, setup.head_groups):
+        qkv = 2 * h * (arch.q_width + 2 * arch.kv_width) * tokens
+        recompute += qkv * (layers - plan.count("remat", layers))
+    compute = (linear + layers * 3.5 * attention_fwd + recompute + tiles) / GPU_FLOPS
+    copies = 2 * details["host_activations"] * setup.grad_accum / PCIE_BYTES
+    seconds = max(compute, copies) + _state_seconds(setup, details)
+    overhead = CP_OVERHEAD * math.log2(setup.cp) + GROUP_OVERHEAD * (setup.head_groups > 1)
+    return seconds * (1 + overhead)
+
+
+def _state_seconds(setup: Setup, details: dict) -> float:
+    """Per-step time of training state in host memory (not overlapped with compute)."""
+    state = details["host_state"]
+    if setup.layers.state == "optimizer":
+        return 2 * state / PCIE_BYTES
+    if setup.layers.state == "state":
+        params = state / 4  # master weights: a quarter of (weights, gradients, two moments)
+        return (3 * params) / PCIE_BYTES + state / HOST_UPDATE_BYTES
+    return 0.0
