@@ -224,7 +224,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "mfu": median(timed, "mfu"),
         "peak_gib": measured / _GIB,
         "model_peak_gib": predicted["peak_allocated"] / _GIB,
-        "model_step_s": predicted["step_seconds"],
+        "model_step_s": predicted["step_seconds"] if cuda else None,  # a GPU's time
         "model_total_gib": predicted["total"] / _GIB,
         "peak_vs_model": measured / predicted["peak_allocated"] if cuda else None,
         "host_gib": None if host is None else host / _GIB,
