@@ -6,12 +6,8 @@ so for it the time is a bound."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from lctrain.memory.activations import grouped
-
-if TYPE_CHECKING:
-    from lctrain.memory.estimate import Setup
 
 GPU_FLOPS = 0.58 * 989e12
 """FLOP/s one H100/H200 sustains over a training step, recomputation included (fit)."""
@@ -25,9 +21,9 @@ GROUP_OVERHEAD = 0.005
 """Step time added by running the attention in head groups."""
 
 
-def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
-    """Estimated seconds of one optimizer step of ``setup`` (its layers placed) at ``seq_len``,
-    from its memory ``details`` (module docstring)."""
+def step_seconds(setup, seq_len: int, details: dict) -> float:
+    """Estimated seconds of one optimizer step of ``setup`` (an `lctrain.memory.estimate.Setup`,
+    its layers placed) at ``seq_len``, from its memory ``details`` (module docstring)."""
     arch = setup.arch
     tokens = details["tokens_per_gpu"] * setup.grad_accum
     layers, h, inter = arch.num_layers, arch.hidden_size, arch.intermediate_size
@@ -50,7 +46,7 @@ def step_seconds(setup: Setup, seq_len: int, details: dict) -> float:
     return seconds * (1 + overhead)
 
 
-def _state_seconds(setup: Setup, details: dict) -> float:
+def _state_seconds(setup, details: dict) -> float:
     """Per-step time of training state in host memory (not overlapped with compute)."""
     state = details["host_state"]
     if setup.layers.state == "optimizer":

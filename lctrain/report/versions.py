@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 _PACKAGES = ("lctrain", "torch", "triton", "transformers", "accelerate", "datasets",
-             "nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl")
+             "liger-kernel", "nvidia-cudnn-frontend", "flash-attn-4", "nvidia-cutlass-dsl")
 
 
 def _version(package: str) -> str | None:
