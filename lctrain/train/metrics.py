@@ -26,7 +26,9 @@ class MetricsLog:
                  if resume_step is not None and self.path.exists() else [])
         kept = [line for line in lines
                 if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        staging = self.path.with_name(self.path.name + ".tmp")  # readers never see it empty
+        staging.write_text("".join(line + "\n" for line in kept))
+        os.replace(staging, self.path)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
