@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 _LAZY = {"rotate_tokens": "fused.rope",
-         "chunked_cross_entropy": "fused.loss", "attention_block": "fused.block",
+         "chunked_cross_entropy": "loss", "attention_block": "fused.block",
          "tiled_apply": "tiled",
          "interpreting": "triton.common", "dotted_version": "backends.cudnn_ragged"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
