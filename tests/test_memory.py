@@ -190,7 +190,6 @@ def test_unchecked_layers_on_top_cost_their_kept_tensors_not_a_remat_layers_back
     recompute, whose backward starts after the unchecked layers above have freed their
     tensors."""
     from lctrain.memory.activations import layer_saved, remat_kept
-    from lctrain.memory.placement import with_unchecked
 
     arch = load_architecture("llama-7b")
     layers, c = arch.num_layers, 2
@@ -198,7 +197,10 @@ def test_unchecked_layers_on_top_cost_their_kept_tensors_not_a_remat_layers_back
     def peak(policy):
         return estimate(arch, seq_len, 1, 1, policy, tile_tokens=tile).details["peak_allocated"]
 
-    peaks = [peak(LayerPlan().placed(with_unchecked(layers, n), 0)) for n in range(layers + 1)]
+    def runs(n):  # remat below, n unchecked on top
+        return tuple((kind, k) for kind, k in (("remat", layers - n), ("none", n)) if k)
+
+    peaks = [peak(LayerPlan().placed(runs(n), 0)) for n in range(layers + 1)]
     assert peaks[0] == peak("remat") and peaks[-1] == peak("none")
     extra = layer_saved(arch, seq_len, c, tile_tokens=tile) - remat_kept(arch, seq_len, c)
     steps = [b - a for a, b in zip(peaks, peaks[1:])]

@@ -14,9 +14,9 @@ from lctrain.cli import app
 from lctrain.config import LayerPlan, load_recipe
 from lctrain.memory import estimate, estimate_recipe, load_architecture
 from lctrain.memory.activations import input_kept, kept_during_layers, remat_kept
-from lctrain.memory.estimate import Setup, breakdown
+from lctrain.memory.estimate import Setup
 from lctrain.memory.placement import place
-from lctrain.memory.plan import Machine, fastest, longest, step_seconds
+from lctrain.memory.plan import Machine, fastest, longest
 from lctrain.memory.recipe import plan_recipe
 
 GIB = 1 << 30
@@ -88,21 +88,15 @@ def test_with_room_to_spare_nothing_is_traded_for_memory():
 
 def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
     """A 7B model (bf16 weights and states) on one 139 GiB GPU: short sequences keep every
-    activation; then remat keeps the attention outputs on the GPU, and the room left goes to
-    layers that are not checkpointed (one more would not fit); then some layers wait in host
+    activation; then remat keeps the attention outputs on the GPU, every layer alike (``auto``
+    keeps no layer whole beside remat ones: that was not faster); then some layers wait in host
     memory (copies overlap compute); without host memory, attention is recomputed."""
     machine = Machine(1, 139 * GIB, 251 * GIB, 1)
     base = _base(gpus=1, master_dtype="bfloat16")
     short = fastest(base, machine, 16 * 1024, _chunks).setup
     assert (short.policy, short.tile_tokens, short.head_groups) == ("none", 0, 1)
-    mixed = fastest(base, machine, 64 * 1024, _chunks)
-    (remat, n_remat), (none, n_none) = mixed.setup.layers.runs
-    assert (remat, none) == ("remat", "none") and n_none > 0 and n_remat > 0
-    one_more = dataclasses.replace(mixed.setup, layers=LayerPlan.parse(
-        f"remat={n_remat - 1},none={n_none + 1}"))
-    assert breakdown(one_more, 64 * 1024)[0]["total"] > machine.gpu_memory
-    all_remat = dataclasses.replace(mixed.setup, layers=LayerPlan.parse("remat"))
-    assert step_seconds(all_remat, 64 * 1024, mixed.details) > mixed.step_s
+    remat = fastest(base, machine, 128 * 1024, _chunks).setup
+    assert (remat.policy, remat.layers.parked) == ("remat", 0)
     hosted = fastest(base, machine, 192 * 1024, _chunks)
     assert hosted.setup.layers.checkpointing == "remat" and hosted.setup.layers.parked > 0
     assert hosted.setup.layers.state == "none"

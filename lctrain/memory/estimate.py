@@ -11,7 +11,7 @@ from lctrain.errors import UserError
 from lctrain.memory import activations as act
 from lctrain.memory.arch import Architecture
 from lctrain.memory.adapters import LoraShape, layer_trainable, root_trainable, trainable_parameters
-from lctrain.memory.placement import place, with_unchecked
+from lctrain.memory.placement import place
 from lctrain.memory.tables import MemoryEstimate
 from lctrain.memory.timing import step_seconds
 
@@ -166,8 +166,9 @@ def _transients(setup: Setup, tokens: int, c: int, kinds: set[str]) -> dict:
 
 
 def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> LayerPlan:
-    """``auto``'s placement in what the peak leaves, then the host budget; with room to spare,
-    the most unchecked layers the peak allows."""
+    """``auto``'s placement in what the peak leaves, then the host budget. Room to spare stays
+    free: layers kept whole (no recompute) were no faster at full depth on one GPU and slower
+    under FSDP2 on two (docs/performance.md, Whole layers)."""
     arch, layers = setup.arch, setup.arch.num_layers
     host_room = (setup.host_budget or 0) - host_state
     limit = int((setup.gpu_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))  # peak with headroom
@@ -180,19 +181,7 @@ def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> L
             break
     if found is None:
         return setup.layers.placed((("full", layers),), layers)
-    if found != ((("remat", layers),), 0):
-        return setup.layers.placed(*found)
-
-    def fits(count: int) -> bool:
-        kinds = LayerPlan(with_unchecked(layers, count)).kinds(layers)
-        parts = _activation_phase(setup, tokens, c, kinds, (False,) * layers)
-        return fixed + parts["saved_now"] + parts["transient"] <= limit
-
-    low, high = 0, layers  # the most unchecked layers that fit: low fits, high + 1 not
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return setup.layers.placed(with_unchecked(layers, low), 0)
+    return setup.layers.placed(*found)
 
 
 def _fsdp_buffers(setup: Setup, c: int) -> tuple[int, int, int]:

@@ -1,5 +1,5 @@
 """``train.checkpointing: auto``'s placement: the most remat layers, the GPU first, then pinned
-host memory for the lowest layers; with room to spare, the top layers unchecked."""
+host memory for the lowest layers."""
 from __future__ import annotations
 
 from lctrain.memory.activations import input_kept, remat_kept
@@ -45,11 +45,6 @@ def gpu_bytes(remat: int, remat_parked: int, full: int, full_parked: int, big: i
     top = (big if remat_parked else small) if parked else 0
     pair = sorted([big] * min(remat_parked, 2) + [small] * min(full_parked, 2))[-2:]
     return max(remat * big + full * small + top, sum(pair) if parked > 1 else top)
-
-
-def with_unchecked(layers: int, count: int) -> Runs:
-    """Every layer remat on the GPU but the top ``count``, which are not checkpointed."""
-    return tuple((name, n) for name, n in (("remat", layers - count), ("none", count)) if n)
 
 
 def _runs(remat: int, remat_parked: int, full: int, full_parked: int) -> tuple[Runs, int]:
