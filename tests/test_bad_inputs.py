@@ -165,7 +165,7 @@ def test_what_is_left_out_is_counted_and_said(files, tmp_path, source, words):
 def test_a_worker_reports_a_missing_backend_and_a_full_disk_as_sentences(tmp_path):
     """A self-launched rank records these as user errors (sentences), not as tracebacks."""
     from lctrain.config import save_resolved, load_recipe
-    from lctrain.launch.failures import first_error
+    from lctrain.launch.failures import read_records
     from lctrain.launch.rank import USER_ERROR_EXIT, worker_main
     from lctrain_kernels.backends import get_backend
 
@@ -183,7 +183,7 @@ def test_a_worker_reports_a_missing_backend_and_a_full_disk_as_sentences(tmp_pat
         errors = tmp_path / worker.__name__
         errors.mkdir()
         code = worker_main(worker, ["--config", str(recipe), "--error-dir", str(errors)])
-        record = first_error(errors)
+        (record,) = read_records(errors)
         assert code == USER_ERROR_EXIT and record["user"] and words in record["message"]
 
 

@@ -10,7 +10,7 @@ from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.parallel.mesh import build_mesh, check_parallel_sizes
 from lctrain.train import finetune
-from lctrain.launch.failures import first_error
+from lctrain.launch.failures import read_records
 from lctrain.launch.rank import check_accelerate_mode
 from lctrain.train.metrics import MetricsLog
 from lctrain.train.optim import warmup_cosine
@@ -79,11 +79,11 @@ def test_a_lone_worker_process_is_a_one_rank_group_whose_accelerator_scales_noth
     assert not dist.is_initialized()  # the group made for the block is gone
 
 
-def test_first_error_is_the_earliest(tmp_path):
-    assert first_error(tmp_path) is None
+def test_error_records_are_read_earliest_first(tmp_path):
+    assert read_records(tmp_path) == []
     (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "time": 5.0, "message": "reset"}))
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "message": "real"}))
-    assert first_error(tmp_path)["message"] == "real"
+    assert [r["message"] for r in read_records(tmp_path)] == ["real", "reset"]
 
 
 def _tiny(tmp_path, *sets):

@@ -76,11 +76,6 @@ def read_records(error_dir: str | os.PathLike) -> list[dict]:
     return sorted(read_rank_files(error_dir), key=lambda r: r["time"])
 
 
-def first_error(error_dir: str | os.PathLike) -> dict | None:
-    """The earliest recorded rank failure in ``error_dir``, or None if no rank recorded one."""
-    return next(iter(read_records(error_dir)), None)
-
-
 def read_failures(path: str | os.PathLike, fallback: dict | None = None) -> dict[int, dict]:
     """The agent's ``failures.json``: {rank: {"pid", "exitcode"}}, else ``fallback`` (the
     `relayed` one; {} when there is none)."""
