@@ -167,8 +167,8 @@ def _transients(setup: Setup, tokens: int, c: int, kinds: set[str]) -> dict:
 
 def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> LayerPlan:
     """``auto``'s placement in what the peak leaves, then the host budget. Room to spare stays
-    free: layers kept whole (no recompute) were no faster at full depth on one GPU and slower
-    under FSDP2 on two (docs/performance.md, Whole layers)."""
+    free: layers kept whole (no recompute) were no faster at full depth, and slower under FSDP2
+    (docs/performance.md, whole layers)."""
     arch, layers = setup.arch, setup.arch.num_layers
     host_room = (setup.host_budget or 0) - host_state
     limit = int((setup.gpu_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))  # peak with headroom
