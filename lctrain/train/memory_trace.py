@@ -137,7 +137,9 @@ def _is_tensor_on(obj, device: torch.device) -> bool:
 
 def _replay(events: list[dict], before: int) -> tuple[int, int | None, list[int]]:
     """(peak bytes, index of the event that reached it, indices of the step's allocations
-    alive then)."""
+    alive then). A block is freed when its free is requested, as
+    ``torch.cuda.max_memory_allocated`` counts it, though one that another stream still uses
+    (the ring's buffers) is reused only once that stream's work completes."""
     current, peak, at = before, before, None
     open_allocs: dict[int, int] = {}  # address -> event index
     live_at_peak: list[int] = []
@@ -149,7 +151,7 @@ def _replay(events: list[dict], before: int) -> tuple[int, int | None, list[int]
             if current > peak:
                 peak, at = current, index
                 live_at_peak = list(open_allocs.values())
-        elif action == "free_completed":
+        elif action == "free_requested":
             current -= event["size"]
             open_allocs.pop(event["addr"], None)
     return peak, at, live_at_peak
