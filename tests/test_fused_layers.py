@@ -69,6 +69,43 @@ def test_gpu_fused_model_trains_like_the_plain_one(monkeypatch):
     assert type(fused.model.layers[0].mlp).__name__ == "FusedLlamaMLP"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["remat", "full"])
+def test_gpu_fused_model_in_head_groups_and_tiles_trains_like_the_plain_one(monkeypatch, policy):
+    """The long-context build (`lctrain.parallel.build`): Liger's layers, then head groups with
+    the norm and RoPE inside, tiles with the MLP's norm inside, checkpointing."""
+    from lctrain.model import register_attention
+    from lctrain.model.fused import fuse_model
+    from lctrain.model.grouped_attention import apply_grouped_attention
+    from lctrain.parallel.activation_checkpoint import apply_checkpointing
+    from lctrain.parallel.tiling import apply_tiling
+
+    module = importlib.import_module("transformers.models.llama.modeling_llama")
+    monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)
+    plain = tiny_llama().cuda()
+    fused = tiny_llama().cuda()
+    fused.load_state_dict(plain.state_dict())
+    register_attention()
+    fused.set_attn_implementation("lctrain")  # head groups run lctrain's attention only
+    fuse_model(fused)
+    assert apply_grouped_attention(fused, 2, fused_rope=True, defer_norm=True) == 2
+    assert apply_tiling(fused, 16, defer_norm=True) == 2 * 2 + 1  # MLPs (norm inside), final norm
+    apply_checkpointing(fused, policy, offload_min_bytes=0)
+    ids = torch.randint(0, 96, (2, 40), device="cuda")  # 80 tokens: tiles of 16
+    losses = []
+    for model in (plain, fused):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    grads = {n: p.grad for n, p in plain.named_parameters()}
+    got = {n.replace("._checkpoint_wrapped_module", ""): p.grad
+           for n, p in fused.named_parameters()}
+    assert got.keys() == grads.keys()
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
 def _float64_loss(h, w, labels):
     h64, w64 = (t.detach().double().requires_grad_() for t in (h, w))
     loss = torch.nn.functional.cross_entropy(h64 @ w64.T, labels, ignore_index=-100,
