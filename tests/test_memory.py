@@ -142,6 +142,20 @@ def test_optimizer_phase_wins_at_short_context():
     assert est.per_gpu_bytes["gradients"] == est.per_gpu_bytes["parameters"]
 
 
+def test_a_first_step_peaks_before_adamw_makes_its_states():
+    arch = load_architecture("llama-7b")
+    long = estimate(arch, 262144, 2, 2, "remat", master_dtype="float32")
+    assert long.details["phase"] == "activations"
+    states = long.per_gpu_bytes["optimizer"]
+    assert states > 0 and long.details["first_step_peak"] == long.details["peak_allocated"] - states
+    # shorter: the update (gradients beside the states) outgrows the activations without them
+    mid = estimate(arch, 65536, 2, 2, "remat", master_dtype="float32")
+    assert mid.details["peak_allocated"] - states < mid.details["first_step_peak"] < mid.details[
+        "peak_allocated"]
+    short = estimate(arch, 256, 1, 1, "full", master_dtype="float32")  # the update's peak stays
+    assert short.details["first_step_peak"] == short.details["peak_allocated"]
+
+
 def test_recipe_estimate_uses_the_recipe(tmp_path):
     cfg = load_recipe("recipes/llama-7b-256k.yaml")
     est = estimate_recipe(cfg, seq_len=262144, gpus=2, gpu_memory=141 * GIB)

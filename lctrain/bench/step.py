@@ -208,6 +208,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
          predicted: dict) -> dict:
     timed = [r for r in records if r["step"] > warmup] or records
     measured = max((r.get("peak_memory_bytes") or 0) for r in records)
+    model = predicted["first_step_peak" if len(records) == 1 else "peak_allocated"]
     gpu_run = any("host_memory_bytes" in r for r in records)  # GPU runs log host memory
     host = max((r.get("host_memory_bytes") or 0) for r in records) if gpu_run else None
     calls = records[0].get("attention_forward_calls") if records else None  # the run's 1st step
@@ -223,10 +224,10 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "step_time_s": median(timed, "step_time_s"),
         "mfu": median(timed, "mfu"),
         "peak_gib": measured / _GIB,
-        "model_peak_gib": predicted["peak_allocated"] / _GIB,
+        "model_peak_gib": model / _GIB,
         "model_step_s": predicted["step_seconds"] if cuda else None,  # a GPU's time
         "model_total_gib": predicted["total"] / _GIB,
-        "peak_vs_model": measured / predicted["peak_allocated"] if cuda else None,
+        "peak_vs_model": measured / model if cuda else None,
         "host_gib": None if host is None else host / _GIB,
         "model_host_gib": predicted["host_offload"] / _GIB if host is not None else None,
         "attn_fwd_per_step": calls,
@@ -249,7 +250,8 @@ def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
     host = cfg.train.host_memory or available_host_bytes()  # what an auto run places against
     est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=nproc, gpu_memory=memory,
                           host_memory=host, gpus_per_node=nproc)
-    fields = ("peak_allocated", "host_offload", "checkpointing", "offload", "step_seconds")
+    fields = ("peak_allocated", "first_step_peak", "host_offload", "checkpointing", "offload",
+              "step_seconds")
     return arch.num_layers, {"total": est.per_gpu_bytes["total"],
                              **{key: est.details[key] for key in fields}}
 

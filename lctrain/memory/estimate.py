@@ -1,6 +1,7 @@
 """Per-GPU memory of one training step: the larger of its two peaks (the activations at the
 end of the forward, the optimizer's update) with its parts; ``peak_allocated`` compares with
-``torch.cuda.max_memory_allocated()``, ``host_offload`` is one process's pinned memory."""
+``torch.cuda.max_memory_allocated()`` (``first_step_peak`` for a run of one step, before AdamW
+has made its states), ``host_offload`` is one process's pinned memory."""
 from __future__ import annotations
 
 import dataclasses
@@ -115,7 +116,10 @@ def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     per_gpu["total"] = sum(per_gpu.values())
     host_activations = act.host_offload(arch, tokens, c, kinds, parked)
     details = {"phase": phase, "tokens_per_gpu": tokens, "shard_degree": setup.shard,
-               "peak_allocated": peak, "headroom": headroom, "saved_activations": parts["saved"],
+               "peak_allocated": peak, "headroom": headroom,
+               # a run's first step: AdamW makes its states at the update, after activations
+               "first_step_peak": max(activation_peak - gpu_optimizer, optimizer_peak),
+               "saved_activations": parts["saved"],
                "loss_workspace": parts["loss"], "attention_workspace": parts["attention"],
                "layer_backward": parts["layer_backward"], "fsdp_gathered": parts["gathered"],
                "host_offload": host_activations + host_state,
