@@ -1,16 +1,19 @@
 """The step-time model: the FLOPs of one optimizer step (matmuls, causal attention over the whole
-sequence, recomputation, tiles) at one rate per GPU, beside the host copies it overlaps with and
-the host-resident training state it does not. The rate is fit to the dense steps published in
-benchmarks/results (every GPU and length there); a row of short documents does less attention,
-so for it the time is a bound."""
+sequence, recomputation, tiles), the matmuls at one rate per GPU and the attention at another,
+beside the host copies they overlap with and the host-resident training state they do not. The
+two rates are fit to the dense steps published in benchmarks/results (every GPU and length
+there, 64K to 1376K: attention from half to nearly all of a step's FLOPs); a row of short
+documents does less attention, so for it the time is a bound."""
 from __future__ import annotations
 
 import math
 
 from lctrain.memory.activations import grouped
 
-GPU_FLOPS = 0.58 * 989e12
-"""FLOP/s one H100/H200 sustains over a training step, recomputation included (fit)."""
+MATMUL_FLOPS = 0.56 * 989e12
+"""FLOP/s of a step's matmuls on one H100/H200, with the step's other work folded in (fit)."""
+ATTENTION_FLOPS = 0.665 * 989e12
+"""FLOP/s of its attention, forward, backward and recomputed (fit)."""
 PCIE_BYTES = 50e9
 """Host <-> GPU copy rate per GPU and direction: pinned memory over PCIe 5 x16 (64 GB/s)."""
 HOST_UPDATE_BYTES = 4e9
@@ -34,12 +37,12 @@ def step_seconds(setup, seq_len: int, details: dict) -> float:
     plan = setup.layers
     checkpointed = layers - plan.count("none", layers)
     recompute = 2 * checkpointed * (projections + mlp) * tokens
-    recompute += plan.count("full", layers) * attention_fwd
     tiles = 2 * layers * mlp * tokens if 0 < setup.tile_tokens < details["tokens_per_gpu"] else 0
     if grouped(arch, setup.lora, setup.head_groups):
         qkv = 2 * h * (arch.q_width + 2 * arch.kv_width) * tokens
         recompute += qkv * (layers - plan.count("remat", layers))
-    compute = (linear + layers * 3.5 * attention_fwd + recompute + tiles) / GPU_FLOPS
+    attention = (layers * 3.5 + plan.count("full", layers)) * attention_fwd
+    compute = (linear + recompute + tiles) / MATMUL_FLOPS + attention / ATTENTION_FLOPS
     copies = 2 * details["host_activations"] * setup.grad_accum / PCIE_BYTES
     seconds = max(compute, copies) + _state_seconds(setup, details)
     overhead = CP_OVERHEAD * math.log2(setup.cp) + GROUP_OVERHEAD * (setup.head_groups > 1)
