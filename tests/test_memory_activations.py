@@ -82,7 +82,8 @@ def test_the_activation_peak_keeps_the_measured_layers_and_final_norm(moment, dt
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.model(input_ids=torch.randint(0, vocab, (1, tokens), device=model.device))
     c = dtype.itemsize
-    arch = dataclasses.replace(from_config_dict(fields), fused_norms=fused, fused_mlp=fused)
+    arch = dataclasses.replace(from_config_dict(fields), fused_norms=fused, fused_mlp=fused,
+                               fused_loss=fused)  # on a CPU the chunked loss
     cos_sin = 2 * tokens * arch.head_dim * c  # RoPE's shared cos/sin, saved by every layer
     kept = sum(probe.total - cos_sin for probe in layers)
     assert kept == len(layers) * layer_saved(arch, tokens, c)
@@ -99,7 +100,8 @@ def test_the_activation_peak_keeps_the_measured_layers_and_final_norm(moment, dt
     rest = per_gpu["other"] - details["headroom"]
     if moment == "loss":
         assert rest == details["loss_workspace"]
-    else:
+    else:  # beside the head's gradient, made by then
+        assert per_gpu["gradients"] == vocab * arch.hidden_size * c
         assert 0 <= rest - (details["layer_backward"] - norm.total) <= slack
 
 
@@ -147,5 +149,10 @@ def test_the_placements_gpu_bytes_are_the_walks_most():
     for rg, rh, fg, fh in itertools.product(range(6), repeat=4):
         kept = [small] * fh + [big] * rh + [small] * fg + [big] * rg
         parked = [True] * (fh + rh) + [False] * (fg + rg)
-        walked = max(kept_during_layers(kept, parked), default=0)
-        assert gpu_bytes(rg, rh, fg, fh, big, small) == walked, (rg, rh, fg, fh)
+        during = kept_during_layers(kept, parked)
+        assert gpu_bytes(rg, rh, fg, fh, big, small) == max(during, default=0), (rg, rh, fg, fh)
+        for g in (2, 5):  # with the gradients made on the way down, g per layer
+            n = len(kept)
+            walked = max((b + g * (n - 1 - i) for i, b in enumerate(during)), default=0)
+            got = gpu_bytes(rg, rh, fg, fh, big, small, g * max(n - 1, 0))
+            assert got == walked, (rg, rh, fg, fh, g)

@@ -128,7 +128,7 @@ def test_choices_are_what_their_commands_run(tmp_path):
 
 @pytest.mark.parametrize("model, gpus, host, dtype, at_least", [
     ("llama-7b", 2, 251, "float32", 1 << 20),      # 2 x H200: >= 1M
-    ("llama3-8b", 1, 128, "float32", 512 * 1024),  # 1 x H200 with 128 GiB: >= 512K
+    ("llama3-8b", 1, 128, "float32", 500 * 1024),  # 1 x H200 with 128 GiB: >= 500K
     ("llama3-8b", 1, 128, "bfloat16", 512 * 1024),  # ... and with bf16 weights and states
     ("llama3-8b", 1, 1024, "float32", 1_200_000),  # ALST's host: 1.2M on one H200
 ])

@@ -100,12 +100,13 @@ def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     fixed = params + gpu_optimizer + grads_now
     plan = _placed(setup, tokens, c, fixed, host_state) if setup.layers.auto else setup.layers
     kinds, parked = plan.kinds(arch.num_layers), plan.parked_layers(arch.num_layers)
-    parts = _activation_phase(setup, tokens, c, kinds, parked)
+    parts = _activation_phase(setup, tokens, c, kinds, parked, _grads_made(setup, c, m))
     activation_peak = fixed + parts["saved_now"] + parts["transient"]
     optimizer_peak = params + gpu_optimizer + grads_all + {  # + the update's temporaries
         "none": grads_all, "optimizer": STREAM_BYTES, "state": 0}[offload]
     if activation_peak >= optimizer_peak:
-        phase, grads, other, peak = "activations", grads_now, parts["transient"], activation_peak
+        phase, peak = "activations", activation_peak  # gradients: also those made by then
+        grads, other = grads_now + parts["grads_made"], parts["transient"] - parts["grads_made"]
         saved_now = parts["saved_now"]
     else:
         phase, grads, saved_now, peak = "optimizer", grads_all, 0, optimizer_peak
@@ -132,22 +133,39 @@ def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     return per_gpu, details
 
 
-def _activation_phase(setup: Setup, tokens: int, c: int, kinds, parked) -> dict[str, int]:
+def _grads_made(setup: Setup, c: int, m: int) -> list[int]:
+    """Gradient bytes already made when each layer's backward runs: the head's (unsharded, in
+    the compute dtype, until the root unit's reduce-scatter at the end) and, unless they are
+    all held anyway (accumulation) or sent to the host (FSDP2's offload), the sharded ones of
+    the layers above."""
+    arch, lora, layers = setup.arch, setup.lora, setup.arch.num_layers
+    head = arch.vocab_size * arch.hidden_size * c if lora is None else 0
+    if setup.grad_accum > 1 or setup.layers.state == "state":
+        return [head] * layers
+    per_layer = arch.layer_parameters() if lora is None else layer_trainable(arch, lora)
+    return [head + -(-(layers - 1 - i) * per_layer * m // setup.shard) for i in range(layers)]
+
+
+def _activation_phase(setup: Setup, tokens: int, c: int, kinds, parked,
+                      made: list[int]) -> dict[str, int]:
     """The activation peak beyond the fixed parts: the larger of the loss's backward and the
-    worst layer's backward beside what is still kept then."""
+    worst layer's backward beside what is still kept then and the gradients ``made`` by then
+    (a transient)."""
     parts = _transients(setup, tokens, c, set(kinds))
     backward, final_norm, gathered = parts["backward"], parts["final_norm"], parts["gathered"]
     kept = [act.kept_bytes(setup.arch, tokens, c, k, setup.lora, setup.tile_tokens,
                            setup.head_groups) for k in kinds]
     during = act.kept_during_layers(kept, list(parked))
-    at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]])
+    at = max(range(len(kinds)), key=lambda i: during[i] + backward[kinds[i]] + made[i])
     saved = max(during) + final_norm
     loss_moment = (saved, gathered + parts["loss"])
     # the final norm's kept tensors are gone by the time the first layer's backward runs
-    layer_moment = (during[at] + final_norm,
-                    gathered + max(backward[kinds[at]] + parts["root"] - final_norm, 0))
+    layer_moment = (during[at] + final_norm, gathered + made[at]
+                    + max(backward[kinds[at]] + parts["root"] - final_norm, 0))
     saved_now, transient = max(loss_moment, layer_moment, key=sum)
-    return {**parts, "saved": saved, "saved_now": saved_now, "transient": transient}
+    grads_made = made[at] if (saved_now, transient) == layer_moment else 0
+    return {**parts, "saved": saved, "saved_now": saved_now, "transient": transient,
+            "grads_made": grads_made}
 
 
 def _transients(setup: Setup, tokens: int, c: int, kinds: set[str]) -> dict:
@@ -176,11 +194,12 @@ def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> L
     arch, layers = setup.arch, setup.arch.num_layers
     host_room = (setup.host_budget or 0) - host_state
     limit = int((setup.gpu_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))  # peak with headroom
+    made = _grads_made(setup, c, DTYPE_BYTES[setup.master_dtype])
     found = None
     for assumed in ({"remat"}, {"remat", "full"}):
         parts = _transients(setup, tokens, c, assumed)
-        room = limit - fixed - parts["final_norm"] - parts["transient"]
-        found = place(arch, tokens, c, room, host_room)
+        room = limit - fixed - parts["final_norm"] - parts["transient"] - made[-1]
+        found = place(arch, tokens, c, room, host_room, made[0] - made[-1])
         if found is None or not any(name == "full" for name, _ in found[0]):
             break
     if found is None:
