@@ -92,8 +92,9 @@ def test_tracing_is_a_no_op_without_a_folder_or_off_a_gpu(tmp_path):
     import torch
 
     for folder in (None, tmp_path):
-        with traced_step(folder, torch.device("cpu"), 0, 1):
+        with traced_step(folder, torch.device("cpu"), 0, 1) as spent:
             pass
+        assert spent == {"outside_s": 0.0}  # nothing for the step's time to leave out
     assert not list(tmp_path.iterdir())
 
 

@@ -61,3 +61,31 @@ def test_gpu_time_counts_kernels_once_and_not_the_ranges_around_them():
     assert own_times(prof, cuda=True) == {"_rms_norm_fwd": (3.0, 2)}
     assert own_times(prof, cuda=False) == {"_rms_norm_fwd": (3.0, 2), "Optimizer.step#AdamW.step":
                                            (900.0, 2), "aten::add": (5.0, 2)}
+
+
+def test_profiling_and_writing_the_last_step_are_not_its_time(tmp_path, monkeypatch):
+    """One real CPU run, profiled: writing the profile (slowed by 2 s here) stays out of the
+    step's logged time, which still holds the profiled step itself."""
+    import json
+    import time
+
+    from lctrain.config import load_recipe
+    from lctrain.train import step_profile
+    from lctrain.train.runner import finetune
+
+    real = step_profile.summarize
+
+    def slow(*args, **kwargs):
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_profile, "summarize", slow)
+    monkeypatch.setenv(step_profile.ENV, str(tmp_path / "prof"))
+    sets = {"data.seq_len": 128, "data.max_documents": 8, "train.warmup_steps": 1,
+            "train.max_steps": 2, "parallel.cp": 1, "checkpoint.keep": 0}
+    cfg = load_recipe(None, [f"{k}={v}" for k, v in sets.items()], output_dir=str(tmp_path / "run"))
+    assert finetune(cfg, nproc=1) == 0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    step = [json.loads(line) for line in lines][-1]["step_time_s"]
+    wall = json.loads((tmp_path / "prof" / "rank0-step2-kernels.json").read_text())["wall_ms"]
+    assert wall / 1e3 <= step < wall / 1e3 + 1.5

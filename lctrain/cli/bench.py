@@ -150,12 +150,13 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
              None, "--memory-trace", metavar="DIR", show_default=False,
              help="On GPUs, also record the allocator over each configuration's last step: "
                   "a snapshot per rank (pytorch.org/memory_viz) and a report of what was alive "
-                  "at the step's peak, into DIR/<configuration number>/."),
+                  "at the step's peak, into DIR/<configuration number>/ (written outside the "
+                  "step's time)."),
          profile: Optional[str] = typer.Option(
              None, "--profile", metavar="DIR", show_default=False,
              help="Also profile each configuration's last step: a chrome trace and a kernel "
                   "summary per rank into DIR/<configuration number>/, rank 0's time per kernel "
-                  "category in the row (--wide)."),
+                  "category in the row (--wide); written outside the step's time."),
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory against the

@@ -229,12 +229,13 @@ def run_loop(trainer: Trainer, batches: Iterator[PackedBatch], hooks: LoopHooks)
             break
         micro = list(islice(batches, trainer.grad_accum))
         last, counting = trainer.step + 1 == hooks.max_steps, trainer.step == first_step
-        with traced_step(trace if last else None, trainer.device, trainer.pmesh.rank,
-                         trainer.step + 1, trainer.distributed.module, trainer.optimizer), \
-                profiled_step(profile if last else None, trainer.device, trainer.pmesh.rank,
-                              trainer.step + 1), \
+        where = (trainer.device, trainer.pmesh.rank, trainer.step + 1)
+        with traced_step(trace if last else None, *where, trainer.distributed.module,
+                         trainer.optimizer) as traced, \
+                profiled_step(profile if last else None, *where) as profiled, \
                 AttentionCounter() if counting else contextlib.nullcontext() as counter:
             stats = trainer.train_step(micro)  # counted once: remat runs attention once a layer
+        start += traced["outside_s"] + profiled["outside_s"]  # their own work is not the step's
         calls = counter.total if counting else None
         step = trainer.step
         validate = hooks.evaluate is not None and (step == hooks.max_steps or (

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import os
 import pickle
+import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -29,19 +30,25 @@ def trace_folder() -> Path | None:
 def traced_step(folder: Path | None, device: torch.device, rank: int, step: int,
                 module: torch.nn.Module | None = None, optimizer=None):
     """Record the allocator's history around one step and write its snapshot and peak report
-    into ``folder`` (nothing without a folder or off a GPU)."""
+    into ``folder`` (nothing without a folder or off a GPU). Yields a dict whose
+    ``outside_s`` is, on exit, the seconds spent around the step (the inventory, the snapshot,
+    writing), which the step's time leaves out."""
+    spent = {"outside_s": 0.0}
     if folder is None or device.type != "cuda":
-        yield
+        yield spent
         return
+    entered = time.perf_counter()
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     alive = inventory(device, module, optimizer)
     torch.cuda.memory._record_memory_history(max_entries=_ENTRIES, stacks="python",
                                              device=device)
     try:
+        start = time.perf_counter()
         with set_checkpoint_early_stop(False):
-            yield
+            yield spent
         torch.cuda.synchronize(device)
+        step_s = time.perf_counter() - start
         snapshot = torch.cuda.memory._snapshot(device)
     finally:
         torch.cuda.memory._record_memory_history(enabled=None, device=device)
@@ -51,6 +58,7 @@ def traced_step(folder: Path | None, device: torch.device, rank: int, step: int,
         pickle.dump(snapshot, f)
     events = snapshot["device_traces"][device.index or 0]
     Path(f"{stem}-peak.txt").write_text(peak_report(events, before) + alive)
+    spent["outside_s"] = time.perf_counter() - entered - step_s
 
 
 def peak_report(events: list[dict], before: int, top: int = 30) -> str:

@@ -38,10 +38,14 @@ def profile_folder() -> Path | None:
 
 @contextlib.contextmanager
 def profiled_step(folder: Path | None, device: torch.device, rank: int, step: int):
-    """Profile the step run inside into ``folder`` (nothing when it is None)."""
+    """Profile the step run inside into ``folder`` (nothing when it is None). Yields a dict
+    whose ``outside_s`` is, on exit, the seconds spent around the step (starting and stopping
+    the profiler, writing its files), which the step's time leaves out."""
+    spent = {"outside_s": 0.0}
     if folder is None:
-        yield
+        yield spent
         return
+    entered = time.perf_counter()
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -49,16 +53,17 @@ def profiled_step(folder: Path | None, device: torch.device, rank: int, step: in
         torch.cuda.synchronize(device)
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
-        yield
+        yield spent
         if cuda:
             torch.cuda.synchronize(device)
-        wall_ms = (time.perf_counter() - start) * 1e3
+        wall = time.perf_counter() - start
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"rank{rank}-step{step}"
     prof.export_chrome_trace(f"{stem}.json")
-    summary = summarize(own_times(prof, cuda), wall_ms)
+    summary = summarize(own_times(prof, cuda), wall * 1e3)
     Path(f"{stem}-kernels.json").write_text(json.dumps(summary, indent=1) + "\n")
     Path(f"{stem}-kernels.txt").write_text(report(summary))
+    spent["outside_s"] = time.perf_counter() - entered - wall
 
 
 def own_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
