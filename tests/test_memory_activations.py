@@ -9,7 +9,7 @@ import torch
 
 from lctrain.memory import from_config_dict
 from lctrain.memory.activations import final_norm_saved, layer_saved, remat_kept
-from lctrain.memory.estimate import Setup, breakdown
+from lctrain.memory.estimate import Setup, _grads_made, breakdown
 from live_bytes import SavedBytes
 from tiny_llama import lctrain_attention
 
@@ -103,6 +103,33 @@ def test_the_activation_peak_keeps_the_measured_layers_and_final_norm(moment, dt
     else:  # beside the head's gradient, made by then
         assert per_gpu["gradients"] == vocab * arch.hidden_size * c
         assert 0 <= rest - (details["layer_backward"] - norm.total) <= slack
+
+
+def test_the_gradients_made_before_each_layers_backward_are_what_autograd_holds():
+    """A real Llama's backward on a CPU: when each layer's backward begins, the gradients already
+    accumulated are the head's and those of every layer above (and the final norm's, which the
+    model leaves out)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = {"model_type": "llama", "vocab_size": 101, "hidden_size": 64,
+              "intermediate_size": 176, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2}
+    config = LlamaConfig(**{k: v for k, v in fields.items() if k != "model_type"})
+    model = LlamaForCausalLM(config).train()
+    held = {}
+
+    def grads_now():
+        return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                   if p.grad is not None)
+
+    for i, layer in enumerate(model.model.layers):
+        layer.register_full_backward_pre_hook(lambda m, g, i=i: held.__setitem__(i, grads_now()))
+    ids = torch.randint(0, 101, (1, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    setup = Setup(arch=from_config_dict(fields), gpus=1, cp=1, layers="none", dtype="float32",
+                  fsdp=False)
+    final_norm = 4 * fields["hidden_size"]
+    assert [held[i] - final_norm for i in range(3)] == _grads_made(setup, 4, 4)
 
 
 def test_kept_during_layers_walks_the_layers_as_the_offloader_brings_them_back():
