@@ -6,11 +6,13 @@ tests/test_bench_gpu.py."""
 import warnings
 
 import pytest
+import torch
 
 from fa_contract import fa_backward, fa_forward
 from mask_cases import bounds_of
 from lctrain_kernels.backends import BackendUnavailable, get_backend
-from lctrain_kernels.backends.flash_attn_cute import CuteEngine, launches, quiet_dsl
+from lctrain_kernels.backends.flash_attn_cute import (MIN_MAX_SEQLEN, CuteEngine, Launch,
+                                                      launches, quiet_dsl)
 from lctrain_kernels.masks import MaskSpec
 from lctrain_kernels.ragged import plan_ragged
 from test_kernels_ragged import check
@@ -31,6 +33,21 @@ def test_taller_causal_pieces_run_as_a_right_window():
     assert (tall.causal, tall.right, tall.q_rows, tall.k_rows, tall.q_lens, tall.k_lens) == \
         (False, 24, (30,), (30,), (34,), (10,))
     check(spec, 64, 40, engine=ENGINE)
+
+
+def test_short_launches_tell_flash_attention_more_than_one_tile():
+    """FlashAttention 4 compiles another backward where the longest entry fits one tile (at most
+    256 rows): every launch states at least 257, so short documents compile nothing new, and a
+    long entry states its own length."""
+    engine = CuteEngine(fa_forward, fa_backward)
+    for lens in ((3,), (64, 17), (128, 256)):
+        args = engine._args(Launch(True, None, (0,) * len(lens), (0,) * len(lens), lens, lens),
+                            torch.device("cpu"))
+        assert args["max_seqlen_q"] == args["max_seqlen_k"] == MIN_MAX_SEQLEN > 256
+    args = engine._args(Launch(False, 5, (0,), (0,), (900,), (895,)), torch.device("cpu"))
+    assert (args["max_seqlen_q"], args["max_seqlen_k"]) == (900, 895)
+    spec = MaskSpec(True, 0, 0, bounds_of(3, 60, 1))  # entries far under one tile, exact results
+    check(spec, 64, 64, engine=engine)
 
 
 def test_without_flash_attention_4_the_backend_says_how_to_install_it():

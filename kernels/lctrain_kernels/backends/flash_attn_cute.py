@@ -78,6 +78,14 @@ def launches(call: RaggedCall) -> tuple[Launch, ...]:
                  for extra, group in sorted(by_shape.items()))
 
 
+MIN_MAX_SEQLEN = 257
+"""The least ``max_seqlen`` a launch tells FlashAttention 4: more than one tile of any of its
+kernels (tiles are at most 256 rows). It compiles a separate backward for a launch whose longest
+entry fits one tile, and where documents fall decides which launches those are: without the floor
+a run compiles new kernels at random steps, seconds each. An entry shorter than the bound only adds
+tiles that find no rows and end at once."""
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """(B, S, H, D) -> (B * S, H, D), a view where the layout allows."""
     return x.reshape(-1, *x.shape[2:])
@@ -106,8 +114,8 @@ class CuteEngine:
                 self._columns.pop(next(iter(self._columns)))
             self._columns[key] = (cols, dict(
                 cu_seqlens_q=cols[0], cu_seqlens_k=cols[1], seqused_q=cols[2],
-                seqused_k=cols[3], max_seqlen_q=max(launch.q_lens),
-                max_seqlen_k=max(launch.k_lens), **mask))
+                seqused_k=cols[3], max_seqlen_q=max(*launch.q_lens, MIN_MAX_SEQLEN),
+                max_seqlen_k=max(*launch.k_lens, MIN_MAX_SEQLEN), **mask))
         cols, args = self._columns[key]
         for col in cols:  # an entry dropped from the cache is not reused while a kernel reads it
             if col.is_cuda:
