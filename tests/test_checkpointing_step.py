@@ -20,6 +20,8 @@ def test_bench_step_runs_and_counts_attention(tmp_path, policy, per_layer):
     assert row["steps"] == 2 and row["policy"] == policy
     assert row["attn_fwd_per_step"] == row["attn_fwd_expected"] == per_layer * layers
     assert row["tokens_per_s"] > 0 and row["step_time_s"] > 0
+    assert len(row["step_times_s"]) == 2 and row["step_time_s"] == pytest.approx(
+        sum(row["step_times_s"]) / 2)  # the median of two is their mean
     assert row["peak_gib"] > 0 and row["model_peak_gib"] > 0
     assert row["mfu"] is None and row["peak_vs_model"] is None  # no GPU here
     assert all(0 < row[k] < 10 for k in ("loss_first", "loss_last"))  # ln(260) ≈ 5.6 at start

@@ -222,6 +222,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "steps": len(timed),
         "tokens_per_s": median(timed, "tokens_per_s"),
         "step_time_s": median(timed, "step_time_s"),
+        "step_times_s": [r.get("step_time_s") for r in timed],  # the spread behind the median
         "mfu": median(timed, "mfu"),
         "peak_gib": measured / _GIB,
         "model_peak_gib": model / _GIB,
