@@ -1,8 +1,9 @@
 """The memory model against every GPU peak measured by ``lctrain bench step`` and published in
-benchmarks/results/: the model's ``peak_allocated`` for the recipe as run is within 10 % of
-``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``), and its ``host_offload`` within
-10 % of the pinned host memory the run held (``host_gib``: the offloaders' pinned pools and
-host-resident state, counted by `lctrain.parallel.offload.host_memory_bytes`). An ``auto`` row
+benchmarks/results/: the model's ``peak_allocated`` for the recipe as run is never below
+``torch.cuda.max_memory_allocated`` (the rows' ``peak_gib``), which is at least 90 % of it;
+its ``host_offload`` is within 10 % of the pinned host memory the run held (``host_gib``: the
+offloaders' pinned pools and host-resident state, counted by
+`lctrain.parallel.offload.host_memory_bytes`). An ``auto`` row
 is estimated with the layers it ran (``checkpointing`` and ``offload``), placed for its GPU.
 
 A result file keeps the settings as they were written when it ran; `_current` spells them as
@@ -13,7 +14,7 @@ the recipe does today: the per-layer policies (``full-offload=1``, ``remat-offlo
 With the document mask on, the model budgets the attention of a row that is one document (the
 rows of a run differ, and a later row must fit too); rows of shorter documents leave blocks
 empty, which the distributed attention skips with their buffers, so there the model is a
-bound: the peak is at most 10 % above it and not below half of it. A run of one step peaks
+bound: the peak is not below half of it. A run of one step peaks
 before AdamW makes its states (``first_step_peak``)."""
 import json
 import shlex
@@ -120,10 +121,8 @@ def test_model_within_ten_percent_of_measured_peaks(recipe, overrides, row):
     est = estimate_recipe(cfg, seq_len=row["seq_len"], gpus=row["gpus"], gpu_memory=139 * GIB)
     one_step = row["warmup"] + row["steps"] == 1
     model = est.details["first_step_peak" if one_step else "peak_allocated"] / GIB
-    if cfg.data.document_mask and row["peak_gib"] < model:
-        assert row["peak_gib"] >= 0.5 * model, (row["peak_gib"], model)
-    else:
-        assert abs(row["peak_gib"] / model - 1) <= 0.10, (row["peak_gib"], model)
+    least = 0.5 if cfg.data.document_mask else 0.9
+    assert least * model <= row["peak_gib"] <= model, (row["peak_gib"], model)
     if row.get("host_gib"):
         host = est.details["host_offload"] / GIB
         assert abs(row["host_gib"] / host - 1) <= 0.10, (row["host_gib"], host)

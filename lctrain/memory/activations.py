@@ -112,12 +112,16 @@ def _attention_phase(arch, tokens, c, policy, cp, lora, head_groups, recomputed_
     out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
     full = out_lse if policy == "full" else 0
     if grouped(arch, lora, head_groups):
+        x_grad = c * t * arch.hidden_size  # the block's input gradient, summed over the groups
+        norm_backward = 0
         if arch.norm_in_attention:  # the block's backward makes the norm's output again
-            normed = norm_saved(arch, tokens, c) - c * t * arch.hidden_size  # (input: kept)
+            normed = norm_saved(arch, tokens, c) - x_grad  # (input: kept)
+            # and runs the norm's backward after the groups: its input gradient beside theirs
+            norm_backward = normed + full + 2 * x_grad
         else:
             normed = 0 if policy == "none" else recomputed_input
-        return (normed + full + grouped_workspace(arch, tokens, c, cp, head_groups)
-                + c * t * arch.hidden_size)
+        return max(normed + full + grouped_workspace(arch, tokens, c, cp, head_groups) + x_grad,
+                   norm_backward)
     recomputed = 0 if policy == "none" else (
         recomputed_input + full + c * t * (arch.q_width + 2 * arch.kv_width))
     return recomputed + attention_workspace(arch, tokens, c, cp, head_groups) + c * t * arch.q_width
