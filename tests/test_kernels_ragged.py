@@ -374,6 +374,43 @@ def test_gpu_ragged_backends_on_document_mixes_and_head_group_views(mix, backend
         assert max(errs) < 2e-2, (spec.q_start, sk, errs)
 
 
+def _blocks(bounds, n):
+    """The blocks of a 2n-token sequence that the tests run: diagonal, off-diagonal (documents
+    crossing the chunk boundary), and diagonal against half its keys (taller pieces)."""
+    return [(spec, sk) for spec, sk in ((MaskSpec(True, n, n, bounds), n),
+                                        (MaskSpec(True, n, 0, bounds), n),
+                                        (MaskSpec(True, n, n, bounds), n // 2))
+            if classify(spec, n, sk) is not Relation.EMPTY]
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attention_4_compiles_nothing_new_for_other_document_layouts():
+    """FlashAttention 4 compiles one kernel per key; a launch whose longest entry fit one tile
+    had a key of its own, so where documents fell decided what a step compiled. After one layout
+    of long pieces, layouts whose pieces are a few rows at every boundary compile nothing more
+    (and match float32 math)."""
+    backend = gpu_backend("flash_attn_cute")
+    from flash_attn.cute import interface
+    caches = [getattr(interface, name).compile_cache.cache
+              for name in ("_flash_attn_fwd", "_flash_attn_bwd")]
+    n = 4096
+
+    def run(bounds):
+        for spec, sk in _blocks(bounds, n):
+            errs = gpu_errors(backend, spec, *gpu_case(spec, n, sk, 8, 2, batch=1))
+            assert max(errs) < 2e-2, (bounds, spec, sk, errs)
+
+    run(bounds_of(2000, 4000, 2192))
+    compiled = [len(cache) for cache in caches]
+    rng = random.Random(int(torch.randint(0, 1 << 30, ())))
+    for _ in range(3):  # a few rows either side of the chunk boundary and of the half-keys one
+        a, b, c = (rng.randint(1, 60) for _ in range(3))
+        tiny = [rng.randint(1, 60) for _ in range(rng.randint(1, 4))]
+        lengths = [n - a, a + b, *tiny, n // 2 - b - sum(tiny) + c]
+        run(bounds_of(*lengths, 2 * n - sum(lengths)))
+    assert [len(cache) for cache in caches] == compiled
+
+
 @pytest.mark.gpu
 def test_gpu_auto_runs_document_masks_on_a_ragged_backend_through_the_attention_api():
     """The model's path: attention() with cu_seqlens under autograd, q/k/v transposed views of
