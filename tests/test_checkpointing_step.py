@@ -24,6 +24,7 @@ def test_bench_step_runs_and_counts_attention(tmp_path, policy, per_layer):
         sum(row["step_times_s"]) / 2)  # the median of two is their mean
     assert row["peak_gib"] > 0 and row["model_peak_gib"] > 0
     assert row["mfu"] is None and row["peak_vs_model"] is None  # no GPU here
+    assert row["alloc_retries"] is None  # CUDA's allocator only
     assert all(0 < row[k] < 10 for k in ("loss_first", "loss_last"))  # ln(260) ≈ 5.6 at start
     data = json.loads(result.to_json())
     assert data["rows"][0]["attn_fwd_per_step"] == per_layer * layers
@@ -67,3 +68,13 @@ def test_bench_step_profiles_the_last_step(tmp_path):
     assert row["profile_wall_ms"] == summary["wall_ms"] > 0
     assert row["profile_matmul_ms"] == cats["matmul"]
     assert "device time by category" in (folder / "rank0-step2-kernels.txt").read_text()
+
+
+def test_a_rows_allocator_retries_are_those_of_its_timed_steps():
+    """GPU runs log the caching allocator's retries so far; a row counts the timed steps' own."""
+    from lctrain.bench.step import _timed_retries
+
+    records = [{"step": s, "alloc_retries": n} for s, n in enumerate((0, 3, 3, 7), 1)]
+    assert _timed_retries(records, records[2:]) == 4  # two warm-up steps
+    assert _timed_retries(records, records) == 7  # none
+    assert _timed_retries([{"step": 1}], [{"step": 1}]) is None  # a CPU run logs none

@@ -28,7 +28,10 @@ def _losses(out: Path, *sets: str, steps: int = 8) -> list[float]:
     assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-1500:]
     assert "lctrain " in run.stdout and "first steps:" in run.stdout  # versions, one-time costs
     assert (out / "environment.json").is_file()
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    retries = [r["alloc_retries"] for r in records]  # the allocator's, so far: never fewer
+    assert retries == sorted(retries) and all(isinstance(n, int) and n >= 0 for n in retries)
+    return [r["loss"] for r in records]
 
 
 def _max_rel(a: list[float], b: list[float]) -> float:

@@ -223,6 +223,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "tokens_per_s": median(timed, "tokens_per_s"),
         "step_time_s": median(timed, "step_time_s"),
         "step_times_s": [r.get("step_time_s") for r in timed],  # the spread behind the median
+        "alloc_retries": _timed_retries(records, timed),
         "mfu": median(timed, "mfu"),
         "peak_gib": measured / _GIB,
         "model_peak_gib": model / _GIB,
@@ -238,6 +239,15 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "loss_last": records[-1]["loss"] if records else None,
         "status": "ok",
     }
+
+
+def _timed_retries(records: list[dict], timed: list[dict]) -> int | None:
+    """The caching allocator's retries during the timed steps (None off a GPU)."""
+    if not timed or "alloc_retries" not in timed[-1]:
+        return None
+    first = records.index(timed[0])
+    before = records[first - 1].get("alloc_retries", 0) if first else 0
+    return timed[-1]["alloc_retries"] - before
 
 
 def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:

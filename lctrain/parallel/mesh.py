@@ -121,3 +121,11 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def allocator_retries(device: torch.device) -> int:
+    """How often CUDA's caching allocator has freed its cache and retried an allocation that
+    failed (each a synchronising stall: the step ran at the GPU's capacity); 0 off a GPU."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))

@@ -18,7 +18,7 @@ from lctrain.train.metrics import MetricsLog
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
            "eval_loss": "eval/loss", "tokens_per_s": "perf/tokens_per_s",
            "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
-           "attention_balance": "perf/attention_balance"}
+           "attention_balance": "perf/attention_balance", "alloc_retries": "perf/alloc_retries"}
 """metrics.jsonl key -> TensorBoard (and W&B, MLflow) tag."""
 
 PACKAGED = ("tensorboard", "wandb", "mlflow")
