@@ -75,6 +75,7 @@ def test_a_rows_allocator_retries_are_those_of_its_timed_steps():
     from lctrain.bench.step import _timed_retries
 
     records = [{"step": s, "alloc_retries": n} for s, n in enumerate((0, 3, 3, 7), 1)]
-    assert _timed_retries(records, records[2:]) == 4  # two warm-up steps
-    assert _timed_retries(records, records) == 7  # none
-    assert _timed_retries([{"step": 1}], [{"step": 1}]) is None  # a CPU run logs none
+    assert _timed_retries(records, 2) == 4  # two warm-up steps
+    assert _timed_retries(records, 0) == 7  # none
+    assert _timed_retries(records[1:2], 1) == 3  # a warm-up step only: it is the row's step
+    assert _timed_retries([{"step": 1}], 0) is None  # a CPU run logs none

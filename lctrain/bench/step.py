@@ -223,7 +223,7 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "tokens_per_s": median(timed, "tokens_per_s"),
         "step_time_s": median(timed, "step_time_s"),
         "step_times_s": [r.get("step_time_s") for r in timed],  # the spread behind the median
-        "alloc_retries": _timed_retries(records, timed),
+        "alloc_retries": _timed_retries(records, warmup),
         "mfu": median(timed, "mfu"),
         "peak_gib": measured / _GIB,
         "model_peak_gib": model / _GIB,
@@ -241,13 +241,12 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
     }
 
 
-def _timed_retries(records: list[dict], timed: list[dict]) -> int | None:
-    """The caching allocator's retries during the timed steps (None off a GPU)."""
-    if not timed or "alloc_retries" not in timed[-1]:
+def _timed_retries(records: list[dict], warmup: int) -> int | None:
+    """The caching allocator's retries after the ``warmup`` steps (None off a GPU)."""
+    if not records or "alloc_retries" not in records[-1]:
         return None
-    first = records.index(timed[0])
-    before = records[first - 1].get("alloc_retries", 0) if first else 0
-    return timed[-1]["alloc_retries"] - before
+    before = records[warmup - 1]["alloc_retries"] if 0 < warmup < len(records) else 0
+    return records[-1]["alloc_retries"] - before
 
 
 def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
