@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 
 @dataclass(eq=False)
@@ -58,6 +59,28 @@ def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup
             offset += g.numel()
 
 
+class ComputePoolReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter with its buffers from the compute stream's memory pool.
+
+    FSDP2 allocates each unit's reduce-scatter output, the sharded float32 gradient that lives
+    until the optimizer step, on its reduce-scatter stream. The caching allocator never lends one
+    stream's free memory to another, so the whole model's sharded gradients stay reserved on that
+    stream through the next forward while the compute stream reserves its own memory for the
+    activations: the sum of two peaks that never meet. Taken from the compute stream's pool, the
+    gradients' memory holds activations once the optimizer step has freed it."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        using = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self.stream):
+            out = torch.empty(*size, dtype=dtype, device=device)
+        if using != self.stream:  # reused only once the reduce-scatter stream is past it
+            out.record_stream(using)
+        return out
+
+
 def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: DeviceMesh | None,
                strategy: str, param_dtype: torch.dtype | None = torch.bfloat16,
                reshard_after_forward: bool = True, offload: bool = False) -> Distributed:
@@ -86,6 +109,10 @@ def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: De
             unit.set_gradient_divide_factor(1.0)
         else:  # torch releases before set_gradient_divide_factor
             unit.set_reduce_scatter_divide_factor(1.0)
+    if cuda:  # the sharded gradients in the compute stream's memory, which the forward reuses
+        pool = ComputePoolReduceScatter(torch.cuda.current_stream())
+        for unit in units:
+            unit.set_custom_reduce_scatter(pool)
     norm_device = torch.device("cuda", torch.cuda.current_device()) if offload and cuda else None
     return Distributed(module, strategy, group, post_scale=1.0 if cuda else float(world),
                        norm_device=norm_device)  # off CUDA: the mean scaled back to the sum
