@@ -8,13 +8,14 @@ import json
 import shlex
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from lctrain.cli import app
 from lctrain.config import LayerPlan, load_recipe
 from lctrain.memory import estimate, estimate_recipe, load_architecture
 from lctrain.memory.activations import input_kept, kept_during_layers, remat_kept
-from lctrain.memory.estimate import Setup
+from lctrain.memory.estimate import Setup, breakdown
 from lctrain.memory.placement import place
 from lctrain.memory.plan import Machine, fastest, longest
 from lctrain.memory.recipe import plan_recipe
@@ -88,15 +89,15 @@ def test_with_room_to_spare_nothing_is_traded_for_memory():
 
 def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
     """A 7B model (bf16 weights and states) on one 139 GiB GPU: short sequences keep every
-    activation; then remat keeps the attention outputs on the GPU, every layer alike (``auto``
-    keeps no layer whole beside remat ones: that was not faster); then some layers wait in host
-    memory (copies overlap compute); without host memory, attention is recomputed."""
+    activation; then remat keeps the attention outputs on the GPU, the top layers whole where
+    the peak leaves room; then some layers wait in host memory (copies overlap compute); without
+    host memory, attention is recomputed."""
     machine = Machine(1, 139 * GIB, 251 * GIB, 1)
     base = _base(gpus=1, master_dtype="bfloat16")
     short = fastest(base, machine, 16 * 1024, _chunks).setup
     assert (short.policy, short.tile_tokens, short.head_groups) == ("none", 0, 1)
     remat = fastest(base, machine, 128 * 1024, _chunks).setup
-    assert (remat.policy, remat.layers.parked) == ("remat", 0)
+    assert remat.layers.runs[0][0] == "remat" and remat.layers.parked == 0
     hosted = fastest(base, machine, 192 * 1024, _chunks)
     assert hosted.setup.layers.checkpointing == "remat" and hosted.setup.layers.parked > 0
     assert hosted.setup.layers.state == "none"
@@ -104,6 +105,30 @@ def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
     assert {name for name, _ in no_host.setup.layers.runs} == {"remat", "full"}
     assert no_host.setup.layers.offload == "none"
     assert no_host.details["host_offload"] == 0 and no_host.step_s > hosted.step_s
+
+
+def test_auto_keeps_the_top_layers_whole_while_the_peak_fits():
+    """Where every layer fits remat on the GPU, ``auto`` keeps the most top layers whole (no
+    recompute) whose peak, with the allocator's headroom, fits the GPU: one more would not."""
+    gen = torch.Generator().manual_seed(torch.initial_seed())
+    model = ["llama-7b", "llama3.1-8b"][int(torch.randint(2, (1,), generator=gen))]
+    seq_len = 1024 * int(torch.randint(32, 129, (1,), generator=gen))
+    gpu = 139 * GIB
+    setup = Setup(arch=load_architecture(model), gpus=2, cp=2, layers=LayerPlan.parse("auto"),
+                  gpu_memory=gpu)
+    layers = setup.arch.num_layers
+
+    def plan(whole: int) -> LayerPlan:
+        return LayerPlan.parse(f"remat={layers - whole},none={whole}" if whole < layers else "none")
+
+    placed = LayerPlan.parse(breakdown(setup, seq_len)[1]["checkpointing"])
+    whole = placed.kinds(layers).count("none")
+    assert placed.kinds(layers) == plan(whole).kinds(layers) and placed.parked == 0
+
+    def total(whole: int) -> int:
+        return breakdown(dataclasses.replace(setup, layers=plan(whole)), seq_len)[0]["total"]
+
+    assert total(whole) <= gpu and (whole == layers or total(whole + 1) > gpu), (model, seq_len)
 
 
 def test_choices_are_what_their_commands_run(tmp_path):

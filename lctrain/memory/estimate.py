@@ -188,9 +188,8 @@ def _transients(setup: Setup, tokens: int, c: int, kinds: set[str]) -> dict:
 
 
 def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> LayerPlan:
-    """``auto``'s placement in what the peak leaves, then the host budget. Room to spare stays
-    free: layers kept whole (no recompute) were no faster at full depth, and slower under FSDP2
-    (docs/performance.md, whole layers)."""
+    """``auto``'s placement in what the peak leaves, then the host budget; where every layer is
+    remat on the GPU, the top layers kept whole (no recompute) while the peak stays in it."""
     arch, layers = setup.arch, setup.arch.num_layers
     host_room = (setup.host_budget or 0) - host_state
     limit = int((setup.gpu_memory - CONTEXT_BYTES) / (1 + FRAGMENTATION))  # peak with headroom
@@ -204,7 +203,19 @@ def _placed(setup: Setup, tokens: int, c: int, fixed: int, host_state: int) -> L
             break
     if found is None:
         return setup.layers.placed((("full", layers),), layers)
-    return setup.layers.placed(*found)
+    if found != ((("remat", layers),), 0):
+        return setup.layers.placed(*found)
+
+    def peak(whole: int) -> int:
+        kinds = ("remat",) * (layers - whole) + ("none",) * whole
+        parts = _activation_phase(setup, tokens, c, kinds, (False,) * layers, made)
+        return fixed + parts["saved_now"] + parts["transient"]
+
+    whole = 0
+    while whole < layers and peak(whole + 1) <= limit:
+        whole += 1
+    runs = tuple((kind, n) for kind, n in (("remat", layers - whole), ("none", whole)) if n)
+    return setup.layers.placed(runs, 0)
 
 
 def _fsdp_buffers(setup: Setup, c: int) -> tuple[int, int, int]:
