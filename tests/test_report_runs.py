@@ -114,3 +114,21 @@ def test_the_banner_names_versions_and_one_time_costs(tmp_path):
     named = one_time_costs("cuda", "flash_attn_cute", document_mask=True)
     assert any("compiling FlashAttention 4's kernels" in c for c in named)
     assert not any("autotuning" in c or "cuDNN plans" in c for c in named)
+
+
+def test_the_recorded_commit_is_the_checkout_s_or_the_one_named(monkeypatch):
+    """Results name the code that ran: the checkout's commit (``+changes`` when its files
+    differ), or ``LCTRAIN_COMMIT`` where the code was copied to a machine whose git folder
+    cannot say."""
+    import subprocess
+
+    from lctrain.report.versions import environment
+
+    monkeypatch.delenv("LCTRAIN_COMMIT", raising=False)
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                          text=True).stdout.strip()
+    recorded = environment()["lctrain_commit"]
+    assert recorded in (head or None, f"{head}+changes")
+    monkeypatch.setenv("LCTRAIN_COMMIT", "abc1234")
+    assert environment()["lctrain_commit"] == "abc1234"

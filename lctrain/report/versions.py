@@ -63,8 +63,11 @@ def environment() -> dict:
 
 
 def _commit() -> str | None:
-    """The commit of the lctrain checkout that runs ("+changes" when its files differ from it);
-    ``LCTRAIN_COMMIT`` names it where the code travelled without its git folder; None else."""
+    """The commit of the lctrain checkout that runs ("+changes" when its files differ from it),
+    or ``LCTRAIN_COMMIT`` where set: code copied to another machine without its git folder, or
+    with a stale one; None else."""
+    if os.environ.get("LCTRAIN_COMMIT"):
+        return os.environ["LCTRAIN_COMMIT"]
     root = Path(__file__).resolve().parents[2]
     try:
         run = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True,
@@ -73,7 +76,7 @@ def _commit() -> str | None:
         dirty = run(["git", "status", "--porcelain", "--untracked-files=no", "--", "lctrain",
                      "kernels"]).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("LCTRAIN_COMMIT") or None
+        return None
     return commit + ("+changes" if dirty else "") if commit else None
 
 
