@@ -31,6 +31,9 @@ def _losses(out: Path, *sets: str, steps: int = 8) -> list[float]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     retries = [r["alloc_retries"] for r in records]  # the allocator's, so far: never fewer
     assert retries == sorted(retries) and all(isinstance(n, int) and n >= 0 for n in retries)
+    reserved = [r["peak_reserved_bytes"] for r in records]  # never under what it held
+    assert reserved == sorted(reserved)
+    assert all(r["peak_reserved_bytes"] >= r["peak_memory_bytes"] > 0 for r in records)
     return [r["loss"] for r in records]
 
 

@@ -204,3 +204,18 @@ def test_a_tracker_that_fails_mid_run_is_dropped_and_training_goes_on(offline, c
                                                          "metrics at step 2 (")
     assert [json.loads(line)["loss"] for line in (offline / "run" / "metrics.jsonl").open()] == \
         [2.5, 2.0, 1.5]
+
+
+def test_a_gpu_record_gives_its_memory_peaks_in_gib_and_drops_what_is_not_finite():
+    """A GPU step's record: every scalar of `SCALARS` it has, its allocated and reserved peaks in
+    GiB; a missing MFU (unknown GPU) or a NaN loss gives no point."""
+    import random
+
+    from lctrain.train.tracking import scalars
+
+    peak, reserved = (random.randrange(1, 1 << 40) for _ in range(2))
+    record = {"step": 3, "loss": float("nan"), "lr": 1e-4, "mfu": None, "alloc_retries": 2,
+              "peak_memory_bytes": peak, "peak_reserved_bytes": peak + reserved}
+    assert scalars(record) == {"train/lr": 1e-4, "perf/alloc_retries": 2.0,
+                               "perf/peak_memory_gib": peak / 2**30,
+                               "perf/peak_reserved_gib": (peak + reserved) / 2**30}

@@ -226,6 +226,8 @@ def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers
         "alloc_retries": _timed_retries(records, warmup),
         "mfu": median(timed, "mfu"),
         "peak_gib": measured / _GIB,
+        "reserved_gib": (max(r["peak_reserved_bytes"] for r in records) / _GIB
+                         if records and "peak_reserved_bytes" in records[-1] else None),
         "model_peak_gib": model / _GIB,
         "model_step_s": predicted["step_seconds"] if cuda else None,  # a GPU's time
         "model_total_gib": predicted["total"] / _GIB,

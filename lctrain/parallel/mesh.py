@@ -123,9 +123,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def allocator_retries(device: torch.device) -> int:
-    """How often CUDA's caching allocator has freed its cache and retried an allocation that
-    failed (each a synchronising stall: the step ran at the GPU's capacity); 0 off a GPU."""
+def allocator_figures(device: torch.device) -> tuple[int, int]:
+    """CUDA's caching allocator so far: (the most bytes it reserved, which is what fills the GPU
+    beside the context; how often it freed its cache and retried an allocation that failed, each
+    a synchronising stall at the GPU's capacity); (0, 0) off a GPU."""
     if device.type != "cuda":
-        return 0
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("reserved_bytes.all.peak", 0)), int(stats.get("num_alloc_retries", 0))

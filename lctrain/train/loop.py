@@ -23,7 +23,7 @@ from lctrain.model.structure import head_inputs
 from lctrain.parallel.activation_checkpoint import AttentionCounter
 from lctrain.parallel.context import ContextParallel
 from lctrain.parallel.fsdp import Distributed
-from lctrain.parallel.mesh import ParallelMesh, allocator_retries, peak_memory_bytes
+from lctrain.parallel.mesh import ParallelMesh, allocator_figures, peak_memory_bytes
 from lctrain_kernels.api import chunked_cross_entropy
 from lctrain.train.memory_trace import trace_folder, traced_step
 from lctrain.train.nonfinite import Diverged, NonFiniteSteps, Settled, poison_if_nonfinite
@@ -161,26 +161,27 @@ class Trainer:
         return bad.item() == 0
 
     def reduce_for_log(self, stats: dict[str, Any],
-                       attn_units: int) -> tuple[float, float, float, int, int, Settled]:
-        """(mean loss, gradient norm, attention units, peak memory, allocator retries, skipped
-        steps) in one all-reduce; memory figures are the most of any rank."""
+                       attn_units: int) -> tuple[float, float, float, tuple[int, int, int], Settled]:
+        """(mean loss, gradient norm, attention units, (peak memory, peak reserved, allocator
+        retries), skipped steps) in one all-reduce; memory figures are the most of any rank."""
         world, rank = self.pmesh.world_size, self.pmesh.rank
-        memory = torch.zeros(2 * world, dtype=torch.float64, device=self.device)  # a slot per
-        memory[rank] = float(peak_memory_bytes(self.device))         # rank: the SUM is a gather
-        memory[world + rank] = float(allocator_retries(self.device))
+        slots = [0.0] * (3 * world)  # a slot per figure and rank: the SUM is a gather
+        figures = (peak_memory_bytes(self.device), *allocator_figures(self.device))
+        for i, figure in enumerate(figures):
+            slots[i * world + rank] = float(figure)
         local = torch.cat([stats["loss_sum"].double().reshape(1),
-                           torch.tensor([float(attn_units)], dtype=torch.float64,
-                                        device=self.device), memory])
+                           torch.tensor([float(attn_units), *slots], dtype=torch.float64,
+                                        device=self.device)])
         if self.pmesh.world_group is not None:
             dist.all_reduce(local, group=self.pmesh.world_group)
         already_global = torch.cat([torch.stack([stats["count"], stats["grad_norm"].float()]),
                                     self.nonfinite.counters()]).double()
         values = torch.cat([local, already_global]).tolist()
         loss_sum, units, count, norm = values[0], values[1], values[-5], values[-4]
-        peak, retries = int(max(values[2:2 + world])), int(max(values[2 + world:2 + 2 * world]))
+        most = tuple(int(max(values[2 + i * world:2 + (i + 1) * world])) for i in range(3))
         settled = self.settle(values[-3:])
-        return (loss_sum / max(count, 1.0), norm, units / self.pmesh.cp, peak,  # cp ranks share
-                retries, settled)
+        units /= self.pmesh.cp  # the cp ranks of a sequence share its attention
+        return loss_sum / max(count, 1.0), norm, units, most, settled
 
 
 def attention_units(micro: list[PackedBatch]) -> int:
@@ -262,7 +263,8 @@ def _log(trainer: Trainer, hooks: LoopHooks, stats: dict, attn_units: int, start
          saving: float, calls: int | None, validate: bool) -> dict:
     """Reduce, record and write a step's figures (``saving``: seconds waited for a save)."""
     hooks.mark("log", trainer.step)
-    loss, grad_norm, units, peak, retries, settled = trainer.reduce_for_log(stats, attn_units)
+    loss, grad_norm, units, memory, settled = trainer.reduce_for_log(stats, attn_units)
+    peak, reserved, retries = memory
     elapsed = time.perf_counter() - start
     mfu = None
     if hooks.peak_flops and elapsed > 0:
@@ -273,7 +275,7 @@ def _log(trainer: Trainer, hooks: LoopHooks, stats: dict, attn_units: int, start
               "step_time_s": elapsed, "lr": stats["lr"], "grad_norm": grad_norm,
               "peak_memory_bytes": peak, "mfu": mfu}  # peak: the most of any rank
     if trainer.device.type == "cuda":  # so far in the run, on the rank with the most
-        record["alloc_retries"] = retries
+        record["peak_reserved_bytes"], record["alloc_retries"] = reserved, retries
     if calls is not None:
         record["attention_forward_calls"] = calls
     if trainer.work_balance is not None:  # the busiest cp rank's attention work over the mean

@@ -40,12 +40,13 @@ def check_report_to(cfg: RecipeConfig) -> None:
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """The tags and finite values of one metrics record (`SCALARS`, perf/peak_memory_gib)."""
+    """The tags and finite values of one metrics record (`SCALARS`, and memory peaks in GiB)."""
     out = {tag: float(record[key]) for key, tag in SCALARS.items()
            if isinstance(record.get(key), (int, float)) and math.isfinite(record[key])}
-    peak = record.get("peak_memory_bytes")
-    if isinstance(peak, (int, float)):
-        out["perf/peak_memory_gib"] = peak / (1 << 30)
+    for key, tag in (("peak_memory_bytes", "perf/peak_memory_gib"),
+                     ("peak_reserved_bytes", "perf/peak_reserved_gib")):
+        if isinstance(record.get(key), (int, float)):
+            out[tag] = record[key] / (1 << 30)
     return out
 
 
