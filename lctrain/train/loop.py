@@ -160,8 +160,8 @@ class Trainer:
             dist.all_reduce(bad, group=self.pmesh.world_group)
         return bad.item() == 0
 
-    def reduce_for_log(self, stats: dict[str, Any],
-                       attn_units: int) -> tuple[float, float, float, tuple[int, int, int], Settled]:
+    def reduce_for_log(self, stats: dict[str, Any], attn_units: int
+                       ) -> tuple[float, float, float, tuple[int, int, int], Settled]:
         """(mean loss, gradient norm, attention units, (peak memory, peak reserved, allocator
         retries), skipped steps) in one all-reduce; memory figures are the most of any rank."""
         world, rank = self.pmesh.world_size, self.pmesh.rank
