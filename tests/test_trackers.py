@@ -209,11 +209,11 @@ def test_a_tracker_that_fails_mid_run_is_dropped_and_training_goes_on(offline, c
 def test_a_gpu_record_gives_its_memory_peaks_in_gib_and_drops_what_is_not_finite():
     """A GPU step's record: every scalar of `SCALARS` it has, its allocated and reserved peaks in
     GiB; a missing MFU (unknown GPU) or a NaN loss gives no point."""
-    import random
+    import torch
 
     from lctrain.train.tracking import scalars
 
-    peak, reserved = (random.randrange(1, 1 << 40) for _ in range(2))
+    peak, reserved = (int(n) for n in torch.randint(1, 1 << 40, (2,)))  # the run's seed
     record = {"step": 3, "loss": float("nan"), "lr": 1e-4, "mfu": None, "alloc_retries": 2,
               "peak_memory_bytes": peak, "peak_reserved_bytes": peak + reserved}
     assert scalars(record) == {"train/lr": 1e-4, "perf/alloc_retries": 2.0,
