@@ -3,7 +3,8 @@
 The embedded tiny recipe on every GPU over NCCL, cp = the number of GPUs, as a user starts it
 (``python -m lctrain finetune``, which launches one process per GPU):
 
-* float32 with FSDP2 on and off: the same computation, so the same losses.
+* float32 with FSDP2 on and off, and on with its CPU offload (parameters, gradients and AdamW
+  states on the host): the same computation, so the same losses.
 """
 from __future__ import annotations
 
@@ -42,8 +43,11 @@ def _max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 
-def test_fsdp_on_and_off_train_alike_on_every_gpu(tmp_path):
+def test_fsdp_on_off_and_offloaded_train_alike_on_every_gpu(tmp_path):
     off = _losses(tmp_path / "off", "parallel.fsdp=off", "train.mixed_precision=no")
     on = _losses(tmp_path / "on", "parallel.fsdp=on", "train.mixed_precision=no")
+    host = _losses(tmp_path / "host", "parallel.fsdp=on", "train.mixed_precision=no",
+                   "train.offload=state")
     assert _max_rel(off, on) < 1e-3 and on[-1] < on[0]
+    assert _max_rel(off, host) < 1e-3
 
