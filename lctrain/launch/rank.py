@@ -63,6 +63,12 @@ def group_timeout(cfg: RecipeConfig) -> timedelta:
     return timedelta(seconds=seconds + max(10.0, seconds / 10))
 
 
+def group_backend(cuda: bool) -> str:
+    """The default group's backends: on GPUs NCCL, with gloo beside it for host tensors (FSDP2's
+    CPU offload keeps the gradients on the host, and their norm is reduced over the world)."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def nccl_wait(cfg: RecipeConfig) -> float:
     """Seconds from a hang report until torch's NCCL timeout has dumped and aborted."""
     return group_timeout(cfg).total_seconds() - cfg.train.collective_timeout + 30.0
@@ -101,8 +107,7 @@ def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
                 if cuda:
                     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
                     nccl_flight_recorder(launch_dir(cfg))
-                dist.init_process_group("nccl" if cuda else "gloo",
-                                        init_method=f"file://{args.store}",
+                dist.init_process_group(group_backend(cuda), init_method=f"file://{args.store}",
                                         rank=int(os.environ["RANK"]),
                                         world_size=int(os.environ["WORLD_SIZE"]),
                                         timeout=group_timeout(cfg))
@@ -163,7 +168,7 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     store_dir = None
     if not dist.is_initialized():  # neither the caller's nor accelerate's: a one-rank group
         store_dir = tempfile.mkdtemp(prefix="lctrain-pg-")
-        dist.init_process_group("nccl" if accelerator.device.type == "cuda" else "gloo",
+        dist.init_process_group(group_backend(accelerator.device.type == "cuda"),
                                 init_method=f"file://{os.path.join(store_dir, 'store')}",
                                 rank=0, world_size=1, timeout=timeout)
     try:
