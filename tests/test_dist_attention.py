@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from lctrain_kernels import attention_with_lse, dist_attention, dist_attention_with_lse
 from lctrain_kernels.distributed import make_schedule, shard, unshard
+from lctrain_kernels.distributed.balance import balanced_split
 from lctrain_kernels.masks import MaskSpec
 from lctrain_kernels.reference import reference_forward
 from spawn import run_on_ranks
@@ -119,8 +120,14 @@ def _docs_blocks(n_total: int):  # documents that leave whole blocks empty
     return (0, q - 1, q + 2, 3 * q, n_total)
 
 
+def _docs_uneven(n_total: int):  # distflash's shared block split off its half
+    bounds = (0, n_total // 3, n_total)
+    assert balanced_split([b - a for a, b in zip(bounds, bounds[1:])], n_total, 2) != 0.5
+    return bounds
+
+
 def test_two_ranks_every_schedule_and_mask():
-    phases = [(None, _cases(2, docs=(_docs_inside, _docs_blocks)))]
+    phases = [(None, _cases(2, docs=(_docs_inside, _docs_blocks, _docs_uneven)))]
     _check(run_on_ranks(_worker, 2, phases), phases)
 
 

@@ -104,8 +104,8 @@ def test_packed_documents_reach_every_variant_and_count_useful_flops():
 
 @pytest.mark.parametrize("balance", [True, False])
 def test_the_balance_figure_is_the_documents_own_in_the_order_timed(balance):
-    """A long last document leaves rank 1 with most of the work in packed order; balanced, it
-    moves to the front and straddles the ranks' boundary."""
+    """A long last document leaves rank 1 with most of the work in packed order, even with all
+    the shared block's rows but one on rank 0; balanced, it straddles the ranks' boundary."""
     result = run([64], ["distflash"], nproc=2, heads=2, kv_heads=1, head_dim=8, dtype=torch.float32,
                  repeats=1, warmup=0, check_len=32, documents="6,6,6,6,rest",
                  overlap_ablation=False, peers=False, balance_documents=balance)
@@ -115,4 +115,4 @@ def test_the_balance_figure_is_the_documents_own_in_the_order_timed(balance):
     row = next(r for r in result.rows if r["variant"] == "distflash")
     assert row["status"] == "ok" and row["correct"] is True
     assert row["balance"] == pytest.approx(max(work) * 2 / sum(work))
-    assert (row["balance"] < 1.2) == balance  # packed: 656 of 904 pairs on rank 1
+    assert (row["balance"] < 1.1) == balance  # packed: 528 of 904 pairs on rank 1

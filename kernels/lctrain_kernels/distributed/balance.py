@@ -1,45 +1,72 @@
-"""Balancing packed documents over the ranks: an order of the documents that evens out the work.
+"""Balancing packed documents over the ranks: an order of the documents, and where distflash splits
+its shared blocks, that even out the work.
 
 A packed row does only the pairs inside each document, and where the documents lie decides which
 rank does them. Attention never crosses a document, so the documents may stand in any order with the
 same losses. :func:`balanced_order` counts the visible pairs of every block of the schedule's plan
 (:func:`document_work`, exact integers), starts from the given order and a few sorted ones, then
-swaps documents while that lowers the busiest rank's work, within a fixed budget. Host integers
-only: every rank finds the same order."""
+swaps documents while that lowers the busiest rank's work, within a fixed budget. Documents move
+whole, so a few long ones cannot always be dealt evenly; distflash on an even number of ranks
+splits its distance-P/2 blocks by query rows between two ranks, and :func:`balanced_split` moves
+that split, in steps of 1/`SPLITS` of a rank's rows, to where the busiest rank does the least.
+Host integers only: every rank finds the same order and split."""
 from __future__ import annotations
 
 import functools
+from fractions import Fraction
 
 import numpy as np
 
 from lctrain_kernels.distributed.layout import local_spans
-from lctrain_kernels.distributed.schedule import make_schedule
+from lctrain_kernels.distributed.schedule import ALL, HALF, Rows, make_schedule
 
 EVALUATIONS = 400  # cost evaluations a search may spend (each a few tens of microseconds)
 MOVED = 8  # how many of the longest documents the swap search moves
 GOOD_ENOUGH = 1.01  # the search stops once the busiest rank is within this factor of the mean
+SPLITS = 64  # distflash's shared blocks split their query rows at a multiple of 1/SPLITS
+
+
+def _spans(seq_len: int, world_size: int, layout: str, owner: int, rows, n_local: int):
+    return local_spans(seq_len, world_size, owner, layout, *rows.resolve(n_local))
 
 
 @functools.lru_cache(maxsize=64)
-def _regions(seq_len: int, world_size: int, kind: str) -> tuple[np.ndarray, ...]:
-    """The global query and key ranges of every block of the schedule's causal forward plan,
-    with the rank that computes it: arrays ``rank, qa, qb, ka, kb`` of one entry per region."""
+def _regions(seq_len: int, world_size: int, kind: str, granules: int):
+    """The global query and key ranges of the schedule's causal forward plan: ``cols``, arrays
+    ``rank, qa, qb, ka, kb`` with first one entry per region of every block that is not split,
+    then the regions of distflash's split blocks cut into ``granules`` runs of query rows;
+    ``fixed``, how many come first; ``granule``, the (pair × granules + run) of each later one;
+    ``pairs``, the (rank before the split, rank after it) of each pair of split blocks."""
     schedule = make_schedule(world_size, kind)
     n_local = seq_len // world_size
-    rows = []
+
+    def regions(rank, q_owner, q_rows, kv_owner, kv_rows):
+        qs = _spans(seq_len, world_size, schedule.layout, q_owner, q_rows, n_local)
+        ks = _spans(seq_len, world_size, schedule.layout, kv_owner, kv_rows, n_local)
+        return [(rank, q0, q0 + ql, k0, k0 + kl) for _, q0, ql in qs for _, k0, kl in ks]
+
+    rows, pairs = [], []
     for step in schedule.plan("forward", True).steps:
         for b in step.blocks:
-            qs = local_spans(seq_len, world_size, b.q_owner, schedule.layout,
-                             *b.q_rows.resolve(n_local))
-            ks = local_spans(seq_len, world_size, b.kv_owner, schedule.layout,
-                             *b.kv_rows.resolve(n_local))
-            rows += [(b.rank, q0, q0 + ql, k0, k0 + kl) for _, q0, ql in qs for _, k0, kl in ks]
-    return tuple(np.array(col, dtype=np.int64) for col in zip(*rows))
+            if b.q_owner != b.kv_owner and b.q_rows != ALL:  # a split block: granules below
+                if b.rank == b.q_owner:
+                    pairs.append((b.rank, b.kv_owner))
+                continue
+            rows += regions(b.rank, b.q_owner, b.q_rows, b.kv_owner, b.kv_rows)
+    fixed, granule = len(rows), []
+    for i, (head, tail) in enumerate(pairs):  # head owns the queries, computes those before
+        for g in range(granules):
+            got = regions(head, head, Rows(Fraction(g, granules), Fraction(g + 1, granules)),
+                          tail, ALL)
+            rows += got
+            granule += [i * granules + g] * len(got)
+    cols = tuple(np.array(c, dtype=np.int64) for c in zip(*rows))
+    return cols, fixed, np.array(granule, dtype=np.int64), tuple(pairs)
 
 
-def _work(regions: tuple[np.ndarray, ...], lengths: np.ndarray, world_size: int) -> np.ndarray:
-    """Visible causal pairs per rank for documents of ``lengths`` in that order."""
-    rank, qa0, qb0, ka0, kb0 = (r[:, None] for r in regions)
+def _pairs(cols: tuple[np.ndarray, ...], lengths: np.ndarray) -> np.ndarray:
+    """Visible causal pairs of every region for documents of ``lengths`` in that order."""
+    _, qa0, qb0, ka0, kb0 = (c[:, None] for c in cols)
     ends = np.cumsum(lengths)[None, :]
     starts = ends - lengths[None, :]
     qa, qb = np.maximum(qa0, starts), np.minimum(qb0, ends)
@@ -47,18 +74,56 @@ def _work(regions: tuple[np.ndarray, ...], lengths: np.ndarray, world_size: int)
     u, w = np.maximum(qa, ka), np.minimum(qb, kb)  # rows that see part of the keys
     part = np.where(w > u, (w - u) * (u + w + 1 - 2 * ka) // 2, 0)
     whole = np.maximum(qb - np.maximum(qa, kb), 0) * (kb - ka)  # rows that see every key
-    pairs = np.where((qa < qb) & (ka < kb), part + whole, 0).sum(axis=1)
     # float64 sums of integers below 2**53 are exact
-    return np.bincount(rank[:, 0], weights=pairs, minlength=world_size).astype(np.int64)
+    return np.where((qa < qb) & (ka < kb), part + whole, 0).sum(axis=1)
+
+
+def _split_work(seq_len: int, world_size: int, kind: str, lengths: np.ndarray,
+                granules: int = SPLITS) -> np.ndarray:
+    """Work per rank (columns) for each split (rows: 1/granules .. (granules-1)/granules, or the
+    one row of a schedule that splits nothing), for documents of ``lengths`` in that order."""
+    cols, fixed, granule, pairs = _regions(seq_len, world_size, kind, granules)
+    got = _pairs(cols, lengths)
+    base = np.bincount(cols[0][:fixed], weights=got[:fixed], minlength=world_size)
+    if not pairs:
+        return base[None, :]
+    per = np.bincount(granule, weights=got[fixed:], minlength=len(pairs) * granules)
+    work = np.repeat(base[None, :], granules - 1, axis=0)
+    for i, (head, tail) in enumerate(pairs):
+        before = np.cumsum(per[i * granules:(i + 1) * granules])  # rows before each split
+        work[:, head] += before[:-1]
+        work[:, tail] += before[-1] - before[:-1]
+    return work
+
+
+def _best(work: np.ndarray) -> int:
+    """The row of ``_split_work`` whose busiest rank does the least; ties: nearest the half."""
+    busiest = work.max(axis=1)
+    middle = (len(busiest) - 1) / 2
+    return int(min(range(len(busiest)), key=lambda i: (busiest[i], abs(i - middle))))
+
+
+def balanced_split(lengths, seq_len: int, world_size: int, kind: str = "distflash") -> Fraction:
+    """Where distflash splits its distance-P/2 blocks for documents of ``lengths`` (in sequence
+    order): the multiple of 1/SPLITS whose busiest rank does the least work (1/2 on a tie, and
+    for schedules or rank counts that split nothing)."""
+    work = _split_work(seq_len, world_size, kind, _checked(lengths, seq_len))
+    return HALF if len(work) == 1 else Fraction(_best(work) + 1, SPLITS)
+
+
+def _checked(lengths, seq_len: int) -> np.ndarray:
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.sum() != seq_len:
+        raise ValueError(f"document lengths sum to {int(lengths.sum())}, not {seq_len}")
+    return lengths
 
 
 def document_work(lengths, seq_len: int, world_size: int, kind: str = "distflash") -> list[int]:
     """The visible causal (query, key) pairs each rank computes under schedule ``kind``, for
-    documents of ``lengths`` (in sequence order, summing to ``seq_len``)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.sum() != seq_len:
-        raise ValueError(f"document lengths sum to {int(lengths.sum())}, not {seq_len}")
-    return [int(x) for x in _work(_regions(seq_len, world_size, kind), lengths, world_size)]
+    documents of ``lengths`` (in sequence order, summing to ``seq_len``), at the split
+    :func:`balanced_split` chooses."""
+    work = _split_work(seq_len, world_size, kind, _checked(lengths, seq_len))
+    return [int(x) for x in work[_best(work)]]
 
 
 def work_balance(lengths, seq_len: int, world_size: int, kind: str = "distflash") -> float:
@@ -102,20 +167,25 @@ def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflas
                    evaluations: int = EVALUATIONS) -> tuple[int, ...]:
     """An order of the documents (indices into ``lengths``) whose busiest rank does the least
     work found within ``evaluations`` cost evaluations; the given order when none is better.
+    The search counts the work at distflash's half split (one region per shared block); the
+    orders it starts from and ends with are then compared at their best splits.
     Arguments as :func:`document_work`."""
     lengths = np.asarray(lengths, dtype=np.int64)
     identity = tuple(range(len(lengths)))
     if world_size == 1 or len(lengths) < 2:
         return identity
-    regions = _regions(seq_len, world_size, kind)
     spent = 0
 
     def cost(order: np.ndarray) -> int:
         nonlocal spent
         spent += 1
-        return int(_work(regions, lengths[order], world_size).max())
+        return int(_split_work(seq_len, world_size, kind, lengths[order], 2).max())
 
-    enough = GOOD_ENOUGH * int(_work(regions, lengths, world_size).sum()) / world_size
+    def split_cost(order: np.ndarray) -> int:
+        return int(_split_work(seq_len, world_size, kind, lengths[order]).max(axis=1).min())
+
+    total = _split_work(seq_len, world_size, kind, lengths, 2)[0].sum()
+    enough = GOOD_ENOUGH * int(total) / world_size
 
     by_length = np.argsort(-lengths, kind="stable")
     piped = np.concatenate([by_length[0::2], by_length[1::2][::-1]])  # long ones at both ends
@@ -139,9 +209,8 @@ def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflas
                 if c < best_cost:
                     best_cost, improved = c, True
                     if best_cost <= enough:
-                        return tuple(int(x) for x in best)
+                        spent = evaluations
                 else:
                     best[i], best[j] = best[j], best[i]
-    if best_cost >= scored[0][0]:
-        return identity
-    return tuple(int(x) for x in best)
+    # min keeps the first of equals: the given order unless another is better
+    return tuple(int(x) for x in min([*starts, best], key=split_cost))

@@ -20,13 +20,15 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lctrain_kernels.backends import block_backward, block_forward
 from lctrain_kernels.combine import GradAcc, OutAcc, lse_dtype
+from lctrain_kernels.distributed.balance import balanced_split
 from lctrain_kernels.distributed.comm import Exchanger, Pending
 from lctrain_kernels.distributed.layout import local_spans
-from lctrain_kernels.distributed.schedule import Block, Message, Plan, make_schedule
+from lctrain_kernels.distributed.schedule import HALF, Block, Message, Plan, make_schedule
 from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.vocabulary import schedule_layout
 
@@ -106,6 +108,8 @@ class Geometry:
 def block_calls(block: Block, geo: Geometry) -> tuple[Call, ...]:
     """The local calls that compute ``block`` (empty tuple when nothing in it is visible)."""
     (a, b), (c, d) = block.q_rows.resolve(geo.n_local), block.kv_rows.resolve(geo.n_local)
+    if a == b or c == d:  # a split block of no rows (a short sequence split near its end)
+        return ()
     span = functools.partial(local_spans, geo.seq_len, geo.world_size, layout=geo.layout)
     qs = [(lo - a, g, ln) for lo, g, ln in span(rank=block.q_owner, start=a, stop=b)]
     ks = [(lo - c, g, ln) for lo, g, ln in span(rank=block.kv_owner, start=c, stop=d)]
@@ -132,8 +136,12 @@ def block_calls(block: Block, geo: Geometry) -> tuple[Call, ...]:
 
 @functools.lru_cache(maxsize=64)
 def pruned_plan(kind: str, direction: str, geo: Geometry) -> Plan:
-    """The schedule's plan without the blocks that the mask leaves EMPTY (same on every rank)."""
-    plan = make_schedule(geo.world_size, kind).plan(direction, geo.causal)
+    """The schedule's plan, split where the documents' work comes out even (``balanced_split``),
+    without the blocks that the mask leaves EMPTY (same on every rank)."""
+    split = HALF
+    if geo.causal and geo.bounds is not None:
+        split = balanced_split(np.diff(geo.bounds), geo.seq_len, geo.world_size, kind)
+    plan = make_schedule(geo.world_size, kind).plan(direction, geo.causal, split)
     return plan.pruned(lambda blk: not block_calls(blk, geo))
 
 

@@ -15,8 +15,10 @@ t = 1..⌊(P−1)/2⌋ every rank r sends to peer (r+t) mod P:
 
 Each step is one shift-by-t permutation, every rank computes one full block per step, and
 distances t and P−t are covered together: for odd P that is everything. For even P the blocks at
-distance P/2 are split by query rows between the owner and the keys' owner. Every rank does
-exactly P/2 blocks: balance 1.0 for every P.
+distance P/2 are split by query rows between the owner (rows before ``split``) and the keys' owner
+(the rest). At the default half every rank does exactly P/2 blocks: balance 1.0 for every P. With
+documents the visible pairs of those blocks lie unevenly, and :func:`~lctrain_kernels.distributed.
+balance.balanced_split` moves the split to where the ranks' work comes out even.
 
 Overlap: the executor posts step t+1's inputs and step t−1's results before computing step t.
 The first step's inputs and the last step's results have nothing to hide behind, so for P > 1
@@ -54,8 +56,9 @@ class Rows:
 
 
 ALL = Rows(Fraction(0), Fraction(1))
-HEAD = Rows(Fraction(0), Fraction(1, 2))
-TAIL = Rows(Fraction(1, 2), Fraction(1))
+HALF = Fraction(1, 2)
+HEAD = Rows(Fraction(0), HALF)
+TAIL = Rows(HALF, Fraction(1))
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ def _own(r: int, kv: int, q_rows: Rows = ALL, kv_rows: Rows = ALL) -> Block:
     return Block(r, r, q_rows, kv, kv_rows)
 
 
-def _distflash_causal(p: int) -> list[Step]:
+def _distflash_causal(p: int, split: Fraction) -> list[Step]:
     if p == 1:
         return [Step((_own(0, 0),), ())]
     steps = [Step(tuple(_own(r, r, ALL, HEAD) for r in range(p)), ())]
@@ -191,10 +194,11 @@ def _distflash_causal(p: int) -> list[Step]:
         steps.append(Step(tuple(blocks), tuple(msgs)))
     if p % 2 == 0:  # distance p/2: split each block by query rows between owner and kv owner
         m, blocks, msgs = p // 2, [], []
+        head, tail = Rows(Fraction(0), split), Rows(split, Fraction(1))
         for r in range(m, p):
             s = r - m
-            msgs += [Message("kv", s, r, s, ALL), Message("q", r, s, r, TAIL)]
-            blocks += [_own(r, s, HEAD), Block(s, r, TAIL, s, ALL)]
+            msgs += [Message("kv", s, r, s, ALL), Message("q", r, s, r, tail)]
+            blocks += [_own(r, s, head), Block(s, r, tail, s, ALL)]
         steps.append(Step(tuple(blocks), tuple(msgs)))
     steps.append(Step(tuple(_own(r, r, TAIL, TAIL) for r in range(p)), ()))
     return steps
@@ -228,11 +232,15 @@ class Schedule:
     def __repr__(self) -> str:
         return f"Schedule(world_size={self.world_size}, kind={self.kind!r}, layout={self.layout!r})"
 
-    def plan(self, direction: str = "forward", causal: bool = True) -> Plan:
-        """The per-step plan; ``direction`` is "forward" or "backward"."""
+    def plan(self, direction: str = "forward", causal: bool = True,
+             split: Fraction = HALF) -> Plan:
+        """The per-step plan; ``direction`` is "forward" or "backward"; ``split`` (in (0, 1)):
+        where distflash cuts the query rows of its distance-P/2 blocks (module docstring)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"unknown direction {direction!r}; choose forward or backward")
-        return _plan(self.world_size, self.kind, direction, causal)
+        if not 0 < split < 1:
+            raise ValueError(f"split must lie strictly between 0 and 1, got {split}")
+        return _plan(self.world_size, self.kind, direction, causal, Fraction(split))
 
     def work_per_rank(self, causal: bool = True) -> list[float]:
         """Attention work of each rank in units of one full (chunk × chunk) block (diagonal = ½)."""
@@ -250,9 +258,9 @@ class Schedule:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(p: int, kind: str, direction: str, causal: bool) -> Plan:
+def _plan(p: int, kind: str, direction: str, causal: bool, split: Fraction) -> Plan:
     if kind == "distflash":
-        steps = _distflash_causal(p) if causal else _direct(p)
+        steps = _distflash_causal(p, split) if causal else _direct(p)
     else:
         steps = _ring(p, causal and kind == "ring")
     plan = Plan(direction, p, schedule_layout(kind), causal, tuple(_with_outputs(steps, direction)))
