@@ -108,7 +108,7 @@ class Geometry:
 def block_calls(block: Block, geo: Geometry) -> tuple[Call, ...]:
     """The local calls that compute ``block`` (empty tuple when nothing in it is visible)."""
     (a, b), (c, d) = block.q_rows.resolve(geo.n_local), block.kv_rows.resolve(geo.n_local)
-    if a == b or c == d:  # a split block of no rows (a short sequence split near its end)
+    if a == b or c == d:  # a split block of no rows (a short sequence split near one end)
         return ()
     span = functools.partial(local_spans, geo.seq_len, geo.world_size, layout=geo.layout)
     qs = [(lo - a, g, ln) for lo, g, ln in span(rank=block.q_owner, start=a, stop=b)]

@@ -17,8 +17,8 @@ Each step is one shift-by-t permutation, every rank computes one full block per 
 distances t and P−t are covered together: for odd P that is everything. For even P the blocks at
 distance P/2 are split by query rows between the owner (rows before ``split``) and the keys' owner
 (the rest). At the default half every rank does exactly P/2 blocks: balance 1.0 for every P. With
-documents the visible pairs of those blocks lie unevenly, and :func:`~lctrain_kernels.distributed.
-balance.balanced_split` moves the split to where the ranks' work comes out even.
+documents the visible pairs of those blocks lie unevenly, and ``balance.balanced_split`` moves the
+split to where the ranks' work comes out even.
 
 Overlap: the executor posts step t+1's inputs and step t−1's results before computing step t.
 The first step's inputs and the last step's results have nothing to hide behind, so for P > 1
