@@ -29,6 +29,7 @@ from lctrain.config import load_recipe
 from lctrain.errors import ConfigError, UserError
 from lctrain.launch.failures import explain, read_records, record_error
 from lctrain.launch.lifetime import RunLock, alive, children
+from lctrain.launch.rank import group_backend
 from lctrain.launch.stopping import LAUNCHER_REQUEST, stopped_by
 from lctrain.launch.watchdog import Watchdog, read_heartbeats
 
@@ -398,3 +399,13 @@ def test_the_watchdog_times_a_layer_not_a_whole_step(tmp_path):
         assert len(hangs) == expected, hangs
         assert not watch._hooks and not layers[0]._forward_pre_hooks  # undone at exit
     assert hangs[0].startswith("rank 0 waited 1 s in the forward and backward of step 1 ")
+
+
+@pytest.mark.parametrize("offload, backend", [("none", "nccl"), ("optimizer", "nccl"),
+                                              ("state", "cpu:gloo,cuda:nccl")])
+def test_the_default_group_reduces_host_gradients_only_where_the_state_is_on_the_host(
+        offload, backend):
+    """FSDP2's CPU offload keeps gradients on the host: their norm needs gloo beside NCCL."""
+    cfg = load_recipe(None, [f"train.offload={offload}"])
+    assert group_backend(cfg, cuda=True) == backend
+    assert group_backend(cfg, cuda=False) == "gloo"

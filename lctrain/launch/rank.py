@@ -63,10 +63,13 @@ def group_timeout(cfg: RecipeConfig) -> timedelta:
     return timedelta(seconds=seconds + max(10.0, seconds / 10))
 
 
-def group_backend(cuda: bool) -> str:
-    """The default group's backends: on GPUs NCCL, with gloo beside it for host tensors (FSDP2's
-    CPU offload keeps the gradients on the host, and their norm is reduced over the world)."""
-    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+def group_backend(cfg: RecipeConfig, cuda: bool) -> str:
+    """The default group's backends: on GPUs NCCL, with gloo beside it where the state lives on
+    the host (``train.offload`` state: FSDP2's CPU offload keeps the gradients there, and their
+    norm is reduced over the world); only then, as gloo connects every pair of ranks at start."""
+    if not cuda:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cfg.train.layers.state == "state" else "nccl"
 
 
 def nccl_wait(cfg: RecipeConfig) -> float:
@@ -107,7 +110,8 @@ def worker_main(worker: Worker, argv: list[str] | None = None) -> int:
                 if cuda:
                     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
                     nccl_flight_recorder(launch_dir(cfg))
-                dist.init_process_group(group_backend(cuda), init_method=f"file://{args.store}",
+                dist.init_process_group(group_backend(cfg, cuda),
+                                        init_method=f"file://{args.store}",
                                         rank=int(os.environ["RANK"]),
                                         world_size=int(os.environ["WORLD_SIZE"]),
                                         timeout=group_timeout(cfg))
@@ -168,7 +172,7 @@ def worker_process(cfg: RecipeConfig) -> Iterator[Accelerator]:
     store_dir = None
     if not dist.is_initialized():  # neither the caller's nor accelerate's: a one-rank group
         store_dir = tempfile.mkdtemp(prefix="lctrain-pg-")
-        dist.init_process_group(group_backend(accelerator.device.type == "cuda"),
+        dist.init_process_group(group_backend(cfg, accelerator.device.type == "cuda"),
                                 init_method=f"file://{os.path.join(store_dir, 'store')}",
                                 rank=0, world_size=1, timeout=timeout)
     try:
