@@ -67,7 +67,8 @@ def test_values_and_all_gradients_match_float64_sdpa(causal, bounds, s, hq, hkv,
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_error_is_within_twice_torchs_own(dtype):
-    """bf16/fp16 may err at most ~2x as much as torch's own SDPA in that dtype (+ tiny slack)."""
+    """bf16/fp16 may err at most 2x as much as torch's own SDPA in that dtype, plus one rounding
+    step of the dtype at the result's scale (torch's own error can be lucky on a small draw)."""
     q, k, v = leaves(1, 64, 4, 2, 32, dtype)
     g_out = torch.randn(1, 64, 4, 32, dtype=torch.float64)
     ref = all_grads(lambda *x: sdpa_oracle(*x, True, None, 32 ** -0.5),
@@ -79,7 +80,8 @@ def test_half_precision_error_is_within_twice_torchs_own(dtype):
         assert got.dtype == dtype
         err = (got.double() - want).abs().max().item()
         base_err = (base.double() - want).abs().max().item()
-        assert err <= 2 * base_err + 1e-3 * want.abs().max().item(), (err, base_err)
+        step = torch.finfo(dtype).eps * want.abs().max().item()
+        assert err <= 2 * base_err + step, (err, base_err, step)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu_flash"])
