@@ -64,7 +64,7 @@ def _regions(seq_len: int, world_size: int, kind: str, granules: int):
     return cols, fixed, np.array(granule, dtype=np.int64), tuple(pairs)
 
 
-def _pairs(cols: tuple[np.ndarray, ...], lengths: np.ndarray) -> np.ndarray:
+def _visible(cols: tuple[np.ndarray, ...], lengths: np.ndarray) -> np.ndarray:
     """Visible causal pairs of every region for documents of ``lengths`` in that order."""
     _, qa0, qb0, ka0, kb0 = (c[:, None] for c in cols)
     ends = np.cumsum(lengths)[None, :]
@@ -83,7 +83,7 @@ def _split_work(seq_len: int, world_size: int, kind: str, lengths: np.ndarray,
     """Work per rank (columns) for each split (rows: 1/granules .. (granules-1)/granules, or the
     one row of a schedule that splits nothing), for documents of ``lengths`` in that order."""
     cols, fixed, granule, pairs = _regions(seq_len, world_size, kind, granules)
-    got = _pairs(cols, lengths)
+    got = _visible(cols, lengths)
     base = np.bincount(cols[0][:fixed], weights=got[:fixed], minlength=world_size)
     if not pairs:
         return base[None, :]
