@@ -4,6 +4,9 @@
   schedule gives it (against a pair-by-pair count, every schedule, 1 to 4 ranks);
 * distflash's split of its shared blocks leaves the busiest rank with the least work of every
   split (pair by pair), and half where the documents give no reason to move it;
+* its cuts of the diagonal blocks bring two ranks to each transfer between them with no more
+  difference in work done than the half cuts, and as little as any pair of cuts on 2 ranks
+  (pair by pair); one sequence keeps the half;
 * the search returns a permutation that never leaves the busiest rank with more work than the
   packed order, and evens out the benchmark's 128K row of documents of median 16K;
 * the deal that starts it gives each document to the least loaded rank: its orders and balance
@@ -21,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 from lctrain_kernels.distributed import local_spans, make_schedule
-from lctrain_kernels.distributed.balance import (SPLITS, balanced_order, balanced_split,
-                                                 document_work)
+import numpy as np
+from lctrain_kernels.distributed.balance import (MOVE, SPLITS, balanced_cuts, balanced_order,
+                                                 balanced_split, document_work)
 
 from lctrain.bench.documents import parse_documents
 from lctrain.config import load_recipe
@@ -86,6 +90,60 @@ def test_the_split_leaves_the_busiest_rank_the_least_work_of_every_split(world):
     if world == 2:  # a document from a quarter on: rank 0 takes three quarters of the shared
         assert balanced_split([n // 4, n - n // 4], n, 2) == Fraction(1, 4)  # block's rows
     assert balanced_split([n], n, world, "zigzag") == Fraction(1, 2)  # zigzag splits nothing
+
+
+def _cut_cost(lengths, n, world, split, cuts):
+    """Pair by pair (a visibility matrix): the summed difference between the work two ranks
+    have done when they post each transfer between them (after step b: its results and step
+    b + 2's inputs), plus 1/MOVE of the work the cuts move into the first step."""
+    doc = np.repeat(np.arange(len(lengths)), lengths)
+    seen = (doc[:, None] == doc[None, :]) & np.tri(n, dtype=bool)
+
+    def work(cuts):
+        plan = make_schedule(world).plan("forward", True, split, cuts)
+        done = np.zeros((len(plan.steps), world), dtype=np.int64)
+        for k, step in enumerate(plan.steps):
+            for b in step.blocks:
+                for _, q0, ql in local_spans(n, world, b.q_owner, "contiguous",
+                                             *b.q_rows.resolve(n // world)):
+                    for _, k0, kl in local_spans(n, world, b.kv_owner, "contiguous",
+                                                 *b.kv_rows.resolve(n // world)):
+                        done[k, b.rank] += seen[q0:q0 + ql, k0:k0 + kl].sum()
+        return plan.steps, done
+
+    steps, done = work(cuts)
+    moved = (done[0] - work((Fraction(1, 2),) * world)[1][0]).sum()
+    done = np.cumsum(done, axis=0)
+    spread = sum(abs(int(done[b, m.src] - done[b, m.dst])) for b in range(len(steps) - 1)
+                 for m in (*steps[b].outputs,
+                           *(steps[b + 2].inputs if b + 2 < len(steps) else ())))
+    return spread, spread + moved / MOVE
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_cuts_bring_two_ranks_to_their_transfers_together(world):
+    rng = random.Random(torch.initial_seed())  # the test's seed (conftest.py)
+    n = 64 * world  # a rank's rows cut at every multiple of 1/SPLITS
+    half = (Fraction(1, 2),) * world
+    for _ in range(3):
+        lengths = _draw(n, 90, rng)
+        split = balanced_split(lengths, n, world)
+        cuts = balanced_cuts(lengths, n, world, "distflash", split)
+        assert all(Fraction(1, 2) <= c < 1 and (c * SPLITS).denominator == 1 for c in cuts)
+        spread, cost = _cut_cost(lengths, n, world, split, cuts)
+        assert cost <= _cut_cost(lengths, n, world, split, half)[1]
+        if world == 2:  # every pair of cuts from the half on
+            options = [Fraction(g, SPLITS) for g in range(SPLITS // 2, SPLITS)]
+            assert cost == min(_cut_cost(lengths, n, 2, split, (a, b))[1]
+                               for a in options for b in options)
+    assert balanced_cuts([n], n, world) == half  # one sequence: every rank's steps alike
+    assert balanced_cuts([n // 2] * 2, n, world, "zigzag") == half  # zigzag cuts nothing
+    # the benchmark's row: at the half cuts rank 0 posts its results after a quarter less work
+    # than rank 1, whose transfer it then waits on; its cut moves up to meet it
+    lengths = [32955, 52681, 13632, 16925, 14879]
+    split = balanced_split(lengths, 131072, 2)
+    assert balanced_cuts(lengths, 131072, 2, "distflash", split) == (Fraction(43, 64),
+                                                                     Fraction(33, 64))
 
 
 def test_the_order_found_never_loads_the_busiest_rank_more():

@@ -6,6 +6,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from fractions import Fraction
 
 import pytest
 import torch
@@ -54,6 +55,26 @@ def test_every_visible_pair_is_computed_exactly_once(kind):
                 seen = {pr for pr, c in count.items() if _visible(*pr, causal, None)}
                 assert seen == want, (kind, p, causal, n)
                 assert all(count[pr] == 1 for pr in want), (kind, p, causal, n)
+
+
+def test_distflash_diagonal_cuts_still_cover_every_pair_once():
+    rng = random.Random(torch.initial_seed())  # the test's seed (conftest.py)
+    n = 8
+    for p in range(2, 7):
+        cuts = tuple(Fraction(rng.randint(1, n - 1), n) for _ in range(p))
+        plan = make_schedule(p).plan("forward", True, Fraction(rng.randint(1, n - 1), n), cuts)
+        plan.validate()
+        count = Counter(pr for s in plan.steps for b in s.blocks
+                        for pr in _pairs_of_block(b, n, p, "contiguous"))
+        want = {(i, j) for i in range(n * p) for j in range(i + 1)}
+        assert {pr for pr in count if _visible(*pr, True, None)} == want
+        assert all(count[pr] == 1 for pr in want), (p, cuts)
+        first, last = plan.steps[0].blocks, plan.steps[-1].blocks
+        assert [b.kv_rows.stop for b in first] == [b.q_rows.start for b in last] == list(cuts)
+    with pytest.raises(ValueError, match="one value per rank"):
+        make_schedule(2).plan(cuts=(Fraction(1, 2),))
+    with pytest.raises(ValueError, match="a cut must lie strictly between 0 and 1"):
+        make_schedule(2).plan(cuts=(Fraction(1, 2), Fraction(1)))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -9,7 +9,9 @@ swaps documents while that lowers the busiest rank's work, within a fixed budget
 whole, so a few long ones cannot always be dealt evenly; distflash on an even number of ranks
 splits its distance-P/2 blocks by query rows between two ranks, and :func:`balanced_split` moves
 that split, in steps of 1/`SPLITS` of a rank's rows, to where the busiest rank does the least.
-Host integers only: every rank finds the same order and split."""
+:func:`balanced_cuts` then moves each rank's cut of its diagonal block so that two ranks reach each
+transfer between them after the same work. Host integers only: every rank finds the same order,
+split and cuts."""
 from __future__ import annotations
 
 import functools
@@ -18,12 +20,13 @@ from fractions import Fraction
 import numpy as np
 
 from lctrain_kernels.distributed.layout import local_spans
-from lctrain_kernels.distributed.schedule import ALL, HALF, Rows, make_schedule
+from lctrain_kernels.distributed.schedule import ALL, HALF, Block, Rows, make_schedule
 
 EVALUATIONS = 400  # cost evaluations a search may spend (each a few tens of microseconds)
 MOVED = 8  # how many of the longest documents the swap search moves
 GOOD_ENOUGH = 1.01  # the search stops once the busiest rank is within this factor of the mean
 SPLITS = 64  # distflash's shared blocks split their query rows at a multiple of 1/SPLITS
+MOVE = 4  # a cut moved from the half costs this fraction of the work it moves to the first step
 
 
 def _spans(seq_len: int, world_size: int, layout: str, owner: int, rows, n_local: int):
@@ -109,6 +112,84 @@ def balanced_split(lengths, seq_len: int, world_size: int, kind: str = "distflas
     for schedules or rank counts that split nothing)."""
     work = _split_work(seq_len, world_size, kind, _checked(lengths, seq_len))
     return HALF if len(work) == 1 else Fraction(_best(work) + 1, SPLITS)
+
+
+@functools.lru_cache(maxsize=64)
+def _step_regions(seq_len: int, world_size: int, kind: str, split: Fraction):
+    """The regions of the causal forward plan at ``split`` as ``cols`` (arrays ``rank, qa, qb,
+    ka, kb``) and the ``step`` of each; then ``first``, the regions of every rank's first step
+    at each cut from 1/2 to (SPLITS-1)/SPLITS, with the ``(rank, cut index)`` of each."""
+    schedule = make_schedule(world_size, kind)
+    n_local = seq_len // world_size
+
+    def regions(b):
+        qs = _spans(seq_len, world_size, schedule.layout, b.q_owner, b.q_rows, n_local)
+        ks = _spans(seq_len, world_size, schedule.layout, b.kv_owner, b.kv_rows, n_local)
+        return [(b.rank, q0, q0 + ql, k0, k0 + kl) for _, q0, ql in qs for _, k0, kl in ks]
+
+    rows, steps = [], []
+    for k, step in enumerate(schedule.plan("forward", True, split).steps):
+        for b in step.blocks:
+            got = regions(b)
+            rows += got
+            steps += [k] * len(got)
+    first, which = [], []
+    for i, g in enumerate(range(SPLITS // 2, SPLITS)):
+        cut = Rows(Fraction(0), Fraction(g, SPLITS))
+        for r in range(world_size):
+            got = regions(Block(r, r, ALL, r, cut))
+            first += got
+            which += [r * (SPLITS // 2) + i] * len(got)
+    arrays = lambda rs: tuple(np.array(c, dtype=np.int64) for c in zip(*rs))  # noqa: E731
+    return (arrays(rows), np.array(steps, dtype=np.int64), arrays(first),
+            np.array(which, dtype=np.int64))
+
+
+def balanced_cuts(lengths, seq_len: int, world_size: int, kind: str = "distflash",
+                  split: Fraction = HALF) -> tuple[Fraction, ...]:
+    """Where distflash cuts each rank's diagonal block (see ``schedule``) for documents of
+    ``lengths`` (in sequence order) and its shared blocks split at ``split``: the multiples of
+    1/SPLITS from 1/2 up that leave the least total difference between the work two ranks have
+    done when they post a transfer between them (each one's share of the first step moves all
+    its posts), plus 1/MOVE of the work they move out of the last step, which hides the last
+    results; 1/2 for one sequence and for schedules that cut nothing."""
+    half = (HALF,) * world_size
+    if kind != "distflash" or world_size == 1:
+        return half
+    lengths = _checked(lengths, seq_len)
+    plan = make_schedule(world_size, kind).plan("forward", True, split)
+    cols, steps, first_cols, which = _step_regions(seq_len, world_size, kind, split)
+    last = len(plan.steps)
+    work = np.zeros((last, world_size))
+    np.add.at(work, (steps, cols[0]), _visible(cols, lengths))
+    first = np.bincount(which, weights=_visible(first_cols, lengths),
+                        minlength=world_size * (SPLITS // 2)).reshape(world_size, SPLITS // 2)
+    # posted once step b is done: step b's results and step b + 2's inputs
+    posts = [(b, m.src, m.dst) for b in range(last - 1)
+             for m in (*plan.steps[b].outputs, *(plan.steps[b + 2].inputs if b + 2 < last else ()))]
+    if not posts:
+        return half
+    at, src, dst = (np.array(c) for c in zip(*posts))
+    later = np.cumsum(work, axis=0) - work[0]  # work after the first step, through step b
+    options = SPLITS // 2
+    choice = [0] * world_size
+    for _ in range(world_size):  # every pair of ranks jointly, the others held: exact for 2
+        moved = False
+        for r in range(world_size):
+            for t in range(r + 1, world_size):
+                done = np.broadcast_to(later[at] + first[np.arange(world_size), choice],
+                                       (options, options, len(posts), world_size)).copy()
+                done[..., r] = later[at, r] + first[r][:, None, None]
+                done[..., t] = later[at, t] + first[t][None, :, None]
+                rows = np.arange(len(posts))
+                cost = np.abs(done[..., rows, src] - done[..., rows, dst]).sum(axis=-1) + (
+                    (first[r] - first[r, 0])[:, None] + (first[t] - first[t, 0])[None, :]) / MOVE
+                a, b = np.unravel_index(int(np.argmin(cost)), cost.shape)  # first: nearest ½
+                moved |= (a, b) != (choice[r], choice[t])
+                choice[r], choice[t] = int(a), int(b)
+        if not moved:
+            break
+    return tuple(Fraction(SPLITS // 2 + c, SPLITS) for c in choice)
 
 
 def _checked(lengths, seq_len: int) -> np.ndarray:

@@ -25,7 +25,7 @@ import torch
 
 from lctrain_kernels.backends import block_backward, block_forward
 from lctrain_kernels.combine import GradAcc, OutAcc, lse_dtype
-from lctrain_kernels.distributed.balance import balanced_split
+from lctrain_kernels.distributed.balance import balanced_cuts, balanced_split
 from lctrain_kernels.distributed.comm import Exchanger, Pending
 from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import HALF, Block, Message, Plan, make_schedule
@@ -134,14 +134,22 @@ def block_calls(block: Block, geo: Geometry) -> tuple[Call, ...]:
     return tuple(calls)
 
 
+@functools.lru_cache(maxsize=16)
+def _split_and_cuts(kind: str, geo: Geometry):
+    """``balanced_split`` and ``balanced_cuts`` for the documents (once for both directions)."""
+    lengths = np.diff(geo.bounds)
+    split = balanced_split(lengths, geo.seq_len, geo.world_size, kind)
+    return split, balanced_cuts(lengths, geo.seq_len, geo.world_size, kind, split)
+
+
 @functools.lru_cache(maxsize=64)
 def pruned_plan(kind: str, direction: str, geo: Geometry) -> Plan:
-    """The schedule's plan, split where the documents' work comes out even (``balanced_split``),
+    """The schedule's plan, split where the documents' work comes out even (``balanced_split``)
+    and each diagonal cut where the ranks post their transfers together (``balanced_cuts``),
     without the blocks that the mask leaves EMPTY (same on every rank)."""
-    split = HALF
-    if geo.causal and geo.bounds is not None:
-        split = balanced_split(np.diff(geo.bounds), geo.seq_len, geo.world_size, kind)
-    plan = make_schedule(geo.world_size, kind).plan(direction, geo.causal, split)
+    documents = geo.causal and geo.bounds is not None
+    split, cuts = _split_and_cuts(kind, geo) if documents else (HALF, None)
+    plan = make_schedule(geo.world_size, kind).plan(direction, geo.causal, split, cuts)
     return plan.pruned(lambda blk: not block_calls(blk, geo))
 
 

@@ -22,8 +22,11 @@ split to where the ranks' work comes out even.
 
 Overlap: the executor posts step t+1's inputs and step t−1's results before computing step t.
 The first step's inputs and the last step's results have nothing to hide behind, so for P > 1
-each diagonal block is split: all q rows against the first half of its keys (⅜ of a block) run
-first, rows [½, 1) against keys [½, 1) (⅛) last.
+each diagonal block is cut at ``cut``: all q rows against the keys before it run first, rows
+[cut, 1) against keys [cut, 1) last (at the default ½: ⅜ and ⅛ of a block). A transfer starts
+once both ranks have posted it, and NCCL's kernel holds its SMs from the first one's post; with
+documents the ranks' steps differ in length, and ``balance.balanced_cuts`` moves each rank's cut
+so that they post their results together.
 
 Backward runs the same steps: a "q" message carries (q, dO, out, lse[, dlse]); a block computed by
 its query owner sends dk, dv to the keys' owner ("dkv"), a helped block sends dq home ("dq").
@@ -57,8 +60,6 @@ class Rows:
 
 ALL = Rows(Fraction(0), Fraction(1))
 HALF = Fraction(1, 2)
-HEAD = Rows(Fraction(0), HALF)
-TAIL = Rows(HALF, Fraction(1))
 
 
 @dataclass(frozen=True)
@@ -177,10 +178,10 @@ def _own(r: int, kv: int, q_rows: Rows = ALL, kv_rows: Rows = ALL) -> Block:
     return Block(r, r, q_rows, kv, kv_rows)
 
 
-def _distflash_causal(p: int, split: Fraction) -> list[Step]:
+def _distflash_causal(p: int, split: Fraction, cuts: tuple[Fraction, ...]) -> list[Step]:
     if p == 1:
         return [Step((_own(0, 0),), ())]
-    steps = [Step(tuple(_own(r, r, ALL, HEAD) for r in range(p)), ())]
+    steps = [Step(tuple(_own(r, r, ALL, Rows(Fraction(0), cuts[r])) for r in range(p)), ())]
     for t in range(1, (p - 1) // 2 + 1):
         blocks, msgs = [], []
         for r in range(p):  # r sends to d = r + t (mod p)
@@ -200,7 +201,8 @@ def _distflash_causal(p: int, split: Fraction) -> list[Step]:
             msgs += [Message("kv", s, r, s, ALL), Message("q", r, s, r, tail)]
             blocks += [_own(r, s, head), Block(s, r, tail, s, ALL)]
         steps.append(Step(tuple(blocks), tuple(msgs)))
-    steps.append(Step(tuple(_own(r, r, TAIL, TAIL) for r in range(p)), ()))
+    tails = [Rows(cuts[r], Fraction(1)) for r in range(p)]
+    steps.append(Step(tuple(_own(r, r, tails[r], tails[r]) for r in range(p)), ()))
     return steps
 
 
@@ -232,15 +234,20 @@ class Schedule:
     def __repr__(self) -> str:
         return f"Schedule(world_size={self.world_size}, kind={self.kind!r}, layout={self.layout!r})"
 
-    def plan(self, direction: str = "forward", causal: bool = True,
-             split: Fraction = HALF) -> Plan:
+    def plan(self, direction: str = "forward", causal: bool = True, split: Fraction = HALF,
+             cuts: tuple[Fraction, ...] | None = None) -> Plan:
         """The per-step plan; ``direction`` is "forward" or "backward"; ``split`` (in (0, 1)):
-        where distflash cuts the query rows of its distance-P/2 blocks (module docstring)."""
+        where distflash cuts the query rows of its distance-P/2 blocks; ``cuts`` (one per rank,
+        in (0, 1), default ½): where it cuts each rank's diagonal block (module docstring)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"unknown direction {direction!r}; choose forward or backward")
-        if not 0 < split < 1:
-            raise ValueError(f"split must lie strictly between 0 and 1, got {split}")
-        return _plan(self.world_size, self.kind, direction, causal, Fraction(split))
+        cuts = (HALF,) * self.world_size if cuts is None else tuple(Fraction(c) for c in cuts)
+        if len(cuts) != self.world_size:
+            raise ValueError(f"cuts needs one value per rank ({self.world_size}), got {len(cuts)}")
+        for name, value in (("split", split), *(("a cut", c) for c in cuts)):
+            if not 0 < value < 1:
+                raise ValueError(f"{name} must lie strictly between 0 and 1, got {value}")
+        return _plan(self.world_size, self.kind, direction, causal, Fraction(split), cuts)
 
     def work_per_rank(self, causal: bool = True) -> list[float]:
         """Attention work of each rank in units of one full (chunk × chunk) block (diagonal = ½)."""
@@ -258,9 +265,10 @@ class Schedule:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(p: int, kind: str, direction: str, causal: bool, split: Fraction) -> Plan:
+def _plan(p: int, kind: str, direction: str, causal: bool, split: Fraction,
+          cuts: tuple[Fraction, ...]) -> Plan:
     if kind == "distflash":
-        steps = _distflash_causal(p, split) if causal else _direct(p)
+        steps = _distflash_causal(p, split, cuts) if causal else _direct(p)
     else:
         steps = _ring(p, causal and kind == "ring")
     plan = Plan(direction, p, schedule_layout(kind), causal, tuple(_with_outputs(steps, direction)))
