@@ -29,8 +29,16 @@ SPLITS = 64  # distflash's shared blocks split their query rows at a multiple of
 MOVE = 4  # a cut moved from the half costs this fraction of the work it moves to the first step
 
 
-def _spans(seq_len: int, world_size: int, layout: str, owner: int, rows, n_local: int):
-    return local_spans(seq_len, world_size, owner, layout, *rows.resolve(n_local))
+def _block_regions(seq_len: int, world_size: int, layout: str, b: Block) -> list[tuple]:
+    """``(rank, qa, qb, ka, kb)``, global query and key ranges, of each region of block ``b``."""
+    n = seq_len // world_size
+    qs = local_spans(seq_len, world_size, b.q_owner, layout, *b.q_rows.resolve(n))
+    ks = local_spans(seq_len, world_size, b.kv_owner, layout, *b.kv_rows.resolve(n))
+    return [(b.rank, q0, q0 + ql, k0, k0 + kl) for _, q0, ql in qs for _, k0, kl in ks]
+
+
+def _columns(rows: list[tuple]) -> tuple[np.ndarray, ...]:
+    return tuple(np.array(c, dtype=np.int64) for c in zip(*rows))
 
 
 @functools.lru_cache(maxsize=64)
@@ -41,13 +49,6 @@ def _regions(seq_len: int, world_size: int, kind: str, granules: int):
     ``fixed``, how many come first; ``granule``, the (pair × granules + run) of each later one;
     ``pairs``, the (rank before the split, rank after it) of each pair of split blocks."""
     schedule = make_schedule(world_size, kind)
-    n_local = seq_len // world_size
-
-    def regions(rank, q_owner, q_rows, kv_owner, kv_rows):
-        qs = _spans(seq_len, world_size, schedule.layout, q_owner, q_rows, n_local)
-        ks = _spans(seq_len, world_size, schedule.layout, kv_owner, kv_rows, n_local)
-        return [(rank, q0, q0 + ql, k0, k0 + kl) for _, q0, ql in qs for _, k0, kl in ks]
-
     rows, pairs = [], []
     for step in schedule.plan("forward", True).steps:
         for b in step.blocks:
@@ -55,16 +56,16 @@ def _regions(seq_len: int, world_size: int, kind: str, granules: int):
                 if b.rank == b.q_owner:
                     pairs.append((b.rank, b.kv_owner))
                 continue
-            rows += regions(b.rank, b.q_owner, b.q_rows, b.kv_owner, b.kv_rows)
+            rows += _block_regions(seq_len, world_size, schedule.layout, b)
     fixed, granule = len(rows), []
     for i, (head, tail) in enumerate(pairs):  # head owns the queries, computes those before
         for g in range(granules):
-            got = regions(head, head, Rows(Fraction(g, granules), Fraction(g + 1, granules)),
-                          tail, ALL)
+            run = Rows(Fraction(g, granules), Fraction(g + 1, granules))
+            got = _block_regions(seq_len, world_size, schedule.layout,
+                                 Block(head, head, run, tail, ALL))
             rows += got
             granule += [i * granules + g] * len(got)
-    cols = tuple(np.array(c, dtype=np.int64) for c in zip(*rows))
-    return cols, fixed, np.array(granule, dtype=np.int64), tuple(pairs)
+    return _columns(rows), fixed, np.array(granule, dtype=np.int64), tuple(pairs)
 
 
 def _visible(cols: tuple[np.ndarray, ...], lengths: np.ndarray) -> np.ndarray:
@@ -119,29 +120,21 @@ def _step_regions(seq_len: int, world_size: int, kind: str, split: Fraction):
     """The regions of the causal forward plan at ``split`` as ``cols`` (arrays ``rank, qa, qb,
     ka, kb``) and the ``step`` of each; then ``first``, the regions of every rank's first step
     at each cut from 1/2 to (SPLITS-1)/SPLITS, with the ``(rank, cut index)`` of each."""
-    schedule = make_schedule(world_size, kind)
-    n_local = seq_len // world_size
-
-    def regions(b):
-        qs = _spans(seq_len, world_size, schedule.layout, b.q_owner, b.q_rows, n_local)
-        ks = _spans(seq_len, world_size, schedule.layout, b.kv_owner, b.kv_rows, n_local)
-        return [(b.rank, q0, q0 + ql, k0, k0 + kl) for _, q0, ql in qs for _, k0, kl in ks]
-
+    layout = make_schedule(world_size, kind).layout
     rows, steps = [], []
-    for k, step in enumerate(schedule.plan("forward", True, split).steps):
+    for k, step in enumerate(make_schedule(world_size, kind).plan("forward", True, split).steps):
         for b in step.blocks:
-            got = regions(b)
+            got = _block_regions(seq_len, world_size, layout, b)
             rows += got
             steps += [k] * len(got)
     first, which = [], []
     for i, g in enumerate(range(SPLITS // 2, SPLITS)):
-        cut = Rows(Fraction(0), Fraction(g, SPLITS))
         for r in range(world_size):
-            got = regions(Block(r, r, ALL, r, cut))
+            got = _block_regions(seq_len, world_size, layout,
+                                 Block(r, r, ALL, r, Rows(Fraction(0), Fraction(g, SPLITS))))
             first += got
             which += [r * (SPLITS // 2) + i] * len(got)
-    arrays = lambda rs: tuple(np.array(c, dtype=np.int64) for c in zip(*rs))  # noqa: E731
-    return (arrays(rows), np.array(steps, dtype=np.int64), arrays(first),
+    return (_columns(rows), np.array(steps, dtype=np.int64), _columns(first),
             np.array(which, dtype=np.int64))
 
 
