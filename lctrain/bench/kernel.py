@@ -1,9 +1,9 @@
-"""Single-device attention kernel benchmark: every local backend (and peer), side by side.
+"""Single-device attention kernel benchmark: every local backend, side by side.
 
-Each subject (`lctrain.bench.kernel_subjects`) is checked at a small length against the float32
-reference, then timed at each length as rates of `lctrain.model.flops`. With ``documents`` every
-sequence is packed documents, each spec a mix: rates count only the pairs inside documents, and each
-row gets ``of_dense``, its useful rate over that of a dense reference (cuDNN on a GPU)."""
+Each backend (a `Subject`) is checked at a small length against the float32 reference, then timed
+at each length as rates of `lctrain.model.flops`. With ``documents`` every sequence is packed
+documents, each spec a mix: rates count only the pairs inside documents, and each row gets
+``of_dense``, its useful rate over that of a dense reference (cuDNN on a GPU)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,14 +14,30 @@ import torch
 
 from lctrain.bench.documents import Documents, parse_each
 from lctrain.model.flops import MODEL, attention_flops, rates
-from lctrain.bench.kernel_subjects import subject
 from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure, profile
 from lctrain.bench.views import progress_line
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
-from lctrain_kernels.api import (BackendUnavailable, MaskSpec, available_backends, classify,
-                                 reference_backward, reference_forward)
+from lctrain_kernels.api import (BackendUnavailable, MaskSpec, Relation, available_backends,
+                                 classify, get_backend, reference_backward, reference_forward)
+
+class Subject:
+    """An lctrain attention backend, timed through its forward and backward entry points:
+    ``closures`` hands back ``fwd() -> (out, lse)`` and ``bwd(state) -> (dq, dk, dv)``, the
+    backward from one forward's out and lse, as training calls it."""
+
+    def __init__(self, name: str):
+        self.backend = get_backend(name)  # BackendUnavailable: unknown or not installed
+        self.name = name
+        self.unsupported = self.backend.unsupported  # None, or one sentence why not
+
+    def closures(self, q, k, v, do, spec: MaskSpec, relation: Relation, scale: float):
+        backend = self.backend
+        out, lse = backend.forward(q, k, v, spec, relation, scale)
+        return (lambda: backend.forward(q, k, v, spec, relation, scale),
+                lambda _state: backend.backward(do, q, k, v, out, lse, spec, relation, scale))
+
 
 #: largest relative error accepted by the correctness check, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -72,8 +88,8 @@ def _setup(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal, boun
 
 def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal,
                       bounds=None) -> float:
-    """Worst relative error of out, lse, dq, dk, dv of a subject (`kernel_subjects.subject`)
-    against the float32 reference; BackendUnavailable (with its reason) when it cannot run."""
+    """Worst relative error of out, lse, dq, dk, dv of a `Subject` against the float32
+    reference; BackendUnavailable (with its reason) when it cannot run."""
     inputs, spec, _, scale, made = _setup(what, seq_len, heads, kv_heads, head_dim, dtype,
                                           device, causal, bounds)
     if isinstance(made, str):
@@ -123,7 +139,7 @@ def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = 
         base["documents"] = None if mix is None else mix.spec
     head = base["backend"] + ("" if mix is None else f" {mix.spec}")
     try:
-        what = subject(name)
+        what = Subject(name)
         err = check_correctness(what, plan.check_len, **plan.params,
                                 bounds=None if mix is None else mix.check.cu_seqlens)
     except RuntimeError as exc:  # unavailable, or a kernel error: time the other backends

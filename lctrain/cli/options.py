@@ -130,7 +130,7 @@ PlanFlag = Annotated[bool, typer.Option(
 SeqLensOpt = optional(str, "--seq-len", "SIZES", "Comma-separated sequence lengths, e.g. "
                       "16k,32k,64k (default: sizes that suit the device; see the command's help).")
 BackendsOpt = optional(str, "--backend", "NAMES", "Comma-separated local attention backends "
-                       f"({', '.join(ATTENTION_BACKENDS[1:])}) and peers (flex_attention); "
+                       f"({', '.join(ATTENTION_BACKENDS[1:])}); "
                        "default: every fast backend available.")
 BackendOpt = optional(str, "--backend", "NAME",
                       "Local attention backend inside the distributed attention (default: auto).")
