@@ -22,6 +22,7 @@ from lctrain.report.versions import environment
 from lctrain_kernels.api import (BackendUnavailable, MaskSpec, Relation, available_backends,
                                  classify, get_backend, reference_backward, reference_forward)
 
+
 class Subject:
     """An lctrain attention backend, timed through its forward and backward entry points:
     ``closures`` hands back ``fwd() -> (out, lse)`` and ``bwd(state) -> (dq, dk, dv)``, the
