@@ -120,9 +120,10 @@ def _step_regions(seq_len: int, world_size: int, kind: str, split: Fraction):
     """The regions of the causal forward plan at ``split`` as ``cols`` (arrays ``rank, qa, qb,
     ka, kb``) and the ``step`` of each; then ``first``, the regions of every rank's first step
     at each cut from 1/2 to (SPLITS-1)/SPLITS, with the ``(rank, cut index)`` of each."""
-    layout = make_schedule(world_size, kind).layout
+    schedule = make_schedule(world_size, kind)
+    layout = schedule.layout
     rows, steps = [], []
-    for k, step in enumerate(make_schedule(world_size, kind).plan("forward", True, split).steps):
+    for k, step in enumerate(schedule.plan("forward", True, split).steps):
         for b in step.blocks:
             got = _block_regions(seq_len, world_size, layout, b)
             rows += got
@@ -164,17 +165,16 @@ def balanced_cuts(lengths, seq_len: int, world_size: int, kind: str = "distflash
         return half
     at, src, dst = (np.array(c) for c in zip(*posts))
     later = np.cumsum(work, axis=0) - work[0]  # work after the first step, through step b
-    options = SPLITS // 2
+    options, rows, ranks = SPLITS // 2, np.arange(len(posts)), np.arange(world_size)
     choice = [0] * world_size
     for _ in range(world_size):  # every pair of ranks jointly, the others held: exact for 2
         moved = False
         for r in range(world_size):
             for t in range(r + 1, world_size):
-                done = np.broadcast_to(later[at] + first[np.arange(world_size), choice],
+                done = np.broadcast_to(later[at] + first[ranks, choice],
                                        (options, options, len(posts), world_size)).copy()
                 done[..., r] = later[at, r] + first[r][:, None, None]
                 done[..., t] = later[at, t] + first[t][None, :, None]
-                rows = np.arange(len(posts))
                 cost = np.abs(done[..., rows, src] - done[..., rows, dst]).sum(axis=-1) + (
                     (first[r] - first[r, 0])[:, None] + (first[t] - first[t, 0])[None, :]) / MOVE
                 a, b = np.unravel_index(int(np.argmin(cost)), cost.shape)  # first: nearest ½
