@@ -15,6 +15,7 @@ import torch.distributed as dist
 from lctrain_kernels import attention_with_lse, dist_attention, dist_attention_with_lse
 from lctrain_kernels.distributed import make_schedule, shard, unshard
 from lctrain_kernels.distributed.balance import balanced_cuts, balanced_split
+from lctrain_kernels.distributed.executor import Geometry, pruned_plan
 from lctrain_kernels.masks import MaskSpec
 from lctrain_kernels.reference import reference_forward
 from spawn import run_on_ranks
@@ -120,11 +121,14 @@ def _docs_blocks(n_total: int):  # documents that leave whole blocks empty
     return (0, q - 1, q + 2, 3 * q, n_total)
 
 
-def _docs_uneven(n_total: int):  # distflash's shared block split and diagonal cuts off the half
+def _docs_uneven(n_total: int):  # distflash's split and cuts off the half, k/v sent in part
     bounds = (0, n_total // 3, n_total)
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     split = balanced_split(lengths, n_total, 2)
     assert split != 0.5 and balanced_cuts(lengths, n_total, 2, "distflash", split) != (0.5, 0.5)
+    plan = pruned_plan("distflash", "backward", Geometry(n_total, 2, "contiguous", True, bounds))
+    kv = [m.rows.resolve(n_total // 2) for s in plan.steps for m in s.inputs if m.kind == "kv"]
+    assert kv == [(n_total // 3, n_total // 2)], kv  # rank 0's keys from the second document on
     return bounds
 
 

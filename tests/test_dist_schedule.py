@@ -15,6 +15,7 @@ from lctrain_kernels.distributed import (
     global_order, layout_positions, local_spans, make_schedule, shard, shard_indices,
 )
 from lctrain_kernels.distributed.executor import Geometry, block_calls, pruned_plan
+from lctrain_kernels.distributed.schedule import DIRECTIONS
 from lctrain_kernels.masks import dense_mask
 from lctrain_kernels.vocabulary import SCHEDULES, check_seq_len, schedule_layout, seq_chunks
 
@@ -157,6 +158,33 @@ def test_pruning_drops_whole_blocks_and_their_messages():
     assert not any(b.q_owner == 2 and b.kv_owner == 0 for b in blocks)
     n_msgs = lambda pl: sum(len(s.inputs) + len(s.outputs) for s in pl.steps)  # noqa: E731
     assert n_msgs(plan) < n_msgs(full)
+
+
+def test_trimming_sends_only_the_rows_that_see_something():
+    # rank 1 holds [16, 32): its rows 16..19 see rank 0's keys 12..15 (document [12, 20))
+    geo = Geometry(32, 2, "contiguous", True, (0, 12, 20, 32))
+    for direction in DIRECTIONS:
+        plan = pruned_plan("distflash", direction, geo)
+        plan.validate()
+        msgs = [m for s in plan.steps for m in s.inputs + s.outputs]
+        kv = [m.rows.resolve(16) for m in msgs if m.kind in ("kv", "dkv")]
+        q = [m.rows.resolve(16) for m in msgs if m.kind in ("q", "out", "dq")]
+        assert kv and all(rows == (12, 16) for rows in kv), kv
+        assert all(0 <= a < b <= 4 for a, b in q), q
+    rng = random.Random(11)  # random documents: a travelling block's first and last rows and
+    for _ in range(40):       # keys each see something (the hulls are tight)
+        p = rng.randint(2, 6)
+        n = rng.choice((4, 6, 8))
+        bounds = _random_bounds(rng, n * p)
+        plan = pruned_plan("distflash", "backward", Geometry(n * p, p, "contiguous", True, bounds))
+        plan.validate()
+        for b in (b for s in plan.steps for b in s.blocks if b.rank != b.q_owner or b.rank != b.kv_owner):
+            (qa, qb), (ka, kb) = b.q_rows.resolve(n), b.kv_rows.resolve(n)
+            qs, ks = range(b.q_owner * n + qa, b.q_owner * n + qb), range(b.kv_owner * n + ka, b.kv_owner * n + kb)
+            for i in (qs[0], qs[-1]):
+                assert any(_visible(i, j, True, bounds) for j in ks), (bounds, b)
+            for j in (ks[0], ks[-1]):
+                assert any(_visible(i, j, True, bounds) for i in qs), (bounds, b)
 
 
 def test_layout_maps_and_errors():

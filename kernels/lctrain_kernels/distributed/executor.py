@@ -17,8 +17,10 @@ skipped, adjacent fully visible ones fused into one FULL call. Results are combi
 other, so every buffer holds Hq/G heads."""
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from lctrain_kernels.combine import GradAcc, OutAcc, lse_dtype
 from lctrain_kernels.distributed.balance import balanced_cuts, balanced_split
 from lctrain_kernels.distributed.comm import Exchanger, Pending
 from lctrain_kernels.distributed.layout import local_spans
-from lctrain_kernels.distributed.schedule import HALF, Block, Message, Plan, make_schedule
+from lctrain_kernels.distributed.schedule import HALF, Block, Message, Plan, Rows, make_schedule
 from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.vocabulary import schedule_layout
 
@@ -146,11 +148,35 @@ def _split_and_cuts(kind: str, geo: Geometry):
 def pruned_plan(kind: str, direction: str, geo: Geometry) -> Plan:
     """The schedule's plan, split where the documents' work comes out even (``balanced_split``)
     and each diagonal cut where the ranks post their transfers together (``balanced_cuts``),
-    without the blocks that the mask leaves EMPTY (same on every rank)."""
+    without the blocks that the mask leaves EMPTY, and each block that travels cut to the rows
+    that see something (``visible_rows``): the same on every rank."""
     documents = geo.causal and geo.bounds is not None
     split, cuts = _split_and_cuts(kind, geo) if documents else (HALF, None)
     plan = make_schedule(geo.world_size, kind).plan(direction, geo.causal, split, cuts)
-    return plan.pruned(lambda blk: not block_calls(blk, geo))
+    plan = plan.pruned(lambda blk: not block_calls(blk, geo))
+    return plan.trimmed(lambda blk: visible_rows(blk, geo)) if documents else plan
+
+
+def visible_rows(block: Block, geo: Geometry) -> tuple[Rows, Rows]:
+    """The hulls of ``block``'s query rows that see a key of it and of its keys that a query of
+    it sees, under causal documents (the block's own rows where a side holds several pieces)."""
+    (a, b), (c, d) = block.q_rows.resolve(geo.n_local), block.kv_rows.resolve(geo.n_local)
+    span = functools.partial(local_spans, geo.seq_len, geo.world_size, layout=geo.layout)
+    qs, ks = span(rank=block.q_owner, start=a, stop=b), span(rank=block.kv_owner, start=c, stop=d)
+    if len(qs) != 1 or len(ks) != 1:
+        return block.q_rows, block.kv_rows
+    (_, q0, ql), (_, k0, kl) = qs[0], ks[0]
+    bounds = geo.bounds
+    # query g sees key k iff k <= g and no document starts in (k, g]
+    next_start = bounds[bisect.bisect_left(bounds, k0 + kl)]  # first start at or after the keys
+    doc_start = bounds[bisect.bisect_right(bounds, q0) - 1]  # where the first query's document starts
+    q_lo, q_hi = max(q0, k0), min(q0 + ql, next_start)
+    k_lo, k_hi = max(k0, doc_start), min(k0 + kl, q0 + ql)
+    if q_lo >= q_hi or k_lo >= k_hi:
+        return block.q_rows, block.kv_rows
+    n = geo.n_local
+    return (Rows(Fraction(a + q_lo - q0, n), Fraction(a + q_hi - q0, n)),
+            Rows(Fraction(c + k_lo - k0, n), Fraction(c + k_hi - k0, n)))
 
 
 class Engine:
@@ -162,6 +188,7 @@ class Engine:
         self.compute_enabled = compute
         self.rank, self.n = exchanger.rank, geo.n_local
         self.kv_have: dict[int, tuple] = {}  # kv owner -> (k, v)
+        self.kv_start: dict[int, int] = {}  # kv owner -> its first row held (0: all)
         self.q_in: dict[tuple, list[torch.Tensor]] = {}  # (owner, rows) -> received q tensors
         self.results: dict[Message, list[torch.Tensor]] = {}  # outputs waiting to be sent
         self.last_use: dict[int, int] = {}  # kv owner -> the last step that reads its k, v
@@ -213,6 +240,7 @@ class Engine:
         for m, tensors in zip(messages, pending.wait()):
             if m.kind == "kv":
                 self.kv_have[m.owner] = tuple(tensors)
+                self.kv_start[m.owner] = m.rows.resolve(self.n)[0]
             elif m.kind == "q":
                 self.q_in[(m.owner, m.rows)] = tensors
             elif self.compute_enabled:
@@ -221,7 +249,7 @@ class Engine:
     def send_tensors(self, m: Message) -> list[torch.Tensor]:
         """The tensors of an outgoing message (own or forwarded k/v, own q rows, results)."""
         if m.kind == "kv":
-            return list(self.kv_have[m.owner])
+            return list(self.kv(m.owner, m.rows))
         if m.kind == "q":
             return self.local_rows(m.rows)
         return list(self.results.pop(m))
@@ -230,7 +258,8 @@ class Engine:
         """Keys and values of ``owner`` (own or received), restricted to ``rows``."""
         c, d = rows.resolve(self.n)
         k, v = self.kv_have[owner]
-        return k[:, c:d], v[:, c:d]  # (B, d - c, Hkv, D) each
+        s = self.kv_start.get(owner, 0)
+        return k[:, c - s:d - s], v[:, c - s:d - s]  # (B, d - c, Hkv, D) each
 
     def q_rows(self, block: Block) -> list[torch.Tensor]:
         """The query-side tensors of a block: own rows, or the ones received for it."""
@@ -253,8 +282,8 @@ class ForwardEngine(Engine):
 
     def specs(self, m: Message) -> list:
         (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][0].shape
-        rows = m.rows.resolve(self.n)
-        rows = self.n if m.kind == "kv" else rows[1] - rows[0]
+        lo, hi = m.rows.resolve(self.n)
+        rows = hi - lo
         if m.kind == "kv":
             return [((b, rows, hkv, d), self.q.dtype)] * 2
         if m.kind == "q":
@@ -302,7 +331,7 @@ class BackwardEngine(Engine):
         lo, hi = m.rows.resolve(self.n)
         rows, dt = hi - lo, self.q.dtype
         if m.kind in ("kv", "dkv"):
-            return [((b, self.n if m.kind == "kv" else rows, hkv, d), dt)] * 2
+            return [((b, rows, hkv, d), dt)] * 2
         if m.kind == "q":  # q, dO, out, lse[, dlse]
             lse = [((b, hq, rows), self.lse.dtype)] * (1 if self.dlse is None else 2)
             return [((b, rows, hq, d), dt), ((b, rows, hq, d), self.do.dtype),

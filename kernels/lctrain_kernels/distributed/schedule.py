@@ -31,7 +31,10 @@ so that they post their results together.
 Backward runs the same steps: a "q" message carries (q, dO, out, lse[, dlse]); a block computed by
 its query owner sends dk, dv to the keys' owner ("dkv"), a helped block sends dq home ("dq").
 "zigzag" is the ring over the head-tail layout. With documents the executor drops the blocks the
-mask leaves EMPTY (:meth:`Plan.pruned`). Non-causal distflash sends k, v straight from r−t to r."""
+mask leaves EMPTY (:meth:`Plan.pruned`) and cuts each block that travels, with its messages, to
+the query rows and keys that see something (:meth:`Plan.trimmed`): a document crossing into
+the next chunk needs only its own keys there. Non-causal distflash sends k, v straight from r−t
+to r."""
 from __future__ import annotations
 
 import functools
@@ -141,19 +144,50 @@ class Plan:
         base = [Step(tuple(b), tuple(m)) for b, m in zip(steps, inputs)]
         return replace(self, steps=tuple(_with_outputs(base, self.direction)))
 
+    def trimmed(self, visible: Callable[[Block], tuple[Rows, Rows]]) -> "Plan":
+        """The plan with each block that travels cut to ``visible``'s (q rows, kv rows) inside
+        it, and its messages with it: q rows as their block's, k/v as the hull of what the
+        receiver reads of them (whole where it passes them on)."""
+        cut = {b: replace(b, q_rows=q, kv_rows=kv) for s in self.steps for b in s.blocks
+               if b.rank != b.q_owner or b.rank != b.kv_owner for q, kv in [visible(b)]}
+        passed_on = {(m.src, m.owner) for s in self.steps for m in s.inputs
+                     if m.kind == "kv" and m.src != m.owner}
+        reads: dict[tuple[int, int], list[Rows]] = {}  # (rank, kv owner) -> rows its blocks read
+        for s in self.steps:
+            for b in s.blocks:
+                reads.setdefault((b.rank, b.kv_owner), []).append(cut.get(b, b).kv_rows)
+        steps = []
+        for s in self.steps:
+            q_rows = {(b.rank, b.q_owner, b.q_rows): cut[b].q_rows for b in s.blocks if b in cut}
+            inputs = []
+            for m in s.inputs:
+                if m.kind == "q":
+                    m = replace(m, rows=q_rows.get((m.dst, m.owner, m.rows), m.rows))
+                elif (m.dst, m.owner) not in passed_on and (m.dst, m.owner) in reads:
+                    rows = reads[(m.dst, m.owner)]
+                    m = replace(m, rows=Rows(min(r.start for r in rows), max(r.stop for r in rows)))
+                inputs.append(m)
+            steps.append(Step(tuple(cut.get(b, b) for b in s.blocks), tuple(inputs)))
+        return replace(self, steps=tuple(_with_outputs(steps, self.direction)))
+
     def validate(self) -> None:
         """ValueError unless every block finds its inputs and every forwarded k/v arrived first."""
-        holds = {(r, r) for r in range(self.world_size)}  # (rank, kv owner)
+        holds = {(r, r): ALL for r in range(self.world_size)}  # (rank, kv owner) -> rows held
+
+        def held(rank: int, owner: int, rows: Rows) -> bool:
+            got = holds.get((rank, owner))
+            return got is not None and got.start <= rows.start and rows.stop <= got.stop
+
         for i, step in enumerate(self.steps):
             for m in step.inputs:
-                if m.kind == "kv" and (m.src, m.owner) not in holds:
+                if m.kind == "kv" and not held(m.src, m.owner, m.rows):
                     raise ValueError(f"step {i}: rank {m.src} forwards k/v of {m.owner} it does not hold")
                 if m.kind == "q" and m.src != m.owner:
                     raise ValueError(f"step {i}: q rows of {m.owner} sent by rank {m.src}")
-            holds |= {(m.dst, m.owner) for m in step.inputs if m.kind == "kv"}
+            holds.update({(m.dst, m.owner): m.rows for m in step.inputs if m.kind == "kv"})
             got_q = {(m.dst, m.owner, m.rows) for m in step.inputs if m.kind == "q"}
             for b in step.blocks:
-                if (b.rank, b.kv_owner) not in holds:
+                if not held(b.rank, b.kv_owner, b.kv_rows):
                     raise ValueError(f"step {i}: {b} lacks the k/v of rank {b.kv_owner}")
                 if b.rank != b.q_owner and (b.rank, b.q_owner, b.q_rows) not in got_q:
                     raise ValueError(f"step {i}: {b} lacks the q rows of rank {b.q_owner}")
