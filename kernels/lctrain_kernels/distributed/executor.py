@@ -154,29 +154,23 @@ def pruned_plan(kind: str, direction: str, geo: Geometry) -> Plan:
     split, cuts = _split_and_cuts(kind, geo) if documents else (HALF, None)
     plan = make_schedule(geo.world_size, kind).plan(direction, geo.causal, split, cuts)
     plan = plan.pruned(lambda blk: not block_calls(blk, geo))
-    return plan.trimmed(lambda blk: visible_rows(blk, geo)) if documents else plan
+    trim = documents and geo.layout == "contiguous"
+    return plan.trimmed(lambda blk: visible_rows(blk, geo)) if trim else plan
 
 
 def visible_rows(block: Block, geo: Geometry) -> tuple[Rows, Rows]:
     """The hulls of ``block``'s query rows that see a key of it and of its keys that a query of
-    it sees, under causal documents (the block's own rows where a side holds several pieces)."""
-    (a, b), (c, d) = block.q_rows.resolve(geo.n_local), block.kv_rows.resolve(geo.n_local)
-    span = functools.partial(local_spans, geo.seq_len, geo.world_size, layout=geo.layout)
-    qs, ks = span(rank=block.q_owner, start=a, stop=b), span(rank=block.kv_owner, start=c, stop=d)
-    if len(qs) != 1 or len(ks) != 1:
-        return block.q_rows, block.kv_rows
-    (_, q0, ql), (_, k0, kl) = qs[0], ks[0]
-    bounds = geo.bounds
+    it sees, under causal documents in the contiguous layout (rank r holds [r·n, (r+1)·n))."""
+    n, bounds = geo.n_local, geo.bounds
+    (a, b), (c, d) = block.q_rows.resolve(n), block.kv_rows.resolve(n)
+    q0, k0 = block.q_owner * n, block.kv_owner * n
     # query g sees key k iff k <= g and no document starts in (k, g]
-    next_start = bounds[bisect.bisect_left(bounds, k0 + kl)]  # first start at or after the keys
-    doc_start = bounds[bisect.bisect_right(bounds, q0) - 1]  # where the first query's document starts
-    q_lo, q_hi = max(q0, k0), min(q0 + ql, next_start)
-    k_lo, k_hi = max(k0, doc_start), min(k0 + kl, q0 + ql)
+    q_lo, q_hi = max(q0 + a, k0 + c), min(q0 + b, bounds[bisect.bisect_left(bounds, k0 + d)])
+    k_lo, k_hi = max(k0 + c, bounds[bisect.bisect_right(bounds, q0 + a) - 1]), min(k0 + d, q0 + b)
     if q_lo >= q_hi or k_lo >= k_hi:
         return block.q_rows, block.kv_rows
-    n = geo.n_local
-    return (Rows(Fraction(a + q_lo - q0, n), Fraction(a + q_hi - q0, n)),
-            Rows(Fraction(c + k_lo - k0, n), Fraction(c + k_hi - k0, n)))
+    return (Rows(Fraction(q_lo - q0, n), Fraction(q_hi - q0, n)),
+            Rows(Fraction(k_lo - k0, n), Fraction(k_hi - k0, n)))
 
 
 class Engine:
@@ -187,8 +181,7 @@ class Engine:
         self.plan, self.geo, self.exch, self.overlap, self.device = plan, geo, exchanger, overlap, device
         self.compute_enabled = compute
         self.rank, self.n = exchanger.rank, geo.n_local
-        self.kv_have: dict[int, tuple] = {}  # kv owner -> (k, v)
-        self.kv_start: dict[int, int] = {}  # kv owner -> its first row held (0: all)
+        self.kv_have: dict[int, tuple] = {}  # kv owner -> (k, v, the first of its rows they hold)
         self.q_in: dict[tuple, list[torch.Tensor]] = {}  # (owner, rows) -> received q tensors
         self.results: dict[Message, list[torch.Tensor]] = {}  # outputs waiting to be sent
         self.last_use: dict[int, int] = {}  # kv owner -> the last step that reads its k, v
@@ -239,8 +232,7 @@ class Engine:
         pending, messages = posted
         for m, tensors in zip(messages, pending.wait()):
             if m.kind == "kv":
-                self.kv_have[m.owner] = tuple(tensors)
-                self.kv_start[m.owner] = m.rows.resolve(self.n)[0]
+                self.kv_have[m.owner] = (*tensors, m.rows.resolve(self.n)[0])
             elif m.kind == "q":
                 self.q_in[(m.owner, m.rows)] = tensors
             elif self.compute_enabled:
@@ -257,8 +249,7 @@ class Engine:
     def kv(self, owner: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``owner`` (own or received), restricted to ``rows``."""
         c, d = rows.resolve(self.n)
-        k, v = self.kv_have[owner]
-        s = self.kv_start.get(owner, 0)
+        k, v, s = self.kv_have[owner]
         return k[:, c - s:d - s], v[:, c - s:d - s]  # (B, d - c, Hkv, D) each
 
     def q_rows(self, block: Block) -> list[torch.Tensor]:
@@ -277,7 +268,7 @@ class ForwardEngine(Engine):
                  compute: bool = True):
         super().__init__(plan, geo, exchanger, overlap, q.device, compute)
         self.q, self.scale, self.backend = q, scale, backend  # q (B, n, Hq, D)
-        self.kv_have[self.rank] = (k, v)  # (B, n, Hkv, D) each
+        self.kv_have[self.rank] = (k, v, 0)  # (B, n, Hkv, D) each
         self.acc = OutAcc(self.n)
 
     def specs(self, m: Message) -> list:
@@ -323,7 +314,7 @@ class BackwardEngine(Engine):
         self.do, self.q, self.out, self.lse = do, q, out, lse  # (B, n, Hq, D) x3, (B, Hq, n)
         self.dlse = dlse  # (B, Hq, n) or None
         self.scale, self.backend = scale, backend
-        self.kv_have[self.rank] = (k, v)  # (B, n, Hkv, D) each
+        self.kv_have[self.rank] = (k, v, 0)  # (B, n, Hkv, D) each
         self.dq, self.dk, self.dv = GradAcc(self.n), GradAcc(self.n), GradAcc(self.n)
 
     def specs(self, m: Message) -> list:

@@ -152,21 +152,17 @@ class Plan:
                if b.rank != b.q_owner or b.rank != b.kv_owner for q, kv in [visible(b)]}
         passed_on = {(m.src, m.owner) for s in self.steps for m in s.inputs
                      if m.kind == "kv" and m.src != m.owner}
-        reads: dict[tuple[int, int], list[Rows]] = {}  # (rank, kv owner) -> rows its blocks read
-        for s in self.steps:
-            for b in s.blocks:
-                reads.setdefault((b.rank, b.kv_owner), []).append(cut.get(b, b).kv_rows)
+        reads: dict[tuple[int, int], Rows] = {}  # (rank, kv owner) -> the hull its blocks read
+        for b in (cut.get(b, b) for s in self.steps for b in s.blocks):
+            got = reads.setdefault((b.rank, b.kv_owner), b.kv_rows)
+            reads[(b.rank, b.kv_owner)] = Rows(min(got.start, b.kv_rows.start),
+                                               max(got.stop, b.kv_rows.stop))
         steps = []
         for s in self.steps:
             q_rows = {(b.rank, b.q_owner, b.q_rows): cut[b].q_rows for b in s.blocks if b in cut}
-            inputs = []
-            for m in s.inputs:
-                if m.kind == "q":
-                    m = replace(m, rows=q_rows.get((m.dst, m.owner, m.rows), m.rows))
-                elif (m.dst, m.owner) not in passed_on and (m.dst, m.owner) in reads:
-                    rows = reads[(m.dst, m.owner)]
-                    m = replace(m, rows=Rows(min(r.start for r in rows), max(r.stop for r in rows)))
-                inputs.append(m)
+            inputs = (replace(m, rows=q_rows.get((m.dst, m.owner, m.rows), m.rows)) if m.kind == "q"
+                      else m if (m.dst, m.owner) in passed_on
+                      else replace(m, rows=reads.get((m.dst, m.owner), m.rows)) for m in s.inputs)
             steps.append(Step(tuple(cut.get(b, b) for b in s.blocks), tuple(inputs)))
         return replace(self, steps=tuple(_with_outputs(steps, self.direction)))
 
