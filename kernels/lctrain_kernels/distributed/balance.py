@@ -164,18 +164,19 @@ def balanced_cuts(lengths, seq_len: int, world_size: int, kind: str = "distflash
     if not posts:
         return half
     at, src, dst = (np.array(c) for c in zip(*posts))
-    later = np.cumsum(work, axis=0) - work[0]  # work after the first step, through step b
-    options, rows, ranks = SPLITS // 2, np.arange(len(posts)), np.arange(world_size)
-    choice = [0] * world_size
+    later = (np.cumsum(work, axis=0) - work[0])[at]  # work after the first step, at each post
+    sign = np.zeros((len(posts), world_size))  # a post's gap: its source's work - its dest's
+    sign[np.arange(len(posts)), src], sign[np.arange(len(posts)), dst] = 1, -1
+    ranks, choice = np.arange(world_size), [0] * world_size
     for _ in range(world_size):  # every pair of ranks jointly, the others held: exact for 2
         moved = False
         for r in range(world_size):
             for t in range(r + 1, world_size):
-                done = np.broadcast_to(later[at] + first[ranks, choice],
-                                       (options, options, len(posts), world_size)).copy()
-                done[..., r] = later[at, r] + first[r][:, None, None]
-                done[..., t] = later[at, t] + first[t][None, :, None]
-                cost = np.abs(done[..., rows, src] - done[..., rows, dst]).sum(axis=-1) + (
+                fixed, moves = first[ranks, choice], sign[:, [r, t]].any(axis=1)
+                s = sign[moves][:, [r, t]]  # only the gaps of posts at r or t move with the pair
+                held = (sign[moves] * (later[moves] + fixed)).sum(axis=1) - s @ fixed[[r, t]]
+                gap = held + s[:, 0] * first[r][:, None, None] + s[:, 1] * first[t][None, :, None]
+                cost = np.abs(gap).sum(axis=-1) + (
                     (first[r] - first[r, 0])[:, None] + (first[t] - first[t, 0])[None, :]) / MOVE
                 a, b = np.unravel_index(int(np.argmin(cost)), cost.shape)  # first: nearest ½
                 moved |= (a, b) != (choice[r], choice[t])
