@@ -187,3 +187,31 @@ def test_custom_ops_pass_opcheck(dtype):
     for dlse in (None, torch.randn_like(lse)):
         torch.library.opcheck(torch.ops.lctrain.dist_attention_backward.default,
                               (*plain, *opts, dlse))
+
+
+@pytest.mark.parametrize("calls", [1, 2, 3])
+def test_host_waits_for_the_gpu_calls_back(monkeypatch, calls):
+    """bound_host_lead: after each attention call the host has waited for every call at least
+    ``calls`` back on the GPU, and for none newer; off a GPU it records nothing."""
+    from collections import deque
+
+    from lctrain_kernels.distributed import comm
+
+    waited, made = [], []
+
+    class Event:
+        def synchronize(self):
+            waited.append(self)
+
+    class Stream:
+        def record_event(self):
+            made.append(Event())
+            return made[-1]
+
+    monkeypatch.setattr(comm, "_ends", deque())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream())
+    comm.bound_host_lead(torch.device("cpu"), calls)
+    assert made == []
+    for call in range(int(torch.randint(4, 9, ()))):
+        comm.bound_host_lead(torch.device("cuda", 0), calls)
+        assert waited == made[:max(0, call + 1 - calls)]

@@ -7,6 +7,7 @@ the current block computes. On NCCL the communicator must exist before the first
 :func:`nccl_options` gives its streams high priority, so transfers go ahead of queued compute."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -16,6 +17,17 @@ import torch.distributed as dist
 _PER_MESSAGE = 8  # tensors of one message are tagged tag * _PER_MESSAGE + index
 
 Spec = tuple[tuple[int, ...], torch.dtype]
+_ends: deque = deque()  # where the GPU ends the latest attention calls
+
+
+def bound_host_lead(device: torch.device, calls: int = 2) -> None:
+    """Wait until the GPU has finished the attention call ``calls`` before this one. NCCL records
+    the tensors of point-to-point transfers on its stream and the allocator reuses their memory
+    only once that stream is past them, so a host far ahead holds every layer's messages."""
+    if device.type == "cuda":
+        _ends.append(torch.cuda.current_stream(device).record_event())
+        while len(_ends) > calls:
+            _ends.popleft().synchronize()
 
 
 def nccl_options(timeout: timedelta | None = None):

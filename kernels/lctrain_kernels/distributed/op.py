@@ -18,7 +18,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from lctrain_kernels.backends import block_backward, block_forward, check_backend_name
 from lctrain_kernels.combine import OutAcc, lse_dtype
-from lctrain_kernels.distributed.comm import Exchanger
+from lctrain_kernels.distributed.comm import Exchanger, bound_host_lead
 from lctrain_kernels.distributed.executor import (BackwardEngine, ForwardEngine, Geometry,
                                                   backward_in_groups, forward_in_groups,
                                                   pruned_plan)
@@ -82,6 +82,7 @@ def forward_group(q, k, v, group_name: str, causal: bool, doc_bounds: list[int],
     engine = ForwardEngine(pruned_plan(schedule, "forward", geo), geo, exch, overlap, q, k, v,
                            softmax_scale, backend)
     engine.run()
+    bound_host_lead(q.device)
     out, lse = engine.acc.result(q)
     return out.contiguous(), lse.contiguous()  # (B, n, h, D), (B, h, n)
 
@@ -100,6 +101,7 @@ def backward_group(do, q, k, v, out, lse, dlse, group_name: str, causal: bool,
     engine = BackwardEngine(pruned_plan(schedule, "backward", geo), geo, exch, overlap, do, q, k,
                             v, out, lse, softmax_scale, backend, dlse=dlse)
     engine.run()
+    bound_host_lead(q.device)
     return (engine.dq.result(q).contiguous(), engine.dk.result(k).contiguous(),
             engine.dv.result(v).contiguous())
 
