@@ -111,9 +111,7 @@ def classify(spec: MaskSpec, sq: int, sk: int) -> Relation:
         return Relation.EMPTY
     if k1 <= q0:
         return Relation.FULL
-    if q0 == k0:
-        return Relation.CAUSAL
-    return Relation.PARTIAL
+    return Relation.CAUSAL if q0 == k0 else Relation.PARTIAL
 
 
 def dense_mask(spec: MaskSpec, sq: int, sk: int, device=None) -> torch.Tensor | None:

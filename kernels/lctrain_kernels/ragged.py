@@ -171,11 +171,6 @@ class Engine(Protocol):
         """Write the entries' rows of dq, dk, dv (summed per GQA group)."""
 
 
-def _lse_tokens(lse: torch.Tensor) -> torch.Tensor:
-    b, h, s = lse.shape
-    return lse.to(lse_dtype(lse.dtype)).transpose(1, 2).reshape(b * s, h).contiguous()
-
-
 def _new_out(q: torch.Tensor, zero: bool):
     b, s, h, _ = q.shape
     dtype = lse_dtype(q.dtype)
@@ -208,7 +203,7 @@ def ragged_forward(engine: Engine, plan: RaggedPlan, q, k, v, scale: float):
 def ragged_grads(engine: Engine, plan: RaggedPlan, do, q, k, v, out, lse, scale: float):
     """(dq, dk, dv) of a block from the final out and lse of its rows (dq in float32 where
     two calls share rows); rows no entry reaches get 0."""
-    lse_t = _lse_tokens(lse)
+    lse_t = lse.to(lse_dtype(lse.dtype)).transpose(1, 2).flatten(0, 1).contiguous()  # (B·Sq, Hq)
     do, out = do.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
     zero_q, zero_k = not plan.covers_q or plan.shared_rows, not plan.covers_k
     dq = q.new_zeros(q.shape) if zero_q else q.new_empty(q.shape)  # all contiguous

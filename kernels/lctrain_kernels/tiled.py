@@ -59,16 +59,12 @@ class _TiledApply(torch.autograd.Function):
                 if need_x:
                     grad_x[:, a:a + tile] = got[0]
                     got = got[1:]
-                for i, g in enumerate(got):
+                for i, g in enumerate(got):  # summed in float32 (float64 stays float64)
                     if g is not None:
-                        acc[i] = _widened(g) if acc[i] is None else acc[i].add_(g)
+                        acc[i] = (g.to(torch.promote_types(g.dtype, torch.float32), copy=True)
+                                  if acc[i] is None else acc[i].add_(g))
         param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(acc, params)]
         return (None if grad_x is None else grad_x.view_as(x), None, None, None, *param_grads)
-
-
-def _widened(grad: torch.Tensor) -> torch.Tensor:
-    """A float32 (float64 stays float64) accumulator holding ``grad``."""
-    return grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
 
 
 @contextlib.contextmanager

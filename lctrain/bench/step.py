@@ -278,8 +278,7 @@ def _progress_line(row: dict) -> str:
     return text + (f", MFU {percent(row['mfu'])}" if row.get("mfu") is not None else "")
 
 
-def _meta(cfg: RecipeConfig, nproc: int | None, warmup: int, steps: int,
-          save_every: int) -> dict:
+def _meta(cfg: RecipeConfig, nproc: int | None, warmup: int, steps: int, save_every: int) -> dict:
     from lctrain.model.flops import peak_flops
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -37,8 +37,7 @@ class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that resolves only the names of `_METADATA_CLASSES` and torch dtypes."""
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = _METADATA_CLASSES.get(module, ())
-        if name in allowed:
+        if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

@@ -33,11 +33,6 @@ _MEMORY_UNITS = {"": 1, "b": 1, **{f"{p}{s}": base ** (i + 1) for i, p in enumer
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
 
 
-def _split(text: str) -> tuple[str, str] | None:
-    match = _PATTERN.match(text.lower())
-    return (match.group(1), match.group(2)) if match else None
-
-
 def parse_size(value: int | str, *, what: str = "size") -> int:
     """A token count such as ``512``, ``"64k"`` or ``"1m"`` (ConfigError naming ``what``)."""
     if isinstance(value, bool):
@@ -51,10 +46,10 @@ def _parse(value: int | str, what: str, units: dict[str, int], bad: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         amount = value
     else:
-        parts = _split(str(value))
-        if parts is None or parts[1] not in units or (units is _TOKEN_UNITS and "." in parts[0]):
+        match = _PATTERN.match(str(value).lower())
+        if match is None or match[2] not in units or (units is _TOKEN_UNITS and "." in match[1]):
             raise ConfigError(f"{what} {value!r} {bad}")
-        amount = int((float if "." in parts[0] else int)(parts[0]) * units[parts[1]])
+        amount = int((float if "." in match[1] else int)(match[1]) * units[match[2]])
     if amount <= 0:
         raise ConfigError(f"{what} must be positive, got {value!r}")
     return amount

@@ -237,8 +237,7 @@ def eval_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
     n_rows = len(ds) if limit is None else min(limit, len(ds))
     if n_rows == 0:
         raise DataError("the evaluation data has no rows; check its source")
-    per_step = dp_size * batch_size
-    for step in range(-(-n_rows // per_step)):
+    for step in range(-(-n_rows // (dp_size * batch_size))):
         first = (step * dp_size + dp_rank) * batch_size
         rows = [ds.row(r) if r < n_rows else {**ds.row(0), "labels": np.full(ds.seq_len, IGNORE)}
                 for r in range(first, first + batch_size)]

@@ -237,8 +237,7 @@ def _ppl_row(name: str, lo: int, hi: int, loss_sum: float, count: float) -> dict
     return {"bucket": name, "start": lo, "stop": hi, "tokens": int(count), "loss": loss, "ppl": ppl}
 
 
-def _counted(batches: Iterator, say: Callable[[str], None], rows: int,
-             per_batch: int) -> Iterator:
+def _counted(batches: Iterator, say: Callable[[str], None], rows: int, per_batch: int) -> Iterator:
     """``batches``, saying how many rows of all dp ranks are done after each."""
     for index, batch in enumerate(batches, 1):
         yield batch

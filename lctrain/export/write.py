@@ -30,8 +30,7 @@ def write_full(model: nn.Module, folder: Path, dtype: torch.dtype,
     model.save_pretrained(str(folder), max_shard_size=max_shard_size)
 
 
-def write_adapter(peft_model: nn.Module, folder: Path, dtype: torch.dtype,
-                  base_name: str) -> None:
+def write_adapter(peft_model: nn.Module, folder: Path, dtype: torch.dtype, base_name: str) -> None:
     """peft's adapter files, naming ``base_name`` as the model to load the adapter onto."""
     peft_model.to(dtype)
     peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = base_name

@@ -55,8 +55,7 @@ def default_nproc(cfg: RecipeConfig) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else cfg.parallel.cp
 
 
-def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool,
-                       data: bool = False) -> None:
+def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool, data: bool = False) -> None:
     """What can fail (UserError) before any process starts, on a machine running ``nproc`` of
     them: the output folder, cp, this machine's memory and, for training (``data``), the first
     records of the data."""
@@ -157,8 +156,7 @@ def checkpoint_hint(cfg: RecipeConfig, nproc: int) -> str:
     """Where the newest complete checkpoint of the run is and the command that resumes it."""
     found = list_checkpoints(Path(cfg.train.output_dir) / "checkpoints")
     if not found:
-        why = ("checkpoint.keep is 0" if not cfg.checkpoint.enabled
-               else "none was saved yet")
+        why = "checkpoint.keep is 0" if not cfg.checkpoint.enabled else "none was saved yet"
         return f"there is no checkpoint to resume from ({why})"
     step, path = found[-1]
     flag = nproc if nproc != default_nproc(cfg) else None

@@ -123,6 +123,5 @@ def control_group(world_group, device_type: str, timeout):
 def resume_command(output_dir: str | Path, *, nproc: int | None = None) -> str:
     """The command that continues the run in ``output_dir`` from its own ``config.yaml`` (with
     ``--nproc`` when ``nproc`` is given)."""
-    recipe = Path(output_dir) / "config.yaml"
-    command = f"lctrain finetune {shlex.quote(str(recipe))} --resume"
+    command = f"lctrain finetune {shlex.quote(str(Path(output_dir) / 'config.yaml'))} --resume"
     return command + (f" --nproc {nproc}" if nproc is not None else "")

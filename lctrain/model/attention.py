@@ -47,10 +47,8 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # one dtype: autocast's under autocast (as autocast does to SDPA: RoPE's float32 tables make
     # q and k float32 there), else the promoted one
     device = query.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-    else:
-        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else
+             torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype))
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
     options = dict(causal=True, cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
                    backend=ctx.backend, head_groups=ctx.head_groups)

@@ -109,8 +109,7 @@ def resolve_config(path: str | None, overrides: dict[str, Any] | None, *,
     fields = fold_rope_spellings(dict(overrides or {}), where="model.config")
     if path is None:
         return _random_init_config(fields)
-    source = require_model_path(path)
-    base, raw = _folder_config(source, path, trust_remote_code)
+    base, raw = _folder_config(require_model_path(path), path, trust_remote_code)
     if not fields:
         return base
     wanted = fields.get("model_type", raw.get("model_type"))
@@ -161,10 +160,8 @@ def merge_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     """The folder's config fields with ``overrides`` on top, merged as the module docstring says."""
     merged = fold_rope_spellings(base, where="the model's config.json", strict=False)
     for key, value in fold_rope_spellings(overrides, where="model.config").items():
-        if key == "rope_parameters" and isinstance(value, dict):
-            merged[key] = _merge_rope(merged.get(key) or {}, value)
-        else:
-            merged[key] = value
+        merged[key] = (_merge_rope(merged.get(key) or {}, value)
+                       if key == "rope_parameters" and isinstance(value, dict) else value)
     return merged
 
 

@@ -126,6 +126,5 @@ def merge_adapter(adapter: str, base: str, out: Path, *, trust_remote_code: bool
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
                                                  trust_remote_code=trust_remote_code)
-    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    merged.save_pretrained(out)
+    PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(out)
     return out

@@ -79,8 +79,7 @@ def build_mesh(cp: int, *, device_type: str = "cpu",
         dp, cp = check_parallel_sizes(1, cp)
         return ParallelMesh(dp=dp, cp=cp, dp_rank=0, cp_rank=0, mesh=None, world_mesh=None,
                             device_type=device_type)
-    world = dist.get_world_size()
-    dp, cp = check_parallel_sizes(world, cp)
+    dp, cp = check_parallel_sizes(dist.get_world_size(), cp)
     mesh = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"),
                             backend_override=_group_options(device_type, dp, cp, timeout) or None)
     world_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("world",))

@@ -41,8 +41,7 @@ def traced_step(folder: Path | None, device: torch.device, rank: int, step: int,
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     alive = inventory(device, module, optimizer)
-    torch.cuda.memory._record_memory_history(max_entries=_ENTRIES, stacks="python",
-                                             device=device)
+    torch.cuda.memory._record_memory_history(max_entries=_ENTRIES, stacks="python", device=device)
     try:
         start = time.perf_counter()
         with set_checkpoint_early_stop(False):

@@ -230,15 +230,13 @@ def _with_host_memory(write, trainer: Trainer):
 
 def check_continuation(saved: dict, setup: RunSetup, path: Path) -> None:
     """Refuse (UserError) a checkpoint of another sequence length or global batch."""
-    cfg, dp = setup.cfg, setup.pmesh.dp
-    t = cfg.train
+    cfg, dp, t = setup.cfg, setup.pmesh.dp, setup.cfg.train
     if saved["seq_len"] != cfg.data.seq_len:
         raise UserError(f"The checkpoint {path} was trained at data.seq_len {saved['seq_len']} "
                         f"but this run has {cfg.data.seq_len}; resume with the run's seq_len.")
     rows = setup.rows_per_step
     if saved["rows_per_step"] != rows:
-        per_micro = dp * t.batch_size
-        keep = saved["rows_per_step"] / per_micro
+        keep = saved["rows_per_step"] / (dp * t.batch_size)
         fix = (f"set train.grad_accum={int(keep)} to keep it" if keep == int(keep) else
                "choose train.batch_size and train.grad_accum so that dp × batch_size × "
                "grad_accum equals it")

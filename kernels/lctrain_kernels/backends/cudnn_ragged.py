@@ -40,9 +40,8 @@ def _token_stride(x: torch.Tensor) -> int | None:
     """Elements between two tokens when rows flatten over the batch and each token's heads
     are packed ``(H, D)``; None when the layout is not like that."""
     b, s, h, d = x.shape
-    if x.stride(3) != 1 or (h > 1 and x.stride(2) != d):
-        return None
-    if b > 1 and x.stride(0) != s * x.stride(1):
+    if (x.stride(3) != 1 or (h > 1 and x.stride(2) != d)
+            or (b > 1 and x.stride(0) != s * x.stride(1))):
         return None
     return x.stride(1)
 

@@ -202,7 +202,10 @@ class Engine:
             self._receive(pending)
             if self.overlap:
                 pending = self._post(batch(k + 1, k - 1))
-                self._let_transfers_in(pending[0])
+                if pending[0].works and self.device.type == "cuda":
+                    # hold the compute stream briefly: a persistent attention kernel that starts
+                    # first holds every SM to its end, and the transfers would wait for it
+                    torch.cuda._sleep(_HEAD_START_CYCLES)
             else:
                 self._receive(self._post(batch(k, k - 1)))
             if self.compute_enabled:
@@ -216,12 +219,6 @@ class Engine:
                 self.kv_have.pop(owner, None)
         self._receive(pending)
         self._receive(self._post(batch(last, last - 1)))
-
-    def _let_transfers_in(self, pending: Pending) -> None:
-        """On CUDA, hold the compute stream briefly after posting: a persistent attention kernel
-        that starts first holds every SM to its end, and the transfers would wait for it."""
-        if pending.works and self.device.type == "cuda":
-            torch.cuda._sleep(_HEAD_START_CYCLES)
 
     def _post(self, batch: list[Message]) -> tuple[Pending, list[Message]]:
         sends = [(self.send_tensors(m), m.dst, tag) for tag, m in enumerate(batch) if m.src == self.rank]

@@ -50,9 +50,7 @@ def _rank_and_size(group, rank, world_size) -> tuple[int, int]:
         raise ValueError("pass both rank and world_size, or neither")
     if rank is not None:
         return rank, world_size
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def shard(x: torch.Tensor, group=None, layout: str = "contiguous", dim: int = 1, *,
