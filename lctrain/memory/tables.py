@@ -11,6 +11,8 @@ from lctrain.report.human import parameters, tokens
 from lctrain.report.table import Column, Table
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "other")
+STEP_NOTE = ("step time is for rows that are one document: packed documents, masked apart, "
+             "attend less and train faster")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,15 +82,16 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
             facts.append((key.replace("_", " "), str(details[key])))
     if details.get("phase"):
         facts.append(("peak during", str(details["phase"])))
-    if details.get("step_seconds"):  # short documents do less attention: a bound for them
+    notes = [f"assumed {text}" for text in estimate.get("assumptions") or []]
+    if details.get("step_seconds"):
         facts.append(("step time (est.)", f"{details['step_seconds']:,.1f} s"))
+        notes.append(STEP_NOTE)
     for row in rows:
         row["amount"] = format_bytes(row["bytes"])
     rows += [{"what": what, "amount": value} for what, value in facts]
     columns = [Column("what", "per GPU"), Column("amount", "amount", "figure"),
                Column("bytes", "bytes", "number", compact=False)]
-    return Table(title="Estimated memory per GPU", columns=columns, rows=rows, keys=1,
-                 notes=[f"assumed {text}" for text in estimate.get("assumptions") or []])
+    return Table(title="Estimated memory per GPU", columns=columns, rows=rows, keys=1, notes=notes)
 
 
 _PLAN_ROWS = (("sequence length", "seq_len", "tokens"), ("cp x dp", None, "parallel"),
@@ -125,8 +128,8 @@ def plan_table(plan: dict) -> Table:
     columns = [Column("what", "setting")] + [Column(name, header, "figure")
                                              for name, header, _ in choices]
     return Table(title=title, columns=columns, rows=rows, keys=1,
-                 notes=["estimates: lctrain.memory (memory) and lctrain.memory.timing (time, "
-                        "of rows that are one document)"])
+                 notes=["estimates: lctrain.memory (memory) and lctrain.memory.timing (time)",
+                        STEP_NOTE])
 
 
 def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:
