@@ -1,11 +1,13 @@
 """--documents SPEC: equal documents, listed mixes, log-normal draws, length files and data files
 cut into rows as training packs them; the useful-FLOP count; one-sentence errors."""
 import json
+import random
 import statistics
 
 import pytest
+import torch
 
-from lctrain.bench.documents import parse_documents
+from lctrain.bench.documents import Documents, parse_documents, training_rows
 from lctrain.config import ConfigError, load_recipe
 
 
@@ -18,6 +20,12 @@ def test_equal_and_listed_documents_fill_the_row():
     assert parse_documents(" 4k, 2x1k, rest ", 10000).lengths == (4096, 1024, 1024, 3856)
     assert parse_documents("3x100,rest", 300).lengths == (100, 100, 100)  # nothing left
     assert mix.summary() == "10 documents of 1k..20k tokens, median 5k"
+    # rows pooled: the counts' range, then every document's lengths; one row when all are equal
+    assert Documents.summary_of([mix, docs]) == (
+        "2 rows of 8..10 documents of 1k..20k tokens, median 8k")
+    assert Documents.summary_of([Documents((5, 5), "a"), Documents((4, 6), "a")]) == (
+        "2 rows of 2 documents of 4..6 tokens, median 5")
+    assert Documents.summary_of([docs, docs]) == docs.summary()
 
 
 @pytest.mark.parametrize("spec, total, words", [
@@ -207,24 +215,34 @@ def test_bench_step_trains_on_rows_of_the_mix(tmp_path):
     masked, plain = result.rows
     assert masked["status"] == "ok" and plain["status"] == "ok"
     assert masked["documents"] == "lognormal:median=60,sigma=1"
-    assert masked["mix"] == parse_documents("lognormal:median=60,sigma=1,seed=0", 512).summary()
+    drawn = training_rows("lognormal:median=60,sigma=1", 512, 2)
+    assert masked["mix"] == Documents.summary_of(drawn)
     assert 1.0 <= masked["attention_balance"] < 2.0 and plain["attention_balance"] is None
     assert result.meta["documents"] == "lognormal:median=60,sigma=1"
     assert not (tmp_path / "out").exists()  # the scratch run, its data and the folder it made are gone
 
 
-def test_bench_step_rows_are_the_mix_exactly(tmp_path):
-    """The data bench step writes packs, as training packs it, into rows whose documents are the
-    drawn rows' lengths, one after another."""
+@pytest.mark.parametrize("steps, warmup", [(3, 0), (2, 2)])
+def test_bench_step_trains_step_by_step_on_the_drawn_rows(tmp_path, steps, warmup):
+    """The data bench step writes packs, as training packs it, and the loader reads it (shuffled
+    by the recipe's seed) as the drawn rows in their order: each warm-up step on a timed step's
+    rows, then timed step k on the k-th; the row's mix names the timed rows."""
     from lctrain.bench.documents import training_rows
     from lctrain.bench.step import _with_documents
-    from lctrain.data import load_tokenizer, prepare_data
+    from lctrain.data import iter_batches, load_tokenizer, prepare_data
 
-    spec = "lognormal:median=40,sigma=0.8,seed=3"
-    cfg = load_recipe(None, ["train.grad_accum=2"], seq_len=256)
-    cfg, fields = _with_documents(cfg, tmp_path, spec, nproc=1, steps=3)
+    rng = random.Random(torch.initial_seed())  # the test's seed (conftest.py)
+    spec = f"lognormal:median=40,sigma=0.8,seed={rng.randrange(100)}"
+    cfg = load_recipe(None, ["train.grad_accum=2", f"train.seed={rng.randrange(100)}"],
+                      seq_len=256)
+    cfg, fields = _with_documents(cfg, tmp_path, spec, nproc=1, steps=steps, warmup=warmup)
+    timed = training_rows(spec, 256, 2 * steps)  # 2 micro-batches a step
+    assert len(set(timed)) > 1 and fields == {"documents": spec,
+                                              "mix": Documents.summary_of(timed)}
     rows = prepare_data(cfg.data, load_tokenizer(cfg))
-    want = training_rows(spec, 256, 6)  # 3 steps x 2 micro-batches
-    assert len(rows) == 6 and fields == {"documents": spec, "mix": want[0].summary()}
-    for r, row in enumerate(want):
-        assert tuple(int(n) for n in rows[r]["doc_lens"]) == row.lengths
+    batches = iter_batches(rows, batch_size=1, dp_rank=0, dp_size=1, seed=cfg.train.seed)
+    read = [next(batches).cu_seqlens for _ in range(2 * (warmup + steps))]
+    want = [*(timed[i % len(timed)] for i in range(2 * warmup)), *timed]
+    assert read == [row.cu_seqlens for row in want]
+
+

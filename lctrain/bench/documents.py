@@ -48,6 +48,17 @@ class Documents:
         return (f"{count}{format_tokens(ordered[0])}..{format_tokens(ordered[-1])} tokens, "
                 f"median {format_tokens(mid)}")
 
+    @staticmethod
+    def summary_of(rows: list[Documents]) -> str:
+        """:meth:`summary` of one row, or of several different ones pooled, such as ``3 rows of
+        5..8 documents of 2k..52k tokens, median 16k``."""
+        if len(set(rows)) == 1:
+            return rows[0].summary()
+        few, many = min(len(r.lengths) for r in rows), max(len(r.lengths) for r in rows)
+        pooled = Documents(tuple(n for r in rows for n in r.lengths), rows[0].spec).summary()
+        return (f"{len(rows)} rows of {few}{f'..{many}' * (many != few)} "
+                f"{pooled.split(' ', 1)[1].replace('document ', 'documents ')}")
+
     def scaled(self, total: int) -> Documents:
         """The same mix over ``total`` tokens (at most `total`): every bound scaled and rounded;
         a document that shrinks to nothing joins the next one."""

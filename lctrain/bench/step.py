@@ -19,10 +19,11 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from lctrain.bench.documents import training_rows
+from lctrain.bench.documents import Documents, training_rows
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
 from lctrain.config.layers import LayerPlan
+from lctrain.data import epoch_order
 from lctrain.model import load_tokenizer
 from lctrain.errors import UserError
 from lctrain.report.runs import median
@@ -104,7 +105,7 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
     mix = {}
     try:
         if data is not None:
-            cfg, mix = _with_documents(cfg, data, documents, nproc, warmup + steps)
+            cfg, mix = _with_documents(cfg, data, documents, nproc, steps, warmup)
         with _stdout_to_stderr(), _environment(XDG_CACHE_HOME=data and str(data)):
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc, own_process=True)
@@ -126,13 +127,19 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
             | _saves(records, warmup, save_every))
 
 
-def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int,
-                    steps: int) -> tuple[RecipeConfig, dict]:
+def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, steps: int,
+                    warmup: int = 0) -> tuple[RecipeConfig, dict]:
     """The recipe reading rows packed as ``spec`` from random ids (a tokenized JSONL file in
-    ``folder``), and the row fields naming the mix."""
-    dp = max(1, nproc // cfg.parallel.cp)
-    count = steps * dp * cfg.train.batch_size * cfg.train.grad_accum
-    rows = training_rows(spec, cfg.data.seq_len, count)
+    ``folder``), and the row fields naming the mix of the timed rows. Timed step k trains on the
+    k-th drawn rows (the file holds them where the loader's shuffle reads them then); the
+    ``warmup`` steps before them repeat the first ones, so that the first timed step runs no
+    code path for the first time (a row of one document would warm up no document path)."""
+    per_step = max(1, nproc // cfg.parallel.cp) * cfg.train.batch_size * cfg.train.grad_accum
+    timed = training_rows(spec, cfg.data.seq_len, steps * per_step)
+    stream = [timed[i % len(timed)] for i in range(warmup * per_step)] + timed
+    rows = [None] * len(stream)
+    for row, at in zip(stream, epoch_order(len(stream), cfg.train.seed)):
+        rows[at] = row
     vocab = min(len(load_tokenizer(cfg)), 32000)
     rng = np.random.default_rng(0)
     with (folder / "documents.jsonl").open("w") as f:
@@ -141,7 +148,8 @@ def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int,
                 f.write(json.dumps({"input_ids": rng.integers(3, vocab, n).tolist()}) + "\n")
     data = dataclasses.replace(cfg.data, source=str(folder / "documents.jsonl"),
                                format="tokenized", long_samples="split", max_documents=None)
-    return dataclasses.replace(cfg, data=data), {"documents": spec, "mix": rows[0].summary()}
+    return dataclasses.replace(cfg, data=data), {"documents": spec,
+                                                 "mix": Documents.summary_of(timed)}
 
 
 def _saves(records: list[dict], warmup: int, save_every: int) -> dict:

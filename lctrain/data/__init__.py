@@ -5,8 +5,9 @@
         local = shard_batch(batch, cp_rank=r, cp_size=p, layout=layout)
 """
 from lctrain.data.formats import Encoder
-from lctrain.data.packing import (IGNORE, PackedBatch, PackedRows, eval_batches, iter_batches, pack,
-                                  plan_steps, reorder_documents, shard_batch, steps_summary)
+from lctrain.data.packing import (IGNORE, PackedBatch, PackedRows, epoch_order, eval_batches,
+                                  iter_batches, pack, plan_steps, reorder_documents, shard_batch,
+                                  steps_summary)
 from lctrain.data.prepare import held_out, prepare_data, rows_summary
 from lctrain.data.records import RecordReader, builtin_documents
 from lctrain.data.tokenizer import (BytePairTokenizer, ByteTokenizer, encode_documents,

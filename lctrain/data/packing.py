@@ -275,6 +275,11 @@ def steps_summary(*, rows: int, rows_per_step: int, steps: int, max_steps: int |
     return lines
 
 
+def epoch_order(n_rows: int, seed: int, epoch: int = 0) -> np.ndarray:
+    """The row numbers that epoch ``epoch`` of :func:`iter_batches` reads, in its order."""
+    return np.random.default_rng([seed, epoch]).permutation(n_rows)
+
+
 class _EpochOrder:
     """Stream index -> row number: epoch e is the permutation drawn from ``(seed, e)``."""
 
@@ -287,7 +292,7 @@ class _EpochOrder:
         if epoch not in self._cache:
             if len(self._cache) > 1:
                 self._cache.pop(min(self._cache))
-            self._cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
+            self._cache[epoch] = epoch_order(self.n_rows, self.seed, epoch)
         return int(self._cache[epoch][offset])
 
 
