@@ -56,8 +56,7 @@ class Documents:
             return rows[0].summary()
         few, many = min(len(r.lengths) for r in rows), max(len(r.lengths) for r in rows)
         pooled = Documents(tuple(n for r in rows for n in r.lengths), rows[0].spec).summary()
-        return (f"{len(rows)} rows of {few}{f'..{many}' * (many != few)} "
-                f"{pooled.split(' ', 1)[1].replace('document ', 'documents ')}")
+        return f"{len(rows)} rows of {few}{f'..{many}' * (many != few)} {pooled.split(' ', 1)[1]}"
 
     def scaled(self, total: int) -> Documents:
         """The same mix over ``total`` tokens (at most `total`): every bound scaled and rounded;

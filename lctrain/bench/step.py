@@ -130,10 +130,8 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
 def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, steps: int,
                     warmup: int = 0) -> tuple[RecipeConfig, dict]:
     """The recipe reading rows packed as ``spec`` from random ids (a tokenized JSONL file in
-    ``folder``), and the row fields naming the mix of the timed rows. Timed step k trains on the
-    k-th drawn rows (the file holds them where the loader's shuffle reads them then); the
-    ``warmup`` steps before them repeat the first ones, so that the first timed step runs no
-    code path for the first time (a row of one document would warm up no document path)."""
+    ``folder``) and the fields naming the timed rows' mix. Timed step k trains on the k-th drawn
+    rows (placed where the shuffle reads them); warm-up repeats them: no path first runs timed."""
     per_step = max(1, nproc // cfg.parallel.cp) * cfg.train.batch_size * cfg.train.grad_accum
     timed = training_rows(spec, cfg.data.seq_len, steps * per_step)
     stream = [timed[i % len(timed)] for i in range(warmup * per_step)] + timed
