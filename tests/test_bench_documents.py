@@ -191,8 +191,6 @@ def test_bench_commands_take_documents_and_refuse_bad_specs_in_one_sentence(tmp_
 
 
 def test_training_rows_draw_each_lognormal_row_anew_and_repeat_a_fixed_mix():
-    from lctrain.bench.documents import training_rows
-
     rows = training_rows("lognormal:median=300,sigma=0.7,seed=5", 4096, 4)
     assert all(r.total == 4096 and r.spec == "lognormal:median=300,sigma=0.7,seed=5" for r in rows)
     assert rows[1].lengths == parse_documents("lognormal:median=300,sigma=0.7,seed=6", 4096).lengths
@@ -227,7 +225,6 @@ def test_bench_step_trains_step_by_step_on_the_drawn_rows(tmp_path, steps, warmu
     """The data bench step writes packs, as training packs it, and the loader reads it (shuffled
     by the recipe's seed) as the drawn rows in their order: each warm-up step on a timed step's
     rows, then timed step k on the k-th; the row's mix names the timed rows."""
-    from lctrain.bench.documents import training_rows
     from lctrain.bench.step import _with_documents
     from lctrain.data import iter_batches, load_tokenizer, prepare_data
 
