@@ -2,6 +2,10 @@
 and the dispatching functions, against float64 sums and float64 attention merges."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -113,3 +117,18 @@ def test_merges_hold_where_exp_leaves_float32s_range(dtype):
         torch.testing.assert_close(dst_lse.double().cpu(), want_lse, rtol=1e-6, atol=0, msg=said)
         torch.testing.assert_close(dst.double().cpu(), want, **tol, msg=said)
         assert torch.isneginf(dst_lse[:, :, 2]).all() and (dst[:, 2] == 0).all()  # saw nothing
+
+
+def test_merge_kernel_compiles_once_per_layout_of_outputs_not_per_lse_slice():
+    """The lse slices' pointers and strides move with each document layout: the compiled kernel
+    must not specialise on them (a new compile per row range), but keeps the outputs'."""
+    code = ("from lctrain_kernels.triton.merge import merge_kernel as k; "
+            "print(*(p.name for p in k.params if p.do_not_specialize_on_alignment))")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    free = set(out.split())
+    lse = {"DstLse", "L0", "L1", "L2", "L3"} | {f"{t}_{a}" for t in ("dl", "l0", "l1", "l2", "l3")
+                                               for a in ("b", "h")}
+    assert lse <= free
+    assert not free & {"Dst", "X0", "X1", "X2", "X3", "d_b", "d_s", "d_h", "x0_b", "dl_s"}

@@ -110,8 +110,7 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
         (scratch / "request.json").write_text(request.to_json())
         worker = functools.partial(eval_worker, request=request)
         try:
-            code = launcher.dispatch(cfg, worker, resume=False, nproc=nproc,
-                                     module=WORKER_MODULE,
+            code = launcher.dispatch(cfg, worker, resume=False, nproc=nproc, module=WORKER_MODULE,
                                      args=("--request", str(scratch / "request.json")))
         except UserError as error:  # a rank failed: its log outlives the scratch folder
             kept = launcher.keep_workers_log(scratch)

@@ -109,8 +109,7 @@ def byte_tokenizer_fast():
         special_tokens=[("<bos>", BYTE_SPECIALS["<bos>"])])
     return PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-        split_special_tokens=True, clean_up_tokenization_spaces=False,
-        model_max_length=int(1e30))
+        split_special_tokens=True, clean_up_tokenization_spaces=False, model_max_length=int(1e30))
 
 
 def run_tokenizer(cfg: RecipeConfig) -> tuple[Any, bool]:

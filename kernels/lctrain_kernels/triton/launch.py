@@ -16,8 +16,7 @@ from lctrain_kernels.triton.backward import (attn_bwd_delta_kernel, attn_bwd_dkd
 from lctrain_kernels.triton.common import (MASK_CAUSAL, MASK_NONE, MASK_RANGES, interpreting,
                                            interval_arrays, last_dim_contiguous)
 from lctrain_kernels.triton.configs import (DKDV_POINTS, DQ_POINTS, FP32_POINTS, FWD_POINTS,
-                                            INTERPRET_CONFIGS, SAFE_CONFIG, autotuned,
-                                            seq_bucket)
+                                            INTERPRET_CONFIGS, SAFE_CONFIG, autotuned, seq_bucket)
 from lctrain_kernels.triton.forward import attn_fwd_kernel
 
 try:

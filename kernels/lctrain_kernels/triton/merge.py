@@ -12,6 +12,7 @@ import triton.language as tl
 from lctrain_kernels.triton.common import interpreting
 
 MAX_INPUTS = 4
+_LSE_STRIDES = ("dl_b", "dl_h", "l0_b", "l0_h", "l1_b", "l1_h", "l2_b", "l2_h", "l3_b", "l3_h")
 
 
 @triton.jit
@@ -57,7 +58,9 @@ def _lse(L, b, s, h, lb, lh, ls, live):
     return tl.load(L + b * lb + h * lh + s * ls, mask=live, other=float("-inf")).to(tl.float32)
 
 
-@triton.jit
+# lse slices' starts and buffer lengths move with each document layout: no specialising on them
+@triton.jit(do_not_specialize=_LSE_STRIDES,
+            do_not_specialize_on_alignment=("DstLse", "L0", "L1", "L2", "L3", *_LSE_STRIDES))
 def merge_kernel(Dst, DstLse, X0, L0, X1, L1, X2, L2, X3, L3, n_rows, S, H,
                  d_b, d_s, d_h, dl_b, dl_h, dl_s,
                  x0_b, x0_s, x0_h, l0_b, l0_h, l0_s, x1_b, x1_s, x1_h, l1_b, l1_h, l1_s,
