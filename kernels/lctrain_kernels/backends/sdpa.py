@@ -25,7 +25,6 @@ from lctrain_kernels.backends import BackendUnavailable, UnitValueLseGrad, half_
 from lctrain_kernels.masks import MaskSpec, Relation
 
 _DENSE = (Relation.FULL, Relation.CAUSAL)
-_CUDNN_LSE_UNIT_DIM = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 9)
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -64,9 +63,7 @@ class CudnnBackend(UnitValueLseGrad):
         return out.transpose(1, 2), lse.reshape(b, hq, sq)  # (B, Sq, Hq, D), (B, Hq, Sq)
 
     def grads(self, do, q, k, v, out, lse, spec, relation, scale):
-        stats = lse.float().contiguous()  # (B, Hq, Sq)
-        if _CUDNN_LSE_UNIT_DIM:
-            stats = stats.unsqueeze(-1)  # (B, Hq, Sq, 1)
+        stats = lse.float().contiguous().unsqueeze(-1)  # (B, Hq, Sq, 1), as torch ≥ 2.9 wants
         no_rng = torch.zeros((), dtype=torch.int64, device=q.device)  # never read without dropout
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             _bhsd(do.to(q.dtype)), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out.to(q.dtype)), stats,

@@ -10,6 +10,7 @@ import bisect
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from lctrain_kernels.triton.backward import (attn_bwd_delta_kernel, attn_bwd_dkdv_kernel,
                                              attn_bwd_dq_kernel)
@@ -19,10 +20,6 @@ from lctrain_kernels.triton.configs import (DKDV_POINTS, DQ_POINTS, FP32_POINTS,
                                             INTERPRET_CONFIGS, SAFE_CONFIG, autotuned, seq_bucket)
 from lctrain_kernels.triton.forward import attn_fwd_kernel
 
-try:
-    from triton.runtime.errors import OutOfResources
-except ImportError:  # pragma: no cover - older layouts
-    from triton.runtime.autotuner import OutOfResources
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
