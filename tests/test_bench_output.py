@@ -60,7 +60,9 @@ def _rows(kind: str, rng: random.Random) -> list[dict]:
                        "mfu": rng.uniform(0.2, 0.6), "peak_gib": rng.uniform(30, 130),
                        "model_peak_gib": rng.uniform(30, 130), "gpus": 2, "cp": 2,
                        "schedule": rng.choice(["distflash", "context_parallel"]),
-                       "policy": "remat", "loss_first": rng.uniform(10, 12)}
+                       "policy": "remat", "loss_first": rng.uniform(10, 12),
+                       "sm_clock_ghz": rng.uniform(1.4, 1.98), "power_w": rng.uniform(300, 700),
+                       "power_limit_w": 700.0}
             rows.append(row)
     rows[-1] = {k: rows[-1][k] for k in rows[-1] if k in ("seq_len", "backend", "variant")}
     rows[-1]["status"] = ("out of memory at 1,234 tokens: the allocator could not find "
@@ -75,7 +77,8 @@ def _result(kind: str) -> BenchResult:
 
 
 _RULE = re.compile(r"-+( +-+)*")
-_UNITS = {"", "ms", "µs", "s", "TFLOP/s", "GFLOP/s", "MFLOP/s", "%", "GiB", "per step", "loss"}
+_UNITS = {"", "ms", "µs", "s", "TFLOP/s", "GFLOP/s", "MFLOP/s", "%", "GiB", "per step", "loss",
+          "GHz", "W"}
 
 
 def _grids(text: str, n_rows: int, labels: set[str]) -> list[tuple[list[str], list[list[str]]]]:

@@ -18,7 +18,7 @@ import pytest
 from lctrain.config import load_recipe
 from spawn import run_on_ranks
 
-FIELDS = {"step", "loss", "tokens", "tokens_per_s", "step_time_s", "lr", "grad_norm",
+FIELDS = {"step", "loss", "tokens", "tokens_per_s", "step_time_s", "lr", "grad_norm", "time",
           "peak_memory_bytes", "mfu"}
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from lctrain.bench import gpu_power
 from lctrain.bench.documents import Documents, training_rows
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
@@ -106,7 +107,8 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
     try:
         if data is not None:
             cfg, mix = _with_documents(cfg, data, documents, nproc, steps, warmup)
-        with _stdout_to_stderr(), _environment(XDG_CACHE_HOME=data and str(data)):
+        with _stdout_to_stderr(), _environment(XDG_CACHE_HOME=data and str(data)), \
+                gpu_power.sampled() as samples:
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc, own_process=True)
         if code != 0:
@@ -123,7 +125,10 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         if data is not None:
             shutil.rmtree(data, ignore_errors=True)
         remove_empty(made)
-    return (_row(cfg, nproc, records, warmup, layers, predicted) | mix
+    timed = [r for r in records if r["step"] > warmup] or records  # the GPUs over timed steps
+    power = gpu_power.during(samples, timed[0]["time"] - timed[0]["step_time_s"],
+                             timed[-1]["time"]) if timed else {}
+    return (_row(cfg, nproc, records, warmup, layers, predicted) | mix | power
             | _saves(records, warmup, save_every))
 
 

@@ -273,7 +273,7 @@ def _log(trainer: Trainer, hooks: LoopHooks, stats: dict, attn_units: int, start
     record = {"step": trainer.step, "loss": loss, "tokens": hooks.tokens_per_step,
               "tokens_per_s": hooks.tokens_per_step / elapsed if elapsed > 0 else float("nan"),
               "step_time_s": elapsed, "lr": stats["lr"], "grad_norm": grad_norm,
-              "peak_memory_bytes": peak, "mfu": mfu}  # peak: the most of any rank
+              "peak_memory_bytes": peak, "mfu": mfu, "time": time.time()}  # peak: any rank's most
     if trainer.device.type == "cuda":  # so far in the run, on the rank with the most
         record["peak_reserved_bytes"], record["alloc_retries"] = reserved, retries
     if calls is not None:
