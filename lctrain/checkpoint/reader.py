@@ -32,9 +32,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), root / entry.name) for entry in root.iterdir()
-             if entry.is_dir() and (m := _NAME.match(entry.name))]
-    return sorted(found)
+    return sorted((int(m.group(1)), root / entry.name) for entry in root.iterdir()
+                  if entry.is_dir() and (m := _NAME.match(entry.name)))
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
@@ -60,8 +59,7 @@ def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
                                  f"({root_cause(error)}); it was written for another model or "
                                  "LoRA setting, or it is damaged.") from None
     optim_state = {"state": state["optim"]["state"], "param_groups": optim_state["param_groups"]}
-    set_state_dict(module, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=optim_state)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
     rng = path / f"rng-rank{dist.get_rank() if dist.is_initialized() else 0}.safetensors"
     if rng.exists():
         _read_rng(rng)
@@ -115,9 +113,8 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
     candidates = dict.fromkeys(  # key prefixes, from two names; every name then votes
         key[:len(key) - len(name)] for name in names[:1] + names[-1:] for key in saved
         if key.endswith(name))
-    counts = {candidate: sum(candidate + name in saved for name in names)
-              for candidate in candidates if candidate.startswith("model.")
-              and candidate.endswith(".")}
+    counts = {prefix: sum(prefix + name in saved for name in names) for prefix in candidates
+              if prefix.startswith("model.") and prefix.endswith(".")}
     prefix = max(counts, key=counts.get, default=None)  # the one holding the most of them
     if prefix is None or counts[prefix] == 0:
         raise UserError(f"The checkpoint {path} holds none of the model's weights (for example "

@@ -34,9 +34,8 @@ class Checkpointer:
         self.asynchronous, self.local_processes = asynchronous, local_processes
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self._stager = None
+        self._stager = self._hook = None
         self._pending: _Pending | None = None
-        self._hook = None
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in [*self.root.glob(".tmp-step-*"), *self.root.glob(".del-step-*")]:
@@ -212,22 +211,20 @@ def state_bytes(state: dict) -> int:
     return total
 
 
-def _new_stager():
-    """DCP's stager: the host copy taken in a background thread (pinned on GPUs)."""
+def _new_stager(background: bool = True):
+    """DCP's stager: the host copy taken in a background thread (pinned on GPUs); with
+    ``background`` false, in the calling thread and unpinned."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = background and torch.cuda.is_available() and torch.cuda.is_initialized()
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                        use_async_staging=True, use_non_blocking_copy=cuda))
+                                        use_async_staging=background, use_non_blocking_copy=cuda))
 
 
 @functools.cache
 def _stager_reusable() -> bool:
     """Whether one DefaultStager stages more than once (torch 2.11's does not; probed once)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=False))
+    stager = _new_stager(background=False)
     try:
         for _ in range(2):
             stager.stage({"probe": torch.zeros(1)})
@@ -260,9 +257,8 @@ def _failed_write(step: int, tmp: Path, error: BaseException, size: int) -> User
     found = list_checkpoints(tmp.parent)
     last = (f"the last complete checkpoint, {found[-1][1]} (step {found[-1][0]}), is untouched"
             if found else f"{tmp.parent} holds no complete checkpoint yet")
-    return UserError(f"Writing the checkpoint of step {step} to {tmp} failed ({reason}); "
-                     f"{last} — free space or fix the folder's permissions, then resume with "
-                     "--resume.")
+    return UserError(f"Writing the checkpoint of step {step} to {tmp} failed ({reason}); {last} — "
+                     "free space or fix the folder's permissions, then resume with --resume.")
 
 
 def _barrier(group) -> None:

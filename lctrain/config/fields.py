@@ -172,9 +172,8 @@ def _to_float(key: str, value: Any) -> float:
     if not math.isfinite(number):  # .inf / .nan (or "inf", "nan") would train on nonsense
         raise ConfigError(f"{key} is {value!r} but must be a finite number", key=key)
     if abs(number) > FLOAT32_MAX:  # finite here, inf in the float32 the training runs in
-        raise ConfigError(f"{key} is {value!r}, which overflows float32 (at most "
-                          f"{FLOAT32_MAX:.4g} in size), the precision training computes in",
-                          key=key)
+        raise ConfigError(f"{key} is {value!r}, which overflows float32 (at most {FLOAT32_MAX:.4g} "
+                          "in size), the precision training computes in", key=key)
     return number
 
 

@@ -3,8 +3,7 @@
 ``optimizer`` or ``state``): a `LayerPlan`, whose two properties print the fields' exact text."""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lctrain.errors import ConfigError
 
@@ -92,8 +91,7 @@ class LayerPlan:
 
     def placed(self, runs: tuple[tuple[str, int], ...], parked: int) -> LayerPlan:
         """This plan with the runs and parked layers an ``auto`` placement chose."""
-        return dataclasses.replace(self, runs=((runs[0][0], ALL),) if len(runs) == 1 else runs,
-                                   parked=parked)
+        return replace(self, runs=((runs[0][0], ALL),) if len(runs) == 1 else runs, parked=parked)
 
 
 def _parse_runs(text: str) -> tuple[tuple[str, int], ...]:

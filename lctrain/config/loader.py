@@ -43,8 +43,7 @@ def _unique_keys(loader: _Yaml12Loader, node: yaml.MappingNode, deep: bool = Fal
 _Yaml12Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys)
 _Yaml12Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Yaml12Loader.add_implicit_resolver(
@@ -85,8 +84,7 @@ REMOVED = {
     "checkpoint.on_signal": "a run that saves checkpoints always saves its last step when a "
                             "stop signal ends it; drop it",
     "checkpoint.asynchronous": "checkpoints are written in the background on GPUs and in the "
-                               "foreground on CPUs; drop it",
-}
+                               "foreground on CPUs; drop it"}
 """Recipe settings that are gone -> what replaces them (each refused in one sentence)."""
 
 _FOREIGN = {
@@ -96,17 +94,14 @@ _FOREIGN = {
     "train.grad_accum": "gradient_accumulation_steps",
     "data.seq_len": "max_seq_length sequence_len max_seq_len max_length seq_length "
                     "model_max_length cutoff_len seq_len",
-    "lora.rank": "lora_r r rank",
-    "lora.alpha": "lora_alpha",
-    "lora.dropout": "lora_dropout",
+    "lora.rank": "lora_r r rank", "lora.alpha": "lora_alpha", "lora.dropout": "lora_dropout",
     "lora.target_modules": "lora_target_modules lora_target target_modules",
     "data.source": "dataset datasets dataset_name train_file data_path data_files",
     "model.path": "base_model model_name_or_path model_name model_path",
     "train.checkpointing": "gradient_checkpointing",
     "train.mixed_precision": "bf16 fp16 mixed_precision",
     "model.dtype": "torch_dtype dtype",
-    "checkpoint.every": "save_steps",
-    "checkpoint.keep": "save_total_limit",
+    "checkpoint.every": "save_steps", "checkpoint.keep": "save_total_limit",
     "train.eval_every": "eval_steps",
     "data.tokenizer": "tokenizer_name tokenizer tokenizer_name_or_path",
     "parallel.cp": "sequence_parallel_degree context_parallel_size cp",
@@ -231,8 +226,7 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 def set_key(raw: dict[str, Any], key: str, value: Any, *, where: str) -> None:
     """Set the dotted ``key`` in the plain recipe data, refusing keys the schema lacks."""
-    parts = key.split(".")
-    section, rest = parts[0], parts[1:]
+    section, *rest = key.split(".")
     if section not in _SECTIONS:
         hint = suggest(section, _SECTIONS) or alias_hint(key)
         raise ConfigError(f"unknown key {key} in {where}{hint} (sections: {', '.join(_SECTIONS)})")

@@ -6,7 +6,7 @@ import glob
 import importlib.resources
 import os
 import dataclasses
-from dataclasses import dataclass
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,7 +69,7 @@ def decode_text(data: bytes, source: str) -> str:
                           f"{line}, column {column}); save it as UTF-8") from None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LocalData:
     """A data source that is local files."""
 
@@ -161,8 +161,6 @@ def require_model_path(path: str | None) -> str:
 def read_model_config(file: str | os.PathLike, *, fix: str = "the model folder is damaged",
                       key: str | None = "model.path") -> object:
     """A model's parsed ``config.json`` (ConfigError naming ``key``; ``fix`` says what to do)."""
-    import json
-
     try:
         return json.loads(Path(file).read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -183,8 +181,7 @@ def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
     def local(path: str | None) -> str | None:
         return absolute(path) if path and os.path.exists(os.path.expanduser(path)) else path
 
-    source = cfg.data.source
-    source = source if local_data(source) is None else absolute(source)
+    source = cfg.data.source if local_data(cfg.data.source) is None else absolute(cfg.data.source)
     tokenizer = cfg.data.tokenizer if cfg.data.tokenizer == "bytes" else local(cfg.data.tokenizer)
     data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer)
     return dataclasses.replace(

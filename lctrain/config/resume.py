@@ -18,8 +18,7 @@ RESUMABLE = (
     "train.checkpointing", "train.offload", "train.host_memory", "train.loss_chunk_tokens",
     "train.tile_tokens", "parallel.cp", "parallel.schedule", "parallel.attention_backend",
     "parallel.fsdp", "parallel.head_groups", "model.fused_kernels",
-    "checkpoint.every", "checkpoint.keep", "checkpoint.export_final",
-)
+    "checkpoint.every", "checkpoint.keep", "checkpoint.export_final")
 """Settings a resumed run may change: its length, intervals, faults, layout and memory trade-offs
 (the global batch must stay); the others define what is trained."""
 
@@ -51,8 +50,7 @@ def resume_changes(saved: RecipeConfig, new: RecipeConfig,
                 f"--resume cannot change {key}: the run in {Path(source).parent} has {old!r} "
                 f"({source}) but this command gives {value!r}; drop that change, or start a new "
                 "run in another --output-dir (on resume only the run's length, logging and "
-                "checkpoint intervals, the process layout and memory settings may change)",
-                key=key)
+                "checkpoint intervals, the process layout and memory settings may change)", key=key)
     return changes
 
 

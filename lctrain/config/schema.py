@@ -260,8 +260,7 @@ class RecipeConfig:
             raise ConfigError(
                 f"train.eval_every is {self.train.eval_every} but there is no validation data; "
                 "set data.eval_source (a file, or a share of data.source such as 0.05), or "
-                "train.eval_every=0",
-                key="train.eval_every")
+                "train.eval_every=0", key="train.eval_every")
         if self.train.layers.state == "state" and self.parallel.fsdp == "off":
             raise ConfigError(
                 "train.offload names state, which keeps the state on the host through FSDP2's "

@@ -28,10 +28,9 @@ TEMPLATES = {
              + _CHATML_TURNS.replace(" and TOOL", ""),
     "llama3": "{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' ~ ('ipython' if "
               "m.role == 'tool' else m.role) ~ '<|end_header_id|>\\n\\n' }}{%- if m.role == "
-              "'assistant' %}" + _REPLY.replace("END", "'<|eot_id|>'") + "{%- else %}{{- "
-              "m.content | trim ~ '<|eot_id|>' }}{%- endif %}{%- endfor %}{%- if "
-              "add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-              "{%- endif %}",
+              "'assistant' %}" + _REPLY.replace("END", "'<|eot_id|>'") + "{%- else %}{{- m.content "
+              "| trim ~ '<|eot_id|>' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- "
+              "'<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}",
     "mistral": "{{- bos_token }}" + _SYSTEM + "{%- for m in messages if m.role != 'system' %}{%- if "
                "m.role == 'user' %}{{- '[INST] ' ~ (system if loop.first else '') ~ m.content ~ "
                "' [/INST]' }}{%- elif m.role == 'assistant' %}{% generation %}{{- m.content ~ "
@@ -42,8 +41,7 @@ TEMPLATES = {
              "m.role == 'assistant' %}" + _REPLY.replace("END", "'<end_of_turn>'") + "{{- '\\n' }}"
              "{%- else %}{{- (system if loop.first else '') ~ m.content | trim ~ "
              "'<end_of_turn>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
-             "{{- '<start_of_turn>model\\n' }}{%- endif %}",
-}
+             "{{- '<start_of_turn>model\\n' }}{%- endif %}"}
 """Template name -> Jinja source."""
 
 

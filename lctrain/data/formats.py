@@ -52,8 +52,7 @@ class Skips:
             return ""
         parts = [f"{reason}: {count}, first at {where}"
                  for reason, (count, where) in self.reasons.items()]
-        total = sum(count for count, _ in self.reasons.values())
-        return f"{total} skipped ({'; '.join(parts)})"
+        return f"{sum(count for count, _ in self.reasons.values())} skipped ({'; '.join(parts)})"
 
 
 def detect_format(record: Record, fields: dict | None = None) -> tuple[str, str]:
@@ -103,8 +102,7 @@ class Encoder:
         self.fmt, self.tokenizer = fmt, tokenizer
         self.fields, self.names = fields, {**NAMES, **(fields or {})}
         self.last, self.skip_unanswered = turns.startswith("last"), turns.endswith("_or_skip")
-        self.template, self.why = template, why
-        self.skips = Skips()
+        self.template, self.why, self.skips = template, why, Skips()
         self.has_labels = False  # tokenized records with a labels field were seen
         if fmt == "chat" or (fmt == "prompt_completion" and template):
             check_chat_tokenizer(tokenizer, template)
@@ -191,9 +189,8 @@ class Encoder:
         samples = []
         for p, c, where in zip(plain_ids(self.tokenizer, prompts),
                                plain_ids(self.tokenizer, completions), wheres):
-            head, tail = self._prefix + p, c + eos
-            samples.append(Sample(_ids(head + tail), np.arange(len(head) + len(tail)) >= len(head),
-                                  where))
+            ids = self._prefix + p + c + eos
+            samples.append(Sample(_ids(ids), np.arange(len(ids)) >= len(self._prefix + p), where))
         return samples
 
     def _chat(self, records: Sequence[Record]) -> list[Sample]:
@@ -293,9 +290,8 @@ def leading_specials(tokenizer: Any) -> list[int]:
     """The special ids the tokenizer puts before a text (bos for most)."""
     if isinstance(tokenizer, ByteTokenizer):
         return [tokenizer.bos_token_id]
-    probe = "lctrain"
-    bare = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
-    full = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+    bare = list(tokenizer("lctrain", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("lctrain", add_special_tokens=True)["input_ids"])
     for start in range(len(full) - len(bare) + 1):
         if full[start:start + len(bare)] == bare:
             return full[:start]
@@ -308,11 +304,10 @@ def check_chat_tokenizer(tokenizer: Any, template: str | None = None) -> None:
         return
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if not (template or getattr(tokenizer, "chat_template", None)):
-        raise DataError(f"data.format is chat but the tokenizer {name!r} has no chat template; "
-                        f"set data.chat_template (a name such as chatml or llama3, or a .jinja "
-                        f"file), give the tokenizer one (a chat_template.jinja file in its folder),"
-                        f" or give the records as prompt and completion "
-                        f"(data.format=prompt_completion)")
+        raise DataError(f"data.format is chat but the tokenizer {name!r} has no chat template; set "
+                        "data.chat_template (a name such as chatml or llama3, or a .jinja file), "
+                        "give the tokenizer one (a chat_template.jinja file in its folder), or "
+                        "give the records as prompt and completion (data.format=prompt_completion)")
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"data.format is chat but the tokenizer {name!r} is not a fast (Rust) "
                         f"tokenizer, whose character offsets locate the assistant's tokens; use "
@@ -345,9 +340,8 @@ def chat_messages(messages: Sequence[Any], where: str, fields: dict | None = Non
         content = message[content_key]
         if not isinstance(content, str):
             kind = "null" if content is None else f"of type {type(content).__name__}"
-            raise DataError(f"{where}: message {i} ({role}) has content {kind}, not a string; "
-                            f"each message must be an object with a string role and a string "
-                            f"content")
+            raise DataError(f"{where}: message {i} ({role}) has content {kind}, not a string; each "
+                            "message must be an object with a string role and a string content")
         out.append({**{k: v for k, v in message.items() if k not in (role_key, content_key)
                        and v is not None}, "role": roles[role], "content": content})
     return out

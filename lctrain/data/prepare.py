@@ -100,10 +100,9 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
             _save_plan(rows_file, plan_rows(stream, data.seq_len, _mode(data, meta), samples))
             built_rows = True
         wait_for(rows_file)
-    info = {**meta, "cache": str(folder), "built_tokens": built_tokens,
-            "built_rows": built_rows, "seconds": time.perf_counter() - start,
-            "long_samples": _mode(data, meta), "source": data.source, "part": part,
-            **_part_counts(stream, data, part, samples, seed)}
+    info = {**meta, "cache": str(folder), "built_tokens": built_tokens, "built_rows": built_rows,
+            "seconds": time.perf_counter() - start, "long_samples": _mode(data, meta),
+            "source": data.source, "part": part, **_part_counts(stream, data, part, samples, seed)}
     return PackedRows(stream, _load_plan(rows_file), seq_len=data.seq_len,
                       document_mask=data.document_mask, pad_id=pad_token_id(tokenizer), info=info)
 
@@ -158,8 +157,7 @@ def _save_plan(path: Path, plan: RowPlan) -> None:
 
 def _load_plan(path: Path) -> RowPlan:
     with np.load(path) as z:
-        long, left_out, first_long = (int(x) for x in z["counts"])
-        return RowPlan(z["starts"], z["stops"], z["offsets"], long, left_out, first_long)
+        return RowPlan(z["starts"], z["stops"], z["offsets"], *(int(x) for x in z["counts"]))
 
 
 def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,

@@ -47,9 +47,8 @@ class KVShards:
         keys, values = self.prompt[module]  # (B, Hkv, S_local, D)
         query, key, value = query.to(keys.dtype), key.to(keys.dtype), value.to(keys.dtype)
         old = self.tail.get(module)
-        tail = (key, value) if old is None else (torch.cat([old[0], key], dim=2),
-                                                 torch.cat([old[1], value], dim=2))
-        self.tail[module] = tail
+        self.tail[module] = tail = (key, value) if old is None else (
+            torch.cat([old[0], key], dim=2), torch.cat([old[1], value], dim=2))
         q = query.transpose(1, 2)  # (B, 1, Hq, D)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         # every key precedes the query: full (unmasked) blocks, in float32 math
@@ -122,8 +121,7 @@ def generate(module: torch.nn.Module, prompt: list[int], steps: int, *, cp, acce
 
     length = len(prompt)
     ids = torch.tensor([prompt], dtype=torch.long)  # (1, L)
-    batch = PackedBatch(ids, torch.full_like(ids, -100), torch.arange(length)[None], None)
-    shard = cp.shard(batch)
+    shard = cp.shard(PackedBatch(ids, torch.full_like(ids, -100), torch.arange(length)[None], None))
     group = cp.mesh.cp_group
     kv = KVShards(group)
     tokens, kept = [], []

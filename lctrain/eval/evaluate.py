@@ -219,8 +219,7 @@ def run_ppl(setup, parts, request) -> tuple[list[dict], dict]:
     out = []
     for b in range(buckets):
         lo, hi = b * width, min((b + 1) * width, seq_len)
-        name = f"{token_text(lo)}–{token_text(hi)}"
-        out.append(_ppl_row(name, lo, hi, sums[0][b], sums[1][b]))
+        out.append(_ppl_row(f"{token_text(lo)}–{token_text(hi)}", lo, hi, sums[0][b], sums[1][b]))
     out.append(_ppl_row("all", 0, seq_len, sum(sums[0]), sum(sums[1])))
     meta = {"rows": count, "rows_available": len(rows), "data_source": rows.info["source"],
             "data_part": request.part, "bucket": width, "seconds": seconds,
@@ -266,8 +265,7 @@ def run_passkey(setup, parts, request) -> tuple[list[dict], dict]:
         if index is None:
             continue
         outcomes[index] = {"answer": tokenizer.decode(ids, skip_special_tokens=True),
-                           "needle_start": prompt.needle_start,
-                           "placed_depth": prompt.placed_depth,
+                           "needle_start": prompt.needle_start, "placed_depth": prompt.placed_depth,
                            "seconds": time.perf_counter() - began,
                            "peak_memory_bytes": peak_memory_bytes(setup.accelerator.device)}
         say(f"passkey {token_text(case.length)} at depth {case.depth:g}: expected "
@@ -279,8 +277,7 @@ def run_passkey(setup, parts, request) -> tuple[list[dict], dict]:
                       if (c.length, c.depth) == (row["seq_len"], row["depth"])]
         row["seconds"] = sum(o["seconds"] for o in mine_cases) / len(mine_cases)
         row["peak_memory_bytes"] = max(o["peak_memory_bytes"] for o in mine_cases)
-    meta = {"cases": len(cases), "generated_tokens": steps,
-            "seconds": time.perf_counter() - start,
+    meta = {"cases": len(cases), "generated_tokens": steps, "seconds": time.perf_counter() - start,
             "peak_memory_bytes": max(row["peak_memory_bytes"] for row in rows)}
     return rows, meta
 

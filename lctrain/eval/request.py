@@ -115,12 +115,11 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
     trials, seed = (1 if trials is None else trials), (0 if seed is None else seed)
     if trials < 1:
         raise UserError(f"--trials {trials} must be at least 1")
-    request = EvalRequest(
+    return cfg, EvalRequest(
         task=task, target=str(target), kind=kind, checkpoint=checkpoint, step=step,
         part="eval" if has_eval and data is None else "train", max_rows=max_rows,
         bucket=bucket or math.ceil(cfg.data.seq_len / DEFAULT_BUCKETS), lengths=tuple(lengths),
         depths=depths, trials=trials, seed=seed)
-    return cfg, request
 
 
 def _target_recipe(target: str) -> tuple[dict, str, str]:

@@ -47,8 +47,7 @@ COLUMNS = {
                 Column("trials", "trials", "number", compact=False),
                 Column("placed_depth", "placed", "percent", compact=False),
                 Column("seconds", "time", "seconds", compact=False),
-                Column("peak_memory_bytes", "peak", "gib", "GiB", compact=False)],
-}
+                Column("peak_memory_bytes", "peak", "gib", "GiB", compact=False)]}
 
 
 def describe(result: EvalResult) -> list[str]:

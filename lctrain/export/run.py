@@ -3,8 +3,7 @@ The model is built on ``meta`` as training built it, so that its names match the
 and the weights are assigned in place, on the CPU in this one process."""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -117,7 +116,7 @@ def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: tor
         base = str(local.resolve()) if local.is_dir() else cfg.model.path
     else:
         base = str((out / "base").resolve())
-        plain = skeleton(dataclasses.replace(cfg, lora=LoraConfig()))
+        plain = skeleton(replace(cfg, lora=LoraConfig()))
         if is_bytes:
             write.align_special_ids(plain)
         plain.load_state_dict(base_weights(model.state_dict()), assign=True)  # built on meta

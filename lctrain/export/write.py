@@ -55,20 +55,18 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
         raise unwritable(output, error) from None
     try:
         yield staging
+        try:
+            if output.exists() and replace:
+                shutil.rmtree(output)
+            elif output.exists():
+                output.rmdir()  # empty, as checked
+            os.replace(staging, output)
+        except OSError as error:
+            raise unwritable(output, error) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty(made)
         raise
-    try:
-        if output.exists() and replace:
-            shutil.rmtree(output)
-        elif output.exists():
-            output.rmdir()  # empty, as checked
-        os.replace(staging, output)
-    except OSError as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        remove_empty(made)
-        raise unwritable(output, error) from None
 
 
 def unwritable(output: Path, error: OSError) -> UserError:

@@ -89,8 +89,7 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
             "stop at once.")
     with private_folder() as private:
         recipe, digest = write_recipe(cfg, private / "recipe.yaml")
-        # one machine, nothing on a network port: a file store (--standalone would listen on
-        # every interface)
+        # one machine, no network port: a file store (--standalone would listen on every interface)
         cmd = [sys.executable, "-m", AGENT_MODULE, str(failures), "--nnodes=1",
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint={private / 'rendezvous'}", "--rdzv-conf=store_type=file",

@@ -31,10 +31,8 @@ class StopRequest:
     allowed). `agree` makes every rank see it."""
 
     def __init__(self) -> None:
-        self.signum = 0
+        self.signum, self._asked, self._depth = 0, False, 0
         self.request_file: Path | None = None
-        self._asked = False
-        self._depth = 0
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:

@@ -70,8 +70,7 @@ class Watchdog:
         self.beat = min(max(self.timeout / 10, 0.5), 30.0)  # heartbeat period, seconds
         self.stale = 3 * self.beat  # no heartbeat for this long: the rank is not running
         self._mark = _Mark()
-        self._changed = threading.Event()
-        self._done = threading.Event()
+        self._changed, self._done = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._hooks: list = []
 

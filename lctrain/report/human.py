@@ -18,8 +18,7 @@ def significant(value: float, digits: int = 3) -> str:
         return "0"
     if not math.isfinite(value):
         return str(value)
-    magnitude = math.floor(math.log10(abs(value)))
-    decimals = max(0, digits - 1 - magnitude)
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
     text = f"{value:,.{decimals}f}"
     # rounding may carry into a new digit (9.996 -> "10.00"): drop the extra decimal
     if decimals and len(text.replace(",", "").replace("-", "").replace(".", "").lstrip("0")) > digits:
@@ -73,8 +72,7 @@ def duration(seconds: float) -> str:
 
 def rate_unit(tflops: list[float]) -> tuple[str, float]:
     """(unit, factor from TFLOP/s) for a column of FLOP rates: TFLOP/s, GFLOP/s or MFLOP/s."""
-    finite = [abs(v) for v in tflops if v is not None and math.isfinite(v)]
-    largest = max(finite, default=1.0)
+    largest = max((abs(v) for v in tflops if v is not None and math.isfinite(v)), default=1.0)
     if largest >= 1.0:
         return "TFLOP/s", 1.0
     if largest >= 1e-3:

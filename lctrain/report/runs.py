@@ -95,10 +95,8 @@ def row(run: Run, keys: list[str] = ()) -> dict:
             "loss_final": losses[-1] if losses else None,
             "loss_best": min(losses) if losses else None,
             "eval_loss": evals[-1] if evals else None,
-            "tokens_per_s": median(steady, "tokens_per_s"),
-            "mfu": median(steady, "mfu"),
-            "peak_bytes": max(peaks) if peaks else None,
-            "time_s": seconds if recs else None}
+            "tokens_per_s": median(steady, "tokens_per_s"), "mfu": median(steady, "mfu"),
+            "peak_bytes": max(peaks) if peaks else None, "time_s": seconds if recs else None}
 
 
 def summary(runs: list[Run]) -> Table:

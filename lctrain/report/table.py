@@ -87,8 +87,7 @@ def _formatter(column: Column, values: list) -> tuple[str, Callable[[Any], str]]
         "tokens": human.tokens, "ratio": human.ratio, "number": human.significant,
         "sci": lambda v: f"{v:.1e}", "params": human.parameters, "gib": human.gib,
         "percent": lambda v: f"{100 * v:.1f}", "bool": lambda v: "yes" if v else "no",
-        "loss": lambda v: f"{v:.4f}",
-    }
+        "loss": lambda v: f"{v:.4f}"}
     if kind == "bytes":
         from lctrain.config import format_bytes
 

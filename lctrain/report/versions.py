@@ -47,19 +47,15 @@ def environment() -> dict:
 
     from lctrain_kernels.api import dotted_version
 
-    info: dict = {name: _version(name) for name in _PACKAGES}
-    info["lctrain_commit"] = _commit()
-    info["torch"] = torch.__version__  # the build tag (+cu130, +cpu) matters
-    info["python"] = platform.python_version()
     cuda = torch.cuda.is_available()
-    info["cuda"] = torch.version.cuda if cuda else None
     cudnn = torch.backends.cudnn.version() if cuda and torch.backends.cudnn.is_available() else None
-    info["cudnn"] = None if cudnn is None else dotted_version(cudnn)
-    info["driver"] = _driver() if cuda else None
-    info["gpus"] = torch.cuda.device_count() if cuda else 0
-    info["gpu"] = torch.cuda.get_device_name(0) if cuda else None
-    info["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    return info
+    return {**{name: _version(name) for name in _PACKAGES}, "lctrain_commit": _commit(),
+            "torch": torch.__version__,  # the build tag (+cu130, +cpu) matters
+            "python": platform.python_version(), "cuda": torch.version.cuda if cuda else None,
+            "cudnn": None if cudnn is None else dotted_version(cudnn),
+            "driver": _driver() if cuda else None, "gpus": torch.cuda.device_count() if cuda else 0,
+            "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
 
 
 def _commit() -> str | None:
