@@ -136,7 +136,7 @@ def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, step
                     warmup: int = 0) -> tuple[RecipeConfig, dict]:
     """The recipe reading rows packed as ``spec`` from random ids (a tokenized JSONL file in
     ``folder``) and the fields naming the timed rows' mix. Timed step k trains on the k-th drawn
-    rows (placed where the shuffle reads them); warm-up repeats them: no path first runs timed."""
+    rows (placed where the shuffle reads them), and so does warm-up step k (cycling over them)."""
     per_step = max(1, nproc // cfg.parallel.cp) * cfg.train.batch_size * cfg.train.grad_accum
     timed = training_rows(spec, cfg.data.seq_len, steps * per_step)
     stream = [timed[i % len(timed)] for i in range(warmup * per_step)] + timed

@@ -136,7 +136,7 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
                   "(repeatable; one row per variant and length)."),
          steps: int = typer.Option(10, "--steps", min=1, metavar="N", help="Steps to time."),
          warmup: int = typer.Option(1, "--warmup", min=0, metavar="N",
-                                    help="Untimed steps first, on the timed steps' rows "
+                                    help="Untimed steps first, on the first timed steps' rows "
                                          "(allocator growth, autotuning, compiles)."),
          save_every: int = typer.Option(
              0, "--save-every", min=0, metavar="N",
