@@ -35,7 +35,7 @@ def test_medians_cover_only_the_timed_window():
     assert during(samples, 200.0, 300.0) == dict.fromkeys(FIELDS)
 
 
-def test_the_sampler_runs_nvidia_smi_on_the_visible_gpus_until_the_block_ends(tmp_path,
+def test_the_sampler_runs_nvidia_smi_on_the_runs_gpus_until_the_block_ends(tmp_path,
                                                                              monkeypatch):
     """A stand-in nvidia-smi (none on a CPU machine) that prints a sample every 50 ms."""
     smi, called = tmp_path / "nvidia-smi", tmp_path / "args"
@@ -45,7 +45,7 @@ def test_the_sampler_runs_nvidia_smi_on_the_visible_gpus_until_the_block_ends(tm
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    with sampled(every_ms=50) as samples:
+    with sampled(2, every_ms=50) as samples:
         start = time.time()
         time.sleep(0.6)
         assert samples == []  # filled when the block ends
@@ -54,7 +54,15 @@ def test_the_sampler_runs_nvidia_smi_on_the_visible_gpus_until_the_block_ends(tm
     assert len(samples) >= 3 and all(start - 1 <= s[0] <= end + 1 for s in samples)
     assert during(samples, start - 1, end + 1) == {"sm_clock_ghz": 1.5, "power_w": 690.0,
                                                    "power_limit_w": 700.0}
+    for visible, gpus, ids in (("3,5,6", 2, "3,5"), (None, 1, "0"), (None, 2, "0,1")):
+        if visible is None:  # no CUDA_VISIBLE_DEVICES: the first GPUs
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        with sampled(gpus, every_ms=50):
+            time.sleep(0.2)
+        assert f"--id={ids} " in called.read_text(), (visible, gpus)
     monkeypatch.setenv("PATH", "/nowhere")
-    with sampled() as none:
+    with sampled(1) as none:
         pass
     assert none == []

@@ -19,16 +19,16 @@ _QUERY = "--query-gpu=timestamp,clocks.sm,power.draw,power.limit"
 
 
 @contextlib.contextmanager
-def sampled(every_ms: int = 250) -> Iterator[list[tuple[float, ...]]]:
-    """A list that, once the block ends, holds (unix time, *FIELDS) of each visible GPU every
-    ``every_ms``; it stays empty without ``nvidia-smi``."""
+def sampled(gpus: int, every_ms: int = 250) -> Iterator[list[tuple[float, ...]]]:
+    """A list that, once the block ends, holds (unix time, *FIELDS) of the run's ``gpus`` GPUs
+    (the first visible; not an idle one at its free clock) every ``every_ms``, or stays empty."""
     samples: list[tuple[float, ...]] = []
-    smi, visible = shutil.which("nvidia-smi"), os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ids = [f"--id={visible}"] if visible.replace(",", "").isdigit() else []
+    smi, visible = shutil.which("nvidia-smi"), os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible is not None else [str(i) for i in range(gpus)]
     with tempfile.TemporaryFile("w+") as out:
         proc = smi and subprocess.Popen(
-            [smi, *ids, _QUERY, "--format=csv,noheader,nounits", f"--loop-ms={every_ms}"],
-            stdout=out, stderr=subprocess.DEVNULL)
+            [smi, f"--id={','.join(ids[:gpus])}", _QUERY, "--format=csv,noheader,nounits",
+             f"--loop-ms={every_ms}"], stdout=out, stderr=subprocess.DEVNULL)
         try:
             yield samples
         finally:

@@ -108,7 +108,7 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         if data is not None:
             cfg, mix = _with_documents(cfg, data, documents, nproc, steps, warmup)
         with _stdout_to_stderr(), _environment(XDG_CACHE_HOME=data and str(data)), \
-                gpu_power.sampled() as samples:
+                gpu_power.sampled(nproc) as samples:
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc, own_process=True)
         if code != 0:
