@@ -128,8 +128,8 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
     timed = [r for r in records if r["step"] > warmup] or records  # the GPUs over timed steps
     power = gpu_power.during(samples, timed[0]["time"] - timed[0]["step_time_s"],
                              timed[-1]["time"]) if timed else {}
-    return (_row(cfg, nproc, records, warmup, layers, predicted) | mix | power
-            | _saves(records, warmup, save_every))
+    return (_row(cfg, nproc, records, timed, warmup, layers, predicted) | mix | power
+            | _saves(records, timed, save_every))
 
 
 def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, steps: int,
@@ -155,11 +155,10 @@ def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, step
                                                  "mix": Documents.summary_of(timed)}
 
 
-def _saves(records: list[dict], warmup: int, save_every: int) -> dict:
-    """The save fields of a row: the median wait for a save, and the median time of the steps
-    right after a save started and of the others."""
+def _saves(records: list[dict], timed: list[dict], save_every: int) -> dict:
+    """The save fields of a row: the median wait for a save, and the median time of the
+    ``timed`` steps right after a save started and of the others."""
     saved = {r["step"] for r in records if "checkpoint_s" in r}
-    timed = [r for r in records if r["step"] > warmup]
     after = [r for r in timed if r["step"] - 1 in saved]
     others = [r for r in timed if r["step"] - 1 not in saved]
     return {"save_every": save_every,
@@ -215,9 +214,8 @@ def _bench_recipe(cfg: RecipeConfig, output_dir: Path, total_steps: int,
     return dataclasses.replace(cfg, data=data, train=train, checkpoint=checkpoint)
 
 
-def _row(cfg: RecipeConfig, nproc: int, records: list[dict], warmup: int, layers: int,
-         predicted: dict) -> dict:
-    timed = [r for r in records if r["step"] > warmup] or records
+def _row(cfg: RecipeConfig, nproc: int, records: list[dict], timed: list[dict], warmup: int,
+         layers: int, predicted: dict) -> dict:
     measured = max((r.get("peak_memory_bytes") or 0) for r in records)
     model = predicted["first_step_peak" if len(records) == 1 else "peak_allocated"]
     gpu_run = any("host_memory_bytes" in r for r in records)  # GPU runs log host memory
