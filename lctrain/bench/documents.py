@@ -69,16 +69,15 @@ class Documents:
         return Documents(tuple(lengths), f"{self.spec} scaled to {total}")
 
 
-def parse_documents(spec: str, total: int, *, recipe: RecipeConfig | None = None,
-                    tokenizer=None) -> Documents:
+def parse_documents(spec: str, total: int, *, recipe: RecipeConfig | None = None) -> Documents:
     """The documents of a row of ``total`` tokens described by ``spec`` (module docstring);
-    ``recipe`` and ``tokenizer`` (else the recipe's) read a ``data:`` spec. ConfigError for a
-    bad spec, a missing file or recipe; DataError for a ``data:`` file that cannot be read."""
-    return parse_each(spec, [total], recipe=recipe, tokenizer=tokenizer)[total]
+    ``recipe`` (its tokenizer) reads a ``data:`` spec. ConfigError for a bad spec, a missing
+    file or recipe; DataError for a ``data:`` file that cannot be read."""
+    return parse_each(spec, [total], recipe=recipe)[total]
 
 
-def parse_each(spec: str | int, totals, *, recipe: RecipeConfig | None = None,
-               tokenizer=None) -> dict[int, Documents]:
+def parse_each(spec: str | int, totals, *, recipe: RecipeConfig | None = None
+               ) -> dict[int, Documents]:
     """`parse_documents` for each of ``totals`` (a file is read once): {total: Documents}.
     ``spec`` may be an int N (N equal documents)."""
     text = str(spec).strip()
@@ -90,7 +89,7 @@ def parse_each(spec: str | int, totals, *, recipe: RecipeConfig | None = None,
     elif kind in ("lengths", "data"):
         path, row = _path_and_row(rest, text)
         stream = _file_lengths(path, text) if kind == "lengths" else \
-            _data_lengths(path, recipe, tokenizer, text)
+            _data_lengths(path, recipe, text)
         make = lambda total: _cut(stream, total, row, text)  # noqa: E731
     elif text.isdigit():
         make = lambda total: _equal(int(text), total)  # noqa: E731
@@ -184,7 +183,7 @@ def _file_lengths(path: Path, spec: str) -> list[int]:
     return [int(w) for w in words]
 
 
-def _data_lengths(path: Path, recipe, tokenizer, spec: str) -> list[int]:
+def _data_lengths(path: Path, recipe, spec: str) -> list[int]:
     """Token counts (with eos) of every document of a data file, tokenized as training does."""
     if recipe is None:
         raise ConfigError(f"--documents {spec!r} tokenizes the file with a recipe's tokenizer; "
@@ -196,8 +195,7 @@ def _data_lengths(path: Path, recipe, tokenizer, spec: str) -> list[int]:
     records = list(RecordReader(data))
     if not records:
         raise ConfigError(f"--documents {spec!r}: {path} holds no record")
-    encoder = Encoder.for_data(data, tokenizer if tokenizer is not None else
-                               load_tokenizer(replace(recipe, data=data)), records[0])
+    encoder = Encoder.for_data(data, load_tokenizer(replace(recipe, data=data)), records[0])
     return [int(sample.ids.size) for sample in encoder.encode(records) if sample.ids.size]
 
 

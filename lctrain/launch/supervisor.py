@@ -33,8 +33,7 @@ def agent_main(argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     failures_path, args = argv[0], parse_args(argv[1:])
-    if hasattr(args, "signals_to_handle"):  # torch >= 2.8 would install handlers for them
-        args.signals_to_handle = "SIGQUIT"
+    args.signals_to_handle = "SIGQUIT"  # torch's launcher would install handlers for them
     try:
         run(args)
     except ChildFailedError as error:

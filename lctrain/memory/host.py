@@ -38,13 +38,12 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
             f"than it reports, say how much with train.host_memory).")
 
 
-def check_cpu_memory(cfg: RecipeConfig, *, processes: int, available: int | None = None) -> None:
+def check_cpu_memory(cfg: RecipeConfig, *, processes: int) -> None:
     """Fail (UserError) before loading when a CPU run does not fit this machine's memory."""
     from lctrain.memory.adapters import lora_shape, trainable_parameters
     from lctrain.memory.recipe import recipe_architecture
 
-    if available is None:
-        available = cfg.train.host_memory or available_host_bytes()
+    available = cfg.train.host_memory or available_host_bytes()
     if not available:
         return
     try:

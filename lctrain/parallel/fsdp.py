@@ -105,10 +105,7 @@ def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: De
                              reshard_after_forward=False))
     world = world_mesh.size()
     for unit in units if cuda and world > 1 else ():  # sum over the mesh, not average (NCCL)
-        if hasattr(unit, "set_gradient_divide_factor"):
-            unit.set_gradient_divide_factor(1.0)
-        else:  # torch releases before set_gradient_divide_factor
-            unit.set_reduce_scatter_divide_factor(1.0)
+        unit.set_gradient_divide_factor(1.0)
     if cuda:  # the sharded gradients in the compute stream's memory, which the forward reuses
         pool = ComputePoolReduceScatter(torch.cuda.current_stream())
         for unit in units:

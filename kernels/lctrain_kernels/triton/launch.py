@@ -102,8 +102,6 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Whether the kernels may read these tensors' tiles with TMA copies (sm_90+, or the
     interpreter, which runs that path too; 16-byte aligned addresses and strides)."""
-    if not hasattr(triton.language, "make_tensor_descriptor"):
-        return False
     if not interpreting():
         if tensors[0].device.type != "cuda" or torch.cuda.get_device_capability(
                 tensors[0].device)[0] < 9:
