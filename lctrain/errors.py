@@ -50,3 +50,9 @@ def as_user_error(error: BaseException) -> UserError | None:
     except ImportError:
         return None
     return UserError(str(error)) if isinstance(error, BackendUnavailable) else None
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's first line without its final period, or its type name."""
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__

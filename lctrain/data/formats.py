@@ -17,7 +17,7 @@ import numpy as np
 from lctrain.data.chat_templates import resolve_template
 from lctrain.data.records import Record
 from lctrain.data.tokenizer import ByteTokenizer, encode_documents, encode_offsets
-from lctrain.errors import DataError
+from lctrain.errors import DataError, first_line
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 ROLES = ("system", "user", "assistant", "tool")
@@ -376,9 +376,8 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict], where: str, *, last: b
     except DataError:
         raise
     except Exception as error:  # noqa: BLE001 - jinja2 errors, raise_exception in templates
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{where}: the chat template cannot render this conversation ({text}); "
-                        f"fix the record or the template") from None
+        raise DataError(f"{where}: the chat template cannot render this conversation "
+                        f"({first_line(error)}); fix the record or the template") from None
     mask = np.zeros(len(ids), dtype=bool)
     for a, b in spans[-1:] if last else spans:  # as transformers: a token overlapping the span
         mask |= (offsets[:, 0] < b) & (offsets[:, 1] > a)

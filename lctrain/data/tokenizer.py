@@ -14,7 +14,7 @@ from lctrain.config import (BYTE_PAIR_TOKENIZER_VOCAB, BYTE_TOKENIZER_VOCAB, Rec
                             require_model_path)
 from lctrain.config.hub import cache_only, check_hub_model, looks_like_hub_name
 from lctrain.data.chat_templates import resolve_template
-from lctrain.errors import ConfigError, DataError
+from lctrain.errors import ConfigError, DataError, first_line
 
 
 class ByteTokenizer:
@@ -132,10 +132,9 @@ def _load(cfg: RecipeConfig, vocab_size: int | None) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=cache_only(source),
                                                   trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         where = "the tokenizer" if name else "the tokenizer of model.path"
-        raise DataError(f"could not load {where} {source!r} ({reason}); point data.tokenizer at a "
-                        f"local tokenizer folder") from None
+        raise DataError(f"could not load {where} {source!r} ({first_line(error)}); point "
+                        f"data.tokenizer at a local tokenizer folder") from None
     if vocab_size is not None and len(tokenizer) > vocab_size:  # ids without an embedding
         shown, vocab = cfg.data.tokenizer or cfg.model.path, vocab_size
         raise ConfigError(f"the tokenizer {shown!r} has {len(tokenizer)} tokens but the model's "

@@ -13,7 +13,7 @@ import torch
 
 from lctrain.config import require_model_path
 from lctrain.config.hub import cache_only
-from lctrain.errors import ConfigError, UserError
+from lctrain.errors import ConfigError, UserError, first_line
 from lctrain.model.attention import register_attention
 from lctrain.model.features import check_model_config
 
@@ -229,9 +229,3 @@ def _check_same_weights(base: Any, config: Any, keys: list[str], path: str) -> N
                       f"may change RoPE, the context length, dropout or windows but not the "
                       f"architecture, so remove them (or set model.config=null)",
                       key="model.config")
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception's first line without its final period, or its type name."""
-    text = str(exc).strip()
-    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__

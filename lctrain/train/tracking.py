@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lctrain.config import RecipeConfig
 from lctrain.config.resume import flatten
-from lctrain.errors import ConfigError, UserError
+from lctrain.errors import ConfigError, UserError, first_line
 from lctrain.train.metrics import MetricsLog
 
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -103,7 +103,7 @@ class TrackerRuns:
             except Exception as error:  # no login, no server, ...: say why, in one sentence
                 self.close()
                 raise UserError(f"train.report_to asks for {name} but its run did not start "
-                                f"({_reason(error)}); fix that, or drop {name} from train.report_to")
+                                f"({first_line(error)}); fix that, or drop {name} from train.report_to")
         ids_file.write_text(json.dumps(ids) + "\n")
 
     def _start(self, name: str, out: Path, run_id: str | None, recipe: dict) -> str:
@@ -132,16 +132,12 @@ class TrackerRuns:
             except Exception as error:  # noqa: BLE001 - whatever the tracker's client raises
                 self.trackers.remove(tracker)
                 print(f"warning: {tracker.name} stopped taking metrics at step {record['step']} "
-                      f"({_reason(error)}); training goes on without it", file=sys.stderr, flush=True)
+                      f"({first_line(error)}); training goes on without it", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
-
-
-def _reason(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class Tracking:
