@@ -103,7 +103,8 @@ class TrackerRuns:
             except Exception as error:  # no login, no server, ...: say why, in one sentence
                 self.close()
                 raise UserError(f"train.report_to asks for {name} but its run did not start "
-                                f"({first_line(error)}); fix that, or drop {name} from train.report_to")
+                                f"({first_line(error)}); fix that, or drop {name} from "
+                                f"train.report_to")
         ids_file.write_text(json.dumps(ids) + "\n")
 
     def _start(self, name: str, out: Path, run_id: str | None, recipe: dict) -> str:
@@ -132,7 +133,8 @@ class TrackerRuns:
             except Exception as error:  # noqa: BLE001 - whatever the tracker's client raises
                 self.trackers.remove(tracker)
                 print(f"warning: {tracker.name} stopped taking metrics at step {record['step']} "
-                      f"({first_line(error)}); training goes on without it", file=sys.stderr, flush=True)
+                      f"({first_line(error)}); training goes on without it", file=sys.stderr,
+                      flush=True)
 
     def close(self) -> None:
         for tracker in self.trackers:
