@@ -221,10 +221,10 @@ def test_bench_step_trains_on_rows_of_the_mix(tmp_path):
 
 
 @pytest.mark.parametrize("steps, warmup", [(3, 0), (2, 2)])
-def test_bench_step_trains_step_by_step_on_the_drawn_rows(tmp_path, steps, warmup):
-    """The data bench step writes packs, as training packs it, and the loader reads it (shuffled
-    by the recipe's seed) as the drawn rows in their order: each warm-up step on a timed step's
-    rows, then timed step k on the k-th; the row's mix names the timed rows."""
+def test_bench_step_trains_every_drawn_row_once_as_training_reads_them(tmp_path, steps, warmup):
+    """The data bench step writes packs, as training packs it, into one drawn row for each
+    micro-batch of the warm-up and timed steps; the loader reads each once (a step's two rows
+    grouped by attention work), and the row's mix names the rows of the timed steps."""
     from lctrain.bench.step import _with_documents
     from lctrain.data import iter_batches, load_tokenizer, prepare_data
 
@@ -233,13 +233,18 @@ def test_bench_step_trains_step_by_step_on_the_drawn_rows(tmp_path, steps, warmu
     cfg = load_recipe(None, ["train.grad_accum=2", f"train.seed={rng.randrange(100)}"],
                       seq_len=256)
     cfg, fields = _with_documents(cfg, tmp_path, spec, nproc=1, steps=steps, warmup=warmup)
-    timed = training_rows(spec, 256, 2 * steps)  # 2 micro-batches a step
-    assert len(set(timed)) > 1 and fields == {"documents": spec,
-                                              "mix": Documents.summary_of(timed)}
+    drawn = training_rows(spec, 256, 2 * (warmup + steps))  # 2 micro-batches a step
     rows = prepare_data(cfg.data, load_tokenizer(cfg))
-    batches = iter_batches(rows, batch_size=1, dp_rank=0, dp_size=1, seed=cfg.train.seed)
+    batches = iter_batches(rows, batch_size=1, dp_rank=0, dp_size=1, seed=cfg.train.seed,
+                           grad_accum=2)
     read = [next(batches).cu_seqlens for _ in range(2 * (warmup + steps))]
-    want = [*(timed[i % len(timed)] for i in range(2 * warmup)), *timed]
-    assert read == [row.cu_seqlens for row in want]
+    by_bounds = {row.cu_seqlens: row for row in drawn}
+    assert len(by_bounds) == len(drawn) and sorted(read) == sorted(by_bounds)
+    timed = [by_bounds[b] for b in read[2 * warmup:]]
+    assert fields == {"documents": spec, "mix": Documents.summary_of(timed)}
+    work = {b: sum(n * n for n in row.lengths) for b, row in by_bounds.items()}
+    for a, b in zip(read[::2], read[1::2]):  # neighbours in the ranking of the drawn rows' work
+        low, high = sorted((work[a], work[b]))
+        assert not any(low < w < high for w in work.values())
 
 

@@ -19,6 +19,7 @@ from lctrain.data import (
     prepare_data,
     shard_batch,
 )
+from lctrain.data.packing import BALANCE_STEPS, epoch_order
 from lctrain.errors import DataError, UserError
 
 PAD = 999
@@ -216,6 +217,42 @@ def test_iter_batches_is_deterministic_resumable_and_disjoint():
     reseeded = _ids(itertools.islice(iter_batches(ds, dp_rank=1, start_step=0, batch_size=2,
                                                   dp_size=2, seed=4), 12))
     assert reseeded != run
+
+
+@pytest.mark.parametrize("mode", ["split", "drop", "truncate_left", "truncate_right"])
+def test_attention_work_is_the_sum_of_squared_document_lengths(mode):
+    rng = np.random.default_rng()
+    seq_len = int(rng.integers(4, 40))
+    docs = [rng.integers(1, 50, int(rng.integers(1, 2 * seq_len))).tolist() for _ in range(30)]
+    ds = pack(docs, seq_len=seq_len, document_mask=True, pad_id=PAD, long_samples=mode)
+    want = [int((ds.row(r)["doc_lens"].astype(np.float64) ** 2).sum()) for r in range(len(ds))]
+    assert ds.attention_work().tolist() == want
+
+
+@pytest.mark.parametrize("rows_per_step", [2, 3, 8])
+def test_epoch_order_deals_each_step_rows_of_similar_work(rows_per_step):
+    """Within a window of BALANCE_STEPS steps, the steps' work ranges do not overlap (each step
+    takes consecutive ranks), so a step's rows differ no more than under the plain shuffle (the
+    sum of their ranges is least); every epoch still reads each row once, and without work the
+    order is the plain permutation."""
+    rng = np.random.default_rng()
+    n, seed = int(rng.integers(100, 300)), int(rng.integers(1000))
+    work = rng.lognormal(10, 1.5, n).astype(np.int64)
+    plain = epoch_order(n, seed, 1)
+    assert epoch_order(n, seed, 1, None, rows_per_step).tolist() == plain.tolist()
+    order = epoch_order(n, seed, 1, work, rows_per_step)
+    assert sorted(order.tolist()) == list(range(n))
+    shift = -n % rows_per_step  # epoch 1 first ends the step that epoch 0 began
+    span = BALANCE_STEPS * rows_per_step
+    spread = {"plain": [], "dealt": []}
+    for lo in range(shift, n - span + 1, span):
+        for name, o in (("plain", plain), ("dealt", order)):
+            steps = work[o[lo:lo + span]].reshape(BALANCE_STEPS, rows_per_step)
+            spread[name] += (steps.max(1) - steps.min(1)).tolist()
+        ranges = sorted((s.min(), s.max()) for s in steps)
+        assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(ranges, ranges[1:]))
+        assert set(order[lo:lo + span].tolist()) == set(plain[lo:lo + span].tolist())
+    assert spread["dealt"] and sum(spread["dealt"]) <= sum(spread["plain"])
 
 
 def test_iter_batches_tensors_and_cu_seqlens():

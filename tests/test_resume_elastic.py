@@ -131,19 +131,29 @@ def test_resume_on_another_layout_continues_the_same_run(tmp_path):
 
 
 @pytest.mark.parametrize("before, after", [((1, 1, 4), (2, 1, 2)), ((2, 2, 1), (1, 1, 4)),
-                                           ((4, 1, 1), (1, 2, 2))])
+                                           ((4, 1, 1), (1, 2, 2)), ((2, 1, 2), (4, 1, 1))])
 def test_the_data_position_is_global_rows(before, after):
-    """(dp, batch_size, grad_accum) before and after a resume at step 3, same global batch."""
+    """(dp, batch_size, grad_accum) before and after a resume at step 3, same global batch;
+    masked rows are grouped into steps by attention work (batch_size 1 only), plain ones not."""
+    import numpy as np
+
     from lctrain.data import iter_batches, pack
 
-    rows = pack([[t % 250 + 1 for t in range(n * 7, n * 7 + 16)] for n in range(37)], seq_len=16,
-                document_mask=False, pad_id=0)
+    masked = before[1] == after[1] == 1
+    cuts = np.sort(np.random.default_rng().choice(np.arange(1, 37 * 16), 60, replace=False))
+    lengths = np.diff([0, *cuts, 37 * 16]) if masked else [16] * 37
+    stream = np.random.default_rng().integers(1, 250, 37 * 16).tolist()
+    bounds = np.cumsum([0, *lengths])
+    rows = pack([stream[a:b] for a, b in zip(bounds[:-1], bounds[1:])], seq_len=16,
+                document_mask=masked, pad_id=0)
+    assert len(rows) == 37 and masked == (len(set(rows.attention_work().tolist())) > 1)
 
     def step_rows(layout, first_step: int, steps: int) -> list[list[tuple]]:
         dp, batch, accum = layout
         rows_consumed = first_step * dp * batch * accum
         streams = [iter_batches(rows, batch_size=batch, dp_rank=r, dp_size=dp, seed=5,
-                                start_step=rows_consumed // (dp * batch)) for r in range(dp)]
+                                grad_accum=accum, start_step=rows_consumed // (dp * batch))
+                   for r in range(dp)]
         out = []
         for _ in range(steps):
             taken = [tuple(row.tolist()) for s in streams for _ in range(accum)

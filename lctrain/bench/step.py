@@ -135,14 +135,13 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
 def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, steps: int,
                     warmup: int = 0) -> tuple[RecipeConfig, dict]:
     """The recipe reading rows packed as ``spec`` from random ids (a tokenized JSONL file in
-    ``folder``) and the fields naming the timed rows' mix. Timed step k trains on the k-th drawn
-    rows (placed where the shuffle reads them), and so does warm-up step k (cycling over them)."""
+    ``folder``, a row drawn for each warm-up and timed one) and the fields naming the mix of the
+    rows that the timed steps read (`epoch_order`, which groups a step's rows by work)."""
     per_step = max(1, nproc // cfg.parallel.cp) * cfg.train.batch_size * cfg.train.grad_accum
-    timed = training_rows(spec, cfg.data.seq_len, steps * per_step)
-    stream = [timed[i % len(timed)] for i in range(warmup * per_step)] + timed
-    rows = [None] * len(stream)
-    for row, at in zip(stream, epoch_order(len(stream), cfg.train.seed)):
-        rows[at] = row
+    rows = training_rows(spec, cfg.data.seq_len, (warmup + steps) * per_step)
+    work = np.array([sum(n * n for n in row.lengths) for row in rows])
+    read = epoch_order(len(rows), cfg.train.seed, 0, work if cfg.data.document_mask else None,
+                       per_step)[warmup * per_step:]
     vocab = min(len(load_tokenizer(cfg)), 32000)
     rng = np.random.default_rng(0)
     with (folder / "documents.jsonl").open("w") as f:
@@ -151,8 +150,8 @@ def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, step
                 f.write(json.dumps({"input_ids": rng.integers(3, vocab, n).tolist()}) + "\n")
     data = dataclasses.replace(cfg.data, source=str(folder / "documents.jsonl"),
                                format="tokenized", long_samples="split", max_documents=None)
-    return dataclasses.replace(cfg, data=data), {"documents": spec,
-                                                 "mix": Documents.summary_of(timed)}
+    return dataclasses.replace(cfg, data=data), {
+        "documents": spec, "mix": Documents.summary_of([rows[r] for r in read])}
 
 
 def _saves(records: list[dict], timed: list[dict], save_every: int) -> dict:

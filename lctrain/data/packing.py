@@ -159,6 +159,22 @@ class PackedRows:
 
     __getitem__ = row
 
+    def attention_work(self) -> np.ndarray:
+        """(rows,) int64 Σ n² over each row's documents, the padding counted as one: what its
+        masked attention costs, up to a constant."""
+        plan, bounds = self.plan, self.stream.bounds
+        a, b = plan.starts, plan.stops
+        first = np.searchsorted(bounds, a, "right") - 1  # the sample holding a piece's start
+        last = np.searchsorted(bounds, b - 1, "right") - 1  # ... and its last token
+        squares = np.concatenate([[0], np.cumsum(np.diff(bounds) ** 2)])  # prefix Σ len²
+        head = np.minimum(b, bounds[first + 1]) - a
+        tail = np.where(last > first, b - bounds[last], 0)
+        inner = np.where(last > first + 1, squares[last] - squares[np.minimum(first + 1, last)], 0)
+        row = np.repeat(np.arange(len(self)), np.diff(plan.offsets))
+        work = np.bincount(row, head ** 2 + tail ** 2 + inner, minlength=len(self))
+        pad = self.seq_len - np.bincount(row, b - a, minlength=len(self))
+        return (work + pad ** 2).astype(np.int64)
+
     def _labels_within_samples(self, a: int, b: int) -> np.ndarray:
         """Labels of stream positions a..b-1 within their samples."""
         bounds, total = self.stream.bounds, self.stream.total
@@ -215,16 +231,18 @@ class PackedBatch:
 
 
 def iter_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 start_step: int = 0) -> Iterator[PackedBatch]:
+                 start_step: int = 0, grad_accum: int = 1) -> Iterator[PackedBatch]:
     """Yield this dp rank's unsharded (batch_size, S) micro-batches forever, from micro-step
-    ``start_step`` on, each epoch shuffled by ``seed``."""
+    ``start_step`` on, each epoch shuffled by ``seed``; document-masked rows grouped into steps
+    by attention work (:func:`epoch_order`)."""
     n_rows = len(ds)
     if n_rows == 0:
         raise DataError("the packed data has no rows; check data.source")
-    if batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or start_step < 0:
+    if min(batch_size, dp_size, grad_accum) < 1 or not 0 <= dp_rank < dp_size or start_step < 0:
         raise ValueError(f"bad batch geometry: batch_size={batch_size}, dp_rank={dp_rank}, "
-                         f"dp_size={dp_size}, start_step={start_step}")
-    order = _EpochOrder(n_rows, seed)
+                         f"dp_size={dp_size}, grad_accum={grad_accum}, start_step={start_step}")
+    work = ds.attention_work() if ds.document_mask else None
+    order = _EpochOrder(n_rows, seed, work, dp_size * batch_size * grad_accum)
     for step in itertools.count(start_step):
         first = (step * dp_size + dp_rank) * batch_size
         yield _collate([ds.row(order[j]) for j in range(first, first + batch_size)])
@@ -275,16 +293,37 @@ def steps_summary(*, rows: int, rows_per_step: int, steps: int, max_steps: int |
     return lines
 
 
-def epoch_order(n_rows: int, seed: int, epoch: int = 0) -> np.ndarray:
-    """The row numbers that epoch ``epoch`` of :func:`iter_batches` reads, in its order."""
-    return np.random.default_rng([seed, epoch]).permutation(n_rows)
+BALANCE_STEPS = 16  # optimizer steps whose rows are grouped by attention work
+
+
+def epoch_order(n_rows: int, seed: int, epoch: int = 0, work: np.ndarray | None = None,
+                rows_per_step: int = 1) -> np.ndarray:
+    """The row numbers that epoch ``epoch`` of :func:`iter_batches` reads, in its order: a
+    permutation drawn from ``(seed, epoch)``. Given each row's attention ``work``, the rows of
+    every ``BALANCE_STEPS`` steps of ``rows_per_step`` (dp × batch_size × grad_accum) are
+    ranked by it and dealt to those steps in a random order, consecutive ranks together: a
+    step's dp ranks train rows of similar attention cost, so none waits long on another. The
+    steps depend on the global batch only, so a resume on another dp size reads the same."""
+    order = np.random.default_rng([seed, epoch]).permutation(n_rows)
+    if work is None or rows_per_step == 1 or np.ptp(work) == 0:
+        return order
+    rng = np.random.default_rng([seed, epoch, 1])
+    span = BALANCE_STEPS * rows_per_step
+    for lo in range(min(n_rows, -epoch * n_rows % rows_per_step), n_rows, span):
+        ranked = order[lo:lo + span][np.argsort(-work[order[lo:lo + span]], kind="stable")]
+        steps = ranked.size // rows_per_step
+        dealt = ranked[:steps * rows_per_step].reshape(steps, rows_per_step)[rng.permutation(steps)]
+        order[lo:lo + dealt.size] = dealt.reshape(-1)
+        order[lo + dealt.size:lo + ranked.size] = ranked[dealt.size:]
+    return order
 
 
 class _EpochOrder:
-    """Stream index -> row number: epoch e is the permutation drawn from ``(seed, e)``."""
+    """Stream index -> row number: epoch e is :func:`epoch_order` of ``(seed, e)``."""
 
-    def __init__(self, n_rows: int, seed: int) -> None:
-        self.n_rows, self.seed = n_rows, seed
+    def __init__(self, n_rows: int, seed: int, work: np.ndarray | None = None,
+                 rows_per_step: int = 1) -> None:
+        self.n_rows, self.seed, self.work, self.rows_per_step = n_rows, seed, work, rows_per_step
         self._cache: dict[int, np.ndarray] = {}
 
     def __getitem__(self, index: int) -> int:
@@ -292,7 +331,8 @@ class _EpochOrder:
         if epoch not in self._cache:
             if len(self._cache) > 1:
                 self._cache.pop(min(self._cache))
-            self._cache[epoch] = epoch_order(self.n_rows, self.seed, epoch)
+            self._cache[epoch] = epoch_order(self.n_rows, self.seed, epoch, self.work,
+                                             self.rows_per_step)
         return int(self._cache[epoch][offset])
 
 

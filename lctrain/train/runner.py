@@ -176,7 +176,8 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
                        log=_with_host_memory(metrics.write, trainer), progress=progress.update,
                        eval_rows=eval_rows)
     batches = iter_batches(dataset, batch_size=t.batch_size, dp_rank=pmesh.dp_rank,
-                           dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position)
+                           dp_size=pmesh.dp, seed=t.seed, start_step=trainer.data_position,
+                           grad_accum=t.grad_accum)
     try:
         with watch:
             history = run_loop(trainer, batches, hooks)
