@@ -129,8 +129,7 @@ def plan_table(plan: dict) -> Table:
                                              for name, header, _ in choices]
     return Table(title=title, columns=columns, rows=rows, keys=1,
                  notes=["estimates: lctrain.memory (memory) and lctrain.memory.timing (time)",
-                        STEP_NOTE, "with dp > 1 each GPU trains its own row, and on packed "
-                        "documents a step waits for the one that attends most; cp balances rows"])
+                        STEP_NOTE])
 
 
 def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:
