@@ -12,7 +12,7 @@ import importlib
 import torch
 
 from lctrain_kernels.backends import (BackendUnavailable, auto_order, available_backends,
-                                      backend_names, block_forward, get_backend)
+                                      block_forward, get_backend)
 from lctrain_kernels.combine import merge
 from lctrain_kernels.distributed.op import op_options
 from lctrain_kernels.masks import MaskSpec, Relation, classify
@@ -20,7 +20,7 @@ from lctrain_kernels.reference import reference_backward, reference_forward
 
 __all__ = [
     "BackendUnavailable", "MaskSpec", "Relation", "attention", "attention_block",
-    "attention_with_lse", "auto_order", "available_backends", "backend_names", "block_forward",
+    "attention_with_lse", "auto_order", "available_backends", "block_forward",
     "chunked_cross_entropy", "classify", "dist_attention", "dist_attention_with_lse",
     "dotted_version", "get_backend", "interpreting", "merge", "reference_backward",
     "reference_forward", "rotate_tokens", "tiled_apply",

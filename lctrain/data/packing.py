@@ -5,6 +5,7 @@ from ``(seed, epoch)``, so dp ranks see disjoint rows and a resume is exact."""
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -242,10 +243,12 @@ def iter_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
         raise ValueError(f"bad batch geometry: batch_size={batch_size}, dp_rank={dp_rank}, "
                          f"dp_size={dp_size}, grad_accum={grad_accum}, start_step={start_step}")
     work = ds.attention_work() if ds.document_mask else None
-    order = _EpochOrder(n_rows, seed, work, dp_size * batch_size * grad_accum)
+    order = functools.lru_cache(2)(lambda epoch: epoch_order(
+        n_rows, seed, epoch, work, dp_size * batch_size * grad_accum))
     for step in itertools.count(start_step):
         first = (step * dp_size + dp_rank) * batch_size
-        yield _collate([ds.row(order[j]) for j in range(first, first + batch_size)])
+        yield _collate([ds.row(int(order(j // n_rows)[j % n_rows]))
+                        for j in range(first, first + batch_size)])
 
 
 def eval_batches(ds: PackedRows, *, batch_size: int, dp_rank: int, dp_size: int,
@@ -298,42 +301,20 @@ BALANCE_STEPS = 16  # optimizer steps whose rows are grouped by attention work
 
 def epoch_order(n_rows: int, seed: int, epoch: int = 0, work: np.ndarray | None = None,
                 rows_per_step: int = 1) -> np.ndarray:
-    """The row numbers that epoch ``epoch`` of :func:`iter_batches` reads, in its order: a
-    permutation drawn from ``(seed, epoch)``. Given each row's attention ``work``, the rows of
-    every ``BALANCE_STEPS`` steps of ``rows_per_step`` (dp × batch_size × grad_accum) are
-    ranked by it and dealt to those steps in a random order, consecutive ranks together: a
-    step's dp ranks train rows of similar attention cost, so none waits long on another. The
-    steps depend on the global batch only, so a resume on another dp size reads the same."""
+    """The row numbers that epoch ``epoch`` of :func:`iter_batches` reads: a permutation drawn
+    from ``(seed, epoch)`` whose rows, given their attention ``work``, are ranked by it within
+    every ``BALANCE_STEPS`` steps of ``rows_per_step`` (the global batch) and dealt to those
+    steps in random order, neighbours together: a step's dp ranks then wait little on another."""
     order = np.random.default_rng([seed, epoch]).permutation(n_rows)
     if work is None or rows_per_step == 1 or np.ptp(work) == 0:
         return order
-    rng = np.random.default_rng([seed, epoch, 1])
-    span = BALANCE_STEPS * rows_per_step
+    rng, span = np.random.default_rng([seed, epoch, 1]), BALANCE_STEPS * rows_per_step
     for lo in range(min(n_rows, -epoch * n_rows % rows_per_step), n_rows, span):
         ranked = order[lo:lo + span][np.argsort(-work[order[lo:lo + span]], kind="stable")]
         steps = ranked.size // rows_per_step
         dealt = ranked[:steps * rows_per_step].reshape(steps, rows_per_step)[rng.permutation(steps)]
-        order[lo:lo + dealt.size] = dealt.reshape(-1)
-        order[lo + dealt.size:lo + ranked.size] = ranked[dealt.size:]
+        order[lo:lo + span] = np.concatenate([dealt.reshape(-1), ranked[dealt.size:]])
     return order
-
-
-class _EpochOrder:
-    """Stream index -> row number: epoch e is :func:`epoch_order` of ``(seed, e)``."""
-
-    def __init__(self, n_rows: int, seed: int, work: np.ndarray | None = None,
-                 rows_per_step: int = 1) -> None:
-        self.n_rows, self.seed, self.work, self.rows_per_step = n_rows, seed, work, rows_per_step
-        self._cache: dict[int, np.ndarray] = {}
-
-    def __getitem__(self, index: int) -> int:
-        epoch, offset = divmod(index, self.n_rows)
-        if epoch not in self._cache:
-            if len(self._cache) > 1:
-                self._cache.pop(min(self._cache))
-            self._cache[epoch] = epoch_order(self.n_rows, self.seed, epoch, self.work,
-                                             self.rows_per_step)
-        return int(self._cache[epoch][offset])
 
 
 def _collate(rows: list[dict[str, np.ndarray]]) -> PackedBatch:

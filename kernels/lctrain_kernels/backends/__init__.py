@@ -29,7 +29,7 @@ import torch
 from lctrain_kernels.masks import MaskSpec, Relation, classify
 from lctrain_kernels.vocabulary import BACKENDS
 
-__all__ = ["Backend", "BackendUnavailable", "auto_order", "available_backends", "backend_names",
+__all__ = ["Backend", "BackendUnavailable", "auto_order", "available_backends",
            "block_backward", "block_forward", "check_backend_name", "get_backend",
            "select_backend"]
 
@@ -96,11 +96,6 @@ def half_head_dim_reason(name: str, q, max_dim: int) -> str | None:
     if d % 8 or d > max_dim:
         return f"the {name} backend needs head_dim a multiple of 8 up to {max_dim}, not {d}."
     return None
-
-
-def backend_names() -> list[str]:
-    """Every backend name, installed or not."""
-    return list(BACKENDS)
 
 
 def check_backend_name(name: str) -> str:
