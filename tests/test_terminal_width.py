@@ -26,3 +26,6 @@ def test_estimate_and_plan_tables_fit_sixty_columns(recipe, gpus, host, wide):
         for row in table.rows:  # nothing is cut: every row's first cell is still there
             first = str(row[table.columns[0].key])
             assert first in text, (first, text)
+        markdown = render(table, "markdown", wide=wide).splitlines()
+        headers = next(ln for ln in markdown if ln.startswith("|")).strip("| ").split(" | ")
+        assert all(label.split(" (")[0] in text for label in headers), (headers, text)

@@ -164,7 +164,7 @@ def _widths(cells: _Cells) -> list[int]:
     return [max(len(line[i]) for line in lines) for i in range(len(cells.headers))]
 
 
-def _parts(cells: _Cells, width: int | None, key_count: int = 2) -> list[list[int]]:
+def _parts(cells: _Cells, width: int | None, key_count: int) -> list[list[int]]:
     """Column indices of each part: all in one, or groups that fit ``width`` (2-space gaps)."""
     widths = _widths(cells)
     every = list(range(len(widths)))
@@ -173,7 +173,7 @@ def _parts(cells: _Cells, width: int | None, key_count: int = 2) -> list[list[in
     keys = every[:key_count]
     parts, current = [], list(keys)
     used = sum(widths[i] + 2 for i in keys)
-    for i in every[2:]:
+    for i in every[key_count:]:
         if len(current) > len(keys) and used + widths[i] > width:
             parts.append(current)
             current, used = list(keys), sum(widths[k] + 2 for k in keys)
