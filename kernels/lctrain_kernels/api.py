@@ -22,14 +22,13 @@ __all__ = [
     "BackendUnavailable", "MaskSpec", "Relation", "attention", "attention_block",
     "attention_with_lse", "auto_order", "available_backends", "block_forward",
     "chunked_cross_entropy", "classify", "dist_attention", "dist_attention_with_lse",
-    "dotted_version", "get_backend", "interpreting", "merge", "reference_backward",
-    "reference_forward", "rotate_tokens", "tiled_apply",
+    "dotted_version", "get_backend", "merge", "reference_backward", "reference_forward",
+    "rotate_tokens", "tiled_apply",
 ]
 
-_LAZY = {"rotate_tokens": "fused.rope",
-         "chunked_cross_entropy": "loss", "attention_block": "fused.block",
-         "tiled_apply": "tiled",
-         "interpreting": "triton.common", "dotted_version": "backends.cudnn_ragged"}
+_LAZY = {"rotate_tokens": "fused.rope", "chunked_cross_entropy": "loss",
+         "attention_block": "fused.block", "tiled_apply": "tiled",
+         "dotted_version": "backends.cudnn_ragged"}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

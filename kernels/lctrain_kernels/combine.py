@@ -13,6 +13,8 @@ reads each part once. :class:`OutAcc` and :class:`GradAcc` keep a rank's results
 combine them once, when read out, folding them into a float32 base when they hold too much."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _NEG_INF = float("-inf")
@@ -53,10 +55,7 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 def _wide(dtypes) -> torch.dtype:
-    wide = torch.float32
-    for dt in dtypes:
-        wide = torch.promote_types(wide, dt)
-    return wide
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
 def _fusable(tensors: list[torch.Tensor]) -> bool:

@@ -92,9 +92,7 @@ def suggest(word: str, choices: typing.Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+_hints = functools.cache(typing.get_type_hints)
 
 
 def check_fields(obj: Any, section: str) -> None:

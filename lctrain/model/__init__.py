@@ -3,10 +3,9 @@ The names below load on first use, so that `lctrain.model.families` (read by the
 and the command line) imports no torch."""
 import importlib
 
-_WHERE = {"ATTENTION_NAME": "attention", "CPContext": "attention", "lctrain_attention": "attention",
-          "register_attention": "attention", "check_model_config": "features",
-          "check_model": "load", "load_model": "load", "load_tokenizer": "load",
-          "resolve_config": "load"}
+_WHERE = {"CPContext": "attention", "register_attention": "attention",
+          "check_model_config": "features", "check_model": "load", "load_model": "load",
+          "load_tokenizer": "load", "resolve_config": "load"}
 __all__ = sorted(_WHERE)
 
 

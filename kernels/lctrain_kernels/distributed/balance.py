@@ -256,9 +256,6 @@ def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflas
         spent += 1
         return int(_split_work(seq_len, world_size, kind, lengths[order], 2).max())
 
-    def split_cost(order: np.ndarray) -> int:
-        return int(_split_work(seq_len, world_size, kind, lengths[order]).max(axis=1).min())
-
     total = _split_work(seq_len, world_size, kind, lengths, 2)[0].sum()
     enough = GOOD_ENOUGH * int(total) / world_size
 
@@ -288,4 +285,5 @@ def balanced_order(lengths, seq_len: int, world_size: int, kind: str = "distflas
                 else:
                     best[i], best[j] = best[j], best[i]
     # min keeps the first of equals: the given order unless another is better
-    return tuple(int(x) for x in min([*starts, best], key=split_cost))
+    return tuple(int(x) for x in min([*starts, best], key=lambda o: int(
+        _split_work(seq_len, world_size, kind, lengths[o]).max(axis=1).min())))
