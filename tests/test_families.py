@@ -138,7 +138,7 @@ def ranks(tmp_path_factory):
 
 
 def eager_losses(folder: Path, cfg, rows: int) -> tuple[float, float]:
-    """Mean token loss of plain transformers (eager attention) on the run's first ``rows`` rows:
+    """Mean token loss of plain transformers (eager attention) on the first step's ``rows`` rows:
     with each attention segment of a row (a packed document piece) run on its own with its own
     positions 0..n-1, and — to show that this matters — with each row run as one sequence."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -150,7 +150,7 @@ def eager_losses(folder: Path, cfg, rows: int) -> tuple[float, float]:
     dataset = prepare_data(cfg.data, AutoTokenizer.from_pretrained(folder))
     totals, count = [0.0, 0.0], 0
     for batch in islice(iter_batches(dataset, batch_size=1, dp_rank=0, dp_size=1,
-                                     seed=cfg.train.seed, start_step=0), rows):
+                                     seed=cfg.train.seed, grad_accum=rows), rows):
         count += int((batch.labels != -100).sum())
         # a row that holds one piece of one document has no cu_seqlens
         for which, bounds in enumerate((batch.cu_seqlens or (0, SEQ), (0, SEQ))):

@@ -55,7 +55,8 @@ def test_cp2_dp2_and_fsdp_losses_agree(tmp_path):
     # the first step's record also counts the attention forwards: one per layer and micro-step
     assert cp2[0]["attention_forward_calls"] == 2 * 2
     for record in cp2:
-        assert set(record) - {"attention_forward_calls"} == FIELDS
+        assert set(record) - {"attention_forward_calls", "attention_balance"} == FIELDS
+        assert record.get("attention_balance", 1.0) >= 1.0  # with rows of several documents
         assert record["tokens"] == 2 * 128 and record["tokens_per_s"] > 0
         assert record["peak_memory_bytes"] > 0 and record["mfu"] is None  # CPU: no MFU
     assert cp2[0]["lr"] == pytest.approx(3e-3)  # one warm-up step reaches the peak rate
