@@ -103,11 +103,10 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, tied_embeddings=bool(tied),
         qkv_bias=attention_bias or model_type in _QKV_BIAS, o_bias=attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=bool(fam and fam.fused),
-        fused_mlp=bool(fam and fam.fused) and cfg.get("hidden_act", "silu") in _SILU_NAMES,
+        mlp_bias=bool(cfg.get("mlp_bias", False)), fused_norms=fam is not None,
+        fused_mlp=fam is not None and cfg.get("hidden_act", "silu") in _SILU_NAMES,
         fused_loss=True, grouped_attention=bool(fam and fam.grouped),
-        norm_in_tiles=bool(fam and fam.norm_before_mlp),
-        norm_in_attention=bool(fam and fam.grouped))
+        norm_in_tiles=fam is not None, norm_in_attention=bool(fam and fam.grouped))
 
 
 def load_architecture(model: str) -> Architecture:

@@ -10,9 +10,7 @@ class Family:
     """What lctrain may do with one transformers ``model_type``."""
 
     prefix: str  # the class-name prefix of its modules (``LlamaRMSNorm``, ...)
-    fused: bool = True  # its RMSNorm, RoPE and gated MLP can run as fused kernels
     grouped: bool = True  # attention is q/k/v, RoPE, attention, o only: head groups can run it
-    norm_before_mlp: bool = True  # post_attention_layernorm right before the MLP: in its tiles
 
 
 FAMILIES = {
@@ -21,7 +19,9 @@ FAMILIES = {
     "qwen2": Family("Qwen2"),
     "qwen3": Family("Qwen3", grouped=False),  # per-head q/k norms inside its attention
 }
-"""model_type -> its traits; any other type runs transformers' own modules."""
+"""model_type -> its traits; any other type runs transformers' own modules. Every family's
+RMSNorm, RoPE and gated MLP can run as fused kernels, and its post-attention norm sits right
+before the MLP (so it runs inside the MLP's tiles)."""
 
 
 def family(model_type: str | None) -> Family | None:
@@ -30,5 +30,5 @@ def family(model_type: str | None) -> Family | None:
 
 
 def class_names(suffix: str) -> frozenset[str]:
-    """The module class names of the fused families ending in ``suffix`` (e.g. ``"MLP"``)."""
-    return frozenset(f.prefix + suffix for f in FAMILIES.values() if f.fused)
+    """The module class names of the families ending in ``suffix`` (e.g. ``"MLP"``)."""
+    return frozenset(f.prefix + suffix for f in FAMILIES.values())

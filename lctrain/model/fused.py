@@ -80,7 +80,7 @@ def fuse_mlps(model: nn.Module) -> int:
 def fuse_rope(model_type: str) -> bool:
     """Make the modeling module of ``model_type`` apply RoPE through the kernel on CUDA tensors,
     once per process; False for a type whose formula is not transformers' Llama one."""
-    if not getattr(family(model_type), "fused", False):
+    if family(model_type) is None:
         return False
     rope = liger().liger_rope
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")

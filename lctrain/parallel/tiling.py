@@ -60,7 +60,7 @@ def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) ->
         raise UserError(f"train.tile_tokens is {tile_tokens} but must be 0 (off) or a positive "
                         "number of tokens per tile, e.g. 8192")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    fold = bool(tile_tokens) and defer_norm and getattr(family(model_type), "norm_before_mlp", False)
+    fold = bool(tile_tokens) and defer_norm and family(model_type) is not None
     wrapped = 0
     for layer in decoder_layers(model):
         layer = unwrap_layer(layer)
