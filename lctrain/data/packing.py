@@ -304,7 +304,7 @@ def epoch_order(n_rows: int, seed: int, epoch: int = 0, work: np.ndarray | None 
     """The row numbers that epoch ``epoch`` of :func:`iter_batches` reads: a permutation drawn
     from ``(seed, epoch)`` whose rows, given their attention ``work``, are ranked by it within
     every ``BALANCE_STEPS`` steps of ``rows_per_step`` (the global batch) and dealt to those
-    steps in random order, neighbours together: a step's dp ranks then wait little on another."""
+    steps in random order, neighbours together, so that a step's dp ranks wait little."""
     order = np.random.default_rng([seed, epoch]).permutation(n_rows)
     if work is None or rows_per_step == 1 or np.ptp(work) == 0:
         return order
