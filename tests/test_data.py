@@ -236,14 +236,14 @@ def test_epoch_order_deals_each_step_rows_of_similar_work(rows_per_step):
     sum of their ranges is least); every epoch still reads each row once, and without work the
     order is the plain permutation."""
     rng = np.random.default_rng()
-    n, seed = int(rng.integers(100, 300)), int(rng.integers(1000))
+    span = BALANCE_STEPS * rows_per_step
+    n, seed = int(rng.integers(span + rows_per_step, 3 * span)), int(rng.integers(1000))
     work = rng.lognormal(10, 1.5, n).astype(np.int64)
     plain = epoch_order(n, seed, 1)
     assert epoch_order(n, seed, 1, None, rows_per_step).tolist() == plain.tolist()
     order = epoch_order(n, seed, 1, work, rows_per_step)
     assert sorted(order.tolist()) == list(range(n))
     shift = -n % rows_per_step  # epoch 1 first ends the step that epoch 0 began
-    span = BALANCE_STEPS * rows_per_step
     spread = {"plain": [], "dealt": []}
     for lo in range(shift, n - span + 1, span):
         for name, o in (("plain", plain), ("dealt", order)):
