@@ -224,27 +224,50 @@ def test_bench_step_trains_on_rows_of_the_mix(tmp_path):
 def test_bench_step_trains_every_drawn_row_once_as_training_reads_them(tmp_path, steps, warmup):
     """The data bench step writes packs, as training packs it, into one drawn row for each
     micro-batch of the warm-up and timed steps; the loader reads each once (a step's two rows
-    grouped by attention work), and the row's mix names the rows of the timed steps."""
-    from lctrain.bench.step import _with_documents
+    grouped by attention work), each timed step the rows `documents_steps` names, and the
+    row's mix names them."""
+    from lctrain.bench.step import _with_documents, documents_steps
     from lctrain.data import iter_batches, load_tokenizer, prepare_data
 
     rng = random.Random(torch.initial_seed())  # the test's seed (conftest.py)
     spec = f"lognormal:median=40,sigma=0.8,seed={rng.randrange(100)}"
     cfg = load_recipe(None, ["train.grad_accum=2", f"train.seed={rng.randrange(100)}"],
                       seq_len=256)
-    cfg, fields = _with_documents(cfg, tmp_path, spec, nproc=1, steps=steps, warmup=warmup)
-    drawn = training_rows(spec, 256, 2 * (warmup + steps))  # 2 micro-batches a step
+    drawn, timed = documents_steps(cfg, spec, 1, steps, warmup)
+    assert drawn == training_rows(spec, 256, 2 * (warmup + steps))  # 2 micro-batches a step
+    cfg, fields = _with_documents(cfg, tmp_path, spec, drawn, timed)
     rows = prepare_data(cfg.data, load_tokenizer(cfg))
     batches = iter_batches(rows, batch_size=1, dp_rank=0, dp_size=1, seed=cfg.train.seed,
                            grad_accum=2)
     read = [next(batches).cu_seqlens for _ in range(2 * (warmup + steps))]
     by_bounds = {row.cu_seqlens: row for row in drawn}
     assert len(by_bounds) == len(drawn) and sorted(read) == sorted(by_bounds)
-    timed = [by_bounds[b] for b in read[2 * warmup:]]
-    assert fields == {"documents": spec, "mix": Documents.summary_of(timed)}
+    assert [by_bounds[b] for b in read[2 * warmup:]] == [row for step in timed for row in step]
+    assert fields == {"documents": spec,
+                      "mix": Documents.summary_of([row for step in timed for row in step])}
     work = {b: sum(n * n for n in row.lengths) for b, row in by_bounds.items()}
     for a, b in zip(read[::2], read[1::2]):  # neighbours in the ranking of the drawn rows' work
         low, high = sorted((work[a], work[b]))
         assert not any(low < w < high for w in work.values())
+
+
+@pytest.mark.parametrize("nproc, cp, accum", [(2, 1, 2), (2, 2, 2), (4, 2, 1)])
+def test_attended_is_the_busiest_rank_share_per_micro_batch_median_over_steps(nproc, cp, accum):
+    """A step waits for its busiest dp rank in each micro-batch and runs its micro-batches one
+    after another: the share is the mean over micro-batches of the largest Σ n² / S² among its
+    dp ranks' rows, median over the steps; 1.0 without the mask (every row one sequence)."""
+    from lctrain.bench.step import attended
+
+    rng = random.Random(torch.initial_seed())
+    dp, seq = nproc // cp, 1000
+    cfg = load_recipe(None, [f"parallel.cp={cp}", f"train.grad_accum={accum}"], seq_len=seq)
+    steps = [[parse_documents(f"lognormal:median={rng.randrange(20, 400)},seed={rng.randrange(99)}",
+                              seq) for _ in range(dp * accum)] for _ in range(5)]
+    share = [sum(max(sum(float(n) ** 2 for n in r.lengths) / seq ** 2
+                     for r in rows[u * dp:(u + 1) * dp]) for u in range(accum)) / accum
+             for rows in steps]
+    assert attended(cfg, nproc, steps) == pytest.approx(statistics.median(share), rel=1e-12)
+    plain = load_recipe(None, ["data.document_mask=false"], seq_len=seq)
+    assert attended(plain, nproc, steps) == 1.0
 
 

@@ -188,3 +188,41 @@ def test_cli_plan_table_commands_and_json():
     assert data["fastest"]["seq_len"] == 256 * 1024 and data["longest"]["seq_len"] > 1 << 20
     bad = runner.invoke(app, [*args, "--cp", "2"])
     assert bad.exit_code != 0 and "--plan chooses cp" in bad.output
+
+
+def test_a_plan_for_short_documents_chooses_what_was_measured_fastest():
+    """On 2 × H200 at 128K, documents of median 4K ran fastest at cp 2 with whole top layers,
+    and the plan's dense choice (cp 1) was slower (benchmarks/results/h200x2/
+    step-whole-layers.json); with --documents the plan counts the pairs inside documents and
+    chooses cp 2, the memory unchanged."""
+    runner = CliRunner()
+    args = ["estimate-memory", "llama3.1-8b-random-128k", "--plan", "--seq-len", "128k",
+            "--gpus", "2", "--gpu-memory", "139GiB", "--host-memory", "251GiB", "--json"]
+    dense = json.loads(runner.invoke(app, args).output)
+    mixed = json.loads(runner.invoke(app, [*args, "--documents", "lognormal:median=4k"]).output)
+    assert dense["fastest"]["cp"] == 1 and mixed["fastest"]["cp"] == 2
+    assert 0.05 < mixed["attended"] < 0.2 and dense["attended"] == 1.0
+    assert mixed["longest"] == dense["longest"]  # the longest is planned for one document
+    assert mixed["fastest"]["step_s"] < dense["fastest"]["step_s"] / 2
+
+
+def test_documents_scale_the_attention_of_the_step_time_only():
+    from lctrain.bench.documents import attended_share
+
+    assert attended_share("8x8k", 65536) == pytest.approx(8 * 8192 ** 2 / 65536 ** 2)
+    cfg = load_recipe("llama-7b-256k", ["data.document_mask=true"], seq_len=131072)
+    one, eighth = (estimate_recipe(cfg, seq_len=131072, gpus=2, gpu_memory=139 << 30,
+                                   attended=share) for share in (1.0, 1 / 8))
+    assert one.per_gpu_bytes == eighth.per_gpu_bytes
+    linear = 2 * estimate_recipe(cfg, seq_len=131072, gpus=2, gpu_memory=139 << 30,
+                                 attended=0.5).details["step_seconds"] - one.details["step_seconds"]
+    assert eighth.details["step_seconds"] == pytest.approx(  # attention is linear in the share
+        linear + (one.details["step_seconds"] - linear) / 8)
+    result = CliRunner().invoke(app, ["estimate-memory", "--model", "llama-7b", "--plan",
+                                      "--documents", "8x8k"])
+    assert result.exit_code != 0 and "--documents times the fastest settings at --seq-len" in \
+        result.output
+    result = CliRunner().invoke(app, ["estimate-memory", "llama-7b-256k", "--seq-len", "64k",
+                                      "--documents", "9x8k"])
+    assert result.exit_code != 0 and "--documents" in result.output
+    assert "Traceback" not in result.output

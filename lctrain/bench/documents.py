@@ -234,3 +234,13 @@ def training_rows(spec: str, total: int, count: int) -> list[Documents]:
     base = ",".join(f"{k}={v}" for k, v in options.items())
     return [replace(parse_documents(f"lognormal:{base},seed={seed + k}", total), spec=spec)
             for k in range(count)]
+
+
+def attended_share(spec: str, total: int, *, recipe: RecipeConfig | None = None,
+                   count: int = 64) -> float:
+    """The share of a one-document row's pairs (Σ n² / total²) that rows of ``spec`` attend: the
+    mean of ``count`` drawn rows of a ``lognormal:`` mix, else of its one row."""
+    head = spec.strip().split(":", 1)[0].strip().lower()
+    rows = (training_rows(spec, total, count) if head == "lognormal" else
+            [parse_documents(spec, total, recipe=recipe)])
+    return sum(sum(n * n for n in row.lengths) for row in rows) / len(rows) / total ** 2

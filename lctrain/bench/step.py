@@ -97,7 +97,9 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
     from lctrain.launch.launcher import keep_workers_log
     from lctrain.train.runner import finetune
 
-    layers, predicted = _expectations(cfg, nproc)  # before the run: a bad model fails fast
+    drawn = None if documents is None else documents_steps(cfg, documents, nproc, steps, warmup)
+    share = 1.0 if drawn is None else attended(cfg, nproc, drawn[1])
+    layers, predicted = _expectations(cfg, nproc, share)  # before the run: a bad model fails fast
     parent = Path(cfg.train.output_dir).absolute()
     made = [p for p in (parent, *parent.parents) if not p.exists()]  # removed at the end if empty
     parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +108,8 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
     mix = {}
     try:
         if data is not None:
-            cfg, mix = _with_documents(cfg, data, documents, nproc, steps, warmup)
+            cfg, mix = _with_documents(cfg, data, documents, *drawn)
+            mix["attended"] = share
         with _stdout_to_stderr(), _environment(XDG_CACHE_HOME=data and str(data)), \
                 gpu_power.sampled(nproc) as samples:
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
@@ -132,16 +135,34 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
             | _saves(records, timed, save_every))
 
 
-def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, steps: int,
-                    warmup: int = 0) -> tuple[RecipeConfig, dict]:
-    """The recipe reading rows packed as ``spec`` from random ids (a tokenized JSONL file in
-    ``folder``, a row drawn for each warm-up and timed one) and the fields naming the mix of the
-    rows that the timed steps read (`epoch_order`, which groups a step's rows by work)."""
+def documents_steps(cfg: RecipeConfig, spec: str, nproc: int, steps: int,
+                    warmup: int) -> tuple[list[Documents], list[list[Documents]]]:
+    """The rows that ``bench step --documents spec`` draws (one for each warm-up and timed
+    micro-batch), and each timed step's rows in the order the loader reads them."""
     per_step = max(1, nproc // cfg.parallel.cp) * cfg.train.batch_size * cfg.train.grad_accum
     rows = training_rows(spec, cfg.data.seq_len, (warmup + steps) * per_step)
     work = np.array([sum(n * n for n in row.lengths) for row in rows])
-    read = epoch_order(len(rows), cfg.train.seed, 0, work if cfg.data.document_mask else None,
-                       per_step)[warmup * per_step:]
+    order = epoch_order(len(rows), cfg.train.seed, 0, work if cfg.data.document_mask else None,
+                        per_step)
+    return rows, [[rows[r] for r in order[k * per_step:(k + 1) * per_step]]
+                  for k in range(warmup, warmup + steps)]
+
+
+def attended(cfg: RecipeConfig, nproc: int, steps: list[list[Documents]]) -> float:
+    """The share of a one-document row's pairs that the busiest dp rank attends in a step (the
+    mean over its micro-batches), median over ``steps``: the step-time model's
+    `Setup.attended`. 1.0 without the document mask."""
+    if not cfg.data.document_mask:
+        return 1.0
+    dp, area = max(1, nproc // cfg.parallel.cp), cfg.data.seq_len ** 2
+    return float(np.median([np.mean([max(sum(n * n for n in r.lengths) for r in rows[i:i + dp])
+                                     for i in range(0, len(rows), dp)]) for rows in steps])) / area
+
+
+def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, rows: list[Documents],
+                    timed: list[list[Documents]]) -> tuple[RecipeConfig, dict]:
+    """The recipe reading ``rows`` (`documents_steps`) of random ids from a tokenized JSONL file
+    in ``folder``, and the fields naming ``spec`` and the mix of the ``timed`` steps' rows."""
     vocab = min(len(load_tokenizer(cfg)), 32000)
     rng = np.random.default_rng(0)
     with (folder / "documents.jsonl").open("w") as f:
@@ -151,7 +172,7 @@ def _with_documents(cfg: RecipeConfig, folder: Path, spec: str, nproc: int, step
     data = dataclasses.replace(cfg.data, source=str(folder / "documents.jsonl"),
                                format="tokenized", long_samples="split", max_documents=None)
     return dataclasses.replace(cfg, data=data), {
-        "documents": spec, "mix": Documents.summary_of([rows[r] for r in read])}
+        "documents": spec, "mix": Documents.summary_of([row for step in timed for row in step])}
 
 
 def _saves(records: list[dict], timed: list[dict], save_every: int) -> dict:
@@ -259,8 +280,9 @@ def _timed_retries(records: list[dict], warmup: int) -> int | None:
     return records[-1]["alloc_retries"] - before
 
 
-def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
-    """(decoder layers, the memory model's per-GPU prediction for this run)."""
+def _expectations(cfg: RecipeConfig, nproc: int, share: float) -> tuple[int, dict]:
+    """(decoder layers, the memory model's per-GPU prediction for this run, its step time for
+    rows that attend ``share`` of one document)."""
     from lctrain.memory import estimate_recipe, recipe_architecture
     from lctrain.memory.host import available_host_bytes
 
@@ -269,7 +291,7 @@ def _expectations(cfg: RecipeConfig, nproc: int) -> tuple[int, dict]:
               else 80 << 30)
     host = cfg.train.host_memory or available_host_bytes()  # what an auto run places against
     est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=nproc, gpu_memory=memory,
-                          host_memory=host, gpus_per_node=nproc)
+                          host_memory=host, gpus_per_node=nproc, attended=share)
     fields = ("peak_allocated", "first_step_peak", "host_offload", "checkpointing", "offload",
               "step_seconds")
     return arch.num_layers, {"total": est.per_gpu_bytes["total"],

@@ -20,11 +20,18 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
                     checkpointing: CheckpointingOpt = None, overrides: SetOpt = None,
                     host_memory: HostMemoryOpt = None, gpus_per_node: GpusPerNodeOpt = None,
                     json_output: JsonFlag = False, fmt: FormatOpt = Format.table,
-                    wide: WideOpt = False, plan: PlanFlag = False) -> None:
+                    wide: WideOpt = False, plan: PlanFlag = False,
+                    documents: str | None = typer.Option(
+                        None, "--documents", metavar="SPEC", show_default=False,
+                        help="Time the step for rows packed from documents of this mix (8x8k, "
+                             "lognormal:median=16k, lengths:FILE, ...), whose attention counts "
+                             "only the pairs inside documents; memory still budgets one "
+                             "document.")) -> None:
     """Estimate per-GPU memory (parameters, gradients, optimizer, activations) and the longest
     sequence that fits. With no arguments: the embedded tiny recipe on its own GPU count.
     With --plan: the longest sequence the machine can train and the settings that reach it,
-    and the fastest settings at --seq-len, each as a command to paste.
+    and the fastest settings at --seq-len, each as a command to paste; with --documents, the
+    fastest for that mix of documents.
 
     \b
     Examples:
@@ -35,10 +42,13 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
           --host-memory 251GiB
       lctrain estimate-memory llama-7b-256k --plan --seq-len 1m --gpus 2 --gpu-memory 139GiB \\
           --host-memory 251GiB
+      lctrain estimate-memory llama3.1-8b-random-128k --plan --gpus 2 --gpu-memory 139GiB \\
+          --host-memory 251GiB --documents lognormal:median=4k
     """
     if plan:
         return _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides or [],
-                     host_memory, gpus_per_node, json_output or fmt == Format.json, fmt, wide)
+                     host_memory, gpus_per_node, json_output or fmt == Format.json, fmt, wide,
+                     documents)
     with user_errors():
         memory, host, tokens = _sizes(gpu_memory, host_memory, seq_len)
         cfg = _recipe(recipe, model, overrides or [], tokens, cp, checkpointing)
@@ -53,7 +63,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
 
         result = estimate(cfg, model=model, seq_len=tokens, gpus=gpus, gpu_memory=memory, cp=cp,
                           checkpointing=checkpointing, host_memory=host,
-                          gpus_per_node=gpus_per_node)
+                          gpus_per_node=gpus_per_node, attended=_share(documents, tokens, cfg))
     payload = result.to_json()
     if json_output or fmt == Format.json:
         typer.echo(json.dumps(payload, indent=2, default=str))
@@ -65,7 +75,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
 
 
 def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides, host_memory,
-          gpus_per_node, as_json, fmt, wide) -> None:
+          gpus_per_node, as_json, fmt, wide, documents) -> None:
     """--plan: parse, plan (`lctrain.memory.recipe.plan_recipe`), render the table and commands."""
     with user_errors():
         if cp is not None or checkpointing is not None:
@@ -77,13 +87,17 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
             tokens = cfg.data.seq_len
         if gpus is None:
             gpus = 1 if cfg is None else cfg.parallel.cp
+        if documents is not None and tokens is None:
+            raise ConfigError("--documents times the fastest settings at --seq-len; give one, "
+                              "e.g. --seq-len 128k")
         from lctrain.memory import plan_recipe
         from lctrain.memory.recipe import run_settings
         from lctrain.memory.tables import plan_commands, plan_table
         from lctrain.report.table import emit, show
 
         result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
-                             gpus_per_node=gpus_per_node, seq_len=tokens)
+                             gpus_per_node=gpus_per_node, seq_len=tokens,
+                             attended=_share(documents, tokens, cfg))
         settings = [*overrides, *run_settings(cfg, recipe, model)]
     result["commands"] = plan_commands(result, recipe, settings)
     if as_json:
@@ -92,6 +106,15 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
     show(plan_table(result), fmt.value, wide)
     for name, command in result["commands"].items():
         emit(f"\n{name}:\n  {command}")
+
+
+def _share(documents: str | None, tokens: int | None, cfg) -> float:
+    """`Setup.attended` of rows of ``documents`` at ``tokens`` (1.0: one document a row)."""
+    if documents is None:
+        return 1.0
+    from lctrain.bench.documents import attended_share
+
+    return attended_share(documents, tokens, recipe=cfg)
 
 
 def _sizes(gpu_memory, host_memory, seq_len) -> tuple[int, int | None, int | None]:

@@ -45,6 +45,8 @@ class Setup:
     head_groups: int = 1
     gpu_memory: int | None = None
     host_budget: int | None = None
+    attended: float = 1.0  # the share of a one-document row's pairs that a step's busiest row
+    # attends (packed documents: Σ n² / S²); the step time's only, memory budgets one document
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str):
@@ -288,6 +290,7 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, layers: Layer
     placed = LayerPlan.parse(details["checkpointing"], details["offload"])
     details["step_seconds"] = step_seconds(dataclasses.replace(setup, layers=placed), seq_len,
                                            details)
+    details["attended"] = setup.attended
     fits = None if gpu_memory is None else per_gpu["total"] <= gpu_memory
     longest = None if gpu_memory is None else max_seq_len(setup, gpu_memory, chunks, budget)
     if host_memory is not None:

@@ -125,9 +125,10 @@ def _key(choice: Choice) -> tuple:
 
 def plan(base: Setup, machine: Machine, seq_chunks, seq_len: int | None = None) -> dict:
     """The longest choice and the fastest at ``seq_len`` (None: none), as JSON-ready data."""
-    best = longest(base, machine, seq_chunks)
+    best = longest(dataclasses.replace(base, attended=1.0), machine, seq_chunks)
     quick = fastest(base, machine, seq_len, seq_chunks) if seq_len else None
     return {"model": base.arch.name, "parameters_count": base.arch.parameters(),
             "machine": dataclasses.asdict(machine), "seq_len": seq_len,
+            "attended": base.attended,
             "longest": best.to_json() if best else None,
             "fastest": quick.to_json() if quick else None}

@@ -32,9 +32,10 @@ def _sections(cfg: RecipeConfig | None) -> tuple[ParallelConfig, TrainConfig, st
 def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_len: int,
                     gpus: int, gpu_memory: int, cp: int | None = None,
                     checkpointing: str | None = None, host_memory: int | None = None,
-                    gpus_per_node: int | None = None) -> MemoryEstimate:
+                    gpus_per_node: int | None = None, attended: float = 1.0) -> MemoryEstimate:
     """Per-GPU memory of a recipe (None: defaults around ``model``, with checkpointing auto and
-    the smallest cp that fits unless given, said in ``assumptions``); UserError: no model."""
+    the smallest cp that fits unless given, said in ``assumptions``), its step time for rows
+    that attend ``attended`` of a one-document row (`Setup`); UserError: no model."""
     arch = recipe_architecture(cfg, model)
     parallel, train, master, compute = _sections(cfg)
     assumptions = []
@@ -51,7 +52,8 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
                         gpu_memory=gpu_memory, seq_chunks=seq_chunks(cp, parallel.layout),
                         host_memory=host_memory, gpus_per_node=gpus_per_node,
                         lora=lora_shape(cfg.lora) if cfg is not None else None,
-                        tile_tokens=train.tile_tokens, head_groups=parallel.head_groups)
+                        tile_tokens=train.tile_tokens, head_groups=parallel.head_groups,
+                        attended=attended)
 
     if cfg is not None or cp is not None:
         return dataclasses.replace(run(parallel.cp if cp is None else cp), assumptions=assumptions)
@@ -115,15 +117,16 @@ def _architecture_of_path(path: str) -> Architecture:
 
 def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int,
                 gpu_memory: int, host_memory: int | None, gpus_per_node: int | None = None,
-                seq_len: int | None = None) -> dict:
-    """Plan a recipe on a machine (`lctrain.memory.plan`); UserError: no model to plan."""
+                seq_len: int | None = None, attended: float = 1.0) -> dict:
+    """Plan a recipe on a machine (`lctrain.memory.plan`), its fastest choice at ``seq_len``
+    ranked for rows that attend ``attended`` of one document; UserError: no model to plan."""
     from lctrain.memory.plan import Machine, plan
 
     parallel, train, master, compute = _sections(cfg)
     base = Setup(arch=recipe_architecture(cfg, model), gpus=gpus, cp=1, dtype=compute,
                  master_dtype=master, batch_size=train.batch_size, grad_accum=train.grad_accum,
                  fsdp=_FSDP[parallel.fsdp], loss_chunk_tokens=train.loss_chunk_tokens,
-                 lora=lora_shape(cfg.lora) if cfg is not None else None)
+                 lora=lora_shape(cfg.lora) if cfg is not None else None, attended=attended)
     machine = Machine(gpus=gpus, gpu_memory=gpu_memory, host_memory=host_memory,
                       gpus_per_node=gpus_per_node or min(gpus, 8))
     return plan(base, machine, lambda cp: seq_chunks(cp, parallel.layout), seq_len)

@@ -12,7 +12,15 @@ from lctrain.report.table import Column, Table
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "other")
 STEP_NOTE = ("step time is for rows that are one document: packed documents, masked apart, "
-             "attend less and train faster")
+             "attend less and train faster (--documents SPEC times a mix)")
+
+
+def step_note(attended: float, which: str = "step time is") -> str:
+    """What the step time assumes of the rows' documents (`Setup.attended`)."""
+    if attended >= 1.0:
+        return STEP_NOTE
+    return (f"{which} for rows whose documents attend {attended:.1%} of a one-document row's "
+            f"pairs; memory still budgets a row of one document")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +93,7 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     notes = [f"assumed {text}" for text in estimate.get("assumptions") or []]
     if details.get("step_seconds"):
         facts.append(("step time (est.)", f"{details['step_seconds']:,.1f} s"))
-        notes.append(STEP_NOTE)
+        notes.append(step_note(details.get("attended", 1.0)))
     for row in rows:
         row["amount"] = format_bytes(row["bytes"])
     rows += [{"what": what, "amount": value} for what, value in facts]
@@ -129,7 +137,8 @@ def plan_table(plan: dict) -> Table:
                                              for name, header, _ in choices]
     return Table(title=title, columns=columns, rows=rows, keys=1,
                  notes=["estimates: lctrain.memory (memory) and lctrain.memory.timing (time)",
-                        STEP_NOTE])
+                        step_note(plan.get("attended", 1.0), "the longest's step time is for "
+                                  "rows of one document, the fastest's")])
 
 
 def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:

@@ -2,8 +2,8 @@
 sequence, recomputation, tiles), the matmuls at one rate per GPU and the attention at another,
 beside the host copies they overlap with and the host-resident training state they do not. The
 two rates are fit to the dense steps published in benchmarks/results (every GPU and length
-there, 64K to 1376K: attention from half to nearly all of a step's FLOPs); a row of short
-documents does less attention, so for it the time is a bound."""
+there, 64K to 1376K: attention from half to nearly all of a step's FLOPs). Packed documents
+attend the share ``Setup.attended`` of a one-document row's pairs."""
 from __future__ import annotations
 
 import math
@@ -33,7 +33,8 @@ def step_seconds(setup, seq_len: int, details: dict) -> float:
     mlp = 3 * h * inter
     projections = arch.layer_parameters() - mlp  # attention projections and norms
     linear = 6 * (layers * arch.layer_parameters() + arch.vocab_size * h) * tokens
-    attention_fwd = 2 * seq_len ** 2 * arch.q_width / setup.cp * setup.batch_size * setup.grad_accum
+    attention_fwd = (2 * seq_len ** 2 * setup.attended * arch.q_width / setup.cp
+                     * setup.batch_size * setup.grad_accum)
     plan = setup.layers
     checkpointed = layers - plan.count("none", layers)
     recompute = 2 * checkpointed * (projections + mlp) * tokens
