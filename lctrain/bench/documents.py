@@ -238,9 +238,8 @@ def training_rows(spec: str, total: int, count: int) -> list[Documents]:
 
 def attended_share(spec: str, total: int, *, recipe: RecipeConfig | None = None,
                    count: int = 64) -> float:
-    """The share of a one-document row's pairs (Σ n² / total²) that rows of ``spec`` attend: the
-    mean of ``count`` drawn rows of a ``lognormal:`` mix, else of its one row."""
-    head = spec.strip().split(":", 1)[0].strip().lower()
-    rows = (training_rows(spec, total, count) if head == "lognormal" else
-            [parse_documents(spec, total, recipe=recipe)])
+    """The mean Σ n² / total² of ``count`` drawn rows of a ``lognormal:`` mix, else of ``spec``'s
+    one row: the share of a one-document row's pairs that they attend."""
+    rows = (training_rows(spec, total, count) if spec.strip().lower().startswith("lognormal")
+            else [parse_documents(spec, total, recipe=recipe)])
     return sum(sum(n * n for n in row.lengths) for row in rows) / len(rows) / total ** 2

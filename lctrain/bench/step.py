@@ -149,9 +149,8 @@ def documents_steps(cfg: RecipeConfig, spec: str, nproc: int, steps: int,
 
 
 def attended(cfg: RecipeConfig, nproc: int, steps: list[list[Documents]]) -> float:
-    """The share of a one-document row's pairs that the busiest dp rank attends in a step (the
-    mean over its micro-batches), median over ``steps``: the step-time model's
-    `Setup.attended`. 1.0 without the document mask."""
+    """`Setup.attended` of ``steps``: the median over steps of the mean over micro-batches of the
+    busiest dp rank's Σ n² / S² (1.0 without the document mask)."""
     if not cfg.data.document_mask:
         return 1.0
     dp, area = max(1, nproc // cfg.parallel.cp), cfg.data.seq_len ** 2

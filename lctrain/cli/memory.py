@@ -7,8 +7,8 @@ import os
 import typer
 
 from lctrain.cli.options import (CheckpointingOpt, CpOpt, Format, FormatOpt, GpuMemoryOpt, GpusOpt,
-                                 GpusPerNodeOpt, HostMemoryOpt, JsonFlag, ModelOpt, PlanFlag,
-                                 RecipeArg, SeqLenOpt, SetOpt, WideOpt, user_errors)
+                                 GpusPerNodeOpt, HostMemoryOpt, JsonFlag, MixOpt, ModelOpt,
+                                 PlanFlag, RecipeArg, SeqLenOpt, SetOpt, WideOpt, user_errors)
 from lctrain.config import load_recipe, parse_memory, parse_size
 from lctrain.config.hub import check_hub_model, looks_like_hub_name
 from lctrain.errors import ConfigError
@@ -21,12 +21,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
                     host_memory: HostMemoryOpt = None, gpus_per_node: GpusPerNodeOpt = None,
                     json_output: JsonFlag = False, fmt: FormatOpt = Format.table,
                     wide: WideOpt = False, plan: PlanFlag = False,
-                    documents: str | None = typer.Option(
-                        None, "--documents", metavar="SPEC", show_default=False,
-                        help="Time the step for rows packed from documents of this mix (8x8k, "
-                             "lognormal:median=16k, lengths:FILE, ...), whose attention counts "
-                             "only the pairs inside documents; memory still budgets one "
-                             "document.")) -> None:
+                    documents: MixOpt = None) -> None:
     """Estimate per-GPU memory (parameters, gradients, optimizer, activations) and the longest
     sequence that fits. With no arguments: the embedded tiny recipe on its own GPU count.
     With --plan: the longest sequence the machine can train and the settings that reach it,

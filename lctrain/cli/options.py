@@ -127,6 +127,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON (the same as 
 PlanFlag = Annotated[bool, typer.Option(
     "--plan", help="Plan instead: the longest sequence this machine trains and its settings, "
                    "and the fastest settings at --seq-len, as commands to paste.")]
+MixOpt = optional(str, "--documents", "SPEC", "Time the step for rows packed from documents of "
+                  "this mix (8x8k, lognormal:median=16k, lengths:FILE, ...); memory still "
+                  "budgets one document.")
 SeqLensOpt = optional(str, "--seq-len", "SIZES", "Comma-separated sequence lengths, e.g. "
                       "16k,32k,64k (default: sizes that suit the device; see the command's help).")
 BackendsOpt = optional(str, "--backend", "NAMES", "Comma-separated local attention backends "

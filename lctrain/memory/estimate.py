@@ -45,8 +45,7 @@ class Setup:
     head_groups: int = 1
     gpu_memory: int | None = None
     host_budget: int | None = None
-    attended: float = 1.0  # the share of a one-document row's pairs that a step's busiest row
-    # attends (packed documents: Σ n² / S²); the step time's only, memory budgets one document
+    attended: float = 1.0  # share of one document's pairs a step's busiest row attends (time)
 
     def __post_init__(self) -> None:
         if isinstance(self.layers, str):

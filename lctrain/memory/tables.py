@@ -11,14 +11,11 @@ from lctrain.report.human import parameters, tokens
 from lctrain.report.table import Column, Table
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "activations", "other")
-STEP_NOTE = ("step time is for rows that are one document: packed documents, masked apart, "
-             "attend less and train faster (--documents SPEC times a mix)")
-
-
 def step_note(attended: float, which: str = "step time is") -> str:
     """What the step time assumes of the rows' documents (`Setup.attended`)."""
     if attended >= 1.0:
-        return STEP_NOTE
+        return ("step time is for rows that are one document: packed documents, masked apart, "
+                "attend less and train faster (--documents SPEC times a mix)")
     return (f"{which} for rows whose documents attend {attended:.1%} of a one-document row's "
             f"pairs; memory still budgets a row of one document")
 
