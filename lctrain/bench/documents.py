@@ -236,10 +236,12 @@ def training_rows(spec: str, total: int, count: int) -> list[Documents]:
             for k in range(count)]
 
 
-def attended_share(spec: str, total: int, *, recipe: RecipeConfig | None = None,
+def attended_share(spec: str | None, total: int, *, recipe: RecipeConfig | None = None,
                    count: int = 64) -> float:
     """The mean Σ n² / total² of ``count`` drawn rows of a ``lognormal:`` mix, else of ``spec``'s
-    one row: the share of a one-document row's pairs that they attend."""
+    one row: the share of a one-document row's pairs that they attend (None: 1.0)."""
+    if spec is None:
+        return 1.0
     rows = (training_rows(spec, total, count) if spec.strip().lower().startswith("lognormal")
             else [parse_documents(spec, total, recipe=recipe)])
     return sum(sum(n * n for n in row.lengths) for row in rows) / len(rows) / total ** 2

@@ -9,6 +9,7 @@ import typer
 from lctrain.cli.options import (CheckpointingOpt, CpOpt, Format, FormatOpt, GpuMemoryOpt, GpusOpt,
                                  GpusPerNodeOpt, HostMemoryOpt, JsonFlag, MixOpt, ModelOpt,
                                  PlanFlag, RecipeArg, SeqLenOpt, SetOpt, WideOpt, user_errors)
+from lctrain.bench.documents import attended_share
 from lctrain.config import load_recipe, parse_memory, parse_size
 from lctrain.config.hub import check_hub_model, looks_like_hub_name
 from lctrain.errors import ConfigError
@@ -57,8 +58,8 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
         from lctrain.memory import estimate_recipe as estimate
 
         result = estimate(cfg, model=model, seq_len=tokens, gpus=gpus, gpu_memory=memory, cp=cp,
-                          checkpointing=checkpointing, host_memory=host,
-                          gpus_per_node=gpus_per_node, attended=_share(documents, tokens, cfg))
+                          checkpointing=checkpointing, host_memory=host, gpus_per_node=gpus_per_node,
+                          attended=attended_share(documents, tokens, recipe=cfg))
     payload = result.to_json()
     if json_output or fmt == Format.json:
         typer.echo(json.dumps(payload, indent=2, default=str))
@@ -92,7 +93,7 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
 
         result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
                              gpus_per_node=gpus_per_node, seq_len=tokens,
-                             attended=_share(documents, tokens, cfg))
+                             attended=attended_share(documents, tokens, recipe=cfg))
         settings = [*overrides, *run_settings(cfg, recipe, model)]
     result["commands"] = plan_commands(result, recipe, settings)
     if as_json:
@@ -101,15 +102,6 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
     show(plan_table(result), fmt.value, wide)
     for name, command in result["commands"].items():
         emit(f"\n{name}:\n  {command}")
-
-
-def _share(documents: str | None, tokens: int | None, cfg) -> float:
-    """`Setup.attended` of rows of ``documents`` at ``tokens`` (1.0: one document a row)."""
-    if documents is None:
-        return 1.0
-    from lctrain.bench.documents import attended_share
-
-    return attended_share(documents, tokens, recipe=cfg)
 
 
 def _sizes(gpu_memory, host_memory, seq_len) -> tuple[int, int | None, int | None]:
