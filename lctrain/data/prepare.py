@@ -103,8 +103,10 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
     info = {**meta, "cache": str(folder), "built_tokens": built_tokens, "built_rows": built_rows,
             "seconds": time.perf_counter() - start, "long_samples": _mode(data, meta),
             "source": data.source, "part": part, **_part_counts(stream, data, part, samples, seed)}
-    return PackedRows(stream, _load_plan(rows_file), seq_len=data.seq_len,
-                      document_mask=data.document_mask, pad_id=pad_token_id(tokenizer), info=info)
+    with np.load(rows_file) as z:
+        plan = RowPlan(z["starts"], z["stops"], z["offsets"], *(int(x) for x in z["counts"]))
+    return PackedRows(stream, plan, seq_len=data.seq_len, document_mask=data.document_mask,
+                      pad_id=pad_token_id(tokenizer), info=info)
 
 
 def _part_counts(stream: TokenStream, data: DataConfig, part: str,
@@ -153,11 +155,6 @@ def _save_plan(path: Path, plan: RowPlan) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _load_plan(path: Path) -> RowPlan:
-    with np.load(path) as z:
-        return RowPlan(z["starts"], z["stops"], z["offsets"], *(int(x) for x in z["counts"]))
 
 
 def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
