@@ -317,7 +317,8 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
     cfg, kwargs = calls[-1]
     assert cfg.data.seq_len == 524288 and cfg.parallel.cp == 8
     assert kwargs == dict(model=None, seq_len=524288, gpus=8, gpu_memory=80 * 2**30, cp=8,
-                          checkpointing="full=4,remat=28", host_memory=2**40, gpus_per_node=4)
+                          checkpointing="full=4,remat=28", host_memory=2**40, gpus_per_node=4,
+                          attended=1.0)  # rows of one document (no --documents)
     asked = []  # a hub name is first checked against the hub and its cache (offline here)
     monkeypatch.setattr("lctrain.cli.memory.check_hub_model",
                         lambda name, what: asked.append((name, what)))
@@ -327,7 +328,7 @@ def test_estimate_memory_renders_table_and_json(monkeypatch):
     assert asked == [("meta-llama/Llama-2-7b-hf", "--model")]
     assert calls[-1] == (None, dict(model="meta-llama/Llama-2-7b-hf", seq_len=65536, gpus=1,
                                     gpu_memory=80 * 10**9, cp=None, checkpointing=None,
-                                    host_memory=None, gpus_per_node=None))
+                                    host_memory=None, gpus_per_node=None, attended=1.0))
     assert json.loads(_invoke("estimate-memory", "--format", "json").stdout) == payload
     assert calls[-1][1]["gpus"] == 2  # the tiny recipe's cp = 2: its own GPU count
 
