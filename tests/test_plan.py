@@ -225,4 +225,7 @@ def test_documents_scale_the_attention_of_the_step_time_only():
     result = CliRunner().invoke(app, ["estimate-memory", "llama-7b-256k", "--seq-len", "64k",
                                       "--documents", "9x8k"])
     assert result.exit_code != 0 and "--documents" in result.output
+    result = CliRunner().invoke(app, ["estimate-memory", "llama-7b-256k", "--seq-len", "64k",
+                                      "--set", "data.document_mask=false", "--documents", "8x8k"])
+    assert result.exit_code != 0 and "add --set data.document_mask=true" in result.output
     assert "Traceback" not in result.output

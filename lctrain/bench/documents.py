@@ -242,6 +242,9 @@ def attended_share(spec: str | None, total: int, *, recipe: RecipeConfig | None 
     one row: the share of a one-document row's pairs that they attend (None: 1.0)."""
     if spec is None:
         return 1.0
+    if recipe is not None and not recipe.data.document_mask:
+        raise ConfigError(f"--documents {spec!r} times documents masked apart, but the recipe's "
+                          f"data.document_mask is false; add --set data.document_mask=true")
     rows = (training_rows(spec, total, count) if spec.strip().lower().startswith("lognormal")
             else [parse_documents(spec, total, recipe=recipe)])
     return sum(sum(n * n for n in row.lengths) for row in rows) / len(rows) / total ** 2
