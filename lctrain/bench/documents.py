@@ -34,6 +34,11 @@ class Documents:
         return sum(self.lengths)
 
     @property
+    def pairs(self) -> int:
+        """Σ n² over the documents: what their masked attention costs, up to a constant."""
+        return sum(n * n for n in self.lengths)
+
+    @property
     def cu_seqlens(self) -> tuple[int, ...]:
         """Document bounds ``(0, L0, L0 + L1, ..., total)``, as the attention takes them."""
         return (0, *accumulate(self.lengths))
@@ -247,4 +252,4 @@ def attended_share(spec: str | None, total: int, *, recipe: RecipeConfig | None 
                           f"data.document_mask is false; add --set data.document_mask=true")
     rows = (training_rows(spec, total, count) if spec.strip().lower().startswith("lognormal")
             else [parse_documents(spec, total, recipe=recipe)])
-    return sum(sum(n * n for n in row.lengths) for row in rows) / len(rows) / total ** 2
+    return sum(row.pairs for row in rows) / len(rows) / total ** 2

@@ -141,9 +141,8 @@ def documents_steps(cfg: RecipeConfig, spec: str, nproc: int, steps: int,
     micro-batch), and each timed step's rows in the order the loader reads them."""
     per_step = max(1, nproc // cfg.parallel.cp) * cfg.train.batch_size * cfg.train.grad_accum
     rows = training_rows(spec, cfg.data.seq_len, (warmup + steps) * per_step)
-    work = np.array([sum(n * n for n in row.lengths) for row in rows])
-    order = epoch_order(len(rows), cfg.train.seed, 0, work if cfg.data.document_mask else None,
-                        per_step)
+    work = np.array([row.pairs for row in rows]) if cfg.data.document_mask else None
+    order = epoch_order(len(rows), cfg.train.seed, 0, work, per_step)
     return rows, [[rows[r] for r in order[k * per_step:(k + 1) * per_step]]
                   for k in range(warmup, warmup + steps)]
 
@@ -154,7 +153,7 @@ def attended(cfg: RecipeConfig, nproc: int, steps: list[list[Documents]]) -> flo
     if not cfg.data.document_mask:
         return 1.0
     dp, area = max(1, nproc // cfg.parallel.cp), cfg.data.seq_len ** 2
-    return float(np.median([np.mean([max(sum(n * n for n in r.lengths) for r in rows[i:i + dp])
+    return float(np.median([np.mean([max(r.pairs for r in rows[i:i + dp])
                                      for i in range(0, len(rows), dp)]) for rows in steps])) / area
 
 
