@@ -198,7 +198,7 @@ def test_training_rows_draw_each_lognormal_row_anew_and_repeat_a_fixed_mix():
     assert training_rows("4x1k", 4096, 3) == [parse_documents("4x1k", 4096)] * 3
     with pytest.raises(ConfigError, match="use --set data.source=FILE"):
         training_rows("lengths:/nowhere", 4096, 2)
-    with pytest.raises(ConfigError, match="seed must be a whole number"):
+    with pytest.raises(ConfigError, match="seed a whole number"):
         training_rows("lognormal:median=300,seed=x", 4096, 2)
 
 

@@ -23,14 +23,13 @@ pytestmark = pytest.mark.gpu
 
 def _check(name: str, seq_len: int, documents=None, heads=32, head_dim=128) -> float:
     from lctrain.bench.documents import parse_documents
-    from lctrain.bench.kernel import Subject, check_correctness
-    from lctrain_kernels.api import BackendUnavailable
+    from lctrain.bench.kernel import check_correctness
+    from lctrain_kernels.api import BackendUnavailable, get_backend
 
     bounds = None if documents is None else parse_documents(str(documents), seq_len).cu_seqlens
     try:
-        what = Subject(name)
-        return check_correctness(what, seq_len, heads, heads, head_dim, torch.bfloat16,
-                                 torch.device("cuda"), True, bounds)
+        return check_correctness(get_backend(name), seq_len, heads, heads, head_dim,
+                                 torch.bfloat16, torch.device("cuda"), True, bounds)
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
 

@@ -45,7 +45,6 @@ def test_timing_hands_the_forward_result_to_the_backward_and_counts_iterations()
     summary = times.summary()
     assert summary["total_ms"] == statistics.median(times.total)
     assert summary["total_ms_min"] <= summary["total_ms"] <= summary["total_ms_max"]
-    assert measure(fwd, None, device=torch.device("cpu"), repeats=2, warmup=0).bwd == []
     assert repeats_for(10.0, 5, 0.0) == 5 and repeats_for(10.0, 5, 1.0) == 50
     assert repeats_for(100.0, 5, 2.0) == 20 and repeats_for(1e6, 5, 2.0) == 5
 

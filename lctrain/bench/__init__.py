@@ -1,2 +1,2 @@
 """Benchmarks behind ``lctrain bench``: each bench module's ``run(...)`` returns a `BenchResult`
-(`result`), timed by `timing`, shown by `views`, drawn by `plot` and published by `publish`."""
+(`result`), timed by `timing`, shown by `views`, drawn and published by `publish`."""

@@ -16,21 +16,33 @@ from lctrain.report.versions import environment
 
 
 @contextlib.contextmanager
+def environment_folders(**folders: str | None) -> Iterator[None]:
+    """Each variable set to its absolute folder (None: untouched) while the block runs."""
+    saved = {name: os.environ.get(name) for name, folder in folders.items() if folder is not None}
+    os.environ.update({name: os.path.abspath(folders[name]) for name in saved})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
 def fresh_caches() -> Iterator[None]:
     """lctrain's and datasets' caches in a temporary folder inside the block."""
     import datasets
 
-    saved = os.environ.get("XDG_CACHE_HOME"), datasets.config.HF_DATASETS_CACHE
-    with tempfile.TemporaryDirectory(prefix="lctrain-bench-data-") as tmp:
-        os.environ["XDG_CACHE_HOME"], datasets.config.HF_DATASETS_CACHE = tmp, Path(tmp, "hf")
+    saved = datasets.config.HF_DATASETS_CACHE
+    with tempfile.TemporaryDirectory(prefix="lctrain-bench-data-") as tmp, \
+            environment_folders(XDG_CACHE_HOME=tmp):
+        datasets.config.HF_DATASETS_CACHE = Path(tmp, "hf")
         try:
             yield
         finally:
-            datasets.config.HF_DATASETS_CACHE = saved[1]
-            if saved[0] is None:
-                os.environ.pop("XDG_CACHE_HOME", None)
-            else:
-                os.environ["XDG_CACHE_HOME"] = saved[0]
+            datasets.config.HF_DATASETS_CACHE = saved
 
 
 def run(cfg: RecipeConfig, progress: Callable[[str], None] | None = None) -> BenchResult:

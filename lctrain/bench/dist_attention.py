@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -147,13 +146,13 @@ class _Bench:
         """Time (fwd, bwd) from ``make()`` on every rank; the slowest rank's medians. A failed
         peer gives a status; lctrain's schedules may fail only for memory (else it is a bug).
         With ``trace`` (lctrain's schedules only) a profile follows the timing."""
-        status, fw, bw, prof = "ok", [], [], {}
+        status, times, prof = "ok", None, {}
         caught = Exception if peer else (PeerUnavailable, torch.cuda.OutOfMemoryError)
         repeats = self._repeats(flops_per_gpu)
         try:
             with make() as (fwd, bwd):
-                times = measure(fwd, bwd, device=self.device, repeats=repeats, warmup=self.cfg.warmup)
-                fw, bw = times.fwd, times.bwd
+                times = measure(fwd, bwd, device=self.device, repeats=repeats,
+                                warmup=self.cfg.warmup).summary()
                 if trace is not None:
                     prof = profile(fwd, bwd, self.device, trace.format(rank=self.rank),
                                    sync=lambda: dist.barrier(group=self.group))
@@ -161,20 +160,18 @@ class _Bench:
             status = f"{'' if isinstance(exc, PeerUnavailable) else type(exc).__name__ + ': '}{exc}"
             status = status.splitlines()[0][:200]
         per_rank = [None] * self.world
-        dist.all_gather_object(per_rank, (status, fw, bw), group=self.group)
+        dist.all_gather_object(per_rank, (status, times), group=self.group)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        bad = [s for s, _, _ in per_rank if s != "ok"]
+        bad = [s for s, _ in per_rank if s != "ok"]
         if bad:
             return {"status": bad[0]}
-        totals = [[x + y for x, y in zip(xs, ys)] for _, xs, ys in per_rank]
-        f = max(statistics.median(x) for _, x, _ in per_rank)
-        b = max(statistics.median(y) for _, _, y in per_rank)
-        tot = max(statistics.median(t) for t in totals)
-        self.rate = _ITERATION * flops_per_gpu / tot * 1e3
-        return {"fwd_ms": f, "bwd_ms": b, "total_ms": tot, "repeats": repeats,
-                "total_ms_min": min(map(min, totals)), "total_ms_max": max(map(max, totals)),
-                **rates(flops_per_gpu, f, b), **prof, "status": "ok"}
+        row = {key: max(t[key] for _, t in per_rank) for key in ("fwd_ms", "bwd_ms", "total_ms")}
+        self.rate = _ITERATION * flops_per_gpu / row["total_ms"] * 1e3
+        return {**row, "repeats": repeats,
+                "total_ms_min": min(t["total_ms_min"] for _, t in per_rank),
+                "total_ms_max": max(t["total_ms_max"] for _, t in per_rank),
+                **rates(flops_per_gpu, row["fwd_ms"], row["bwd_ms"]), **prof, "status": "ok"}
 
     def _single(self, seq_len: int) -> dict:
         """The single-device kernel at the same TOTAL length, on every GPU at once; rank 0's."""
@@ -188,9 +185,7 @@ class _Bench:
                          dense_reference=None, repeats=repeats, warmup=c.warmup,
                          check_len=min(256, seq_len), device=self.device).rows[0]
         keys = ("fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "total_tflops", "status")
-        row = {key: res.get(key) for key in keys}
-        row["repeats"] = repeats
-        return self._agree(row)
+        return self._agree({**{key: res.get(key) for key in keys}, "repeats": repeats})
 
     def variants(self) -> list[tuple[str, str | None, bool]]:
         """(row name, schedule or peer, overlap), in the order they are measured."""
@@ -230,11 +225,6 @@ class _Bench:
         for name, what, overlap in self.variants():
             balance = c.balance(seq_len, what, self.world) if what in SCHEDULES else None
             row = {**base, "variant": name, "balance": balance}
-            if what in PEERS and c.documents is not None:
-                rows.append({**row, "status": f"{what} takes no document mask (it would attend "
-                                              f"across the documents), so it is not timed"})
-                self._say(progress_line(rows[-1]))
-                continue
             if what in PEERS:
                 spec = Shape(seq_len, c.heads, c.kv_heads, c.head_dim, self.dtype, self.device)
                 make = lambda: PEERS[what](self.group, spec)  # noqa: E731
@@ -243,7 +233,12 @@ class _Bench:
             slug = name.replace(" (no overlap)", "-no-overlap")
             trace = None if c.profile_dir is None or what in PEERS else \
                 os.path.join(c.profile_dir, f"attention-{slug}-{seq_len}-rank{{rank}}.json")
-            row.update(self._time(make, flops / self.world, what in PEERS, trace), **checks.get(name, {}))
+            if what in PEERS and c.documents is not None:
+                row["status"] = (f"{what} takes no document mask (it would attend across the "
+                                 f"documents), so it is not timed")
+            else:
+                row.update(self._time(make, flops / self.world, what in PEERS, trace),
+                           **checks.get(name, {}))
             if single.get("total_tflops") and row.get("total_tflops"):
                 row["vs_single"] = row["total_tflops"] / single["total_tflops"]
             rows.append(row)

@@ -133,20 +133,16 @@ def _listed(text: str, total: int) -> list[int]:
     return lengths + ([total - used] if used < total else [])
 
 
-def _options(text: str, spec: str, allowed: set[str]) -> dict[str, str]:
+def _lognormal(text: str, total: int, spec: str, draw: int = 0) -> list[int]:
+    """Log-normal lengths (mean or median, sigma, seed) drawn until ``total`` is full, with the
+    seed ``draw`` further on."""
     options = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, eq, value = item.partition("=")
-        if not eq or key not in allowed or key in options:
-            raise ConfigError(f"--documents {spec!r}: {item!r} is not one of "
-                              f"{', '.join(sorted(allowed))} given once as key=value")
+        if not eq or key not in ("mean", "median", "sigma", "seed") or key in options:
+            raise ConfigError(f"--documents {spec!r}: {item!r} is not one of mean, median, seed, "
+                              f"sigma given once as key=value")
         options[key] = value.strip()
-    return options
-
-
-def _lognormal(text: str, total: int, spec: str) -> list[int]:
-    """Log-normal lengths (mean or median, sigma, seed) drawn until ``total`` is full."""
-    options = _options(text, spec, {"mean", "median", "sigma", "seed"})
     if ("mean" in options) == ("median" in options):
         raise ConfigError(f"--documents {spec!r} needs exactly one of mean= or median=, such as "
                           f"lognormal:mean=12k")
@@ -159,7 +155,7 @@ def _lognormal(text: str, total: int, spec: str) -> list[int]:
         raise ConfigError(f"--documents {spec!r}: sigma is {sigma} but must be in (0, 4]")
     center = parse_size(options.get("mean") or options["median"], what=f"--documents {spec!r}")
     mu = math.log(center) - (sigma * sigma / 2 if "mean" in options else 0.0)
-    rng, lengths, used = random.Random(seed), [], 0
+    rng, lengths, used = random.Random(seed + draw), [], 0
     while used < total:
         n = min(max(1, round(rng.lognormvariate(mu, sigma))), total - used)
         lengths.append(n)
@@ -231,13 +227,7 @@ def training_rows(spec: str, total: int, count: int) -> list[Documents]:
                           f"file; to train on a file's rows use --set data.source=FILE")
     if head != "lognormal":
         return [parse_documents(spec, total)] * count
-    options = _options(spec.split(":", 1)[1], spec, {"mean", "median", "sigma", "seed"})
-    try:
-        seed = int(options.pop("seed", "0"))
-    except ValueError:
-        raise ConfigError(f"--documents {spec!r}: seed must be a whole number") from None
-    base = ",".join(f"{k}={v}" for k, v in options.items())
-    return [replace(parse_documents(f"lognormal:{base},seed={seed + k}", total), spec=spec)
+    return [Documents(tuple(_lognormal(spec.split(":", 1)[1], total, spec, k)), spec)
             for k in range(count)]
 
 

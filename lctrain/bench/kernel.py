@@ -1,6 +1,6 @@
 """Single-device attention kernel benchmark: every local backend, side by side.
 
-Each backend (a `Subject`) is checked at a small length against the float32 reference, then timed
+Each backend is checked at a small length against the float32 reference, then timed
 at each length as rates of `lctrain.model.flops`. With ``documents`` every sequence is packed
 documents, each spec a mix: rates count only the pairs inside documents, and each row gets
 ``of_dense``, its useful rate over that of a dense reference (cuDNN on a GPU)."""
@@ -19,31 +19,12 @@ from lctrain.bench.timing import measure, profile
 from lctrain.bench.views import progress_line
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
-from lctrain_kernels.api import (BackendUnavailable, MaskSpec, Relation, available_backends,
-                                 classify, get_backend, reference_backward, reference_forward)
-
-
-class Subject:
-    """An lctrain attention backend, timed through its forward and backward entry points:
-    ``closures`` hands back ``fwd() -> (out, lse)`` and ``bwd(state) -> (dq, dk, dv)``, the
-    backward from one forward's out and lse, as training calls it."""
-
-    def __init__(self, name: str):
-        self.backend = get_backend(name)  # BackendUnavailable: unknown or not installed
-        self.name = name
-        self.unsupported = self.backend.unsupported  # None, or one sentence why not
-
-    def closures(self, q, k, v, do, spec: MaskSpec, relation: Relation, scale: float):
-        backend = self.backend
-        out, lse = backend.forward(q, k, v, spec, relation, scale)
-        return (lambda: backend.forward(q, k, v, spec, relation, scale),
-                lambda _state: backend.backward(do, q, k, v, out, lse, spec, relation, scale))
+from lctrain_kernels.api import (BackendUnavailable, MaskSpec, available_backends, classify,
+                                 get_backend, reference_backward, reference_forward)
 
 
 #: largest relative error accepted by the correctness check, per dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
-_CPU_DEFAULT = ("reference", "cpu_flash")  # triton on a CPU is the (slow) interpreter
-_CPU_DOCUMENTS = ("reference",)  # cpu_flash refuses document masks
 DEFAULTS = {  # per device type: what a run with no sizes measures
     "cuda": {"seq_lens": [16384, 32768, 65536], "heads": 32, "head_dim": 128,
              "dtype": "bfloat16", "check_len": 4096},
@@ -64,7 +45,7 @@ class _Mix:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What every subject of one run is measured on."""
+    """What every backend of one run is measured on."""
 
     seq_lens: list[int]
     params: dict  # heads, kv_heads, head_dim, dtype, device, causal
@@ -76,22 +57,28 @@ class _Plan:
     say: Callable[[str], None]
 
 
-def _setup(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal, bounds):
-    """(inputs, spec, relation, scale, closures or the reason it cannot run)."""
+def _setup(backend, seq_len, heads, kv_heads, head_dim, dtype, device, causal, bounds):
+    """(inputs, spec, relation, scale, closures or the reason it cannot run). The closures are
+    ``fwd() -> (out, lse)`` and ``bwd(state) -> (dq, dk, dv)``, the backward from one forward's
+    out and lse, as training calls it."""
     shapes = [(1, seq_len, h, head_dim) for h in (heads, kv_heads, kv_heads, heads)]
     q, k, v, do = (torch.randn(s, dtype=dtype, device=device) for s in shapes)  # (1, S, H, D)
     spec = MaskSpec(causal, doc_bounds=bounds)
     rel, scale = classify(spec, seq_len, seq_len), head_dim ** -0.5
-    reason = what.unsupported(q, k, v, spec, rel)
-    closures = None if reason else what.closures(q, k, v, do, spec, rel, scale)
-    return (q, k, v, do), spec, rel, scale, closures or reason
+    reason = backend.unsupported(q, k, v, spec, rel)
+    if reason:
+        return (q, k, v, do), spec, rel, scale, reason
+    out, lse = backend.forward(q, k, v, spec, rel, scale)
+    return (q, k, v, do), spec, rel, scale, (
+        lambda: backend.forward(q, k, v, spec, rel, scale),
+        lambda _state: backend.backward(do, q, k, v, out, lse, spec, rel, scale))
 
 
-def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, causal,
+def check_correctness(backend, seq_len, heads, kv_heads, head_dim, dtype, device, causal,
                       bounds=None) -> float:
-    """Worst relative error of out, lse, dq, dk, dv of a `Subject` against the float32
-    reference; BackendUnavailable (with its reason) when it cannot run."""
-    inputs, spec, _, scale, made = _setup(what, seq_len, heads, kv_heads, head_dim, dtype,
+    """Worst relative error of out, lse, dq, dk, dv of a backend (`get_backend`) against the
+    float32 reference; BackendUnavailable (with its reason) when it cannot run."""
+    inputs, spec, _, scale, made = _setup(backend, seq_len, heads, kv_heads, head_dim, dtype,
                                           device, causal, bounds)
     if isinstance(made, str):
         raise BackendUnavailable(made)
@@ -106,8 +93,8 @@ def check_correctness(what, seq_len, heads, kv_heads, head_dim, dtype, device, c
                for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)))
 
 
-def _measure(what, seq_len, params, bounds, repeats, warmup, trace) -> dict:
-    _, spec, rel, _, made = _setup(what, seq_len, **params, bounds=bounds)
+def _measure(backend, seq_len, params, bounds, repeats, warmup, trace) -> dict:
+    _, spec, rel, _, made = _setup(backend, seq_len, **params, bounds=bounds)
     if isinstance(made, str):
         return {"relation": rel.value, "status": made}
     fwd, bwd = made
@@ -126,8 +113,8 @@ def _measure(what, seq_len, params, bounds, repeats, warmup, trace) -> dict:
 def default_backends(device: torch.device, documents: bool = False) -> list[str]:
     """CPU: reference and cpu_flash (reference alone with documents); CUDA: the fast ones."""
     names = available_backends()
-    if device.type != "cuda":
-        return [n for n in names if n in (_CPU_DOCUMENTS if documents else _CPU_DEFAULT)]
+    if device.type != "cuda":  # not triton, the (slow) interpreter; cpu_flash refuses documents
+        return [n for n in names if n == "reference" or (n == "cpu_flash" and not documents)]
     return [n for n in names if n not in ("cpu_flash", "reference")]
 
 
@@ -140,8 +127,8 @@ def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = 
         base["documents"] = None if mix is None else mix.spec
     head = base["backend"] + ("" if mix is None else f" {mix.spec}")
     try:
-        what = Subject(name)
-        err = check_correctness(what, plan.check_len, **plan.params,
+        backend = get_backend(name)  # BackendUnavailable: unknown or not installed
+        err = check_correctness(backend, plan.check_len, **plan.params,
                                 bounds=None if mix is None else mix.check.cu_seqlens)
     except RuntimeError as exc:  # unavailable, or a kernel error: time the other backends
         status = str(exc) if isinstance(exc, BackendUnavailable) else \
@@ -161,7 +148,7 @@ def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = 
         trace = None if plan.profile_dir is None else \
             Path(plan.profile_dir) / f"kernel-{slug}-{seq_len}.json"
         try:
-            row.update(_measure(what, seq_len, plan.params, bounds, plan.repeats, plan.warmup,
+            row.update(_measure(backend, seq_len, plan.params, bounds, plan.repeats, plan.warmup,
                                 trace))
         except torch.cuda.OutOfMemoryError:
             row["status"] = f"out of memory at {seq_len} tokens"

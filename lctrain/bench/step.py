@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from lctrain.bench import gpu_power
+from lctrain.bench.data import environment_folders
 from lctrain.bench.documents import Documents, training_rows
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
@@ -70,7 +71,7 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
         try:
             trace = None if memory_trace is None else os.path.join(memory_trace, str(index))
             kernels = None if profile is None else os.path.join(profile, str(index))
-            with _environment(**{MEMORY_TRACE: trace, STEP_PROFILE: kernels}):
+            with environment_folders(**{MEMORY_TRACE: trace, STEP_PROFILE: kernels}):
                 row.update(_one(cfg, n, steps, warmup, save_every, documents))
             summary = None if kernels is None else Path(kernels, f"rank0-step{warmup + steps}"
                                                              f"-kernels.json")
@@ -110,7 +111,7 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         if data is not None:
             cfg, mix = _with_documents(cfg, data, documents, *drawn)
             mix["attended"] = share
-        with _stdout_to_stderr(), _environment(XDG_CACHE_HOME=data and str(data)), \
+        with _stdout_to_stderr(), environment_folders(XDG_CACHE_HOME=data and str(data)), \
                 gpu_power.sampled(nproc) as samples:
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc, own_process=True)
@@ -183,21 +184,6 @@ def _saves(records: list[dict], timed: list[dict], save_every: int) -> dict:
             "checkpoint_s": median([r for r in timed if r["step"] in saved], "checkpoint_s"),
             "step_after_save_s": median(after, "step_time_s") if save_every else None,
             "step_without_save_s": median(others, "step_time_s") if save_every else None}
-
-
-@contextlib.contextmanager
-def _environment(**folders: str | None) -> Iterator[None]:
-    """Each variable set to its absolute folder (None: untouched) while the block runs."""
-    saved = {name: os.environ.get(name) for name, folder in folders.items() if folder is not None}
-    os.environ.update({name: os.path.abspath(folders[name]) for name in saved})
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -19,7 +18,7 @@ from lctrain.train.step_profile import category, own_times
 
 @dataclass(frozen=True)
 class Timings:
-    """Milliseconds of each timed iteration: ``fwd[i]`` and ``bwd[i]`` (empty without one)."""
+    """Milliseconds of each timed iteration: ``fwd[i]`` and ``bwd[i]``."""
 
     fwd: list[float]
     bwd: list[float]
@@ -27,27 +26,22 @@ class Timings:
     @property
     def total(self) -> list[float]:
         """Forward + backward of each iteration."""
-        return [a + b for a, b in zip(self.fwd, self.bwd)] if self.bwd else list(self.fwd)
+        return [a + b for a, b in zip(self.fwd, self.bwd)]
 
     def summary(self) -> dict:
         """Medians and spread: ``fwd_ms``, ``bwd_ms``, ``total_ms`` and ``total_ms_min/max``."""
-        out = {"fwd_ms": statistics.median(self.fwd)}
-        if self.bwd:
-            out["bwd_ms"] = statistics.median(self.bwd)
         total = self.total
-        out.update(total_ms=statistics.median(total), total_ms_min=min(total),
-                   total_ms_max=max(total), repeats=len(total))
-        return out
+        return {"fwd_ms": statistics.median(self.fwd), "bwd_ms": statistics.median(self.bwd),
+                "total_ms": statistics.median(total), "total_ms_min": min(total),
+                "total_ms_max": max(total), "repeats": len(total)}
 
 
-def measure(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None = None, *,
-            device: torch.device, repeats: int, warmup: int) -> Timings:
-    """Time ``bwd(fwd())`` (or ``fwd()`` alone when ``bwd`` is None) on ``device``: ``warmup``
-    untimed iterations, then ``repeats`` (≥ 1) timed ones; returns their milliseconds."""
+def measure(fwd: Callable[[], Any], bwd: Callable[[Any], Any], *, device: torch.device,
+            repeats: int, warmup: int) -> Timings:
+    """Time ``bwd(fwd())`` on ``device``: ``warmup`` untimed iterations, then ``repeats`` (≥ 1)
+    timed ones; returns their milliseconds."""
     for _ in range(warmup):
-        state = fwd()
-        if bwd is not None:
-            bwd(state)
+        bwd(fwd())
     if device.type != "cuda":
         fw, bw = [], []
         for _ in range(repeats):
@@ -55,22 +49,19 @@ def measure(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None = None, *,
             state = fwd()
             t1 = time.perf_counter()
             fw.append((t1 - t0) * 1e3)
-            if bwd is not None:
-                bwd(state)
-                bw.append((time.perf_counter() - t1) * 1e3)
+            bwd(state)
+            bw.append((time.perf_counter() - t1) * 1e3)
         return Timings(fw, bw)
     events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(repeats)]
     for e0, e1, e2 in events:
         e0.record()
         state = fwd()
         e1.record()
-        if bwd is not None:
-            bwd(state)
+        bwd(state)
         e2.record()
     torch.cuda.synchronize(device)
-    fw = [a.elapsed_time(b) for a, b, _ in events]
-    bw = [b.elapsed_time(c) for _, b, c in events] if bwd is not None else []
-    return Timings(fw, bw)
+    return Timings([a.elapsed_time(b) for a, b, _ in events],
+                   [b.elapsed_time(c) for _, b, c in events])
 
 
 def repeats_for(estimate_ms: float, repeats: int, min_time_s: float, cap: int = 50) -> int:
@@ -90,7 +81,7 @@ CATEGORIES = (  # first match wins; names are lower-cased kernel or operator nam
 ITERATIONS = 3
 
 
-def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None, device: torch.device,
+def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any], device: torch.device,
             trace: str | Path, sync: Callable[[], None] | None = None) -> dict:
     """Run ``ITERATIONS`` iterations of ``bwd(fwd())`` (as for `measure`) under the profiler,
     writing a chrome trace to ``trace``; ``sync`` also waits for every rank. Returns row fields:
@@ -108,18 +99,14 @@ def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any] | None, device: to
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(ITERATIONS):
-            state = fwd()
-            if bwd is not None:
-                bwd(state)
+            bwd(fwd())
         wait()
         wall_ms = (time.perf_counter() - start) * 1e3 / ITERATIONS
     path = Path(trace)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
-    by_category: dict[str, float] = defaultdict(float)
+    row = {"profile_wall_ms": wall_ms, "trace": str(path),
+           **{f"profile_{cat}_ms": 0.0 for cat, _ in (*CATEGORIES, ("other", ()))}}
     for name, (ms, _) in own_times(prof, device.type == "cuda").items():
-        by_category[category(name, CATEGORIES)] += ms / ITERATIONS
-    row = {"profile_wall_ms": wall_ms, "trace": str(path)}
-    for cat in ("attention", "communication", "bookkeeping", "other"):
-        row[f"profile_{cat}_ms"] = by_category.get(cat, 0.0)
+        row[f"profile_{category(name, CATEGORIES)}_ms"] += ms / ITERATIONS
     return row
