@@ -79,18 +79,12 @@ def test_distflash_diagonal_cuts_still_cover_every_pair_once():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_sends_match_receives_and_inputs_are_available(kind):
+def test_inputs_are_available_where_blocks_run(kind):
     for p in range(1, 9):
         for causal in (True, False):
             for direction in ("forward", "backward"):
                 plan = make_schedule(p, kind).plan(direction, causal)
                 plan.validate()
-                views = [plan.for_rank(r) for r in range(p)]
-                for k in range(len(plan.steps)):
-                    for a in range(p):
-                        for b in range(p):
-                            sent = [m for m in views[a][k].sends if m.dst == b]
-                            assert sent == [m for m in views[b][k].recvs if m.src == a]
                 for b in (blk for s in plan.steps for blk in s.blocks):  # compute where data lives
                     assert b.rank in (b.q_owner, b.kv_owner)
 

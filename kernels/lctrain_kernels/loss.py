@@ -50,16 +50,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                           None if grad_h is None else grad_h[start:stop], grad_w)
         ctx.hidden_shape = hidden.shape
         ctx.weight_dtype = weight.dtype
-        ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
-        ctx.has = (need_h, need_w)
+        ctx.save_for_backward(grad_h, grad_w)  # None where not needed
         return loss
 
     @staticmethod
     def backward(ctx, grad_output):
-        saved = list(ctx.saved_tensors)
-        need_h, need_w = ctx.has
-        grad_h = saved.pop(0) if need_h else None
-        grad_w = saved.pop(0) if need_w else None
+        grad_h, grad_w = ctx.saved_tensors
         if grad_h is not None:
             grad_h = (grad_h * grad_output.to(grad_h.dtype)).view(ctx.hidden_shape)
         if grad_w is not None:

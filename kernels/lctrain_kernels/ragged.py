@@ -235,6 +235,19 @@ class RaggedBackend(UnitValueLseGrad):
     def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
         return None
 
+    def setup_reason(self, device: torch.device) -> str | None:
+        """None if this process can run the backend on ``device`` at all, else why not: the
+        GPU engines' kernels need a Hopper or newer GPU and their backward is not deterministic."""
+        if torch.are_deterministic_algorithms_enabled():
+            return (f"the {self.name} backend's backward is not guaranteed to be deterministic, "
+                    f"and torch.use_deterministic_algorithms is on; use triton, whose kernels are.")
+        if device.type != "cuda":
+            return f"the {self.name} backend runs on CUDA only, and the tensors are on {device}."
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            return (f"the {self.name} backend needs a Hopper or newer GPU (compute capability "
+                    f">= 9.0).")
+        return None
+
     def forward(self, q, k, v, spec, relation, scale):
         plan = plan_ragged(spec, q.shape[1], k.shape[1], q.shape[0])
         return ragged_forward(self.engine, plan, q, k, v, scale)

@@ -52,7 +52,7 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (query, key, value))  # (B, S, H, D)
     options = dict(causal=True, cu_seqlens=ctx.cu_seqlens, softmax_scale=scaling,
                    backend=ctx.backend, head_groups=ctx.head_groups)
-    if ctx.group is None:  # the local kernels directly, not the distributed op's one block
+    if ctx.group is None:  # one rank: no schedule, so no layout's rule on the length
         return lctrain_kernels.attention(q, k, v, **options), None  # (B, S, Hq, D)
     return lctrain_kernels.dist_attention(q, k, v, group=ctx.group, schedule=ctx.schedule,
                                           **options), None

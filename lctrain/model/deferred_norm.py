@@ -20,10 +20,3 @@ class DeferredNorm(ActivationWrapper):
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
-
-
-def bare(module: nn.Module) -> nn.Module:
-    """``module`` without its ``ActivationWrapper`` layers (tiles, deferral, checkpointing)."""
-    while isinstance(module, ActivationWrapper):
-        module = module._checkpoint_wrapped_module
-    return module

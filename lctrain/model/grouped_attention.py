@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from lctrain.model.attention import ATTENTION_NAME, global_len
-from lctrain.model.deferred_norm import DeferredNorm, bare
+from lctrain.model.deferred_norm import DeferredNorm
 from lctrain.model.families import family
 from lctrain.model.features import check_attention_call
-from lctrain.model.structure import decoder_layers, unwrap_layer
+from lctrain.model.structure import bare, decoder_layers
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -36,7 +36,7 @@ def apply_grouped_attention(model: nn.Module, head_groups: int, fused_rope: bool
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     wrapped = 0
     for layer in decoder_layers(model):
-        layer = unwrap_layer(layer)
+        layer = bare(layer)
         attn = getattr(layer, "self_attn", None)
         norm = getattr(layer, "input_layernorm", None)
         if not isinstance(attn, nn.Module) or not isinstance(norm, nn.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from lctrain.errors import UserError
 
@@ -24,11 +25,11 @@ def decoder_layer_slots(model: nn.Module) -> list[tuple[nn.ModuleList, int]]:
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if names:
         found = [(lst, i) for lst in lists for i, child in enumerate(lst)
-                 if type(unwrap_layer(child)).__name__ in names]
+                 if type(bare(child)).__name__ in names]
         if found:
             return found
     candidates = [lst for lst in lists
-                  if len({type(unwrap_layer(c)) for c in lst}) == 1
+                  if len({type(bare(c)) for c in lst}) == 1
                   and any(p.numel() for p in lst.parameters())]
     if not candidates:
         raise UserError(f"cannot find the decoder layers of {type(model).__name__}: it has no "
@@ -43,9 +44,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [container[index] for container, index in decoder_layer_slots(model)]
 
 
-def unwrap_layer(module: nn.Module) -> nn.Module:
-    """The block inside a checkpoint wrapper (torch's ``checkpoint_wrapper``), else ``module``."""
-    return getattr(module, "_checkpoint_wrapped_module", module)
+def bare(module: nn.Module) -> nn.Module:
+    """``module`` without its ``ActivationWrapper`` layers (tiles, deferral, checkpointing)."""
+    while isinstance(module, ActivationWrapper):
+        module = module._checkpoint_wrapped_module
+    return module
 
 
 def output_head(model: nn.Module) -> nn.Linear:

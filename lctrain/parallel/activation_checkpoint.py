@@ -14,7 +14,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
 from lctrain.config.layers import LayerPlan
-from lctrain.model.structure import decoder_layer_slots, unwrap_layer
+from lctrain.model.structure import bare, decoder_layer_slots
 from lctrain.parallel.offload import Offloader
 
 ATTENTION_FORWARD_OPS = frozenset({"lctrain::dist_attention", "lctrain::attention_block"})
@@ -59,7 +59,7 @@ def apply_checkpointing(model: nn.Module, layers: LayerPlan | str, *,
         config.use_cache = False
     offloader = Offloader(offload_min_bytes) if any(parked) else None
     for (container, index), kind, is_parked in zip(slots, kinds, parked):
-        layer = unwrap_layer(container[index])
+        layer = bare(container[index])
         container[index] = layer if kind == "none" else _wrap(layer, kind, is_parked, offloader)
     return sum(kind != "none" for kind in kinds)
 

@@ -24,9 +24,18 @@ class Distributed:
     norm_device: torch.device | None = None  # where the gradient norm goes (offloaded gradients)
 
     def sync_gradients(self) -> None:
-        """Make every gradient the sum over ranks (FSDP2 already reduced it in the backward)."""
+        """Make every gradient the sum over ranks (FSDP2 already reduced it in the backward;
+        replicated, one all-reduce per gradient dtype)."""
         if self.strategy == "replicate" and self.group is not None and self.group.size() > 1:
-            allreduce_gradients(self.module.parameters(), self.group)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            for grads in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
         elif self.post_scale != 1.0:
             for p in self.module.parameters():
                 if p.grad is not None:
@@ -42,21 +51,6 @@ class Distributed:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         total = total.float()
         return total if self.norm_device is None else total.to(self.norm_device, non_blocking=True)
-
-
-def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Sum the gradients of ``params`` over ``group``, one all-reduce per gradient dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 class ComputePoolReduceScatter(DefaultReduceScatter):
@@ -83,7 +77,7 @@ class ComputePoolReduceScatter(DefaultReduceScatter):
 
 def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: DeviceMesh | None,
                strategy: str, param_dtype: torch.dtype | None = torch.bfloat16,
-               reshard_after_forward: bool = True, offload: bool = False) -> Distributed:
+               offload: bool = False) -> Distributed:
     """Apply FSDP2 (``layers`` units, ``module`` root; ``offload``: CPU) or replication."""
     group = world_mesh.get_group() if world_mesh is not None else None
     if strategy == "replicate":
@@ -99,10 +93,8 @@ def distribute(module: nn.Module, layers: Iterable[nn.Module], *, world_mesh: De
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     cuda = world_mesh.device_type == "cuda"
     where = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
-    units = [fully_shard(layer, mesh=world_mesh, mp_policy=policy, offload_policy=where,
-                         reshard_after_forward=reshard_after_forward) for layer in layers]
-    units.append(fully_shard(module, mesh=world_mesh, mp_policy=policy, offload_policy=where,
-                             reshard_after_forward=False))
+    units = [fully_shard(m, mesh=world_mesh, mp_policy=policy, offload_policy=where,
+                         reshard_after_forward=m is not module) for m in [*layers, module]]
     world = world_mesh.size()
     for unit in units if cuda and world > 1 else ():  # sum over the mesh, not average (NCCL)
         unit.set_gradient_divide_factor(1.0)

@@ -8,9 +8,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from lctrain.errors import UserError
-from lctrain.model.deferred_norm import DeferredNorm, bare
+from lctrain.model.deferred_norm import DeferredNorm
 from lctrain.model.families import family
-from lctrain.model.structure import decoder_layers, unwrap_layer
+from lctrain.model.structure import bare, decoder_layers
 from lctrain_kernels.api import tiled_apply
 
 TILED_CHILDREN = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -63,7 +63,7 @@ def apply_tiling(model: nn.Module, tile_tokens: int, defer_norm: bool = True) ->
     fold = bool(tile_tokens) and defer_norm and family(model_type) is not None
     wrapped = 0
     for layer in decoder_layers(model):
-        layer = unwrap_layer(layer)
+        layer = bare(layer)
         if tile_tokens and not isinstance(getattr(layer, "mlp", None), nn.Module):
             raise UserError(f"train.tile_tokens tiles each decoder layer's mlp, but "
                             f"{type(layer).__name__} has no mlp module; set train.tile_tokens=0")

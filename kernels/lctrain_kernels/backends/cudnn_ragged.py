@@ -234,15 +234,10 @@ class CudnnRaggedBackend(RaggedBackend):
         super().__init__(_ENGINE[0])
 
     def setup_reason(self, device: torch.device) -> str | None:
-        """None if this process can run the backend on ``device`` at all, else why not."""
-        if torch.are_deterministic_algorithms_enabled():
-            return ("the cudnn_ragged backend's backward is not guaranteed to be deterministic, "
-                    "and torch.use_deterministic_algorithms is on; use triton, whose kernels are.")
-        if device.type != "cuda":
-            return f"the cudnn_ragged backend runs on CUDA only, and the tensors are on {device}."
-        if torch.cuda.get_device_capability(device) < (9, 0):
-            return ("the cudnn_ragged backend needs a Hopper or newer GPU (compute capability "
-                    ">= 9.0) for ragged statistics in the backward.")
+        """:meth:`RaggedBackend.setup_reason`, and cuDNN new enough."""
+        reason = super().setup_reason(device)
+        if reason is not None:
+            return reason
         version = self.engine.graphs.cudnn.backend_version()
         if version < MIN_CUDNN:
             return (f"the cudnn_ragged backend is tested with cuDNN {dotted_version(MIN_CUDNN)} or "

@@ -154,18 +154,5 @@ class FlashAttnCuteBackend(RaggedBackend):
             _ENGINE.append(CuteEngine(*_load()))
         super().__init__(_ENGINE[0])
 
-    def setup_reason(self, device: torch.device) -> str | None:
-        """None if this process can run the backend on ``device`` at all, else why not."""
-        if torch.are_deterministic_algorithms_enabled():
-            return ("the flash_attn_cute backend's backward is not guaranteed to be "
-                    "deterministic, and torch.use_deterministic_algorithms is on; use triton.")
-        if device.type != "cuda":
-            return (f"the flash_attn_cute backend runs on CUDA only, and the tensors are on "
-                    f"{device}.")
-        if torch.cuda.get_device_capability(device) < (9, 0):
-            return ("the flash_attn_cute backend runs on Hopper or newer GPUs (compute "
-                    "capability >= 9.0).")
-        return None
-
     def unsupported(self, q, k, v, spec: MaskSpec, relation: Relation) -> str | None:
         return self.setup_reason(q.device) or half_head_dim_reason(self.name, q, 256)

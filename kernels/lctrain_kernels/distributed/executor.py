@@ -40,10 +40,8 @@ _HEAD_START_CYCLES = 30_000  # GPU clock cycles (~15 µs) the compute stream yie
 
 def head_slices(groups: int, hq: int, hkv: int) -> list[tuple[slice, slice]]:
     """(query heads, key/value heads) of each of ``groups`` head groups: group g takes query
-    heads [g·hq/G, (g+1)·hq/G) and the key/value heads they read."""
-    if groups < 1 or hkv % groups or hq % hkv:
-        raise ValueError(f"head_groups must be a positive divisor of the {hkv} key/value heads "
-                         f"(and they of the {hq} query heads), got {groups}.")
+    heads [g·hq/G, (g+1)·hq/G) and the key/value heads they read (``groups`` divides ``hkv``,
+    as :func:`lctrain_kernels.distributed.op.op_options` checks)."""
     gq, gk = hq // groups, hkv // groups
     return [(slice(g * gq, (g + 1) * gq), slice(g * gk, (g + 1) * gk)) for g in range(groups)]
 
@@ -185,8 +183,9 @@ class Engine:
         self.q_in: dict[tuple, list[torch.Tensor]] = {}  # (owner, rows) -> received q tensors
         self.results: dict[Message, list[torch.Tensor]] = {}  # outputs waiting to be sent
         self.last_use: dict[int, int] = {}  # kv owner -> the last step that reads its k, v
-        for k, view in enumerate(self.plan.for_rank(self.rank)):
-            for owner in [b.kv_owner for b in view.compute] + [m.owner for m in view.sends if m.kind == "kv"]:
+        for k, step in enumerate(self.plan.steps):
+            for owner in [b.kv_owner for b in step.blocks if b.rank == self.rank] + [
+                    m.owner for m in step.inputs if m.kind == "kv" and m.src == self.rank]:
                 self.last_use[owner] = k
 
     def run(self) -> None:

@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from lctrain_kernels.backends import block_backward, block_forward, check_backend_name
-from lctrain_kernels.combine import OutAcc, lse_dtype
+from lctrain_kernels.backends import check_backend_name
+from lctrain_kernels.combine import lse_dtype
 from lctrain_kernels.distributed.comm import Exchanger, bound_host_lead
 from lctrain_kernels.distributed.executor import (BackwardEngine, ForwardEngine, Geometry,
                                                   backward_in_groups, forward_in_groups,
                                                   pruned_plan)
-from lctrain_kernels.masks import MaskSpec, doc_bounds_from
+from lctrain_kernels.masks import doc_bounds_from
 from lctrain_kernels.vocabulary import check_schedule, check_seq_len, schedule_layout
 
 
@@ -57,32 +57,25 @@ def op_options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend
             schedule, check_backend_name(name), bool(overlap), int(head_groups))
 
 
-def _whole(causal: bool, doc_bounds: list[int]) -> MaskSpec:
-    """The one block of a single rank: every query against every key, from position 0."""
-    return MaskSpec(causal, doc_bounds=tuple(doc_bounds) if doc_bounds else None)
-
-
 def _setup(q, group_name: str, causal: bool, doc_bounds: list[int], schedule: str):
-    group = _resolve_process_group(group_name) if group_name else None
-    exch = Exchanger(group)
+    """(exchanger, geometry, schedule) of a call; a group of one runs its one block whole,
+    whatever the schedule's layout."""
+    exch = Exchanger(_resolve_process_group(group_name) if group_name else None)
+    schedule = schedule if group_name else "distflash"
     geo = Geometry(q.shape[1] * exch.world_size, exch.world_size, schedule_layout(schedule),
                    causal, tuple(doc_bounds) if doc_bounds else None)
-    return exch, geo
+    return exch, geo, schedule
 
 
 def forward_group(q, k, v, group_name: str, causal: bool, doc_bounds: list[int],
                   softmax_scale: float, schedule: str, backend: str, overlap: bool):
     """The forward of one head group (contiguous (B, n, h, D) inputs): (out, lse)."""
-    if not group_name:
-        got = block_forward(q, k, v, _whole(causal, doc_bounds), scale=softmax_scale,
-                            backend=backend)
-        out, lse = got if got is not None else OutAcc(q.shape[1]).result(q)
-        return out.contiguous(), lse.to(lse_dtype(q.dtype)).contiguous()
-    exch, geo = _setup(q, group_name, causal, doc_bounds, schedule)
+    exch, geo, schedule = _setup(q, group_name, causal, doc_bounds, schedule)
     engine = ForwardEngine(pruned_plan(schedule, "forward", geo), geo, exch, overlap, q, k, v,
                            softmax_scale, backend)
     engine.run()
-    bound_host_lead(q.device)
+    if group_name:
+        bound_host_lead(q.device)
     out, lse = engine.acc.result(q)
     return out.contiguous(), lse.contiguous()  # (B, n, h, D), (B, h, n)
 
@@ -91,17 +84,12 @@ def backward_group(do, q, k, v, out, lse, dlse, group_name: str, causal: bool,
                    doc_bounds: list[int], softmax_scale: float, schedule: str, backend: str,
                    overlap: bool):
     """The backward of one head group: (dq, dk, dv), contiguous, in the inputs' dtypes."""
-    if not group_name:
-        got = block_backward(do, q, k, v, out, lse, _whole(causal, doc_bounds),
-                             scale=softmax_scale, backend=backend, dlse=dlse)
-        if got is None:  # no pair visible: no gradient
-            return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        return tuple(g.to(x.dtype).contiguous() for g, x in zip(got, (q, k, v)))
-    exch, geo = _setup(q, group_name, causal, doc_bounds, schedule)
+    exch, geo, schedule = _setup(q, group_name, causal, doc_bounds, schedule)
     engine = BackwardEngine(pruned_plan(schedule, "backward", geo), geo, exch, overlap, do, q, k,
                             v, out, lse, softmax_scale, backend, dlse=dlse)
     engine.run()
-    bound_host_lead(q.device)
+    if group_name:
+        bound_host_lead(q.device)
     return (engine.dq.result(q).contiguous(), engine.dk.result(k).contiguous(),
             engine.dv.result(v).contiguous())
 

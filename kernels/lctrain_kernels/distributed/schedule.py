@@ -99,15 +99,6 @@ class Step:
 
 
 @dataclass(frozen=True)
-class RankStep:
-    """One rank's view of a step: what it computes, sends and receives."""
-
-    compute: tuple[Block, ...]
-    sends: tuple[Message, ...]
-    recvs: tuple[Message, ...]
-
-
-@dataclass(frozen=True)
 class Plan:
     """A schedule made concrete for one direction and mask type."""
 
@@ -116,16 +107,6 @@ class Plan:
     layout: str
     causal: bool
     steps: tuple[Step, ...]
-
-    def for_rank(self, rank: int) -> list[RankStep]:
-        """Per step, the blocks ``rank`` computes and the messages it sends and receives."""
-        views = []
-        for step in self.steps:
-            msgs = step.inputs + step.outputs
-            views.append(RankStep(tuple(b for b in step.blocks if b.rank == rank),
-                                  tuple(m for m in msgs if m.src == rank),
-                                  tuple(m for m in msgs if m.dst == rank)))
-        return views
 
     def pruned(self, is_empty: Callable[[Block], bool]) -> "Plan":
         """The plan without the blocks ``is_empty`` rejects and the messages only they needed."""
