@@ -178,11 +178,7 @@ def build_checked(raw: dict[str, Any], source: str, origins: dict[str, str]) -> 
         origin = _origin(error.key, origins, source)
         named = origin.split(" ", 1)[1] in str(error)  # the message already says where
         raise ConfigError(str(error) if named else f"{error} ({origin})", key=error.key) from None
-    cfg, template = absolute_paths(cfg), cfg.data.chat_template
-    if template is not None and os.path.isfile(os.path.expanduser(template)):
-        template = os.path.abspath(os.path.expanduser(template))  # the run reads it from anywhere
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, chat_template=template))
-    return cfg
+    return absolute_paths(cfg)
 
 
 def build_recipe(raw: dict[str, Any], source: str = "the recipe") -> RecipeConfig:
@@ -295,8 +291,8 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
 
 
 def _origin(key: str | None, origins: dict[str, str], source: str) -> str:
-    if key is not None:
-        for set_key_, origin in origins.items():
-            if key == set_key_ or key.startswith(set_key_ + ".") or key.startswith(set_key_ + "["):
-                return origin
+    """Where ``key`` (or the setting it lies below) was given: ``origins``' entry, else the file."""
+    for given, origin in origins.items():
+        if key is not None and (key == given or key.startswith((given + ".", given + "["))):
+            return origin
     return f"in {source}"

@@ -183,7 +183,10 @@ def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
 
     source = cfg.data.source if local_data(cfg.data.source) is None else absolute(cfg.data.source)
     tokenizer = cfg.data.tokenizer if cfg.data.tokenizer == "bytes" else local(cfg.data.tokenizer)
-    data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer)
+    template = cfg.data.chat_template  # a name, or a .jinja file the run reads from anywhere
+    if template is not None and os.path.isfile(os.path.expanduser(template)):
+        template = absolute(template)
+    data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer, chat_template=template)
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, path=local(cfg.model.path)), data=data,
         train=dataclasses.replace(cfg.train, output_dir=absolute(cfg.train.output_dir)))

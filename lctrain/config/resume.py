@@ -66,10 +66,10 @@ def check_run_folder(cfg: RecipeConfig, *, resume: bool) -> list[tuple[str, Any,
     check_writable(out)
     saved_file = out / "config.yaml"
     if resume:
-        return resume_changes(_saved(saved_file, resume=True), cfg, saved_file)
+        return resume_changes(_saved(saved_file), cfg, saved_file)
     if not saved_file.exists():
         return []
-    changed = differences(_saved(saved_file, resume=False), cfg)
+    changed = differences(_saved(saved_file), cfg)
     if changed and not never_trained(out):
         key, old, new = changed[0]
         raise ConfigError(f"{out} holds another run ({saved_file} has {key} = {old!r}, this "
@@ -91,7 +91,7 @@ def takes_over(cfg: RecipeConfig) -> bool:
     out = Path(cfg.train.output_dir)
     saved = out / "config.yaml"
     return (saved.exists() and never_trained(out)
-            and bool(differences(_saved(saved, resume=False), cfg)))
+            and bool(differences(_saved(saved), cfg)))
 
 
 def check_writable(folder: Path) -> None:
@@ -125,20 +125,17 @@ def load_resumed(recipe: str | os.PathLike | None, overrides: Iterable[str] = ()
             return cfg
         output_dir = cfg.train.output_dir
     saved_file = Path(output_dir).expanduser() / "config.yaml"
-    saved = _saved(saved_file, resume=True)
+    saved = _saved(saved_file)
     cfg = load_recipe(saved_file, overrides, seq_len=seq_len, output_dir=output_dir,
                       max_steps=max_steps)
     resume_changes(saved, cfg, saved_file)
     return cfg
 
 
-def _saved(path: Path, *, resume: bool) -> RecipeConfig | None:
+def _saved(path: Path) -> RecipeConfig:
     if not path.exists():
-        if resume:
-            raise ConfigError(f"there is no run to resume in {path.parent} (it has no "
-                              "config.yaml); give the run's folder with --output-dir, or start "
-                              "it without --resume")
-        return None
+        raise ConfigError(f"there is no run to resume in {path.parent} (it has no config.yaml); "
+                          "give the run's folder with --output-dir, or start it without --resume")
     try:
         return read_resolved(path)
     except ConfigError as error:

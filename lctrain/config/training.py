@@ -50,7 +50,7 @@ class TrainConfig:
     loss_chunk_tokens: int = field(default=4096, metadata=SIZE | at_least(1))
     """Tokens per chunk of the chunked cross-entropy (bounds the fp32 logits held at once); the
     fused loss of ``model.fused_kernels`` on GPUs sizes its own chunks."""
-    tile_tokens: int = field(default=0, metadata=SIZE)
+    tile_tokens: int = field(default=0, metadata=SIZE | at_least(0, " (0 = untiled)"))
     """Run each layer's MLP and norms in tiles of this many tokens; 0 = untiled."""
     collective_timeout: float = field(default=1800.0, metadata=at_least(1, " (seconds)"))
     """Seconds a rank may wait in one operation of a step before the run stops, naming it."""
@@ -68,8 +68,6 @@ class TrainConfig:
         plan = LayerPlan.parse(self.checkpointing, self.offload)
         object.__setattr__(self, "checkpointing", plan.checkpointing)  # the parsed form
         object.__setattr__(self, "offload", plan.offload)
-        require(self.tile_tokens >= 0, "train.tile_tokens",
-                f"is {self.tile_tokens} but must be 0 (untiled) or a number of tokens per tile")
         require(self.epochs is None or self.epochs > 0, "train.epochs",
                 f"is {self.epochs} but must be positive (or null to train by max_steps)")
         require(0 <= self.seed < 2**32, "train.seed",

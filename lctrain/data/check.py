@@ -35,4 +35,4 @@ def check_first_records(data: DataConfig, tokenizer: Callable[[], Any], *,
             raise DataError(f"{key} {part.source!r} holds no record; point it at some data")
         encoder = Encoder.for_data(part, tokenizer(), records[0])
         if not encoder.encode(records[:count]) and len(records) <= count:  # the whole source
-            raise no_tokens(part.source, encoder, key)
+            raise no_tokens(part.source, encoder.skips, key)

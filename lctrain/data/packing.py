@@ -35,8 +35,9 @@ class TokenStream:
 
 @dataclass(frozen=True)
 class RowPlan:
-    """The stream pieces of each row (row r is pieces ``offsets[r]:offsets[r+1]``), and the
-    samples longer than a row: their count, those left out, the first one's index (or -1)."""
+    """The stream pieces of each row (row r is pieces ``offsets[r]:offsets[r+1]``), each within
+    one sample, and the samples longer than a row: their count, those left out, the first one's
+    index (or -1)."""
 
     starts: np.ndarray  # (pieces,) int64
     stops: np.ndarray  # (pieces,) int64
@@ -59,10 +60,6 @@ def plan_rows(stream: TokenStream, seq_len: int, mode: str,
         raise DataError("the data yields no token to train on; check data.source and data.format")
     too_long = chosen[lengths > seq_len]
     first = int(too_long[0]) if too_long.size else -1
-    if mode == "split" and samples is None:  # the whole stream: one piece per row
-        starts = np.arange(0, stream.total, seq_len, dtype=np.int64)
-        return RowPlan(starts, np.minimum(starts + seq_len, stream.total),
-                       np.arange(starts.size + 1, dtype=np.int64), int(too_long.size), 0, first)
     if mode == "split":
         starts, stops, offsets = _split_pieces(stream.bounds, chosen, seq_len)
         return RowPlan(starts, stops, offsets, int(too_long.size), 0, first)
@@ -161,19 +158,12 @@ class PackedRows:
     __getitem__ = row
 
     def attention_work(self) -> np.ndarray:
-        """(rows,) int64 Σ n² over each row's documents, the padding counted as one: what its
-        masked attention costs, up to a constant."""
-        plan, bounds = self.plan, self.stream.bounds
-        a, b = plan.starts, plan.stops
-        first = np.searchsorted(bounds, a, "right") - 1  # the sample holding a piece's start
-        last = np.searchsorted(bounds, b - 1, "right") - 1  # ... and its last token
-        squares = np.concatenate([[0], np.cumsum(np.diff(bounds) ** 2)])  # prefix Σ len²
-        head = np.minimum(b, bounds[first + 1]) - a
-        tail = np.where(last > first, b - bounds[last], 0)
-        inner = np.where(last > first + 1, squares[last] - squares[np.minimum(first + 1, last)], 0)
-        row = np.repeat(np.arange(len(self)), np.diff(plan.offsets))
-        work = np.bincount(row, head ** 2 + tail ** 2 + inner, minlength=len(self))
-        pad = self.seq_len - np.bincount(row, b - a, minlength=len(self))
+        """(rows,) int64 Σ n² over each row's documents (its pieces), the padding counted as one:
+        what its masked attention costs, up to a constant."""
+        lengths = self.plan.stops - self.plan.starts  # (pieces,)
+        row = np.repeat(np.arange(len(self)), np.diff(self.plan.offsets))
+        work = np.bincount(row, lengths ** 2, minlength=len(self))
+        pad = self.seq_len - np.bincount(row, lengths, minlength=len(self))
         return (work + pad ** 2).astype(np.int64)
 
     def _labels_within_samples(self, a: int, b: int) -> np.ndarray:
@@ -186,15 +176,11 @@ class PackedRows:
         return np.where(ok, self.stream.ids[at], IGNORE).astype(np.int64)
 
     def pieces(self, r: int) -> list[tuple[int, int, int]]:
-        """Row ``r``'s (sample, start, stop) spans of the stream, cut at sample bounds."""
+        """Row ``r``'s (sample, start, stop) spans of the stream."""
         lo, hi = int(self.plan.offsets[r]), int(self.plan.offsets[r + 1])
-        bounds, out = self.stream.bounds, []
-        for a, b in zip(self.plan.starts[lo:hi].tolist(), self.plan.stops[lo:hi].tolist()):
-            inner = bounds[np.searchsorted(bounds, a, "right"):np.searchsorted(bounds, b, "left")]
-            cuts = [a, *inner.tolist(), b]
-            samples = np.searchsorted(bounds, cuts[:-1], "right") - 1
-            out += zip(samples.tolist(), cuts[:-1], cuts[1:])
-        return out
+        starts, stops = self.plan.starts[lo:hi], self.plan.stops[lo:hi]
+        samples = np.searchsorted(self.stream.bounds, starts, "right") - 1
+        return list(zip(samples.tolist(), starts.tolist(), stops.tolist()))
 
 
 def pack(samples: Sequence[Sequence[int]], *, seq_len: int, document_mask: bool, pad_id: int,

@@ -24,7 +24,7 @@ import numpy as np
 from lctrain.config import DataConfig
 from lctrain.data.formats import Encoder, Skips
 from lctrain.data.packing import PackedRows, RowPlan, TokenStream, plan_rows
-from lctrain.data.records import RecordReader, source_identity
+from lctrain.data.records import RecordReader, load_datasets, source_identity
 from lctrain.data.tokenizer import ByteTokenizer, pad_token_id
 from lctrain.errors import DataError
 
@@ -32,6 +32,7 @@ _BATCH = 512  # records tokenized together
 RECORDS_PER_PROCESS = 2000  # the least a tokenizing process is started for
 PARTS = ("train", "eval")
 LAYOUT_VERSION = 3  # bumped whenever what a cache folder holds changes
+ROWS_VERSION = 2  # bumped whenever a row plan (rows-*.npz) changes; the tokens stay
 
 
 def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
@@ -88,7 +89,7 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
         wait_for(folder / "meta.json")
         meta = json.loads((folder / "meta.json").read_text())
         samples = part_samples(data, part, meta["samples"], seed)
-        key = ["rows", data.seq_len, _mode(data, meta)]  # the row plan's, per part
+        key = ["rows", ROWS_VERSION, data.seq_len, _mode(data, meta)]  # the row plan's, per part
         if samples is not None:
             key += [part, data.eval_fraction, seed]
         rows_file = folder / f"rows-{digest(key)}.npz"
@@ -148,9 +149,8 @@ def _save_plan(path: Path, plan: RowPlan) -> None:
     """Write ``plan`` to a temporary file beside ``path``, then rename it to ``path``."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     try:
-        with open(tmp, "wb") as handle:
-            np.savez(handle, starts=plan.starts, stops=plan.stops, offsets=plan.offsets,
-                     counts=np.array([plan.long, plan.left_out, plan.first_long]))
+        np.savez(tmp, starts=plan.starts, stops=plan.stops, offsets=plan.offsets,
+                 counts=np.array([plan.long, plan.left_out, plan.first_long]))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -198,12 +198,11 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
                 else:
                     wheres.write(where.replace("\n", " ") + "\n")
             has_labels |= any(batch.column("labels").to_pylist())
-    encoder.skips = skips
     if show:
         print(f"prepared {counts['records']:,} records into {counts['tokens']:,} tokens in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
     if not lengths:
-        raise no_tokens(data.source, encoder, source_key)
+        raise no_tokens(data.source, skips, source_key)
     np.save(folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
     meta = {"format": encoder.fmt, "format_reason": encoder.why, "has_labels": has_labels,
             "samples": len(lengths), "skipped": skips.reasons, "processes": max(processes, 1),
@@ -238,8 +237,6 @@ def _encode(batch: dict[str, list], rows: list[int], reader: RecordReader,
 @contextlib.contextmanager
 def _progress_bars(show: bool) -> Iterator[None]:
     """datasets' progress bars on while preparing visibly, off otherwise (and afterwards)."""
-    from lctrain.data.records import load_datasets
-
     logging = load_datasets().utils.logging
     (logging.enable_progress_bar if show else logging.disable_progress_bar)()
     try:
@@ -309,12 +306,9 @@ def exclusive(lock_path: Path) -> Iterator[None]:
     except OSError as error:
         raise DataError(f"cannot write the data cache in {lock_path.parent} ({error.strerror}); "
                         f"set XDG_CACHE_HOME to a writable folder") from None
-    with handle:
+    with handle:  # closing the file releases the lock
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def build_folder(folder: Path, build: Callable[[Path], None]) -> None:
@@ -339,9 +333,9 @@ def wait_for(path: Path) -> None:
         time.sleep(0.2)
 
 
-def no_tokens(source: str, encoder: Encoder, key: str = "data.source") -> DataError:
-    """The error of a source (recipe ``key``) whose records hold nothing to train on (the skips
+def no_tokens(source: str, skips: Skips, key: str = "data.source") -> DataError:
+    """The error of a source (recipe ``key``) whose records hold nothing to train on (``skips``
     say why)."""
-    skipped = encoder.skips.describe()
+    skipped = skips.describe()
     return DataError(f"{key} {source!r} yields no token to train on"
                      f"{': ' + skipped if skipped else ''}; check the records")

@@ -91,7 +91,7 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
         explicit.add(key)
     has_eval = bool(raw.get("data", {}).get("eval_source"))
     lengths = list(lengths or [])
-    _settle(raw, task=task, seq_len=seq_len, cp=cp, data=data, lengths=lengths, kind=kind,
+    _settle(raw, task=task, seq_len=seq_len, cp=cp, data=data, lengths=lengths,
             format_given="data.format" in explicit)
     parallel = ParallelConfig(**raw["parallel"])
     for length in lengths:  # before the recipe, which would name the longest data.seq_len
@@ -180,7 +180,7 @@ def _adapter_base(folder: Path) -> str:
 
 
 def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: str | None,
-            lengths: list[int], kind: str, format_given: bool = False) -> None:
+            lengths: list[int], format_given: bool = False) -> None:
     """The settings every evaluation runs under, on top of the target's and --set's
     (``--data`` detects its own format unless ``--set data.format`` gives it)."""
     sections = {name: raw.setdefault(name, {}) for name in ("data", "parallel", "train",
