@@ -8,8 +8,8 @@ import json
 import os
 import random
 import shutil
-import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,20 +64,31 @@ class Checkpointer:
             raise _failed_write(step, tmp, error, size) from None
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         if not self._use_async(size):
-            _run_write(step, tmp, lambda: dcp.save(state, storage_writer=writer,
-                                                   process_group=self.group,
-                                                   no_dist=self.group is None), size)
-            if self.rank == 0:
-                _run_write(step, tmp, lambda: publish(tmp, final, keep=self.keep), size)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self.group,
+                         no_dist=self.group is None)
+                if self.rank == 0:
+                    publish(tmp, final, keep=self.keep)
+            except (OSError, CheckpointException) as error:
+                raise _failed_write(step, tmp, error, size) from None
             _barrier(self.group)
             return final
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # the step's updates are in memory
         response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                   async_stager=self._stager, no_dist=self.group is None)
-        self._pending = _Pending(step, tmp, final, size, response.staging_completion,
-                                 response.upload_completion, publisher=self.rank == 0,
-                                 keep=self.keep)
+        pending = self._pending = _Pending(step, tmp, size, response.staging_completion, Future())
+
+        def written(upload: Future) -> None:  # runs in DCP's writing thread
+            try:
+                upload.result()
+                if self.rank == 0:
+                    publish(tmp, final, keep=self.keep)
+                pending.published.set_result(final)
+            except BaseException as error:  # noqa: BLE001 - reported by `wait`
+                pending.published.set_exception(error)
+
+        response.upload_completion.add_done_callback(written)
         return final
 
     def wait(self) -> Path | None:
@@ -85,10 +96,10 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        pending.finished.wait()
-        if pending.error is not None:
-            raise _failed_write(pending.step, pending.tmp, pending.error, pending.size)
-        return pending.final
+        error = pending.published.exception()  # once it is written
+        if error is not None:
+            raise _failed_write(pending.step, pending.tmp, error, pending.size)
+        return pending.published.result()
 
     def close(self) -> Path | None:
         """Wait for the last save, then release the staging memory (every rank, at the end)."""
@@ -134,27 +145,16 @@ class Checkpointer:
             self._pending.staged.result()
 
 
+@dataclass(frozen=True)
 class _Pending:
-    """A save in flight: its futures; the ``publisher`` (rank 0) publishes it once DCP has
-    finished writing."""
+    """A save in flight: ``staged`` once the host copy is taken; ``published``, the final
+    folder once DCP has written it and rank 0 has published it, or the error."""
 
-    def __init__(self, step: int, tmp: Path, final: Path, size: int, staged: Future,
-                 upload: Future, *, publisher: bool, keep: int):
-        self.step, self.tmp, self.final, self.size, self.staged = step, tmp, final, size, staged
-        self.error: BaseException | None = None
-        self.finished = threading.Event()
-
-        def done(future: Future) -> None:  # runs in DCP's writing thread
-            try:
-                future.result()
-                if publisher:
-                    publish(self.tmp, self.final, keep=keep)
-            except BaseException as error:  # noqa: BLE001 - reported by Checkpointer.wait
-                self.error = error
-            finally:
-                self.finished.set()
-
-        upload.add_done_callback(done)
+    step: int
+    tmp: Path
+    size: int
+    staged: Future
+    published: Future
 
 
 def publish(tmp: Path, final: Path, *, keep: int) -> None:
@@ -198,17 +198,12 @@ def _write_rng(path: Path) -> None:
     fsync(path)
 
 
-def state_bytes(state: dict) -> int:
+def state_bytes(state: dict | torch.Tensor) -> int:
     """Bytes of this rank's tensors in ``state`` (its shards, for DTensors)."""
-    total, stack = 0, [state]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        else:
-            local = item.to_local() if hasattr(item, "to_local") else item
-            total += local.numel() * local.element_size()
-    return total
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    local = state.to_local() if hasattr(state, "to_local") else state
+    return local.numel() * local.element_size()
 
 
 def _new_stager(background: bool = True):
@@ -233,13 +228,6 @@ def _stager_reusable() -> bool:
         return False
     finally:
         stager.close()
-
-
-def _run_write(step: int, tmp: Path, write, size: int) -> None:
-    try:
-        write()
-    except (OSError, CheckpointException) as error:
-        raise _failed_write(step, tmp, error, size) from None
 
 
 def _failed_write(step: int, tmp: Path, error: BaseException, size: int) -> UserError:

@@ -29,7 +29,6 @@ class ExportResult:
     step: int
     kind: str
     dtype: str
-    tokenizer: str
     base: str | None
     files: tuple[str, ...]
 
@@ -102,10 +101,8 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
             write.save_tokenizer(tokenizer, folder)
         except OSError as error:  # a full disk, a quota: the writes, not the reads above
             raise write.unwritable(out, error) from None
-    source = ("bytes" if is_bytes else "none (byte-pairs has no transformers tokenizer)"
-              if tokenizer is None else str(cfg.data.tokenizer or cfg.model.path))
-    return ExportResult(output=out, step=step, kind=kind, dtype=dtype, tokenizer=source,
-                        base=base, files=write.listing(out))
+    files = tuple(sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()))
+    return ExportResult(output=out, step=step, kind=kind, dtype=dtype, base=base, files=files)
 
 
 def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: torch.dtype,

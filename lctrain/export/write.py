@@ -83,11 +83,6 @@ def remove_empty(folders: list[Path]) -> None:
             folder.rmdir()
 
 
-def listing(folder: Path) -> tuple[str, ...]:
-    """The files under ``folder``, as sorted relative paths."""
-    return tuple(sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()))
-
-
 def byte_tokenizer_fast():
     """A transformers ``PreTrainedTokenizerFast`` equivalent to ``ByteTokenizer``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors

@@ -103,9 +103,8 @@ def explain(records: list[dict], failures: dict[int, dict], *, killed: set[int],
     the pids the launcher ``killed`` itself (no cause) and the ``last_step``, if known."""
     by_kind: dict[str, list[dict]] = {}
     for record in records:  # earliest first; "user" holds the "environment" ones too
-        kind = record.get("kind") or ("user" if record.get("user") else "bug")
-        by_kind.setdefault("user" if kind in _USER_KINDS else kind, []).append(
-            {**record, "kind": kind})
+        kind = record["kind"]
+        by_kind.setdefault("user" if kind in _USER_KINDS else kind, []).append(record)
     recorded = {record["rank"] for record in records}
     deaths = sorted((rank, -f["exitcode"]) for rank, f in failures.items()
                     if f.get("exitcode", 0) < 0 and f.get("pid") not in killed

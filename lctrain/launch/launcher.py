@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,6 @@ from lctrain.checkpoint.reader import list_checkpoints, resume_point
 from lctrain.launch.lifetime import LAUNCHER_PID_ENV, RunLock, die_with_parent, private_folder
 from lctrain.launch.output import OUTPUT_LOG, kept_output
 from lctrain.launch.rank import WORKER_MODULE, Worker, launch_dir, nccl_wait
-from lctrain.launch.stopping import resume_command
 from lctrain.launch.supervisor import Supervisor, report
 from lctrain.launch.watchdog import heartbeat_dir
 
@@ -139,15 +139,11 @@ def _worker_env(nproc: int) -> dict[str, str]:
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # FlashAttention 4's on-disk cache of compiled kernels (file-locked, shared by the ranks)
     env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    try:  # the loopback network interface: lo on Linux, lo0 on macOS
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        names = []
-    for loopback in ("lo", "lo0"):
-        if loopback in names:
-            env.setdefault("GLOO_SOCKET_IFNAME", loopback)
-            env.setdefault("NCCL_SOCKET_IFNAME", loopback)
-            break
+    with contextlib.suppress(OSError, StopIteration):  # loopback: lo on Linux, lo0 on macOS
+        names = {name for _, name in socket.if_nameindex()}
+        loopback = next(name for name in ("lo", "lo0") if name in names)
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        env.setdefault("NCCL_SOCKET_IFNAME", loopback)
     return env
 
 
@@ -157,7 +153,8 @@ def checkpoint_hint(cfg: RecipeConfig, nproc: int) -> str:
     if not found:
         why = "checkpoint.keep is 0" if not cfg.checkpoint.enabled else "none was saved yet"
         return f"there is no checkpoint to resume from ({why})"
-    step, path = found[-1]
-    flag = nproc if nproc != default_nproc(cfg) else None
+    step, path = found[-1]  # resumed from the run's own config.yaml
+    config = shlex.quote(str(Path(cfg.train.output_dir) / "config.yaml"))
+    flag = f" --nproc {nproc}" if nproc != default_nproc(cfg) else ""
     return (f"the last complete checkpoint is {path} (step {step}); resume with: "
-            f"{resume_command(cfg.train.output_dir, nproc=flag)}")
+            f"lctrain finetune {config} --resume{flag}")

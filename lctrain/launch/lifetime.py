@@ -129,18 +129,14 @@ class RunLock:
                          f"({error.strerror or type(error).__name__}); choose a folder you may "
                          "write to, on a disk with free space")
 
-    def release(self) -> None:
-        """Give the folder back (closing the file releases the lock)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
     def __enter__(self) -> RunLock:
         self.acquire()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.release()
+        if self._fd is not None:  # closing the file releases the lock
+            os.close(self._fd)
+            self._fd = None
 
 
 PRIVATE_PREFIX = "lctrain-launch-"

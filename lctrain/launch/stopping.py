@@ -4,7 +4,6 @@ the signal; a second signal ends the process at once. The launcher passes its fi
 as `LAUNCHER_REQUEST`, so a scheduler that signals every rank too is not a second signal."""
 from __future__ import annotations
 
-import shlex
 import signal
 import threading
 from pathlib import Path
@@ -116,10 +115,3 @@ def control_group(world_group, device_type: str, timeout):
     import torch.distributed as dist
 
     return dist.new_group(backend="gloo", timeout=timeout)
-
-
-def resume_command(output_dir: str | Path, *, nproc: int | None = None) -> str:
-    """The command that continues the run in ``output_dir`` from its own ``config.yaml`` (with
-    ``--nproc`` when ``nproc`` is given)."""
-    command = f"lctrain finetune {shlex.quote(str(Path(output_dir) / 'config.yaml'))} --resume"
-    return command + (f" --nproc {nproc}" if nproc is not None else "")

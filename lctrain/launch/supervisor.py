@@ -60,10 +60,10 @@ class Supervisor:
         self.tail: collections.deque[str] = collections.deque(maxlen=15)  # the log's last lines
         self.relayed: dict[str, list[dict]] = {"record": [], "failures": []}
         self.log_error: str | None = None  # why the log could not be written
-        self._relay = None
+        self.reader = None  # the thread copying the agent's stderr
         if agent.stderr is not None:
-            self._relay = threading.Thread(target=self._copy_stderr, args=(log,), daemon=True)
-            self._relay.start()
+            self.reader = threading.Thread(target=self._copy_stderr, args=(log,), daemon=True)
+            self.reader.start()
 
     def records(self) -> list[dict]:
         """The ranks' error records: those in files and those `relayed`, earliest first."""
@@ -98,12 +98,6 @@ class Supervisor:
                 sink.close()
             except OSError as error:
                 self.log_error = error.strerror
-
-    def finish(self, timeout: float = 5.0) -> None:
-        """Read what is left of the agent's stderr (after `wait`; a process the ranks left
-        behind may hold the pipe open, hence the ``timeout``)."""
-        if self._relay is not None:
-            self._relay.join(timeout)
 
     def wait(self) -> int | None:
         """Block until the agent ends; returns None when it ended by itself (see
@@ -183,7 +177,8 @@ def report(supervisor: Supervisor, *, launch_dir: Path, failures: Path, log: Pat
     code = supervisor.agent.returncode
     if code == 0:
         return 0
-    supervisor.finish()
+    if supervisor.reader is not None:  # the rest of the agent's stderr (a process the ranks
+        supervisor.reader.join(5.0)  # left behind may hold the pipe open, hence the timeout)
     relayed_failures = (supervisor.relayed["failures"] or [None])[-1]
     outcome = explain(supervisor.records(), read_failures(failures, relayed_failures),
                       killed=supervisor.killed, last_step=last_completed_step(launch_dir.parent))
@@ -201,9 +196,7 @@ def report(supervisor: Supervisor, *, launch_dir: Path, failures: Path, log: Pat
         return 1
     if outcome.kind == "stopped":
         return outcome.exit_code
-    tail = (list(supervisor.tail) if supervisor.agent.stderr is not None
-            else log.read_text(errors="replace").strip().splitlines()[-15:])
-    print("\n".join(tail), file=sys.stderr)
+    print("\n".join(supervisor.tail), file=sys.stderr)
     print(f"training failed (exit code {code}); {kept}", file=sys.stderr)
     return code or 1
 

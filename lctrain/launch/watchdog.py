@@ -3,6 +3,7 @@ daemon thread writes heartbeat files, and an operation longer than ``train.colle
 is reported in one sentence naming the ranks that did not arrive."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -18,20 +19,17 @@ def heartbeat_dir(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / ".launch" / "ranks"
 
 
-def read_heartbeats(folder: str | os.PathLike, world_size: int | None = None) -> dict[int, dict]:
+def read_heartbeats(folder: str | os.PathLike) -> dict[int, dict]:
     """The heartbeat of every rank that wrote one: {rank: record}."""
-    return {int(record["rank"]): record for record in read_rank_files(folder)
-            if world_size is None or record.get("rank", -1) < world_size}
+    return {int(record["rank"]): record for record in read_rank_files(folder)}
 
 
 def read_rank_files(folder: str | os.PathLike) -> list[dict]:
     """Every readable ``rank*.json`` in ``folder`` (heartbeats, error records)."""
     found = []
     for path in Path(folder).glob("rank*.json"):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # an unreadable one is left out
             found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
     return found
 
 
@@ -150,7 +148,7 @@ class Watchdog:
 
     def report(self, mark: _Mark, waited: float) -> str:
         """The sentence naming the operation this rank waits in and the ranks that are late."""
-        beats = read_heartbeats(self.folder, self.world_size)
+        beats = read_heartbeats(self.folder)
         now = time.time()
         late = []
         for rank in range(self.world_size):

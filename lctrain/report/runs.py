@@ -21,13 +21,11 @@ _IGNORED = ("train.output_dir",)  # differs between any two runs
 @dataclass(frozen=True)
 class Run:
     """One run folder read: its label, the recipe as flat dotted keys, the metrics records
-    in step order, and environment.json's content (or None)."""
+    in step order."""
 
     name: str
-    folder: Path
     settings: dict
     records: list[dict]
-    environment: dict | None
 
 
 def load_run(folder: str | Path, name: str | None = None) -> Run:
@@ -47,10 +45,8 @@ def load_run(folder: str | Path, name: str | None = None) -> Run:
         settings = flatten(yaml.safe_load(config.read_text(encoding="utf-8")) or {})
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise UserError(f"cannot read the run in {path}: {exc.__class__.__name__}") from None
-    env_file = path / "environment.json"
-    env = json.loads(env_file.read_text(encoding="utf-8")) if env_file.is_file() else None
     records.sort(key=lambda r: r.get("step", 0))
-    return Run(name or path.name, path, settings, records, env)
+    return Run(name or path.name, settings, records)
 
 
 def load_runs(folders: list[str]) -> list[Run]:
@@ -70,9 +66,15 @@ def differing(runs: list[Run]) -> list[str]:
             and len({json.dumps(run.settings.get(k), default=str) for run in runs}) > 1]
 
 
+def numbers(records: list[dict], key: str, *, step: bool = False) -> list:
+    """``key``'s values in the records that hold a number for it (with ``step``: (step, value))."""
+    return [(r["step"], r[key]) if step else r[key] for r in records
+            if isinstance(r.get(key), (int, float))]
+
+
 def median(records: list[dict], key: str) -> float | None:
     """The median of ``key`` over the records that hold a number for it (None: none does)."""
-    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    values = numbers(records, key)
     return statistics.median(values) if values else None
 
 
@@ -80,8 +82,7 @@ def row(run: Run, keys: list[str] = ()) -> dict:
     """The summary fields of one run, with the settings ``keys``."""
     recs = run.records
     steady = recs[1:] if len(recs) > 1 else recs
-    losses = [r["loss"] for r in recs if isinstance(r.get("loss"), (int, float))]
-    evals = [r["eval_loss"] for r in recs if isinstance(r.get("eval_loss"), (int, float))]
+    losses, evals = numbers(recs, "loss"), numbers(recs, "eval_loss")
     seconds, previous = 0.0, 0
     for r in recs:
         if isinstance(r.get("step_time_s"), (int, float)):
@@ -123,8 +124,7 @@ def summary(runs: list[Run]) -> Table:
 def plot_losses(runs: list[Run], path: str | Path) -> Path:
     """Loss against step, one line per run (evaluation losses dashed); UserError: no run
     logged a loss, or matplotlib is missing."""
-    curves = [(run, [(r["step"], r["loss"]) for r in run.records
-                     if isinstance(r.get("loss"), (int, float))]) for run in runs]
+    curves = [(run, numbers(run.records, "loss", step=True)) for run in runs]
     if not any(points for _, points in curves):
         raise UserError("no run logged a loss, so no plot was written")
     names = ", ".join(run.name for run in runs)
@@ -132,8 +132,7 @@ def plot_losses(runs: list[Run], path: str | Path) -> Path:
     for run, points in curves:
         if points:
             line, = ax.plot(*zip(*points), label=run.name)
-            evals = [(r["step"], r["eval_loss"]) for r in run.records
-                     if isinstance(r.get("eval_loss"), (int, float))]
+            evals = numbers(run.records, "eval_loss", step=True)
             if evals:
                 ax.plot(*zip(*evals), linestyle="--", marker="o", color=line.get_color(),
                         label=f"{run.name} (eval)")

@@ -100,17 +100,15 @@ def _cells(table: Table, wide: bool) -> _Cells:
     columns = visible_columns(table, wide)
     notes: list[str] = []
     headers, right, formatters = [], [], []
-    title, shared = table.title, "{rate}" in table.title
-    if shared:  # one FLOP-rate unit for the whole table, named in the title
-        rates = [row.get(c.key) for c in columns if c.kind == "tflops" for row in table.rows]
-        unit, factor = human.rate_unit(_numbers(rates))
-        title = title.replace("{rate}", unit)
+    # a "{rate}" title: one FLOP-rate unit for all tflops columns, named in the title
+    rates = [row.get(c.key) for c in columns if c.kind == "tflops" for row in table.rows]
+    shared = "{rate}" in table.title
+    title = table.title.replace("{rate}", human.rate_unit(_numbers(rates))[0])
     for column in columns:
-        if shared and column.kind == "tflops":
-            unit, fmt = "", (lambda v, f=factor: human.significant(v * f))
-        else:
-            unit, fmt = _formatter(column, [row.get(column.key) for row in table.rows])
-        headers.append((column.label, unit))
+        one_unit = shared and column.kind == "tflops"
+        values = rates if one_unit else [row.get(column.key) for row in table.rows]
+        unit, fmt = _formatter(column, values)
+        headers.append((column.label, "" if one_unit else unit))
         right.append(column.kind not in ("text", "status"))
         formatters.append(fmt)
     body = []

@@ -7,7 +7,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,11 +28,8 @@ def _version(package: str) -> str | None:
 
 def _driver() -> str | None:
     """The NVIDIA driver version from nvidia-smi, or None without one."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
     try:
-        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -84,18 +80,20 @@ def machine_label(info: dict) -> str:
     return f"{count} × {info['gpu']}" if count > 1 else str(info["gpu"])
 
 
+def _gpus(info: dict) -> str:
+    """The CUDA, cuDNN and driver versions and the GPUs of ``environment()``, in one line."""
+    cudnn = f", cuDNN {info['cudnn']}" if info.get("cudnn") else ""
+    return (f"CUDA {info.get('cuda')}{cudnn}, driver {info.get('driver') or 'unknown'}, "
+            f"{machine_label(info)}")
+
+
 def describe(info: dict) -> str:
     """``environment()`` as the lines ``lctrain --version`` prints."""
-    lines = [f"lctrain {info.get('lctrain') or 'unknown'}",
-             *(f"{name} {info.get(name) or 'not installed'}"
-               for name in ("torch", "triton", "transformers", "accelerate", "datasets")),
-             f"python {info.get('python')}"]
-    if info.get("gpu"):
-        lines.append(f"CUDA {info.get('cuda')}, driver {info.get('driver') or 'unknown'}, "
-                     f"{machine_label(info)}")
-    else:
-        lines.append("CUDA: no GPU visible")
-    return "\n".join(lines)
+    return "\n".join([f"lctrain {info.get('lctrain') or 'unknown'}",
+                      *(f"{name} {info.get(name) or 'not installed'}"
+                        for name in ("torch", "triton", "transformers", "accelerate", "datasets")),
+                      f"python {info.get('python')}",
+                      _gpus(info) if info.get("gpu") else "CUDA: no GPU visible"])
 
 
 def _ready(name: str) -> bool:
@@ -142,9 +140,7 @@ def record_run(output_dir: str | Path, device_type: str, attention_backend: str,
     (folder / "environment.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     parts = [f"{name} {info.get(name)}" for name in ("lctrain", "torch", "triton", "transformers")]
     if info.get("gpu"):
-        cudnn = f", cuDNN {info['cudnn']}" if info.get("cudnn") else ""
-        parts.append(f"CUDA {info.get('cuda')}{cudnn}, driver {info.get('driver') or 'unknown'}, "
-                     f"{machine_label(info)}")
+        parts.append(_gpus(info))
     lines = ["; ".join(parts)]
     costs = one_time_costs(device_type, attention_backend, document_mask)
     if costs:
