@@ -6,7 +6,7 @@
 - the saved recipe has absolute paths and the files ordinary permissions;
 - nothing in the folder is unpickled: a tampered ``.metadata``, RNG file, DCP data file, a
   metadata that declares a pickled entry, a planted ``trainer.pt`` or a YAML tag that calls a
-  function never run code on ``--resume`` or ``export`` (a marker file stays absent); each
+  function never run code on ``--resume``, ``export`` or ``eval`` (a marker file stays absent); each
   tampering is one sentence and exit code 1, or ignored.
 """
 from __future__ import annotations
@@ -204,5 +204,8 @@ def test_a_tampered_run_folder_runs_no_code(run, tmp_path, tamper, words):
     assert words in error
     if tamper in (_tamper_metadata, "config"):  # export reads the metadata and the recipe
         error = _one_sentence(*_cli("export", copy, "--output", tmp_path / "out"))
+        assert words in error
+    if tamper in (_tamper_metadata, _tamper_data, _tamper_bytes_entry):  # eval loads the weights
+        error = _one_sentence(*_cli("eval", copy, "--cp", 1, "--max-rows", 1))
         assert words in error
     assert not mark.exists()

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from lctrain.errors import UserError
 from lctrain.checkpoint.safe_load import SafeLoadPlanner, SafeReader
@@ -47,17 +48,9 @@ def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     sharding; trainer.json's content (UserError: a damaged, altered or other model's one)."""
     path = Path(path)
     trainer = read_trainer_state(path)
-    SafeReader(str(path)).read_metadata()  # refused here in its own words, not inside DCP's
     model_state, optim_state = get_state_dict(module, optimizer)
     state = {"model": model_state, "optim": {"state": optim_state["state"]}}
-    try:
-        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
-                 no_dist=not dist.is_initialized())
-    except CheckpointException as error:  # a UserError inside (`SafeLoadPlanner`'s) says it all
-        inner = next((e for e in _causes(error) if isinstance(e, UserError)), None)
-        raise inner or UserError(f"The checkpoint {path} cannot be loaded into this model "
-                                 f"({root_cause(error)}); it was written for another model or "
-                                 "LoRA setting, or it is damaged.") from None
+    _load(path, state)
     optim_state = {"state": state["optim"]["state"], "param_groups": optim_state["param_groups"]}
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
     rng = path / f"rng-rank{dist.get_rank() if dist.is_initialized() else 0}.safetensors"
@@ -103,6 +96,27 @@ def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[i
         return step, dict(found)[step]
     steps = ", ".join(str(s) for s, _ in found)
     raise UserError(f"There is no checkpoint of step {step} in {root}; it holds step(s) {steps}.")
+
+
+def load_model(path: str | os.PathLike, module) -> None:
+    """Restore only the model weights of the checkpoint ``path`` into ``module`` (every rank of
+    its sharding), unpickling nothing; UserError: a damaged or altered file, another model."""
+    state = {"model": get_model_state_dict(module)}
+    _load(Path(path), state)
+    set_model_state_dict(module, state["model"])
+
+
+def _load(path: Path, state: dict) -> None:
+    """``dcp.load`` of ``state`` from ``path`` through the safe reader and planner."""
+    SafeReader(str(path)).read_metadata()  # refused here in its own words, not inside DCP's
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
+    except CheckpointException as error:  # a UserError inside (`SafeLoadPlanner`'s) says it all
+        inner = next((e for e in _causes(error) if isinstance(e, UserError)), None)
+        raise inner or UserError(f"The checkpoint {path} cannot be loaded into this model "
+                                 f"({root_cause(error)}); it was written for another model or "
+                                 "LoRA setting, or it is damaged.") from None
 
 
 def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:

@@ -21,11 +21,10 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from accelerate.utils import set_seed
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from lctrain.checkpoint.reader import load_model
 from lctrain.config import RecipeConfig
 from lctrain.data import eval_batches, prepare_data, rows_summary
 from lctrain.errors import UserError
@@ -72,20 +71,6 @@ class EvalModel(nn.Module):
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         last = hidden[rows, index] * here.any(dim=1, keepdim=True).to(hidden.dtype)  # (B, H)/zeros
         return (last @ weight.T).float()  # (B, V)
-
-
-def load_weights(module: nn.Module, checkpoint: str | Path) -> None:
-    """Load a checkpoint folder's model weights into the distributed `EvalModel` (every rank);
-    UserError when it does not hold this model's weights."""
-    state = get_model_state_dict(module)
-    try:
-        dcp.load({"model": state}, checkpoint_id=str(checkpoint))
-    except (RuntimeError, ValueError, KeyError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise UserError(f"the checkpoint {checkpoint} does not hold the weights of the run's "
-                        f"model ({type(error).__name__}: {first[:200]}); its config.yaml "
-                        "describes another model") from None
-    set_model_state_dict(module, state)
 
 
 def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = None
@@ -151,7 +136,7 @@ def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest
         start = time.perf_counter()
         parts = build_model(setup, EvalModel)
         if request.checkpoint is not None:
-            load_weights(parts.distributed.module, request.checkpoint)
+            load_model(request.checkpoint, parts.distributed.module)
         parts.distributed.module.eval()
         load_s = time.perf_counter() - start
         task = run_ppl if request.task == "ppl" else run_passkey
