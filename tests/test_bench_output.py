@@ -298,8 +298,10 @@ def test_plot_has_human_axes_and_no_file_without_numbers(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="no plot was written"):
         plot(failed, tmp_path / "empty.png")
     assert not (tmp_path / "empty.png").exists()
-    with pytest.raises(UserError, match="has no plot"):
-        plot(BenchResult(kind="report", title="t"), tmp_path / "t.png")
+    for kind in ("report", "data"):  # the data bench's result is its table
+        with pytest.raises(UserError, match="has no plot"):
+            plot(BenchResult(kind=kind, title="t", rows=[{"seq_len": 8, "status": "ok"}]),
+                 tmp_path / "t.png")
 
 
 def test_bench_report_turns_result_files_into_the_readme_table(tmp_path):

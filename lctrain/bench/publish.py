@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from lctrain.bench.result import KINDS, BenchResult
+from lctrain.bench.result import BenchResult
 from lctrain.bench.views import WHAT, describe, short_variant, summary, table
 from lctrain.errors import UserError
 from lctrain.report.table import emit, say, show
@@ -15,9 +15,13 @@ from lctrain.report import plotting
 from lctrain.report.human import rate_unit
 
 
+PLOTTED = ("kernel", "attention", "step")
+"""The benches whose results have a plot (rates or MFU against the length)."""
+
+
 def check(kind: str, path: str | Path) -> Path:
     """Before running: a UserError unless a result of ``kind`` can be plotted to ``path``."""
-    if kind not in KINDS:
+    if kind not in PLOTTED:
         raise UserError(f"lctrain bench {kind} has no plot (its table is the result); drop --plot")
     return plotting.check_target(path)
 
