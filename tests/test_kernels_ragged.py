@@ -423,7 +423,9 @@ def test_gpu_auto_runs_document_masks_on_a_ragged_backend_through_the_attention_
     heads = [torch.randn(1, h, bounds[-1], 64, device="cuda",
                          dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2)]
     q, k, v = (x.transpose(1, 2) for x in heads)
-    first = next(n for n in RAGGED[::-1] if n in available_backends())
+    first = next((n for n in RAGGED[::-1] if n in available_backends()), None)
+    if first is None:
+        pytest.skip("neither flash_attn_cute nor cudnn_ragged is installed")
     assert select_backend("auto", q, k, v, spec, Relation.PARTIAL).name == first
     out, lse = attention_with_lse(q, k, v, cu_seqlens=list(bounds))
     do = torch.randn_like(out)
