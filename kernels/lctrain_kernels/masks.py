@@ -74,9 +74,13 @@ def doc_bounds_from(cu_seqlens) -> tuple[int, ...] | None:
     return bounds
 
 
-def _classify_documents(spec: MaskSpec, sq: int, sk: int) -> Relation:
-    bounds = spec.doc_bounds
+def classify(spec: MaskSpec, sq: int, sk: int) -> Relation:
+    """The :class:`Relation` of a block of ``sq`` queries by ``sk`` keys (FULL wins over CAUSAL
+    where both hold); ValueError if it reaches beyond the end of ``spec.doc_bounds``."""
+    if sq <= 0 or sk <= 0:
+        return Relation.EMPTY
     q0, q1, k0, k1 = spec.q_start, spec.q_start + sq - 1, spec.k_start, spec.k_start + sk - 1
+    bounds = spec.doc_bounds or (0, max(q1, k1) + 1)  # no documents: one that holds the block
     if max(q1, k1) >= bounds[-1]:
         raise ValueError(f"block reaches position {max(q1, k1)} but cu_seqlens ends at "
                          f"{bounds[-1]}; the documents must cover the whole sequence.")
@@ -95,23 +99,6 @@ def _classify_documents(spec: MaskSpec, sq: int, sk: int) -> Relation:
     if spec.causal and q0 == k0 and dq0 == dq1:  # keys after q1 are never visible anyway
         return Relation.CAUSAL
     return Relation.PARTIAL
-
-
-def classify(spec: MaskSpec, sq: int, sk: int) -> Relation:
-    """The :class:`Relation` of a block of ``sq`` queries by ``sk`` keys (FULL wins over CAUSAL
-    where both hold); ValueError if it reaches beyond the end of ``spec.doc_bounds``."""
-    if sq <= 0 or sk <= 0:
-        return Relation.EMPTY
-    if spec.doc_bounds is not None:
-        return _classify_documents(spec, sq, sk)
-    if not spec.causal:
-        return Relation.FULL
-    q0, q1, k0, k1 = spec.q_start, spec.q_start + sq - 1, spec.k_start, spec.k_start + sk - 1
-    if k0 > q1:
-        return Relation.EMPTY
-    if k1 <= q0:
-        return Relation.FULL
-    return Relation.CAUSAL if q0 == k0 else Relation.PARTIAL
 
 
 def dense_mask(spec: MaskSpec, sq: int, sk: int, device=None) -> torch.Tensor | None:

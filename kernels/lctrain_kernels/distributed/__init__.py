@@ -3,12 +3,11 @@ sequence over a group's ranks, ``schedule`` says which rank computes which block
 moves tensors, ``executor`` runs a plan with any local backend, ``op`` makes that the custom op
 behind :func:`lctrain_kernels.dist_attention`, ``balance`` orders packed documents. On GPUs create
 the group with ``pg_options=nccl_options()`` so transfers overlap the kernels."""
-import lctrain_kernels.distributed.op  # noqa: F401 - registers torch.ops.lctrain.dist_attention*
 from lctrain_kernels.distributed.balance import balanced_order, document_work, work_balance
 from lctrain_kernels.distributed.comm import nccl_options
-from lctrain_kernels.distributed.executor import messages_only
 from lctrain_kernels.distributed.layout import (global_order, layout_positions, local_spans, shard,
                                                 shard_indices, unshard)
+from lctrain_kernels.distributed.op import messages_only  # registers torch.ops.lctrain.dist_attention*
 from lctrain_kernels.distributed.schedule import Schedule, make_schedule
 from lctrain_kernels.vocabulary import LAYOUTS, SCHEDULES, chunks_per_rank
 

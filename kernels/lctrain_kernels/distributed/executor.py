@@ -32,7 +32,6 @@ from lctrain_kernels.distributed.comm import Exchanger, Pending
 from lctrain_kernels.distributed.layout import local_spans
 from lctrain_kernels.distributed.schedule import HALF, Block, Message, Plan, Rows, make_schedule
 from lctrain_kernels.masks import MaskSpec, Relation, classify
-from lctrain_kernels.vocabulary import schedule_layout
 
 
 _HEAD_START_CYCLES = 30_000  # GPU clock cycles (~15 µs) the compute stream yields to transfers
@@ -174,12 +173,13 @@ def visible_rows(block: Block, geo: Geometry) -> tuple[Rows, Rows]:
 class Engine:
     """Runs a plan's steps on one rank (``compute=False``: the messages alone), per direction."""
 
-    def __init__(self, plan: Plan, geo: Geometry, exchanger: Exchanger, overlap: bool,
-                 device: torch.device, compute: bool = True):
-        self.plan, self.geo, self.exch, self.overlap, self.device = plan, geo, exchanger, overlap, device
-        self.compute_enabled = compute
+    def __init__(self, plan: Plan, geo: Geometry, exchanger: Exchanger, overlap: bool, k, v,
+                 scale: float, backend: str, compute: bool):
+        self.plan, self.geo, self.exch, self.overlap, self.device = plan, geo, exchanger, overlap, k.device
+        self.scale, self.backend, self.compute_enabled = scale, backend, compute
         self.rank, self.n = exchanger.rank, geo.n_local
-        self.kv_have: dict[int, tuple] = {}  # kv owner -> (k, v, the first of its rows they hold)
+        # kv owner -> (k, v, the first of its rows they hold); own k, v (B, n, Hkv, D) each
+        self.kv_have: dict[int, tuple] = {self.rank: (k, v, 0)}
         self.q_in: dict[tuple, list[torch.Tensor]] = {}  # (owner, rows) -> received q tensors
         self.results: dict[Message, list[torch.Tensor]] = {}  # outputs waiting to be sent
         self.last_use: dict[int, int] = {}  # kv owner -> the last step that reads its k, v
@@ -254,7 +254,21 @@ class Engine:
             return self.local_rows(block.q_rows)
         return self.q_in[(block.q_owner, block.q_rows)]
 
-    # Hooks of a direction: specs(m), local_rows(rows), absorb(m, tensors), compute(blocks).
+    def specs(self, m: Message) -> list:
+        """(shape, dtype) of each tensor of ``m``: those of this rank's own tensors of its kind
+        (``self.like``) at its rows, as every rank's tensors have one shape."""
+        a, b = m.rows.resolve(self.n)
+        return [((t[:, a:b] if t.dim() == 4 else t[:, :, a:b]).shape, t.dtype)
+                for t in self.like[m.kind]]
+
+    def local_rows(self, rows) -> list[torch.Tensor]:
+        """This rank's query-side tensors (``self.like["q"]``) at ``rows``: (B, b - a, Hq, D)
+        each, and each (B, Hq, b - a) lse contiguous."""
+        a, b = rows.resolve(self.n)
+        return [t[:, a:b] if t.dim() == 4 else t[:, :, a:b].contiguous() for t in self.like["q"]]
+
+    # Hooks of a direction: like (tensors shaped as each message kind's), absorb(m, tensors),
+    # compute(blocks).
 
 
 class ForwardEngine(Engine):
@@ -262,24 +276,10 @@ class ForwardEngine(Engine):
 
     def __init__(self, plan, geo, exchanger, overlap, q, k, v, scale: float, backend: str,
                  compute: bool = True):
-        super().__init__(plan, geo, exchanger, overlap, q.device, compute)
-        self.q, self.scale, self.backend = q, scale, backend  # q (B, n, Hq, D)
-        self.kv_have[self.rank] = (k, v, 0)  # (B, n, Hkv, D) each
+        super().__init__(plan, geo, exchanger, overlap, k, v, scale, backend, compute)
         self.acc = OutAcc(self.n)
-
-    def specs(self, m: Message) -> list:
-        (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][0].shape
-        lo, hi = m.rows.resolve(self.n)
-        rows = hi - lo
-        if m.kind == "kv":
-            return [((b, rows, hkv, d), self.q.dtype)] * 2
-        if m.kind == "q":
-            return [((b, rows, hq, d), self.q.dtype)]
-        return [((b, rows, hq, d), self.q.dtype), ((b, hq, rows), lse_dtype(self.q.dtype))]  # out, lse
-
-    def local_rows(self, rows) -> list[torch.Tensor]:
-        a, b = rows.resolve(self.n)
-        return [self.q[:, a:b]]  # (B, b - a, Hq, D)
+        lse = torch.empty((q.shape[0], q.shape[2], self.n), dtype=lse_dtype(q.dtype), device="meta")
+        self.like = {"kv": (k, v), "q": (q,), "out": (q, lse)}  # q (B, n, Hq, D), lse (B, Hq, n)
 
     def absorb(self, m: Message, tensors: list[torch.Tensor]) -> None:
         a, b = m.rows.resolve(self.n)
@@ -306,30 +306,10 @@ class BackwardEngine(Engine):
 
     def __init__(self, plan, geo, exchanger, overlap, do, q, k, v, out, lse, scale: float,
                  backend: str, compute: bool = True, dlse: torch.Tensor | None = None):
-        super().__init__(plan, geo, exchanger, overlap, q.device, compute)
-        self.do, self.q, self.out, self.lse = do, q, out, lse  # (B, n, Hq, D) x3, (B, Hq, n)
-        self.dlse = dlse  # (B, Hq, n) or None
-        self.scale, self.backend = scale, backend
-        self.kv_have[self.rank] = (k, v, 0)  # (B, n, Hkv, D) each
+        super().__init__(plan, geo, exchanger, overlap, k, v, scale, backend, compute)
         self.dq, self.dk, self.dv = GradAcc(self.n), GradAcc(self.n), GradAcc(self.n)
-
-    def specs(self, m: Message) -> list:
-        (b, _, hq, d), (_, _, hkv, _) = self.q.shape, self.kv_have[self.rank][0].shape
-        lo, hi = m.rows.resolve(self.n)
-        rows, dt = hi - lo, self.q.dtype
-        if m.kind in ("kv", "dkv"):
-            return [((b, rows, hkv, d), dt)] * 2
-        if m.kind == "q":  # q, dO, out, lse[, dlse]
-            lse = [((b, hq, rows), self.lse.dtype)] * (1 if self.dlse is None else 2)
-            return [((b, rows, hq, d), dt), ((b, rows, hq, d), self.do.dtype),
-                    ((b, rows, hq, d), self.out.dtype), *lse]
-        return [((b, rows, hq, d), dt)]  # dq
-
-    def local_rows(self, rows) -> list[torch.Tensor]:
-        a, b = rows.resolve(self.n)
-        rows_of = [self.lse] if self.dlse is None else [self.lse, self.dlse]
-        return [self.q[:, a:b], self.do[:, a:b], self.out[:, a:b],
-                *(x[:, :, a:b].contiguous() for x in rows_of)]  # (B, b-a, Hq, D) x3, (B, Hq, b-a)
+        q_side = (q, do, out, lse) + (() if dlse is None else (dlse,))  # (B, n, Hq, D) x3, (B, Hq, n)
+        self.like = {"kv": (k, v), "dkv": (k, v), "q": q_side, "dq": (q,)}
 
     def absorb(self, m: Message, tensors: list[torch.Tensor]) -> None:
         a, b = m.rows.resolve(self.n)
@@ -360,19 +340,3 @@ class BackwardEngine(Engine):
             if not own_kv:
                 msg = Message("dkv", self.rank, blk.kv_owner, blk.kv_owner, blk.kv_rows)
                 self.results[msg] = [dk.result(kt), dv.result(vt)]
-
-
-def messages_only(direction: str, q: torch.Tensor, k: torch.Tensor, group,
-                  schedule: str = "distflash", doc_bounds=None) -> None:
-    """Move the messages of one direction of a schedule's causal plan without computing (the
-    bench's communication time); q (B, n, Hq, D) and k (B, n, Hkv, D) are this rank's rows."""
-    exch = Exchanger(group)
-    geo = Geometry(q.shape[1] * exch.world_size, exch.world_size, schedule_layout(schedule),
-                   True, None if doc_bounds is None else tuple(doc_bounds))
-    plan = pruned_plan(schedule, direction, geo)
-    if direction == "forward":
-        ForwardEngine(plan, geo, exch, False, q, k, k, 1.0, "reference", compute=False).run()
-    else:
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-        BackwardEngine(plan, geo, exch, False, q, q, k, k, q, lse, 1.0, "reference",
-                       compute=False).run()

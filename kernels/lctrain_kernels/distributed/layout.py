@@ -16,10 +16,8 @@ def layout_positions(seq_len: int, world_size: int, rank: int, layout: str) -> l
     chunk = check_seq_len(seq_len, world_size, layout)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group of {world_size} ranks")
-    if layout == "contiguous":
-        return [(rank * chunk, (rank + 1) * chunk)]
-    tail = 2 * world_size - 1 - rank
-    return [(rank * chunk, (rank + 1) * chunk), (tail * chunk, (tail + 1) * chunk)]
+    chunks = [rank] if layout == "contiguous" else [rank, 2 * world_size - 1 - rank]  # head, tail
+    return [(c * chunk, (c + 1) * chunk) for c in chunks]
 
 
 def local_spans(seq_len: int, world_size: int, rank: int, layout: str,

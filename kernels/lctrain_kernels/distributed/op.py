@@ -8,7 +8,6 @@ attention and its communication once. The op takes plain values only (the group 
 rank; ``register_fake`` gives shapes, so ``torch.compile`` traces it)."""
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -57,22 +56,22 @@ def op_options(q, k, group, causal, cu_seqlens, softmax_scale, schedule, backend
             schedule, check_backend_name(name), bool(overlap), int(head_groups))
 
 
-def _setup(q, group_name: str, causal: bool, doc_bounds: list[int], schedule: str):
-    """(exchanger, geometry, schedule) of a call; a group of one runs its one block whole,
-    whatever the schedule's layout."""
+def _setup(q, direction: str, group_name: str, causal: bool, doc_bounds: list[int],
+           schedule: str):
+    """(plan, geometry, exchanger) of one direction of a call, an engine's first arguments; a
+    group of one runs its one block whole, whatever the schedule's layout."""
     exch = Exchanger(_resolve_process_group(group_name) if group_name else None)
     schedule = schedule if group_name else "distflash"
     geo = Geometry(q.shape[1] * exch.world_size, exch.world_size, schedule_layout(schedule),
                    causal, tuple(doc_bounds) if doc_bounds else None)
-    return exch, geo, schedule
+    return pruned_plan(schedule, direction, geo), geo, exch
 
 
 def forward_group(q, k, v, group_name: str, causal: bool, doc_bounds: list[int],
                   softmax_scale: float, schedule: str, backend: str, overlap: bool):
     """The forward of one head group (contiguous (B, n, h, D) inputs): (out, lse)."""
-    exch, geo, schedule = _setup(q, group_name, causal, doc_bounds, schedule)
-    engine = ForwardEngine(pruned_plan(schedule, "forward", geo), geo, exch, overlap, q, k, v,
-                           softmax_scale, backend)
+    engine = ForwardEngine(*_setup(q, "forward", group_name, causal, doc_bounds, schedule),
+                           overlap, q, k, v, softmax_scale, backend)
     engine.run()
     if group_name:
         bound_host_lead(q.device)
@@ -84,9 +83,8 @@ def backward_group(do, q, k, v, out, lse, dlse, group_name: str, causal: bool,
                    doc_bounds: list[int], softmax_scale: float, schedule: str, backend: str,
                    overlap: bool):
     """The backward of one head group: (dq, dk, dv), contiguous, in the inputs' dtypes."""
-    exch, geo, schedule = _setup(q, group_name, causal, doc_bounds, schedule)
-    engine = BackwardEngine(pruned_plan(schedule, "backward", geo), geo, exch, overlap, do, q, k,
-                            v, out, lse, softmax_scale, backend, dlse=dlse)
+    engine = BackwardEngine(*_setup(q, "backward", group_name, causal, doc_bounds, schedule),
+                            overlap, do, q, k, v, out, lse, softmax_scale, backend, dlse=dlse)
     engine.run()
     if group_name:
         bound_host_lead(q.device)
@@ -94,15 +92,25 @@ def backward_group(do, q, k, v, out, lse, dlse, group_name: str, causal: bool,
             engine.dv.result(v).contiguous())
 
 
+def messages_only(direction: str, q: torch.Tensor, k: torch.Tensor, group,
+                  schedule: str = "distflash", doc_bounds=None) -> None:
+    """Move the messages of one direction of a schedule's causal plan without computing (the
+    bench's communication time); q (B, n, Hq, D) and k (B, n, Hkv, D) are this rank's rows."""
+    setup = _setup(q, direction, group.group_name, True, list(doc_bounds or ()), schedule)
+    if direction == "forward":
+        ForwardEngine(*setup, False, q, k, k, 1.0, "reference", compute=False).run()
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        BackwardEngine(*setup, False, q, q, k, k, q, lse, 1.0, "reference", compute=False).run()
+
+
 @torch.library.custom_op("lctrain::dist_attention", mutates_args=())
 def dist_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
                       causal: bool, doc_bounds: list[int], softmax_scale: float, schedule: str,
                       backend: str, overlap: bool, head_groups: int = 1
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    run = functools.partial(forward_group, group_name=group_name, causal=causal,
-                            doc_bounds=doc_bounds, softmax_scale=softmax_scale, schedule=schedule,
-                            backend=backend, overlap=overlap)
-    return forward_in_groups(run, q, k, v, head_groups)
+    options = (group_name, causal, doc_bounds, softmax_scale, schedule, backend, overlap)
+    return forward_in_groups(lambda *qkv: forward_group(*qkv, *options), q, k, v, head_groups)
 
 
 @dist_attention_op.register_fake
@@ -119,10 +127,9 @@ def dist_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                                softmax_scale: float, schedule: str, backend: str, overlap: bool,
                                dlse: Optional[torch.Tensor] = None, head_groups: int = 1
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    run = functools.partial(backward_group, group_name=group_name, causal=causal,
-                            doc_bounds=doc_bounds, softmax_scale=softmax_scale, schedule=schedule,
-                            backend=backend, overlap=overlap)
-    return backward_in_groups(run, do, q, k, v, out, lse, dlse, head_groups)
+    options = (group_name, causal, doc_bounds, softmax_scale, schedule, backend, overlap)
+    return backward_in_groups(lambda *t: backward_group(*t, *options), do, q, k, v, out, lse, dlse,
+                              head_groups)
 
 
 @dist_attention_backward_op.register_fake

@@ -9,7 +9,6 @@ nor projections. ``_Block`` (autograd) is the output projection; its backward ru
 gradient, then the norm's backward. Values are the module's."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,14 +65,12 @@ def attention_block_op(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: 
     """(out (B, S, Hq, D), lse (B, Hq, S)) of x (B, S, hidden), one head group at a time."""
     d = head_dim
     hq, hkv = wq.shape[0] // d, wk.shape[0] // d
-    run = functools.partial(forward_group, group_name=group_name, causal=causal,
-                            doc_bounds=doc_bounds, softmax_scale=softmax_scale, schedule=schedule,
-                            backend=backend, overlap=overlap)
     out = lse = None
     for heads in head_slices(head_groups, hq, hkv):
         q, k, v = _project(x, (wq, wk, wv), (bq, bk, bv), heads, d)
         q, k = _rope(q, k, cos, sin, fused_rope)
-        o, l = run(q, k, v.contiguous())
+        o, l = forward_group(q, k, v.contiguous(), group_name, causal, doc_bounds, softmax_scale,
+                             schedule, backend, overlap)
         if out is None:
             out = o.new_empty((*x.shape[:2], hq, d))
             lse = l.new_empty((x.shape[0], hq, x.shape[1]))
@@ -149,23 +146,19 @@ def _attention_backward(spec, x, dy, out, lse, cos, sin, weights, biases, wo, ne
                         need_b):
     """Gradients of the normalised input x, W_q, W_k, W_v and their biases, group by group."""
     d, fused = spec.head_dim, spec.fused_rope
-    run = functools.partial(backward_group, **dict(zip(
-        ("group_name", "causal", "doc_bounds", "softmax_scale", "schedule", "backend",
-         "overlap"), spec.options[:7])))
-    groups = spec.options[7]
     rows = x.reshape(-1, x.shape[-1])  # (N, hidden)
     dx = torch.zeros_like(rows) if need_x else None
     dw = [torch.empty_like(w) if n else None for w, n in zip(weights, need_w)]
     db = [torch.empty_like(b) if b is not None and n else None for b, n in zip(biases, need_b)]
     hq, hkv = weights[0].shape[0] // d, weights[1].shape[0] // d
-    for heads in head_slices(groups, hq, hkv):
+    for heads in head_slices(spec.options[7], hq, hkv):
         qs = heads[0]
         cols = slice(qs.start * d, qs.stop * d)
         do = dy.mm(wo[:, cols]).view(*out.shape[:2], -1, d)  # this group's d(out) (B, S, h, D)
         q, k, v = _project(x, weights, biases, heads, d)
         q, k = _rope(q, k, cos, sin, fused)
-        dq, dk, dv = run(do, q, k, v.contiguous(), out[:, :, qs].contiguous(),
-                         lse[:, qs].contiguous(), None)
+        dq, dk, dv = backward_group(do, q, k, v.contiguous(), out[:, :, qs].contiguous(),
+                                    lse[:, qs].contiguous(), None, *spec.options[:7])
         del do, q, k, v
         dq, dk = _rope(dq, dk, cos, sin, fused, backward=True)
         grads = [t.reshape(rows.shape[0], -1) for t in (dq, dk, dv)]  # (N, h·D) each
