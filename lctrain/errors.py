@@ -27,29 +27,27 @@ _ENVIRONMENT_ERRNOS = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "f
 """Operating-system errors that are the machine's state, not a bug → the fix to suggest."""
 
 
-def environment_error(error: BaseException) -> UserError | None:
-    """A full disk, a missing permission or a read-only file system as one sentence naming the
-    file; None for any other error."""
-    if not isinstance(error, OSError) or error.errno not in _ENVIRONMENT_ERRNOS:
-        return None
-    where = f" ({error.filename})" if error.filename else ""
-    return UserError(f"{error.strerror or type(error).__name__}{where}; "
-                     f"{_ENVIRONMENT_ERRNOS[error.errno]}, or choose another train.output_dir.")
-
-
 def as_user_error(error: BaseException) -> UserError | None:
-    """``error`` as a UserError — itself, a machine state (`environment_error`) or a missing
-    attention backend — or None for a bug."""
+    """``error`` as a UserError — itself, a machine state (a full disk, a missing permission or
+    a read-only file system: one sentence naming the file) or a missing attention backend — or
+    None for a bug."""
     if isinstance(error, UserError):
         return error
-    found = environment_error(error)
-    if found is not None:
-        return found
+    if isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
+        where = f" ({error.filename})" if error.filename else ""
+        return UserError(f"{error.strerror or type(error).__name__}{where}; "
+                         f"{_ENVIRONMENT_ERRNOS[error.errno]}, or choose another train.output_dir.")
     try:
         from lctrain_kernels.api import BackendUnavailable
     except ImportError:
         return None
     return UserError(str(error)) if isinstance(error, BackendUnavailable) else None
+
+
+def unwritable(what: str, error: OSError) -> UserError:
+    """``what`` (a folder named with its role) cannot be written, with the system's reason."""
+    return UserError(f"{what} cannot be written ({error.strerror or type(error).__name__}); "
+                     "choose a folder you may write to, on a disk with free space.")
 
 
 def first_line(exc: BaseException) -> str:

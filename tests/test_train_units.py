@@ -1,6 +1,7 @@
 """Small pieces of the training path: schedule, mesh sizes, metrics log, launch checks and errors."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -162,10 +163,12 @@ def test_the_flop_model_counts_what_autograd_multiplies(lora_rank):
 
 
 def test_a_worker_refuses_a_recipe_that_changed_after_the_launcher_wrote_it(tmp_path):
-    from lctrain.launch.launcher import write_recipe
+    from lctrain.config import save_resolved
     from lctrain.launch.rank import read_recipe
 
-    path, digest = write_recipe(load_recipe(None, ["train.lr=0.002"]), tmp_path / "recipe.yaml")
+    path = tmp_path / "recipe.yaml"  # as the launcher writes it
+    save_resolved(load_recipe(None, ["train.lr=0.002"]), path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
     assert read_recipe(str(path), digest).train.lr == 0.002
     path.write_text(path.read_text().replace("lr: 0.002", "lr: 0.5"))
     with pytest.raises(UserError, match="changed after the launcher wrote it"):

@@ -13,7 +13,7 @@ from lctrain.cli.eval import eval_command
 from lctrain.cli.memory import estimate_memory
 from lctrain.cli.options import (Format, FormatOpt, MaxStepsOpt, NprocOpt, OneLineUsage,
                                  OutputDirOpt, PlotOpt, RecipeArg, ResumeOpt, SeqLenOpt, SetOpt,
-                                 WideOpt, optional, user_errors)
+                                 StepOpt, WideOpt, optional, user_errors)
 from lctrain.config import load_recipe, load_resumed
 
 app = typer.Typer(
@@ -80,8 +80,6 @@ RunDirArg = Annotated[str, typer.Argument(
 ExportOutputOpt = Annotated[str, typer.Option(
     "--output", metavar="DIR", show_default=False,
     help="Folder to write; it must not exist yet or be empty.")]
-StepOpt = optional(int, "--step", "N", "Export the checkpoint of step N (default: the newest).",
-                   min=0)
 ExportDTypeOpt = optional(ExportDType, "--dtype", None, "Data type of the written weights "
                           "(default: the one trained in, model.dtype).")
 MergeOpt = Annotated[bool, typer.Option(
@@ -124,15 +122,14 @@ def report(runs: list[str] = typer.Argument(
     with user_errors():
         from lctrain.report.table import say, show
         from lctrain.report.plotting import check_target
-        from lctrain.report.runs import load_runs, plot_losses, row, summary
+        from lctrain.report.runs import load_runs, plot_losses, summary
 
         if plot is not None:
             check_target(plot)
         loaded = load_runs(runs)
         table = summary(loaded)
-        if fmt == Format.json:
-            keys = [c.key for c in table.columns if "." in c.key]
-            typer.echo(json.dumps([row(run, keys) for run in loaded], indent=2, default=str))
+        if fmt == Format.json:  # the rows with raw values
+            typer.echo(json.dumps(table.rows, indent=2, default=str))
         else:
             show(table, fmt.value, wide)
         if plot is not None:

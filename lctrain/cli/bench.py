@@ -9,17 +9,13 @@ from lctrain.cli.options import (BackendOpt, BackendsOpt, DTypeOpt, DocumentMixe
                                  DocumentsRecipeOpt, Format, FormatOpt, HeadDimOpt, HeadsOpt,
                                  JsonFileOpt, KvHeadsOpt, NprocOpt, PlotOpt, ProfileOpt, RecipeArg,
                                  RepeatsOpt, SchedulesOpt, SeqLenOpt, SeqLensOpt, SetOpt,
-                                 WarmupOpt, WideOpt, split_names, user_errors)
+                                 WarmupOpt, WideOpt, parsed_size, split_names, user_errors)
 from lctrain.config import load_recipe, parse_size, parse_size_list
 from lctrain_kernels.vocabulary import SCHEDULES
 
 app = typer.Typer(help="Measure local attention kernels, the distributed attention and whole "
                        "training steps; turn result files into tables.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
-
-
-def _size(text: str | None, what: str, parse=parse_size):
-    return None if text is None else parse(text, what=what)
 
 
 @app.command("kernel")
@@ -59,12 +55,12 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
         from lctrain.bench.publish import Publisher
 
         out = Publisher("kernel", fmt.value, wide, json_file, plot)
-        result = run(seq_lens=_size(seq_len, "--seq-len", parse_size_list),
+        result = run(seq_lens=parsed_size(seq_len, "--seq-len", parse_size_list),
                      backends=split_names(backend), heads=heads, kv_heads=kv_heads,
                      head_dim=head_dim, dtype=None if dtype is None else dtype.value,
                      causal=causal, documents=documents, dense_reference=dense_reference,
-                     recipe=None if recipe is None else load_recipe(recipe),
-                     repeats=repeats, warmup=warmup, check_len=_size(check_len, "--check-len"),
+                     recipe=None if recipe is None else load_recipe(recipe), repeats=repeats,
+                     warmup=warmup, check_len=parsed_size(check_len, "--check-len"),
                      profile_dir=profile, progress=out.progress)
         out.publish(result)
 
@@ -115,14 +111,14 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
         from lctrain.bench.publish import Publisher
 
         out = Publisher("attention", fmt.value, wide, json_file, plot)
-        result = run(seq_lens=_size(seq_len, "--seq-len", parse_size_list),
+        result = run(seq_lens=parsed_size(seq_len, "--seq-len", parse_size_list),
                      schedules=split_names(schedule), nproc=nproc, heads=heads,
                      kv_heads=kv_heads, head_dim=head_dim,
                      dtype=None if dtype is None else dtype.value, backend=backend or "auto",
                      documents=documents, recipe=None if recipe is None else load_recipe(recipe),
                      balance_documents=balance_documents, overlap_ablation=overlap_ablation,
                      peers=peers, repeats=repeats, warmup=warmup,
-                     check_len=_size(check_len, "--check-len"), min_time_s=min_time,
+                     check_len=parsed_size(check_len, "--check-len"), min_time_s=min_time,
                      single_max_len=parse_size(single_max_len, what="--single-max-len"),
                      profile_dir=profile, progress=out.progress)
         out.publish(result)
@@ -176,7 +172,7 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
         from lctrain.bench.step import configurations, run
 
         out = Publisher("step", fmt.value, wide, json_file, plot)
-        lengths = _size(seq_len, "--seq-len", parse_size_list)
+        lengths = parsed_size(seq_len, "--seq-len", parse_size_list)
         configs = configurations(recipe, overrides or [], lengths, variant)
         result = run(configs, steps=steps, nproc=nproc, warmup=warmup, save_every=save_every,
                      documents=documents, memory_trace=memory_trace, profile=profile,

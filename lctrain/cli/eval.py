@@ -7,8 +7,9 @@ from typing import Annotated
 
 import typer
 
-from lctrain.cli.options import (CpOpt, Format, FormatOpt, NprocOpt, PlotOpt, SeqLenOpt, SetOpt,
-                                 WideOpt, optional, split_names, user_errors)
+from lctrain.cli.options import (CpOpt, Format, FormatOpt, JsonFileOpt, NprocOpt, PlotOpt,
+                                 SeqLenOpt, SetOpt, StepOpt, WideOpt, optional, parsed_size,
+                                 split_names, user_errors)
 from lctrain.errors import UserError
 
 
@@ -27,8 +28,6 @@ TargetArg = Annotated[str, typer.Argument(
 TaskOpt = Annotated[Task, typer.Option(
     "--task", help="ppl: loss and perplexity by position; passkey: retrieval of a number "
                    "hidden in long filler text.")]
-EvalStepOpt = optional(int, "--step", "N", "A run's checkpoint of step N (default: the newest).",
-                       min=0)
 DataOpt = optional(str, "--data", "SOURCE", "ppl data: a .jsonl/.json/.parquet/.txt file or "
                    "glob, builtin, or a hub dataset (default: the run's validation data, else its "
                    "training data); its format is detected from its records unless --set "
@@ -44,16 +43,14 @@ DepthsOpt = optional(str, "--depths", "LIST", "passkey: where the number is hidd
 TrialsOpt = optional(int, "--trials", "N",
                      "passkey: prompts (random numbers) per length and depth (default: 1).", min=1)
 SeedOpt = optional(int, "--seed", "N", "passkey: seed of the numbers (default: 0).")
-EvalJsonOpt = optional(str, "--json", "FILE",
-                       "Also write the result JSON (rows, settings, time, peak memory) to FILE.")
 
 
-def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt = None,
+def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: StepOpt = None,
                  seq_len: SeqLenOpt = None, cp: CpOpt = None, data: DataOpt = None,
                  bucket: BucketOpt = None, max_rows: MaxRowsOpt = None,
                  lengths: LengthsOpt = None, depths: DepthsOpt = None, trials: TrialsOpt = None,
                  seed: SeedOpt = None, overrides: SetOpt = None, nproc: NprocOpt = None,
-                 json_file: EvalJsonOpt = None, plot: PlotOpt = None,
+                 json_file: JsonFileOpt = None, plot: PlotOpt = None,
                  fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Evaluate a model at long context, forward only, on all local GPUs (cp from --cp or the
     recipe; gloo processes on a CPU).
@@ -66,7 +63,7 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt 
     """
     with user_errors():
         from lctrain.bench.publish import command_line
-        from lctrain.config import parse_size, parse_size_list
+        from lctrain.config import parse_size_list
         from lctrain.eval.result import check_plot, plot as draw, table
         from lctrain.eval.request import resolve
         from lctrain.eval.evaluate import evaluate
@@ -75,11 +72,10 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: EvalStepOpt 
         if plot is not None:
             check_plot(plot)
         cfg, request = resolve(
-            target, task=task.value, step=step, seq_len=None if seq_len is None else parse_size(
-                seq_len, what="--seq-len"), cp=cp, data=data, overrides=overrides or [],
-            bucket=None if bucket is None else parse_size(bucket, what="--bucket"),
+            target, task=task.value, step=step, seq_len=parsed_size(seq_len, "--seq-len"), cp=cp,
+            data=data, overrides=overrides or [], bucket=parsed_size(bucket, "--bucket"),
             max_rows=max_rows, trials=trials, seed=seed,
-            lengths=None if lengths is None else parse_size_list(lengths, what="--lengths"),
+            lengths=parsed_size(lengths, "--lengths", parse_size_list),
             depths=None if depths is None else _depths(depths))
         result = evaluate(cfg, request, nproc=nproc)
         if result is None:  # another rank of a torchrun job: rank 0 shows the result

@@ -8,9 +8,10 @@ import typer
 
 from lctrain.cli.options import (CheckpointingOpt, CpOpt, Format, FormatOpt, GpuMemoryOpt, GpusOpt,
                                  GpusPerNodeOpt, HostMemoryOpt, JsonFlag, MixOpt, ModelOpt,
-                                 PlanFlag, RecipeArg, SeqLenOpt, SetOpt, WideOpt, user_errors)
+                                 PlanFlag, RecipeArg, SeqLenOpt, SetOpt, WideOpt, parsed_size,
+                                 user_errors)
 from lctrain.bench.documents import attended_share
-from lctrain.config import load_recipe, parse_memory, parse_size
+from lctrain.config import load_recipe, parse_memory
 from lctrain.config.hub import check_hub_model, looks_like_hub_name
 from lctrain.errors import ConfigError
 from lctrain.memory.presets import PRESETS
@@ -41,20 +42,25 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
       lctrain estimate-memory llama3.1-8b-random-128k --plan --gpus 2 --gpu-memory 139GiB \\
           --host-memory 251GiB --documents lognormal:median=4k
     """
-    if plan:
-        return _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides or [],
-                     host_memory, gpus_per_node, json_output or fmt == Format.json, fmt, wide,
-                     documents)
     with user_errors():
-        memory, host, tokens = _sizes(gpu_memory, host_memory, seq_len)
-        cfg = _recipe(recipe, model, overrides or [], tokens, cp, checkpointing)
+        if plan and (cp is not None or checkpointing is not None):
+            raise ConfigError("--plan chooses cp and checkpointing itself; drop --cp and "
+                              "--checkpointing (or estimate one setup without --plan)")
+        memory = parse_memory(gpu_memory, what="--gpu-memory")
+        host = parsed_size(host_memory, "--host-memory", parse_memory)
+        tokens = parsed_size(seq_len, "--seq-len")
+        # --plan varies the length itself: the recipe keeps its own
+        cfg = _recipe(recipe, model, overrides or [], None if plan else tokens, cp, checkpointing)
+        if gpus is None:  # the recipe's own layout, or one GPU for a bare model
+            gpus = 1 if cfg is None else cp or cfg.parallel.cp
+        if plan:
+            return _plan(cfg, recipe, model, overrides or [], tokens, gpus, memory, host,
+                         gpus_per_node, documents, json_output or fmt == Format.json, fmt, wide)
         if tokens is None:
             if cfg is None:
                 raise ConfigError("--seq-len is needed with --model (there is no recipe to take "
                                   "it from), e.g. --seq-len 128k")
             tokens = cfg.data.seq_len
-        if gpus is None:  # the recipe's own layout, or one GPU for a bare model
-            gpus = 1 if cfg is None else cp or cfg.parallel.cp
         from lctrain.memory import estimate_recipe as estimate
 
         result = estimate(cfg, model=model, seq_len=tokens, gpus=gpus, gpu_memory=memory, cp=cp,
@@ -70,31 +76,23 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
     show(estimate_table(payload, memory), fmt.value, wide)
 
 
-def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides, host_memory,
-          gpus_per_node, as_json, fmt, wide, documents) -> None:
-    """--plan: parse, plan (`lctrain.memory.recipe.plan_recipe`), render the table and commands."""
-    with user_errors():
-        if cp is not None or checkpointing is not None:
-            raise ConfigError("--plan chooses cp and checkpointing itself; drop --cp and "
-                              "--checkpointing (or estimate one setup without --plan)")
-        memory, host, tokens = _sizes(gpu_memory, host_memory, seq_len)
-        cfg = _recipe(recipe, model, overrides, None, None, None)
-        if tokens is None and cfg is not None and recipe is not None:
-            tokens = cfg.data.seq_len
-        if gpus is None:
-            gpus = 1 if cfg is None else cfg.parallel.cp
-        if documents is not None and tokens is None:
-            raise ConfigError("--documents times the fastest settings at --seq-len; give one, "
-                              "e.g. --seq-len 128k")
-        from lctrain.memory import plan_recipe
-        from lctrain.memory.recipe import run_settings
-        from lctrain.memory.tables import plan_commands, plan_table
-        from lctrain.report.table import emit, show
+def _plan(cfg, recipe, model, overrides, tokens, gpus, memory, host, gpus_per_node, documents,
+          as_json, fmt, wide) -> None:
+    """--plan: plan (`lctrain.memory.recipe.plan_recipe`), render the table and commands."""
+    if tokens is None and recipe is not None:
+        tokens = cfg.data.seq_len
+    if documents is not None and tokens is None:
+        raise ConfigError("--documents times the fastest settings at --seq-len; give one, "
+                          "e.g. --seq-len 128k")
+    from lctrain.memory import plan_recipe
+    from lctrain.memory.recipe import run_settings
+    from lctrain.memory.tables import plan_commands, plan_table
+    from lctrain.report.table import emit, show
 
-        result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
-                             gpus_per_node=gpus_per_node, seq_len=tokens,
-                             attended=attended_share(documents, tokens, recipe=cfg))
-        settings = [*overrides, *run_settings(cfg, recipe, model)]
+    result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
+                         gpus_per_node=gpus_per_node, seq_len=tokens,
+                         attended=attended_share(documents, tokens, recipe=cfg))
+    settings = [*overrides, *run_settings(cfg, recipe, model)]
     result["commands"] = plan_commands(result, recipe, settings)
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
@@ -102,13 +100,6 @@ def _plan(recipe, model, seq_len, gpus, gpu_memory, cp, checkpointing, overrides
     show(plan_table(result), fmt.value, wide)
     for name, command in result["commands"].items():
         emit(f"\n{name}:\n  {command}")
-
-
-def _sizes(gpu_memory, host_memory, seq_len) -> tuple[int, int | None, int | None]:
-    """--gpu-memory, --host-memory and --seq-len parsed (ConfigError: a bad one)."""
-    return (parse_memory(gpu_memory, what="--gpu-memory"),
-            None if host_memory is None else parse_memory(host_memory, what="--host-memory"),
-            None if seq_len is None else parse_size(seq_len, what="--seq-len"))
 
 
 def _recipe(recipe, model, overrides, tokens, cp, checkpointing):

@@ -10,6 +10,7 @@ from typing import Annotated, Iterator, Optional
 import typer
 from typer.core import TyperGroup
 
+from lctrain.config import parse_size
 from lctrain.config.schema import ATTENTION_BACKENDS
 from lctrain.errors import as_user_error
 from lctrain.memory.presets import PRESETS
@@ -64,6 +65,11 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
+def parsed_size(text: str | None, what: str, parse=parse_size):
+    """``text`` parsed by ``parse`` (ConfigError naming the option ``what``); None stays None."""
+    return None if text is None else parse(text, what=what)
+
+
 def split_names(text: str | None) -> list[str] | None:
     """``"a, b"`` -> ``["a", "b"]``; None stays None."""
     return None if text is None else [item.strip() for item in text.split(",") if item.strip()]
@@ -103,6 +109,8 @@ SetOpt = optional(list[str], "--set", "KEY=VALUE", "Override one recipe setting,
 OutputDirOpt = optional(str, "--output-dir", "DIR", "Where the run writes config.yaml, "
                         "metrics.jsonl and checkpoints/ (train.output_dir).")
 MaxStepsOpt = optional(int, "--max-steps", "N", "Optimizer steps (train.max_steps).", min=1)
+StepOpt = optional(int, "--step", "N", "The run's checkpoint of step N (default: the newest).",
+                   min=0)
 ResumeOpt = Annotated[bool, typer.Option(
     "--resume", help="Continue from the latest checkpoint in the output folder.")]
 NprocOpt = optional(int, "--nproc", "N", "Processes to launch on this machine (default: one per "

@@ -35,8 +35,6 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
 
 def parse_size(value: int | str, *, what: str = "size") -> int:
     """A token count such as ``512``, ``"64k"`` or ``"1m"`` (ConfigError naming ``what``)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a number of tokens such as 4096 or 256k, got {value!r}")
     return _parse(value, what, _TOKEN_UNITS, "is not a size; write a whole number with an "
                   "optional k or m suffix (k = 1024), such as 4096, 64k or 1m")
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from lctrain.checkpoint.reader import find_checkpoint, read_model_weights
 from lctrain.config import LoraConfig, RecipeConfig, read_resolved
-from lctrain.errors import UserError
+from lctrain.errors import UserError, unwritable
 from lctrain.export import write
 from lctrain.model import load_model
 from lctrain.model.lora import apply_lora
@@ -100,7 +100,7 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
                 base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, is_bytes)
             write.save_tokenizer(tokenizer, folder)
         except OSError as error:  # a full disk, a quota: the writes, not the reads above
-            raise write.unwritable(out, error) from None
+            raise unwritable(f"The output {out}", error) from None
     files = tuple(sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()))
     return ExportResult(output=out, step=step, kind=kind, dtype=dtype, base=base, files=files)
 

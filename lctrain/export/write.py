@@ -14,7 +14,7 @@ from torch import nn
 
 from lctrain.config import RecipeConfig
 from lctrain.data import BytePairTokenizer, ByteTokenizer
-from lctrain.errors import UserError
+from lctrain.errors import unwritable
 from lctrain.model import load_tokenizer
 from lctrain.model.lora import ADAPTER_NAME
 
@@ -52,7 +52,7 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
         staging.mkdir()
     except OSError as error:
         remove_empty(made)
-        raise unwritable(output, error) from None
+        raise unwritable(f"The output {output}", error) from None
     try:
         yield staging
         try:
@@ -62,18 +62,11 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
                 output.rmdir()  # empty, as checked
             os.replace(staging, output)
         except OSError as error:
-            raise unwritable(output, error) from None
+            raise unwritable(f"The output {output}", error) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty(made)
         raise
-
-
-def unwritable(output: Path, error: OSError) -> UserError:
-    """The error of an output folder that cannot be written, with the system's reason."""
-    return UserError(f"The output {output} cannot be written "
-                     f"({error.strerror or type(error).__name__}); choose a folder you may "
-                     "write to, on a disk with free space.")
 
 
 def remove_empty(folders: list[Path]) -> None:

@@ -88,7 +88,9 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
     text = (f"the ranks finish their current step{save}, then stop; send the signal again to "
             "stop at once.")
     with private_folder() as private:
-        recipe, digest = write_recipe(cfg, private / "recipe.yaml")
+        recipe = private / "recipe.yaml"  # resolved; the ranks check its SHA-256 (read_recipe)
+        save_resolved(cfg, recipe)
+        digest = hashlib.sha256(recipe.read_bytes()).hexdigest()
         # one machine, no network port: a file store (--standalone would listen on every interface)
         cmd = [sys.executable, "-m", AGENT_MODULE, str(failures), "--nnodes=1",
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
@@ -110,12 +112,6 @@ def spawn_workers(cfg: RecipeConfig, *, nproc: int, resume: bool, module: str = 
         print(f"lctrain: stopped at once; {hint}.", file=sys.stderr)
         return code
     return report(supervisor, launch_dir=folder, failures=failures, log=log, checkpoint_hint=hint)
-
-
-def write_recipe(cfg: RecipeConfig, path: Path) -> tuple[Path, str]:
-    """Save the resolved recipe for the workers; returns (path, SHA-256 of its bytes)."""
-    save_resolved(cfg, path)
-    return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def keep_workers_log(output_dir: str | os.PathLike) -> Path | None:

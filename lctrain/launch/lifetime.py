@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from lctrain.errors import UserError
+from lctrain.errors import UserError, unwritable
 
 LAUNCHER_PID_ENV = "LCTRAIN_LAUNCHER_PID"
 """The launcher's pid, which the processes it starts must not outlive."""
@@ -106,7 +106,7 @@ class RunLock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            raise self._unwritable(error) from None
+            raise unwritable(f"train.output_dir {self.folder}", error) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -121,13 +121,8 @@ class RunLock:
             os.fsync(fd)  # a full disk says so here, not in the middle of the run
         except OSError as error:
             os.close(fd)
-            raise self._unwritable(error) from None
+            raise unwritable(f"train.output_dir {self.folder}", error) from None
         self._fd = fd
-
-    def _unwritable(self, error: OSError) -> UserError:
-        return UserError(f"train.output_dir {self.folder} cannot be written "
-                         f"({error.strerror or type(error).__name__}); choose a folder you may "
-                         "write to, on a disk with free space")
 
     def __enter__(self) -> RunLock:
         self.acquire()

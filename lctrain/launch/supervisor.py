@@ -67,10 +67,9 @@ class Supervisor:
 
     def records(self) -> list[dict]:
         """The ranks' error records: those in files and those `relayed`, earliest first."""
-        found = read_records(self.errors)
-        seen = {(r.get("rank"), r.get("time")) for r in found}
-        extra = [r for r in self.relayed["record"] if (r.get("rank"), r.get("time")) not in seen]
-        return sorted(found + extra, key=lambda r: r["time"])
+        found = [*self.relayed["record"], *read_records(self.errors)]  # a file beats its relay
+        unique = {(r.get("rank"), r.get("time")): r for r in found}
+        return sorted(unique.values(), key=lambda r: r["time"])
 
     def _copy_stderr(self, log: Path | None) -> None:
         sink = None

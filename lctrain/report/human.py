@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-_K, _M = 1024, 1024 * 1024
+from lctrain.config.fields import format_tokens
 
 
 def significant(value: float, digits: int = 3) -> str:
@@ -29,11 +29,8 @@ def significant(value: float, digits: int = 3) -> str:
 def tokens(count: int) -> str:
     """A token count as typed: 65536 -> "64K", 1048576 -> "1M", 1000 -> "1,000" (never rounded)."""
     count = int(count)
-    if count and count % _M == 0:
-        return f"{count // _M}M"
-    if count and count % _K == 0:
-        return f"{count // _K}K"
-    return f"{count:,}"
+    typed = format_tokens(count)  # "64k", "1m"; "1000"
+    return typed.upper() if count and typed[-1] in "km" else f"{count:,}"
 
 
 def parameters(count: int) -> str:
