@@ -83,8 +83,8 @@ def _chunks(cp):
 def test_with_room_to_spare_nothing_is_traded_for_memory():
     choice = fastest(_base(), Machine(2, 1 << 50, 1 << 50, 2), 4096, _chunks)
     s = choice.setup
-    assert (s.cp, s.policy, s.tile_tokens, s.head_groups, s.layers.offload) == (1, "none", 0, 1,
-                                                                                "none")
+    assert (s.cp, s.layers.checkpointing, s.tile_tokens, s.head_groups, s.layers.offload) == (
+        1, "none", 0, 1, "none")
 
 
 def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
@@ -95,7 +95,7 @@ def test_none_then_remat_on_the_gpu_then_host_memory_then_recompute():
     machine = Machine(1, 139 * GIB, 251 * GIB, 1)
     base = _base(gpus=1, master_dtype="bfloat16")
     short = fastest(base, machine, 16 * 1024, _chunks).setup
-    assert (short.policy, short.tile_tokens, short.head_groups) == ("none", 0, 1)
+    assert (short.layers.checkpointing, short.tile_tokens, short.head_groups) == ("none", 0, 1)
     remat = fastest(base, machine, 128 * 1024, _chunks).setup
     assert remat.layers.runs[0][0] == "remat" and remat.layers.parked == 0
     hosted = fastest(base, machine, 192 * 1024, _chunks)

@@ -14,11 +14,11 @@ from lctrain.train import finetune
 from lctrain.launch.failures import read_records
 from lctrain.launch.rank import check_accelerate_mode
 from lctrain.train.metrics import MetricsLog
-from lctrain.train.optim import warmup_cosine
+from lctrain.train.optim import LrPlan
 
 
 def test_warmup_then_cosine_to_floor():
-    f = warmup_cosine(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    f = LrPlan(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)

@@ -68,8 +68,11 @@ def root_trainable(arch: Architecture, lora: LoraShape) -> int:
     return embed + (arch.hidden_size if "norm" in lora.trainable else 0)
 
 
-def trainable_parameters(arch: Architecture, lora: LoraShape) -> int:
-    """All trainable parameters of a LoRA run (they come on top of the frozen base model)."""
+def trainable_parameters(arch: Architecture, lora: LoraShape | None) -> int:
+    """Parameters with gradients and AdamW states: all without LoRA; with it, the adapters and
+    fully trained copies (they come on top of the frozen base model)."""
+    if lora is None:
+        return arch.parameters()
     return arch.num_layers * layer_trainable(arch, lora) + root_trainable(arch, lora)
 
 

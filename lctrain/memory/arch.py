@@ -110,7 +110,8 @@ def from_config_dict(config: dict[str, Any], *, name: str | None = None) -> Arch
 
 
 def load_architecture(model: str) -> Architecture:
-    """A preset, a ``config.json`` or a model folder (UserError: none of those)."""
+    """A preset, a ``config.json`` or a model folder, else a hub name through transformers
+    (UserError: none of those)."""
     from lctrain.config.paths import read_model_config
     from lctrain.memory.presets import PRESETS
 
@@ -118,8 +119,16 @@ def load_architecture(model: str) -> Architecture:
         return from_config_dict(PRESETS[model], name=model)
     path = os.path.expanduser(model)
     if not os.path.exists(path):
-        raise UserError(f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor "
-                        "a config.json file or a folder holding one")
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model).to_dict()
+        except (OSError, ValueError) as exc:
+            raise UserError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                            f"config.json or a model folder, and the hub did not give its config "
+                            f"({exc.__class__.__name__}: offline or an unknown name); pass one of "
+                            "those") from None
+        return from_config_dict(config, name=model)
     folder = os.path.isdir(path)
     if folder:
         path = os.path.join(path, "config.json")

@@ -68,27 +68,16 @@ class Setup:
                             "memory (--gpu-memory) or the layers' runs")
 
     @property
-    def policy(self) -> str:
-        """The ``train.checkpointing`` text."""
-        return self.layers.checkpointing
-
-    @property
     def shard(self) -> int:
         """How many ranks share each parameter (FSDP2 over all GPUs; 1 = replicated)."""
         return self.gpus if self.fsdp and self.gpus > 1 else 1
-
-    @property
-    def trainable_parameters(self) -> int:
-        """Parameters with gradients and AdamW states (a LoRA run's adapters and copies)."""
-        return self.arch.parameters() if self.lora is None else trainable_parameters(self.arch,
-                                                                                    self.lora)
 
 
 def breakdown(setup: Setup, seq_len: int) -> tuple[dict[str, int], dict]:
     """Per-GPU bytes at ``seq_len``: (per_gpu_bytes, details) as in `MemoryEstimate`."""
     arch, c, m = setup.arch, DTYPE_BYTES[setup.dtype], DTYPE_BYTES[setup.master_dtype]
     tokens = setup.batch_size * seq_len // setup.cp
-    lora, trainable = setup.lora, setup.trainable_parameters
+    lora, trainable = setup.lora, trainable_parameters(arch, setup.lora)
     params = -(-(arch.parameters() + (trainable if lora else 0)) * m // setup.shard)
     grads_all = -(-trainable * m // setup.shard)  # only trainable weights have gradients ...
     optimizer = 2 * grads_all  # ... and AdamW states
@@ -297,7 +286,7 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, layers: Layer
         if fits is not None:
             fits = fits and host_offload_fits(details["host_offload"], local, host_memory)
     return MemoryEstimate(model=arch.name, parameters_count=arch.parameters(), seq_len=seq_len,
-                          gpus=gpus, cp=cp, policy=setup.policy, dtype=dtype,
+                          gpus=gpus, cp=cp, policy=setup.layers.checkpointing, dtype=dtype,
                           master_dtype=setup.master_dtype, gpu_memory=gpu_memory,
                           host_memory=host_memory, per_gpu_bytes=per_gpu, details=details,
                           fits=fits, max_seq_len=longest)

@@ -40,20 +40,14 @@ def check_host_memory(cfg: RecipeConfig, *, local_processes: int, gpus: int,
 
 def check_cpu_memory(cfg: RecipeConfig, *, processes: int) -> None:
     """Fail (UserError) before loading when a CPU run does not fit this machine's memory."""
-    from lctrain.memory.adapters import lora_shape, trainable_parameters
-    from lctrain.memory.recipe import recipe_architecture
-
     available = cfg.train.host_memory or available_host_bytes()
     if not available:
         return
     try:
-        arch = recipe_architecture(cfg)
         est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=processes, gpu_memory=1 << 60)
     except UserError:
         return  # no readable architecture here: loading the model reports it
-    params = arch.parameters()
-    lora = lora_shape(cfg.lora)
-    trainable = params if lora is None else trainable_parameters(arch, lora)
+    params, trainable = est.parameters_count, est.details["trainable_parameters"]
     state = (params + 3 * trainable) * (2 if cfg.model.dtype == "bfloat16" else 4)
     if cfg.parallel.fsdp == "on":
         state //= processes

@@ -2,6 +2,9 @@
 host memory for the lowest layers."""
 from __future__ import annotations
 
+from itertools import groupby
+from operator import itemgetter
+
 from lctrain.memory.activations import input_kept, remat_kept
 from lctrain.memory.arch import Architecture
 
@@ -74,11 +77,7 @@ def gpu_bytes(remat: int, remat_parked: int, full: int, full_parked: int, big: i
 
 def _runs(remat: int, remat_parked: int, full: int, full_parked: int) -> tuple[Runs, int]:
     """Runs in forward order (parked full, parked remat, full, remat) and the parked count."""
-    runs: list[list] = []
-    for name, n in (("full", full_parked), ("remat", remat_parked), ("full", full),
-                    ("remat", remat)):
-        if n and runs and runs[-1][0] == name:
-            runs[-1][1] += n
-        elif n:
-            runs.append([name, n])
-    return tuple((name, n) for name, n in runs), full_parked + remat_parked
+    counts = [(name, n) for name, n in (("full", full_parked), ("remat", remat_parked),
+                                        ("full", full), ("remat", remat)) if n]
+    runs = tuple((name, sum(n for _, n in same)) for name, same in groupby(counts, itemgetter(0)))
+    return runs, full_parked + remat_parked

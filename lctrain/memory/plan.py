@@ -89,31 +89,25 @@ def choose(setup: Setup, seq_len: int, machine: Machine) -> Choice | None:
 
 def longest(base: Setup, machine: Machine, seq_chunks) -> Choice | None:
     """The longest length any option fits, with the cheapest option reaching it."""
-    best: Choice | None = None
+    found = []
     for setup in options(base, machine, longest=True):
         chunks = seq_chunks(setup.cp)
         length = max_seq_len(setup, machine.gpu_memory, chunks, machine.host_budget)
         step = math.lcm(chunks, 1024)  # a length as people write it (a whole K) where one fits
         length = length // step * step if length >= step else length
-        found = choose(setup, length, machine) if length else None
-        if found is not None and (best is None or found.seq_len > best.seq_len or (
-                found.seq_len == best.seq_len and _key(found) < _key(best))):
-            best = found
-    return best
+        found.append(choose(setup, length, machine) if length else None)
+    return min((c for c in found if c is not None), key=lambda c: (-c.seq_len, _key(c)),
+               default=None)
 
 
 def fastest(base: Setup, machine: Machine, seq_len: int, seq_chunks) -> Choice | None:
     """The cheapest option that fits ``seq_len`` (None when none does)."""
     kv = base.arch.num_kv_heads
-    best: Choice | None = None
-    for setup in options(base, machine, longest=False):
-        if seq_len % seq_chunks(setup.cp):
-            continue
-        for groups in (g for g in range(1, kv + 1) if kv % g == 0):
-            found = choose(dataclasses.replace(setup, head_groups=groups), seq_len, machine)
-            if found is not None and (best is None or _key(found) < _key(best)):
-                best = found
-    return best
+    found = (choose(dataclasses.replace(setup, head_groups=groups), seq_len, machine)
+             for setup in options(base, machine, longest=False)
+             if seq_len % seq_chunks(setup.cp) == 0
+             for groups in range(1, kv + 1) if kv % groups == 0)
+    return min((c for c in found if c is not None), key=_key, default=None)
 
 
 def _key(choice: Choice) -> tuple:

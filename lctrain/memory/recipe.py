@@ -21,12 +21,17 @@ _FSDP = {"auto": True, "on": "on", "off": False}
 """parallel.fsdp -> the memory model's ``fsdp`` (auto: FSDP2 on several GPUs; on: always)."""
 
 
-def _sections(cfg: RecipeConfig | None) -> tuple[ParallelConfig, TrainConfig, str, str]:
-    """(parallel, train, master dtype, compute dtype) of a recipe, or the defaults."""
+def _sections(cfg: RecipeConfig | None) -> tuple[ParallelConfig, TrainConfig, dict]:
+    """(parallel, train, `Setup`'s fields both an estimate and a plan take from them) of a
+    recipe, or the defaults."""
     parallel = cfg.parallel if cfg is not None else ParallelConfig()
     train = cfg.train if cfg is not None else TrainConfig()
     master = cfg.model.dtype if cfg is not None else "float32"
-    return parallel, train, master, "bfloat16" if train.mixed_precision in ("auto", "bf16") else master
+    return parallel, train, {
+        "dtype": "bfloat16" if train.mixed_precision in ("auto", "bf16") else master,
+        "master_dtype": master, "batch_size": train.batch_size, "grad_accum": train.grad_accum,
+        "fsdp": _FSDP[parallel.fsdp], "loss_chunk_tokens": train.loss_chunk_tokens,
+        "lora": lora_shape(cfg.lora) if cfg is not None else None}
 
 
 def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_len: int,
@@ -37,7 +42,7 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
     the smallest cp that fits unless given, said in ``assumptions``), its step time for rows
     that attend ``attended`` of a one-document row (`Setup`); UserError: no model."""
     arch = recipe_architecture(cfg, model)
-    parallel, train, master, compute = _sections(cfg)
+    parallel, train, fields = _sections(cfg)
     assumptions = []
     if cfg is None and checkpointing is None:  # what one runs at a long length
         checkpointing = "auto"
@@ -46,14 +51,10 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
     layers = train.layers if checkpointing is None else LayerPlan.parse(checkpointing, train.offload)
 
     def run(cp: int) -> MemoryEstimate:
-        return estimate(arch, seq_len, gpus, cp, layers, compute, master_dtype=master,
-                        batch_size=train.batch_size, grad_accum=train.grad_accum,
-                        fsdp=_FSDP[parallel.fsdp], loss_chunk_tokens=train.loss_chunk_tokens,
-                        gpu_memory=gpu_memory, seq_chunks=seq_chunks(cp, parallel.layout),
-                        host_memory=host_memory, gpus_per_node=gpus_per_node,
-                        lora=lora_shape(cfg.lora) if cfg is not None else None,
-                        tile_tokens=train.tile_tokens, head_groups=parallel.head_groups,
-                        attended=attended)
+        return estimate(arch, seq_len, gpus, cp, layers, **fields, gpu_memory=gpu_memory,
+                        seq_chunks=seq_chunks(cp, parallel.layout), host_memory=host_memory,
+                        gpus_per_node=gpus_per_node, tile_tokens=train.tile_tokens,
+                        head_groups=parallel.head_groups, attended=attended)
 
     if cfg is not None or cp is not None:
         return dataclasses.replace(run(parallel.cp if cp is None else cp), assumptions=assumptions)
@@ -80,7 +81,7 @@ def placed_layers(cfg: RecipeConfig, *, gpus: int, gpu_memory: int, host_memory:
 def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> Architecture:
     """The architecture to estimate: ``model``, or the recipe's (UserError: none to read)."""
     if model is not None:
-        arch = _architecture_of_path(model)
+        arch = load_architecture(model)
     elif cfg is None:
         raise UserError("no model to estimate: pass a recipe or --model with a preset "
                         f"({', '.join(sorted(PRESETS))}) or a config.json")
@@ -91,28 +92,12 @@ def recipe_architecture(cfg: RecipeConfig | None, model: str | None = None) -> A
                         f"--set model.path=FOLDER, or size the recipe with --model and a preset "
                         f"({', '.join(sorted(PRESETS))})")
     else:
-        arch = _architecture_of_path(cfg.model.path)
+        arch = load_architecture(cfg.model.path)
     if cfg is not None and not cfg.model.fused_kernels:
         arch = dataclasses.replace(arch, fused_norms=False, fused_mlp=False, fused_loss=False,
                                    grouped_attention=False, norm_in_tiles=False,
                                    norm_in_attention=False)
     return arch
-
-
-def _architecture_of_path(path: str) -> Architecture:
-    """A preset or a local folder / config.json, else a hub name through transformers."""
-    if path in PRESETS or os.path.exists(os.path.expanduser(path)):
-        return load_architecture(path)
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(path).to_dict()
-    except (OSError, ValueError) as exc:
-        raise UserError(f"model {path!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                        f"config.json or a model folder, and the hub did not give its config "
-                        f"({exc.__class__.__name__}: offline or an unknown name); pass one of "
-                        "those") from None
-    return from_config_dict(config, name=path)
 
 
 def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int,
@@ -122,11 +107,9 @@ def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int
     ranked for rows that attend ``attended`` of one document; UserError: no model to plan."""
     from lctrain.memory.plan import Machine, plan
 
-    parallel, train, master, compute = _sections(cfg)
-    base = Setup(arch=recipe_architecture(cfg, model), gpus=gpus, cp=1, dtype=compute,
-                 master_dtype=master, batch_size=train.batch_size, grad_accum=train.grad_accum,
-                 fsdp=_FSDP[parallel.fsdp], loss_chunk_tokens=train.loss_chunk_tokens,
-                 lora=lora_shape(cfg.lora) if cfg is not None else None, attended=attended)
+    parallel, _, fields = _sections(cfg)
+    base = Setup(arch=recipe_architecture(cfg, model), gpus=gpus, cp=1, attended=attended,
+                 **fields)
     machine = Machine(gpus=gpus, gpu_memory=gpu_memory, host_memory=host_memory,
                       gpus_per_node=gpus_per_node or min(gpus, 8))
     return plan(base, machine, lambda cp: seq_chunks(cp, parallel.layout), seq_len)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 
 from lctrain.config.fields import format_bytes, format_tokens
@@ -51,10 +52,8 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
     per_gpu = estimate.get("per_gpu_bytes") or {}
     details = estimate.get("details") or {}
     gpu_memory = gpu_memory or estimate.get("gpu_memory")
-    rows = [{"what": part, "bytes": per_gpu[part]} for part in
-            [*COMPONENTS, *(k for k in per_gpu if k not in (*COMPONENTS, "total"))] if part in per_gpu]
-    if "total" in per_gpu:
-        rows.append({"what": "total", "bytes": per_gpu["total"]})
+    rows = [{"what": part, "bytes": per_gpu[part]} for part in (*COMPONENTS, "total")
+            if part in per_gpu]
     if gpu_memory:
         rows.append({"what": "GPU memory", "bytes": gpu_memory})
     if details.get("host_offload"):
@@ -124,11 +123,9 @@ def plan_table(plan: dict) -> Table:
     for label, key, kind in _PLAN_ROWS:
         row = {"what": label}
         for name, _, choice in choices:
-            if choice is None:
-                row[name] = "does not fit" if key == "seq_len" else "-"
-            else:
-                row[name] = _plan_cell(choice, key, kind)
-        if any(row[name] not in ("", None) for name, _, _ in choices):
+            row[name] = (_plan_cell(choice, key, kind) if choice is not None
+                         else "does not fit" if key == "seq_len" else "-")
+        if any(row[name] != "" for name, _, _ in choices):
             rows.append(row)
     columns = [Column("what", "setting")] + [Column(name, header, "figure")
                                              for name, header, _ in choices]
@@ -158,8 +155,6 @@ def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:
 def plan_commands(plan: dict, recipe: str | None, overrides: list[str]) -> dict[str, str]:
     """``lctrain finetune`` command lines that run each choice of a plan (``recipe`` None: the
     embedded one), with the ``--set`` ``overrides`` before the plan's own."""
-    import shlex
-
     host = plan["machine"].get("host_memory")
     commands = {}
     for name in ("longest", "fastest"):

@@ -170,12 +170,12 @@ def _frames(event: dict) -> list[dict]:
 
 def _site(event: dict) -> str:
     frames = _frames(event)
-    for frame in frames:  # a dispatch mode's frame sits under every op it watches: not a site
-        if any(part in frame["filename"] for part in OWN_CODE) and \
-                frame["name"] != "__torch_dispatch__":
-            return f"{_short(frame['filename'])}:{frame['line']} {frame['name']}"
-    return f"{_short(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}" if frames \
-        else "(no Python frame)"
+    if not frames:
+        return "(no Python frame)"
+    # our innermost frame (not a dispatch mode's, which sits under every op), else the innermost
+    frame = next((f for f in frames if any(part in f["filename"] for part in OWN_CODE)
+                  and f["name"] != "__torch_dispatch__"), frames[0])
+    return f"{_short(frame['filename'])}:{frame['line']} {frame['name']}"
 
 
 def _short(path: str) -> str:

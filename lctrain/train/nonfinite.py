@@ -22,7 +22,6 @@ class Diverged(Exception):
     def __init__(self, step: int, run: int, limit: int) -> None:
         super().__init__(f"{run} steps in a row up to step {step} had a non-finite loss or "
                          f"gradient norm (train.max_nonfinite_steps is {limit})")
-        self.step, self.run, self.limit = step, run, limit
 
 
 @dataclass(frozen=True)

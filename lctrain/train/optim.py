@@ -62,11 +62,6 @@ class LrPlan:
         return plan
 
 
-def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> LrPlan:
-    """The learning-rate multiplier of step s, for `torch.optim.lr_scheduler.LambdaLR`."""
-    return LrPlan(max(0, warmup_steps), max(1, total_steps), min_lr_ratio)
-
-
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     warmup_steps: int, total_steps: int, min_lr_ratio: float,
@@ -78,14 +73,11 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if host_states:
-        optimizer = HostAdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
-    else:
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas,
-                                      eps=eps, fused=True)
-    plan = (warmup_cosine(warmup_steps, total_steps, min_lr_ratio) if resumed is None
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    optimizer = (HostAdamW(groups, lr=lr, betas=betas, eps=eps) if host_states else
+                 torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True))
+    plan = (LrPlan(warmup_steps, total_steps, min_lr_ratio) if resumed is None
             else resumed.resumed(start_step, total_steps))
     for group in optimizer.param_groups:  # LambdaLR's resume point needs each base rate
         group["initial_lr"] = lr
