@@ -15,7 +15,7 @@ from lctrain.memory.activations import layer_saved
 from lctrain.model import CPContext
 from lctrain.model.attention import register_attention
 from lctrain.model.grouped_attention import GroupedAttention, apply_grouped_attention
-from lctrain.model.deferred_norm import DeferredNorm
+from lctrain.model.structure import DeferredNorm
 from lctrain.parallel.activation_checkpoint import AttentionCounter, apply_checkpointing
 from lctrain.parallel.tiling import apply_tiling
 from live_bytes import SavedBytes

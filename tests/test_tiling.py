@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lctrain.errors import UserError
-from lctrain.model.deferred_norm import DeferredNorm
+from lctrain.model.structure import DeferredNorm, bare
 from lctrain.parallel.activation_checkpoint import apply_checkpointing
 from lctrain.parallel.tiling import TiledModule, apply_tiling
 from tiny_llama import tiny_llama
@@ -52,7 +52,7 @@ def test_names_state_dict_and_unwrapping(base_model):
     assert not isinstance(layer.self_attn, TiledModule)
     # the norm before the MLP runs in the MLP's tiles, registered where it was
     assert isinstance(layer.post_attention_layernorm, DeferredNorm)
-    assert layer.mlp.pre is layer.post_attention_layernorm.norm
+    assert layer.mlp.pre is bare(layer.post_attention_layernorm)
     assert list(model.state_dict()) == keys  # as distributed checkpoints name them too
     model.load_state_dict(base_model.state_dict())
     assert apply_tiling(model, 32) == 7 and model.model.layers[0].mlp.tile_tokens == 32

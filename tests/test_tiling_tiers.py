@@ -78,7 +78,7 @@ def test_gpu_kept_layers_start_the_first_offloaded_copies(base_model, monkeypatc
     fetch, unpack = offload.LayerStash.fetch, offload.LayerStash.unpack
 
     def record_fetch(self):
-        events.append(("fetch", id(self), self.fetched))
+        events.append(("fetch", id(self), self.ready is not None))
         return fetch(self)
 
     def record_unpack(self, packed):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lctrain.model.features import check_attention_call
 
@@ -30,6 +31,10 @@ class CPContext:
     backend: str = "auto"
     head_groups: int = 1
 
+    def global_len(self, local_len: int) -> int:
+        """Tokens of the whole sequence: every rank of ``group`` holds ``local_len`` of them."""
+        return local_len if self.group is None else local_len * dist.get_world_size(self.group)
+
 
 def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -42,8 +47,8 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     import lctrain_kernels
 
     ctx = kwargs.get("cp_context") or CPContext()
-    check_attention_call(module, query, value, attention_mask, dropout, kwargs,
-                         global_len(query.shape[2], ctx))
+    check_attention_call(module, (query.shape[-1], value.shape[-1]), attention_mask, dropout,
+                         kwargs, ctx.global_len(query.shape[2]))
     # one dtype: autocast's under autocast (as autocast does to SDPA: RoPE's float32 tables make
     # q and k float32 there), else the promoted one
     device = query.device.type
@@ -56,15 +61,6 @@ def lctrain_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return lctrain_kernels.attention(q, k, v, **options), None  # (B, S, Hq, D)
     return lctrain_kernels.dist_attention(q, k, v, group=ctx.group, schedule=ctx.schedule,
                                           **options), None
-
-
-def global_len(local_len: int, ctx: CPContext | None) -> int:
-    """Tokens of the whole sequence: every rank of the cp group holds ``local_len`` of them."""
-    if ctx is None or ctx.group is None:
-        return local_len
-    import torch.distributed as dist
-
-    return local_len * dist.get_world_size(ctx.group)
 
 
 def register_attention() -> str:

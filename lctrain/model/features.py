@@ -31,11 +31,11 @@ def check_model_config(config: Any, *, seq_len: int | None = None, cp: int = 1) 
     return _check_positions(config, seq_len, cp) if seq_len else []
 
 
-def check_attention_call(module: Any, query: Any, value: Any, attention_mask: Any,
+def check_attention_call(module: Any, head_dims: tuple[int, int], attention_mask: Any,
                          dropout: float, kwargs: dict[str, Any], global_len: int) -> None:
-    """Raise ConfigError when one attention call of ``module`` (query (B, Hq, S, D), value
-    (B, Hkv, S, Dv), ``kwargs`` its other keywords, ``global_len`` tokens in all) asks for more
-    than exact causal attention."""
+    """Raise ConfigError when one attention call of ``module`` (``head_dims``: of its queries
+    and values, ``kwargs`` its other keywords, ``global_len`` tokens in all) asks for more than
+    exact causal attention."""
     config = getattr(module, "config", None)
     if dropout:
         key = _key_with_value(config, _ATTENTION_DROPOUT, dropout)
@@ -60,9 +60,9 @@ def check_attention_call(module: Any, query: Any, value: Any, attention_mask: An
     if attention_mask is not None:
         raise ConfigError("lctrain attention builds its own causal/document mask; pass document "
                           "boundaries as cp_context.cu_seqlens, not an attention_mask")
-    if value.shape[-1] != query.shape[-1]:
-        raise ConfigError(f"{type(module).__name__} has values of head size {value.shape[-1]} "
-                          f"but queries of {query.shape[-1]}; lctrain's kernels need one size")
+    if head_dims[0] != head_dims[1]:
+        raise ConfigError(f"{type(module).__name__} has values of head size {head_dims[1]} "
+                          f"but queries of {head_dims[0]}; lctrain's kernels need one size")
 
 
 def _check_architecture(config: Any) -> None:

@@ -9,11 +9,10 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from lctrain.model.attention import ATTENTION_NAME, global_len
-from lctrain.model.deferred_norm import DeferredNorm
+from lctrain.model.attention import ATTENTION_NAME, CPContext
 from lctrain.model.families import family
 from lctrain.model.features import check_attention_call
-from lctrain.model.structure import bare, decoder_layers
+from lctrain.model.structure import DeferredNorm, bare, decoder_layers
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -30,9 +29,9 @@ def supported(module: nn.Module, model_type: str) -> bool:
 def apply_grouped_attention(model: nn.Module, head_groups: int, fused_rope: bool = False,
                             defer_norm: bool = True) -> int:
     """Run every supported attention module of ``model`` (with ``defer_norm``, the norm before
-    it too: `lctrain.model.deferred_norm`) in ``head_groups`` groups, in place. Calling it again
-    replaces the group count; fewer than 2 groups unwraps. ``fused_rope``: rotate with the
-    RoPE kernel (CUDA tensors). Returns the number of attention modules wrapped."""
+    it too: `lctrain.model.structure.DeferredNorm`) in ``head_groups`` groups, in place. Calling
+    it again replaces the group count; fewer than 2 groups unwraps. ``fused_rope``: rotate with
+    the RoPE kernel (CUDA tensors). Returns the number of attention modules wrapped."""
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     wrapped = 0
     for layer in decoder_layers(model):
@@ -65,32 +64,28 @@ class GroupedAttention(ActivationWrapper):
             raise ValueError(f"head_groups must be a positive divisor of the {kv} key/value "
                              f"heads, got {head_groups}")
         self.head_groups, self.fused_rope = int(head_groups), bool(fused_rope)
-        self._norm = (norm,)  # not a child (a tuple): it stays registered in its layer
+        self.__dict__["norm"] = norm  # not a child of this module: it stays in its layer
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 **kwargs):
         from lctrain_kernels.api import attention_block
 
-        attn, norm = self._checkpoint_wrapped_module, self._norm[0]
+        attn, norm = self._checkpoint_wrapped_module, self.norm
         cache = kwargs.get("past_key_values", kwargs.get("cache"))
         if cache is not None or position_embeddings is None:
             x = hidden_states if norm is None else norm(hidden_states)
             return attn(x, position_embeddings=position_embeddings,
                         attention_mask=attention_mask, **kwargs)
-        config = attn.config
-        b, s, _ = hidden_states.shape
-        d, hq, hkv = attn.head_dim, config.num_attention_heads, config.num_key_value_heads
-        ctx = kwargs.get("cp_context")
+        d, ctx = attn.head_dim, kwargs.get("cp_context") or CPContext()
         dropout = attn.attention_dropout if attn.training else 0.0
-        check_attention_call(attn, torch.empty((b, hq, s, d), device="meta"),
-                             torch.empty((b, hkv, s, d), device="meta"), attention_mask, dropout,
-                             kwargs, global_len(s, ctx))
-        where = {} if ctx is None else dict(group=ctx.group, cu_seqlens=ctx.cu_seqlens,
-                                            schedule=ctx.schedule, backend=ctx.backend)
+        check_attention_call(attn, (d, d), attention_mask, dropout, kwargs,
+                             ctx.global_len(hidden_states.shape[1]))  # (B, S, hidden)
         y = attention_block(hidden_states, [getattr(attn, n).weight for n in _PROJECTIONS],
                             [getattr(attn, n).bias for n in _PROJECTIONS], *position_embeddings,
                             d, norm=norm, softmax_scale=attn.scaling,
-                            head_groups=self.head_groups, fused_rope=self.fused_rope, **where)
+                            head_groups=self.head_groups, fused_rope=self.fused_rope,
+                            group=ctx.group, cu_seqlens=ctx.cu_seqlens, schedule=ctx.schedule,
+                            backend=ctx.backend)
         return y, None
 
     def extra_repr(self) -> str:

@@ -1,5 +1,5 @@
 """Where the parts of a causal LM are: its decoder layers (one finder for checkpointing and
-FSDP2 alike) and its output head."""
+FSDP2 alike), the wrappers lctrain puts around them, and its output head."""
 from __future__ import annotations
 
 import torch
@@ -23,11 +23,10 @@ def decoder_layer_slots(model: nn.Module) -> list[tuple[nn.ModuleList, int]]:
         return [(layers, i) for i in range(len(layers))]
     names = set(getattr(model, "_no_split_modules", None) or ())
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if names:
-        found = [(lst, i) for lst in lists for i, child in enumerate(lst)
-                 if type(bare(child)).__name__ in names]
-        if found:
-            return found
+    found = [(lst, i) for lst in lists for i, child in enumerate(lst)
+             if type(bare(child)).__name__ in names]
+    if found:
+        return found
     candidates = [lst for lst in lists
                   if len({type(bare(c)) for c in lst}) == 1
                   and any(p.numel() for p in lst.parameters())]
@@ -49,6 +48,18 @@ def bare(module: nn.Module) -> nn.Module:
     while isinstance(module, ActivationWrapper):
         module = module._checkpoint_wrapped_module
     return module
+
+
+class DeferredNorm(ActivationWrapper):
+    """A decoder layer's norm whose work moved into the module that reads its output (the MLP's
+    tiles, `lctrain.parallel.tiling`; the grouped attention block). That module runs the norm
+    itself, keeping the norm's input, a tensor the layer holds anyway, instead of its output, and
+    recomputes the norm in its backward. `DeferredNorm` stands in the norm's place: its forward
+    returns the input as it is, and the parameters stay where they were (same names, state dicts
+    and checkpoints); `bare` gives the norm."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
 
 
 def output_head(model: nn.Module) -> nn.Linear:

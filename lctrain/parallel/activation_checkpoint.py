@@ -23,8 +23,7 @@ ATTENTION_FORWARD_OPS = frozenset({"lctrain::dist_attention", "lctrain::attentio
 
 def op_name(func) -> str:
     """``"namespace::op"`` of an OpOverload (without the overload name)."""
-    name = func.name() if hasattr(func, "name") else str(func)
-    return name.split(".", 1)[0]
+    return func.name().split(".", 1)[0]
 
 
 def is_attention_forward(func) -> bool:
@@ -51,9 +50,8 @@ def apply_checkpointing(model: nn.Module, layers: LayerPlan | str, *,
     kinds, parked = plan.kinds(len(slots)), plan.parked_layers(len(slots))
     # transformers' own checkpointing off, and its KV cache too when layers are recomputed
     if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        disable = (getattr(model, "activation_checkpointing_disable", None)  # transformers ≥ 5.2x
-                   or model.gradient_checkpointing_disable)
-        disable()
+        (getattr(model, "activation_checkpointing_disable", None)  # transformers ≥ 5.2x
+         or model.gradient_checkpointing_disable)()
     config = getattr(model, "config", None)
     if any(kind != "none" for kind in kinds) and getattr(config, "use_cache", False):
         config.use_cache = False
@@ -73,8 +71,6 @@ def _wrap(layer: nn.Module, kind: str, parked: bool, offloader: Offloader | None
             _parked_checkpoint, offloader, make_contexts, saved))
     if offloader is not None:  # a GPU-kept layer of a run with parked ones: start their copies
         make_contexts = functools.partial(offloader.prefetching_contexts, make_contexts)
-    elif kind == "full":
-        return checkpoint_wrapper(layer)
     return checkpoint_wrapper(layer, context_fn=make_contexts)
 
 

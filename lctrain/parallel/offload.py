@@ -91,11 +91,6 @@ class _Copy:
             target.record_stream(stream)
         self.back = target
 
-    def take(self) -> torch.Tensor:
-        """The tensor brought back (for a layer input); the stash forgets it."""
-        tensor, self.back = self.back, None
-        return tensor
-
 
 class LayerStash:
     """What one call of one checkpointed layer parked in host memory."""
@@ -106,8 +101,7 @@ class LayerStash:
         self.inputs: list[_Copy] = []
         self.outputs: list[torch.Tensor] = []  # recorded op outputs, moved out at forward end
         self.parked: list[_Copy] = []
-        self.ready = None  # (event, device) on a GPU, True off one, once fetched
-        self.fetched = False
+        self.ready = None  # once fetched: (event, device) on a GPU, True off one
 
     def pack(self, tensor: torch.Tensor):
         """saved_tensors_hooks pack: park the layer input (small tensors stay)."""
@@ -128,7 +122,8 @@ class LayerStash:
             previous.fetch()
         if packed.back is None:  # a second backward through a retained graph
             packed.fetch(None)
-        return packed.take()
+        tensor, packed.back = packed.back, None  # the stash forgets it
+        return tensor
 
     def record(self, outputs) -> None:
         for tensor in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
@@ -137,26 +132,22 @@ class LayerStash:
 
     def park_outputs(self) -> None:
         """End of the layer's forward: move the recorded attention outputs out."""
-        seen = set()
-        for tensor in self.outputs:
-            key = tensor.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                self.parked.append(_Copy(tensor, self.offloader.stream_for_device(tensor.device),
-                                         release=True, pool=self.offloader.pool))
+        # one copy per storage: each recorded tensor spans all of its storage
+        for tensor in {t.untyped_storage().data_ptr(): t for t in self.outputs}.values():
+            self.parked.append(_Copy(tensor, self.offloader.stream_for_device(tensor.device),
+                                     release=True, pool=self.offloader.pool))
         self.outputs = []
-        self.fetched = False
+        self.ready = None
 
     def fetch(self) -> None:
         """Start bringing everything back (idempotent until the next forward)."""
-        if self.fetched:
+        if self.ready is not None:
             return
         copies = self.inputs + self.parked
         stream = self.offloader.stream_for_device(copies[0].device) if copies else None
         for copy in copies:
             copy.fetch(stream)
         self.ready = (stream.record_event(), copies[0].device) if stream is not None else True
-        self.fetched = True
 
     def wait(self) -> None:
         """Make the current stream wait for this stash's copies back (starting them if needed)."""
@@ -256,11 +247,9 @@ def _on(stream):
 
 def host_memory_bytes(module: torch.nn.Module, optimizer=None) -> int:
     """Host bytes this process keeps for training (pinned pools, host-resident state)."""
-    pools = {}
-    for m in module.modules():
-        for arg in getattr(getattr(m, "checkpoint_fn", None), "args", ()):
-            if isinstance(arg, Offloader):
-                pools[id(arg.pool)] = arg.pool
+    pools = {id(arg.pool): arg.pool for m in module.modules()
+             for arg in getattr(getattr(m, "checkpoint_fn", None), "args", ())
+             if isinstance(arg, Offloader)}
     if isinstance(getattr(optimizer, "pool", None), PinnedPool):
         pools[id(optimizer.pool)] = optimizer.pool
     pooled = {buf.data_ptr() for pool in pools.values() for buf in pool._all}
@@ -268,11 +257,11 @@ def host_memory_bytes(module: torch.nn.Module, optimizer=None) -> int:
     if optimizer is not None:
         tensors += [v for state in optimizer.state.values() for v in state.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0]
-    seen, total = set(), sum(pool.pinned_bytes for pool in pools.values())
-    for t in tensors:
+    total = sum(pool.pinned_bytes for pool in pools.values())
+    for t in tensors:  # each host storage once, the pools' counted above
         local = getattr(t, "_local_tensor", t)
         key = local.untyped_storage().data_ptr()
-        if local.device.type == "cpu" and key not in pooled and key not in seen:
-            seen.add(key)
+        if local.device.type == "cpu" and key not in pooled:
+            pooled.add(key)
             total += local.untyped_storage().nbytes()
     return total

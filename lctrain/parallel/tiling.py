@@ -8,9 +8,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from lctrain.errors import UserError
-from lctrain.model.deferred_norm import DeferredNorm
 from lctrain.model.families import family
-from lctrain.model.structure import bare, decoder_layers
+from lctrain.model.structure import DeferredNorm, bare, decoder_layers
 from lctrain_kernels.api import tiled_apply
 
 TILED_CHILDREN = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -26,14 +25,8 @@ class TiledModule(ActivationWrapper):
 
     def __init__(self, module: nn.Module, tile_tokens: int, pre: nn.Module | None = None) -> None:
         super().__init__(module)
-        if tile_tokens <= 0:
-            raise ValueError(f"tile_tokens must be positive, got {tile_tokens}")
         self.tile_tokens = int(tile_tokens)
-        self._pre = (pre,)  # a tuple: not a child of this module
-
-    @property
-    def pre(self) -> nn.Module | None:
-        return self._pre[0]
+        self.__dict__["pre"] = pre  # not a child of this module: it stays in its layer
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         module, pre = self._checkpoint_wrapped_module, self.pre
@@ -44,8 +37,15 @@ class TiledModule(ActivationWrapper):
             return run(hidden_states)
         params = [p for m in (pre, module) if m is not None
                   for p in m.parameters() if p.requires_grad]
-        return tiled_apply(run, hidden_states, self.tile_tokens, params,
-                           check=lambda y, x: _check_tile_output(module, y, x))
+        return tiled_apply(run, hidden_states, self.tile_tokens, params, check=self._check)
+
+    def _check(self, y, x: torch.Tensor) -> None:
+        if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
+            raise UserError(f"train.tile_tokens cannot tile "
+                            f"{type(self._checkpoint_wrapped_module).__name__}: it must map each "
+                            f"token to one output row, but returned {type(y).__name__} "
+                            f"{tuple(getattr(y, 'shape', ()))} for input {tuple(x.shape)}; set "
+                            "train.tile_tokens=0")
 
     def extra_repr(self) -> str:
         pre = f", pre={type(self.pre).__name__}" if self.pre is not None else ""
@@ -95,11 +95,3 @@ def _tile_child(parent: nn.Module, name: str, tile_tokens: int,
     inner = bare(child)
     setattr(parent, name, TiledModule(inner, tile_tokens, pre) if tile_tokens else inner)
     return bool(tile_tokens)
-
-
-def _check_tile_output(module: nn.Module, y, x: torch.Tensor) -> None:
-    if not isinstance(y, torch.Tensor) or y.shape[:-1] != x.shape[:-1]:
-        raise UserError(f"train.tile_tokens cannot tile {type(module).__name__}: it must map each "
-                        f"token to one output row, but returned {type(y).__name__} "
-                        f"{tuple(getattr(y, 'shape', ()))} for input {tuple(x.shape)}; set "
-                        "train.tile_tokens=0")
