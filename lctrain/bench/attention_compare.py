@@ -1,16 +1,16 @@
 """What the attention bench compares lctrain's schedules with: other people's distributed
 attention, timed beside them, and the single-device result, the correctness gate.
 
-A peer is a context manager ``peer(group, shape) -> (fwd, bwd)`` run on every rank on a random
-causal sequence of ``shape.seq_len`` tokens; one that cannot run here raises `PeerUnavailable`
-(the row's status). ``context_parallel`` is torch's experimental ring on cuDNN SDPA, CUDA only.
+A peer is a context manager ``peer(group, seq_len, cfg, dtype, device) -> (fwd, bwd)`` run on
+every rank on a random causal sequence of ``seq_len`` tokens with ``cfg``'s heads, kv_heads and
+head_dim; one that cannot run here raises `PeerUnavailable` (the row's status).
+``context_parallel`` is torch's experimental ring on cuDNN SDPA, CUDA only.
 The gate: a schedule is correct when its largest relative error of out, dq, dk, dv against the
 float32 reference of the whole sequence is at most twice the single-device kernel's (or 1e-4).
 With documents, everything runs the check's mix."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,27 +26,10 @@ class PeerUnavailable(RuntimeError):
     """A peer implementation cannot run on this machine (not installed, needs CUDA, ...)."""
 
 
-@dataclass(frozen=True)
-class Shape:
-    """Sizes of one attention call: batch 1, total ``seq_len`` tokens over the group."""
-
-    seq_len: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-
-def _randn(shape, spec: Shape, seed: int) -> torch.Tensor:
-    gen = torch.Generator(device=spec.device).manual_seed(seed)
-    return torch.randn(shape, generator=gen, dtype=spec.dtype, device=spec.device)
-
-
 @contextlib.contextmanager
-def context_parallel_peer(group, spec: Shape):
+def context_parallel_peer(group, seq_len: int, cfg, dtype: torch.dtype, device: torch.device):
     """torch's context_parallel with the cuDNN SDPA backend, causal (needs CUDA)."""
-    if spec.device.type != "cuda":
+    if device.type != "cuda":
         raise PeerUnavailable("torch context_parallel needs CUDA (it has no CPU sharding "
                               "strategy for SDPA)")
     from torch.distributed.device_mesh import DeviceMesh
@@ -56,11 +39,12 @@ def context_parallel_peer(group, spec: Shape):
 
     world = dist.get_world_size(group)
     mesh = DeviceMesh.from_group(group, "cuda")
-    q = _randn((1, spec.heads, spec.seq_len, spec.head_dim), spec, 1)  # (1, H, S, D)
-    k = _randn((1, spec.kv_heads, spec.seq_len, spec.head_dim), spec, 2)  # (1, Hkv, S, D)
-    v = _randn((1, spec.kv_heads, spec.seq_len, spec.head_dim), spec, 3)
-    do = _randn((1, spec.heads, spec.seq_len // world, spec.head_dim), spec, 4)  # (1, H, S/P, D)
-    extra = {"enable_gqa": True} if spec.kv_heads != spec.heads else {}
+    gen = torch.Generator(device=device)
+    sizes = [(cfg.heads, seq_len), (cfg.kv_heads, seq_len), (cfg.kv_heads, seq_len),
+             (cfg.heads, seq_len // world)]  # q, k, v: (1, H or Hkv, S, D); do: (1, H, S/P, D)
+    q, k, v, do = (torch.randn((1, h, n, cfg.head_dim), generator=gen.manual_seed(seed),
+                               dtype=dtype, device=device) for seed, (h, n) in enumerate(sizes, 1))
+    extra = {"enable_gqa": True} if cfg.kv_heads != cfg.heads else {}
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), context_parallel(
             mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
         for t in (q, k, v):

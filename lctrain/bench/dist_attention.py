@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lctrain.bench.attention_compare import PEERS, PeerUnavailable, Shape, check_schedules
+from lctrain.bench.attention_compare import PEERS, PeerUnavailable, check_schedules
 from lctrain.bench.documents import Documents, parse_each
 from lctrain.model.flops import BACKWARD_FACTOR, MODEL, attention_flops, rates
 from lctrain.bench.result import BenchResult
@@ -161,10 +161,8 @@ class _Bench:
             status = status.splitlines()[0][:200]
         per_rank = [None] * self.world
         dist.all_gather_object(per_rank, (status, times), group=self.group)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        bad = [s for s, _ in per_rank if s != "ok"]
-        if bad:
+        torch.cuda.empty_cache()  # a no-op where CUDA was never used
+        if bad := [s for s, _ in per_rank if s != "ok"]:
             return {"status": bad[0]}
         row = {key: max(t[key] for _, t in per_rank) for key in ("fwd_ms", "bwd_ms", "total_ms")}
         self.rate = _ITERATION * flops_per_gpu / row["total_ms"] * 1e3
@@ -226,8 +224,8 @@ class _Bench:
             balance = c.balance(seq_len, what, self.world) if what in SCHEDULES else None
             row = {**base, "variant": name, "balance": balance}
             if what in PEERS:
-                spec = Shape(seq_len, c.heads, c.kv_heads, c.head_dim, self.dtype, self.device)
-                make = lambda: PEERS[what](self.group, spec)  # noqa: E731
+                make = lambda: PEERS[what](  # noqa: E731
+                    self.group, seq_len, c, self.dtype, self.device)
             else:
                 make = lambda: contextlib.nullcontext(self._ours(seq_len, what, overlap))  # noqa: E731
             slug = name.replace(" (no overlap)", "-no-overlap")

@@ -207,15 +207,8 @@ def _cut(stream: list[int], total: int, row: int, spec: str) -> list[int]:
         raise ConfigError(f"--documents {spec!r} holds {sum(stream)} tokens, fewer than the "
                           f"{hi} that row {row} of {total} tokens needs; pick a smaller row or "
                           f"sequence length")
-    out, start = [], 0
-    for n in stream:
-        a, b = max(start, lo), min(start + n, hi)
-        if a < b:
-            out.append(b - a)
-        start += n
-        if start >= hi:
-            break
-    return out
+    inner = [end for end in accumulate(stream) if lo < end < hi]  # document ends inside the row
+    return [b - a for a, b in zip([lo, *inner], [*inner, hi])]
 
 
 def training_rows(spec: str, total: int, count: int) -> list[Documents]:

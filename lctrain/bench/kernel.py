@@ -152,8 +152,7 @@ def _run_subject(plan: _Plan, name: str, mix: _Mix | None, dense: dict | None = 
                                 trace))
         except torch.cuda.OutOfMemoryError:
             row["status"] = f"out of memory at {seq_len} tokens"
-        if plan.params["device"].type == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA was never used
         ref = (dense or {}).get(seq_len)  # rates over the dense row's: fwd+bwd, fwd, bwd
         if ref is not None and row.get("status") == "ok" and ref.get("status") == "ok":
             row.update({key: row[rate] / ref[rate] for key, rate in (
@@ -181,9 +180,7 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
     base = DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     seq_lens = list(seq_lens or base["seq_lens"])
     heads, head_dim = heads or base["heads"], head_dim or base["head_dim"]
-    dtype = dtype or base["dtype"]
-    if isinstance(dtype, str):  # the CLI passes the name, e.g. "bfloat16"
-        dtype = getattr(torch, dtype)
+    dtype = getattr(torch, str(dtype or base["dtype"]).replace("torch.", ""))  # a name or a dtype
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise ConfigError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")

@@ -276,10 +276,7 @@ def _expectations(cfg: RecipeConfig, nproc: int, share: float) -> tuple[int, dic
     host = cfg.train.host_memory or available_host_bytes()  # what an auto run places against
     est = estimate_recipe(cfg, seq_len=cfg.data.seq_len, gpus=nproc, gpu_memory=memory,
                           host_memory=host, gpus_per_node=nproc, attended=share)
-    fields = ("peak_allocated", "first_step_peak", "host_offload", "checkpointing", "offload",
-              "step_seconds")
-    return arch.num_layers, {"total": est.per_gpu_bytes["total"],
-                             **{key: est.details[key] for key in fields}}
+    return arch.num_layers, {**est.details, "total": est.per_gpu_bytes["total"]}
 
 
 def _progress_line(row: dict) -> str:

@@ -100,8 +100,7 @@ def check_fields(obj: Any, section: str) -> None:
         key = f"{section}.{field.name}"
         value = getattr(obj, field.name)
         new = coerce(key, hints[field.name], value, unit=field.metadata.get("unit"))
-        if new is not value:
-            object.__setattr__(obj, field.name, new)
+        object.__setattr__(obj, field.name, new)
         low, note = field.metadata.get("min", (None, ""))
         if low is not None and new is not None:
             shown = "≥ 0" if low == 0 else f"at least {low}"
@@ -186,8 +185,7 @@ def _coerce_tuple(key: str, args: tuple, value: Any) -> tuple:
         return tuple(coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value))
     if not isinstance(value, (list, tuple)) or len(value) != len(args):
         raise _fail(key, f"a list of {len(args)} values", value)
-    items = tuple(coerce(f"{key}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
-    return value if items == value and isinstance(value, tuple) else items
+    return tuple(coerce(f"{key}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
 
 
 def require(condition: bool, key: str, message: str) -> None:

@@ -233,10 +233,8 @@ def set_key(raw: dict[str, Any], key: str, value: Any, *, where: str) -> None:
     if len(rest) > 1 and (section, rest[0]) not in _FREE_FORM:
         raise ConfigError(f"{section}.{rest[0]} is a single setting; write "
                           f"--set {section}.{rest[0]}=VALUE")
-    node = raw.setdefault(section, {})
-    if not isinstance(node, dict):
-        node = raw[section] = {}
-    for part in rest[:-1]:
+    node = raw
+    for part in [section, *rest[:-1]]:  # a missing or non-mapping level becomes a mapping
         if not isinstance(node.get(part), dict):
             node[part] = {}
         node = node[part]

@@ -102,8 +102,7 @@ def local_data(source: str, *, what: str = "data.source") -> LocalData | None:
         raise ConfigError(f"{what} {source!r} matches no file; check the path (relative "
                           f"paths start from {os.getcwd()})", key=what)
     suffixes = {Path(f).suffix.lower() for f in files}
-    unknown = suffixes - set(DATA_BUILDERS)
-    if unknown:
+    if unknown := suffixes - set(DATA_BUILDERS):
         raise ConfigError(f"{what} {source!r} matches files ending in {sorted(unknown)}; "
                           f"lctrain reads .txt, .jsonl, .json and .parquet", key=what)
     builders = {DATA_BUILDERS[s] for s in suffixes}

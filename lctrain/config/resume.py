@@ -26,17 +26,15 @@ RESUMABLE = (
 def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     """Nested mappings as {dotted key: leaf} (lists and tuples are leaves, as lists)."""
     if isinstance(data, dict) and (data or not prefix):
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out
+        return {k: v for key, value in data.items()
+                for k, v in flatten(value, f"{prefix}{key}.").items()}
     return {prefix.rstrip("."): list(data) if isinstance(data, tuple) else data}
 
 
 def differences(saved: RecipeConfig, new: RecipeConfig) -> list[tuple[str, Any, Any]]:
     """(dotted key, saved value, new value) for every setting that differs, in recipe order."""
     a, b = flatten(saved.to_dict()), flatten(new.to_dict())
-    keys = [k for k in list(a) + [k for k in b if k not in a] if k != "train.output_dir"]
+    keys = [k for k in {**a, **b} if k != "train.output_dir"]
     return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]  # a moved run is its run
 
 

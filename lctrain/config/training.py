@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lctrain.config.fields import MEMORY, SIZE, at_least, check_fields, require, suggest
+from lctrain.config.fields import MEMORY, SIZE, at_least, check_fields, require
 from lctrain.config.layers import LayerPlan
 
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -58,7 +58,7 @@ class TrainConfig:
     """Skipped non-finite steps in a row after which the run stops."""
     eval_every: int = field(default=0, metadata=at_least(0, " (0 = after the last step only)"))
     """Compute the validation loss every N optimizer steps and after the last; 0 = the last."""
-    report_to: tuple[str, ...] = ("jsonl", "tensorboard")
+    report_to: tuple[Literal[REPORT_TO], ...] = ("jsonl", "tensorboard")
     """Where metrics go: jsonl (output_dir/metrics.jsonl), tensorboard, wandb, mlflow."""
     output_dir: str = "runs/lctrain"
     """Folder for config.yaml, metrics.jsonl and checkpoints/."""
@@ -82,9 +82,7 @@ class TrainConfig:
                 f"is {self.host_memory} but must be positive (or null to read /proc/meminfo)")
         require(len(self.report_to) > 0, "train.report_to",
                 f"is empty; list some of {', '.join(REPORT_TO)}")
-        for i, name in enumerate(self.report_to):
-            require(name in REPORT_TO, f"train.report_to[{i}]", f"is {name!r} but must be one of "
-                    f"{', '.join(REPORT_TO)}{suggest(name, REPORT_TO)}")
+        for name in self.report_to:
             require(self.report_to.count(name) == 1, "train.report_to", f"names {name} twice")
 
     @property
