@@ -330,6 +330,7 @@ def test_eval_mistakes_are_one_sentence(tmp_path, model_folder):
          "passkey length 301 is not divisible by 2"),
         (["eval", str(model_folder), "--task", "passkey", "--depths", "0,x"],
          "'x' is not a number"),
+        (["eval", str(model_folder), "--task", "passkey", "--depths", "0,1.5"], "outside [0, 1]"),
         (["eval", str(model_folder), "--task", "passkey", "--lengths", "64"], "too short"),
         (["eval", str(model_folder), "--plot", str(tmp_path / "p.txt")], "must end in one of"),
         (["eval", "tiny", "--set", "parallel.schedule=context_parallel"],

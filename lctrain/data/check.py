@@ -18,9 +18,8 @@ FIRST_RECORDS = 8
 """Records read and encoded per source."""
 
 
-def check_first_records(data: DataConfig, tokenizer: Callable[[], Any], *,
-                        count: int = FIRST_RECORDS) -> None:
-    """Read and encode the first ``count`` records of data.source and data.eval_source with
+def check_first_records(data: DataConfig, tokenizer: Callable[[], Any]) -> None:
+    """Read and encode the first `FIRST_RECORDS` records of data.source and data.eval_source with
     ``tokenizer()`` (loaded only for a local source); DataError as preparing would give. Builtin
     and hub sources are left to the ranks (a hub dataset is only read whole)."""
     tokenizer, sources = functools.cache(tokenizer), [(data, "data.source")]
@@ -30,9 +29,9 @@ def check_first_records(data: DataConfig, tokenizer: Callable[[], Any], *,
     for part, key in sources:
         if local_data(part.source, what=key) is None:
             continue
-        records = list(islice(RecordReader(part, source_key=key), count + 1))
+        records = list(islice(RecordReader(part, source_key=key), FIRST_RECORDS + 1))
         if not records:
             raise DataError(f"{key} {part.source!r} holds no record; point it at some data")
         encoder = Encoder.for_data(part, tokenizer(), records[0])
-        if not encoder.encode(records[:count]) and len(records) <= count:  # the whole source
-            raise no_tokens(part.source, encoder.skips, key)
+        if not encoder.encode(records[:FIRST_RECORDS]) and len(records) <= FIRST_RECORDS:
+            raise no_tokens(part.source, encoder.skips, key)  # the whole source is read

@@ -119,10 +119,9 @@ class Encoder:
         except DataError:
             if data.format == "auto":
                 raise
-            fmt, why = data.format, ""
+            fmt, why = None, ""
         if data.format != "auto":  # named as given, with what the first record looks like
-            named = fmt == data.format and why
-            fmt, why = data.format, f"data.format; {why}" if named else "data.format"
+            fmt, why = data.format, "data.format" + (f"; {why}" if fmt == data.format else "")
         return cls(fmt, tokenizer, fields=data.fields, turns=data.turns, template=template, why=why)
 
     def encode(self, records: Sequence[Record]) -> list[Sample]:
@@ -334,14 +333,12 @@ def chat_messages(messages: Sequence[Any], where: str, fields: dict | None = Non
                             f"{', '.join(ROLES)} (nor ShareGPT's {', '.join(ROLE_ALIASES)}); "
                             f"correct the record, or map the role with data.fields (such as "
                             f"data.fields.user={role})")
-        if content_key not in message:
-            raise DataError(f"{where}: message {i} ({role}) has no content; each message must "
-                            f"be an object with a string role and a string content")
-        content = message[content_key]
+        content = message.get(content_key)
         if not isinstance(content, str):
             kind = "null" if content is None else f"of type {type(content).__name__}"
-            raise DataError(f"{where}: message {i} ({role}) has content {kind}, not a string; each "
-                            "message must be an object with a string role and a string content")
+            kind = f"content {kind}, not a string" if content_key in message else "no content"
+            raise DataError(f"{where}: message {i} ({role}) has {kind}; each message must be an "
+                            "object with a string role and a string content")
         out.append({**{k: v for k, v in message.items() if k not in (role_key, content_key)
                        and v is not None}, "role": roles[role], "content": content})
     return out

@@ -28,10 +28,6 @@ class TokenStream:
     targets: np.ndarray
     bounds: np.ndarray
 
-    @property
-    def total(self) -> int:
-        return int(self.ids.shape[0])
-
 
 @dataclass(frozen=True)
 class RowPlan:
@@ -168,10 +164,10 @@ class PackedRows:
 
     def _labels_within_samples(self, a: int, b: int) -> np.ndarray:
         """Labels of stream positions a..b-1 within their samples."""
-        bounds, total = self.stream.bounds, self.stream.total
+        bounds = self.stream.bounds
         nxt = np.arange(a + 1, b + 1, dtype=np.int64)  # (n,)
         sample_end = bounds[np.searchsorted(bounds, nxt - 1, side="right")]
-        at = np.minimum(nxt, total - 1)
+        at = np.minimum(nxt, bounds[-1] - 1)
         ok = (nxt < sample_end) & self.stream.targets[at].astype(bool)
         return np.where(ok, self.stream.ids[at], IGNORE).astype(np.int64)
 

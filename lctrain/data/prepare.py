@@ -30,7 +30,6 @@ from lctrain.errors import DataError
 
 _BATCH = 512  # records tokenized together
 RECORDS_PER_PROCESS = 2000  # the least a tokenizing process is started for
-PARTS = ("train", "eval")
 LAYOUT_VERSION = 3  # bumped whenever what a cache folder holds changes
 ROWS_VERSION = 2  # bumped whenever a row plan (rows-*.npz) changes; the tokens stay
 
@@ -51,8 +50,6 @@ def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
 def part_samples(data: DataConfig, part: str, documents: int, seed: int = 0) -> np.ndarray | None:
     """The sample indices of ``part`` of the source's ``documents`` (None: all of them, as
     data.eval_source holds none of them out)."""
-    if part not in PARTS:
-        raise ValueError(f"unknown data part {part!r}; use one of {PARTS}")
     if data.eval_fraction == 0:
         return None
     chosen = held_out(documents, data.eval_fraction, seed)
@@ -162,10 +159,12 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
     """Read and encode ``data`` with a batched ``Dataset.map`` (its result cached by datasets
     under ``fingerprint``), then write its token stream into ``folder`` (meta.json last)."""
     start = time.perf_counter()
+    bars = load_datasets().utils.logging  # datasets' progress bars: on while preparing visibly
     if show:
         print(f"preparing data from {data.source} (tokenizing and packing once; later runs and "
               f"the other ranks of this machine reuse it)", flush=True)
-    with _progress_bars(show):
+        bars.enable_progress_bar()
+    try:
         reader = RecordReader(data, source_key=source_key)
         if not len(reader):
             raise DataError(f"{source_key} {data.source!r} holds no record; point it at some data")
@@ -177,6 +176,8 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
             remove_columns=reader.dataset.column_names,
             fn_kwargs={"reader": reader, "encoder": encoder}, new_fingerprint=fingerprint,
             desc="tokenizing")
+    finally:
+        bars.disable_progress_bar()
     counts = {"records": len(reader), "tokens": 0, "target_tokens": 0}
     lengths, skips, has_labels = [], Skips(), False
     with open(folder / "ids.bin", "wb") as ids, open(folder / "targets.bin", "wb") as flags, \
@@ -232,17 +233,6 @@ def _encode(batch: dict[str, list], rows: list[int], reader: RecordReader,
             "skip": [""] * len(samples) + [reason for reason, _ in skipped],
             "count": [1] * len(samples) + [count for _, (count, _) in skipped],
             "labels": [encoder.has_labels] * (len(samples) + len(skipped))}
-
-
-@contextlib.contextmanager
-def _progress_bars(show: bool) -> Iterator[None]:
-    """datasets' progress bars on while preparing visibly, off otherwise (and afterwards)."""
-    logging = load_datasets().utils.logging
-    (logging.enable_progress_bar if show else logging.disable_progress_bar)()
-    try:
-        yield
-    finally:
-        logging.disable_progress_bar()
 
 
 def rows_summary(rows: PackedRows) -> list[str]:

@@ -60,13 +60,11 @@ def preview_rows(rows: PackedRows, tokenizer: Any, count: int) -> list[RowPrevie
 
 def marked_runs(tokenizer: Any, ids: Sequence[int], targets: Sequence[bool]
                 ) -> list[tuple[str, bool]]:
-    """The text of ``ids`` (special tokens shown) as runs of equal ``targets``."""
+    """The text of ``ids`` (at least one; special tokens shown) as runs of equal ``targets``."""
     ids, flags = [int(i) for i in ids], np.asarray(targets, dtype=bool)
     cuts = [0, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1).tolist(), len(ids)]
     runs = []
     for a, b in zip(cuts[:-1], cuts[1:]):
-        if a == b:
-            continue
         context = max(0, a - _CONTEXT)
         before = tokenizer.decode(ids[context:a], skip_special_tokens=False) if a else ""
         whole = tokenizer.decode(ids[context:b], skip_special_tokens=False)

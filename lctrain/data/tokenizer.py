@@ -79,9 +79,6 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
-
 
 class BytePairTokenizer(ByteTokenizer):
     """Two UTF-8 bytes a token (id 256·b0 + b1); a lone last byte is 65,536 + b; then specials."""

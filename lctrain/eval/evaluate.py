@@ -140,7 +140,10 @@ def eval_worker(cfg: RecipeConfig, *, resume: bool = False, request: EvalRequest
         parts.distributed.module.eval()
         load_s = time.perf_counter() - start
         task = run_ppl if request.task == "ppl" else run_passkey
-        rows, meta = task(setup, parts, request)
+        # progress lines from rank 0 on stdout when it is a terminal
+        say = functools.partial(print, flush=True) if setup.main and sys.stdout.isatty() else (
+            lambda line: None)
+        rows, meta = task(setup, parts, request, load_tokenizer(cfg), say)
         peak = torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64, device=device)
         if pmesh.world_group is not None and pmesh.world_size > 1:  # the largest of any rank
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=pmesh.world_group)
@@ -168,17 +171,9 @@ def _meta(setup: RunSetup, parts, request: EvalRequest, load_s: float, peak: int
             "peak_memory_bytes": peak, "machine": environment()}
 
 
-def progress_printer(main: bool) -> Callable[[str], None]:
-    """Progress lines from rank 0 on stdout when it is a terminal."""
-    return (lambda line: print(line, flush=True)) if main and sys.stdout.isatty() else (
-        lambda line: None)
-
-
-def run_ppl(setup, parts, request) -> tuple[list[dict], dict]:
-    """Loss and perplexity per position bucket over the request's rows."""
+def run_ppl(setup, parts, request, tokenizer, say) -> tuple[list[dict], dict]:
+    """Loss and perplexity per position bucket over the request's rows (``say``: progress)."""
     cfg, pmesh, cp = setup.cfg, setup.pmesh, setup.cp
-    say = progress_printer(setup.main)
-    tokenizer = load_tokenizer(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", pmesh.rank))
     rows = prepare_data(cfg.data, tokenizer, leader=local_rank == 0,
                         show_progress=setup.main and sys.stdout.isatty(), part=request.part,
@@ -227,27 +222,23 @@ def _counted(batches: Iterator, say: Callable[[str], None], rows: int, per_batch
         say(f"ppl: {min(index * per_batch, rows):,} of {rows:,} rows")
 
 
-def run_passkey(setup, parts, request) -> tuple[list[dict], dict]:
-    """The passkey test over the request's lengths × depths × trials."""
-    cfg, pmesh = setup.cfg, setup.pmesh
-    say = progress_printer(setup.main)
-    tokenizer = load_tokenizer(cfg)
+def run_passkey(setup, parts, request, tokenizer, say) -> tuple[list[dict], dict]:
+    """The passkey test over the request's lengths × depths × trials (``say``: progress)."""
+    pmesh = setup.pmesh
     cases = passkey_cases(list(request.lengths), list(request.depths), request.trials, request.seed)
     steps = max(answer_tokens(tokenizer, case.passkey) for case in cases)
-    mine = list(range(pmesh.dp_rank, len(cases), pmesh.dp))
     slots = -(-len(cases) // pmesh.dp)  # every dp group runs as many prompts (in step)
     start = _start_clock(setup)
     outcomes: dict[int, dict] = {}
-    for slot in range(slots):
-        index = mine[slot] if slot < len(mine) else None
-        case = cases[0 if index is None else index]
+    for index in range(pmesh.dp_rank, slots * pmesh.dp, pmesh.dp):
+        case = cases[index if index < len(cases) else 0]  # past the last case: run, not kept
         prompt = passkey_prompt(tokenizer, case.length, case.depth, case.passkey)
         began = time.perf_counter()
         if setup.accelerator.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(setup.accelerator.device)
         ids, _ = generate(parts.distributed.module, prompt.ids, steps, cp=setup.cp,
                           accelerator=setup.accelerator, vocab=len(tokenizer))
-        if index is None:
+        if index >= len(cases):
             continue
         outcomes[index] = {"answer": tokenizer.decode(ids, skip_special_tokens=True),
                            "needle_start": prompt.needle_start, "placed_depth": prompt.placed_depth,
@@ -276,10 +267,9 @@ def _gather(outcomes: dict[int, dict], pmesh) -> dict[int, dict]:
     merged: dict[int, dict] = {}
     for part in everyone:
         for index, outcome in part.items():
-            if index in merged:
-                outcome = {**merged[index], "peak_memory_bytes": max(
-                    merged[index]["peak_memory_bytes"], outcome["peak_memory_bytes"])}
-            merged[index] = outcome
+            first = merged.get(index, outcome)
+            peak = max(first["peak_memory_bytes"], outcome["peak_memory_bytes"])
+            merged[index] = {**first, "peak_memory_bytes": peak}
     return merged
 
 

@@ -24,12 +24,10 @@ _DIGITS = re.compile(r"\d+")
 
 @dataclass(frozen=True)
 class PasskeyPrompt:
-    """One test prompt: its ids, the passkey, the depth asked for (0: start of the filler,
-    1: its end), the needle's token span, and the filler's start and length (needle excluded)."""
+    """One test prompt: its ids, the needle's token span, and the filler's start and length
+    (needle excluded)."""
 
     ids: list[int]
-    passkey: str
-    depth: float
     needle_start: int
     needle_stop: int
     filler_start: int
@@ -42,11 +40,8 @@ class PasskeyPrompt:
 
 
 def passkey_prompt(tokenizer: Any, length: int, depth: float, passkey: str) -> PasskeyPrompt:
-    """The test prompt of ``length`` tokens with ``passkey`` hidden at ``depth`` (UserError:
-    ``length`` too short for the fixed text, or ``depth`` outside [0, 1])."""
-    if not 0.0 <= depth <= 1.0:
-        raise UserError(f"passkey depth {depth:g} is outside [0, 1]; give depths such as "
-                        f"0,0.25,0.5,0.75,1")
+    """The test prompt of ``length`` tokens with ``passkey`` hidden at ``depth`` (0: start of the
+    filler, 1: its end; UserError: ``length`` too short for the fixed text)."""
     lead = leading_specials(tokenizer)
     intro, needle, question = plain_ids(tokenizer, [INTRO, " " + NEEDLE.format(key=passkey),
                                                     " " + QUESTION])
@@ -66,9 +61,8 @@ def passkey_prompt(tokenizer: Any, length: int, depth: float, passkey: str) -> P
     bounds = [0] + [end - drop for end in ends if end > drop]
     cut = max(b for b in bounds if b <= round(depth * room))
     ids = lead + intro + filler[:cut] + needle + filler[cut:] + question
-    return PasskeyPrompt(ids=ids, passkey=passkey, depth=depth, needle_start=head + cut,
-                         needle_stop=head + cut + len(needle), filler_start=head,
-                         filler_tokens=room)
+    return PasskeyPrompt(ids=ids, needle_start=head + cut, needle_stop=head + cut + len(needle),
+                         filler_start=head, filler_tokens=room)
 
 
 def answer_tokens(tokenizer: Any, passkey: str) -> int:
