@@ -258,8 +258,8 @@ class Engine:
         """(shape, dtype) of each tensor of ``m``: those of this rank's own tensors of its kind
         (``self.like``) at its rows, as every rank's tensors have one shape."""
         a, b = m.rows.resolve(self.n)
-        return [((t[:, a:b] if t.dim() == 4 else t[:, :, a:b]).shape, t.dtype)
-                for t in self.like[m.kind]]
+        rows = [(1 if t.dim() == 4 else 2, t) for t in self.like[m.kind]]  # the row dimension
+        return [((*t.shape[:d], b - a, *t.shape[d + 1:]), t.dtype) for d, t in rows]
 
     def local_rows(self, rows) -> list[torch.Tensor]:
         """This rank's query-side tensors (``self.like["q"]``) at ``rows``: (B, b - a, Hq, D)
