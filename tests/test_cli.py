@@ -108,6 +108,7 @@ def test_python_dash_m_lctrain_works():
     ["finetune", "--set", "model.path=/no/such/model", "--set", "model.config=null"],
     ["finetune", "--set", "parallel.schedule=context_parallel"],
     ["estimate-memory", "--gpu-memory", "80XB"],
+    ["estimate-memory", "--gpu-memory", "141"],
     ["estimate-memory", "--model", "llama-7b"],
     ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--host-memory", "12XB"],
     ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--set", "train.lr=1"],

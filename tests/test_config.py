@@ -203,6 +203,10 @@ def test_parse_size_list_and_memory():
     assert parse_memory("141gb") == 141 * 10**9
     with pytest.raises(ConfigError, match="80XB"):
         parse_memory("80XB")
+    assert parse_memory(85899345920) == parse_memory("85899345920") == 80 * 1024**3
+    for bare in ("141", 141, "80.5"):
+        with pytest.raises(ConfigError, match="has no unit.*write it like"):
+            parse_memory(bare)
 
 
 def test_parallel_names_come_from_the_kernels():
