@@ -109,6 +109,10 @@ def test_python_dash_m_lctrain_works():
     ["finetune", "--set", "parallel.schedule=context_parallel"],
     ["estimate-memory", "--gpu-memory", "80XB"],
     ["estimate-memory", "--gpu-memory", "141"],
+    ["bench", "kernel", "--seq-len", "64", "--backend", "reference,tritn"],
+    ["bench", "kernel", "--seq-len", "64", "--documents", "2xgarbage"],
+    ["bench", "step", "--variant", "bogus"],
+    ["bench", "step", "--variant", "train.lr='1"],
     ["estimate-memory", "--model", "llama-7b"],
     ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--host-memory", "12XB"],
     ["estimate-memory", "--model", "llama-7b", "--seq-len", "1k", "--set", "train.lr=1"],
@@ -129,6 +133,30 @@ def test_user_mistakes_are_one_sentence_without_traceback(args):
     assert result.exception is None or isinstance(result.exception, SystemExit)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+
+
+def test_unwritable_result_files_are_refused_before_any_work(tmp_path):
+    """--json and --plot are tried before the measurement or evaluation: one sentence, and no
+    progress line (nothing ran, so nothing is lost); a checked folder keeps no scratch file."""
+    pytest.importorskip("matplotlib")
+    blocker, folder = tmp_path / "a-file", tmp_path / "folder"
+    blocker.write_text("x")
+    folder.mkdir()
+    kernel = ["bench", "kernel", "--seq-len", "64", "--backend", "reference", "--repeats", "1"]
+    for args, words in [([*kernel, "--json", str(blocker / "r.json")], "cannot be written"),
+                        ([*kernel, "--plot", str(blocker / "p.png")], "cannot be written"),
+                        ([*kernel, "--json", str(folder)], "is a folder"),
+                        (["report", str(tmp_path), "--plot", str(blocker / "p.png")],
+                         "cannot be written"),
+                        (["eval", str(tmp_path), "--json", str(blocker / "r.json")],
+                         "cannot be written")]:
+        result = _invoke(*args)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.exit_code == 1 and len(lines) == 1, result.output
+        assert lines[0].startswith("error: --") and words in lines[0], lines
+    result = _invoke(*kernel, "--json", str(folder / "deeper" / "r.json"))
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in (folder / "deeper").iterdir()] == ["r.json"]
 
 
 def test_usage_errors_exit_nonzero_without_traceback():

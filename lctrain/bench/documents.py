@@ -124,7 +124,7 @@ def _listed(text: str, total: int) -> list[int]:
             raise ConfigError(f"--documents item {item!r} of {text!r} is not a length; write "
                               f"sizes such as 8k or 3x2k (N documents of L tokens), comma "
                               f"separated, or lognormal:mean=12k, lengths:FILE, data:FILE")
-        lengths += [parse_size(size, what=f"--documents item {item!r}")] * int(count or 1)
+        lengths += [parse_size(size, what="--documents length")] * int(count or 1)
     used = sum(lengths)
     if used > total or (used < total and not rest):
         fix = "end the list with ,rest for one more document" if used < total else "shorten it"

@@ -17,10 +17,12 @@ from lctrain.model.flops import MODEL, attention_flops, rates
 from lctrain.bench.result import BenchResult
 from lctrain.bench.timing import measure, profile
 from lctrain.bench.views import progress_line
+from lctrain.config.fields import suggest
 from lctrain.errors import ConfigError
 from lctrain.report.versions import environment
 from lctrain_kernels.api import (BackendUnavailable, MaskSpec, available_backends, classify,
                                  get_backend, reference_backward, reference_forward)
+from lctrain_kernels.vocabulary import BACKENDS
 
 
 #: largest relative error accepted by the correctness check, per dtype.
@@ -199,6 +201,10 @@ def run(seq_lens: list[int] | None = None, backends: list[str] | None = None,
     plan = _Plan(seq_lens, params, mixes, check_len, repeats, warmup, profile_dir,
                  progress or (lambda line: None))
     names = list(backends) if backends else default_backends(device, bool(mixes))
+    for option, name in [*(("--backend", n) for n in names), ("--dense-reference", dense)]:
+        if name is not None and name not in BACKENDS:  # a typo, not a backend missing here
+            raise ConfigError(f"{option} {name!r} is not an attention backend; choose from "
+                              f"{', '.join(BACKENDS)}{suggest(name, BACKENDS)}")
     rows = []
     if dense is not None:
         rows += _run_subject(plan, dense, None, label=f"{dense} (dense)")

@@ -10,7 +10,7 @@ from pathlib import Path
 from lctrain.bench.result import BenchResult
 from lctrain.bench.views import WHAT, describe, short_variant, summary, table
 from lctrain.errors import UserError
-from lctrain.report.table import emit, say, show
+from lctrain.report.table import emit, say, show, writable
 from lctrain.report import plotting
 from lctrain.report.human import rate_unit
 
@@ -85,6 +85,8 @@ class Publisher:
                  json_file: str | None = None, plot: str | None = None):
         if plot is not None:
             check(kind, plot)
+        if json_file is not None:
+            writable(json_file, "--json")
         self.fmt, self.wide, self.json_file, self.plot = fmt, wide, json_file, plot
         self.progress = say
 

@@ -27,7 +27,7 @@ from lctrain.config import RecipeConfig, load_recipe
 from lctrain.config.layers import LayerPlan
 from lctrain.data import epoch_order
 from lctrain.model import load_tokenizer
-from lctrain.errors import UserError
+from lctrain.errors import ConfigError, UserError
 from lctrain.report.runs import median
 from lctrain.report.versions import environment
 from lctrain.train.memory_trace import ENV as MEMORY_TRACE
@@ -40,8 +40,21 @@ def configurations(recipe: str | None, overrides: list[str], seq_lens: list[int]
                    variants: list[str] | None = None) -> list[tuple[str, RecipeConfig]]:
     """``(label, config)``: the recipe with ``overrides`` at every sequence length (None: the
     recipe's own) × every variant (space-separated ``key=value`` overrides, also the label)."""
-    return [(group, load_recipe(recipe, [*overrides, *shlex.split(group)], seq_len=seq_len))
+    return [(group, load_recipe(recipe, [*overrides, *_settings(group)], seq_len=seq_len))
             for seq_len in seq_lens or [None] for group in variants or [""]]
+
+
+def _settings(variant: str) -> list[str]:
+    """The ``key=value`` items of one ``--variant`` (ConfigError naming it when malformed)."""
+    try:
+        items = shlex.split(variant)
+    except ValueError as error:  # an unclosed quote
+        raise ConfigError(f"--variant {variant!r} cannot be split ({error}); close its quotes") from None
+    for item in items:
+        if not item.partition("=")[0].strip() or "=" not in item:
+            raise ConfigError(f"--variant {variant!r}: {item!r} must look like key=value; a variant "
+                              "is space-separated settings such as 'train.lr=1e-4 parallel.cp=1'")
+    return items
 
 
 def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,

@@ -67,10 +67,12 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: StepOpt = No
         from lctrain.eval.result import check_plot, plot as draw, table
         from lctrain.eval.request import resolve
         from lctrain.eval.evaluate import evaluate
-        from lctrain.report.table import emit, say, show
+        from lctrain.report.table import emit, say, show, writable
 
         if plot is not None:
             check_plot(plot)
+        if json_file is not None:
+            writable(json_file, "--json")
         cfg, request = resolve(
             target, task=task.value, step=step, seq_len=parsed_size(seq_len, "--seq-len"), cp=cp,
             data=data, overrides=overrides or [], bucket=parsed_size(bucket, "--bucket"),

@@ -5,15 +5,16 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from lctrain.errors import UserError
+from lctrain.errors import UserError, unwritable
 from lctrain.report.human import tokens
+from lctrain.report.table import writable
 
 FILE_TYPES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 def check_target(path: str | Path) -> Path:
-    """The plot file to write, checked before any work (UserError: matplotlib is missing, or
-    the file type is not one it writes)."""
+    """The plot file to write, checked before any work (UserError: matplotlib is missing, the
+    file type is not one it writes, or the file cannot be written)."""
     target = Path(path).expanduser()
     if target.suffix.lower() not in FILE_TYPES:
         raise UserError(f"--plot {path}: the file name must end in one of "
@@ -21,7 +22,7 @@ def check_target(path: str | Path) -> Path:
     if importlib.util.find_spec("matplotlib") is None:
         raise UserError("--plot needs matplotlib, which is not installed here; pip install "
                         "matplotlib, or drop --plot")
-    return target
+    return writable(target, "--plot")
 
 
 def figure(title: str, xlabel: str, ylabel: str):
@@ -59,8 +60,11 @@ def finish(fig, ax, path: str | Path, legend: bool = True) -> Path:
 
     if legend and ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=9)
-    target = Path(path).expanduser()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=130, bbox_inches="tight")
-    plt.close(fig)
+    target = writable(path, "--plot")
+    try:
+        fig.savefig(target, dpi=130, bbox_inches="tight")
+    except OSError as error:
+        raise unwritable(f"--plot {path}", error) from None
+    finally:
+        plt.close(fig)
     return target

@@ -12,12 +12,13 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from lctrain.errors import UserError
+from lctrain.errors import UserError, unwritable
 from lctrain.report import human
 
 _INLINE_STATUS = 16  # longer status texts become numbered notes under the table
@@ -250,11 +251,29 @@ class ResultDocument:
                            "meta": self.meta, "rows": self.rows}, indent=indent, default=str)
 
     def save(self, path: str | Path) -> Path:
-        """Write :meth:`to_json` to ``path``, creating its folder; returns the path."""
-        target = Path(path).expanduser()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(self.to_json() + "\n", encoding="utf-8")
+        """Write :meth:`to_json` to ``path`` (``--json``), creating its folder; returns the path."""
+        target = writable(path, "--json")
+        try:
+            target.write_text(self.to_json() + "\n", encoding="utf-8")
+        except OSError as error:
+            raise unwritable(f"--json {path}", error) from None
         return target
+
+
+def writable(path: str | Path, option: str) -> Path:
+    """``path``, the file ``option`` writes once the work is done, tried before it starts so no
+    work is lost: its folder is made and a scratch file made and dropped there (UserError)."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UserError(f"{option} {path} is a folder; give a file name such as "
+                        f"{target / ('result.json' if option == '--json' else 'plot.png')}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as error:
+        raise unwritable(f"{option} {path}", error) from None
+    return target
 
 
 def read_document(path: str | Path, hint: str = "") -> tuple[Path, Any]:
