@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from lctrain.train.step_profile import category, own_times
+from lctrain.train.step_profile import category, own_times, profiler
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,8 @@ def profile(fwd: Callable[[], Any], bwd: Callable[[Any], Any], device: torch.dev
         if sync is not None:
             sync()
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     wait()
-    with torch.profiler.profile(activities=activities) as prof:
+    with profiler(device) as prof:
         start = time.perf_counter()
         for _ in range(ITERATIONS):
             bwd(fwd())

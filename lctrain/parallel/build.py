@@ -83,7 +83,7 @@ def build_model(setup: RunSetup, root: Callable[[nn.Module, int, bool], nn.Modul
     module = root(model, cfg.train.loss_chunk_tokens, fused and accelerator.device.type == "cuda")
     bf16, fsdp, pmesh = accelerator.mixed_precision == "bf16", cfg.parallel.fsdp, setup.pmesh
     # FSDP2 when asked, for state on the host, or on several GPUs; else replication
-    sharded = fsdp == "on" or cfg.train.layers.state == "state" or (
+    sharded = fsdp == "on" or layers.state == "state" or (
         fsdp == "auto" and pmesh.device_type == "cuda" and pmesh.world_size > 1)
     distributed = distribute(module, decoder_layers(model), world_mesh=pmesh.world_mesh,
                              strategy="fsdp" if sharded else "replicate",

@@ -46,24 +46,28 @@ def profiled_step(folder: Path | None, device: torch.device, rank: int, step: in
         yield spent
         return
     entered = time.perf_counter()
-    cuda = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize(device)
-    with torch.profiler.profile(activities=activities) as prof:
+    with profiler(device) as prof:
         start = time.perf_counter()
         yield spent
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"rank{rank}-step{step}"
     prof.export_chrome_trace(f"{stem}.json")
-    summary = summarize(own_times(prof, cuda), wall * 1e3)
+    summary = summarize(own_times(prof, device.type == "cuda"), wall * 1e3)
     Path(f"{stem}-kernels.json").write_text(json.dumps(summary, indent=1) + "\n")
     Path(f"{stem}-kernels.txt").write_text(report(summary))
     spent["outside_s"] = time.perf_counter() - entered - wall
+
+
+def profiler(device: torch.device):
+    """torch's profiler of the CPU and, on a GPU, its kernels, entered with the GPU idle."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    return torch.profiler.profile(activities=activities)
 
 
 def own_times(prof, cuda: bool) -> dict[str, tuple[float, int]]:
