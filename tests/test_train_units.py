@@ -47,6 +47,14 @@ def test_metrics_log_truncates_fresh_and_trims_on_resume(tmp_path):
     assert path.read_text() == ""
 
 
+def test_a_resume_drops_the_line_a_full_disk_cut_short(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    MetricsLog(path, enabled=True, resume_step=2)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    assert "cut short" in capsys.readouterr().err
+
+
 def test_accelerate_must_not_shard_the_model_itself():
     from accelerate.utils import DistributedType
 

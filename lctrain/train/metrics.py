@@ -24,8 +24,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = (self.path.read_text().splitlines()
                  if resume_step is not None and self.path.exists() else [])
-        kept = [line for line in lines
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        kept = [line for line in lines if _step(line, self.path) <= resume_step]
         staging = self.path.with_name(self.path.name + ".tmp")  # readers never see it empty
         staging.write_text("".join(line + "\n" for line in kept))
         os.replace(staging, self.path)
@@ -37,6 +36,18 @@ class MetricsLog:
                  for k, v in record.items()}
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(clean) + "\n")
+
+
+def _step(line: str, path: Path) -> float:
+    """The step of one metrics line; inf (past any checkpoint) for a blank line or one cut
+    short, as a write that failed on a full disk leaves it (said once, then dropped)."""
+    try:
+        record = json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        print(f"warning: dropped a line of {path} that a failed write cut short: {line[:60]!r}",
+              file=sys.stderr, flush=True)
+        return math.inf
+    return record.get("step", 0) if isinstance(record, dict) else math.inf
 
 
 class Progress:

@@ -144,7 +144,8 @@ def build_trainer(setup: RunSetup, parts: ModelParts, resume_from: Path | None) 
     optimizer, scheduler = build_optimizer(
         parts.distributed.module, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas),
         warmup_steps=t.warmup_steps, total_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio,
-        start_step=start, resumed=None if saved is None else saved_plan(saved, resume_from),
+        start_step=0 if saved is None else saved_lr_step(saved, resume_from),
+        resumed=None if saved is None else saved_plan(saved, resume_from),
         host_states=t.layers.state == "optimizer")
     trainer = Trainer(distributed=parts.distributed, optimizer=optimizer, scheduler=scheduler,
                       pmesh=setup.pmesh, cp=setup.cp, accelerator=setup.accelerator,
@@ -153,6 +154,11 @@ def build_trainer(setup: RunSetup, parts: ModelParts, resume_from: Path | None) 
         load_checkpoint(resume_from, module=parts.distributed.module, optimizer=optimizer)
         trainer.step = start
         trainer.data_position = saved["rows_consumed"] // (setup.pmesh.dp * t.batch_size)
+        streak = saved.get("nonfinite_run", 0)  # skipped steps in a row up to the checkpoint
+        if not isinstance(streak, int) or not 0 <= streak <= start:
+            raise UserError(f"{resume_from / 'trainer.json'} holds no valid nonfinite_run "
+                            f"({streak!r}); the checkpoint is damaged.")
+        trainer.nonfinite.run = torch.full((), float(streak), device=trainer.device)
     return trainer
 
 
@@ -254,15 +260,29 @@ def saved_plan(saved: dict, path: Path) -> LrPlan:
                         f"({error}); the checkpoint is damaged.") from None
 
 
+def saved_lr_step(saved: dict, path: Path) -> int:
+    """Where the checkpoint's learning-rate schedule stands: its step less the skipped steps,
+    for which the schedule was wound back (the step itself in a checkpoint without ``lr_step``)."""
+    lr_step = saved.get("lr_step", saved["step"])
+    if not isinstance(lr_step, int) or not 0 <= lr_step <= saved["step"]:
+        raise UserError(f"{path / 'trainer.json'} holds no valid lr_step ({lr_step!r}); the "
+                        "checkpoint is damaged.")
+    return lr_step
+
+
 def trainer_state(setup: RunSetup, trainer: Trainer) -> dict:
-    """A checkpoint's trainer.json: step, data position, global batch, layout, rate plan,
-    whether the step trained (its update was not skipped)."""
+    """A checkpoint's trainer.json: step, data position, global batch, layout, rate plan and
+    the schedule's position in it, whether the step trained (its update was not skipped) and
+    how many skipped steps in a row led up to it."""
     pmesh, seq_len = setup.pmesh, setup.cfg.data.seq_len
     rows = trainer.data_position * pmesh.dp * setup.cfg.train.batch_size
     return {"step": trainer.step, "rows_consumed": rows, "tokens_consumed": rows * seq_len,
             "seq_len": seq_len, "rows_per_step": setup.rows_per_step,
             "layout": {"dp": pmesh.dp, "cp": pmesh.cp, "world_size": pmesh.world_size},
-            "lr_plan": trainer.scheduler.lr_lambdas[0].to_json(), "trained": trainer.step_trained}
+            "lr_plan": trainer.scheduler.lr_lambdas[0].to_json(),
+            "lr_step": trainer.scheduler.last_epoch,  # behind step by the skipped steps
+            "nonfinite_run": int(trainer.nonfinite.run.item()),  # the streak a resume goes on
+            "trained": trainer.step_trained}
 
 
 def save(setup: RunSetup, trainer: Trainer, checkpointer: Checkpointer) -> Path:
