@@ -97,7 +97,7 @@ def test_tied_embeddings_export_and_shards(tmp_path):
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
     result = export_run(tmp_path / "tied", output=tmp_path / "out")
     assert (result.kind, result.step, result.dtype) == ("full", 1, "float32")
-    assert "tokenizer.json" in result.files  # the byte tokenizer as a transformers one
+    assert "tokenizer.json" in result.files and not result.tokenizer_note  # bytes as transformers
     ids = torch.randint(0, 259, (2, 24))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
@@ -182,3 +182,22 @@ def test_export_mistakes_are_one_sentence(tmp_path):
     if Path("/proc/self").is_dir():  # a pseudo file system that takes no new folder
         assert "The output /proc/x cannot be written (No such file or directory); choose a " \
             "folder you may write to" in error(run, "--output", "/proc/x")
+
+
+def test_byte_pairs_export_carries_the_special_ids_trained_on(tmp_path):
+    """A random init trained with the byte-pairs tokenizer: config.json and
+    generation_config.json name its bos/eos/pad ids, not the model family's defaults (which
+    are byte pairs here), so that generate() stops at the end-of-text token it learnt."""
+    from lctrain.data import BytePairTokenizer
+    from lctrain.export import export_run
+
+    _saved_run(tmp_path, "pairs", **{"data.tokenizer": "byte-pairs",
+                                     "model.config.vocab_size": len(BytePairTokenizer())})
+    result = export_run(tmp_path / "pairs", output=tmp_path / "out")
+    assert "byte-pairs tokenizer has no transformers equivalent" in result.tokenizer_note
+    want = {"bos_token_id": BytePairTokenizer.bos_token_id,
+            "eos_token_id": BytePairTokenizer.eos_token_id,
+            "pad_token_id": BytePairTokenizer.pad_token_id}
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((tmp_path / "out" / name).read_text())
+        assert {key: saved.get(key) for key in want} == want, name

@@ -107,6 +107,8 @@ def export(run_dir: RunDirArg, output: ExportOutputOpt, step: StepOpt = None,
                f"{result.output}: {len(result.files)} files")
     if result.kind == "adapter":
         typer.echo(f"base model: {result.base} (load with peft's PeftModel.from_pretrained)")
+    if result.tokenizer_note:
+        typer.echo(result.tokenizer_note)
 
 
 def report(runs: list[str] = typer.Argument(

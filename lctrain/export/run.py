@@ -32,6 +32,14 @@ class ExportResult:
     base: str | None
     files: tuple[str, ...]
 
+    @property
+    def tokenizer_note(self) -> str:
+        """"" when a tokenizer was written, else the sentence saying why not (byte-pairs)."""
+        if any(name.startswith("tokenizer") for name in self.files):
+            return ""
+        return ("no tokenizer: the run's byte-pairs tokenizer has no transformers equivalent; "
+                "tokenize with lctrain's own (lctrain.data.load_tokenizer)")
+
 
 def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = None,
                dtype: str | None = None, merge: bool = False,
@@ -86,10 +94,11 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
     base = None
     # staged first: an output that cannot be written fails before minutes of loading
     with write.staged_folder(out, replace=replace) as folder:
-        tokenizer, is_bytes = write.run_tokenizer(cfg)
+        tokenizer = write.run_tokenizer(cfg)
+        specials = write.builtin_special_ids(cfg)  # bytes and byte-pairs: the ids trained on
         model = trained_model(cfg, checkpoint)
-        if is_bytes:
-            write.align_special_ids(model)
+        if specials is not None:
+            write.align_special_ids(model, specials)
         try:
             if kind == "full":
                 write.write_full(model, folder, torch_dtype)
@@ -97,7 +106,7 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
                 merged = model.to(torch.float32).merge_and_unload(progressbar=False)
                 write.write_full(merged, folder, torch_dtype)
             else:
-                base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, is_bytes)
+                base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, specials)
             write.save_tokenizer(tokenizer, folder)
         except OSError as error:  # a full disk, a quota: the writes, not the reads above
             raise unwritable(f"The output {out}", error) from None
@@ -106,7 +115,7 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
 
 
 def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: torch.dtype,
-                   tokenizer, is_bytes: bool) -> str:
+                   tokenizer, specials: dict[str, int] | None) -> str:
     """Write the adapter (and a random init's base model under ``base/``); return the base."""
     if cfg.model.path is not None:
         local = Path(cfg.model.path).expanduser()
@@ -114,8 +123,8 @@ def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: tor
     else:
         base = str((out / "base").resolve())
         plain = skeleton(replace(cfg, lora=LoraConfig()))
-        if is_bytes:
-            write.align_special_ids(plain)
+        if specials is not None:
+            write.align_special_ids(plain, specials)
         plain.load_state_dict(base_weights(model.state_dict()), assign=True)  # built on meta
         if getattr(plain.config, "tie_word_embeddings", False):
             plain.tie_weights()

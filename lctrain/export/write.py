@@ -98,17 +98,17 @@ def byte_tokenizer_fast():
         split_special_tokens=True, clean_up_tokenization_spaces=False, model_max_length=int(1e30))
 
 
-def run_tokenizer(cfg: RecipeConfig) -> tuple[Any, bool]:
-    """(the run's tokenizer as a transformers one, whether it stands in for the byte
-    tokenizer); None for ``byte-pairs``, which none reproduces."""
+def run_tokenizer(cfg: RecipeConfig) -> Any:
+    """The run's tokenizer as a transformers one; None for ``byte-pairs``, which none
+    reproduces."""
     tokenizer = load_tokenizer(cfg)
     if isinstance(tokenizer, BytePairTokenizer):
-        return None, False
+        return None
     if isinstance(tokenizer, ByteTokenizer):  # with data.chat_template, which renders to bytes
         fast = byte_tokenizer_fast()
         fast.chat_template = tokenizer.chat_template
-        return fast, True
-    return tokenizer, False
+        return fast
+    return tokenizer
 
 
 def save_tokenizer(tokenizer: Any, folder: Path) -> None:
@@ -117,13 +117,23 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> None:
         tokenizer.save_pretrained(str(folder))
 
 
-def align_special_ids(model: nn.Module) -> None:
-    """Point the model config's bos/eos/pad ids at the byte tokenizer's specials (a random init
-    keeps its family's, which are bytes here), and the generation config's if derived from it."""
+def builtin_special_ids(cfg: RecipeConfig) -> dict[str, int] | None:
+    """{"bos"/"eos"/"pad": id} of the run's tokenizer where it is one of lctrain's own (bytes,
+    byte-pairs), whose specials a random init's config does not know; None for any other."""
+    tokenizer = load_tokenizer(cfg)
+    if not isinstance(tokenizer, ByteTokenizer):  # BytePairTokenizer is one too
+        return None
+    return {name: getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad")}
+
+
+def align_special_ids(model: nn.Module, ids: dict[str, int]) -> None:
+    """Point the model config's bos/eos/pad ids at ``ids``, the built-in tokenizer's specials
+    (a random init keeps its family's, which are bytes here), and the generation config's if
+    derived from it."""
     configs = [model.config]
     generation = getattr(model, "generation_config", None)
     if generation is not None and getattr(generation, "_from_model_config", False):
         configs.append(generation)
     for config in configs:
         for name in ("bos", "eos", "pad"):
-            setattr(config, f"{name}_token_id", BYTE_SPECIALS[f"<{name}>"])
+            setattr(config, f"{name}_token_id", ids[name])

@@ -59,4 +59,5 @@ def export_final(cfg: RecipeConfig) -> None:
     result = write_final(cfg)
     how = "PeftModel.from_pretrained" if result.kind == "adapter" else "from_pretrained"
     print(f"exported the {result.kind} weights of step {result.step} to {result.output} "
-          f"(load with {how})", flush=True)
+          f"(load with {how})" + (f"; {result.tokenizer_note}" if result.tokenizer_note else ""),
+          flush=True)
