@@ -125,6 +125,13 @@ def test_python_dash_m_lctrain_works():
     ["bench", "kernel", "--seq-len", "16k,32q"],
     ["bench", "attention", "--seq-len", ","],
     ["bench", "step", "--set", "data.tokenizer=null"],
+    ["finetune", "--set", "model.config.rms_norm_eps=abc"],
+    ["finetune", "--set", "model.config.rope_parameters=5"],
+    ["finetune", "--set", "model.config.rope_parameters={rope_type: bogus, rope_theta: 1.0}"],
+    ["finetune", "--set", "model.config.hidden_act=foo"],
+    ["finetune", "--set", "model.config.num_hidden_layers=100000000000"],
+    ["estimate-memory", "--set", "model.config.num_hidden_layers=100000000000"],
+    ["finetune", "--set", "train.collective_timeout=1e30"],
 ])
 def test_user_mistakes_are_one_sentence_without_traceback(args):
     result = _invoke(*args)

@@ -103,7 +103,8 @@ def test_tokenized_records_with_and_without_labels(tmp_path):
            ({"input_ids": [1, 2], "labels": [2, -100]}, r"labels\[0\] is 2 but input_ids\[0\] is 1"),
            ({"input_ids": [1, 999]}, "input_ids holds 999, outside the tokenizer's vocabulary of 259"),
            ({"input_ids": "1 2 3"}, "input_ids must be a list of whole numbers"),
-           ({"input_ids": [1.5, 2]}, "input_ids must be a list of whole numbers")]
+           ({"input_ids": [1.5, 2]}, "input_ids must be a list of whole numbers, but it holds 1.5"),
+           ({"input_ids": [1, None]}, "input_ids must be a list of whole numbers, but it holds None")]
     for i, (record, message) in enumerate(bad):
         src = _write(tmp_path / f"bad{i}.jsonl", [{"input_ids": [3, 4]}, record])
         with pytest.raises(DataError, match=rf"bad{i}\.jsonl:2: {message}"):
@@ -130,6 +131,24 @@ def test_bad_lines_are_errors_with_file_and_line(tmp_path):
     pc = _write(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "only"}])
     with pytest.raises(DataError, match=r"pc\.jsonl:2 has no 'completion' field"):
         _prepare(tmp_path, pc, "data.format=prompt_completion")
+
+
+def test_jsonl_files_holding_an_array_or_objects_over_several_lines(tmp_path):
+    """datasets reads a .jsonl file that holds one JSON array, or objects written over several
+    lines, as records: lctrain trains on them too (and names a bad one by record, not line)."""
+    array = tmp_path / "array.jsonl"
+    array.write_text(json.dumps([{"text": "first doc"}, {"text": "second doc"}]) + "\n")
+    pretty = tmp_path / "pretty.jsonl"
+    pretty.write_text("".join(json.dumps(r, indent=2) + "\n"
+                              for r in ({"text": "one"}, {"text": "two"})))
+    for path in (array, pretty):
+        assert _prepare(tmp_path, path).info["samples"] == 2
+    for i, (tail, message) in enumerate([("[1, 2]\n", "record 1 is a JSON list, not an object"),
+                                         ('{\n  "text": "tw\n', ":5 is not valid JSON")]):
+        bad = tmp_path / f"bad{i}.jsonl"
+        bad.write_text(json.dumps({"text": "one"}, indent=2) + "\n" + tail)
+        with pytest.raises(DataError, match=rf"bad{i}\.jsonl{message}|bad{i}\.jsonl: {message}"):
+            _prepare(tmp_path, bad)
 
 
 def test_empty_records_are_counted_skips_named_in_the_banner(tmp_path):

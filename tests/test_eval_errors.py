@@ -100,7 +100,7 @@ def test_a_failed_rank_keeps_its_log(tmp_path, monkeypatch):
         launch = Path(cfg.train.output_dir) / ".launch"
         launch.mkdir(parents=True)
         (launch / "workers.log").write_text("rank 1: killed\n")
-        raise UserError("rank 1 (pid 7) was ended by SIGTERM; nothing was kept")
+        raise UserError("rank 1 (pid 7) was ended by SIGTERM; nothing was kept.")  # no ".;"
 
     monkeypatch.setattr(eval_run.launcher, "dispatch", died)
     cfg, request = resolve("tiny", task="ppl")

@@ -77,6 +77,25 @@ def test_report_refuses_a_folder_that_is_not_a_run(tmp_path):
     assert result.exit_code == 1 and "has no config.yaml" in result.stderr
 
 
+@pytest.mark.parametrize("metrics, config, words", [
+    ('{"step": 1, "loss": 5.0}\n{"step": 2, "lo', "train: {}\n", "metrics.jsonl:2 is not valid JSON"),
+    ('{"step": 1}\n[1, 2]\n', "train: {}\n", "metrics.jsonl:2 is not a JSON object"),
+    (b'{"step": 1}\n\xff\n', "train: {}\n", "metrics.jsonl is not UTF-8"),
+    ('{"step": 1}\n', "model: [unclosed\n", "config.yaml is not valid YAML at line 2"),
+    ('{"step": 1}\n', "", "config.yaml holds nothing"),
+    ('{"step": 1}\n', "- a\n", "config.yaml holds no mapping"),
+])
+def test_report_names_the_damaged_file_of_a_run(tmp_path, metrics, config, words):
+    """A half-written or damaged run file: one sentence naming it (and its line), no table."""
+    write = lambda p, v: p.write_bytes(v) if isinstance(v, bytes) else p.write_text(v)
+    write(tmp_path / "metrics.jsonl", metrics)
+    write(tmp_path / "config.yaml", config)
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1 and words in lines[0], result.output
+    assert lines[0].startswith("error: ") and "Traceback" not in result.output
+
+
 def test_bench_step_times_each_configuration_and_reports_the_one_that_fails(tmp_path):
     from lctrain.bench.step import configurations, run
 

@@ -307,6 +307,8 @@ def _plain(value):
 MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
 """transformers config fields that are sizes: positive whole numbers when given."""
+MAX_LAYERS = 10_000
+"""The most decoder layers a model may have (the memory model walks them one by one)."""
 
 
 def check_model_shapes(config: dict, where: str) -> None:
@@ -318,6 +320,11 @@ def check_model_shapes(config: dict, where: str) -> None:
                                   or value <= 0):
             raise ConfigError(f"{where}: {name} is {value!r} but must be a positive whole "
                               "number", key=f"model.config.{name}")
+    layers = fields.get("num_hidden_layers")
+    if layers is not None and layers > MAX_LAYERS:
+        raise ConfigError(f"{where}: num_hidden_layers is {layers} but lctrain builds at most "
+                          f"{MAX_LAYERS:,} layers (the deepest models have a few hundred); check "
+                          f"the number", key="model.config.num_hidden_layers")
     heads, kv = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ConfigError(f"{where}: num_attention_heads {heads} is not divisible by "

@@ -7,6 +7,9 @@ from typing import Literal
 from lctrain.config.fields import MEMORY, SIZE, at_least, check_fields, require
 from lctrain.config.layers import LayerPlan
 
+MAX_TIMEOUT = 1e8
+"""The longest ``train.collective_timeout`` in seconds (torch's process groups fail at once on
+about 1e10: a C++ overflow)."""
 REPORT_TO = ("jsonl", "tensorboard", "wandb", "mlflow")
 """Where a run's metrics may go (``train.report_to``): metrics.jsonl, TensorBoard event files,
 Weights & Biases, MLflow."""
@@ -72,6 +75,9 @@ class TrainConfig:
                 f"is {self.epochs} but must be positive (or null to train by max_steps)")
         require(0 <= self.seed < 2**32, "train.seed",
                 f"is {self.seed} but must be between 0 and {2**32 - 1} (numpy's seed range)")
+        require(self.collective_timeout <= MAX_TIMEOUT, "train.collective_timeout",
+                f"is {self.collective_timeout:g} but must be at most {MAX_TIMEOUT:g} seconds "
+                "(about 3 years); torch's process groups fail at once on far longer ones")
         require(self.lr > 0, "train.lr", f"is {self.lr} but must be positive")
         require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
                 f"is {self.min_lr_ratio} but must be between 0 and 1")

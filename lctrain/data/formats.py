@@ -263,14 +263,20 @@ def _kind(value: Any) -> str:
     return "null" if value is None else f"a {type(value).__name__}"
 
 
+def _whole(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer())
+
+
 def _int_array(record: Record, key: str) -> np.ndarray:
     value = record.fields.get(key)
     array = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
     if array is not None and array.dtype.kind == "f" and np.all(array == np.round(array)):
         array = array.astype(np.int64)  # whole numbers that share a column with fractions
     if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise DataError(f"{record.where}: {key} must be a list of whole numbers, got "
-                        f"{_kind(value)}")
+        odd = [v for v in value if not _whole(v)][:1] if isinstance(value, (list, tuple)) else []
+        got = f"it holds {odd[0]!r}" if odd else f"got {_kind(value)}"
+        raise DataError(f"{record.where}: {key} must be a list of whole numbers, but {got}")
     return array.astype(np.int64)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -73,9 +74,7 @@ class RecordReader:
             self.dataset = self.dataset.select(range(data.max_documents))
 
     def _file(self, datasets, builder: str, path: str) -> tuple[Any, str, str]:
-        kind = {"json": "line", "parquet": "row", "text": "file"}[builder]
-        if builder == "json" and path.lower().endswith(".json") and _is_array(path):
-            kind = "record"
+        kind = {"json": _json_kind(path), "parquet": "row", "text": "file"}[builder]
         options = {"sample_by": "document", "encoding": "utf-8-sig"} if builder == "text" else {}
         try:
             dataset = datasets.load_dataset(builder, data_files=[path], split="train", **options)
@@ -181,10 +180,25 @@ def _concatenate(datasets, parts: list, source: str):
                         f"({_first_line(error)}); make each field one kind in every file") from None
 
 
-def _is_array(path: str) -> bool:
-    """Whether a .json file holds one JSON array (else JSON lines)."""
-    with open(path, "rb") as handle:
-        return handle.read(4096).removeprefix(_BOM).lstrip().startswith(b"[")
+_SPACE = re.compile(r"\s*")
+
+
+def _json_kind(path: str) -> str:
+    """How a JSON file's records are placed: "record" for one array or objects written over
+    several lines (datasets reads both; no line per record), else "line" (also for a file that
+    cannot be read, whose load then says why)."""
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4096).removeprefix(_BOM).lstrip().startswith(b"["):
+                return "record"
+            handle.seek(0)
+            first = next((line for line in handle if line.strip()), b"{}")
+        json.loads(first.removeprefix(_BOM))
+    except OSError:
+        return "line"
+    except ValueError:  # the first record goes on past its line (or is not JSON: said later)
+        return "record"
+    return "line"
 
 
 def _record_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -214,12 +228,17 @@ def check_file(path: str, kind: str) -> None:
     if kind == "row":
         return
     text = _utf8(raw, path)
-    if kind == "record":
+    if kind == "record":  # one array, or objects one after another over several lines
+        values, decoder, at = [], json.JSONDecoder(), _SPACE.match(text).end()
         try:
-            records = json.loads(text)
+            while at < len(text):
+                value, at = decoder.raw_decode(text, at)
+                values.append(value)
+                at = _SPACE.match(text, at).end()
         except json.JSONDecodeError as error:
             raise DataError(f"{path}:{error.lineno} is not valid JSON ({error.msg} at column "
                             f"{error.colno}); fix the file") from None
+        records = values[0] if len(values) == 1 and isinstance(values[0], list) else values
         for i, fields in enumerate(records):
             _object(fields, f"{path}: record {i}")
     if kind != "line":

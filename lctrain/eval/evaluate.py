@@ -101,7 +101,7 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
             kept = launcher.keep_workers_log(scratch)
             if kept is None:
                 raise
-            raise UserError(f"{error}; the ranks' log is kept at {kept}") from None
+            raise UserError(f"{str(error).rstrip('.')}; the ranks' log is kept at {kept}") from None
         if code != 0:
             raise UserError(f"the evaluation failed (exit code {code}); its ranks' log is "
                             f"{scratch / '.launch' / 'workers.log'}")

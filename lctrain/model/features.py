@@ -25,6 +25,7 @@ def check_model_config(config: Any, *, seq_len: int | None = None, cp: int = 1) 
     ``cp`` ranks (a ConfigError naming the setting, its value and the fix); return warnings,
     one sentence each."""
     _check_architecture(config)
+    _check_names(config)
     for key, value in _items(config.to_dict()):
         _check_setting(key, value)
     _check_windows(config, seq_len)
@@ -84,6 +85,37 @@ def _check_architecture(config: Any) -> None:
         raise ConfigError(f"{cls.__name__} (model_type {model_type}) does not call its attention "
                           f"through transformers' attention interface, so lctrain cannot run its "
                           f"own attention in it; use a model such as Llama, Mistral or Qwen")
+
+
+def _check_names(config: Any) -> None:
+    """The activation is one transformers builds (a model with its own code: its own)."""
+    from transformers.activations import ACT2FN
+
+    if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return
+    for key in ("hidden_act", "hidden_activation"):
+        act = getattr(config, key, None)
+        if isinstance(act, str) and act not in ACT2FN:
+            raise ConfigError(f"the model's {key} is {act!r}, which transformers does not know; "
+                              f"use one of {', '.join(ACT2FN)}", key=f"model.config.{key}")
+
+
+def check_rope_type(rope: Any) -> None:
+    """ConfigError when ``rope_parameters`` names a RoPE type transformers does not build
+    (checked before transformers reads the config, which only logs a warning)."""
+    try:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:  # a transformers that keeps them elsewhere: it checks them itself
+        return
+    if not isinstance(rope, dict):
+        return
+    nested = rope and all(isinstance(v, dict) for v in rope.values())  # per layer type
+    for params in (rope.values() if nested else [rope]):
+        kind = params.get("rope_type", "default")
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            raise ConfigError(f"model.config.rope_parameters.rope_type is {kind!r}, which "
+                              f"transformers does not know; use default or one of "
+                              f"{', '.join(ROPE_INIT_FUNCTIONS)}", key="model.config.rope_parameters")
 
 
 def _check_setting(key: str, value: Any) -> None:

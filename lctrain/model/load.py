@@ -15,7 +15,7 @@ from lctrain.config import require_model_path
 from lctrain.config.hub import cache_only
 from lctrain.errors import ConfigError, UserError, first_line
 from lctrain.model.attention import register_attention
-from lctrain.model.features import check_model_config
+from lctrain.model.features import check_model_config, check_rope_type
 
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 # config keys whose change leaves the weights as they are
@@ -206,7 +206,19 @@ def _folder_config(source: str, shown: str, trust: bool) -> tuple[Any, dict[str,
 
 def _build(config_class: Any, fields: dict[str, Any], *, where: str) -> Any:
     try:
+        from huggingface_hub.errors import StrictDataclassFieldValidationError
+    except ImportError:  # a huggingface_hub without strict config fields
+        StrictDataclassFieldValidationError = ()
+    check_rope_type(fields.get("rope_parameters"))
+    try:
         return config_class.from_dict(dict(fields))
+    except StrictDataclassFieldValidationError as exc:  # a field of the wrong type
+        name = re.search(r"field '([^']+)'", str(exc))
+        name = name[1] if name else "?"
+        why = first_line(exc.__cause__ or exc).split(". Errors:")[0]
+        raise ConfigError(f"{where}: {name} is {fields.get(name)!r}, which transformers refuses "
+                          f"({why}); fix or remove model.config.{name}",
+                          key=f"model.config.{name}") from None
     except (ValueError, TypeError, KeyError) as exc:
         raise UserError(f"{where} is not a valid config: {exc}") from None
 

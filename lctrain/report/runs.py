@@ -39,14 +39,42 @@ def load_run(folder: str | Path, name: str | None = None) -> Run:
         if not needed.is_file():
             raise UserError(f"{path} has no {needed.name}; pass folders written by lctrain "
                             "finetune (train.output_dir)")
+    records = []
+    for number, line in enumerate(_text(metrics).splitlines(), 1):
+        try:
+            record = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{metrics}:{number} is not valid JSON ({exc.msg} at column "
+                            f"{exc.colno}); fix or remove that line") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{metrics}:{number} is not a JSON object but a "
+                            f"{type(record).__name__}; fix or remove that line")
+        records += [record] if record else []
     try:
-        records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()
-                   if line.strip()]
-        settings = flatten(yaml.safe_load(config.read_text(encoding="utf-8")) or {})
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise UserError(f"cannot read the run in {path}: {exc.__class__.__name__}") from None
+        recipe = yaml.safe_load(_text(config))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{config} is not valid YAML{at} "
+                        f"({getattr(exc, 'problem', None) or type(exc).__name__}); "
+                        f"it is the recipe lctrain finetune saved, so restore it") from None
+    if not isinstance(recipe, dict):
+        raise UserError(f"{config} holds {'nothing' if recipe is None else 'no mapping'}, not the "
+                        f"recipe lctrain finetune saved; restore it")
     records.sort(key=lambda r: r.get("step", 0))
-    return Run(name or path.name, settings, records)
+    return Run(name or path.name, flatten(recipe), records)
+
+
+def _text(file: Path) -> str:
+    """The UTF-8 text of a run's file (UserError naming it: unreadable or not UTF-8)."""
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{file} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at byte "
+                        f"{exc.start}); restore the file lctrain finetune wrote") from None
+    except OSError as exc:
+        raise UserError(f"could not read {file} ({exc.strerror or type(exc).__name__}); check "
+                        f"the file and its permissions") from None
 
 
 def load_runs(folders: list[str]) -> list[Run]:
