@@ -225,7 +225,7 @@ def _stand_ins(monkeypatch) -> list[tuple[str, tuple, dict]]:
                                       "gpus_per_node": 1}, "seq_len": None, "longest": None,
             "fastest": None}
     exported = types.SimpleNamespace(kind="full", step=1, dtype="float32", output="out",
-                                     files=("config.json",), base=None)
+                                     files=("config.json",), base=None, tokenizer_note="")
     for module, attrs in [("lctrain.train.runner", {"finetune": 0}),
                           ("lctrain.memory", {"estimate_recipe": memory, "plan_recipe": plan}),
                           ("lctrain.export", {"export_run": exported})]:

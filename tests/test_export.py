@@ -201,3 +201,20 @@ def test_byte_pairs_export_carries_the_special_ids_trained_on(tmp_path):
     for name in ("config.json", "generation_config.json"):
         saved = json.loads((tmp_path / "out" / name).read_text())
         assert {key: saved.get(key) for key in want} == want, name
+
+
+def test_a_checkpoint_with_a_cut_or_missing_shard_is_one_sentence(tmp_path):
+    """A shard cut short or deleted (a copy that failed): export says the checkpoint is
+    damaged, naming the missing file, instead of DCP's traceback."""
+    _saved_run(tmp_path, "run")
+    shard = next((tmp_path / "run" / "checkpoints").glob("step-*/*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:64])
+    for words in ("cannot be loaded", f"No such file or directory: {shard}"):
+        if shard.exists() and "No such file" in words:
+            shard.unlink()
+        result = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--output",
+                                          str(tmp_path / "out")])
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.exit_code == 1 and len(lines) == 1, result.output
+        assert words in lines[0] and "damaged" in lines[0], lines

@@ -106,13 +106,15 @@ def load_model(path: str | os.PathLike, module) -> None:
     set_model_state_dict(module, state["model"])
 
 
-def _load(path: Path, state: dict) -> None:
-    """``dcp.load`` of ``state`` from ``path`` through the safe reader and planner."""
+def _load(path: Path, state: dict, alone: bool = False) -> None:
+    """``dcp.load`` of ``state`` from ``path`` through the safe reader and planner, by every
+    rank of the process group (``alone``: by this process only)."""
     SafeReader(str(path)).read_metadata()  # refused here in its own words, not inside DCP's
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
-                 no_dist=not dist.is_initialized())
-    except CheckpointException as error:  # a UserError inside (`SafeLoadPlanner`'s) says it all
+                 no_dist=alone or not dist.is_initialized())
+    except (CheckpointException, OSError, RuntimeError) as error:  # a missing or cut shard too;
+        # a UserError inside (`SafeLoadPlanner`'s) says it all
         inner = next((e for e in _causes(error) if isinstance(e, UserError)), None)
         raise inner or UserError(f"The checkpoint {path} cannot be loaded into this model "
                                  f"({root_cause(error)}); it was written for another model or "
@@ -140,7 +142,7 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
             wanted[prefix + name] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(wanted, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        _load(Path(path), wanted, alone=True)
     return {key[len(prefix):]: tensor for key, tensor in wanted.items()}
 
 
@@ -206,7 +208,7 @@ def root_cause(error: BaseException) -> str:
     chain = []
     for item in _causes(error):
         if isinstance(item, OSError) and item.strerror:
-            return item.strerror
+            return item.strerror + (f": {item.filename}" if item.filename else "")
         chain.append(item)
     innermost = chain[-1]
     lines = str(innermost).strip().splitlines()
