@@ -110,10 +110,13 @@ def _load(path: Path, state: dict, alone: bool = False) -> None:
     """``dcp.load`` of ``state`` from ``path`` through the safe reader and planner, by every
     rank of the process group (``alone``: by this process only)."""
     SafeReader(str(path)).read_metadata()  # refused here in its own words, not inside DCP's
+    no_dist = alone or not dist.is_initialized()
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(),
-                 no_dist=alone or not dist.is_initialized())
-    except (CheckpointException, OSError, RuntimeError) as error:  # a missing or cut shard too;
+                 no_dist=no_dist)
+    except (CheckpointException, OSError, RuntimeError) as error:  # a missing or cut shard too
+        if not (no_dist or isinstance(error, CheckpointException)):
+            raise  # a collective that failed (a rank gone), not the files
         # a UserError inside (`SafeLoadPlanner`'s) says it all
         inner = next((e for e in _causes(error) if isinstance(e, UserError)), None)
         raise inner or UserError(f"The checkpoint {path} cannot be loaded into this model "
