@@ -67,7 +67,8 @@ def parse_memory(value: int | str, *, what: str = "memory size") -> int:
     A number under a MiB with no unit is refused: "141" meant GiB, not 141 bytes."""
     bad = "is not a memory size; write it like 80GiB, 80GB or 80G (G and GiB = 1024³ bytes, GB = 10⁹)"
     amount = _parse(value, what, _MEMORY_UNITS, bad)
-    if amount < 1024**2 and not str(value).strip().lower().rstrip("0123456789. "):
+    unit = "" if isinstance(value, int) else _PATTERN.match(str(value).lower())[2]
+    if amount < 1024**2 and not unit:
         raise ConfigError(f"{what} {value!r} has no unit, so it would be {amount} bytes; "
                           f"write it like {value}GiB")
     return amount
