@@ -319,3 +319,31 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capfd):
             f"checkpoints in {out}\n") in ranks, ranks
     assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [1, 6]
     assert not leftovers(out)
+
+
+def test_a_diverged_run_waits_for_its_background_save_before_naming_the_checkpoint(
+        tmp_path, monkeypatch):
+    """Saves in the background (as on a GPU), each published a second late: the run that stops
+    on non-finite steps first lands the save in flight (step 3), then names it."""
+    from lctrain.checkpoint import writer
+    from lctrain.train import runner
+
+    publish = writer.publish
+    monkeypatch.setattr(writer, "publish", lambda *a, **k: (time.sleep(1.0), publish(*a, **k)))
+    make = runner.make_checkpointer
+
+    def background(setup, trainer):
+        saver = make(setup, trainer)
+        saver.asynchronous = True
+        return saver
+
+    monkeypatch.setattr(runner, "make_checkpointer", background)
+    out = tmp_path / "nan"
+    cfg = _cfg(out, 12, **{"train.lr": 1e10, "train.max_nonfinite_steps": 3, "checkpoint.every": 1,
+                           "checkpoint.keep": 1, "parallel.cp": 1})
+    with pytest.raises(UserError) as error:
+        finetune(cfg, nproc=1)
+    assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [1, 3]
+    assert str(error.value).endswith(f"{_hint(out)}."), str(error.value)
+    assert "(step 3)" in str(error.value)
+    assert not leftovers(out)

@@ -188,7 +188,9 @@ def train(setup: RunSetup, parts: ModelParts, trainer: Trainer, dataset: PackedR
         with watch:
             history = run_loop(trainer, batches, hooks)
             watch.idle()
-    except Diverged as exc:
+    except Diverged as exc:  # every rank stops here: the save in flight lands, then the hint
+        if checkpointer is not None:
+            checkpointer.close()
         raise UserError(f"{exc}: their updates were skipped and the run stopped (a learning rate "
                         f"too high for this model, train.lr, is the usual cause); "
                         f"{launcher.checkpoint_hint(cfg, pmesh.world_size)}.") from None
