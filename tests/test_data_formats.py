@@ -86,6 +86,9 @@ def test_detection_and_text_field_that_is_not_a_string(tmp_path):
     odd = _write(tmp_path / "odd.jsonl", [{"body": "x"}])
     with pytest.raises(DataError, match=r"odd\.jsonl:1 has fields \['body'\].*data\.fields\.text"):
         _prepare(tmp_path, odd)
+    null = _write(tmp_path / "null.jsonl", [{"prompt": "x", "completion": None}])
+    with pytest.raises(DataError, match=r"null\.jsonl:1 has fields \['prompt'\] \(completion: null\)"):
+        _prepare(tmp_path, null)
     with pytest.raises(ConfigError, match="data.format"):
         load_recipe(None, ["data.format=sharegpt"])
 

@@ -74,7 +74,12 @@ def test_report_summarises_runs_and_their_differences(runs, tmp_path):
 def test_report_refuses_a_folder_that_is_not_a_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
-    assert result.exit_code == 1 and "has no config.yaml" in result.stderr
+    assert result.exit_code == 1 and "config.yaml does not exist" in result.stderr
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").mkdir()
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 1
+    assert f"{tmp_path / 'metrics.jsonl'} is a folder, not a file" in result.stderr
 
 
 @pytest.mark.parametrize("metrics, config, words", [

@@ -103,6 +103,10 @@ def _tiny(tmp_path, *sets):
 def test_launch_errors_before_any_process(tmp_path):
     with pytest.raises(UserError, match="world size 3 is not divisible by parallel.cp = 2"):
         finetune(_tiny(tmp_path), nproc=3)
+    from lctrain.bench.step import _expectations  # bench step's row: processes, not GPUs
+
+    with pytest.raises(UserError, match="^the world size 3 is not divisible by parallel.cp = 2"):
+        _expectations(_tiny(tmp_path), 3, 1.0)
     with pytest.raises(UserError, match="there is no run to resume"):
         finetune(_tiny(tmp_path), resume=True)
     (tmp_path / "run" / "checkpoints" / "step-00000001").mkdir(parents=True)

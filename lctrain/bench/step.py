@@ -282,7 +282,9 @@ def _expectations(cfg: RecipeConfig, nproc: int, share: float) -> tuple[int, dic
     rows that attend ``share`` of one document)."""
     from lctrain.memory import estimate_recipe, recipe_architecture
     from lctrain.memory.host import available_host_bytes
+    from lctrain.parallel.mesh import check_parallel_sizes
 
+    check_parallel_sizes(nproc, cfg.parallel.cp)  # said of processes, before the GPU model
     arch = recipe_architecture(cfg)
     memory = (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
               else 80 << 30)

@@ -63,7 +63,7 @@ def check_parallel_sizes(world_size: int, cp: int) -> tuple[int, int]:
     if cp < 1:
         raise UserError(f"parallel.cp must be at least 1, got {cp}.")
     if world_size % cp:
-        raise UserError(f"The world size {world_size} is not divisible by parallel.cp = {cp}; "
+        raise UserError(f"the world size {world_size} is not divisible by parallel.cp = {cp}; "
                         f"run on a multiple of {cp} processes or choose a cp that divides "
                         f"{world_size}.")
     return world_size // cp, cp

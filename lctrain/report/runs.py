@@ -37,7 +37,8 @@ def load_run(folder: str | Path, name: str | None = None) -> Run:
                         "finetune (train.output_dir)")
     for needed in (metrics, config):
         if not needed.is_file():
-            raise UserError(f"{path} has no {needed.name}; pass folders written by lctrain "
+            what = "is a folder, not a file" if needed.is_dir() else "does not exist"
+            raise UserError(f"{needed} {what}; pass folders written by lctrain "
                             "finetune (train.output_dir)")
     records = []
     for number, line in enumerate(_text(metrics).splitlines(), 1):
