@@ -17,6 +17,7 @@ GIB = 1 << 30
 @pytest.fixture
 def cuda_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
 
 
 def _parked(cfg, gpus=2):
@@ -44,6 +45,21 @@ def test_only_parked_layers_on_gpus_are_checked(cuda_machine, monkeypatch, tmp_p
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="this CPU run needs about"):  # it pins nothing, but the
         check_before_start(cfg, nproc=2, resume=False)  # whole training state is host memory
+
+
+def test_more_processes_than_gpus_are_refused_and_than_cores_warned(cuda_machine, monkeypatch,
+                                                                  tmp_path, capsys):
+    cfg = load_recipe(None, ["parallel.cp=1"], output_dir=str(tmp_path))
+    with pytest.raises(UserError, match=r"^9 processes need 9 GPUs, and this machine shows 8 "
+                                        r"\(CUDA_VISIBLE_DEVICES included\); use --nproc 8"):
+        check_before_start(cfg, nproc=9, resume=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    check_before_start(cfg, nproc=2, resume=False)
+    assert capsys.readouterr().err == ""
+    check_before_start(cfg, nproc=3, resume=False)
+    assert capsys.readouterr().err == ("warning: 3 processes share 2 CPU cores and take turns "
+                                       "on them, which slows every step\n")
 
 
 def test_declared_host_memory_replaces_what_the_machine_reports(cuda_machine, monkeypatch):

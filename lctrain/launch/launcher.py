@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from lctrain.config import RecipeConfig, check_run_folder, save_resolved
+from lctrain.errors import UserError
 from lctrain.memory.host import check_cpu_memory, check_host_memory
 from lctrain.parallel.mesh import check_parallel_sizes
 from lctrain.checkpoint.reader import list_checkpoints, resume_point
@@ -62,9 +63,15 @@ def check_before_start(cfg: RecipeConfig, *, nproc: int, resume: bool, data: boo
     check_run_folder(cfg, resume=resume)
     check_parallel_sizes(nproc, cfg.parallel.cp)
     if torch.cuda.is_available():  # only GPU runs pin host memory
+        if nproc > (gpus := torch.cuda.device_count()):  # a rank per GPU
+            raise UserError(f"{nproc} processes need {nproc} GPUs, and this machine shows "
+                            f"{gpus} (CUDA_VISIBLE_DEVICES included); use --nproc {gpus} or less")
         check_host_memory(cfg, local_processes=nproc, gpus=nproc)
     else:  # a CPU run holds the whole training state in host memory
         check_cpu_memory(cfg, processes=nproc)
+        if nproc > (cores := os.cpu_count() or 1):
+            print(f"warning: {nproc} processes share {cores} CPU cores and take turns on them, "
+                  "which slows every step", file=sys.stderr, flush=True)
     resume_point(Path(cfg.train.output_dir) / "checkpoints", resume)
     if data:  # the ranks' DataError about the data's first records, at once
         from lctrain.data.check import check_first_records
