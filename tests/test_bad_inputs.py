@@ -205,7 +205,7 @@ def _background_save_fails_at_the_end(root: Path) -> None:
     saver = Checkpointer(root, module=module, optimizer=torch.optim.AdamW(module.parameters()),
                          keep=1, asynchronous=True)
     saver.save(1, {"step": 1})
-    with pytest.raises(UserError, match=r"Writing the checkpoint of step 1 .*No space left"):
+    with pytest.raises(UserError, match=r"writing the checkpoint of step 1 .*No space left"):
         saver.close()
     assert not list(root.glob("step-*"))
     shutil.rmtree(root)
@@ -224,7 +224,7 @@ def test_a_full_disk_is_said(tmp_path):
                                tmp_path)
         errors = [line for line in output.splitlines() if line.startswith("error: ")]
         assert code == 1 and len(errors) == 1, output
-        assert "Writing the checkpoint of step 1" in errors[0]
+        assert "writing the checkpoint of step 1" in errors[0]
         assert "(No space left on device" in errors[0]
         assert not list((run / "checkpoints").glob("step-*"))
         shutil.rmtree(run)

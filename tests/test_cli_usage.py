@@ -29,19 +29,19 @@ def _usage_error(args: list[str]) -> str:
 def test_an_unknown_option_of_any_command_is_one_line(command):
     path = " ".join(["lctrain", *command])
     line = _usage_error([*command, "--no-such-option"])
-    assert line.startswith("error: No such option: --no-such-option"), line
+    assert line.startswith("error: no such option: --no-such-option"), line
     assert line.endswith(f"; see {path} --help"), line
     assert CliRunner().invoke(app, [*command, "--help"]).exit_code == 0  # the hint works
 
 
 @pytest.mark.parametrize("args, line", [
-    (["no-such-command"], "error: No such command 'no-such-command'; see lctrain --help"),
-    (["bench", "nope"], "error: No such command 'nope'; see lctrain bench --help"),
-    (["--no-such-option"], "error: No such option: --no-such-option; see lctrain --help"),
-    (["export"], "error: Missing argument 'RUN_DIR'; see lctrain export --help"),
-    (["finetune", "--max-steps", "0"], "error: Invalid value for '--max-steps': Input should be "
+    (["no-such-command"], "error: no such command 'no-such-command'; see lctrain --help"),
+    (["bench", "nope"], "error: no such command 'nope'; see lctrain bench --help"),
+    (["--no-such-option"], "error: no such option: --no-such-option; see lctrain --help"),
+    (["export"], "error: missing argument 'RUN_DIR'; see lctrain export --help"),
+    (["finetune", "--max-steps", "0"], "error: invalid value for '--max-steps': Input should be "
                                        "greater than or equal to 1; see lctrain finetune --help"),
-    (["finetune", "--set"], "error: Option '--set' requires an argument; see lctrain finetune "
+    (["finetune", "--set"], "error: option '--set' requires an argument; see lctrain finetune "
                             "--help"),
 ])
 def test_usage_errors_say_what_and_where_help_is(args, line):
@@ -59,4 +59,4 @@ def test_the_installed_program_prints_one_line():
     done = subprocess.run([sys.executable, "-m", "lctrain", "report", "--bogus"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == "error: No such option: --bogus; see lctrain report --help\n"
+    assert done.stderr == "error: no such option: --bogus; see lctrain report --help\n"

@@ -198,8 +198,8 @@ def test_a_terminal_gets_colour_not_brackets_in_seconds(tmp_path):
     (["--set", "data.no_such_key=1"], "error: "),
     (["--set", "data.seq_len"], "error: "),
     (["no-such-recipe"], "error: "),
-    (["--rows", "0"], "error: Invalid value for '--rows'"),
-    (["--no-such-option"], "error: No such option: --no-such-option"),
+    (["--rows", "0"], "error: invalid value for '--rows'"),
+    (["--no-such-option"], "error: no such option: --no-such-option"),
 ])
 def test_a_mistake_is_one_sentence_and_a_non_zero_exit(args, start, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

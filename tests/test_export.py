@@ -154,7 +154,7 @@ def test_export_mistakes_are_one_sentence(tmp_path):
         assert "Traceback" not in result.output
         return " ".join(result.output.split())
 
-    assert "There is no run folder" in error(tmp_path / "missing", "--output", tmp_path / "o")
+    assert "there is no run folder" in error(tmp_path / "missing", "--output", tmp_path / "o")
     run.mkdir()
     assert "has no config.yaml" in error(run, "--output", tmp_path / "o")
     save_resolved(_cfg(run), run / "config.yaml")
@@ -177,10 +177,10 @@ def test_export_mistakes_are_one_sentence(tmp_path):
     assert "cannot be read" in error(run, "--output", deep)
     assert not (tmp_path / "new").exists()  # nor the folders made for it
     afile = tmp_path / "full" / "x"
-    assert f"The output {afile / 'sub'} cannot be written ({afile} is a file, not a folder)" \
+    assert f"the output {afile / 'sub'} cannot be written ({afile} is a file, not a folder)" \
         in error(run, "--output", afile / "sub")
     if Path("/proc/self").is_dir():  # a pseudo file system that takes no new folder
-        assert "The output /proc/x cannot be written (No such file or directory); choose a " \
+        assert "the output /proc/x cannot be written (No such file or directory); choose a " \
             "folder you may write to" in error(run, "--output", "/proc/x")
 
 

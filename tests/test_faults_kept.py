@@ -184,7 +184,7 @@ def test_a_full_disk_names_its_cause_and_keeps_the_last_checkpoint(tmp_path):
         error = _cli_error(_command(out, "--max-steps", "40", "--set", "checkpoint.every=2",
                                     "--set", "checkpoint.keep=2"), tmp_path)
         ckpts = out / "checkpoints"
-        assert error.startswith(f"error: Writing the checkpoint of step 4 to "
+        assert error.startswith(f"error: writing the checkpoint of step 4 to "
                                 f"{ckpts / '.tmp-step-00000004'} failed ("), error
         assert "No space left on device" in error
         assert error.endswith(f"; the last complete checkpoint, {ckpts / 'step-00000002'} (step "

@@ -52,7 +52,7 @@ def test_an_uncached_hub_tokenizer_is_refused_at_once(empty_cache, monkeypatch):
     cfg = load_recipe(None, [f"data.tokenizer={TOKENIZER}"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert _refusal(lambda: load_tokenizer(cfg)) == (
-        f"Could not read the tokenizer '{TOKENIZER}' (data.tokenizer): it is a hub name, but "
+        f"could not read the tokenizer '{TOKENIZER}' (data.tokenizer): it is a hub name, but "
         f"HF_HUB_OFFLINE is set (offline mode) and the local hub cache ({empty_cache}) does not "
         "hold it; download it while online, unset HF_HUB_OFFLINE, or point data.tokenizer at a "
         "local tokenizer folder")
@@ -62,7 +62,7 @@ def test_an_uncached_hub_tokenizer_with_the_hub_out_of_reach_is_refused_at_once(
         empty_cache, unreachable):
     cfg = load_recipe(None, [f"data.tokenizer={TOKENIZER}"])
     assert _refusal(lambda: load_tokenizer(cfg)) == (
-        f"Could not read the tokenizer '{TOKENIZER}' (data.tokenizer): it is a hub name, but the "
+        f"could not read the tokenizer '{TOKENIZER}' (data.tokenizer): it is a hub name, but the "
         f"hub {CLOSED} cannot be reached from this machine and the local hub cache "
         f"({empty_cache}) does not hold it; point data.tokenizer at a local tokenizer folder, or "
         "run where the hub can be reached")
@@ -101,7 +101,7 @@ def test_an_uncached_hub_dataset_is_refused_at_once(tmp_path, monkeypatch, key):
     cfg = load_recipe(None, [f"{key}={DATASET}"])
     part = "eval" if key == "data.eval_source" else "train"
     assert _refusal(lambda: prepare_data(cfg.data, ByteTokenizer(), part=part)) == (
-        f"Could not read the hub dataset '{DATASET}' ({key}): it is a hub name, but "
+        f"could not read the hub dataset '{DATASET}' ({key}): it is a hub name, but "
         f"HF_DATASETS_OFFLINE is set (offline mode) and the datasets cache ({tmp_path}) does not "
         f"hold it; download it while online, unset HF_DATASETS_OFFLINE, or point {key} at local "
         f".jsonl/.parquet/.txt files or use {key}=builtin")
@@ -119,7 +119,7 @@ def test_an_uncached_hub_dataset_with_the_hub_out_of_reach_is_refused_at_once(
     _datasets_cache(monkeypatch, tmp_path)
     cfg = load_recipe(None, [f"data.source={DATASET}"])
     assert _refusal(lambda: prepare_data(cfg.data, ByteTokenizer())) == (
-        f"Could not read the hub dataset '{DATASET}' (data.source): it is a hub name, but the hub "
+        f"could not read the hub dataset '{DATASET}' (data.source): it is a hub name, but the hub "
         f"{CLOSED} cannot be reached from this machine and the datasets cache ({tmp_path}) does "
         "not hold it; point data.source at local .jsonl/.parquet/.txt files or use "
         "data.source=builtin, or run where the hub can be reached")
@@ -183,6 +183,6 @@ def test_finetune_says_it_in_one_line_within_seconds(tmp_path, setting):
     assert done.returncode == 1, done.stderr
     key, name = setting.split("=")
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: Could not read the "), done.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: could not read the "), done.stderr
     assert f"'{name}' ({key}): it is a hub name, but the hub {CLOSED} cannot be" in lines[0]
     assert time.monotonic() - start < 20  # start-up and one refused probe, not the retries

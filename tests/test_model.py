@@ -92,7 +92,7 @@ def test_structure_helpers():
 def test_load_errors_are_one_sentence(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_model(str(tmp_path / "missing"), config=None, seed=0)
-    with pytest.raises(UserError, match="Could not read the config of model 'nobody-xyz/not-a-model'"):
+    with pytest.raises(UserError, match="could not read the config of model 'nobody-xyz/not-a-model'"):
         load_model("nobody-xyz/not-a-model", config=None, seed=0)
     with pytest.raises(UserError, match="model_type"):
         load_model(None, config={"hidden_size": 8}, seed=0)

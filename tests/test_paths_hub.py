@@ -39,7 +39,7 @@ def test_offline_mode_refuses_a_hub_name_at_once(empty_cache, monkeypatch, tmp_p
         line = _error_line(CliRunner().invoke(app, args))
         assert time.monotonic() - start < 2, args
         what = "--model" if "--model" in args else "model.path"
-        assert line.startswith(f"error: Could not read the config of model '{NAME}' ({what}): "
+        assert line.startswith(f"error: could not read the config of model '{NAME}' ({what}): "
                                "it is a hub name, but HF_HUB_OFFLINE is set (offline mode) and "
                                f"the local hub cache ({empty_cache}) does not hold it; "), line
         assert line.count(". ") == 0 and not (tmp_path / "run").exists()
@@ -69,7 +69,7 @@ def test_an_unreachable_hub_is_one_sentence_within_seconds(tmp_path, args):
     assert done.returncode == 1, done.stderr
     what = "--model" if "--model" in args else "model.path"
     assert done.stderr.splitlines() == [
-        f"error: Could not read the config of model '{NAME}' ({what}): it is a hub name, but "
+        f"error: could not read the config of model '{NAME}' ({what}): it is a hub name, but "
         f"the hub {CLOSED} cannot be reached from this machine and the local hub cache "
         f"({tmp_path / 'hf' / 'hub'}) does not hold it; point {what} at a local model folder, "
         "or run where the hub can be reached"

@@ -68,7 +68,7 @@ def read_trainer_state(path: str | os.PathLike) -> dict:
     if not file.exists():
         older = " (trainer.pt: written by an older lctrain, whose pickled files are not " \
                 "loaded)" if (path / "trainer.pt").exists() else ""
-        raise UserError(f"The checkpoint {path} has no trainer.json{older}; resume from a "
+        raise UserError(f"the checkpoint {path} has no trainer.json{older}; resume from a "
                         "checkpoint of this lctrain, or start a fresh run.")
     try:
         state = json.loads(file.read_text(encoding="utf-8"))
@@ -88,14 +88,14 @@ def find_checkpoint(root: str | os.PathLike, step: int | None = None) -> tuple[i
     None); UserError when there is none."""
     found = list_checkpoints(root)
     if not found:
-        raise UserError(f"There is no complete checkpoint in {root}; train with "
+        raise UserError(f"there is no complete checkpoint in {root}; train with "
                         "checkpoint.keep above 0 (a checkpoint is saved after the last step).")
     if step is None:
         return found[-1]
     if step in dict(found):
         return step, dict(found)[step]
     steps = ", ".join(str(s) for s, _ in found)
-    raise UserError(f"There is no checkpoint of step {step} in {root}; it holds step(s) {steps}.")
+    raise UserError(f"there is no checkpoint of step {step} in {root}; it holds step(s) {steps}.")
 
 
 def load_model(path: str | os.PathLike, module) -> None:
@@ -119,7 +119,7 @@ def _load(path: Path, state: dict, alone: bool = False) -> None:
             raise  # a collective that failed (a rank gone), not the files
         # a UserError inside (`SafeLoadPlanner`'s) says it all
         inner = next((e for e in _causes(error) if isinstance(e, UserError)), None)
-        raise inner or UserError(f"The checkpoint {path} cannot be loaded into this model "
+        raise inner or UserError(f"the checkpoint {path} cannot be loaded into this model "
                                  f"({root_cause(error)}); it was written for another model or "
                                  "LoRA setting, or it is damaged.") from None
 
@@ -136,7 +136,7 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
               if prefix.startswith("model.") and prefix.endswith(".")}
     prefix = max(counts, key=counts.get, default=None)  # the one holding the most of them
     if prefix is None or counts[prefix] == 0:
-        raise UserError(f"The checkpoint {path} holds none of the model's weights (for example "
+        raise UserError(f"the checkpoint {path} holds none of the model's weights (for example "
                         f"{names[0]}); its run's config.yaml describes another model.")
     wanted = {}
     for name in names:
@@ -155,7 +155,7 @@ def resume_point(root: str | os.PathLike, resume: bool) -> Path | None:
     if resume:
         path = latest_checkpoint(root)
         if path is None:
-            raise UserError(f"There is no checkpoint to resume from in {root}; run without "
+            raise UserError(f"there is no checkpoint to resume from in {root}; run without "
                             "--resume to start fresh, or point train.output_dir at the earlier "
                             "run.")
         return path

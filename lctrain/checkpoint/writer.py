@@ -245,7 +245,7 @@ def _failed_write(step: int, tmp: Path, error: BaseException, size: int) -> User
     found = list_checkpoints(tmp.parent)
     last = (f"the last complete checkpoint, {found[-1][1]} (step {found[-1][0]}), is untouched"
             if found else f"{tmp.parent} holds no complete checkpoint yet")
-    return UserError(f"Writing the checkpoint of step {step} to {tmp} failed ({reason}); {last} — "
+    return UserError(f"writing the checkpoint of step {step} to {tmp} failed ({reason}); {last} — "
                      "free space or fix the folder's permissions, then resume with --resume.")
 
 

@@ -48,6 +48,7 @@ def _usage_exit(error, ctx=None) -> Exception:
     else:
         command = "lctrain"
     message = " ".join(error.format_message().split()).rstrip(".")
+    message = message[:1].lower() + message[1:]  # click's sentences, said like lctrain's own
     typer.echo(f"error: {message}; see {command} --help", err=True)
     return typer.Exit(error.exit_code)
 

@@ -85,7 +85,7 @@ def _refuse_uncached(subject: str, what: str, *, flags: tuple[str, ...], where: 
                      fix: str) -> None:
     """Raise the one-sentence error for ``subject`` when offline or the hub does not answer."""
     key = None if what.startswith("-") else what
-    head = f"Could not read {subject} ({what}): it is a hub name, but"
+    head = f"could not read {subject} ({what}): it is a hub name, but"
     flag = _offline_flag(flags)
     if flag is not None:
         raise ConfigError(f"{head} {flag} is set (offline mode) and {where}; download it while "

@@ -49,7 +49,7 @@ def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = No
     nothing rounded unless asked); ``merge``: a LoRA run's adapters into the base weights."""
     run = Path(run_dir).expanduser()
     if not run.is_dir():
-        raise UserError(f"There is no run folder {run}; pass the train.output_dir of an lctrain "
+        raise UserError(f"there is no run folder {run}; pass the train.output_dir of an lctrain "
                         "finetune run.")
     if not (run / "config.yaml").is_file():
         raise UserError(f"{run} is not an lctrain run folder: it has no config.yaml (finetune "
@@ -59,7 +59,7 @@ def export_run(run_dir: str | Path, *, output: str | Path, step: int | None = No
     out = Path(output).expanduser()
     _check_output(out, replace)
     if merge and not cfg.lora.enabled:
-        raise UserError(f"The run {run} trained every weight (lora.rank is 0), so there is no "
+        raise UserError(f"the run {run} trained every weight (lora.rank is 0), so there is no "
                         "adapter to merge; export it without --merge.")
     dtype = dtype or cfg.model.dtype
     if dtype not in DTYPES:
@@ -77,13 +77,13 @@ def export_final(cfg: RecipeConfig) -> ExportResult:
 def _check_output(out: Path, replace: bool) -> None:
     """Refuse an output that is or lies under a file, or is not empty (unless ``replace``)."""
     if out.exists() and not out.is_dir():
-        raise UserError(f"The output {out} is a file; name a new folder.")
+        raise UserError(f"the output {out} is a file; name a new folder.")
     above = next((folder for folder in out.parents if folder.exists()), None)
     if above is not None and not above.is_dir():
-        raise UserError(f"The output {out} cannot be written ({above} is a file, not a "
+        raise UserError(f"the output {out} cannot be written ({above} is a file, not a "
                         "folder); choose a folder you may write to.")
     if not replace and out.is_dir() and any(out.iterdir()):
-        raise UserError(f"The output folder {out} exists and is not empty; name a new folder "
+        raise UserError(f"the output folder {out} exists and is not empty; name a new folder "
                         "or empty that one.")
 
 
@@ -109,7 +109,7 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
                 base = _write_adapter(cfg, model, folder, out, torch_dtype, tokenizer, specials)
             write.save_tokenizer(tokenizer, folder)
         except OSError as error:  # a full disk, a quota: the writes, not the reads above
-            raise unwritable(f"The output {out}", error) from None
+            raise unwritable(f"the output {out}", error) from None
     files = tuple(sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()))
     return ExportResult(output=out, step=step, kind=kind, dtype=dtype, base=base, files=files)
 
@@ -143,14 +143,14 @@ def trained_model(cfg: RecipeConfig, checkpoint: Path) -> nn.Module:
     by_identity = {id(state[name]): tensor for name, tensor in weights.items()}
     missing = [name for name, placeholder in state.items() if id(placeholder) not in by_identity]
     if missing:
-        raise UserError(f"The checkpoint {checkpoint} has no weight {missing[0]} (and "
+        raise UserError(f"the checkpoint {checkpoint} has no weight {missing[0]} (and "
                         f"{len(missing) - 1} more missing); the run's config.yaml describes "
                         "another model than the one trained.")
     wrong = [(n, tuple(t.shape), tuple(state[n].shape)) for n, t in weights.items()
              if t.shape != state[n].shape]
     if wrong:
         name, saved, built = wrong[0]
-        raise UserError(f"The checkpoint's {name} has shape {saved} but the run's recipe builds "
+        raise UserError(f"the checkpoint's {name} has shape {saved} but the run's recipe builds "
                         f"{built}; the config.yaml does not describe the trained model.")
     # tied weights (one parameter under two names) get the one tensor read for either name
     model.load_state_dict({n: by_identity[id(p)] for n, p in state.items()}, assign=True)

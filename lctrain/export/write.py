@@ -52,7 +52,7 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
         staging.mkdir()
     except OSError as error:
         remove_empty(made)
-        raise unwritable(f"The output {output}", error) from None
+        raise unwritable(f"the output {output}", error) from None
     try:
         yield staging
         try:
@@ -62,7 +62,7 @@ def staged_folder(output: Path, *, replace: bool) -> Iterator[Path]:
                 output.rmdir()  # empty, as checked
             os.replace(staging, output)
         except OSError as error:
-            raise unwritable(f"The output {output}", error) from None
+            raise unwritable(f"the output {output}", error) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         remove_empty(made)

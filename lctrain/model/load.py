@@ -68,7 +68,7 @@ def check_weights(source: str) -> None:
     if not os.path.isdir(folder):
         return
     if not any(glob.glob(os.path.join(folder, pattern)) for pattern in _WEIGHT_FILES):
-        raise UserError(f"The model folder {source} has a config.json but no weights "
+        raise UserError(f"the model folder {source} has a config.json but no weights "
                         f"(*.safetensors); point model.path at the folder that holds them, or "
                         f"build a random init with model.config alone.")
 
@@ -88,7 +88,7 @@ def _from_pretrained(source: str, hf_config: Any, *, dtype, attn: str,
             attn_implementation=attn, trust_remote_code=trust, **cache)
     except OSError as exc:
         first = first_line(exc)
-        raise UserError(f"Could not load model '{source}' (offline, unknown hub name, or not a "
+        raise UserError(f"could not load model '{source}' (offline, unknown hub name, or not a "
                         f"model folder): {first}; use a local folder or model.config.") from None
 
 
@@ -198,7 +198,7 @@ def _folder_config(source: str, shown: str, trust: bool) -> tuple[Any, dict[str,
         base = AutoConfig.from_pretrained(source, trust_remote_code=trust, local_files_only=only)
         raw, _ = type(base).get_config_dict(source, local_files_only=only)
     except (OSError, ValueError) as exc:
-        raise UserError(f"Could not read the config of model '{shown}' (offline, unknown hub "
+        raise UserError(f"could not read the config of model '{shown}' (offline, unknown hub "
                         f"name, or not a model folder): {first_line(exc)}; point model.path at a "
                         f"local folder holding config.json.") from None
     return base, dict(raw)

@@ -241,7 +241,7 @@ def check_continuation(saved: dict, setup: RunSetup, path: Path) -> None:
     """Refuse (UserError) a checkpoint of another sequence length or global batch."""
     cfg, dp, t = setup.cfg, setup.pmesh.dp, setup.cfg.train
     if saved["seq_len"] != cfg.data.seq_len:
-        raise UserError(f"The checkpoint {path} was trained at data.seq_len {saved['seq_len']} "
+        raise UserError(f"the checkpoint {path} was trained at data.seq_len {saved['seq_len']} "
                         f"but this run has {cfg.data.seq_len}; resume with the run's seq_len.")
     rows = setup.rows_per_step
     if saved["rows_per_step"] != rows:
@@ -249,7 +249,7 @@ def check_continuation(saved: dict, setup: RunSetup, path: Path) -> None:
         fix = (f"set train.grad_accum={int(keep)} to keep it" if keep == int(keep) else
                "choose train.batch_size and train.grad_accum so that dp × batch_size × "
                "grad_accum equals it")
-        raise UserError(f"The checkpoint {path} took {saved['rows_per_step']} rows per step but "
+        raise UserError(f"the checkpoint {path} took {saved['rows_per_step']} rows per step but "
                         f"this run takes {rows} (dp {dp} × batch_size {t.batch_size} × "
                         f"grad_accum {t.grad_accum}); {fix}.")
 
