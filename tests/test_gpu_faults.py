@@ -6,7 +6,8 @@ embedded tiny recipe as a user starts it:
   the model and AdamW states resharded from the two ranks' DCP files;
 - SIGSTOP on rank 1 of a run: rank 0's watchdog names rank 1 after train.collective_timeout,
   and torch's NCCL timeout dumps rank 0's flight recorder (its last collectives) beside the
-  run's other launch files.
+  run's other launch files;
+- a run stopped by non-finite steps names the checkpoint its last background save wrote.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fault_tools import leftovers
+from lctrain.checkpoint.reader import list_checkpoints
 from lctrain.config import load_recipe
 from lctrain.errors import UserError
 from lctrain.train import finetune
@@ -107,3 +110,23 @@ def test_a_stopped_rank_on_two_gpus_is_named_and_nccl_dumps_its_collectives(tmp_
     assert trace.is_file(), sorted(p.name for p in (out / ".launch").iterdir())
     dump = pickle.loads(trace.read_bytes())
     assert dump["entries"] and all("profiling_name" in e for e in dump["entries"])
+
+
+def test_a_diverged_run_on_two_gpus_names_the_checkpoint_its_background_save_lands(tmp_path):
+    """Checkpoints on GPUs are written in the background; the run that stops on non-finite
+    steps waits for the save in flight and names the newest checkpoint, none left half-written."""
+    out = tmp_path / "nan"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
+    run = subprocess.run([sys.executable, "-m", "lctrain", "finetune", "--max-steps", "12",
+                          "--output-dir", str(out), "--set", "train.lr=1e10",
+                          "--set", "train.max_nonfinite_steps=3", "--set", "checkpoint.every=1",
+                          "--set", "checkpoint.keep=1"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 1, run.stdout[-1500:] + run.stderr[-1500:]
+    saved = list_checkpoints(out / "checkpoints")
+    step, path = saved[-1]
+    assert run.stderr.rstrip().endswith(
+        f"the last complete checkpoint is {path} (step {step}); resume with: lctrain finetune "
+        f"{out / 'config.yaml'} --resume."), run.stderr[-1500:]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert not leftovers(out)
