@@ -5,8 +5,8 @@ embedded tiny recipe as a user starts it:
   GPU picked with CUDA_VISIBLE_DEVICES), gives the uninterrupted run's losses of steps 3–4 —
   the model and AdamW states resharded from the two ranks' DCP files;
 - SIGSTOP on rank 1 of a run: rank 0's watchdog names rank 1 after train.collective_timeout,
-  and torch's NCCL timeout dumps rank 0's flight recorder (its last collectives) beside the
-  run's other launch files;
+  and, when rank 0 waits in an NCCL collective, torch's NCCL timeout dumps its flight recorder
+  (its last collectives) beside the run's other launch files;
 - a run stopped by non-finite steps names the checkpoint its last background save wrote.
 """
 from __future__ import annotations
@@ -106,8 +106,10 @@ def test_a_stopped_rank_on_two_gpus_is_named_and_nccl_dumps_its_collectives(tmp_
     assert f"these ranks did not arrive: rank 1 (pid {stopped['pid']} " in message, message
     cmdline = Path(f"/proc/{stopped['pid']}/cmdline")  # the launcher ended the stopped rank
     assert not cmdline.exists() or not cmdline.read_bytes()
+    if "the stop-signal check" in message:  # rank 1 stopped between steps: rank 0 waits on
+        return  # gloo with no NCCL collective pending, so NCCL has nothing to time out and dump
     trace = out / ".launch" / "nccl_trace_rank_0"
-    assert trace.is_file(), sorted(p.name for p in (out / ".launch").iterdir())
+    assert trace.is_file(), (message, sorted(p.name for p in (out / ".launch").iterdir()))
     dump = pickle.loads(trace.read_bytes())
     assert dump["entries"] and all("profiling_name" in e for e in dump["entries"])
 
