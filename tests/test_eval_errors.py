@@ -111,3 +111,19 @@ def test_a_failed_rank_keeps_its_log(tmp_path, monkeypatch):
                                  f"ranks' log is kept at {kept}")
     assert kept.read_text() == "rank 1: killed\n"
     assert [p for p in tmp_path.iterdir() if p.is_dir()] == []
+
+
+def test_bench_report_of_an_eval_result_checks_its_files_first(tmp_path):
+    """``lctrain bench report`` of an eval result: a --plot file type matplotlib cannot write,
+    and a FILE that is missing, are one sentence each, before any table."""
+    from lctrain.eval.result import EvalResult
+
+    doc = EvalResult(task="ppl", title="t", meta={"seq_len": 64}, rows=[
+        {"bucket": "0–64", "start": 0, "stop": 64, "tokens": 9, "loss": 2.0, "ppl": 7.39},
+        {"bucket": "all", "start": 0, "stop": 64, "tokens": 9, "loss": 2.0, "ppl": 7.39}])
+    done = doc.save(tmp_path / "ppl.json")
+    for args, words in (([done, "--plot", tmp_path / "p.txt"], "the file name must end in one of"),
+                        ([done, tmp_path / "gone.json"], f"cannot read {tmp_path / 'gone.json'}")):
+        result = runner.invoke(app, ["bench", "report", *map(str, args)])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert result.stdout == "" and words in result.stderr, result.output

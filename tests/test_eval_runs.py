@@ -365,3 +365,29 @@ def test_progress_line_shows_eval_loss_and_eta(capsys):
     seconds = float(value) / (1e3 if unit == "ms" else 1.0)
     assert unit in ("ms", "s") and 1.5 * 0.05 <= seconds < 10
     assert "ETA" not in last and "eval loss" not in last  # done; not evaluated at this step
+
+
+def test_a_peft_adapter_without_tokenizer_files_scores_as_its_merged_base(tmp_path, model_folder):
+    """Most peft adapters ship no tokenizer: the base model's is used (the merged copy the ranks
+    load has none), and the scores are plain transformers' on the base merged with the adapter."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = tmp_path / "adapter"
+    torch.manual_seed(random.randrange(2**31))
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model_folder),
+                   LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                              init_lora_weights=False)).save_pretrained(adapter)
+    assert not any(adapter.glob("tokenizer*"))
+    data, out = texts(tmp_path / "d.jsonl", 4, random.Random(random.randrange(2**31))), \
+        tmp_path / "a.json"
+    result = runner.invoke(app, ["eval", str(adapter), "--task", "ppl", "--cp", "1", "--seq-len",
+                                 "128", "--max-rows", "2", "--data", str(data), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    got = json.loads(out.read_text())["rows"][-1]
+    rows = prepare_data(DataConfig(source=str(data), seq_len=128, tokenizer=None),
+                        AutoTokenizer.from_pretrained(model_folder))
+    merged = PeftModel.from_pretrained(eager_model(model_folder), adapter).merge_and_unload()
+    losses = [loss for r in range(2) for _, loss in eager_losses(merged.eval(), rows[r])]
+    assert got["bucket"] == "all" and got["tokens"] == len(losses)
+    assert got["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)

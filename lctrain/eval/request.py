@@ -139,7 +139,7 @@ def _target_recipe(target: str) -> tuple[dict, str, str]:
         model, tokenizer = str(path), None
         if adapter:  # a peft adapter: its base model, merged with it before the ranks start
             model = _adapter_base(path)
-            tokenizer = str(path) if any(path.glob("tokenizer*")) else None
+            tokenizer = str(path) if any(path.glob("tokenizer*")) else model  # else the base's
         return ({"model": {"path": model}, "data": {"tokenizer": tokenizer},
                  "parallel": {"cp": max(cuda, 1)}, "train": {"mixed_precision": "auto"}},
                 "adapter" if adapter else "model", str(path))

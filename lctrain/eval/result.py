@@ -144,6 +144,8 @@ def eval_results(files: list[str]) -> list:
         return []
     if not all(marked):
         others = [p for p, m in zip(files, marked) if not m]
+        for path in others:  # a missing or broken file says so, not that it is no eval result
+            read_document(path)
         raise UserError(f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not lctrain "
                         "eval results; report evaluation and bench result files separately")
     return [load(path) for path in files]
@@ -157,6 +159,8 @@ def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_f
                         "shown as it is (use the file itself for its JSON)")
     if plot_file is not None and len(results) != 1:
         raise UserError(f"--plot draws one evaluation result; {len(results)} were given")
+    if plot_file is not None:
+        check_plot(plot_file)
     if fmt == "json":  # one document, as lctrain eval prints it; several: a list of them
         docs = [json.loads(result.to_json()) for result in results]
         emit(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
