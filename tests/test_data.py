@@ -160,6 +160,20 @@ def test_files_whose_fields_differ_read_as_one_source(tmp_path):
         prepare_data(_cfg(lacking).data, tok)
 
 
+@pytest.mark.parametrize("order", ["null first", "null last"])
+def test_a_field_only_null_in_one_file_reads_as_null_there(tmp_path, order):
+    """A field that one file gives only as null and another as an object or a list is null
+    in the first (datasets once failed with AttributeError on null beside an object)."""
+    null = tmp_path / ("a.jsonl" if order == "null first" else "b.jsonl")
+    given = tmp_path / ("b.jsonl" if order == "null first" else "a.jsonl")
+    null.write_text(json.dumps({"text": "one", "meta": None, "tags": None}) + "\n")
+    given.write_text(json.dumps({"text": "two", "meta": {"id": 2}, "tags": ["x"]}) + "\n")
+    tok = ByteTokenizer()
+    rows = prepare_data(_cfg(tmp_path / "*.jsonl").data, tok)
+    texts = ["one", "two"] if order == "null first" else ["two", "one"]
+    assert rows[0]["input_ids"][:10].tolist() == [t for x in texts for t in tok.encode(x)]
+
+
 def test_local_jsonl_txt_and_parquet(tmp_path):
     texts = ["first document", "second one, a bit longer " * 5, "third"]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))

@@ -166,11 +166,14 @@ def _blank(path: str) -> bool:
 
 
 def _concatenate(datasets, parts: list, source: str):
-    """The datasets of a source's files as one; a field some files lack is null there."""
-    features = {}
+    """The datasets of a source's files as one; a field some files lack, or give only null, is
+    null there (of the kind the others give)."""
+    features, null = {}, datasets.Value("null")
     for part in parts:
-        features.update({k: v for k, v in part.features.items() if k not in features})
+        features.update({k: v for k, v in part.features.items() if features.get(k, null) == null})
     for i, part in enumerate(parts):
+        part = part.remove_columns([k for k, v in part.features.items()
+                                    if v == null != features[k]])  # re-added below, typed
         for name in features.keys() - set(part.column_names):
             parts[i] = part = part.add_column(name, [None] * len(part), feature=features[name])
     try:
