@@ -274,3 +274,32 @@ def test_no_chat_template_names_the_fixes_and_the_first_one_works(tmp_path):
     (folder / "chat_template.jinja").write_text(CHATML)
     rows = prepare_data(pretrained.data, load_tokenizer(pretrained))
     assert rows.info["format"] == "chat" and rows.info["samples"] == 1
+
+
+@pytest.mark.parametrize("template", ["prefix", "generation"])
+def test_byte_tokenizer_with_a_template_file_trains_on_the_replies_bytes(tmp_path, template):
+    """data.tokenizer=bytes with a .jinja template: its rendered UTF-8 bytes, the replies and
+    their <|im_end|> trained on, whether or not the template marks them with {% generation %}
+    (without the markers, prefix rendering once failed: the bytes tokenizer has no
+    apply_chat_template)."""
+    jinja = tmp_path / "chat.jinja"
+    jinja.write_text(CHATML if template == "prefix" else CHATML_GENERATION)
+    messages = [{"role": "user", "content": "2+2? é"}, {"role": "assistant", "content": "4 ✓"},
+                {"role": "user", "content": "ok"}, {"role": "assistant", "content": "yes"}]
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"messages": messages}) + "\n")
+    cfg = load_recipe(None, [f"data.source={src}", "data.tokenizer=bytes",
+                             f"data.chat_template={jinja}"], seq_len=256)
+    rows = prepare_data(cfg.data, ByteTokenizer())
+    ids, targets = [], []  # by hand: the ChatML text's bytes, replies + <|im_end|> marked
+    for m in messages:
+        pieces = [(f"<|im_start|>{m['role']}\n", False)]
+        pieces += ([(m["content"] + "<|im_end|>", True), ("\n", False)] if m["role"] == "assistant"
+                   else [(m["content"] + "<|im_end|>\n", False)])
+        for text, flag in pieces:
+            ids += list(text.encode())
+            targets += [flag] * len(text.encode())
+    row = rows[0]
+    assert row["input_ids"][:len(ids)].tolist() == ids
+    labels = [ids[i + 1] if targets[i + 1] else IGNORE for i in range(len(ids) - 1)] + [IGNORE]
+    assert row["labels"][:len(ids)].tolist() == labels

@@ -114,6 +114,19 @@ def test_tokenized_records_with_and_without_labels(tmp_path):
             _prepare(tmp_path, src)
 
 
+def test_ragged_nested_ids_are_one_sentence(tmp_path):
+    """Lists of lists of different lengths (ragged) name the record, as even ones do (numpy
+    once raised its own ValueError on them)."""
+    for i, (record, message) in enumerate([
+            ({"input_ids": [[1, 2], [3]]}, r"input_ids must be a list of whole numbers, but it "
+                                           r"holds \[1, 2\]"),
+            ({"input_ids": [1, 2, 3], "labels": [[1], [2, 3]]},
+             r"labels must be a list of whole numbers, but it holds \[1\]")]):
+        src = _write(tmp_path / f"ragged{i}.jsonl", [record])
+        with pytest.raises(DataError, match=rf"^{tmp_path}/ragged{i}\.jsonl:1: {message}$"):
+            _prepare(tmp_path, src)
+
+
 def test_bad_lines_are_errors_with_file_and_line(tmp_path):
     good = json.dumps({"text": "fine"}) + "\n"
     cases = {"json": (good + "\n" + '{"text": "unterminated\n', r"json\.jsonl:3 is not valid JSON"),

@@ -272,7 +272,10 @@ def _whole(value: Any) -> bool:
 
 def _int_array(record: Record, key: str) -> np.ndarray:
     value = record.fields.get(key)
-    array = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+    try:
+        array = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+    except ValueError:  # ragged lists in the list
+        array = None
     if array is not None and array.dtype.kind == "f" and np.all(array == np.round(array)):
         array = array.astype(np.int64)  # whole numbers that share a column with fractions
     if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
@@ -394,9 +397,13 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict], where: str, templa
     """The conversation's rendered text and the character spans of its assistant turns, for a
     template without ``{% generation %}`` markers: the characters between the rendering of
     ``messages[:i]`` with the generation prompt and that of ``messages[:i + 1]`` are message i's."""
-    def render(part, prompt):
-        return tokenizer.apply_chat_template(list(part), chat_template=template, tokenize=False,
-                                             add_generation_prompt=prompt)
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(part, prompt):  # as apply_chat_template, which the bytes tokenizer lacks
+        (text,), _ = render_jinja_template([list(part)], chat_template=template,
+                                           add_generation_prompt=prompt,
+                                           **tokenizer.special_tokens_map)
+        return text
 
     text = render(messages, False)
     spans = []
