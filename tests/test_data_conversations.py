@@ -247,6 +247,25 @@ def test_named_templates_render_and_mask_exactly(name):
             .startswith(pieces[0][0])
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma"])
+def test_a_system_message_opens_the_next_user_turn_and_is_never_lost(name):
+    """Templates without a system turn put the system text into the next user turn: after an
+    opening reply, and later in the conversation too (both were once dropped silently)."""
+    system = {"role": "system", "content": "Be brief."}
+    user, reply = {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}
+    messages = [system, {"role": "assistant", "content": "Hi."}, user, reply, system, user, reply]
+    if name == "mistral":
+        want = ("<bos>Hi.<eos>[INST] Be brief.\n\n2+2? [/INST]4<eos>"
+                "[INST] Be brief.\n\n2+2? [/INST]4<eos>")
+    else:
+        turn = ("<start_of_turn>user\nBe brief.\n\n2+2?<end_of_turn>\n"
+                "<start_of_turn>model\n4<end_of_turn>\n")
+        want = "<bos><start_of_turn>model\nHi.<end_of_turn>\n" + turn + turn
+    tok = ByteTokenizer()
+    ids, _ = encode_chat(tok, messages, "here", template=TEMPLATES[name])
+    assert tok.decode(ids, skip_special_tokens=False) == want
+
+
 def test_a_bad_template_is_one_sentence(tmp_path):
     from lctrain.data import load_tokenizer
 

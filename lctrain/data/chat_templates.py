@@ -2,7 +2,7 @@
 named for, written for transformers' ``apply_chat_template``: each wraps the assistant's reply and
 its end-of-turn marker in ``{% generation %}``, so the assistant mask is exact. Special tokens are
 the tokenizer's (``bos_token``, ``eos_token``); a system message that the family has no turn for
-opens the first user turn."""
+opens the next user turn."""
 from __future__ import annotations
 
 import os
@@ -12,8 +12,8 @@ from lctrain.config.fields import suggest
 from lctrain.errors import ConfigError
 
 _REPLY = "{% generation %}{{- m.content | trim ~ END }}{% endgeneration %}"
-_SYSTEM = ("{%- set system = messages[0].content ~ '\\n\\n' if messages[0].role == 'system' "
-           "else '' %}")
+_SYSTEM = "{%- set ns = namespace(system='') %}"  # system text waiting for the next user turn
+_HOLD = "{%- if m.role == 'system' %}{%- set ns.system = ns.system ~ m.content ~ '\\n\\n' %}"
 _CHATML_TURNS = (
     "{%- for m in messages %}{%- if m.role == 'tool' and TOOL %}"
     "{{- '<|im_start|>user\\n<tool_response>\\n' ~ m.content ~ '\\n</tool_response><|im_end|>\\n' }}"
@@ -31,16 +31,16 @@ TEMPLATES = {
               "'assistant' %}" + _REPLY.replace("END", "'<|eot_id|>'") + "{%- else %}{{- m.content "
               "| trim ~ '<|eot_id|>' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- "
               "'<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}",
-    "mistral": "{{- bos_token }}" + _SYSTEM + "{%- for m in messages if m.role != 'system' %}{%- if "
-               "m.role == 'user' %}{{- '[INST] ' ~ (system if loop.first else '') ~ m.content ~ "
-               "' [/INST]' }}{%- elif m.role == 'assistant' %}{% generation %}{{- m.content ~ "
+    "mistral": "{{- bos_token }}" + _SYSTEM + "{%- for m in messages %}" + _HOLD + "{%- elif "
+               "m.role == 'user' %}{{- '[INST] ' ~ ns.system ~ m.content ~ ' [/INST]' }}{%- set "
+               "ns.system = '' %}{%- elif m.role == 'assistant' %}{% generation %}{{- m.content ~ "
                "eos_token }}{% endgeneration %}{%- else %}{{- '[TOOL_RESULTS] ' ~ m.content ~ "
                "' [/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}",
-    "gemma": "{{- bos_token }}" + _SYSTEM + "{%- for m in messages if m.role != 'system' %}{{- "
+    "gemma": "{{- bos_token }}" + _SYSTEM + "{%- for m in messages %}" + _HOLD + "{%- else %}{{- "
              "'<start_of_turn>' ~ ('model' if m.role == 'assistant' else 'user') ~ '\\n' }}{%- if "
              "m.role == 'assistant' %}" + _REPLY.replace("END", "'<end_of_turn>'") + "{{- '\\n' }}"
-             "{%- else %}{{- (system if loop.first else '') ~ m.content | trim ~ "
-             "'<end_of_turn>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+             "{%- else %}{{- ns.system ~ m.content | trim ~ '<end_of_turn>\\n' }}{%- set "
+             "ns.system = '' %}{%- endif %}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
              "{{- '<start_of_turn>model\\n' }}{%- endif %}"}
 """Template name -> Jinja source."""
 
