@@ -33,6 +33,7 @@ def _files(root: Path) -> dict[str, str]:
             "mapping.jsonl": '{"text": "hello"}\n{"text": {"a": "b"}}\n',
             "empty_docs.jsonl": '{"text": ""}\n{"text": ""}\n',
             "zero.jsonl": "",
+            "objects.jsonl": "{}\n{}\n",
             "null.jsonl": '{"text": "hello there"}\n{"text": null}\n',
             "long.jsonl": json.dumps({"prompt": "q", "completion": "x" * 500}) + "\n"
                           + json.dumps({"prompt": "q", "completion": "short"}) + "\n",
@@ -75,6 +76,8 @@ CASES = [  # (id, command from the files, words of the one sentence)
     ("only empty documents", _src("empty_docs.jsonl"),
      ["no token to train on", "empty document: 2", "empty_docs.jsonl:1"]),
     ("empty file", _src("zero.jsonl"), ["zero.jsonl", "holds no record"]),
+    ("only empty objects", _src("objects.jsonl"),
+     ["objects.jsonl has no field in any record", '{"text": "..."}']),
     ("unreadable file", _src("mem.jsonl"), ["could not read", "mem.jsonl", "Input/output error"]),
     ("source matches nothing", lambda f: [*RUN, "--set", "data.source=/nonexistent/*.jsonl"],
      ["matches no file"]),

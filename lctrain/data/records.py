@@ -81,6 +81,9 @@ class RecordReader:
             dataset.data.table.validate(full=True)  # pyarrow keeps strings that are not UTF-8
         except Exception as error:  # noqa: BLE001 - pyarrow, JSON, decoding and OS errors
             check_file(path, kind)  # raises the DataError naming the line where one is found
+            if "corresponds to no data" in str(error):  # datasets: every record is {}
+                raise DataError(f"{path} has no field in any record; each record needs the text "
+                                f"to train on, such as {{\"text\": \"...\"}}") from None
             what = " as parquet" if builder == "parquet" else ""
             raise DataError(f"could not read {path}{what} ({_first_line(error)}); check the "
                             f"file") from None
