@@ -12,8 +12,8 @@ import pytest
 
 from lctrain.data import ByteTokenizer
 from lctrain.errors import UserError
-from lctrain.eval.passkey import (FILLER, INTRO, NEEDLE, QUESTION, PasskeyCase, answer_tokens,
-                                  parse_answer, passkey_cases, passkey_prompt, summarize)
+from lctrain.eval.passkey import (FILLER, INTRO, NEEDLE, QUESTION, PasskeyCase, answer_text,
+                                  answer_tokens, parse_answer, passkey_cases, passkey_prompt, summarize)
 from lctrain.export.write import byte_tokenizer_fast
 
 
@@ -66,6 +66,11 @@ def test_answers_are_parsed_and_counted(tokenizer):
     one = summarize([PasskeyCase(512, 0.5, 0, "11111")],
                     [{"answer": "\x1b\x07 11111\n", "needle_start": 3, "placed_depth": 0.5}])
     assert one[0]["correct"] == 1 and "\x1b" not in one[0]["answer"]  # shown safely
+    eos = tokenizer.eos_token_id  # the model's answer ends at its end-of-text token
+    ids = tokenizer.encode(" 123", add_special_tokens=False)
+    more = tokenizer.encode("45.", add_special_tokens=False)
+    assert parse_answer(answer_text(tokenizer, ids + [eos] + more)) == "123"
+    assert parse_answer(answer_text(tokenizer, ids + more)) == "12345"
 
 
 def test_greedy_picks_among_the_tokenizers_ids_only():

@@ -29,7 +29,8 @@ from lctrain.config import RecipeConfig
 from lctrain.data import eval_batches, prepare_data, rows_summary
 from lctrain.errors import UserError
 from lctrain.eval.decode import generate, register_eval_attention
-from lctrain.eval.passkey import answer_tokens, passkey_cases, passkey_prompt, summarize
+from lctrain.eval.passkey import (answer_text, answer_tokens, passkey_cases, passkey_prompt,
+                                  summarize)
 from lctrain.eval.result import EvalResult, load
 from lctrain.eval.request import EvalRequest
 from lctrain.launch import launcher, rank
@@ -240,7 +241,7 @@ def run_passkey(setup, parts, request, tokenizer, say) -> tuple[list[dict], dict
                           accelerator=setup.accelerator, vocab=len(tokenizer))
         if index >= len(cases):
             continue
-        outcomes[index] = {"answer": tokenizer.decode(ids, skip_special_tokens=True),
+        outcomes[index] = {"answer": answer_text(tokenizer, ids),
                            "needle_start": prompt.needle_start, "placed_depth": prompt.placed_depth,
                            "seconds": time.perf_counter() - began,
                            "peak_memory_bytes": peak_memory_bytes(setup.accelerator.device)}

@@ -70,6 +70,12 @@ def answer_tokens(tokenizer: Any, passkey: str) -> int:
     return len(plain_ids(tokenizer, [f" {passkey}."])[0]) + 1
 
 
+def answer_text(tokenizer: Any, ids: list[int]) -> str:
+    """The generated ``ids`` as text, up to the end-of-text token where the model ends there."""
+    eos = tokenizer.eos_token_id
+    return tokenizer.decode(ids[:ids.index(eos)] if eos in ids else ids, skip_special_tokens=True)
+
+
 def parse_answer(text: str) -> str | None:
     """The number the model answered: the first run of digits in ``text`` (None if none)."""
     found = _DIGITS.search(text)
