@@ -13,7 +13,8 @@ import pytest
 from lctrain.data import ByteTokenizer
 from lctrain.errors import UserError
 from lctrain.eval.passkey import (FILLER, INTRO, NEEDLE, QUESTION, PasskeyCase, answer_text,
-                                  answer_tokens, parse_answer, passkey_cases, passkey_prompt, summarize)
+                                  answer_tokens, parse_answer, passkey_cases, passkey_prompt,
+                                  summarize)
 from lctrain.export.write import byte_tokenizer_fast
 
 
