@@ -71,6 +71,23 @@ def test_report_summarises_runs_and_their_differences(runs, tmp_path):
     assert as_json[0]["train.lr"] == "0.003" and as_json[0]["tokens_per_s"] > 0
 
 
+def test_a_run_whose_last_step_was_skipped_has_no_final_loss(runs, tmp_path):
+    import shutil
+
+    run = shutil.copytree(runs[0], tmp_path / "nan")
+    recs = _records(run)
+    skipped = {**recs[-1], "step": recs[-1]["step"] + 1, "loss": None, "skipped_steps": 1}
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(skipped) + "\n")
+    result = CliRunner().invoke(app, ["report", str(run), "--format", "json"])
+    (row,) = json.loads(result.stdout)
+    assert row["steps"] == skipped["step"] and row["loss_final"] is None
+    assert row["loss_best"] == min(r["loss"] for r in recs)
+    text = CliRunner().invoke(app, ["report", str(run)]).stdout
+    assert "nan: the last step's loss was not finite (its update skipped), so final is blank" \
+        in text
+
+
 def test_report_refuses_a_folder_that_is_not_a_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     result = CliRunner().invoke(app, ["report", str(tmp_path)])

@@ -122,7 +122,7 @@ def row(run: Run, keys: list[str] = ()) -> dict:
     return {"run": run.name, **{k: v if v is None or isinstance(v, str) else json.dumps(v)
                                 for k, v in values.items()},
             "steps": recs[-1].get("step") if recs else 0,
-            "loss_final": losses[-1] if losses else None,
+            "loss_final": recs[-1].get("loss") if recs else None,  # None: not finite
             "loss_best": min(losses) if losses else None,
             "eval_loss": evals[-1] if evals else None,
             "tokens_per_s": median(steady, "tokens_per_s"), "mfu": median(steady, "mfu"),
@@ -142,6 +142,9 @@ def summary(runs: list[Run]) -> Table:
     rows = [row(run, keys) for run in runs]
     notes = [f"{k}: " + " | ".join(f"{r['run']} {r.get(k)}" for r in rows) for k in keys]
     notes.append("step time = the sum of the logged steps' times, not the wall clock")
+    notes += [f"{run.name}: the last step's loss was not finite (its update skipped), so final "
+              "is blank" for run in runs if run.records and run.records[-1].get("loss") is None
+              and "loss" in run.records[-1]]
     if len(runs) == 1:
         s = runs[0].settings
         notes.append(f"{s.get('model.path') or s.get('model.config.model_type', 'model')}, "
