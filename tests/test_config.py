@@ -428,3 +428,102 @@ def test_a_recipe_file_with_trainer_names_points_to_the_settings(tmp_path):
     recipe.write_text("model: {config: {model_type: llama}}\nlearning_rate: 0.001\n")
     with pytest.raises(ConfigError, match=r"section 'learning_rate' .*did you mean train\.lr"):
         load_recipe(recipe)
+
+
+def test_a_run_config_names_every_local_path_absolutely(tmp_path, monkeypatch):
+    """A relative data.eval_source is saved absolute like data.source, so RUN/config.yaml runs
+    from any folder; a built-in tokenizer stays built-in whatever the folder holds."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.jsonl", "val.jsonl"):
+        (tmp_path / name).write_text('{"text": "hello"}\n')
+    (tmp_path / "byte-pairs").mkdir()
+    (tmp_path / "bytes").mkdir()
+    cfg = load_recipe(None, ["data.source=train.jsonl", "data.eval_source=val.jsonl",
+                             "data.tokenizer=byte-pairs", "model.config.vocab_size=65795"],
+                      output_dir="run")
+    assert cfg.data.eval_source == str(tmp_path / "val.jsonl")
+    assert cfg.data.tokenizer == "byte-pairs"
+    assert load_recipe(None, ["data.eval_source=0.25"]).data.eval_source == 0.25
+    assert load_recipe(None, ["data.eval_source=org/name[validation]"]).data.eval_source == \
+        "org/name[validation]"
+    path = save_resolved(cfg, tmp_path / "run" / "config.yaml")
+    monkeypatch.chdir(tmp_path / "run")
+    assert load_recipe(path) == cfg
+    from lctrain.config.resume import load_resumed
+
+    monkeypatch.chdir(tmp_path)  # a run saved with the relative path still resumes from here
+    old = path.read_text().replace(str(tmp_path / "val.jsonl"), "val.jsonl")
+    assert "eval_source: val.jsonl" in old
+    path.write_text(old)
+    assert load_resumed(None, output_dir="run") == cfg
+
+
+def test_resume_with_the_run_folder_given_by_set_reads_that_run(tmp_path):
+    """``--resume --set train.output_dir=RUN`` is ``--resume --output-dir RUN``: the run's own
+    recipe is checked, not the embedded one's (whose seq_len 512 does not divide by 3)."""
+    from lctrain.config.resume import load_resumed
+
+    run = tmp_path / "run"
+    cfg = load_recipe(None, ["data.document_mask=false", "parallel.cp=3"], seq_len=513,
+                      output_dir=str(run))
+    save_resolved(cfg, run / "config.yaml")
+    for flag in ([f"train.output_dir={run}"], []):
+        resumed = load_resumed(None, [*flag, "train.batch_size=2", "parallel.cp=3"],
+                               output_dir=None if flag else str(run))
+        assert resumed == dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, batch_size=2))
+    with pytest.raises(ConfigError, match="--resume cannot change train.lr"):
+        load_resumed(None, [f"train.output_dir={run}", "train.lr=1"])
+
+
+def test_a_saved_run_config_loads_back_equal_whatever_the_values(tmp_path):
+    """Random valid settings, strings that look like numbers among them ("1e5", "on", "010"):
+    RUN/config.yaml loads back as the very recipe that was saved."""
+    import random
+
+    import torch
+
+    rng = random.Random(torch.initial_seed())
+    choices = {
+        "train.lr": ["1e-4", "3.0e-5", "2E-3", "1"], "train.epochs": ["1.5", "2", "null"],
+        "train.betas": ["[0.8, 0.99]", "[0, 0.5]"], "train.host_memory": ["80GiB", "80GB", "null"],
+        "train.tile_tokens": ["0", "1k"], "train.checkpointing": ["remat", "auto", "full=1,remat=1"],
+        "train.offload": ["none", "optimizer"], "train.report_to": ["jsonl", "[wandb, mlflow]"],
+        "train.collective_timeout": ["60", "1e3"], "train.seed": ["0", "4294967295"],
+        "data.eval_source": ["0.05", "null", "org/1e5[test]"], "data.turns": ["last", "all"],
+        "data.fields": ["null", "{text: body}", "{text: '1e5'}", "{text: '-2.5E+3'}"],
+        "model.config.note": ["'1e5'", "'1E-5'", "'on'", "'010'", "'1:30'", "'~'", "'.5'"],
+        "parallel.fsdp": ["on", "off", "auto"], "checkpoint.export_final": ["false", "true"],
+    }
+    for _ in range(30):
+        items = [f"{key}={rng.choice(values)}" for key, values in choices.items()
+                 if rng.random() < 0.6]
+        cfg = load_recipe(None, items, output_dir=str(tmp_path / "run"))
+        path = save_resolved(cfg, tmp_path / "run" / "config.yaml")
+        assert load_recipe(path) == cfg, items
+
+
+def test_a_run_folder_given_as_the_recipe_points_to_its_config(tmp_path):
+    """``lctrain finetune RUN`` (as ``export RUN``): the suggested file is RUN's config.yaml,
+    which exists and loads."""
+    run = tmp_path / "run"
+    save_resolved(load_recipe(None, output_dir=str(run)), run / "config.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(run)
+    assert str(info.value).endswith(f"is a folder; give a YAML file such as {run / 'config.yaml'}")
+    assert load_recipe(run / "config.yaml").train.output_dir == str(run)
+
+
+@pytest.mark.parametrize("value", ["*.jsonl", "@data/it's.jsonl", "!x"])
+def test_a_value_yaml_cannot_read_gets_a_set_that_works(value):
+    """The shell takes away the quotes a user types around a --set value: the error shows the
+    YAML quotes inside the shell's, and that value, unquoted by the shell, loads."""
+    import shlex
+
+    with pytest.raises(ConfigError) as info:
+        load_recipe(None, [f"data.source={value}"])
+    suggested = str(info.value).split("e.g. --set ", 1)[1].split(", or write", 1)[0]
+    (item,) = shlex.split(suggested)
+    from lctrain.config.loader import parse_override
+
+    assert parse_override(item) == ("data.source", value)  # the string the user meant

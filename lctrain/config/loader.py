@@ -4,6 +4,7 @@ and the closest known key; removed ones (:data:`REMOVED`) name their replacement
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import re
 import tempfile
@@ -46,9 +47,15 @@ _Yaml12Loader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
+_FLOAT12 = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+_Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT12, list("-+0123456789"))
+
+
+class _Yaml12Dumper(yaml.SafeDumper):
+    """PyYAML's safe dumper that also quotes strings `_Yaml12Loader` reads as floats ("1e5")."""
+
+
+_Yaml12Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT12, list("-+0123456789"))
 
 RESOLVED_HEADER = "# resolved lctrain recipe (all defaults and overrides applied)\n"
 """The first line of a run's saved config.yaml."""
@@ -215,7 +222,9 @@ def parse_override(item: str) -> tuple[str, Any]:
     try:
         value = yaml.load(text, Loader=_Yaml12Loader) if text.strip() else None
     except yaml.YAMLError:
-        raise ConfigError(f"the value in --set {item!r} is not valid YAML; quote it or "
+        quoted = text.strip().replace("'", "''")  # YAML's quotes, inside the shell's
+        raise ConfigError(f"the value in --set {item!r} is not valid YAML; quote it for YAML "
+                          f"inside the shell's quotes, e.g. --set \"{key}='{quoted}'\", or "
                           f"write it like train.betas=[0.9,0.95]") from None
     return key, value
 
@@ -245,7 +254,8 @@ def save_resolved(cfg: RecipeConfig, path: str | os.PathLike) -> Path:
     """Write the fully resolved recipe as YAML (atomically) and return the file's path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = RESOLVED_HEADER + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+    text = RESOLVED_HEADER + yaml.dump(cfg.to_dict(), Dumper=_Yaml12Dumper, sort_keys=False,
+                                      default_flow_style=False)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
@@ -285,6 +295,9 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
             data["source"] = f"{name}[{split}]"
         if share := data.pop("eval_fraction", 0):
             data["eval_source"] = share
+        held_out = data.get("eval_source")  # saved as given (relative) before it was absolute
+        if isinstance(held_out, str) and glob.glob(os.path.expanduser(held_out), recursive=True):
+            data["eval_source"] = os.path.abspath(os.path.expanduser(held_out))
     return {} if raw is None else raw
 
 

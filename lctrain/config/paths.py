@@ -46,8 +46,9 @@ def read_recipe_text(path: str | os.PathLike | None) -> tuple[str, str]:
     if name in shipped and file.parent in (Path("."), Path("recipes")):
         return shipped[name], f"the shipped recipe {name}"
     if file.is_dir():
+        saved = file / "config.yaml"  # a run's folder: the recipe it saved
         raise ConfigError(f"recipe {str(path)!r} is a folder; give a YAML file such as "
-                          f"{file / DEFAULT_RECIPE}")
+                          f"{saved if saved.is_file() else file / DEFAULT_RECIPE}")
     names = ", ".join(sorted(n.removesuffix(".yaml") for n in shipped))
     raise ConfigError(f"recipe file {str(path)!r} does not exist; give a YAML file or one of the "
                       f"shipped recipes ({names})")
@@ -181,11 +182,16 @@ def absolute_paths(cfg: RecipeConfig) -> RecipeConfig:
         return absolute(path) if path and os.path.exists(os.path.expanduser(path)) else path
 
     source = cfg.data.source if local_data(cfg.data.source) is None else absolute(cfg.data.source)
-    tokenizer = cfg.data.tokenizer if cfg.data.tokenizer == "bytes" else local(cfg.data.tokenizer)
+    held_out = cfg.data.eval_source  # a share, or a source like data.source
+    if isinstance(held_out, str) and local_data(held_out, what="data.eval_source") is not None:
+        held_out = absolute(held_out)
+    tokenizer = cfg.data.tokenizer if cfg.data.tokenizer in ("bytes", "byte-pairs") \
+        else local(cfg.data.tokenizer)
     template = cfg.data.chat_template  # a name, or a .jinja file the run reads from anywhere
     if template is not None and os.path.isfile(os.path.expanduser(template)):
         template = absolute(template)
-    data = dataclasses.replace(cfg.data, source=source, tokenizer=tokenizer, chat_template=template)
+    data = dataclasses.replace(cfg.data, source=source, eval_source=held_out, tokenizer=tokenizer,
+                               chat_template=template)
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, path=local(cfg.model.path)), data=data,
         train=dataclasses.replace(cfg.train, output_dir=absolute(cfg.train.output_dir)))

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from lctrain.config.loader import load_recipe, read_resolved
+from lctrain.config.loader import load_recipe, parse_override, read_resolved
 from lctrain.config.schema import RecipeConfig
 from lctrain.errors import ConfigError
 
@@ -115,6 +115,10 @@ def load_resumed(recipe: str | os.PathLike | None, overrides: Iterable[str] = ()
                  max_steps: int | None = None) -> RecipeConfig:
     """The recipe ``--resume`` continues with: the run's, then ``recipe``, then the overrides."""
     overrides = list(overrides)
+    if recipe is None and output_dir is None:  # --set train.output_dir=RUN is --output-dir RUN
+        given = [value for key, value in map(parse_override, overrides)
+                 if key == "train.output_dir"]
+        output_dir = given[-1] if given and isinstance(given[-1], str) and given[-1] else None
     if recipe is not None or output_dir is None:
         cfg = load_recipe(recipe, overrides, seq_len=seq_len, output_dir=output_dir,
                           max_steps=max_steps)
