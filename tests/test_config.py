@@ -363,6 +363,12 @@ def test_a_hub_split_is_named_in_the_source(tmp_path, monkeypatch):
     (["train.offload=optimizer,state"], "optimizer or state"),
     (["train.checkpointing=auto", "train.offload=layers=2"], "chooses the parked layers itself"),
     (["train.offload=layers"], "so no layer keeps tensors to park"),
+    (["lora.rank=4", "lora.target_modules=q_proj,v_proj"],
+     "lora.target_modules is 'q_proj,v_proj', which is one name; write several as a list: "
+     "lora.target_modules=[q_proj,v_proj]"),
+    (["train.report_to=jsonl,wandb"], "write several as a list: train.report_to=[jsonl,wandb]"),
+    (["train.checkpointing=none=2", "train.offload=layers=1"],
+     "train.checkpointing is none=2, so no layer keeps tensors to park"),
     (["train.offload=state", "parallel.fsdp=off"], "FSDP2's CPU offload"),
 ])
 def test_checkpointing_language_mistakes_are_one_sentence(overrides, words):

@@ -185,6 +185,9 @@ _EXACT = {bool: "true or false", str: "a string", dict: "a mapping"}
 
 def _coerce_tuple(key: str, args: tuple, value: Any) -> tuple:
     if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
+        if isinstance(value, str) and "," in value:  # names written as the shell's a,b
+            raise ConfigError(f"{key} is {value!r}, which is one name; write several as a "
+                              f"list: {key}=[{value}]", key=key)
         if isinstance(value, str):  # one name is a list of one
             value = [value]
         if not isinstance(value, (list, tuple)):

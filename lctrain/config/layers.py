@@ -36,9 +36,10 @@ class LayerPlan:
             raise ConfigError(f"{_OFFLOAD} names layers but {_CKPT} is auto, which chooses the "
                               f"parked layers itself; drop layers from {_OFFLOAD} or write the "
                               f"runs in {_CKPT}", key=_OFFLOAD)
-        if plan.runs == (("none", ALL),) and plan.parked != 0:
-            raise ConfigError(f"{_OFFLOAD} names layers but {_CKPT} is none, so no layer keeps "
-                              f"tensors to park; choose remat, full or runs", key=_OFFLOAD)
+        if plan.runs and {kind for kind, _ in plan.runs} == {"none"} and plan.parked != 0:
+            raise ConfigError(f"{_OFFLOAD} names layers but {_CKPT} is {plan.checkpointing}, so "
+                              f"no layer keeps tensors to park; choose remat, full or runs",
+                              key=_OFFLOAD)
         return plan
 
     @property
