@@ -126,37 +126,47 @@ def test_the_host_probe_reads_while_the_gradients_are_held():
     assert after == 0 and peak >= 4 * params
 
 
-SHORT = 32  # tokens a row in the dp × cp × grad_accum step below
+
+SHORT = 32  # tokens a row in the dp × cp × grad_accum steps below
+BOUNDS = ((0, 8, 32), (0, 3, 32), (0, 20, 26, 32), (0, 10, 21, 32))
+"""Documents of the rows: the cp ranks' attention work is even in rows 0 and 2, not in 1 and 3."""
 
 
-def _uneven_rows(n_rows: int) -> list[PackedBatch]:
-    """Rows of one position run each, with very different numbers of labelled tokens."""
-    keep = (SHORT - 1, 3, 17, 0, 9, 25, 1, 12)[:n_rows]  # a row with no label at all too
+def _uneven_rows() -> list[PackedBatch]:
+    """Packed rows with very different numbers of labelled tokens (one with none at all)."""
+    keep = (SHORT - 2, 3, 0, 17)
     rows = []
-    for i in range(n_rows):
+    for bounds, kept in zip(BOUNDS, keep):
         ids = torch.randint(0, TINY["vocab_size"], (1, SHORT))
-        labels = torch.full_like(ids, -100)
-        labels[0, :SHORT - 1] = ids[0, 1:]
-        drop = torch.randperm(SHORT - 1)[keep[i]:]
-        labels[0, drop] = -100
-        rows.append(PackedBatch(ids, labels, torch.arange(SHORT)[None], None))
+        labels, positions = torch.full_like(ids, -100), torch.zeros_like(ids)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            labels[0, a:b - 1] = ids[0, a + 1:b]
+            positions[0, a:b] = torch.arange(b - a)
+        labelled = (labels[0] != -100).nonzero().flatten()
+        labels[0, labelled[torch.randperm(len(labelled))[kept:]]] = -100
+        rows.append(PackedBatch(ids, labels, positions, bounds))
     return rows
 
 
-def _full_steps(rank, world, steps, strategy, settings):
-    """Run ``steps`` optimizer steps (each: a list of global rows) on dp 2 × cp 2 with
-    grad_accum 2; return each step's logged (loss, grad_norm, lr), the gradients the optimizer
-    was given and the weights after."""
+def _full_steps(rank, world, steps, settings):
+    """`run_loop` over ``steps`` (each: the global rows) on dp 2 × cp 2 with grad_accum 2, with
+    each parallel strategy: the records, each step's gradients as AdamW got them, the weights
+    after, and this rank's attention balance of each step."""
+    return {strategy: _run_steps(steps, settings, strategy) for strategy in ("replicate", "fsdp")}
+
+
+def _run_steps(steps, settings, strategy):
     from accelerate import Accelerator
 
+    from lctrain.model.flops import FlopModel
     from lctrain.model.structure import decoder_layers
     from lctrain.parallel import build_mesh, distribute
     from lctrain.parallel.context import ContextParallel
-    from lctrain.train.loop import Trainer
+    from lctrain.train.loop import LoopHooks, Trainer, run_loop
     from lctrain.train.optim import build_optimizer
 
     pmesh = build_mesh(cp=2, device_type="cpu")
-    cp = ContextParallel(pmesh, "distflash", "reference", device=torch.device("cpu"))
+    cp = ContextParallel(pmesh, "distflash", "reference", device=torch.device("cpu"), balance=True)
     module = CausalLMLoss(load_model(None, config=TINY, seed=0, attn_implementation=cp.attention),
                           chunk_tokens=24)
     dist = distribute(module, decoder_layers(module.model), world_mesh=pmesh.world_mesh,
@@ -168,83 +178,94 @@ def _full_steps(rank, world, steps, strategy, settings):
     trainer = Trainer(distributed=dist, optimizer=optimizer, scheduler=scheduler, pmesh=pmesh,
                       cp=cp, accelerator=Accelerator(cpu=True), grad_accum=2,
                       max_grad_norm=settings["max_grad_norm"])
-    full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()  # noqa: E731
-    seen, step = [], optimizer.step
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
-    def recording_step(*args, **kwargs):
-        seen.append({n.replace("._checkpoint_wrapped_module", ""): full(p.grad).numpy()
-                     for n, p in module.named_parameters()})
-        return step(*args, **kwargs)
+    def named():  # the names of the plain model's parameters
+        return ((n.replace("._checkpoint_wrapped_module", "").removeprefix("model."), p)
+                for n, p in module.named_parameters())
+    grads, balances = [], []
 
-    optimizer.step = recording_step
-    logged = []
-    for rows in steps:  # dp rank r takes the global rows r, r + dp, ... (as iter_batches)
-        stats = trainer.train_step(rows[pmesh.dp_rank::pmesh.dp])
-        loss, norm, _, _, _ = trainer.reduce_for_log(stats, 0)
-        logged.append((loss, norm, stats["lr"]))
-    weights = {n.replace("._checkpoint_wrapped_module", ""): full(p).numpy()
-               for n, p in module.named_parameters()}
-    return logged, seen, weights
+    def record(*_):
+        grads.append({n: full(p.grad).numpy() for n, p in named()})
+        balances.append(trainer.work_balance)
+
+    optimizer.register_step_pre_hook(record)
+    mine = (b for rows in steps for b in rows[pmesh.dp_rank::pmesh.dp])  # as iter_batches deals
+    hooks = LoopHooks(max_steps=len(steps), checkpoint_every=0, tokens_per_step=4 * SHORT,
+                      flops=FlopModel(1.0, 1.0), peak_flops=None, log=lambda record: None,
+                      progress=lambda step, record: None, save=None)
+    records = run_loop(trainer, mine, hooks)
+    return records, grads, {n: full(p).numpy() for n, p in named()}, balances
 
 
 def _reference_steps(steps, settings):
-    """The same steps in float64 on one process with plain transformers (eager attention):
-    summed token losses over the global batch ÷ its label count, torch's clipping and AdamW
-    with weight decay on matrices only, at the documented warm-up / cosine rate."""
+    """The same steps in float64 on one process with plain transformers (eager attention, each
+    document on its own): summed token losses over the global batch ÷ its label count, torch's
+    clipping, AdamW with weight decay on matrices only, at the documented warm-up/cosine rate."""
     import math
-
-    from transformers import AutoModelForCausalLM
 
     model = load_model(None, config=TINY, seed=0, attn_implementation="eager").double()
     params = list(model.named_parameters())
     groups = [{"params": [p for _, p in params if p.ndim >= 2],
                "weight_decay": settings["weight_decay"]},
               {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=settings["lr"], betas=(0.9, 0.95), eps=settings["eps"],
-                                  foreach=False)
+    optimizer = torch.optim.AdamW(groups, lr=settings["lr"], betas=(0.9, 0.95),
+                                  eps=settings["eps"], foreach=False)
     warmup, total, floor = settings["warmup"], settings["total"], settings["min_lr_ratio"]
-    logged, seen = [], []
+    records, grads = [], []
     for i, rows in enumerate(steps):
-        ratio = ((i + 1) / warmup if i < warmup else
-                 floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (i - warmup) / (total - warmup))))
+        ratio = ((i + 1) / warmup if i < warmup else floor + (1 - floor) * 0.5 * (
+            1 + math.cos(math.pi * (i - warmup) / (total - warmup))))
         for group in optimizer.param_groups:
             group["lr"] = settings["lr"] * ratio
-        ids = torch.cat([r.input_ids for r in rows])
-        labels = torch.cat([r.labels for r in rows])
-        logits = model(input_ids=ids, position_ids=torch.cat([r.position_ids for r in rows])).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                                 ignore_index=-100, reduction="sum")
-        loss = loss / (labels != -100).sum()
+        loss, count = 0.0, 0
+        for row in rows:
+            for a, b in zip(row.cu_seqlens[:-1], row.cu_seqlens[1:]):
+                labels = row.labels[:, a:b]
+                logits = model(input_ids=row.input_ids[:, a:b]).logits  # (1, b - a, V)
+                loss = loss + torch.nn.functional.cross_entropy(
+                    logits[0], labels[0], ignore_index=-100, reduction="sum")
+                count += int((labels != -100).sum())
         optimizer.zero_grad()
-        loss.backward()
+        (loss / count).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
-        seen.append({n: p.grad.numpy().copy() for n, p in params})
-        logged.append((float(loss), float(norm), settings["lr"] * ratio))
+        grads.append({n: p.grad.numpy().copy() for n, p in params})
+        records.append({"loss": loss.item() / count, "grad_norm": norm.item(),
+                        "lr": settings["lr"] * ratio})
         optimizer.step()
-    return logged, seen, {n: p.detach().numpy() for n, p in params}
+    return records, grads, {n: p.detach().numpy() for n, p in params}
 
 
 def test_full_steps_with_dp_cp_and_grad_accum_match_one_float64_process():
     """Two optimizer steps on dp 2 × cp 2 with grad_accum 2, micro-batches holding very different
     numbers of labelled tokens (one none): the logged loss, gradient norm and rate, the clipped
     gradients AdamW gets and the weights after are those of one float64 process training on the
-    whole global batch (mean over its label tokens, torch's clipping, decay on matrices only)."""
+    whole global batch; the logged attention balance is the busiest cp group's, whichever dp
+    rank holds it (rank 0 logs)."""
     settings = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-3, "warmup": 1, "total": 3,
                 "min_lr_ratio": 0.2, "max_grad_norm": 0.5}
-    steps = [_uneven_rows(4), _uneven_rows(4)[::-1]]
-    want_logged, want_grads, want_weights = _reference_steps(steps, settings)
-    assert want_logged[0][1] > settings["max_grad_norm"]  # clipping is at work
-    for strategy in ("replicate", "fsdp"):
-        per_rank = run_on_ranks(_full_steps, 4, steps, strategy, settings)
-        for logged, grads, weights in per_rank:
-            for (loss, norm, lr), (want_loss, want_norm, want_lr) in zip(logged, want_logged):
-                assert loss == pytest.approx(want_loss, rel=1e-5), strategy
-                assert norm == pytest.approx(want_norm, rel=1e-4), strategy
-                assert lr == pytest.approx(want_lr, rel=1e-12), strategy
-            for got, want in zip(grads, want_grads):
+    rows = _uneven_rows()
+    steps = [rows, rows[::-1]]  # dp rank 0 holds the even rows first, then the uneven ones
+    want_records, want_grads, want_weights = _reference_steps(steps, settings)
+    assert want_records[0]["grad_norm"] > settings["max_grad_norm"]  # clipping is at work
+    per_rank = run_on_ranks(_full_steps, 4, steps, settings)
+    for rank, per_strategy in enumerate(per_rank):
+        for strategy, (records, grads, weights, _) in per_strategy.items():
+            where = f"{strategy}, rank {rank}"
+            for record, want in zip(records, want_records, strict=True):
+                assert record["loss"] == pytest.approx(want["loss"], rel=1e-5), where
+                assert record["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), where
+                assert record["lr"] == pytest.approx(want["lr"], rel=1e-12), where
+            for got, want in zip(grads, want_grads, strict=True):
                 for name, g in want.items():
-                    np.testing.assert_allclose(got[name], g, rtol=1e-4, atol=1e-6,
-                                               err_msg=f"{strategy}: {name}")
+                    np.testing.assert_allclose(got[name], g, rtol=1e-4, atol=1e-7,
+                                               err_msg=f"{where}: {name}")
             for name, w in want_weights.items():
-                np.testing.assert_allclose(weights[name], w, rtol=1e-5, atol=1e-5,
-                                           err_msg=f"{strategy}: {name}")
+                np.testing.assert_allclose(weights[name], w, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{where}: {name}")
+    busiest = [max(balances) for balances in zip(*(r["replicate"][3] for r in per_rank))]
+    assert busiest[0] > 1.01 and busiest[1] > 1.01  # on dp rank 1 first, then on dp rank 0
+    for strategy in ("replicate", "fsdp"):
+        logged = [record["attention_balance"] for record in per_rank[0][strategy][0]]
+        assert logged == pytest.approx(busiest, rel=1e-12), strategy

@@ -161,12 +161,14 @@ class Trainer:
         return bad.item() == 0
 
     def reduce_for_log(self, stats: dict[str, Any], attn_units: int
-                       ) -> tuple[float, float, float, tuple[int, int, int], Settled]:
+                       ) -> tuple[float, float, float, tuple[int, int, int, float], Settled]:
         """(mean loss, gradient norm, attention units, (peak memory, peak reserved, allocator
-        retries), skipped steps) in one all-reduce; memory figures are the most of any rank."""
+        retries, attention balance or 0), skipped steps) in one all-reduce; the figures in the
+        inner tuple are the most of any rank (the balance: of any dp rank's rows)."""
         world, rank = self.pmesh.world_size, self.pmesh.rank
-        slots = [0.0] * (3 * world)  # a slot per figure and rank: the SUM is a gather
-        figures = (peak_memory_bytes(self.device), *allocator_figures(self.device))
+        slots = [0.0] * (4 * world)  # a slot per figure and rank: the SUM is a gather
+        figures = (peak_memory_bytes(self.device), *allocator_figures(self.device),
+                   self.work_balance or 0.0)
         for i, figure in enumerate(figures):
             slots[i * world + rank] = float(figure)
         local = torch.cat([stats["loss_sum"].double().reshape(1),
@@ -178,10 +180,10 @@ class Trainer:
                                     self.nonfinite.counters()]).double()
         values = torch.cat([local, already_global]).tolist()
         loss_sum, units, count, norm = values[0], values[1], values[-5], values[-4]
-        most = tuple(int(max(values[2 + i * world:2 + (i + 1) * world])) for i in range(3))
+        *memory, balance = (max(values[2 + i * world:2 + (i + 1) * world]) for i in range(4))
         settled = self.settle(values[-3:])
         units /= self.pmesh.cp  # the cp ranks of a sequence share its attention
-        return loss_sum / max(count, 1.0), norm, units, most, settled
+        return loss_sum / max(count, 1.0), norm, units, (*map(int, memory), balance), settled
 
 
 def attention_units(micro: list[PackedBatch]) -> int:
@@ -263,8 +265,8 @@ def _log(trainer: Trainer, hooks: LoopHooks, stats: dict, attn_units: int, start
          saving: float, calls: int | None, validate: bool) -> dict:
     """Reduce, record and write a step's figures (``saving``: seconds waited for a save)."""
     hooks.mark("log", trainer.step)
-    loss, grad_norm, units, memory, settled = trainer.reduce_for_log(stats, attn_units)
-    peak, reserved, retries = memory
+    loss, grad_norm, units, figures, settled = trainer.reduce_for_log(stats, attn_units)
+    peak, reserved, retries, balance = figures
     elapsed = time.perf_counter() - start
     mfu = None
     if hooks.peak_flops and elapsed > 0:
@@ -278,8 +280,8 @@ def _log(trainer: Trainer, hooks: LoopHooks, stats: dict, attn_units: int, start
         record["peak_reserved_bytes"], record["alloc_retries"] = reserved, retries
     if calls is not None:
         record["attention_forward_calls"] = calls
-    if trainer.work_balance is not None:  # the busiest cp rank's attention work over the mean
-        record["attention_balance"] = trainer.work_balance
+    if balance:  # the busiest cp rank's attention work over the mean, of any dp rank's rows
+        record["attention_balance"] = balance
     if saving:
         record["checkpoint_s"] = saving
     if validate:
