@@ -185,6 +185,11 @@ def test_attention_dropout_is_named_as_the_family_names_it(folders):
     ("minimax", {}, ["layer_types include linear_attention"]),
     ("llama4_text", {"attention_chunk_size": 64, "no_rope_layers": [1, 1]},
      ["attention_chunk_size is 64"]),
+    # its decoder layers drop cp_context: documents and cp ranks would attend across each other
+    ("nemotron", {}, ["NemotronForCausalLM", "keywords", "document bounds"]),
+    # HF adds the router's load-balancing loss to the loss; lctrain's loss reads the head only
+    ("mixtral", {"output_router_logits": True}, ["output_router_logits is True",
+                                                 "model.config.output_router_logits=false"]),
 ])
 def test_features_lctrain_cannot_honour_are_refused_by_name(model_type, fields, words):
     with pytest.raises(ConfigError) as info:

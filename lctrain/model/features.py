@@ -2,10 +2,10 @@
 
 lctrain's attention is exact causal (document-masked) attention and its loss reads the output head
 directly, so a model that asks for more — a window shorter than the sequence, soft-capped or scaled
-logits, ALiBi, sinks, bidirectional attention, attention dropout — is refused in one sentence naming
-the setting as its config.json does; `check_attention_call` checks each call again. A RoPE model
-trains past ``max_position_embeddings`` with a warning; RoPE types whose frequencies follow each
-call's longest position are refused there under cp > 1."""
+logits, ALiBi, sinks, bidirectional attention, attention dropout, an auxiliary router loss — is
+refused in one sentence naming the setting as its config.json does; `check_attention_call` checks
+each call again. A RoPE model trains past ``max_position_embeddings`` with a warning; RoPE types
+whose frequencies follow each call's longest position are refused there under cp > 1."""
 from __future__ import annotations
 
 import math
@@ -18,6 +18,8 @@ _ATTENTION_DROPOUT = re.compile(r"(att|attn|attention).*(drop)|drop.*(att|attn)"
 # layer_types lctrain trains (sliding ones while the window covers the row; the last three: MLPs)
 _TRAINABLE_LAYERS = {"full_attention", "sliding_attention", "dense", "sparse", "moe"}
 _LOGIT_SCALES = ("logit_scale", "logits_scaling")  # Cohere, Granite
+# transformers model types whose decoder layers call their attention without the call's keywords
+_KEYWORDS_DROPPED = {"nemotron"}
 
 
 def check_model_config(config: Any, *, seq_len: int | None = None, cp: int = 1) -> list[str]:
@@ -81,6 +83,11 @@ def _check_architecture(config: Any) -> None:
         raise ConfigError(f"model_type {model_type} has no causal language model class in "
                           f"transformers; lctrain fine-tunes decoder-only causal LMs such as "
                           f"Llama, Mistral and Qwen") from None
+    if model_type in _KEYWORDS_DROPPED:
+        raise ConfigError(f"{cls.__name__} (model_type {model_type}) does not pass the call's "
+                          f"keywords from its decoder layers to its attention, which would then "
+                          f"miss the document bounds and the cp group; use a model such as "
+                          f"Llama, Mistral or Qwen")
     if not getattr(cls, "_supports_attention_backend", False):
         raise ConfigError(f"{cls.__name__} (model_type {model_type}) does not call its attention "
                           f"through transformers' attention interface, so lctrain cannot run its "
@@ -144,6 +151,10 @@ def _check_setting(key: str, value: Any) -> None:
         raise ConfigError(f"the model's {key} is {value} (bidirectional attention), but lctrain's "
                           f"attention is causal only; set model.config.{key}="
                           f"{'true' if leaf == 'is_causal' else 'false'}")
+    if leaf == "output_router_logits" and value is True:
+        raise ConfigError(f"the model's {key} is True (an auxiliary router load-balancing loss), "
+                          f"which lctrain's loss does not add; set model.config.{key}=false to "
+                          f"train without it")
     if leaf == "attention_chunk_size" and value:
         raise ConfigError(f"the model's {key} is {value} (attention in chunks of {value} "
                           f"tokens), which lctrain's attention cannot apply")
