@@ -229,3 +229,44 @@ def test_documents_scale_the_attention_of_the_step_time_only():
                                       "--set", "data.document_mask=false", "--documents", "8x8k"])
     assert result.exit_code != 0 and "add --set data.document_mask=true" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--set", "parallel.schedule=zigzag", "--seq-len", "100001"], "such as 100000 or 100002"),
+    (["--seq-len", "1"], "sequence length 1 is too short to train"),
+    (["--gpus-per-node", "4", "--host-memory", "251GiB"], "--gpus-per-node 4 is more than the 2"),
+])
+def test_a_plan_nothing_could_run_is_an_error(extra, words):
+    """A length no cp cuts into the layout's chunks (not one that "does not fit" beside a longer
+    one that does), a length the recipe refuses (no command that fails), more GPUs per machine
+    than the job has (not a plan on a machine estimate-memory refuses): one error sentence."""
+    args = ["estimate-memory", "llama-7b-256k", "--plan", "--gpus", "2", "--gpu-memory", "139GiB"]
+    result = CliRunner().invoke(app, [*args, *extra])
+    assert result.exit_code != 0 and words in result.output, result.output
+    assert "Traceback" not in result.output and "lctrain finetune" not in result.output
+
+
+def test_tokens_per_second_count_every_micro_batch_of_a_step():
+    """A step of grad_accum 4 trains four rows per GPU group in (about) four times the time:
+    its tokens/s is that of grad_accum 1, not a quarter of it."""
+    runs = {}
+    for accum in (1, 4):
+        plan = plan_recipe(load_recipe("llama-7b-256k", [f"train.grad_accum={accum}"]), gpus=2,
+                           gpu_memory=139 * GIB, host_memory=None, seq_len=64 * 1024)
+        runs[accum] = choice = plan["fastest"]
+        assert choice["tokens_per_s"] * choice["step_s"] == pytest.approx(
+            choice["seq_len"] * choice["dp"] * accum)
+    assert runs[4]["tokens_per_s"] == pytest.approx(runs[1]["tokens_per_s"], rel=0.05)
+
+
+@pytest.mark.parametrize("gpu", [48, 80])
+def test_without_fsdp_no_choice_keeps_the_state_on_the_host(gpu):
+    """train.offload=state is FSDP2's CPU offload, which the recipe refuses with parallel.fsdp
+    off: the plan never chooses it there, and every command it prints loads."""
+    sets = ["parallel.fsdp=off"]
+    plan = plan_recipe(load_recipe("llama-7b-256k", sets), gpus=2, gpu_memory=gpu * GIB,
+                       host_memory=1024 * GIB, seq_len=64 * 1024)
+    for choice in filter(None, (plan["longest"], plan["fastest"])):
+        assert "state" not in choice["offload"].split(",")
+        load_recipe("llama-7b-256k", [*sets, *choice["overrides"]], seq_len=choice["seq_len"])
+    assert (plan["longest"] is None) == (gpu == 48)  # without FSDP2 the whole state stays on

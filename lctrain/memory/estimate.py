@@ -257,6 +257,13 @@ def host_budget(host_memory: int | None, processes: int) -> int | None:
     return None if host_memory is None else int(HOST_USABLE * host_memory / max(processes, 1))
 
 
+def check_gpus_per_node(gpus: int, gpus_per_node: int | None) -> None:
+    """UserError: more GPUs per machine than the job has."""
+    if gpus_per_node is not None and gpus_per_node > gpus:
+        raise UserError(f"--gpus-per-node {gpus_per_node} is more than the {gpus} GPUs of the "
+                        f"job (--gpus); give at most {gpus} GPUs per machine")
+
+
 def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, layers: LayerPlan | str,
              dtype: str = "bfloat16", *, seq_chunks: int | None = None,
              host_memory: int | None = None, gpus_per_node: int | None = None,
@@ -271,9 +278,7 @@ def estimate(arch: Architecture, seq_len: int, gpus: int, cp: int, layers: Layer
     if seq_len <= 0 or seq_len % chunks:
         raise UserError(f"sequence length {seq_len} must be a positive multiple of {chunks} (the "
                         f"layout cuts each sequence into {chunks} equal chunks)")
-    if gpus_per_node is not None and gpus_per_node > gpus:
-        raise UserError(f"--gpus-per-node {gpus_per_node} is more than the {gpus} GPUs of the "
-                        f"job (--gpus); give at most {gpus} GPUs per machine")
+    check_gpus_per_node(gpus, gpus_per_node)
     per_gpu, details = breakdown(setup, seq_len)
     placed = LayerPlan.parse(details["checkpointing"], details["offload"])
     details["step_seconds"] = step_seconds(dataclasses.replace(setup, layers=placed), seq_len,

@@ -64,6 +64,8 @@ def options(base: Setup, machine: Machine, *, longest: bool) -> list[Setup]:
     found = []
     for cp in (d for d in range(1, machine.gpus + 1) if machine.gpus % d == 0):
         for state in STATES if machine.host_memory is not None else STATES[:1]:
+            if state == "state" and base.fsdp is False:  # FSDP2's CPU offload needs FSDP2
+                continue
             for policy in ("auto",) if longest else ("none", "auto"):
                 for tile in (TILE_TOKENS,) if longest else (0, TILE_TOKENS):
                     layers = LayerPlan(LayerPlan.parse(policy).runs, 0, state)
@@ -83,7 +85,7 @@ def choose(setup: Setup, seq_len: int, machine: Machine) -> Choice | None:
         setup = dataclasses.replace(setup, layers=LayerPlan.parse(details["checkpointing"],
                                                                   details["offload"]))
     step = step_seconds(setup, seq_len, details)
-    tokens = seq_len * setup.batch_size * setup.gpus // setup.cp
+    tokens = seq_len * setup.batch_size * setup.grad_accum * setup.gpus // setup.cp
     return Choice(setup, seq_len, per_gpu, details, step, tokens / step)
 
 

@@ -11,11 +11,11 @@ from lctrain.config.paths import is_placeholder
 from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
 from lctrain.errors import UserError
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
-from lctrain.memory.estimate import Setup, estimate
+from lctrain.memory.estimate import Setup, check_gpus_per_node, estimate
 from lctrain.memory.adapters import lora_shape
 from lctrain.memory.presets import PRESETS
 from lctrain.memory.tables import MemoryEstimate
-from lctrain_kernels.vocabulary import seq_chunks
+from lctrain_kernels.vocabulary import check_seq_len, seq_chunks
 
 _FSDP = {"auto": True, "on": "on", "off": False}
 """parallel.fsdp -> the memory model's ``fsdp`` (auto: FSDP2 on several GPUs; on: always)."""
@@ -108,6 +108,14 @@ def plan_recipe(cfg: RecipeConfig | None, *, model: str | None = None, gpus: int
     from lctrain.memory.plan import Machine, plan
 
     parallel, _, fields = _sections(cfg)
+    check_gpus_per_node(gpus, gpus_per_node)
+    if seq_len is not None and seq_len < 2:
+        raise UserError(f"sequence length {seq_len} is too short to train; give at least 2")
+    if seq_len is not None:  # a length no cp cuts (cp 1 cuts the most) is an error, not a misfit
+        try:
+            check_seq_len(seq_len, 1, parallel.layout, what="sequence length", ranks="cp 1")
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     base = Setup(arch=recipe_architecture(cfg, model), gpus=gpus, cp=1, attended=attended,
                  **fields)
     machine = Machine(gpus=gpus, gpu_memory=gpu_memory, host_memory=host_memory,
