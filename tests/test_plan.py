@@ -270,3 +270,18 @@ def test_without_fsdp_no_choice_keeps_the_state_on_the_host(gpu):
         assert "state" not in choice["offload"].split(",")
         load_recipe("llama-7b-256k", [*sets, *choice["overrides"]], seq_len=choice["seq_len"])
     assert (plan["longest"] is None) == (gpu == 48)  # without FSDP2 the whole state stays on
+
+
+def test_cp_sizes_are_every_divisor_found_quickly():
+    """The planner tries each divisor of the GPU count as cp; found up to √n, so a job of a
+    billion GPUs is planned in seconds, not a loop over every count."""
+    import random
+    import time
+
+    from lctrain.memory.estimate import divisors
+
+    for n in [1, 2, 16, 36, 97, 5040, *random.sample(range(1, 20_000), 50)]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0], n
+    start = time.perf_counter()
+    assert divisors(10**12) == sorted({2**a * 5**b for a in range(13) for b in range(13)})
+    assert time.perf_counter() - start < 1.0

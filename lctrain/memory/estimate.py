@@ -5,6 +5,7 @@ has made its states), ``host_offload`` is one process's pinned memory."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from lctrain.config.layers import LayerPlan
@@ -255,6 +256,12 @@ def host_offload_fits(per_gpu: int, processes: int, host_memory: int) -> bool:
 def host_budget(host_memory: int | None, processes: int) -> int | None:
     """Pinned bytes one of ``processes`` GPU processes may use on a machine of ``host_memory``."""
     return None if host_memory is None else int(HOST_USABLE * host_memory / max(processes, 1))
+
+
+def divisors(n: int) -> list[int]:
+    """``n``'s divisors in increasing order, found up to √n (the cp sizes of n GPUs)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def check_gpus_per_node(gpus: int, gpus_per_node: int | None) -> None:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from lctrain.config.layers import STATES, LayerPlan
-from lctrain.memory.estimate import Setup, breakdown, host_budget, max_seq_len
+from lctrain.memory.estimate import Setup, breakdown, divisors, host_budget, max_seq_len
 from lctrain.memory.timing import step_seconds
 
 TILE_TOKENS = 8192
@@ -62,7 +62,7 @@ class Choice:
 def options(base: Setup, machine: Machine, *, longest: bool) -> list[Setup]:
     """The options to weigh; ``longest``: only those that reach furthest."""
     found = []
-    for cp in (d for d in range(1, machine.gpus + 1) if machine.gpus % d == 0):
+    for cp in divisors(machine.gpus):
         for state in STATES if machine.host_memory is not None else STATES[:1]:
             if state == "state" and base.fsdp is False:  # FSDP2's CPU offload needs FSDP2
                 continue

@@ -11,7 +11,7 @@ from lctrain.config.paths import is_placeholder
 from lctrain.config.schema import ParallelConfig, RecipeConfig, TrainConfig
 from lctrain.errors import UserError
 from lctrain.memory.arch import Architecture, from_config_dict, load_architecture
-from lctrain.memory.estimate import Setup, check_gpus_per_node, estimate
+from lctrain.memory.estimate import Setup, check_gpus_per_node, divisors, estimate
 from lctrain.memory.adapters import lora_shape
 from lctrain.memory.presets import PRESETS
 from lctrain.memory.tables import MemoryEstimate
@@ -58,8 +58,7 @@ def estimate_recipe(cfg: RecipeConfig | None, *, model: str | None = None, seq_l
 
     if cfg is not None or cp is not None:
         return dataclasses.replace(run(parallel.cp if cp is None else cp), assumptions=assumptions)
-    sizes = [d for d in range(1, gpus + 1)
-             if gpus % d == 0 and seq_len % seq_chunks(d, parallel.layout) == 0] or [1]
+    sizes = [d for d in divisors(gpus) if seq_len % seq_chunks(d, parallel.layout) == 0] or [1]
     result, length = next((r for r in map(run, sizes) if r.fits), None), format_tokens(seq_len)
     why = (f"the smallest that fits {length} tokens on {gpus} GPUs" if result is not None else
            f"all {gpus} GPUs, as none fits {length} tokens")
