@@ -2,7 +2,9 @@
 whose answer is known, what its commands run, the published targets, the CLI."""
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import itertools
 import json
 import shlex
@@ -188,6 +190,10 @@ def test_cli_plan_table_commands_and_json():
     assert data["fastest"]["seq_len"] == 256 * 1024 and data["longest"]["seq_len"] > 1 << 20
     bad = runner.invoke(app, [*args, "--cp", "2"])
     assert bad.exit_code != 0 and "--plan chooses cp" in bad.output
+    as_csv = runner.invoke(app, [*args, "--format", "csv"])  # the CSV alone on stdout
+    rows = list(csv.reader(io.StringIO(as_csv.stdout)))
+    assert as_csv.exit_code == 0 and len({len(r) for r in rows}) == 1 and len(rows) > 5
+    assert "lctrain finetune --seq-len" in as_csv.stderr
 
 
 def test_a_plan_for_short_documents_chooses_what_was_measured_fastest():

@@ -87,7 +87,7 @@ def _plan(cfg, recipe, model, overrides, tokens, gpus, memory, host, gpus_per_no
     from lctrain.memory import plan_recipe
     from lctrain.memory.recipe import run_settings
     from lctrain.memory.tables import plan_commands, plan_table
-    from lctrain.report.table import emit, show
+    from lctrain.report.table import show
 
     result = plan_recipe(cfg, model=model, gpus=gpus, gpu_memory=memory, host_memory=host,
                          gpus_per_node=gpus_per_node, seq_len=tokens,
@@ -98,8 +98,8 @@ def _plan(cfg, recipe, model, overrides, tokens, gpus, memory, host, gpus_per_no
         typer.echo(json.dumps(result, indent=2, default=str))
         return
     show(plan_table(result), fmt.value, wide)
-    for name, command in result["commands"].items():
-        emit(f"\n{name}:\n  {command}")
+    for name, command in result["commands"].items():  # on stderr beside CSV, which is data
+        typer.echo(f"\n{name}:\n  {command}", err=fmt == Format.csv)
 
 
 def _recipe(recipe, model, overrides, tokens, cp, checkpointing):
