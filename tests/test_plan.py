@@ -291,3 +291,20 @@ def test_cp_sizes_are_every_divisor_found_quickly():
     start = time.perf_counter()
     assert divisors(10**12) == sorted({2**a * 5**b for a in range(13) for b in range(13)})
     assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("recipe, preset", [("tiny", "llama-7b"), ("llama-7b-256k", "qwen2.5-7b")])
+def test_a_plan_for_a_recipe_and_a_preset_prints_commands_that_train_the_preset(recipe, preset):
+    from lctrain.config import load_recipe
+    from lctrain.memory import recipe_architecture
+    from lctrain.memory.arch import from_config_dict
+    from lctrain.memory.presets import PRESETS
+
+    result = CliRunner().invoke(app, ["estimate-memory", recipe, "--model", preset, "--plan",
+                                      "--seq-len", "64k", "--gpus", "2"])
+    assert result.exit_code == 0, result.output
+    line = next(ln.strip() for ln in result.output.splitlines() if "--seq-len 64k" in ln)
+    words = shlex.split(line)
+    sets = [w for i, w in enumerate(words) if words[i - 1] == "--set"]
+    cfg = load_recipe(recipe, sets, seq_len="64k")
+    assert recipe_architecture(cfg) == from_config_dict(PRESETS[preset])

@@ -138,12 +138,14 @@ def run_settings(cfg: RecipeConfig | None, recipe: str | None, model: str | None
             items.append("model.config=null")
         if cfg is None or cfg.data.tokenizer in ("bytes", "byte-pairs"):
             items.append("data.tokenizer=null")
+    if model in PRESETS:  # the preset's shape in place of the recipe's model
+        items.append(f"model.config={json.dumps(PRESETS[model])}")
+        if cfg is not None and cfg.model.path is not None:
+            items.append("model.path=null")
     if recipe is not None:
         return items
     from lctrain.config import load_recipe
 
-    if model in PRESETS:
-        items.append(f"model.config={json.dumps(PRESETS[model])}")
     embedded = load_recipe(None)
     for key in _PLAN_DEFAULTS:
         section, name = key.split(".")
