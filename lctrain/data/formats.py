@@ -43,8 +43,8 @@ class Skips:
 
     reasons: dict[str, list] = field(default_factory=dict)
 
-    def add(self, reason: str, where: str) -> None:
-        self.reasons.setdefault(reason, [0, where])[0] += 1
+    def add(self, reason: str, where: str, count: int = 1) -> None:
+        self.reasons.setdefault(reason, [0, where])[0] += count
 
     def describe(self) -> str:
         """``"3 skipped (empty document: 3, first at a.jsonl:7)"``, or ""."""
@@ -180,19 +180,15 @@ class Encoder:
             completions.append(completion)
             wheres.append(record.where)
         if self.template:  # a user turn and an assistant turn
-            pairs = [([{"role": "user", "content": p}, {"role": "assistant", "content": c}], w)
-                     for p, c, w in zip(prompts, completions, wheres)]
-            return [Sample(_ids(ids), np.asarray(mask, bool), w) for (ids, mask), w in (
-                (encode_chat(self.tokenizer, m, w, template=self.template), w) for m, w in pairs)]
+            return [self._chat_sample([{"role": "user", "content": p},
+                                       {"role": "assistant", "content": c}], w, last=False)
+                    for p, c, w in zip(prompts, completions, wheres)]
         if not wheres:
             return []
         eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        samples = []
-        for p, c, where in zip(plain_ids(self.tokenizer, prompts),
-                               plain_ids(self.tokenizer, completions), wheres):
-            ids = self._prefix + p + c + eos
-            samples.append(Sample(_ids(ids), np.arange(len(ids)) >= len(self._prefix + p), where))
-        return samples
+        heads = [self._prefix + p for p in plain_ids(self.tokenizer, prompts)]
+        return [Sample(_ids(h + c + eos), np.arange(len(h + c + eos)) >= len(h), where)
+                for h, c, where in zip(heads, plain_ids(self.tokenizer, completions), wheres)]
 
     def _chat(self, records: Sequence[Record]) -> list[Sample]:
         samples = []
@@ -214,10 +210,12 @@ class Encoder:
             if not any(replies[-1:] if self.last else replies):
                 self.skips.add("empty assistant reply", record.where)
                 continue
-            ids, mask = encode_chat(self.tokenizer, messages, record.where, last=self.last,
-                                    template=self.template)
-            samples.append(Sample(_ids(ids), np.asarray(mask, bool), record.where))
+            samples.append(self._chat_sample(messages, record.where, last=self.last))
         return samples
+
+    def _chat_sample(self, messages: list[dict], where: str, *, last: bool) -> Sample:
+        ids, mask = encode_chat(self.tokenizer, messages, where, last=last, template=self.template)
+        return Sample(_ids(ids), np.asarray(mask, bool), where)
 
     def _tokenized(self, records: Sequence[Record]) -> list[Sample | None]:
         return [self._one_tokenized(record) for record in records]

@@ -48,19 +48,17 @@ class RowPlan:
 
 def plan_rows(stream: TokenStream, seq_len: int, mode: str,
               samples: np.ndarray | None = None) -> RowPlan:
-    """Choose the pieces of every row for ``mode`` (``data.long_samples``), of the sorted
-    ``samples`` (None: all); DataError when they have no token or every one was left out."""
+    """The pieces of every row of the sorted ``samples`` (None: all) for ``mode``
+    (data.long_samples); DataError: no token, or every sample left out."""
     chosen = np.arange(stream.bounds.size - 1) if samples is None else np.asarray(samples, np.int64)
     lengths = np.diff(stream.bounds)[chosen]
     if int(lengths.sum()) == 0:
         raise DataError("the data yields no token to train on; check data.source and data.format")
-    too_long = chosen[lengths > seq_len]
-    first = int(too_long[0]) if too_long.size else -1
-    if mode == "split":
-        starts, stops, offsets = _split_pieces(stream.bounds, chosen, seq_len)
-        return RowPlan(starts, stops, offsets, int(too_long.size), 0, first)
-    starts, stops = stream.bounds[chosen].copy(), stream.bounds[chosen + 1].copy()
     long_at = np.flatnonzero(lengths > seq_len)
+    first = int(chosen[long_at[0]]) if long_at.size else -1
+    if mode == "split":
+        return RowPlan(*_split_pieces(stream.bounds, chosen, seq_len), long_at.size, 0, first)
+    starts, stops = stream.bounds[chosen].copy(), stream.bounds[chosen + 1].copy()
     if mode == "truncate_left":
         starts[long_at] = stops[long_at] - seq_len
     elif mode == "truncate_right":
@@ -76,8 +74,8 @@ def plan_rows(stream: TokenStream, seq_len: int, mode: str,
     rows = _best_fit(stops[kept] - starts[kept], seq_len)
     order = np.lexsort((kept, rows))  # by row, then sample order
     offsets = np.concatenate([[0], np.cumsum(np.bincount(rows))]).astype(np.int64)
-    return RowPlan(starts[kept][order], stops[kept][order], offsets, int(too_long.size),
-                   int(chosen.size - kept.size), first)
+    return RowPlan(starts[kept][order], stops[kept][order], offsets, long_at.size,
+                   chosen.size - kept.size, first)
 
 
 def _split_pieces(bounds: np.ndarray, chosen: np.ndarray,
@@ -87,11 +85,10 @@ def _split_pieces(bounds: np.ndarray, chosen: np.ndarray,
     joined = np.concatenate([[0], np.cumsum(lengths)])  # sample starts in the joined tokens
     total = int(joined[-1])
     cuts = np.union1d(joined, np.arange(0, total, seq_len, dtype=np.int64))
-    cuts = cuts[cuts < total]  # (pieces,) joined start of each piece
+    cuts = cuts[cuts < total]  # (pieces,) joined start of each piece, none empty (unique)
     ends = np.append(cuts[1:], total)
-    sample = np.searchsorted(joined, cuts, side="right") - 1  # which chosen sample holds it
-    keep = ends > cuts  # empty samples make empty pieces
-    cuts, ends, sample = cuts[keep], ends[keep], sample[keep]
+    # which chosen sample holds it: the last of those starting there (the others are empty)
+    sample = np.searchsorted(joined, cuts, side="right") - 1
     starts = bounds[chosen[sample]] + (cuts - joined[sample])
     offsets = np.concatenate([[0], np.cumsum(np.bincount(cuts // seq_len))]).astype(np.int64)
     return starts.astype(np.int64), (starts + ends - cuts).astype(np.int64), offsets
@@ -181,7 +178,7 @@ class PackedRows:
 
 def pack(samples: Sequence[Sequence[int]], *, seq_len: int, document_mask: bool, pad_id: int,
          targets: Sequence[Sequence[bool]] | None = None, long_samples: str = "split") -> PackedRows:
-    """Pack in-memory samples (token id lists, ``targets`` flags: default all) into rows."""
+    """Pack in-memory samples (token id lists; ``targets`` default: all) into rows."""
     lengths = [len(x) for x in samples]
     ids = np.fromiter((t for x in samples for t in x), dtype=np.int32, count=sum(lengths))
     flags = (np.ones(ids.size, bool) if targets is None else

@@ -48,8 +48,7 @@ def held_out(documents: int, fraction: float, seed: int) -> np.ndarray:
 
 
 def part_samples(data: DataConfig, part: str, documents: int, seed: int = 0) -> np.ndarray | None:
-    """The sample indices of ``part`` of the source's ``documents`` (None: all of them, as
-    data.eval_source holds none of them out)."""
+    """The sample indices of ``part`` of the source's ``documents`` (None: all, none held out)."""
     if data.eval_fraction == 0:
         return None
     chosen = held_out(documents, data.eval_fraction, seed)
@@ -85,8 +84,8 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
             built_tokens = True
         wait_for(folder / "meta.json")
         meta = json.loads((folder / "meta.json").read_text())
-        samples = part_samples(data, part, meta["samples"], seed)
-        key = ["rows", ROWS_VERSION, data.seq_len, _mode(data, meta)]  # the row plan's, per part
+        samples, mode = part_samples(data, part, meta["samples"], seed), _mode(data, meta)
+        key = ["rows", ROWS_VERSION, data.seq_len, mode]  # the row plan's, per part
         if samples is not None:
             key += [part, data.eval_fraction, seed]
         rows_file = folder / f"rows-{digest(key)}.npz"
@@ -95,11 +94,11 @@ def prepare_data(data: DataConfig, tokenizer: Any, *, leader: bool = True,
                              np.memmap(folder / "targets.bin", np.uint8, "r", shape=shape),
                              np.load(folder / "bounds.npy"))
         if leader and not rows_file.exists():
-            _save_plan(rows_file, plan_rows(stream, data.seq_len, _mode(data, meta), samples))
+            _save_plan(rows_file, plan_rows(stream, data.seq_len, mode, samples))
             built_rows = True
         wait_for(rows_file)
     info = {**meta, "cache": str(folder), "built_tokens": built_tokens, "built_rows": built_rows,
-            "seconds": time.perf_counter() - start, "long_samples": _mode(data, meta),
+            "seconds": time.perf_counter() - start, "long_samples": mode,
             "source": data.source, "part": part, **_part_counts(stream, data, part, samples, seed)}
     with np.load(rows_file) as z:
         plan = RowPlan(z["starts"], z["stops"], z["offsets"], *(int(x) for x in z["counts"]))
@@ -143,7 +142,7 @@ def _mode(data: DataConfig, meta: dict) -> str:
 
 
 def _save_plan(path: Path, plan: RowPlan) -> None:
-    """Write ``plan`` to a temporary file beside ``path``, then rename it to ``path``."""
+    """Write ``plan`` to ``path`` atomically (a temporary file renamed)."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     try:
         np.savez(tmp, starts=plan.starts, stops=plan.stops, offsets=plan.offsets,
@@ -178,36 +177,35 @@ def _write_tokens(folder: Path, data: DataConfig, tokenizer: Any, show: bool,
             desc="tokenizing")
     finally:
         bars.disable_progress_bar()
-    counts = {"records": len(reader), "tokens": 0, "target_tokens": 0}
-    lengths, skips, has_labels = [], Skips(), False
+    lengths, target_tokens, skips, has_labels = [], 0, Skips(), False
     with open(folder / "ids.bin", "wb") as ids, open(folder / "targets.bin", "wb") as flags, \
             open(folder / "wheres.txt", "w", encoding="utf-8") as wheres:
         for batch in encoded.with_format("arrow").iter(batch_size=1 << 16):
             column = batch.column("ids").combine_chunks()
-            flat = column.flatten().to_numpy()
-            flat.astype(np.int32).tofile(ids)
+            column.flatten().to_numpy().astype(np.int32).tofile(ids)
             targets = batch.column("targets").combine_chunks().flatten().to_numpy(False)
             targets.astype(np.uint8).tofile(flags)
-            counts["tokens"] += flat.size
-            counts["target_tokens"] += int(targets.sum())
+            target_tokens += int(targets.sum())
             reasons = batch.column("skip").to_pylist()  # "" for a sample
             lengths.extend(column.value_lengths().to_numpy()[np.asarray(reasons) == ""].tolist())
             for where, skip, count in zip(batch.column("where").to_pylist(), reasons,
                                           batch.column("count").to_pylist()):
                 if skip:
-                    skips.reasons.setdefault(skip, [0, where])[0] += count
+                    skips.add(skip, where, count)
                 else:
                     wheres.write(where.replace("\n", " ") + "\n")
             has_labels |= any(batch.column("labels").to_pylist())
+    tokens = int(sum(lengths))  # skip rows hold no token
     if show:
-        print(f"prepared {counts['records']:,} records into {counts['tokens']:,} tokens in "
+        print(f"prepared {len(reader):,} records into {tokens:,} tokens in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
     if not lengths:
         raise no_tokens(data.source, skips, source_key)
     np.save(folder / "bounds.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
     meta = {"format": encoder.fmt, "format_reason": encoder.why, "has_labels": has_labels,
             "samples": len(lengths), "skipped": skips.reasons, "processes": max(processes, 1),
-            "longest": int(max(lengths)), **counts}
+            "longest": int(max(lengths)), "records": len(reader), "tokens": tokens,
+            "target_tokens": target_tokens}
     (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -221,8 +219,8 @@ def _features():
 
 def _encode(batch: dict[str, list], rows: list[int], reader: RecordReader,
             encoder: Encoder) -> dict[str, list]:
-    """A batch of records as samples (ids, targets, where), then a row per skip reason (the
-    count and the first place) and whether tokenized records carried labels."""
+    """A batch of records as samples, then a row per skip reason (its count and first place);
+    ``labels``: whether tokenized records carried labels."""
     encoder.skips, encoder.has_labels = Skips(), False
     samples = encoder.encode(reader.records(batch, rows))
     skipped = list(encoder.skips.reasons.items())
@@ -324,8 +322,7 @@ def wait_for(path: Path) -> None:
 
 
 def no_tokens(source: str, skips: Skips, key: str = "data.source") -> DataError:
-    """The error of a source (recipe ``key``) whose records hold nothing to train on (``skips``
-    say why)."""
+    """The error of a source (recipe ``key``) with nothing to train on; ``skips`` say why."""
     skipped = skips.describe()
     return DataError(f"{key} {source!r} yields no token to train on"
                      f"{': ' + skipped if skipped else ''}; check the records")

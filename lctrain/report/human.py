@@ -45,11 +45,9 @@ def parameters(count: int) -> str:
 def time_unit(milliseconds: list[float]) -> tuple[str, float]:
     """(unit, factor from ms) that shows a column of durations best: µs, ms or s."""
     finite = [abs(v) for v in milliseconds if v is not None and math.isfinite(v)]
-    if not finite:
-        return "ms", 1.0
-    if max(finite) < 1.0:
+    if finite and max(finite) < 1.0:
         return "µs", 1e3
-    if min(finite) >= 1000.0:
+    if finite and min(finite) >= 1000.0:
         return "s", 1e-3
     return "ms", 1.0
 

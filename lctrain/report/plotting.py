@@ -45,7 +45,7 @@ def figure(title: str, xlabel: str, ylabel: str):
 
 def length_axis(ax, lengths: list[int]) -> None:
     """A log-2 x axis ticked at the given sequence lengths, labelled 64K, 128K, ..."""
-    ticks = sorted(set(int(n) for n in lengths))
+    ticks = sorted({int(n) for n in lengths})
     if ticks and ticks[0] > 0:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [tokens(n) for n in ticks])

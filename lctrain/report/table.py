@@ -99,9 +99,8 @@ def _formatter(column: Column, values: list) -> tuple[str, Callable[[Any], str]]
 
 def _cells(table: Table, wide: bool) -> _Cells:
     columns = visible_columns(table, wide)
-    notes: list[str] = []
-    headers, right, formatters = [], [], []
-    # a "{rate}" title: one FLOP-rate unit for all tflops columns, named in the title
+    notes: dict[str, int] = {}  # long status text -> its number
+    headers, formatters = [], []
     rates = [row.get(c.key) for c in columns if c.kind == "tflops" for row in table.rows]
     shared = "{rate}" in table.title
     title = table.title.replace("{rate}", human.rate_unit(_numbers(rates))[0])
@@ -110,7 +109,6 @@ def _cells(table: Table, wide: bool) -> _Cells:
         values = rates if one_unit else [row.get(column.key) for row in table.rows]
         unit, fmt = _formatter(column, values)
         headers.append((column.label, "" if one_unit else unit))
-        right.append(column.kind not in ("text", "status"))
         formatters.append(fmt)
     body = []
     for row in table.rows:
@@ -120,14 +118,13 @@ def _cells(table: Table, wide: bool) -> _Cells:
             if not _present(value):
                 line.append("-")
             elif column.kind == "status" and len(str(value)) > _INLINE_STATUS:
-                if str(value) not in notes:
-                    notes.append(str(value))
-                line.append(f"[{notes.index(str(value)) + 1}]")
+                line.append(f"[{notes.setdefault(str(value), len(notes) + 1)}]")
             else:
                 line.append(fmt(value))
         body.append(line)
-    return _Cells(title, headers, right, body, [*(f"[{i + 1}] {n}" for i, n in enumerate(notes)),
-                                         *table.notes])
+    right = [column.kind not in ("text", "status") for column in columns]
+    return _Cells(title, headers, right, body,
+                  [*(f"[{i}] {note}" for note, i in notes.items()), *table.notes])
 
 
 def render(table: Table, fmt: str = "table", *, wide: bool = False, terminal: bool = False,
@@ -158,8 +155,7 @@ def _wrap(text: str, width: int | None) -> str:
 
 
 def _widths(cells: _Cells) -> list[int]:
-    lines = [[label for label, _ in cells.headers], [unit for _, unit in cells.headers],
-             *cells.body]
+    lines = [*zip(*cells.headers), *cells.body]  # labels, units, rows
     return [max(len(line[i]) for line in lines) for i in range(len(cells.headers))]
 
 
@@ -185,20 +181,15 @@ def _parts(cells: _Cells, width: int | None, key_count: int) -> list[list[int]]:
 def _grid(cells: _Cells, columns: list[int]) -> str:
     """Aligned text of the given columns: one or two header lines, a rule, the rows."""
     widths = _widths(cells)
-    header_lines = [[cells.headers[i][0] for i in columns], [cells.headers[i][1] for i in columns]]
-    if not any(header_lines[1]):
-        header_lines.pop()
-    body = [[line[i] for i in columns] for line in cells.body]
 
     def fmt_line(line):
-        parts = [text.rjust(widths[i]) if cells.right[i] else text.ljust(widths[i])
-                 for text, i in zip(line, columns)]
-        return "  ".join(parts).rstrip()
+        return "  ".join(line[i].rjust(widths[i]) if cells.right[i] else line[i].ljust(widths[i])
+                         for i in columns).rstrip()
 
-    out = [fmt_line(line) for line in header_lines]
-    out.append("  ".join("-" * widths[i] for i in columns))
-    out += [fmt_line(line) for line in body]
-    return "\n".join(out)
+    labels, units = [label for label, _ in cells.headers], [unit for _, unit in cells.headers]
+    heads = [labels, units] if any(units[i] for i in columns) else [labels]
+    return "\n".join([*map(fmt_line, heads), "  ".join("-" * widths[i] for i in columns),
+                      *map(fmt_line, cells.body)])
 
 
 def _markdown(cells: _Cells) -> str:

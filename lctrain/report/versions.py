@@ -141,8 +141,5 @@ def record_run(output_dir: str | Path, device_type: str, attention_backend: str,
     parts = [f"{name} {info.get(name)}" for name in ("lctrain", "torch", "triton", "transformers")]
     if info.get("gpu"):
         parts.append(_gpus(info))
-    lines = ["; ".join(parts)]
     costs = one_time_costs(device_type, attention_backend, document_mask)
-    if costs:
-        lines.append("first steps: " + "; ".join(costs))
-    return "\n".join(lines)
+    return "; ".join(parts) + ("\nfirst steps: " + "; ".join(costs) if costs else "")
