@@ -15,6 +15,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from lctrain.bench.kernel import relative_error
 from lctrain_kernels import attention_with_lse, dist_attention
 from lctrain_kernels.distributed import make_schedule, shard
 from lctrain_kernels.vocabulary import SCHEDULES
@@ -63,10 +64,6 @@ def context_parallel_peer(group, seq_len: int, cfg, dtype: torch.dtype, device: 
 PEERS = {"context_parallel": context_parallel_peer}
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-
-
 def _grads(fn, inputs, do):
     """(out, dq, dk, dv) of ``fn`` on leaf copies of ``inputs``."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
@@ -81,14 +78,14 @@ def check_schedules(group, device: torch.device, dtype: torch.dtype, cfg, varian
     ``cfg`` gives check_len, check_documents, heads, kv_heads, head_dim and backend."""
     gen = torch.Generator().manual_seed(1234)
     s, d = cfg.check_len, cfg.head_dim
-    shapes = [(1, s, cfg.heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.kv_heads, d), (1, s, cfg.heads, d)]
-    q, k, v, do = (torch.randn(sh, generator=gen).to(device) for sh in shapes)  # float32, (1, S, H, D)
+    q, k, v, do = (torch.randn((1, s, h, d), generator=gen).to(device)  # float32, (1, S, H, D)
+                   for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads, cfg.heads))
     cu = None if cfg.check_documents is None else list(cfg.check_documents.cu_seqlens)
     ref = _grads(lambda *x: attention_with_lse(*x, cu_seqlens=cu, backend="reference")[0], (q, k, v), do)
     low = [t.to(dtype) for t in (q, k, v, do)]
     single = _grads(lambda *x: attention_with_lse(*x, cu_seqlens=cu, backend=cfg.backend)[0],
                     low[:3], low[3])
-    single_err = max(_rel(a, b) for a, b in zip(single, ref))
+    single_err = max(map(relative_error, single, ref))
     results = {}
     world = dist.get_world_size(group)
     for name, what, overlap in variants:
@@ -98,7 +95,8 @@ def check_schedules(group, device: torch.device, dtype: torch.dtype, cfg, varian
         loc = [shard(t, group, layout) for t in low]
         got = _grads(lambda *x: dist_attention(*x, group=group, cu_seqlens=cu, schedule=what,
                                                backend=cfg.backend, overlap=overlap), loc[:3], loc[3])
-        err = torch.tensor(max(_rel(a, shard(b, group, layout)) for a, b in zip(got, ref)), device=device)
+        err = torch.tensor(max(relative_error(a, shard(b, group, layout)) for a, b in zip(got, ref)),
+                           device=device)
         dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)
         err = float(err)
         results[name] = {"max_rel_err": err, "single_rel_err": single_err,

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -123,15 +124,16 @@ class _Bench:
         return torch.randn((1, n, heads, self.cfg.head_dim), generator=gen, dtype=self.dtype,
                            device=self.device)  # (1, n, H, D)
 
+    @contextlib.contextmanager
     def _ours(self, seq_len: int, schedule: str, overlap: bool):
-        """(fwd, bwd) closures of lctrain's op on random local rows."""
+        """(fwd, bwd) closures of lctrain's op on random local rows, as a peer gives them."""
         n, c = seq_len // self.world, self.cfg
         q, k, v, do = (self._local(n, h, s) for s, h in enumerate((c.heads, c.kv_heads, c.kv_heads, c.heads)))
         bounds = list(c.bounds(seq_len, schedule, self.world) or [])
         opts = (self.group.group_name, True, bounds, c.head_dim ** -0.5, schedule, c.backend, overlap)
         fwd = lambda: torch.ops.lctrain.dist_attention(q, k, v, *opts)  # noqa: E731
         bwd = lambda o: torch.ops.lctrain.dist_attention_backward(do, q, k, v, o[0], o[1], *opts)  # noqa: E731
-        return fwd, bwd
+        yield fwd, bwd
 
     def _comm_only_ms(self, seq_len: int, schedule: str) -> float:
         """Median milliseconds of the forward + backward messages of a schedule, no compute."""
@@ -215,19 +217,15 @@ class _Bench:
         base = {"seq_len": seq_len, "gpus": self.world, "tokens_per_gpu": seq_len // self.world}
         if c.documents is not None:
             base.update(documents=c.documents[seq_len].spec, mix=c.documents[seq_len].summary())
-        single = {"status": f"skipped: longer than the single-GPU limit {c.single_max_len}"}
-        if seq_len <= c.single_max_len:
-            single = self._single(seq_len)
+        single = self._single(seq_len) if seq_len <= c.single_max_len else \
+            {"status": f"skipped: longer than the single-GPU limit {c.single_max_len}"}
         rows = [{**base, "variant": f"single-gpu {self.single_backend}", "gpus": 1, **single}]
         self._say(progress_line(rows[0]))
         for name, what, overlap in self.variants():
             balance = c.balance(seq_len, what, self.world) if what in SCHEDULES else None
             row = {**base, "variant": name, "balance": balance}
-            if what in PEERS:
-                make = lambda: PEERS[what](  # noqa: E731
-                    self.group, seq_len, c, self.dtype, self.device)
-            else:
-                make = lambda: contextlib.nullcontext(self._ours(seq_len, what, overlap))  # noqa: E731
+            make = (partial(PEERS[what], self.group, seq_len, c, self.dtype, self.device)
+                    if what in PEERS else partial(self._ours, seq_len, what, overlap))
             slug = name.replace(" (no overlap)", "-no-overlap")
             trace = None if c.profile_dir is None or what in PEERS else \
                 os.path.join(c.profile_dir, f"attention-{slug}-{seq_len}-rank{{rank}}.json")

@@ -165,7 +165,7 @@ def _lognormal(text: str, total: int, spec: str, draw: int = 0) -> list[int]:
 
 def _path_and_row(text: str, spec: str) -> tuple[Path, int]:
     match = re.fullmatch(r"(.+?)(?:@(\d+))?", text.strip())
-    if not text.strip() or match is None:
+    if match is None:  # nothing after the colon
         raise ConfigError(f"--documents {spec!r} names no file; write lengths:FILE or data:FILE, "
                           f"optionally @ROW")
     path = Path(match.group(1)).expanduser()
@@ -177,8 +177,8 @@ def _path_and_row(text: str, spec: str) -> tuple[Path, int]:
 def _file_lengths(path: Path, spec: str) -> list[int]:
     """Whole positive numbers of a text file (whitespace or commas between them)."""
     words = path.read_text().replace(",", " ").split()
-    if not words or not all(w.isdigit() and int(w) > 0 for w in words):
-        bad = next((w for w in words if not (w.isdigit() and int(w) > 0)), "nothing")
+    bad = next((w for w in words if not (w.isdigit() and int(w) > 0)), None if words else "nothing")
+    if bad is not None:
         raise ConfigError(f"--documents {spec!r}: the file must hold positive whole numbers "
                           f"(document lengths), found {bad!r}")
     return [int(w) for w in words]

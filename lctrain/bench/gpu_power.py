@@ -6,12 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 from datetime import datetime
 from typing import Iterator
-
-import numpy as np
 
 FIELDS = ("sm_clock_ghz", "power_w", "power_limit_w")
 _SCALE = (1e-3, 1.0, 1.0)  # nvidia-smi gives MHz
@@ -53,6 +52,6 @@ def parse(text: str) -> list[tuple[float, ...]]:
 
 def during(samples: list[tuple[float, ...]], start: float, end: float) -> dict:
     """Each of FIELDS' median over the samples from ``start`` to ``end`` (None: no sample)."""
-    inside = np.array([s[1:] for s in samples if start <= s[0] <= end]).reshape(-1, len(FIELDS))
-    return {name: float(np.median(inside[:, i])) if len(inside) else None
+    inside = [s[1:] for s in samples if start <= s[0] <= end]
+    return {name: statistics.median(s[i] for s in inside) if inside else None
             for i, name in enumerate(FIELDS)}

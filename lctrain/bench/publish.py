@@ -15,29 +15,25 @@ from lctrain.report import plotting
 from lctrain.report.human import rate_unit
 
 
-PLOTTED = ("kernel", "attention", "step")
-"""The benches whose results have a plot (rates or MFU against the length)."""
-
-
 def check(kind: str, path: str | Path) -> Path:
     """Before running: a UserError unless a result of ``kind`` can be plotted to ``path``."""
-    if kind not in PLOTTED:
+    if kind not in ("kernel", "attention", "step"):  # rates or MFU against the length
         raise UserError(f"lctrain bench {kind} has no plot (its table is the result); drop --plot")
     return plotting.check_target(path)
 
 
-def _label(result: BenchResult, row: dict, key: str) -> str:
+def _label(result: BenchResult, row: dict) -> str:
     if result.kind != "step":  # rows of document mixes: one line per backend and mix
-        return str(row.get(key)) + (f" {row['documents']}" if row.get("documents") else "")
-    if row.get(key):
-        return short_variant(row[key])
+        name = row.get("variant" if result.kind == "attention" else "backend")
+        return str(name) + (f" {row['documents']}" if row.get("documents") else "")
+    if row.get("variant"):
+        return short_variant(row["variant"])
     return f"{row.get('schedule', '')} {row.get('policy', '')}".strip() or "recipe"
 
 
 def plot(result: BenchResult, path: str | Path) -> Path:
     """Draw the result into ``path``; returns the file written (UserError: nothing to plot)."""
     check(result.kind, path)
-    key = "variant" if result.kind in ("attention", "step") else "backend"  # one line each
     if result.kind != "step":
         unit, scale = rate_unit([r.get("total_tflops") for r in result.measured()])
         per_gpu = " per GPU" if result.kind == "attention" else ""
@@ -49,7 +45,7 @@ def plot(result: BenchResult, path: str | Path) -> Path:
     lines: dict[str, list[tuple[int, float]]] = {}
     for row in result.measured():
         if row.get(y) is not None and row.get("seq_len"):
-            lines.setdefault(_label(result, row, key), []).append((row["seq_len"], row[y] * scale))
+            lines.setdefault(_label(result, row), []).append((row["seq_len"], row[y] * scale))
     if not lines:
         raise UserError("no row of the result has a number to plot (every measurement failed or "
                         "was skipped; the status column says why), so no plot was written")

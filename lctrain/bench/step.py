@@ -27,7 +27,9 @@ from lctrain.config import RecipeConfig, load_recipe
 from lctrain.config.layers import LayerPlan
 from lctrain.data import epoch_order
 from lctrain.model import load_tokenizer
+from lctrain.model.flops import peak_flops
 from lctrain.errors import ConfigError, UserError
+from lctrain.report.human import percent, significant
 from lctrain.report.runs import median
 from lctrain.report.versions import environment
 from lctrain.train.memory_trace import ENV as MEMORY_TRACE
@@ -86,9 +88,8 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
             kernels = None if profile is None else os.path.join(profile, str(index))
             with environment_folders(**{MEMORY_TRACE: trace, STEP_PROFILE: kernels}):
                 row.update(_one(cfg, n, steps, warmup, save_every, documents))
-            summary = None if kernels is None else Path(kernels, f"rank0-step{warmup + steps}"
-                                                             f"-kernels.json")
-            if summary is not None and summary.exists():  # rank 0's profile of the last step
+            summary = Path(kernels or ".", f"rank0-step{warmup + steps}-kernels.json")
+            if kernels is not None and summary.exists():  # rank 0's profile of the last step
                 profiled = json.loads(summary.read_text())
                 row.update(profile_wall_ms=profiled["wall_ms"], **{
                     f"profile_{cat}_ms": ms for cat, ms in profiled["categories_ms"].items()})
@@ -194,7 +195,7 @@ def _saves(records: list[dict], timed: list[dict], save_every: int) -> dict:
     after = [r for r in timed if r["step"] - 1 in saved]
     others = [r for r in timed if r["step"] - 1 not in saved]
     return {"save_every": save_every,
-            "checkpoint_s": median([r for r in timed if r["step"] in saved], "checkpoint_s"),
+            "checkpoint_s": median(timed, "checkpoint_s"),
             "step_after_save_s": median(after, "step_time_s") if save_every else None,
             "step_without_save_s": median(others, "step_time_s") if save_every else None}
 
@@ -295,8 +296,6 @@ def _expectations(cfg: RecipeConfig, nproc: int, share: float) -> tuple[int, dic
 
 
 def _progress_line(row: dict) -> str:
-    from lctrain.report.human import percent, significant
-
     if row.get("status") != "ok":
         return str(row.get("status"))
     text = (f"{significant(row['step_time_s'])} s/step, "
@@ -305,8 +304,6 @@ def _progress_line(row: dict) -> str:
 
 
 def _meta(cfg: RecipeConfig, nproc: int | None, warmup: int, steps: int, save_every: int) -> dict:
-    from lctrain.model.flops import peak_flops
-
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     peak = peak_flops(device)
     return {

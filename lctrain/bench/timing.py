@@ -29,11 +29,13 @@ class Timings:
         return [a + b for a, b in zip(self.fwd, self.bwd)]
 
     def summary(self) -> dict:
-        """Medians and spread: ``fwd_ms``, ``bwd_ms``, ``total_ms`` and ``total_ms_min/max``."""
-        total = self.total
-        return {"fwd_ms": statistics.median(self.fwd), "bwd_ms": statistics.median(self.bwd),
-                "total_ms": statistics.median(total), "total_ms_min": min(total),
-                "total_ms_max": max(total), "repeats": len(total)}
+        """Medians ``fwd_ms``, ``bwd_ms``, ``total_ms``, each one's ``_min`` and ``_max``, and
+        ``repeats``."""
+        row = {}
+        for name, ms in (("fwd", self.fwd), ("bwd", self.bwd), ("total", self.total)):
+            row.update({f"{name}_ms": statistics.median(ms), f"{name}_ms_min": min(ms),
+                        f"{name}_ms_max": max(ms)})
+        return {**row, "repeats": len(self.fwd)}
 
 
 def measure(fwd: Callable[[], Any], bwd: Callable[[Any], Any], *, device: torch.device,

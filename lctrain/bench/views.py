@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lctrain.bench.result import BenchResult
+from lctrain.report.human import milliseconds, percent, rate, ratio, significant, tokens
 from lctrain.report.table import Column, Table
 from lctrain.report.versions import machine_label
 
@@ -133,8 +134,6 @@ def _specs(result: BenchResult) -> list[str]:
 
 def _document_notes(result: BenchResult) -> list[str]:
     """The documents of each spec and length, and what "of dense" means."""
-    from lctrain.report.human import tokens
-
     specs, mixes = _specs(result), {}
     for row in result.rows:
         if row.get("documents") is not None and row.get("seq_len") is not None:
@@ -209,8 +208,6 @@ def summary(result: BenchResult) -> Table:
 
 def progress_line(row: dict) -> str:
     """One line on a kernel (``backend``) or attention (``variant``) row as it is measured."""
-    from lctrain.report.human import milliseconds, percent, rate, ratio, tokens
-
     spec = f" {row['documents']}" if row.get("documents") and "backend" in row else ""
     head = f"{row.get('backend') or row['variant']}{spec} {tokens(row['seq_len'])}:"
     if row.get("status") != "ok":
@@ -224,8 +221,6 @@ def progress_line(row: dict) -> str:
 
 
 def _summary_cell(row: dict | None) -> str | None:
-    from lctrain.report.human import ratio, significant
-
     if row is None:
         return None
     if row.get("status") != "ok" or row.get("total_tflops") is None:

@@ -1,21 +1,42 @@
 """``lctrain bench kernel|attention|step|data|report``: measure, compare, plot, report."""
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from lctrain.cli.options import (BackendOpt, BackendsOpt, DTypeOpt, DocumentMixesOpt, DocumentsOpt,
                                  DocumentsRecipeOpt, Format, FormatOpt, HeadDimOpt, HeadsOpt,
                                  JsonFileOpt, KvHeadsOpt, NprocOpt, PlotOpt, ProfileOpt, RecipeArg,
                                  RepeatsOpt, SchedulesOpt, SeqLenOpt, SeqLensOpt, SetOpt,
-                                 WarmupOpt, WideOpt, parsed_size, split_names, user_errors)
+                                 WarmupOpt, WideOpt, optional, parsed_size, split_names,
+                                 user_errors)
 from lctrain.config import load_recipe, parse_size, parse_size_list
 from lctrain_kernels.vocabulary import SCHEDULES
 
 app = typer.Typer(help="Measure local attention kernels, the distributed attention and whole "
                        "training steps; turn result files into tables.",
                   no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+KernelCheckLenOpt = optional(str, "--check-len", "SIZE", "Length of the correctness check against "
+                             "float32 math, e.g. 8k (default: 4k on a GPU, 256 on a CPU; at most "
+                             "the shortest --seq-len).")
+AttentionCheckLenOpt = optional(str, "--check-len", "SIZE", "Total length of each schedule's "
+                                "correctness check against float32 math (default: 2k per rank, at "
+                                "most the shortest --seq-len).")
+VariantOpt = optional(list[str], "--variant", "'KEY=VALUE ...'", "One configuration to time: "
+                      "space-separated overrides on top of --set (repeatable; one row per variant "
+                      "and length).")
+StepDocumentsOpt = optional(str, "--documents", "SPEC", "Train on rows packed from documents of "
+                            "this mix (8x8k, lognormal:median=16k, ...; a lognormal mix draws each "
+                            "row anew) of random tokens instead of the recipe's data; "
+                            "data.document_mask still decides whether they are kept apart.")
+MemoryTraceOpt = optional(str, "--memory-trace", "DIR", "On GPUs, also record the allocator over "
+                          "each configuration's last step: a snapshot per rank "
+                          "(pytorch.org/memory_viz) and a report of what was alive at the step's "
+                          "peak, into DIR/<configuration number>/ (written outside the step's "
+                          "time).")
+StepProfileOpt = optional(str, "--profile", "DIR", "Also profile each configuration's last step: a "
+                          "chrome trace and a kernel summary per rank into DIR/<configuration "
+                          "number>/, rank 0's time per kernel category in the row (--wide); "
+                          "written outside the step's time.")
 
 
 @app.command("kernel")
@@ -28,11 +49,7 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
                help="With --documents, the backend also timed without documents at each "
                     "length; rows get 'of dense', their useful rate over its rate (auto: "
                     "cudnn on a GPU, none on a CPU; none: skip)."),
-           check_len: Optional[str] = typer.Option(
-               None, "--check-len", metavar="SIZE", show_default=False,
-               help="Length of the correctness check against float32 math, e.g. 8k (default: "
-                    "4k on a GPU, 256 on a CPU; at most the shortest --seq-len)."),
-           repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
+           check_len: KernelCheckLenOpt = None, repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
            profile: ProfileOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
            fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time one device's attention backends (forward, backward, TFLOP/s).
@@ -57,7 +74,7 @@ def kernel(seq_len: SeqLensOpt = None, backend: BackendsOpt = None, heads: Heads
         out = Publisher("kernel", fmt.value, wide, json_file, plot)
         result = run(seq_lens=parsed_size(seq_len, "--seq-len", parse_size_list),
                      backends=split_names(backend), heads=heads, kv_heads=kv_heads,
-                     head_dim=head_dim, dtype=None if dtype is None else dtype.value,
+                     head_dim=head_dim, dtype=dtype and dtype.value,
                      causal=causal, documents=documents, dense_reference=dense_reference,
                      recipe=None if recipe is None else load_recipe(recipe), repeats=repeats,
                      warmup=warmup, check_len=parsed_size(check_len, "--check-len"),
@@ -79,11 +96,7 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
                                                     "overlap (and the share hidden)."),
               peers: bool = typer.Option(
                   False, "--peers", help="Also run torch's context_parallel."),
-              check_len: Optional[str] = typer.Option(
-                  None, "--check-len", metavar="SIZE", show_default=False,
-                  help="Total length of each schedule's correctness check against float32 "
-                       "math (default: 2k per rank, at most the shortest --seq-len)."),
-              repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
+              check_len: AttentionCheckLenOpt = None, repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
               min_time: float = typer.Option(
                   0.0, "--min-time", min=0.0, metavar="SECONDS",
                   help="Repeat short measurements until about this long (at most 50 times)."),
@@ -114,7 +127,7 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
         result = run(seq_lens=parsed_size(seq_len, "--seq-len", parse_size_list),
                      schedules=split_names(schedule), nproc=nproc, heads=heads,
                      kv_heads=kv_heads, head_dim=head_dim,
-                     dtype=None if dtype is None else dtype.value, backend=backend or "auto",
+                     dtype=dtype and dtype.value, backend=backend or "auto",
                      documents=documents, recipe=None if recipe is None else load_recipe(recipe),
                      balance_documents=balance_documents, overlap_ablation=overlap_ablation,
                      peers=peers, repeats=repeats, warmup=warmup,
@@ -126,10 +139,7 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
 
 @app.command("step")
 def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt = None,
-         variant: Optional[list[str]] = typer.Option(
-             None, "--variant", metavar="'KEY=VALUE ...'", show_default=False,
-             help="One configuration to time: space-separated overrides on top of --set "
-                  "(repeatable; one row per variant and length)."),
+         variant: VariantOpt = None,
          steps: int = typer.Option(10, "--steps", min=1, metavar="N", help="Steps to time."),
          warmup: int = typer.Option(1, "--warmup", min=0, metavar="N",
                                     help="Untimed steps first, on the first timed steps' rows "
@@ -138,22 +148,8 @@ def step(recipe: RecipeArg = None, seq_len: SeqLensOpt = None, overrides: SetOpt
              0, "--save-every", min=0, metavar="N",
              help="Also write a checkpoint every N steps (in the background on GPUs), to time "
                   "steps with a save in flight; 0: none."),
-         documents: Optional[str] = typer.Option(
-             None, "--documents", metavar="SPEC", show_default=False,
-             help="Train on rows packed from documents of this mix (8x8k, lognormal:median=16k, "
-                  "...; a lognormal mix draws each row anew) of random tokens instead of the "
-                  "recipe's data; data.document_mask still decides whether they are kept apart."),
-         memory_trace: Optional[str] = typer.Option(
-             None, "--memory-trace", metavar="DIR", show_default=False,
-             help="On GPUs, also record the allocator over each configuration's last step: "
-                  "a snapshot per rank (pytorch.org/memory_viz) and a report of what was alive "
-                  "at the step's peak, into DIR/<configuration number>/ (written outside the "
-                  "step's time)."),
-         profile: Optional[str] = typer.Option(
-             None, "--profile", metavar="DIR", show_default=False,
-             help="Also profile each configuration's last step: a chrome trace and a kernel "
-                  "summary per rank into DIR/<configuration number>/, rank 0's time per kernel "
-                  "category in the row (--wide); written outside the step's time."),
+         documents: StepDocumentsOpt = None, memory_trace: MemoryTraceOpt = None,
+         profile: StepProfileOpt = None,
          nproc: NprocOpt = None, json_file: JsonFileOpt = None, plot: PlotOpt = None,
          fmt: FormatOpt = Format.table, wide: WideOpt = False) -> None:
     """Time whole training steps of a recipe (tokens/s, MFU, peak memory against the
