@@ -1,5 +1,5 @@
 """Reading training checkpoints (``checkpoints/step-NNNNNNNN/``: DCP's tensors, ``trainer.json``,
-``rng-rank{r}.safetensors``): finding one, and loading it into any process layout, unpickling
+``rng-rank{r}.safetensors``): finding one and loading it into any process layout, unpickling
 nothing (`lctrain.checkpoint.safe_load`)."""
 from __future__ import annotations
 
@@ -56,8 +56,7 @@ def load_checkpoint(path: str | os.PathLike, *, module, optimizer) -> dict:
     rng = path / f"rng-rank{dist.get_rank() if dist.is_initialized() else 0}.safetensors"
     if rng.exists():
         _read_rng(rng)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    barrier()
     return trainer
 
 
@@ -135,7 +134,7 @@ def read_model_weights(path: str | os.PathLike, names: list[str]) -> dict[str, t
     counts = {prefix: sum(prefix + name in saved for name in names) for prefix in candidates
               if prefix.startswith("model.") and prefix.endswith(".")}
     prefix = max(counts, key=counts.get, default=None)  # the one holding the most of them
-    if prefix is None or counts[prefix] == 0:
+    if prefix is None:
         raise UserError(f"the checkpoint {path} holds none of the model's weights (for example "
                         f"{names[0]}); its run's config.yaml describes another model.")
     wanted = {}
@@ -228,3 +227,9 @@ def _causes(error: BaseException):
         failures = getattr(item, "failures", None) or {}
         todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
         todo.extend(e for e in (item.__cause__, item.__context__) if e is not None)
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of ``group`` (default: all), when there are several."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier(group=group)

@@ -5,7 +5,6 @@ pickled "bytes" entries are never written nor read, and DCP's ``.metadata`` is r
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from typing import Any
 
@@ -83,34 +82,3 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         raise UnsafeCheckpoint(f"the checkpoint entry {read_item.dest_index.fqn} is a pickled "
                                "object, which lctrain never writes and does not load")
-
-
-def check_tensors_only(state: Any, prefix: str = "") -> None:
-    """Refuse (TypeError, a bug) a state to save that holds anything but tensors in nested
-    dicts, which DCP would pickle."""
-    if isinstance(state, dict):
-        for key, value in state.items():
-            check_tensors_only(value, f"{prefix}{key}.")
-    elif not isinstance(state, torch.Tensor):
-        raise TypeError(f"checkpoint entry {prefix.rstrip('.')} is a {type(state).__name__}; "
-                        "only tensors are saved")
-
-
-def fsync_tree(folder: str | os.PathLike) -> None:
-    """Flush every file under ``folder`` and the folders themselves to stable storage."""
-    for root, dirs, files in os.walk(folder):
-        for name in files:
-            fsync(os.path.join(root, name))
-        fsync(root, folder=True)
-
-
-def fsync(path: str | os.PathLike, *, folder: bool = False) -> None:
-    """Flush a written file, or a ``folder``'s entries (new names, renames), to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not folder:  # some file systems cannot sync a folder; its files are synced
-            raise
-    finally:
-        os.close(fd)

@@ -21,8 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from lctrain.config.paths import ordinary_permissions
 from lctrain.errors import UserError
-from lctrain.checkpoint.reader import FORMAT, list_checkpoints, root_cause
-from lctrain.checkpoint.safe_load import check_tensors_only, fsync, fsync_tree
+from lctrain.checkpoint.reader import FORMAT, barrier, list_checkpoints, root_cause
 
 
 class Checkpointer:
@@ -40,7 +39,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in [*self.root.glob(".tmp-step-*"), *self.root.glob(".del-step-*")]:
                 shutil.rmtree(stale, ignore_errors=True)
-        _barrier(self.group)
+        barrier(self.group)
 
     def save(self, step: int, trainer_state: dict) -> Path:
         """Checkpoint now with ``trainer_state``; the folder (UserError: a write failed)."""
@@ -50,7 +49,6 @@ class Checkpointer:
             return final
         model_state, optim_state = get_state_dict(self.module, self.optimizer)
         state = {"model": model_state, "optim": {"state": optim_state["state"]}}
-        check_tensors_only(state)
         size = state_bytes(state)
         try:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -71,7 +69,7 @@ class Checkpointer:
                     publish(tmp, final, keep=self.keep)
             except (OSError, CheckpointException) as error:
                 raise _failed_write(step, tmp, error, size) from None
-            _barrier(self.group)
+            barrier(self.group)
             return final
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # the step's updates are in memory
@@ -106,7 +104,7 @@ class Checkpointer:
         try:
             return self.wait()
         finally:
-            _barrier(self.group)
+            barrier(self.group)
             if self._hook is not None:
                 self._hook.remove()
             if self._stager is not None:
@@ -198,10 +196,14 @@ def _write_rng(path: Path) -> None:
     fsync(path)
 
 
-def state_bytes(state: dict | torch.Tensor) -> int:
-    """Bytes of this rank's tensors in ``state`` (its shards, for DTensors)."""
+def state_bytes(state: dict | torch.Tensor, prefix: str = "") -> int:
+    """Bytes of this rank's tensors in ``state`` (its shards, for DTensors); TypeError (a bug)
+    for anything but tensors in nested dicts, which DCP would pickle."""
     if isinstance(state, dict):
-        return sum(state_bytes(value) for value in state.values())
+        return sum(state_bytes(value, f"{prefix}{key}.") for key, value in state.items())
+    if not isinstance(state, torch.Tensor):
+        raise TypeError(f"checkpoint entry {prefix.rstrip('.')} is a {type(state).__name__}; "
+                        "only tensors are saved")
     local = state.to_local() if hasattr(state, "to_local") else state
     return local.numel() * local.element_size()
 
@@ -249,6 +251,21 @@ def _failed_write(step: int, tmp: Path, error: BaseException, size: int) -> User
                      "free space or fix the folder's permissions, then resume with --resume.")
 
 
-def _barrier(group) -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier(group=group)
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """Flush every file under ``folder`` and the folders themselves to stable storage."""
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            fsync(os.path.join(root, name))
+        fsync(root, folder=True)
+
+
+def fsync(path: str | os.PathLike, *, folder: bool = False) -> None:
+    """Flush a written file, or a ``folder``'s entries (new names, renames), to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not folder:  # some file systems cannot sync a folder; its files are synced
+            raise
+    finally:
+        os.close(fd)

@@ -64,13 +64,14 @@ def eval_command(target: TargetArg, task: TaskOpt = Task.ppl, step: StepOpt = No
     with user_errors():
         from lctrain.bench.publish import command_line
         from lctrain.config import parse_size_list
-        from lctrain.eval.result import check_plot, plot as draw, table
+        from lctrain.eval.result import plot as draw, table
         from lctrain.eval.request import resolve
         from lctrain.eval.evaluate import evaluate
+        from lctrain.report.plotting import check_target
         from lctrain.report.table import emit, say, show, writable
 
         if plot is not None:
-            check_plot(plot)
+            check_target(plot)
         if json_file is not None:
             writable(json_file, "--json")
         cfg, request = resolve(

@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from lctrain.model.attention import lctrain_attention
 
-ATTENTION_NAME = "lctrain_eval"
-"""The attention function (``attn_implementation``) of models that `lctrain eval` builds."""
+ATTENTION_NAME = "lctrain_eval"  # the ``attn_implementation`` of models `lctrain eval` builds
 
 
 class KVShards:
@@ -32,10 +31,6 @@ class KVShards:
         self.prompt: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         self.tail: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         self.decoding = False
-
-    def record(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Keep this rank's prompt keys and values of ``module``."""
-        self.prompt[module] = (key.detach(), value.detach())
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -87,8 +82,8 @@ def eval_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         return kv.attend(module, query, key, value, scaling), None
     out, _ = lctrain_attention(module, query, key, value, attention_mask, scaling, dropout,
                                **kwargs)
-    if kv is not None:  # kept in the dtype attention computed in (out's)
-        kv.record(module, key.to(out.dtype), value.to(out.dtype))
+    if kv is not None:  # this rank's prompt keys, kept in the dtype attention computed in
+        kv.prompt[module] = (key.detach().to(out.dtype), value.detach().to(out.dtype))
     return out, None
 
 

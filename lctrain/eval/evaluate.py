@@ -1,10 +1,10 @@
 """Running an evaluation on every local rank: what ``lctrain eval`` calls.
 
-The ranks start and build the model as training's do, around an `EvalModel` (the FSDP2 root,
-holding the LM under the loss module's attribute name, so any run's DCP checkpoint loads), load
-the checkpoint and run the task: `run_ppl` sums token losses per bucket of global positions;
-`run_passkey` spreads the prompts over the dp groups, each prefilled over its cp group and decoded
-greedily. Rank 0 writes the result file, which this process reads back."""
+The ranks build the model as training's do, around an `EvalModel` (the FSDP2 root, holding the LM
+under the loss module's attribute name, so any run's DCP checkpoint loads), load the checkpoint
+and run the task: `run_ppl` sums token losses per bucket of global positions; `run_passkey`
+spreads the prompts over the dp groups, each prefilled over its cp group and decoded greedily.
+Rank 0 writes the result file, which this process reads back."""
 from __future__ import annotations
 
 import argparse
@@ -58,9 +58,9 @@ class EvalModel(nn.Module):
                 cp_context: CPContext | None = None, labels: torch.Tensor | None = None,
                 width: int = 1, buckets: int = 1, kv=None, at: int | None = None
                 ) -> torch.Tensor:
-        """(2, buckets) float64 loss sums and counts per position bucket of this rank's
-        (B, S_local) shard with ``labels``; else the (B, V) float32 logits after global position
-        ``at`` (zeros on a rank without it). ``kv``: a `KVShards` keeping or using keys."""
+        """With ``labels``: (2, buckets) float64 loss sums and counts per position bucket of this
+        rank's (B, S_local) shard; else the (B, V) float32 logits after global position ``at``
+        (zeros on a rank without it). ``kv``: a `KVShards` keeping or using keys."""
         extra = {} if kv is None else {"lctrain_kv": kv}
         hidden, weight = head_inputs(self.model, input_ids=input_ids, position_ids=position_ids,
                                      cp_context=cp_context, **extra)  # (B, S_local, H), (V, H)
@@ -114,8 +114,8 @@ def evaluate(cfg: RecipeConfig, request: EvalRequest, *, nproc: int | None = Non
 
 
 def worker_entry(argv: list[str] | None = None) -> int:
-    """``python -m lctrain.eval``: read ``--request FILE``, then run `eval_worker` as a training
-    rank runs; returns the exit code."""
+    """``python -m lctrain.eval --request FILE``: `eval_worker` run as a training rank; the exit
+    code."""
     parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}", add_help=False)
     parser.add_argument("--request", required=True, help="the EvalRequest as JSON")
     known, rest = parser.parse_known_args(argv)
@@ -250,10 +250,10 @@ def run_passkey(setup, parts, request, tokenizer, say) -> tuple[list[dict], dict
     merged = _gather(outcomes, pmesh)
     rows = summarize(cases, [merged[i] for i in range(len(cases))])
     for row in rows:
-        mine_cases = [merged[i] for i, c in enumerate(cases)
-                      if (c.length, c.depth) == (row["seq_len"], row["depth"])]
-        row["seconds"] = sum(o["seconds"] for o in mine_cases) / len(mine_cases)
-        row["peak_memory_bytes"] = max(o["peak_memory_bytes"] for o in mine_cases)
+        mine = [merged[i] for i, c in enumerate(cases)
+                if (c.length, c.depth) == (row["seq_len"], row["depth"])]
+        row["seconds"] = sum(o["seconds"] for o in mine) / len(mine)
+        row["peak_memory_bytes"] = max(o["peak_memory_bytes"] for o in mine)
     meta = {"cases": len(cases), "generated_tokens": steps, "seconds": time.perf_counter() - start,
             "peak_memory_bytes": max(row["peak_memory_bytes"] for row in rows)}
     return rows, meta

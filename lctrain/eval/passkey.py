@@ -19,8 +19,6 @@ FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 
-_DIGITS = re.compile(r"\d+")
-
 
 @dataclass(frozen=True)
 class PasskeyPrompt:
@@ -78,7 +76,7 @@ def answer_text(tokenizer: Any, ids: list[int]) -> str:
 
 def parse_answer(text: str) -> str | None:
     """The number the model answered: the first run of digits in ``text`` (None if none)."""
-    found = _DIGITS.search(text)
+    found = re.search(r"\d+", text)
     return found.group(0) if found else None
 
 
@@ -105,18 +103,17 @@ def summarize(cases: list[PasskeyCase], outcomes: list[dict]) -> list[dict]:
     ``outcomes`` hold per case its answer text, needle_start and placed_depth."""
     rows: dict[tuple[int, float], dict] = {}
     for case, outcome in zip(cases, outcomes):
-        got = parse_answer(outcome["answer"])
-        shown = "".join(c if c.isprintable() else "·" for c in outcome["answer"].strip())
-        sample = {"passkey": case.passkey, "answer": outcome["answer"], "parsed": got,
-                  "correct": got == case.passkey, "needle_start": outcome["needle_start"]}
+        answer, got = outcome["answer"], parse_answer(outcome["answer"])
+        shown = "".join(c if c.isprintable() else "·" for c in answer.strip())
         row = rows.setdefault((case.length, case.depth), {
             "seq_len": case.length, "depth": case.depth,
             "needle_position": outcome["needle_start"], "placed_depth": outcome["placed_depth"],
-            "passkey": case.passkey, "answer": shown, "trials": 0,
-            "correct": 0, "samples": []})
+            "passkey": case.passkey, "answer": shown, "trials": 0, "correct": 0, "samples": []})
         row["trials"] += 1
-        row["correct"] += int(sample["correct"])
-        row["samples"].append(sample)
+        row["correct"] += got == case.passkey
+        row["samples"].append({"passkey": case.passkey, "answer": answer, "parsed": got,
+                               "correct": got == case.passkey,
+                               "needle_start": outcome["needle_start"]})
     for row in rows.values():
         row["accuracy"] = row["correct"] / row["trials"]
     return list(rows.values())

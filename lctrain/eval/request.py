@@ -112,14 +112,13 @@ def resolve(target: str, *, task: str, step: int | None = None, seq_len: int | N
                             "0,0.25,0.5,0.75,1")
     if bucket is not None and bucket < 1:
         raise UserError(f"--bucket {bucket} must be at least 1 token")
-    trials, seed = (1 if trials is None else trials), (0 if seed is None else seed)
-    if trials < 1:
+    if trials is not None and trials < 1:
         raise UserError(f"--trials {trials} must be at least 1")
     return cfg, EvalRequest(
         task=task, target=str(target), kind=kind, checkpoint=checkpoint, step=step,
         part="eval" if has_eval and data is None else "train", max_rows=max_rows,
         bucket=bucket or math.ceil(cfg.data.seq_len / DEFAULT_BUCKETS), lengths=tuple(lengths),
-        depths=depths, trials=trials, seed=seed)
+        depths=depths, trials=trials or 1, seed=seed or 0)
 
 
 def _target_recipe(target: str) -> tuple[dict, str, str]:
@@ -180,7 +179,7 @@ def _adapter_base(folder: Path) -> str:
 
 
 def _settle(raw: dict, *, task: str, seq_len: int | None, cp: int | None, data: str | None,
-            lengths: list[int], format_given: bool = False) -> None:
+            lengths: list[int], format_given: bool) -> None:
     """The settings every evaluation runs under, on top of the target's and --set's
     (``--data`` detects its own format unless ``--set data.format`` gives it)."""
     sections = {name: raw.setdefault(name, {}) for name in ("data", "parallel", "train",

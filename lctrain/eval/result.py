@@ -13,8 +13,6 @@ from lctrain.report import plotting
 from lctrain.report.human import gib, parameters, significant, tokens
 from lctrain.report.table import Column, ResultDocument, Table, emit, read_document, say, show
 
-TASKS = ("ppl", "passkey")
-check_plot = plotting.check_target  # a ``--plot`` target, checked before any work
 
 
 @dataclass
@@ -28,7 +26,7 @@ class EvalResult(ResultDocument):
 def load(path: str | Path) -> EvalResult:
     """Read a result file (UserError: missing, not JSON, or not an evaluation result)."""
     target, data = read_document(path)
-    if not isinstance(data, dict) or data.get("task") not in TASKS or \
+    if not isinstance(data, dict) or data.get("task") not in COLUMNS or \
             not isinstance(data.get("rows"), list):
         raise UserError(f"{target} is not an lctrain eval result (task ppl or passkey with rows)")
     return EvalResult(task=data["task"], title=str(data.get("title") or data["task"]),
@@ -157,10 +155,10 @@ def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_f
     if rows or json_file is not None:
         raise UserError("--rows and --json merge bench results; an lctrain eval result is "
                         "shown as it is (use the file itself for its JSON)")
-    if plot_file is not None and len(results) != 1:
-        raise UserError(f"--plot draws one evaluation result; {len(results)} were given")
     if plot_file is not None:
-        check_plot(plot_file)
+        if len(results) != 1:
+            raise UserError(f"--plot draws one evaluation result; {len(results)} were given")
+        plotting.check_target(plot_file)
     if fmt == "json":  # one document, as lctrain eval prints it; several: a list of them
         docs = [json.loads(result.to_json()) for result in results]
         emit(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
@@ -173,7 +171,7 @@ def show_eval_results(results: list, fmt: str, wide: bool, *, rows: bool, json_f
 def _is_eval(path: str) -> bool:
     """Whether ``path`` holds an lctrain eval document (unreadable: left to the bench loader)."""
     try:
-        data = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_document(path)[1]
+    except (UserError, ValueError):  # ValueError: not UTF-8
         return False
-    return isinstance(data, dict) and "lctrain_eval" in data
+    return isinstance(data, dict) and EvalResult.MARK in data

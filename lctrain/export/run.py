@@ -97,8 +97,7 @@ def _export(cfg: RecipeConfig, checkpoint: Path, step: int, out: Path, *, dtype:
         tokenizer = write.run_tokenizer(cfg)
         specials = write.builtin_special_ids(cfg)  # bytes and byte-pairs: the ids trained on
         model = trained_model(cfg, checkpoint)
-        if specials is not None:
-            write.align_special_ids(model, specials)
+        write.align_special_ids(model, specials)
         try:
             if kind == "full":
                 write.write_full(model, folder, torch_dtype)
@@ -123,8 +122,7 @@ def _write_adapter(cfg: RecipeConfig, model, folder: Path, out: Path, dtype: tor
     else:
         base = str((out / "base").resolve())
         plain = skeleton(replace(cfg, lora=LoraConfig()))
-        if specials is not None:
-            write.align_special_ids(plain, specials)
+        write.align_special_ids(plain, specials)
         plain.load_state_dict(base_weights(model.state_dict()), assign=True)  # built on meta
         if getattr(plain.config, "tie_word_embeddings", False):
             plain.tie_weights()

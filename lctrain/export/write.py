@@ -18,12 +18,11 @@ from lctrain.errors import unwritable
 from lctrain.model import load_tokenizer
 from lctrain.model.lora import ADAPTER_NAME
 
-MAX_SHARD_SIZE = "5GB"
 BYTE_SPECIALS = {"<bos>": 256, "<eos>": 257, "<pad>": 258}
 
 
 def write_full(model: nn.Module, folder: Path, dtype: torch.dtype,
-               max_shard_size: str = MAX_SHARD_SIZE) -> None:
+               max_shard_size: str = "5GB") -> None:
     """``save_pretrained`` of a plain transformers model in ``dtype``, ready for inference."""
     model.to(dtype)
     model.config.use_cache = True  # training switched the KV cache off; generation wants it
@@ -126,10 +125,12 @@ def builtin_special_ids(cfg: RecipeConfig) -> dict[str, int] | None:
     return {name: getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad")}
 
 
-def align_special_ids(model: nn.Module, ids: dict[str, int]) -> None:
+def align_special_ids(model: nn.Module, ids: dict[str, int] | None) -> None:
     """Point the model config's bos/eos/pad ids at ``ids``, the built-in tokenizer's specials
     (a random init keeps its family's, which are bytes here), and the generation config's if
-    derived from it."""
+    derived from it; nothing for None."""
+    if ids is None:
+        return
     configs = [model.config]
     generation = getattr(model, "generation_config", None)
     if generation is not None and getattr(generation, "_from_model_config", False):
