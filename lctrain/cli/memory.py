@@ -46,6 +46,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
         if plan and (cp is not None or checkpointing is not None):
             raise ConfigError("--plan chooses cp and checkpointing itself; drop --cp and "
                               "--checkpointing (or estimate one setup without --plan)")
+        as_json = json_output or fmt == Format.json
         memory = parse_memory(gpu_memory, what="--gpu-memory")
         host = parsed_size(host_memory, "--host-memory", parse_memory)
         tokens = parsed_size(seq_len, "--seq-len")
@@ -55,7 +56,7 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
             gpus = 1 if cfg is None else cp or cfg.parallel.cp
         if plan:
             return _plan(cfg, recipe, model, overrides or [], tokens, gpus, memory, host,
-                         gpus_per_node, documents, json_output or fmt == Format.json, fmt, wide)
+                         gpus_per_node, documents, as_json, fmt, wide)
         if tokens is None:
             if cfg is None:
                 raise ConfigError("--seq-len is needed with --model (there is no recipe to take "
@@ -66,14 +67,13 @@ def estimate_memory(recipe: RecipeArg = None, model: ModelOpt = None, seq_len: S
         result = estimate(cfg, model=model, seq_len=tokens, gpus=gpus, gpu_memory=memory, cp=cp,
                           checkpointing=checkpointing, host_memory=host, gpus_per_node=gpus_per_node,
                           attended=attended_share(documents, tokens, recipe=cfg))
-    payload = result.to_json()
-    if json_output or fmt == Format.json:
-        typer.echo(json.dumps(payload, indent=2, default=str))
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2, default=str))
         return
     from lctrain.report.table import show
     from lctrain.memory.tables import estimate_table
 
-    show(estimate_table(payload, memory), fmt.value, wide)
+    show(estimate_table(result.to_json(), memory), fmt.value, wide)
 
 
 def _plan(cfg, recipe, model, overrides, tokens, gpus, memory, host, gpus_per_node, documents,

@@ -28,13 +28,12 @@ def layer_saved(arch: Architecture, tokens: int, c: int,
         if lora is not None:
             return lora_model.tiled_layer_saved(arch, tokens, c, lora)
         kept = (2 + (not in_block) + (not arch.norm_in_tiles)) * c * t * h  # see above
-        return kept + qkv + c * t * arch.q_width + 4 * t * arch.num_heads  # + the output
+        return kept + qkv + out_lse(arch, t, c)
     if lora is not None:
         return lora_model.layer_saved(arch, tokens, c, lora)
     norms = norm_saved(arch, tokens, c) + (c * t * h if in_block else norm_saved(arch, tokens, c))
-    attn_out = c * t * arch.q_width + 4 * t * arch.num_heads
     mlp = (3 if arch.fused_mlp else 4) * c * t * arch.intermediate_size  # gate, up, (SiLU,) product
-    return norms + qkv + attn_out + mlp
+    return norms + qkv + out_lse(arch, t, c) + mlp
 
 
 def norm_saved(arch: Architecture, tokens: int, c: int) -> int:
@@ -43,9 +42,14 @@ def norm_saved(arch: Architecture, tokens: int, c: int) -> int:
     return (upcast + 2 * c) * tokens * arch.hidden_size + 4 * tokens
 
 
+def out_lse(arch: Architecture, tokens: int, c: int) -> int:
+    """Bytes of the attention output and its fp32 log-sum-exp."""
+    return c * tokens * arch.q_width + 4 * tokens * arch.num_heads
+
+
 def remat_kept(arch: Architecture, tokens: int, c: int) -> int:
-    """Bytes remat keeps per layer: the layer input, the attention output and its fp32 lse."""
-    return c * tokens * (arch.hidden_size + arch.q_width) + 4 * tokens * arch.num_heads
+    """Bytes remat keeps per layer: the layer input, the attention output and its lse."""
+    return c * tokens * arch.hidden_size + out_lse(arch, tokens, c)
 
 
 def input_kept(arch: Architecture, tokens: int, c: int) -> int:
@@ -94,23 +98,20 @@ def layer_backward(arch: Architecture, tokens: int, c: int, policy: str, cp: int
     """Peak bytes of a ``policy``-kind layer's backward: the larger of its MLP and attention halves."""
     if tiled(tokens, tile_tokens):
         return _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups)
-    t, h = tokens, arch.hidden_size
-    norm = norm_saved(arch, tokens, c)
+    t = tokens
     saved = layer_saved(arch, tokens, c, lora, head_groups=head_groups)
-    out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
-    residual_grads = 2 * c * t * h
+    residual_grads = 2 * c * t * arch.hidden_size
     # remat recomputes all but the attention output and lse
-    recomputed = {"none": 0, "full": saved}.get(policy, saved - out_lse)
+    recomputed = {"none": 0, "full": saved}.get(policy, saved - out_lse(arch, t, c))
     mlp_phase = recomputed + residual_grads + 3 * c * t * arch.intermediate_size
-    return max(mlp_phase, residual_grads + _attention_phase(arch, tokens, c, policy, cp, lora,
-                                                            head_groups, norm))
+    return max(mlp_phase, residual_grads + _attention_phase(
+        arch, tokens, c, policy, cp, lora, head_groups, norm_saved(arch, tokens, c)))
 
 
 def _attention_phase(arch, tokens, c, policy, cp, lora, head_groups, recomputed_input) -> int:
     """The attention half of a layer's backward: recomputed inputs, q, k, v, buffers, gradients."""
     t = tokens
-    out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
-    full = out_lse if policy == "full" else 0
+    full = out_lse(arch, t, c) if policy == "full" else 0
     if grouped(arch, lora, head_groups):
         x_grad = c * t * arch.hidden_size  # the block's input gradient, summed over the groups
         norm_backward = 0
@@ -130,11 +131,10 @@ def _attention_phase(arch, tokens, c, policy, cp, lora, head_groups, recomputed_
 def _tiled_layer_backward(arch, tokens, c, policy, cp, lora, tile_tokens, head_groups) -> int:
     """`layer_backward` of a tiled layer: one tile's recompute and gradients."""
     t, h, n = tokens, arch.hidden_size, tile_tokens
-    out_lse = c * t * arch.q_width + 4 * t * arch.num_heads
     saved = layer_saved(arch, tokens, c, lora, tile_tokens, head_groups)
     x = c * t * h  # the layer input: kept by the checkpoint
     # full recomputes the attention output too
-    recomputed = 0 if policy == "none" else saved - x - (0 if policy == "full" else out_lse)
+    recomputed = 0 if policy == "none" else saved - x - (policy != "full") * out_lse(arch, t, c)
     mlp_weights = (lora_model.layer_trainable(arch, lora) if lora is not None
                    else 3 * h * arch.intermediate_size)
     norm_tile = 2 * c * n * h if arch.norm_in_tiles else 0  # its output and input gradient

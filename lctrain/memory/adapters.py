@@ -76,42 +76,40 @@ def trainable_parameters(arch: Architecture, lora: LoraShape | None) -> int:
     return arch.num_layers * layer_trainable(arch, lora) + root_trainable(arch, lora)
 
 
+def _keeps_input(lora: LoraShape, consumers: tuple[str, ...]) -> bool:
+    """Whether any of ``consumers`` keeps its input: a trained copy, or an adapter without
+    dropout (with dropout, the adapter keeps its dropped-out input instead)."""
+    return any(n in lora.trainable or (n in lora.targets and not lora.dropout) for n in consumers)
+
+
+def _attention_and_adapters(arch: Architecture, t: int, c: int, lora: LoraShape,
+                            targets, mask_bytes: int) -> int:
+    """q, k, v, the attention output and its lse, and what the adapters on ``targets`` keep."""
+    shapes = projection_shapes(arch)
+    attention = c * t * (2 * arch.q_width + 2 * arch.kv_width) + 4 * t * arch.num_heads
+    return attention + sum(c * t * lora.rank + lora.dropout * (c + mask_bytes) * t * shapes[n][0]
+                           for n in targets)
+
+
 def layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
                 mask_bytes: int = MASK_BYTES) -> int:
     """Bytes one decoder layer keeps for its backward in a LoRA run (no checkpointing)."""
-    t, h, shapes = tokens, arch.hidden_size, projection_shapes(arch)
-
-    def kept(consumers: tuple[str, ...]) -> bool:  # does any consumer keep this input?
-        return any(n in lora.trainable or (n in lora.targets and not lora.dropout)
-                   for n in consumers)
-
+    t, h = tokens, arch.hidden_size
     kept_input = c if arch.fused_norms else 4  # fused: the input; else its fp32 upcast
     norms = 2 * (kept_input * t * h + 4 * t)  # and the scale: the input gradient needs them
     for norm, consumers in zip(LAYER_NORMS, (PROJECTIONS[:3], PROJECTIONS[4:6])):
         normalised = norm in lora.trainable and not arch.fused_norms  # fused: recomputed
-        norms += c * t * h * (normalised + kept(consumers))
-    attention = c * t * (arch.q_width + 2 * arch.kv_width) + c * t * arch.q_width
-    attention += 4 * t * arch.num_heads
-    inter = arch.intermediate_size
-    mlp = (2 if arch.fused_mlp else 3) * c * t * inter + c * t * inter * kept(("down_proj",))
-    adapters = sum(c * t * lora.rank for _ in lora.targets)
-    if lora.dropout:
-        adapters += sum((c + mask_bytes) * t * shapes[n][0] for n in lora.targets)
-    return norms + attention + mlp + adapters
+        norms += c * t * h * (normalised + _keeps_input(lora, consumers))
+    kept_mlp = (2 if arch.fused_mlp else 3) + _keeps_input(lora, ("down_proj",))
+    mlp = kept_mlp * c * t * arch.intermediate_size
+    return norms + mlp + _attention_and_adapters(arch, t, c, lora, lora.targets, mask_bytes)
 
 
 def tiled_layer_saved(arch: Architecture, tokens: int, c: int, lora: LoraShape,
                       mask_bytes: int = MASK_BYTES) -> int:
     """`layer_saved` of a LoRA run in tiles."""
-    t, h, shapes = tokens, arch.hidden_size, projection_shapes(arch)
-    attention_projections = PROJECTIONS[:4]
-    kept_qkv = any(n in lora.trainable or (n in lora.targets and not lora.dropout)
-                   for n in PROJECTIONS[:3])
-    attention = c * t * (arch.q_width + 2 * arch.kv_width) + c * t * arch.q_width
-    attention += 4 * t * arch.num_heads
-    targets = [n for n in lora.targets if n in attention_projections]
-    adapters = sum(c * t * lora.rank for _ in targets)
-    if lora.dropout:
-        adapters += sum((c + mask_bytes) * t * shapes[n][0] for n in targets)
+    t, h = tokens, arch.hidden_size
+    targets = [n for n in lora.targets if n in PROJECTIONS[:4]]  # (the MLP's run in tiles)
     inputs = (2 if arch.norm_in_tiles else 3) * c * t * h  # x, h1 (and the second norm's output)
-    return inputs + c * t * h * kept_qkv + attention + adapters
+    return (inputs + c * t * h * _keeps_input(lora, PROJECTIONS[:3])
+            + _attention_and_adapters(arch, t, c, lora, targets, mask_bytes))

@@ -81,9 +81,8 @@ def choose(setup: Setup, seq_len: int, machine: Machine) -> Choice | None:
     per_gpu, details = breakdown(setup, seq_len)
     if per_gpu["total"] > machine.gpu_memory or details["host_offload"] > machine.host_budget:
         return None
-    if setup.layers.auto:
-        setup = dataclasses.replace(setup, layers=LayerPlan.parse(details["checkpointing"],
-                                                                  details["offload"]))
+    setup = dataclasses.replace(setup, layers=LayerPlan.parse(details["checkpointing"],
+                                                              details["offload"]))
     step = step_seconds(setup, seq_len, details)
     tokens = seq_len * setup.batch_size * setup.grad_accum * setup.gpus // setup.cp
     return Choice(setup, seq_len, per_gpu, details, step, tokens / step)

@@ -24,9 +24,8 @@ _FSDP = {"auto": True, "on": "on", "off": False}
 def _sections(cfg: RecipeConfig | None) -> tuple[ParallelConfig, TrainConfig, dict]:
     """(parallel, train, `Setup`'s fields both an estimate and a plan take from them) of a
     recipe, or the defaults."""
-    parallel = cfg.parallel if cfg is not None else ParallelConfig()
-    train = cfg.train if cfg is not None else TrainConfig()
-    master = cfg.model.dtype if cfg is not None else "float32"
+    parallel, train, master = ((ParallelConfig(), TrainConfig(), "float32") if cfg is None
+                               else (cfg.parallel, cfg.train, cfg.model.dtype))
     return parallel, train, {
         "dtype": "bfloat16" if train.mixed_precision in ("auto", "bf16") else master,
         "master_dtype": master, "batch_size": train.batch_size, "grad_accum": train.grad_accum,
@@ -149,9 +148,8 @@ def run_settings(cfg: RecipeConfig | None, recipe: str | None, model: str | None
     embedded = load_recipe(None)
     for key in _PLAN_DEFAULTS:
         section, name = key.split(".")
-        value = getattr(getattr(embedded, section), name)
         default = next(f.default for f in dataclasses.fields(getattr(embedded, section))
                        if f.name == name)
-        if value != default:
+        if getattr(getattr(embedded, section), name) != default:
             items.append(f"{key}={default}")
     return items

@@ -48,7 +48,7 @@ class MemoryEstimate:
 
 
 def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
-    """A two-column table (what, amount) of ``MemoryEstimate.to_json()``."""
+    """A two-column table (what, amount) of ``MemoryEstimate.to_json()`` (missing keys: no row)."""
     per_gpu = estimate.get("per_gpu_bytes") or {}
     details = estimate.get("details") or {}
     gpu_memory = gpu_memory or estimate.get("gpu_memory")
@@ -75,15 +75,15 @@ def estimate_table(estimate: dict, gpu_memory: int | None = None) -> Table:
                                         f"(rank {details['lora_rank']})"))
     if estimate.get("seq_len"):
         facts.append(("sequence length", tokens(int(estimate["seq_len"]))))
-    for key in ("model", "gpus", "cp", "dtype", "master_dtype"):
-        if estimate.get(key) is not None:
-            facts.append((key.replace("_", " "), str(estimate[key])))
+    facts += [(key.replace("_", " "), str(estimate[key]))
+              for key in ("model", "gpus", "cp", "dtype", "master_dtype")
+              if estimate.get(key) is not None]
     if details.get("checkpointing"):
         placed = " (placed by auto)" if estimate.get("policy") == "auto" else ""
         facts.append(("checkpointing", details["checkpointing"] + placed))
-    for key, default in (("offload", "none"), ("tile_tokens", 0), ("head_groups", 1)):
-        if details.get(key, default) != default:
-            facts.append((key.replace("_", " "), str(details[key])))
+    facts += [(key.replace("_", " "), str(details[key])) for key, default in
+              (("offload", "none"), ("tile_tokens", 0), ("head_groups", 1))
+              if details.get(key, default) != default]
     if details.get("phase"):
         facts.append(("peak during", str(details["phase"])))
     notes = [f"assumed {text}" for text in estimate.get("assumptions") or []]
@@ -119,14 +119,10 @@ def plan_table(plan: dict) -> Table:
     choices = [("longest", "longest", plan.get("longest"))]
     if plan.get("seq_len"):
         choices.append(("fastest", f"fastest at {tokens(plan['seq_len'])}", plan.get("fastest")))
-    rows = []
-    for label, key, kind in _PLAN_ROWS:
-        row = {"what": label}
-        for name, _, choice in choices:
-            row[name] = (_plan_cell(choice, key, kind) if choice is not None
-                         else "does not fit" if key == "seq_len" else "-")
-        if any(row[name] != "" for name, _, _ in choices):
-            rows.append(row)
+    rows = [{"what": label, **{name: _plan_cell(choice, key, kind) if choice is not None
+                               else "does not fit" if key == "seq_len" else "-"
+                               for name, _, choice in choices}}
+            for label, key, kind in _PLAN_ROWS]
     columns = [Column("what", "setting")] + [Column(name, header, "figure")
                                              for name, header, _ in choices]
     return Table(title=title, columns=columns, rows=rows, keys=1,
@@ -138,9 +134,7 @@ def plan_table(plan: dict) -> Table:
 def _plan_cell(choice: dict, key: str | None, kind: str | None) -> str:
     if kind == "parallel":
         return f"{choice['cp']} x {choice['dp']}"
-    value = choice["per_gpu_bytes"]["total"] if key == "total" else choice.get(key)
-    if value is None:
-        return ""
+    value = choice["per_gpu_bytes"]["total"] if key == "total" else choice[key]
     if kind == "tokens":
         return tokens(int(value)) if value else "untiled"
     if kind == "bytes":

@@ -29,15 +29,14 @@ def step_seconds(setup, seq_len: int, details: dict) -> float:
     its layers placed) at ``seq_len``, from its memory ``details`` (module docstring)."""
     arch = setup.arch
     tokens = details["tokens_per_gpu"] * setup.grad_accum
-    layers, h, inter = arch.num_layers, arch.hidden_size, arch.intermediate_size
-    mlp = 3 * h * inter
-    projections = arch.layer_parameters() - mlp  # attention projections and norms
+    layers, h = arch.num_layers, arch.hidden_size
+    mlp = 3 * h * arch.intermediate_size
     linear = 6 * (layers * arch.layer_parameters() + arch.vocab_size * h) * tokens
     attention_fwd = (2 * seq_len ** 2 * setup.attended * arch.q_width / setup.cp
                      * setup.batch_size * setup.grad_accum)
     plan = setup.layers
     checkpointed = layers - plan.count("none", layers)
-    recompute = 2 * checkpointed * (projections + mlp) * tokens
+    recompute = 2 * checkpointed * arch.layer_parameters() * tokens
     tiles = 2 * layers * mlp * tokens if 0 < setup.tile_tokens < details["tokens_per_gpu"] else 0
     if grouped(arch, setup.lora, setup.head_groups):
         qkv = 2 * h * (arch.q_width + 2 * arch.kv_width) * tokens
