@@ -96,7 +96,8 @@ def attention(seq_len: SeqLensOpt = None, schedule: SchedulesOpt = ",".join(SCHE
                                                     "overlap (and the share hidden)."),
               peers: bool = typer.Option(
                   False, "--peers", help="Also run torch's context_parallel."),
-              check_len: AttentionCheckLenOpt = None, repeats: RepeatsOpt = 5, warmup: WarmupOpt = 2,
+              check_len: AttentionCheckLenOpt = None, repeats: RepeatsOpt = 5,
+              warmup: WarmupOpt = 2,
               min_time: float = typer.Option(
                   0.0, "--min-time", min=0.0, metavar="SECONDS",
                   help="Repeat short measurements until about this long (at most 50 times)."),

@@ -75,8 +75,8 @@ def detect_format(record: Record, fields: dict | None = None) -> tuple[str, str]
     nulls = sorted(k for k, v in record.fields.items() if v is None)
     null = f" ({', '.join(nulls)}: null)" if nulls else ""
     raise DataError(f"{record.where} has fields {sorted(have)}{null}, none of which says its "
-                    f"format (text in {names['text']!r}, prompt + completion, instruction + output, "
-                    f"messages or conversations, input_ids); map data.fields (e.g. "
+                    f"format (text in {names['text']!r}, prompt + completion, instruction + "
+                    f"output, messages or conversations, input_ids); map data.fields (e.g. "
                     f"data.fields.text) to the records' field names, or set data.format")
 
 
