@@ -88,8 +88,8 @@ def run(configs: RecipeConfig | list[tuple[str, RecipeConfig]], steps: int,
             kernels = None if profile is None else os.path.join(profile, str(index))
             with environment_folders(**{MEMORY_TRACE: trace, STEP_PROFILE: kernels}):
                 row.update(_one(cfg, n, steps, warmup, save_every, documents))
-            summary = Path(kernels or ".", f"rank0-step{warmup + steps}-kernels.json")
-            if kernels is not None and summary.exists():  # rank 0's profile of the last step
+            summary = kernels and Path(kernels, f"rank0-step{warmup + steps}-kernels.json")
+            if summary and summary.exists():  # rank 0's profile of the last step
                 profiled = json.loads(summary.read_text())
                 row.update(profile_wall_ms=profiled["wall_ms"], **{
                     f"profile_{cat}_ms": ms for cat, ms in profiled["categories_ms"].items()})
