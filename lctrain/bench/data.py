@@ -31,18 +31,28 @@ def environment_folders(**folders: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fresh_caches() -> Iterator[None]:
-    """lctrain's and datasets' caches in a temporary folder inside the block."""
+def caches_in(folder: str | os.PathLike | None) -> Iterator[None]:
+    """lctrain's and datasets' caches in ``folder`` while the block runs (None: untouched);
+    datasets reads its folder once, at import, so it is set there too."""
+    if folder is None:
+        yield
+        return
     import datasets
 
     saved = datasets.config.HF_DATASETS_CACHE
-    with tempfile.TemporaryDirectory(prefix="lctrain-bench-data-") as tmp, \
-            environment_folders(XDG_CACHE_HOME=tmp):
-        datasets.config.HF_DATASETS_CACHE = Path(tmp, "hf")
+    with environment_folders(XDG_CACHE_HOME=str(folder)):
+        datasets.config.HF_DATASETS_CACHE = Path(folder, "hf")
         try:
             yield
         finally:
             datasets.config.HF_DATASETS_CACHE = saved
+
+
+@contextlib.contextmanager
+def fresh_caches() -> Iterator[None]:
+    """lctrain's and datasets' caches in a temporary folder inside the block."""
+    with tempfile.TemporaryDirectory(prefix="lctrain-bench-data-") as tmp, caches_in(tmp):
+        yield
 
 
 def run(cfg: RecipeConfig, progress: Callable[[str], None] | None = None) -> BenchResult:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lctrain.bench import gpu_power
-from lctrain.bench.data import environment_folders
+from lctrain.bench.data import caches_in, environment_folders
 from lctrain.bench.documents import Documents, training_rows
 from lctrain.bench.result import BenchResult
 from lctrain.config import RecipeConfig, load_recipe
@@ -125,7 +125,7 @@ def _one(cfg: RecipeConfig, nproc: int, steps: int, warmup: int, save_every: int
         if data is not None:
             cfg, mix = _with_documents(cfg, data, documents, *drawn)
             mix["attended"] = share
-        with _stdout_to_stderr(), environment_folders(XDG_CACHE_HOME=data and str(data)), \
+        with _stdout_to_stderr(), caches_in(data), \
                 gpu_power.sampled(nproc) as samples:
             code = finetune(_bench_recipe(cfg, scratch, warmup + steps, save_every),
                             nproc=nproc, own_process=True)
