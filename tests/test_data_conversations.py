@@ -354,7 +354,7 @@ def test_sharegpt_through_chatml_trains_on_the_replies_only(tmp_path):
     rows = prepare_data(cfg.data, ByteTokenizer())
     assert rows.info["target_tokens"] == len(convs) * len("ok<|im_end|>")  # the replies only
     losses = run_on_ranks(_learn, 2, cfg)[0]
-    assert losses[0] > 4.0 and losses[-1] < 0.5, losses  # trained on prompts: > 2
+    assert losses[0] > 4.0 and losses[-1] < 1.0, losses  # trained on prompts: > 2
     final = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")
     ids, _ = encode_chat(ByteTokenizer(), _openai(convs[0]), "here", template=TEMPLATES["chatml"])
     assert final.apply_chat_template(_openai(convs[0]))["input_ids"] == ids
